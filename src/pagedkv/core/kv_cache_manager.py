@@ -1,0 +1,271 @@
+"""`KVCacheManager`: the scheduler's only interface to KV memory (vLLM's API).
+
+The scheduler thinks in tokens; the manager turns tokens into blocks:
+
+* `get_computed_blocks(request)`: the longest cached prefix (a hit is never the whole request:
+  at least the last token is recomputed to produce logits, so hits are capped at
+  ``num_tokens - 1`` and rounded down to whole blocks);
+* `allocate_slots(request, num_new_tokens, ...)`: reserve slots for the next tokens, adopting
+  hit blocks on a request's first allocation; returns None — with no side effect other than
+  releasing out-of-window blocks — when the pool cannot fit them;
+* `free(request)`: release every block, tail first.
+
+Token layout of a request during `allocate_slots`::
+
+    | computed | new computed (hit) | external computed | new | lookahead |
+    '------------ total_computed -------------------'
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+import math
+from dataclasses import dataclass
+
+from pagedkv.core.block_pool import BlockPool, KVCacheBlock
+from pagedkv.core.events import KVCacheEvent
+from pagedkv.core.kv_cache_coordinator import get_kv_cache_coordinator
+from pagedkv.core.request import KVCacheRequest, RequestStatus
+from pagedkv.core.specs import KVCacheConfig
+
+_EMPTY: tuple = ()
+
+
+@dataclass(slots=True)
+class KVCacheBlocks:
+    """Blocks of one request per KV cache group: ``blocks[g]`` is group ``g``'s list."""
+
+    blocks: tuple[Sequence[KVCacheBlock], ...]
+
+    def __add__(self, other: KVCacheBlocks) -> KVCacheBlocks:
+        return KVCacheBlocks(tuple(list(a) + list(b) for a, b in zip(self.blocks, other.blocks)))
+
+    def get_block_ids(self) -> tuple[list[int], ...]:
+        return tuple([b.block_id for b in group] for group in self.blocks)
+
+    def get_unhashed_block_ids(self) -> list[int]:
+        assert len(self.blocks) == 1, "only one group is supported"
+        return [b.block_id for b in self.blocks[0] if b.block_hash is None]
+
+    @property
+    def num_blocks(self) -> int:
+        return sum(len(g) for g in self.blocks)
+
+
+@dataclass(slots=True)
+class PrefixCacheStats:
+    """Prefix-cache counters, in tokens. ``queries`` counts prompt tokens looked up, ``hits``
+    those found cached; preempted requests (re-admitted after losing their blocks) are counted
+    apart so that recompute does not inflate the hit rate."""
+
+    reset: bool = False
+    requests: int = 0
+    queries: int = 0
+    hits: int = 0
+    preempted_requests: int = 0
+    preempted_queries: int = 0
+    preempted_hits: int = 0
+
+    def record(self, num_tokens: int, num_hits: int, preempted: bool) -> None:
+        if preempted:
+            self.preempted_requests += 1
+            self.preempted_queries += num_tokens
+            self.preempted_hits += num_hits
+        else:
+            self.requests += 1
+            self.queries += num_tokens
+            self.hits += num_hits
+
+    def merge(self, other: PrefixCacheStats) -> None:
+        for name in ("requests", "queries", "hits", "preempted_requests", "preempted_queries",
+                     "preempted_hits"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+
+class KVCacheManager:
+    """Block allocation and prefix caching for the scheduler.
+
+    ``watermark`` (a fraction of the pool) is kept free when admitting new or preempted
+    requests, so running requests can still grow a little before someone must be preempted.
+    """
+
+    def __init__(
+        self,
+        kv_cache_config: KVCacheConfig,
+        max_model_len: int,
+        enable_caching: bool = True,
+        enable_kv_cache_events: bool = False,
+        hash_block_size: int | None = None,
+        watermark: float = 0.0,
+        log_stats: bool = True,
+    ) -> None:
+        groups = list(kv_cache_config.kv_cache_groups)
+        if not groups:
+            raise ValueError("a KV cache manager needs at least one KV cache group")
+        if not 0.0 <= watermark < 1.0:
+            raise ValueError(f"watermark must be in [0, 1), got {watermark}")
+        self.max_model_len = max_model_len
+        self.enable_caching = enable_caching
+        sizes = [g.kv_cache_spec.block_size for g in groups]
+        if hash_block_size is None:
+            hash_block_size = sizes[0] if len(set(sizes)) == 1 else math.gcd(*sizes)
+        self.hash_block_size = hash_block_size
+        self.coordinator = get_kv_cache_coordinator(groups, kv_cache_config.num_blocks, enable_caching,
+                                                    enable_kv_cache_events, hash_block_size)
+        self.block_pool: BlockPool = self.coordinator.block_pool
+        self.kv_cache_groups = groups
+        self.num_kv_cache_groups = len(groups)
+        self.watermark_blocks = int(watermark * kv_cache_config.num_blocks)
+        self.log_stats = log_stats
+        self.prefix_cache_stats = PrefixCacheStats() if log_stats else None
+        self.total_prefix_cache_stats = PrefixCacheStats()
+        self.empty_kv_cache_blocks = KVCacheBlocks(tuple(_EMPTY for _ in groups))
+
+    # ---- queries ------------------------------------------------------------------------------
+
+    @property
+    def usage(self) -> float:
+        return self.block_pool.get_usage()
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.block_pool.get_num_free_blocks()
+
+    def get_blocks(self, request_id: str) -> KVCacheBlocks:
+        return KVCacheBlocks(self.coordinator.get_blocks(request_id))
+
+    def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
+        return self.get_blocks(request_id).get_block_ids()
+
+    def get_computed_blocks(self, request: KVCacheRequest) -> tuple[KVCacheBlocks, int]:
+        """``(hit blocks, number of computed tokens)`` for a new request. Does not touch the
+        blocks: `allocate_slots` takes the references, so a failed allocation leaves no trace."""
+        if not self.enable_caching or request.skip_reading_prefix_cache:
+            return self.empty_kv_cache_blocks, 0
+        # The last token is always recomputed: its logits are needed to sample.
+        max_cache_hit_length = request.num_tokens - 1
+        hits, num_computed = self.coordinator.find_longest_cache_hit(request.block_hashes,
+                                                                     max_cache_hit_length)
+        preempted = request.num_preemptions > 0
+        if self.prefix_cache_stats is not None:
+            self.prefix_cache_stats.record(request.num_tokens, num_computed, preempted)
+        self.total_prefix_cache_stats.record(request.num_tokens, num_computed, preempted)
+        return KVCacheBlocks(hits), num_computed
+
+    # ---- allocation -----------------------------------------------------------------------------
+
+    def allocate_slots(
+        self,
+        request: KVCacheRequest,
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        new_computed_blocks: KVCacheBlocks | None = None,
+        num_lookahead_tokens: int = 0,
+        num_external_computed_tokens: int = 0,
+        delay_cache_blocks: bool = False,
+        full_sequence_must_fit: bool = False,
+    ) -> KVCacheBlocks | None:
+        """Reserve slots for ``num_new_tokens`` (+ lookahead) tokens after the computed ones.
+
+        Returns the newly allocated blocks (possibly none), or None when they do not fit; then
+        nothing was touched or allocated (blocks that fell out of a sliding window may have
+        been released, which only makes room). With ``full_sequence_must_fit`` a new request is
+        admitted only if its whole current sequence fits, so a long prompt that is chunked
+        cannot be admitted and then preempted for lack of room a few steps later.
+        Newly full blocks are registered in the prefix cache at once unless
+        ``delay_cache_blocks`` (their KV is still arriving from an external source).
+        """
+        if num_new_tokens < 0:
+            raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
+        hits = new_computed_blocks.blocks if new_computed_blocks is not None else self.empty_kv_cache_blocks.blocks
+        rid = request.request_id
+        num_local_computed = request.num_computed_tokens + num_new_computed_tokens
+        total_computed = min(num_local_computed + num_external_computed_tokens, self.max_model_len)
+        num_tokens_need_slot = min(total_computed + num_new_tokens + num_lookahead_tokens,
+                                   self.max_model_len)
+        admitting = request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+        watermark = self.watermark_blocks if admitting else 0
+        coordinator = self.coordinator
+        # Release out-of-window blocks first: fewer cached blocks need to be evicted below.
+        coordinator.remove_skipped_blocks(rid, total_computed)
+        num_free = self.block_pool.get_num_free_blocks()
+        if full_sequence_must_fit and admitting:
+            full_len = min(max(request.num_tokens, num_tokens_need_slot), self.max_model_len)
+            if coordinator.get_num_blocks_to_allocate(rid, full_len, hits, total_computed) + watermark > num_free:
+                return None
+        num_needed = coordinator.get_num_blocks_to_allocate(rid, num_tokens_need_slot, hits, total_computed)
+        if num_needed + watermark > num_free:
+            return None
+        coordinator.allocate_new_computed_blocks(rid, hits, total_computed)
+        new_blocks = coordinator.allocate_new_blocks(rid, num_tokens_need_slot)
+        if self.enable_caching and not delay_cache_blocks:
+            # Capped at num_tokens: lookahead slots hold no verified token yet.
+            coordinator.cache_blocks(request, min(total_computed + num_new_tokens, request.num_tokens))
+        return KVCacheBlocks(new_blocks)
+
+    def cache_blocks(self, request: KVCacheRequest, num_computed_tokens: int) -> None:
+        """Register blocks whose KV has arrived (after a delayed, asynchronous load)."""
+        if self.enable_caching:
+            self.coordinator.cache_blocks(request, num_computed_tokens)
+
+    def free(self, request: KVCacheRequest) -> None:
+        """Release all blocks of the request, tail first (see `BlockPool.free_blocks`)."""
+        self.coordinator.free(request.request_id)
+
+    def evict_blocks(self, block_ids: Sequence[int]) -> None:
+        self.block_pool.evict_blocks(block_ids)
+
+    def reset_prefix_cache(self) -> bool:
+        if not self.block_pool.reset_prefix_cache():
+            return False
+        if self.prefix_cache_stats is not None:
+            self.prefix_cache_stats.reset = True
+        return True
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """Drain the KV events, annotated with each group's spec kind and window."""
+        events = self.block_pool.take_events()
+        for event in events:
+            gid = getattr(event, "group_idx", None)
+            if gid is not None and hasattr(event, "kv_cache_spec_kind") and 0 <= gid < self.num_kv_cache_groups:
+                spec = self.kv_cache_groups[gid].kv_cache_spec
+                event.kv_cache_spec_kind = spec.kind
+                event.kv_cache_spec_sliding_window = getattr(spec, "sliding_window", None)
+        return events
+
+    def make_prefix_cache_stats(self) -> PrefixCacheStats | None:
+        """The counters since the last call (and start a new window)."""
+        if not self.log_stats:
+            return None
+        stats, self.prefix_cache_stats = self.prefix_cache_stats, PrefixCacheStats()
+        return stats
+
+    # ---- invariants -------------------------------------------------------------------------
+
+    def check_invariants(self) -> None:
+        """Assert DESIGN.md's invariants: every block is null, in use or free (exactly one);
+        ``ref_cnt`` equals the number of live block tables holding the block; hashes and the
+        prefix-cache index agree; the free count plus the used count plus the null block is the
+        pool size. Raises AssertionError with the first violation."""
+        pool = self.block_pool
+        pool.check_invariants()
+        holders: Counter[int] = Counter()
+        for manager in self.coordinator.single_type_managers:
+            for rid, blocks in manager.req_to_blocks.items():
+                ids = [b.block_id for b in blocks if not b.is_null]
+                assert len(ids) == len(set(ids)), f"request {rid} holds a block twice"
+                holders.update(ids)
+                assert manager.num_cached_block.get(rid, 0) <= len(blocks)
+        used = 0
+        for block in pool.blocks[1:]:
+            assert block.ref_cnt == holders.get(block.block_id, 0), (
+                f"block {block.block_id}: ref_cnt {block.ref_cnt} != "
+                f"{holders.get(block.block_id, 0)} block tables")
+            used += block.ref_cnt > 0
+        assert used + pool.get_num_free_blocks() + 1 == pool.num_gpu_blocks, "blocks leaked"
+

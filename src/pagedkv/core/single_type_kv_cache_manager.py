@@ -1,0 +1,277 @@
+"""Per-attention-type block managers: one per KV cache group, all sharing one `BlockPool`.
+
+Each manager owns the block tables of its group (``req_to_blocks``) and knows two rules of its
+attention type:
+
+* `get_num_skipped_tokens(n)`: how many leading tokens can no longer be read once ``n`` tokens
+  are computed (their blocks are released and replaced by the null block);
+* `find_longest_cache_hit`: which cached blocks make a usable prefix hit.
+
+======================  =============================  ===========================================
+manager                 skipped tokens                 longest hit
+======================  =============================  ===========================================
+FullAttentionManager    0                              left→right until the first miss
+SlidingWindowManager    max(0, n - window + 1)         right→left: the last run of
+                                                       cdiv(window - 1, bs) cached blocks (or the
+                                                       run that starts at block 0)
+ChunkedLocal...Manager  (n // chunk) * chunk           blocks before the current chunk are null;
+                                                       then left→right inside the chunk
+======================  =============================  ===========================================
+
+Invariant: a request's block table only grows, except that blocks that fell out of the window
+are replaced by the null block (their ids never change otherwise).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+
+from pagedkv.core.block_pool import BlockPool, KVCacheBlock
+from pagedkv.core.hashing import BlockHash
+from pagedkv.core.request import KVCacheRequest
+from pagedkv.core.specs import (
+    ChunkedLocalAttentionSpec,
+    FullAttentionSpec,
+    KVCacheSpec,
+    SlidingWindowSpec,
+)
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class SingleTypeKVCacheManager:
+    """Block tables of one KV cache group and the allocation rules of its attention type."""
+
+    def __init__(self, kv_cache_spec: KVCacheSpec, block_pool: BlockPool, kv_cache_group_id: int) -> None:
+        self.kv_cache_spec = kv_cache_spec
+        self.block_size = kv_cache_spec.block_size
+        self.block_pool = block_pool
+        self.kv_cache_group_id = kv_cache_group_id
+        self._null_block = block_pool.null_block
+        self.req_to_blocks: defaultdict[str, list[KVCacheBlock]] = defaultdict(list)
+        # Number of leading blocks of a RUNNING request already registered in the prefix cache.
+        # Presence in this dict also marks the request as running (no new prefix hits).
+        self.num_cached_block: dict[str, int] = {}
+
+    # ---- rules of the attention type ------------------------------------------------------
+
+    def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
+        return 0
+
+    @classmethod
+    def find_longest_cache_hit(
+        cls,
+        block_hashes: Sequence[BlockHash],
+        max_length: int,
+        kv_cache_group_ids: Sequence[int],
+        block_pool: BlockPool,
+        kv_cache_spec: KVCacheSpec,
+        alignment_tokens: int,
+    ) -> tuple[list[KVCacheBlock], ...]:
+        """The longest usable prefix hit of at most ``max_length`` tokens whose length is a
+        multiple of ``alignment_tokens``; one block list per group id (null blocks for skipped
+        positions). Does not touch the blocks."""
+        raise NotImplementedError
+
+    # ---- allocation -------------------------------------------------------------------------
+
+    def get_num_blocks_to_allocate(
+        self,
+        request_id: str,
+        num_tokens: int,
+        new_computed_blocks: Sequence[KVCacheBlock],
+        total_computed_tokens: int,
+    ) -> int:
+        """Blocks `allocate_slots` would take from the free queue for ``num_tokens`` slots,
+        counting cache-hit blocks that are currently evictable (touching them removes them from
+        the free count too)."""
+        num_required = cdiv(num_tokens, self.block_size)
+        num_req_blocks = len(self.req_to_blocks.get(request_id, ()))
+        if request_id in self.num_cached_block:  # running: no new hits
+            return max(num_required - num_req_blocks, 0)
+        num_skipped_blocks = self.get_num_skipped_tokens(total_computed_tokens) // self.block_size
+        num_new = max(num_required - max(num_skipped_blocks, len(new_computed_blocks) + num_req_blocks), 0)
+        num_evictable = sum(1 for b in new_computed_blocks[num_skipped_blocks:]
+                            if b.ref_cnt == 0 and not b.is_null)
+        return num_new + num_evictable
+
+    def allocate_new_computed_blocks(
+        self, request_id: str, new_computed_blocks: Sequence[KVCacheBlock], num_computed_tokens: int
+    ) -> None:
+        """Adopt prefix-hit blocks for a new request: skipped positions get the null block, the
+        rest are touched (ref_cnt + 1) and appended to the block table."""
+        if request_id in self.num_cached_block:
+            assert not new_computed_blocks, "a running request cannot get new prefix hits"
+            return
+        req_blocks = self.req_to_blocks[request_id]
+        assert not req_blocks, "computed blocks can only be adopted by a new request"
+        num_skipped_blocks = self.get_num_skipped_tokens(num_computed_tokens) // self.block_size
+        if num_skipped_blocks > 0:
+            new_computed_blocks = new_computed_blocks[num_skipped_blocks:]
+            req_blocks.extend([self._null_block] * num_skipped_blocks)
+        if new_computed_blocks:
+            self.block_pool.touch(new_computed_blocks)
+            req_blocks.extend(new_computed_blocks)
+        self.num_cached_block[request_id] = len(req_blocks)
+
+    def allocate_new_blocks(self, request_id: str, num_tokens: int) -> list[KVCacheBlock]:
+        """Grow the block table to hold ``num_tokens`` slots; returns the new blocks."""
+        req_blocks = self.req_to_blocks[request_id]
+        num_new = cdiv(num_tokens, self.block_size) - len(req_blocks)
+        if num_new <= 0:
+            return []
+        new_blocks = self.block_pool.get_new_blocks(num_new)
+        req_blocks.extend(new_blocks)
+        return new_blocks
+
+    def cache_blocks(self, request: KVCacheRequest, block_hashes: Sequence[BlockHash], num_tokens: int) -> None:
+        """Register the request's blocks that are full within its first ``num_tokens`` tokens."""
+        num_cached = self.num_cached_block.get(request.request_id, 0)
+        num_full = min(num_tokens // self.block_size, len(block_hashes))
+        if num_cached >= num_full:
+            return
+        self.block_pool.cache_full_blocks(
+            request, self.req_to_blocks[request.request_id], block_hashes, num_cached, num_full,
+            self.block_size, self.kv_cache_group_id)
+        self.num_cached_block[request.request_id] = num_full
+
+    def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
+        """Release the blocks that fell out of the attention window, newest first (so the
+        longer prefixes are evicted first), replacing them with the null block."""
+        num_skipped_tokens = self.get_num_skipped_tokens(num_computed_tokens)
+        if num_skipped_tokens <= 0:
+            return
+        blocks = self.req_to_blocks[request_id]
+        removed = []
+        for i in range(min(num_skipped_tokens // self.block_size, len(blocks)) - 1, -1, -1):
+            if blocks[i] is self._null_block:
+                break  # everything before was already removed
+            removed.append(blocks[i])
+            blocks[i] = self._null_block
+        self.block_pool.free_blocks(removed)
+
+    def free(self, request_id: str) -> None:
+        """Release all blocks of the request, tail first (chain tails are evicted before heads)."""
+        blocks = self.req_to_blocks.pop(request_id, None)
+        if blocks:
+            self.block_pool.free_blocks(reversed(blocks))
+        self.num_cached_block.pop(request_id, None)
+
+    def get_blocks(self, request_id: str) -> list[KVCacheBlock]:
+        return self.req_to_blocks.get(request_id, [])
+
+
+class FullAttentionManager(SingleTypeKVCacheManager):
+    """Full (causal) attention, also MLA: every token stays readable."""
+
+    @classmethod
+    def find_longest_cache_hit(cls, block_hashes, max_length, kv_cache_group_ids, block_pool,
+                               kv_cache_spec, alignment_tokens):
+        hits: tuple[list[KVCacheBlock], ...] = tuple([] for _ in kv_cache_group_ids)
+        max_blocks = min(max_length // kv_cache_spec.block_size, len(block_hashes))
+        for i in range(max_blocks):
+            cached = block_pool.get_cached_block(block_hashes[i], kv_cache_group_ids)
+            if cached is None:
+                break  # hashes are chained: after one miss every later block misses too
+            for hit, block in zip(hits, cached):
+                hit.append(block)
+        ratio = alignment_tokens // kv_cache_spec.block_size
+        if ratio > 1 and len(hits[0]) % ratio:
+            keep = len(hits[0]) // ratio * ratio
+            for hit in hits:
+                del hit[keep:]
+        return hits
+
+
+class SlidingWindowManager(SingleTypeKVCacheManager):
+    """Sliding-window attention: a query at position p reads keys in ``(p - window, p]``."""
+
+    def __init__(self, kv_cache_spec: SlidingWindowSpec, block_pool: BlockPool, kv_cache_group_id: int) -> None:
+        super().__init__(kv_cache_spec, block_pool, kv_cache_group_id)
+        self.sliding_window = kv_cache_spec.sliding_window
+
+    def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
+        return max(0, num_computed_tokens - self.sliding_window + 1)
+
+    @classmethod
+    def find_longest_cache_hit(cls, block_hashes, max_length, kv_cache_group_ids, block_pool,
+                               kv_cache_spec, alignment_tokens):
+        bs = kv_cache_spec.block_size
+        # The next token (at position hit_length) reads the window-1 tokens before it.
+        needed = cdiv(kv_cache_spec.sliding_window - 1, bs)
+        ratio = alignment_tokens // bs
+        max_blocks = min(max_length // bs, len(block_hashes))
+        null = block_pool.null_block
+        if needed == 0:  # a window of one token reads nothing from the cache
+            return tuple([null] * (max_blocks // ratio * ratio) for _ in kv_cache_group_ids)
+        hits = tuple([null] * max_blocks for _ in kv_cache_group_ids)
+        run_end = -1  # exclusive end of the current run of hits (scanning right to left)
+        for i in range(max_blocks - 1, -1, -1):
+            cached = block_pool.get_cached_block(block_hashes[i], kv_cache_group_ids)
+            if cached is None:
+                run_end = -1
+                continue
+            if run_end < 0:
+                run_end = i + 1
+            for hit, block in zip(hits, cached):
+                hit[i] = block
+            end = run_end // ratio * ratio  # the longest aligned hit inside this run
+            if end - i >= needed:
+                for hit in hits:
+                    hit[: end - needed] = [null] * (end - needed)
+                    del hit[end:]
+                return hits
+        # No full window anywhere: a run starting at block 0 is still a valid (short) prefix.
+        end = (run_end if run_end > 0 else 0) // ratio * ratio
+        for hit in hits:
+            del hit[end:]
+        return hits
+
+
+class ChunkedLocalAttentionManager(SingleTypeKVCacheManager):
+    """Chunked local attention (Llama 4): a query reads only keys of its own chunk of
+    ``attention_chunk_size`` tokens."""
+
+    def __init__(self, kv_cache_spec: ChunkedLocalAttentionSpec, block_pool: BlockPool, kv_cache_group_id: int) -> None:
+        super().__init__(kv_cache_spec, block_pool, kv_cache_group_id)
+        self.attention_chunk_size = kv_cache_spec.attention_chunk_size
+
+    def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
+        return num_computed_tokens // self.attention_chunk_size * self.attention_chunk_size
+
+    @classmethod
+    def find_longest_cache_hit(cls, block_hashes, max_length, kv_cache_group_ids, block_pool,
+                               kv_cache_spec, alignment_tokens):
+        bs = kv_cache_spec.block_size
+        chunk = kv_cache_spec.attention_chunk_size
+        max_blocks = min(max_length // bs, len(block_hashes))
+        # Blocks of earlier chunks are never read again: null, and they count as computed.
+        start_block = max_length // chunk * chunk // bs
+        null = block_pool.null_block
+        hits = tuple([null] * start_block for _ in kv_cache_group_ids)
+        for i in range(start_block, max_blocks):
+            cached = block_pool.get_cached_block(block_hashes[i], kv_cache_group_ids)
+            if cached is None:
+                break
+            for hit, block in zip(hits, cached):
+                hit.append(block)
+        ratio = alignment_tokens // bs
+        if ratio > 1 and len(hits[0]) % ratio:
+            keep = len(hits[0]) // ratio * ratio
+            for hit in hits:
+                del hit[keep:]
+        return hits
+
+
+def get_manager_class(spec: KVCacheSpec) -> type[SingleTypeKVCacheManager]:
+    """The manager for a spec type (MLA is full attention)."""
+    if isinstance(spec, SlidingWindowSpec):
+        return SlidingWindowManager
+    if isinstance(spec, ChunkedLocalAttentionSpec):
+        return ChunkedLocalAttentionManager
+    if isinstance(spec, FullAttentionSpec):
+        return FullAttentionManager
+    raise NotImplementedError(f"no KV cache manager for {type(spec).__name__}")

@@ -1,0 +1,50 @@
+"""Attention metadata: everything a layer needs to find its K/V in the paged cache.
+
+Built once per step by the engine's ModelRunner and shared (read-only) by every layer.
+The flat batch holds ``T`` query tokens from ``S`` sequences, laid out sequence by sequence;
+each sequence contributes a prefill chunk (many tokens, possibly after cached context) or a
+single decode token. Nothing here knows about requests: only tensors and their host copies.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Per-step attention metadata (vLLM's names).
+
+    Invariants:
+      * ``query_start_loc[0] == 0`` and ``query_start_loc[-1] == T``; sequence ``i`` owns
+        query tokens ``[query_start_loc[i], query_start_loc[i+1])``.
+      * ``seq_lens[i]`` is the total KV length of sequence ``i`` after this step
+        (cached context + new tokens); its query tokens sit at positions
+        ``seq_lens[i] - query_len_i .. seq_lens[i] - 1`` (causal).
+      * ``block_table[i, j]`` is the physical block holding tokens
+        ``[j*block_size, (j+1)*block_size)`` of sequence ``i``; unused entries are 0 (the null
+        block) and are never read for positions < ``seq_lens[i]``.
+      * ``slot_mapping[t] = block_id * block_size + pos % block_size`` for query token ``t``;
+        a negative slot means "do not write" (padding).
+    """
+
+    slot_mapping: torch.Tensor  # [T] int64
+    query_start_loc: torch.Tensor  # [S+1] int32 (cu_seqlens_q)
+    seq_lens: torch.Tensor  # [S] int32
+    block_table: torch.Tensor  # [S, max_blocks_per_seq] int32
+    block_size: int
+    max_query_len: int
+    max_seq_len: int
+    # Host copies (lists) so CPU kernels can plan work without device syncs.
+    query_start_loc_cpu: list[int]
+    seq_lens_cpu: list[int]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.query_start_loc_cpu[-1]
