@@ -208,6 +208,39 @@ class KVCacheManager:
             coordinator.cache_blocks(request, min(total_computed + num_new_tokens, request.num_tokens))
         return KVCacheBlocks(new_blocks)
 
+    def fork_request(self, parent: KVCacheRequest, child: KVCacheRequest) -> list[tuple[int, int]] | None:
+        """Give ``child`` the KV of ``parent``'s first ``parent.num_computed_tokens`` tokens
+        (parallel sampling, ``n > 1``).
+
+        Full blocks are shared by reference (``ref_cnt + 1``); each group's partially filled
+        last block is copied into a fresh block for the child, since both sequences will write
+        their next tokens into it (copy-on-write, done at fork time). Returns the ``(src, dst)``
+        block-id pairs the worker must copy before the next forward pass, or None — with nothing
+        changed — when the pool lacks blocks for the copies.
+        """
+        num_tokens = parent.num_computed_tokens
+        managers = self.coordinator.single_type_managers
+        plans = []
+        for m in managers:
+            blocks = m.req_to_blocks.get(parent.request_id, [])
+            num_full = num_tokens // m.block_size
+            partial = blocks[num_full] if num_tokens % m.block_size else None
+            plans.append((m, blocks[:num_full], partial))
+        if sum(p is not None for _, _, p in plans) > self.block_pool.get_num_free_blocks():
+            return None
+        copies = []
+        for m, shared, partial in plans:
+            self.block_pool.touch(b for b in shared if not b.is_null)
+            table = m.req_to_blocks[child.request_id] = list(shared)
+            if partial is not None:
+                (new,) = self.block_pool.get_new_blocks(1)
+                table.append(new)
+                copies.append((partial.block_id, new.block_id))
+            m.num_cached_block[child.request_id] = min(m.num_cached_block.get(parent.request_id, 0),
+                                                       len(shared))
+        child.num_computed_tokens = num_tokens
+        return copies
+
     def cache_blocks(self, request: KVCacheRequest, num_computed_tokens: int) -> None:
         """Register blocks whose KV has arrived (after a delayed, asynchronous load)."""
         if self.enable_caching:

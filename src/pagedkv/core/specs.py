@@ -1,0 +1,499 @@
+"""KV-cache specs: how many bytes one block of one layer takes, and how layers share a pool.
+
+A ``KVCacheSpec`` describes one layer's cache *format* (vLLM v1's ``kv_cache_interface``):
+tokens per block, heads, head sizes, storage dtype and quantization mode. From it follow
+``page_size_bytes`` (bytes of one block of one layer) and ``max_memory_usage_bytes`` (bytes
+one max-length request can pin in that layer).
+
+Layers with equal specs form one ``KVCacheGroupSpec``; all groups share ONE block pool whose
+block holds ``max(len(group) * page)`` bytes (groups alias the same bytes, which is safe because
+a block id belongs to one group at a time). Hybrid models (full + sliding window, attention +
+Mamba) first get equal page sizes (``unify_kv_cache_spec_page_size``) and are then split into
+equally sized groups (``get_kv_cache_groups``).
+
+Storage dtypes are plain strings (stdlib only here): "float32", "float16", "bfloat16",
+"fp8" (aliases "fp8_e4m3", "fp8_e5m2"), "int8", "int4". Content bytes of one token-head:
+
+    ceil((head_size + head_size_v) * bits / 8) + (8 if per-token-head quantized else 0)
+
+i.e. K then V, then (per-token-head modes) an fp32 K scale and an fp32 V scale inline.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+from dataclasses import dataclass
+
+from pagedkv.core.layout import DEFAULT_KV_CACHE_LAYOUT, KVCacheLayout
+from collections.abc import Iterable, Sequence
+from typing import Any, ClassVar
+
+
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division for non-negative ints."""
+    return -(a // -b)
+
+
+# ---------------------------------------------------------------- dtypes and quantization
+
+_DTYPE_ALIASES: dict[str, str] = {
+    "float": "float32", "fp32": "float32", "float32": "float32",
+    "half": "float16", "fp16": "float16", "float16": "float16",
+    "bf16": "bfloat16", "bfloat16": "bfloat16",
+    "fp8": "fp8", "fp8_e4m3": "fp8_e4m3", "fp8_e5m2": "fp8_e5m2",
+    "float8_e4m3fn": "fp8_e4m3", "float8_e5m2": "fp8_e5m2",
+    "int8": "int8", "uint8": "uint8", "int4": "int4",
+}
+
+# Storage bits per element. int4 is packed two values per byte.
+DTYPE_BITS: dict[str, int] = {
+    "float32": 32, "float16": 16, "bfloat16": 16,
+    "fp8": 8, "fp8_e4m3": 8, "fp8_e5m2": 8, "int8": 8, "uint8": 8,
+    "int4": 4,
+}
+
+SCALE_BYTES = 4  # one fp32 scale
+
+
+def normalize_dtype(dtype: Any) -> str:
+    """Canonical dtype name; accepts aliases, "torch.float16" and torch.dtype objects."""
+    name = str(dtype).removeprefix("torch.").lower()
+    if name not in _DTYPE_ALIASES:
+        raise ValueError(f"unknown KV dtype {dtype!r}; known: {sorted(DTYPE_BITS)}")
+    return _DTYPE_ALIASES[name]
+
+
+def dtype_bits(dtype: Any) -> int:
+    return DTYPE_BITS[normalize_dtype(dtype)]
+
+
+def dtype_size(dtype: Any) -> int:
+    """Bytes per element for whole-byte dtypes (int4 has no whole-byte size)."""
+    bits = dtype_bits(dtype)
+    if bits % 8:
+        raise ValueError(f"{dtype!r} has {bits} bits per element; use dtype_bits")
+    return bits // 8
+
+
+class KVQuantMode(enum.Enum):
+    """How K/V values are quantized, which decides where scales live (vLLM's KVQuantMode).
+
+    NONE: stored as-is in ``dtype``.
+    FP8_PER_TENSOR: fp8 values; one scale per tensor kept *outside* the cache (page unchanged).
+    INT8_PER_TOKEN_HEAD / FP8_PER_TOKEN_HEAD: 1 byte per value plus fp32 K and V scales
+        stored inline for every (token, head): +8 bytes per token-head.
+    INT4_PER_TOKEN_HEAD: two 4-bit values per byte plus the same inline fp32 scales.
+    """
+
+    NONE = "none"
+    FP8_PER_TENSOR = "fp8_per_tensor"
+    INT8_PER_TOKEN_HEAD = "int8_per_token_head"
+    FP8_PER_TOKEN_HEAD = "fp8_per_token_head"
+    INT4_PER_TOKEN_HEAD = "int4_per_token_head"
+
+    @property
+    def storage_dtype(self) -> str | None:
+        """The element dtype this mode stores (None: whatever the spec says)."""
+        return _MODE_DTYPE[self]
+
+    @property
+    def is_per_token_head(self) -> bool:
+        return self in (KVQuantMode.INT8_PER_TOKEN_HEAD, KVQuantMode.FP8_PER_TOKEN_HEAD,
+                        KVQuantMode.INT4_PER_TOKEN_HEAD)
+
+    @property
+    def inline_scale_bytes(self) -> int:
+        """Bytes of scales stored next to each token-head's K and V content."""
+        return 2 * SCALE_BYTES if self.is_per_token_head else 0
+
+    @classmethod
+    def parse(cls, value: KVQuantMode | str | None) -> KVQuantMode:
+        if value is None:
+            return cls.NONE
+        if isinstance(value, cls):
+            return value
+        v = str(value).lower()
+        for m in cls:
+            if v in (m.value, m.name.lower()):
+                return m
+        raise ValueError(f"unknown KV quant mode {value!r}; known: {[m.value for m in cls]}")
+
+
+_MODE_DTYPE: dict[KVQuantMode, str | None] = {
+    KVQuantMode.NONE: None,
+    KVQuantMode.FP8_PER_TENSOR: "fp8",
+    KVQuantMode.INT8_PER_TOKEN_HEAD: "int8",
+    KVQuantMode.FP8_PER_TOKEN_HEAD: "fp8",
+    KVQuantMode.INT4_PER_TOKEN_HEAD: "int4",
+}
+
+
+_DEFAULT_MODE_FOR_DTYPE: dict[str, KVQuantMode] = {
+    "fp8": KVQuantMode.FP8_PER_TENSOR,
+    "fp8_e4m3": KVQuantMode.FP8_PER_TENSOR,
+    "fp8_e5m2": KVQuantMode.FP8_PER_TENSOR,
+    "int8": KVQuantMode.INT8_PER_TOKEN_HEAD,
+    "int4": KVQuantMode.INT4_PER_TOKEN_HEAD,
+}
+
+
+def resolve_kv_cache_dtype(
+    kv_cache_dtype: str, model_dtype: Any, kv_quant_mode: KVQuantMode | str | None = None
+) -> tuple[str, KVQuantMode]:
+    """Turn a user's ``--kv-cache-dtype`` (+ optional quant mode) into (storage dtype, mode).
+
+    "auto" → the model dtype. A mode name ("int8_per_token_head", "fp8_per_tensor", ...) as
+    the dtype selects that mode. Without a mode, "fp8" means FP8_PER_TENSOR (as in vLLM) and
+    "int8"/"int4" mean their per-token-head modes (integers need scales).
+    """
+    mode = KVQuantMode.parse(kv_quant_mode)
+    as_mode = None
+    try:
+        as_mode = KVQuantMode.parse(kv_cache_dtype)
+    except ValueError:
+        pass
+    if as_mode is not None and as_mode is not KVQuantMode.NONE:
+        if mode not in (KVQuantMode.NONE, as_mode):
+            raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} conflicts with kv_quant_mode {mode.value!r}")
+        return as_mode.storage_dtype, as_mode  # type: ignore[return-value]
+    dtype = normalize_dtype(model_dtype if kv_cache_dtype in ("auto", None) else kv_cache_dtype)
+    if mode is KVQuantMode.NONE:
+        # Integer storage is meaningless without scales: int8/int4 imply per-token-head.
+        mode = _DEFAULT_MODE_FOR_DTYPE.get(dtype, KVQuantMode.NONE)
+    if mode.storage_dtype is not None and kv_cache_dtype == "auto":
+        dtype = mode.storage_dtype
+    return dtype, mode
+
+
+# ---------------------------------------------------------------- specs
+
+
+@dataclass(frozen=True, slots=True)
+class KVCacheSpec:
+    """Base spec: one layer's cache format. Frozen and hashable, so equal specs group.
+
+    Subclasses define ``page_size_bytes`` (bytes of one block of one layer) and
+    ``max_memory_usage_bytes`` (bytes one request of ``max_model_len`` tokens can need).
+    """
+
+    block_size: int  # tokens per block
+
+    kind: ClassVar[str] = "abstract"
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {self.block_size}")
+
+    @property
+    def page_size_bytes(self) -> int:
+        raise NotImplementedError
+
+    def max_memory_usage_bytes(self, max_model_len: int, max_num_batched_tokens: int = 0) -> int:
+        raise NotImplementedError
+
+    def max_num_blocks_per_req(self, max_model_len: int) -> int:
+        return cdiv(max_model_len, self.block_size)
+
+    @classmethod
+    def merge(cls, specs: Sequence[KVCacheSpec]) -> KVCacheSpec:
+        """One spec standing for ``specs``; they must all be equal (ValueError otherwise)."""
+        if not specs:
+            raise ValueError("merge() needs at least one spec")
+        first = specs[0]
+        for s in specs[1:]:
+            if s != first:
+                raise ValueError(f"cannot merge different KV cache specs: {first} vs {s}")
+        return first
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AttentionSpec(KVCacheSpec):
+    """Paged K/V of ``num_kv_heads`` heads.
+
+    ``page_size_bytes = page_size_padded or num_kv_heads * block_size * content_bytes`` where
+    ``content_bytes`` (one token-head: K, then V, then inline scales) is
+    ``ceil((head_size + head_size_v) * bits / 8) + kv_quant_mode.inline_scale_bytes``.
+    """
+
+    num_kv_heads: int
+    head_size: int
+    dtype: str  # see module docstring; normalized in __post_init__
+    head_size_v: int | None = None  # None → head_size (0 for MLA: K only)
+    kv_quant_mode: KVQuantMode = KVQuantMode.NONE
+    page_size_padded: int | None = None
+
+    def __post_init__(self) -> None:
+        KVCacheSpec.__post_init__(self)
+        object.__setattr__(self, "dtype", normalize_dtype(self.dtype))
+        object.__setattr__(self, "kv_quant_mode", KVQuantMode.parse(self.kv_quant_mode))
+        if self.head_size_v is None:
+            object.__setattr__(self, "head_size_v", self.head_size)
+        want = self.kv_quant_mode.storage_dtype
+        if want is not None and dtype_bits(self.dtype) != dtype_bits(want):
+            raise ValueError(f"{self.kv_quant_mode.name} stores {want}, not {self.dtype}")
+        if self.page_size_padded is not None and self.page_size_padded < self.real_page_size_bytes:
+            raise ValueError(f"page_size_padded={self.page_size_padded} < real page {self.real_page_size_bytes}")
+
+    @property
+    def content_bytes(self) -> int:
+        """Bytes of one (token, head): K, V, then inline fp32 scales (C of the layout)."""
+        values = cdiv((self.head_size + self.head_size_v) * dtype_bits(self.dtype), 8)  # type: ignore[operator]
+        return values + self.kv_quant_mode.inline_scale_bytes
+
+    @property
+    def bytes_per_token(self) -> int:
+        """KV bytes of one token in this layer (unpadded)."""
+        return self.num_kv_heads * self.content_bytes
+
+    @property
+    def real_page_size_bytes(self) -> int:
+        return self.block_size * self.bytes_per_token
+
+    @property
+    def page_size_bytes(self) -> int:
+        return self.page_size_padded if self.page_size_padded is not None else self.real_page_size_bytes
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FullAttentionSpec(AttentionSpec):
+    """Causal attention over the whole prefix: a request needs all its blocks.
+
+    ``sliding_window`` / ``attention_chunk_size`` are set only when a windowed layer was
+    promoted to full attention (hybrid manager off): memory is planned as full, but compute
+    stays windowed.
+    """
+
+    sliding_window: int | None = None
+    attention_chunk_size: int | None = None
+
+    kind: ClassVar[str] = "full_attention"
+
+    def max_memory_usage_bytes(self, max_model_len: int, max_num_batched_tokens: int = 0) -> int:
+        return cdiv(max_model_len, self.block_size) * self.page_size_bytes
+
+    @classmethod
+    def merge(cls, specs: Sequence[KVCacheSpec]) -> KVCacheSpec:
+        """Equal except for (promoted) windows; at most one distinct window/chunk survives."""
+        if not specs:
+            raise ValueError("merge() needs at least one spec")
+        first = specs[0]
+        if not all(type(s) is type(first) for s in specs):
+            raise ValueError("cannot merge specs of different types")
+        base = [dataclasses.replace(s, sliding_window=None, attention_chunk_size=None) for s in specs]  # type: ignore[call-arg]
+        KVCacheSpec.merge(base)
+        windows = {s.sliding_window for s in specs if s.sliding_window is not None}  # type: ignore[attr-defined]
+        chunks = {s.attention_chunk_size for s in specs if s.attention_chunk_size is not None}  # type: ignore[attr-defined]
+        if len(windows) > 1 or len(chunks) > 1:
+            raise ValueError(f"cannot merge layers with different windows {windows} / chunks {chunks}")
+        if windows and chunks:
+            raise ValueError("cannot merge sliding-window and chunked-local layers")
+        return dataclasses.replace(base[0], sliding_window=next(iter(windows), None),  # type: ignore[call-arg]
+                                   attention_chunk_size=next(iter(chunks), None))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MLAAttentionSpec(FullAttentionSpec):
+    """Multi-head latent attention: one compressed latent per token (K only, no V).
+
+    e.g. DeepSeek's 512 latent + 64 rope dims = head_size 576 → 1152 B/token in bf16.
+    Per-token-head quant adds its 8 inline scale bytes the same way.
+    """
+
+    num_kv_heads: int = 1
+    head_size_v: int | None = 0
+
+    kind: ClassVar[str] = "mla_attention"
+
+    def __post_init__(self) -> None:
+        AttentionSpec.__post_init__(self)
+        if self.num_kv_heads != 1 or self.head_size_v != 0:
+            raise ValueError("MLA stores one latent per token: num_kv_heads=1, head_size_v=0")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SlidingWindowSpec(AttentionSpec):
+    """Attention over the last ``sliding_window`` tokens; older blocks are freed."""
+
+    sliding_window: int
+
+    kind: ClassVar[str] = "sliding_window"
+
+    def max_memory_usage_bytes(self, max_model_len: int, max_num_batched_tokens: int = 0) -> int:
+        # A step can add max_num_batched_tokens beyond the window; +1 block because the window
+        # need not start on a block boundary.
+        tokens = min(self.sliding_window - 1 + max_num_batched_tokens, max_model_len)
+        return (cdiv(tokens, self.block_size) + 1) * self.page_size_bytes
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ChunkedLocalAttentionSpec(AttentionSpec):
+    """Attention within fixed chunks of ``attention_chunk_size`` tokens (Llama-4 style)."""
+
+    attention_chunk_size: int
+
+    kind: ClassVar[str] = "chunked_local_attention"
+
+    def max_memory_usage_bytes(self, max_model_len: int, max_num_batched_tokens: int = 0) -> int:
+        tokens = min(self.attention_chunk_size + max_num_batched_tokens, max_model_len)
+        return cdiv(tokens, self.block_size) * self.page_size_bytes
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CrossAttentionSpec(AttentionSpec):
+    """Encoder-decoder cross attention: sized by the encoder input, not the decoder length."""
+
+    max_num_encoder_input_tokens: int
+
+    kind: ClassVar[str] = "cross_attention"
+
+    def max_memory_usage_bytes(self, max_model_len: int, max_num_batched_tokens: int = 0) -> int:
+        return cdiv(self.max_num_encoder_input_tokens, self.block_size) * self.page_size_bytes
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MambaSpec(KVCacheSpec):
+    """Recurrent state (conv + SSM tensors) of one Mamba layer: one state per block.
+
+    ``page_size_bytes = page_size_padded or sum(prod(shape) * dtype_size)``. With
+    ``mamba_cache_mode`` "none"/"all" a request holds 1 (+ speculative) state blocks; "align"
+    keeps one more (the previous aligned checkpoint).
+    """
+
+    shapes: tuple[tuple[int, ...], ...]
+    dtypes: tuple[str, ...]
+    page_size_padded: int | None = None
+    mamba_cache_mode: str = "none"
+    num_speculative_blocks: int = 0
+
+    kind: ClassVar[str] = "mamba"
+
+    def __post_init__(self) -> None:
+        KVCacheSpec.__post_init__(self)
+        object.__setattr__(self, "shapes", tuple(tuple(s) for s in self.shapes))
+        object.__setattr__(self, "dtypes", tuple(normalize_dtype(d) for d in self.dtypes))
+        if len(self.shapes) != len(self.dtypes):
+            raise ValueError("MambaSpec needs one dtype per state shape")
+        if self.mamba_cache_mode not in ("none", "align", "all"):
+            raise ValueError(f"unknown mamba_cache_mode {self.mamba_cache_mode!r}")
+        if self.page_size_padded is not None and self.page_size_padded < self.real_page_size_bytes:
+            raise ValueError(f"page_size_padded={self.page_size_padded} < real page {self.real_page_size_bytes}")
+
+    @property
+    def real_page_size_bytes(self) -> int:
+        return sum(math.prod(s) * dtype_size(d) for s, d in zip(self.shapes, self.dtypes))
+
+    @property
+    def page_size_bytes(self) -> int:
+        return self.page_size_padded if self.page_size_padded is not None else self.real_page_size_bytes
+
+    def max_memory_usage_bytes(self, max_model_len: int, max_num_batched_tokens: int = 0) -> int:
+        extra = 2 if self.mamba_cache_mode == "align" else 1
+        return (extra + self.num_speculative_blocks) * self.page_size_bytes
+
+
+# ---------------------------------------------------------------- groups and configs
+
+
+@dataclass(slots=True)
+class KVCacheGroupSpec:
+    """Layers that share one block table (same spec ⇒ same block ids for all of them)."""
+
+    layer_names: list[str]
+    kv_cache_spec: KVCacheSpec
+
+
+@dataclass(slots=True)
+class KVCacheConfig:
+    """The planned cache: a pool of ``num_blocks`` blocks (block 0 is the null block, so
+    ``num_blocks - 1`` are usable), each ``bytes_per_block`` bytes across all layers of the
+    largest group, stored in ``layout`` (stride order of ``[L, B, H, N, C]``)."""
+
+    num_blocks: int
+    kv_cache_groups: list[KVCacheGroupSpec]
+    bytes_per_block: int
+    layout: KVCacheLayout = DEFAULT_KV_CACHE_LAYOUT
+
+    @property
+    def num_usable_blocks(self) -> int:
+        return max(self.num_blocks - 1, 0)
+
+
+def unify_kv_cache_spec_page_size(layer_specs: dict[str, KVCacheSpec]) -> dict[str, KVCacheSpec]:
+    """Make every layer's page the same size so one pool block fits any layer.
+
+    Rules (vLLM's): the target is the largest attention page; if a Mamba state is bigger, the
+    target grows by the smallest integer factor that holds it. An attention layer whose page
+    divides the target gets ``block_size *= target // page`` (more tokens per block, same
+    bytes per token). A Mamba layer is padded (``page_size_padded``). Anything else raises
+    NotImplementedError.
+    """
+    if not layer_specs:
+        return {}
+    pages = {s.page_size_bytes for s in layer_specs.values()}
+    if len(pages) == 1:
+        return dict(layer_specs)
+    non_mamba = [s.page_size_bytes for s in layer_specs.values() if not isinstance(s, MambaSpec)]
+    mamba = [s.page_size_bytes for s in layer_specs.values() if isinstance(s, MambaSpec)]
+    target = max(non_mamba) if non_mamba else max(mamba)
+    if mamba and max(mamba) > target:
+        target *= cdiv(max(mamba), target)
+    out: dict[str, KVCacheSpec] = {}
+    for name, s in layer_specs.items():
+        page = s.page_size_bytes
+        if page == target:
+            out[name] = s
+        elif isinstance(s, MambaSpec):
+            out[name] = dataclasses.replace(s, page_size_padded=target)
+        elif isinstance(s, AttentionSpec) and s.page_size_padded is None and target % page == 0:
+            out[name] = dataclasses.replace(s, block_size=s.block_size * (target // page))
+        else:
+            raise NotImplementedError(
+                f"cannot unify KV cache page sizes: layer {name!r} ({s.kind}) has a "
+                f"{page}-byte page, which does not divide the {target}-byte target page; "
+                "pick a block size / head geometry whose pages are integer multiples"
+            )
+    return out
+
+
+def get_kv_cache_groups(layer_specs: dict[str, KVCacheSpec]) -> list[KVCacheGroupSpec]:
+    """Split layers into KV cache groups sharing one pool.
+
+    * no layers → ``[]`` (attention-free model);
+    * all specs merge (equal) → one group with every layer;
+    * otherwise (hybrid) → unify page sizes, bucket layers by spec, and deal each bucket
+      round-robin into groups of ``group_size`` layers (``layers[i::num_groups]``), so every
+      group has (about) the same number of layers and one block costs the same in each.
+    """
+    if not layer_specs:
+        return []
+    specs = list(layer_specs.values())
+    try:
+        merged = type(specs[0]).merge(specs)
+        if all(type(s) is type(merged) for s in specs):
+            return [KVCacheGroupSpec(list(layer_specs), merged)]
+    except ValueError:
+        pass
+    return _groups_uniform_page_size(unify_kv_cache_spec_page_size(layer_specs))
+
+
+def _groups_uniform_page_size(layer_specs: dict[str, KVCacheSpec]) -> list[KVCacheGroupSpec]:
+    buckets: dict[KVCacheSpec, list[str]] = {}
+    for name, spec in layer_specs.items():
+        buckets.setdefault(spec, []).append(name)
+    sizes = [len(v) for v in buckets.values()]
+    lo, hi = min(sizes), max(sizes)
+    # Prefer one group per type when counts are close (less padding); else the smallest count.
+    group_size = hi if hi < 1.5 * lo else lo
+    groups: list[KVCacheGroupSpec] = []
+    for spec, names in buckets.items():
+        num_groups = cdiv(len(names), group_size)
+        groups.extend(KVCacheGroupSpec(names[i::num_groups], spec) for i in range(num_groups))
+    return groups
+
+
+def iter_layer_specs(groups: Iterable[KVCacheGroupSpec]) -> Iterable[tuple[str, KVCacheSpec]]:
+    for g in groups:
+        for name in g.layer_names:
+            yield name, g.kv_cache_spec

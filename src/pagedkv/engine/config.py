@@ -1,0 +1,62 @@
+"""`EngineConfig`: every engine option in one validated place (the `LLM(...)` keywords)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pagedkv.core.hashing import HASH_FUNCTIONS
+
+GiB = 1 << 30
+# On CPU the "device" KV cache is host memory: 1 GiB holds ~23k tokens of SmolLM2-135M in
+# float32 (45 KiB/token), plenty for 8k-token contexts at high concurrency.
+DEFAULT_CPU_KV_CACHE_MEMORY = 1 * GiB
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """Engine options (vLLM's names where they exist).
+
+    KV cache size: exactly ``num_kv_blocks`` blocks (the null block included) if given; else
+    ``kv_cache_memory`` bytes if given; else, on CPU, 1 GiB, and on CUDA
+    ``gpu_memory_utilization`` of the free device memory after the weights are loaded.
+    """
+
+    model: str | None = None  # None: the default model (SmolLM2-135M-Instruct GGUF)
+    dtype: str = "float32"
+    device: str = "cpu"
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_memory: int | None = None
+    gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
+    kv_cache_layout: str = "LBNHC"
+    max_model_len: int | None = None  # None: the model's context length
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+    enable_prefix_caching: bool = True
+    prefix_caching_hash_algo: str = "sha256_cbor"
+    enable_kv_cache_events: bool = False
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        def bad(name: str, why: str) -> ValueError:
+            return ValueError(f"invalid engine option {name}={getattr(self, name)!r}: {why}")
+
+        if not isinstance(self.block_size, int) or self.block_size < 1:
+            raise bad("block_size", "must be a positive integer")
+        if self.num_kv_blocks is not None and (not isinstance(self.num_kv_blocks, int) or self.num_kv_blocks < 2):
+            raise bad("num_kv_blocks", "must be an integer >= 2 (block 0 is the null block)")
+        if self.kv_cache_memory is not None and (not isinstance(self.kv_cache_memory, int) or self.kv_cache_memory <= 0):
+            raise bad("kv_cache_memory", "must be a positive number of bytes")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise bad("gpu_memory_utilization", "must be in (0, 1]")
+        if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 1):
+            raise bad("max_model_len", "must be a positive integer")
+        if not isinstance(self.max_num_seqs, int) or self.max_num_seqs < 1:
+            raise bad("max_num_seqs", "must be a positive integer")
+        if not isinstance(self.max_num_batched_tokens, int) or self.max_num_batched_tokens < 1:
+            raise bad("max_num_batched_tokens", "must be a positive integer")
+        if self.prefix_caching_hash_algo not in HASH_FUNCTIONS:
+            raise bad("prefix_caching_hash_algo", f"choose one of {sorted(HASH_FUNCTIONS)}")
+        if self.dtype not in ("float32", "bfloat16", "float16", "auto"):
+            raise bad("dtype", "choose float32, bfloat16, float16 or auto")

@@ -1,0 +1,129 @@
+"""`Sampler`: logits → next tokens, per-request parameters, batched where it can be.
+
+Order of operations (vLLM's): raw logprobs (for ``logprobs=k``) → penalties (repetition,
+presence, frequency) → ``min_tokens`` (stop tokens masked) → greedy rows take the argmax;
+other rows: temperature → top-k → top-p → min-p → sample. A request with a ``seed`` samples
+with its own `torch.Generator`, so its tokens do not depend on what else is in the batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from pagedkv.engine.outputs import Logprob
+from pagedkv.engine.request import Request
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    token_ids: list[int]
+    # Per row: {token id: Logprob} for the sampled token and the top-k, or None.
+    logprobs: list[dict[int, Logprob] | None]
+    sampled_logprobs: list[float | None]
+
+
+class Sampler:
+    def __init__(self, seed: int = 0) -> None:
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, requests: Sequence[Request]) -> SamplerOutput:
+        """``logits[i]`` (float32, [vocab]) is the next-token distribution of ``requests[i]``."""
+        logits = logits.float()
+        raw_logprobs = None
+        if any(r.sampling_params.logprobs is not None for r in requests):
+            raw_logprobs = torch.log_softmax(logits, dim=-1)
+        if any(r.sampling_params.needs_penalties or r.sampling_params.min_tokens for r in requests):
+            logits = logits.clone()
+            for i, req in enumerate(requests):
+                _apply_penalties(logits[i], req)
+        greedy = [i for i, r in enumerate(requests) if r.sampling_params.is_greedy]
+        tokens = torch.empty(len(requests), dtype=torch.long)
+        if len(greedy) == len(requests):
+            tokens = logits.argmax(dim=-1)
+        else:
+            if greedy:
+                idx = torch.tensor(greedy)
+                tokens[idx] = logits[idx].argmax(dim=-1)
+            random = [i for i, r in enumerate(requests) if not r.sampling_params.is_greedy]
+            self._sample_random(logits, requests, random, tokens)
+        token_list = tokens.tolist()
+        lps: list[dict[int, Logprob] | None] = [None] * len(requests)
+        sampled: list[float | None] = [None] * len(requests)
+        if raw_logprobs is not None:
+            for i, req in enumerate(requests):
+                k = req.sampling_params.logprobs
+                if k is not None:
+                    lps[i], sampled[i] = _logprobs(raw_logprobs[i], token_list[i], k)
+        return SamplerOutput(token_list, lps, sampled)
+
+    def _sample_random(self, logits: torch.Tensor, requests: Sequence[Request], rows: list[int],
+                       tokens: torch.Tensor) -> None:
+        idx = torch.tensor(rows)
+        x = logits[idx]
+        temps = torch.tensor([requests[i].sampling_params.temperature for i in rows])
+        x = x / temps.unsqueeze(1)
+        top_k = [requests[i].sampling_params.top_k for i in rows]
+        if any(k > 0 for k in top_k):
+            x = _apply_top_k(x, top_k)
+        top_p = torch.tensor([requests[i].sampling_params.top_p for i in rows])
+        if (top_p < 1).any():
+            x = _apply_top_p(x, top_p)
+        probs = torch.softmax(x, dim=-1)
+        min_p = torch.tensor([requests[i].sampling_params.min_p for i in rows])
+        if (min_p > 0).any():
+            keep = probs >= min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
+            probs = probs * keep
+        for j, i in enumerate(rows):
+            req = requests[i]
+            gen = req.generator if req.generator is not None else self.generator
+            tokens[i] = torch.multinomial(probs[j], 1, generator=gen)[0]
+
+
+def _apply_penalties(row: torch.Tensor, req: Request) -> None:
+    p = req.sampling_params
+    out_ids = req.output_token_ids
+    if p.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(req.prompt_token_ids) | set(out_ids)), dtype=torch.long)
+        vals = row[seen]
+        row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+    if out_ids and (p.presence_penalty or p.frequency_penalty):
+        ids, counts = torch.tensor(out_ids, dtype=torch.long).unique(return_counts=True)
+        row[ids] -= p.frequency_penalty * counts.to(row.dtype) + p.presence_penalty
+    if req.num_output_tokens < p.min_tokens:
+        stop = list(p.stop_token_ids or [])
+        if req.eos_token_id is not None and not p.ignore_eos:
+            stop.append(req.eos_token_id)
+        if stop:
+            row[torch.tensor(stop, dtype=torch.long)] = float("-inf")
+
+
+def _apply_top_k(x: torch.Tensor, top_k: list[int]) -> torch.Tensor:
+    vocab = x.shape[-1]
+    ks = torch.tensor([k if 0 < k < vocab else vocab for k in top_k])
+    sorted_x = x.sort(dim=-1, descending=True).values
+    kth = sorted_x.gather(1, (ks - 1).unsqueeze(1))
+    return x.masked_fill(x < kth, float("-inf"))
+
+
+def _apply_top_p(x: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    sorted_x, order = x.sort(dim=-1, descending=True)
+    probs = sorted_x.softmax(dim=-1)
+    # Drop a token when the tokens strictly more likely already cover top_p of the mass.
+    drop = probs.cumsum(dim=-1) - probs > top_p.unsqueeze(1)
+    drop[:, 0] = False
+    sorted_x = sorted_x.masked_fill(drop, float("-inf"))
+    return torch.empty_like(x).scatter_(1, order, sorted_x)
+
+
+def _logprobs(row: torch.Tensor, token: int, k: int) -> tuple[dict[int, Logprob], float]:
+    chosen = float(row[token])
+    rank = int((row > chosen).sum()) + 1
+    out = {token: Logprob(chosen, rank)}
+    if k > 0:
+        vals, ids = row.topk(k)
+        for r, (v, t) in enumerate(zip(vals.tolist(), ids.tolist()), start=1):
+            out.setdefault(t, Logprob(v, r))
+    return out, chosen

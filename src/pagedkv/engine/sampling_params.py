@@ -1,0 +1,104 @@
+"""`SamplingParams`: how to turn logits into tokens, and when to stop (vLLM's names)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+_GREEDY_EPS = 1e-5
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """Per-request sampling and stopping parameters.
+
+    ``temperature == 0`` means greedy. ``top_k <= 0`` (or -1) disables top-k; ``top_p == 1`` and
+    ``min_p == 0`` disable those filters. Penalties follow vLLM/OpenAI: ``repetition_penalty``
+    (> 1 discourages tokens seen in the prompt or output, multiplicatively),
+    ``presence_penalty`` / ``frequency_penalty`` (additive, over output tokens). ``seed`` makes
+    one request's sampling reproducible whatever else is in the batch. ``stop`` strings are
+    removed from the output text (unless ``include_stop_str_in_output``); ``stop_token_ids`` and
+    EOS (unless ``ignore_eos``) end the request with reason ``"stop"``, ``max_tokens`` with
+    ``"length"``. ``n`` completions share the prompt's KV blocks. ``logprobs=k`` returns the
+    sampled token's logprob and the top-k alternatives per step.
+
+    Invalid values raise ValueError naming the parameter.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+    _stop: list[str] = field(default_factory=list, repr=False)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self._stop = [self.stop]
+        else:
+            self._stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        self.verify()
+
+    def verify(self) -> None:
+        def bad(name: str, why: str) -> ValueError:
+            return ValueError(f"invalid sampling parameter {name}={getattr(self, name)!r}: {why}")
+
+        if not isinstance(self.n, int) or self.n < 1:
+            raise bad("n", "must be an integer >= 1")
+        if not _is_number(self.temperature) or self.temperature < 0:
+            raise bad("temperature", "must be >= 0")
+        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
+            raise bad("top_p", "must be in (0, 1]")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            raise bad("top_k", "must be -1, 0 (disabled) or a positive integer")
+        if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
+            raise bad("min_p", "must be in [0, 1]")
+        if not _is_number(self.repetition_penalty) or self.repetition_penalty <= 0:
+            raise bad("repetition_penalty", "must be > 0")
+        if not _is_number(self.presence_penalty) or not -2 <= self.presence_penalty <= 2:
+            raise bad("presence_penalty", "must be in [-2, 2]")
+        if not _is_number(self.frequency_penalty) or not -2 <= self.frequency_penalty <= 2:
+            raise bad("frequency_penalty", "must be in [-2, 2]")
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+            raise bad("max_tokens", "must be an integer >= 1")
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            raise bad("min_tokens", "must be an integer >= 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise bad("min_tokens", "must be <= max_tokens")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
+            raise bad("logprobs", "must be an integer >= 0")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise bad("seed", "must be an integer")
+        if any(not isinstance(s, str) or not s for s in self._stop):
+            raise bad("stop", "must be a non-empty string or a list of them")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids or []):
+            raise bad("stop_token_ids", "must be non-negative integers")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < _GREEDY_EPS
+
+    @property
+    def stop_strings(self) -> list[str]:
+        return self._stop
+
+    @property
+    def needs_penalties(self) -> bool:
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0)
+
+
+def _is_number(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)

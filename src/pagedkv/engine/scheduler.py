@@ -1,0 +1,191 @@
+"""Continuous batching: which tokens of which requests run in the next forward pass.
+
+Each `schedule()` builds one flat batch inside a token budget (``max_num_batched_tokens``):
+
+1. RUNNING requests first, in admission order: a decode token, or the next prefill chunk.
+   When the pool cannot hold their slots, the most recently admitted running request is
+   preempted (FCFS): its blocks are freed, it restarts from scratch later (recompute), and its
+   prefix blocks usually come back as prefix-cache hits.
+2. WAITING requests next (only in a step without preemption, so a freed pool is not refilled
+   by the requests that caused the pressure), up to ``max_num_seqs`` running: prefix lookup
+   (`get_computed_blocks`), then `allocate_slots` for the rest of the prompt, chunked to the
+   remaining budget. A new request is admitted only if its whole prompt fits in the pool
+   (vLLM's ``scheduler_reserve_full_isl``), so a chunked prompt is not admitted only to be
+   preempted a few steps later. Admission is strict FCFS (head-of-line).
+
+``num_computed_tokens`` advances when a request is scheduled (the KV of scheduled tokens is
+"written or being written"); a request is sampled in the step its scheduled tokens reach
+``num_tokens``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from pagedkv.core.kv_cache_manager import KVCacheManager
+from pagedkv.core.request import RequestStatus
+from pagedkv.engine.request import Request
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    request: Request
+    start: int  # first position computed this step (== num_computed_tokens before the step)
+    num_tokens: int
+    block_ids: list[int]  # the request's block table (group 0)
+
+    @property
+    def samples(self) -> bool:
+        return self.start + self.num_tokens >= self.request.num_tokens
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) before the pass
+    num_batched_tokens: int = 0
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, kv_cache_manager: KVCacheManager, max_num_seqs: int,
+                 max_num_batched_tokens: int, max_model_len: int) -> None:
+        self.kv_cache_manager = kv_cache_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.pending_copies: list[tuple[int, int]] = []
+        self.num_preemptions = 0
+
+    # ---- queues -----------------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        self.waiting.append(request)
+        self.requests[request.request_id] = request
+
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
+        """Finish (abort) requests wherever they are; frees their blocks. Unknown ids are ignored."""
+        done = []
+        for rid in request_ids:
+            req = self.requests.pop(rid, None)
+            if req is None:
+                continue
+            if req.status == RequestStatus.RUNNING:
+                self.running.remove(req)
+            else:
+                self.waiting.remove(req)
+            req.status = status
+            self.kv_cache_manager.free(req)
+            done.append(req)
+        return done
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    # ---- scheduling ---------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput(blocks_to_copy=self.pending_copies)
+        self.pending_copies = []
+        budget = self.max_num_batched_tokens
+        kv = self.kv_cache_manager
+        scheduled: dict[str, tuple[Request, int, int]] = {}  # rid -> (req, start, n)
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            start = req.num_computed_tokens
+            n = min(req.num_tokens - start, budget, self.max_model_len - start)
+            if n <= 0:
+                i += 1
+                continue
+            while kv.allocate_slots(req, n) is None:
+                victim = self.running.pop()  # FCFS: the latest admitted goes first
+                if victim.request_id in scheduled:
+                    budget += scheduled.pop(victim.request_id)[2]
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is req:
+                    break
+            else:
+                scheduled[req.request_id] = (req, start, n)
+                budget -= n
+                i += 1
+
+        if not out.preempted:
+            while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+                req = self.waiting[0]
+                hits, num_hit = kv.get_computed_blocks(req)
+                n = min(req.num_tokens - num_hit, budget)
+                if kv.allocate_slots(req, n, num_hit, hits, full_sequence_must_fit=True) is None:
+                    break
+                self.waiting.popleft()
+                self.running.append(req)
+                req.status = RequestStatus.RUNNING
+                req.num_computed_tokens = num_hit
+                if req.num_cached_tokens < 0:
+                    req.num_cached_tokens = num_hit
+                if req.metrics.first_scheduled_time is None:
+                    req.metrics.first_scheduled_time = time.monotonic()
+                scheduled[req.request_id] = (req, num_hit, n)
+                budget -= n
+
+        for req, start, n in scheduled.values():
+            req.num_computed_tokens = start + n
+            block_ids = kv.get_block_ids(req.request_id)[0]
+            out.scheduled.append(ScheduledRequest(req, start, n, block_ids))
+            out.num_batched_tokens += n
+        return out
+
+    def _preempt(self, req: Request) -> None:
+        self.kv_cache_manager.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        req.metrics.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    # ---- after the forward pass -------------------------------------------------------------------
+
+    def fork(self, parent: Request, child: Request) -> bool:
+        """Start ``child`` from ``parent``'s prompt KV (n > 1). Falls back to queueing the child
+        as a new request (it will then hit the prefix cache) when the pool is short."""
+        self.requests[child.request_id] = child
+        copies = None
+        if len(self.running) < self.max_num_seqs:
+            copies = self.kv_cache_manager.fork_request(parent, child)
+        if copies is None:
+            self.waiting.appendleft(child)
+            return False
+        child.status = RequestStatus.RUNNING
+        child.num_cached_tokens = parent.num_cached_tokens
+        child.metrics.first_scheduled_time = parent.metrics.first_scheduled_time
+        self.pending_copies.extend(copies)
+        self.running.append(child)
+        return True
+
+    def finish(self, req: Request, status: RequestStatus) -> None:
+        """A running request stopped (EOS, stop string, length): free its blocks."""
+        self.running.remove(req)
+        self.requests.pop(req.request_id, None)
+        req.status = status
+        self.kv_cache_manager.free(req)

@@ -1,0 +1,314 @@
+"""``pagedkv plan``: how many KV blocks, tokens and concurrent requests a memory budget buys.
+
+Model shape comes from a GGUF header (the default model unless ``--model``), an HF
+``config.json``, or flags (``--num-layers --num-kv-heads --head-dim ...``; flags also override
+fields of a loaded model). The budget is either the KV memory itself (``--memory 8GiB``) or a
+device size (``--device-memory 24GiB``) from which weights, a runtime estimate and a headroom
+fraction are subtracted (the seed's C_tokens formula, every term printed).
+
+Prints the chosen KV dtype's plan and the same numbers for every quantization mode side by
+side (``--json`` for machine output). Exit code 2 with a one-line stderr message when one
+request of ``--context`` tokens does not fit (naming the length that would).
+No torch import: this runs on any machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import re
+import sys
+from typing import Any
+
+from pagedkv.core import planning
+from pagedkv.core.specs import KVQuantMode, resolve_kv_cache_dtype
+
+_UNITS = {
+    "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
+}
+
+# Bytes per weight element as loaded. GGUF block formats include their per-block scales
+# (q4_0: 18 B / 32 weights, q4_1: 20 B / 32, q8_0: 34 B / 32).
+WEIGHT_DTYPE_BYTES: dict[str, float] = {
+    "float32": 4.0, "float16": 2.0, "bfloat16": 2.0, "fp8": 1.0, "int8": 1.0, "int4": 0.5,
+    "q8_0": 34 / 32, "q4_0": 18 / 32, "q4_1": 20 / 32,
+}
+
+# Rows of the side-by-side table: (label, --kv-cache-dtype value, quant mode).
+# "auto" resolves to the activation dtype (--dtype).
+KV_MODES: list[tuple[str, str, KVQuantMode]] = [
+    ("float32", "float32", KVQuantMode.NONE),
+    ("auto", "auto", KVQuantMode.NONE),
+    ("fp8_per_tensor", "fp8", KVQuantMode.FP8_PER_TENSOR),
+    ("fp8_per_token_head", "fp8", KVQuantMode.FP8_PER_TOKEN_HEAD),
+    ("int8_per_token_head", "int8", KVQuantMode.INT8_PER_TOKEN_HEAD),
+    ("int4_per_token_head", "int4", KVQuantMode.INT4_PER_TOKEN_HEAD),
+]
+
+
+class PlanError(Exception):
+    """A user-facing planning failure: printed on stderr, exit code 2."""
+
+
+def parse_size(text: str) -> int:
+    """"8GiB" → 8589934592. Units B/KB/MB/GB/TB (powers of 10), KiB/MiB/GiB/TiB (of 2)."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    unit = m.group(2).lower() if m else ""
+    if m is None or (unit and unit not in _UNITS):
+        raise argparse.ArgumentTypeError(
+            f"invalid size {text!r}: use a number with B, KB, MB, GB, TB, KiB, MiB, GiB or TiB")
+    return int(float(m.group(1)) * _UNITS[unit or "b"])
+
+
+def fmt_bytes(n: float) -> str:
+    for unit, size in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("plan", help="plan KV cache capacity for a memory budget",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    src = p.add_argument_group("model (default: the bundled SmolLM2-135M-Instruct GGUF)")
+    src.add_argument("--model", help="a .gguf file, an HF config.json, or a directory holding one")
+    for flag, what in [("--num-layers", "decoder layers"), ("--num-kv-heads", "KV heads"),
+                       ("--head-dim", "head size"), ("--num-heads", "query heads"),
+                       ("--hidden-size", "hidden size"), ("--intermediate-size", "MLP size"),
+                       ("--vocab-size", "vocabulary size"), ("--num-params", "parameter count"),
+                       ("--max-model-len", "the model's context length"),
+                       ("--sliding-window", "sliding window (tokens)"),
+                       ("--full-attention-every", "with --sliding-window: every Nth layer is full")]:
+        src.add_argument(flag, type=int, help=what)
+    mem = p.add_argument_group("memory").add_mutually_exclusive_group(required=True)
+    mem.add_argument("--memory", type=parse_size, help="KV cache budget, e.g. 8GiB")
+    mem.add_argument("--device-memory", type=parse_size,
+                     help="device size; weights, runtime and headroom are subtracted")
+    p.add_argument("--weight-dtype", default=None,
+                   help=f"weight storage: {', '.join(WEIGHT_DTYPE_BYTES)} or bytes/param (default: --dtype)")
+    p.add_argument("--runtime-memory", type=parse_size, default=None,
+                   help="M_runtime override (default: estimate_runtime_bytes)")
+    p.add_argument("--headroom", type=float, default=0.1, help="headroom fraction of device memory")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per block")
+    p.add_argument("--dtype", default="bfloat16", help="model/activation dtype ('auto' KV dtype)")
+    p.add_argument("--kv-cache-dtype", default="auto",
+                   help="auto, float32, float16, bfloat16, fp8, int8, int4, or a mode name")
+    p.add_argument("--kv-quant-mode", default=None, help="none, fp8_per_tensor, *_per_token_head")
+    p.add_argument("--context", type=int, default=None, help="max model length per request")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=run)
+    return p
+
+
+# ---------------------------------------------------------------- model
+
+
+def build_model_config(args: argparse.Namespace) -> Any:
+    """ModelConfig from --model / the default GGUF, with flag overrides; or from flags alone."""
+    from pagedkv.models.config import ModelConfig, load_model_config
+
+    shape_flags = (args.num_layers, args.num_kv_heads, args.head_dim)
+    if args.model is None and all(x is not None for x in shape_flags):
+        heads = args.num_heads or args.num_kv_heads
+        hidden = args.hidden_size or heads * args.head_dim
+        cfg = ModelConfig(architecture="custom", num_layers=args.num_layers, hidden_size=hidden,
+                          num_attention_heads=heads, num_kv_heads=args.num_kv_heads, head_dim=args.head_dim,
+                          intermediate_size=args.intermediate_size or 4 * hidden,
+                          vocab_size=args.vocab_size or 32000,
+                          max_position_embeddings=args.max_model_len or 4096,
+                          num_params=args.num_params or 0, name="custom (flags)")
+    else:
+        try:
+            cfg = load_model_config(args.model)
+        except (FileNotFoundError, ValueError, NotImplementedError) as e:
+            raise PlanError(str(e)) from None
+    overrides = {k: v for k, v in dict(
+        num_layers=args.num_layers, num_kv_heads=args.num_kv_heads, head_dim=args.head_dim,
+        num_attention_heads=args.num_heads, hidden_size=args.hidden_size,
+        intermediate_size=args.intermediate_size, vocab_size=args.vocab_size,
+        max_position_embeddings=args.max_model_len, sliding_window=args.sliding_window,
+    ).items() if v is not None}
+    if args.full_attention_every:
+        if not (args.sliding_window or cfg.sliding_window):
+            raise PlanError("--full-attention-every needs --sliding-window")
+        n, k = overrides.get("num_layers", cfg.num_layers), args.full_attention_every
+        overrides["layer_types"] = ["full_attention" if (i + 1) % k == 0 else "sliding_attention"
+                                    for i in range(n)]
+    if overrides:
+        d = cfg.to_dict()
+        d.update(overrides)
+        if args.num_params is None:
+            d["num_params"] = 0  # re-estimate for the new shape
+        try:
+            cfg = ModelConfig.from_dict(d)
+        except ValueError as e:
+            raise PlanError(str(e)) from None
+    elif args.num_params is not None:
+        cfg.num_params = args.num_params
+    return cfg
+
+
+# ---------------------------------------------------------------- planning
+
+
+def plan_row(cfg: Any, kv_budget: int, block_size: int, context: int, kv_cache_dtype: str,
+             kv_quant_mode: KVQuantMode | str | None, model_dtype: str, mnbt: int) -> dict[str, Any]:
+    """Every capacity number for one KV dtype/mode (usable blocks exclude the null block)."""
+    specs = cfg.kv_cache_specs(block_size, kv_cache_dtype, kv_quant_mode, model_dtype)
+    groups = planning.as_groups(specs)
+    first = groups[0].kv_cache_spec
+    num_blocks = planning.num_blocks_from_memory(kv_budget, groups)
+    return dict(
+        kv_cache_dtype=first.dtype,
+        kv_quant_mode=first.kv_quant_mode.value,
+        bytes_per_token=planning.kv_bytes_per_token(groups),
+        bytes_per_block=planning.bytes_per_block(groups),
+        num_groups=len(groups),
+        num_blocks=num_blocks,
+        num_usable_blocks=max(num_blocks - 1, 0),
+        max_tokens=planning.max_num_tokens(num_blocks, groups, context, mnbt),
+        max_concurrency=planning.get_max_concurrency(num_blocks, groups, context, mnbt),
+        blocks_per_request=planning.blocks_per_request(groups, context, mnbt),
+        max_model_len_that_fits=planning.estimate_max_model_len(groups, kv_budget, context, mnbt)
+        if kv_budget > 0 else 0,
+    )
+
+
+def weight_dtype_bytes(name: str) -> float:
+    key = name.lower()
+    if key in WEIGHT_DTYPE_BYTES:
+        return WEIGHT_DTYPE_BYTES[key]
+    try:
+        from pagedkv.core.specs import normalize_dtype
+
+        return WEIGHT_DTYPE_BYTES[normalize_dtype(key)]
+    except (ValueError, KeyError):
+        pass
+    try:
+        return float(name)
+    except ValueError:
+        raise PlanError(f"unknown --weight-dtype {name!r}: use {', '.join(WEIGHT_DTYPE_BYTES)} or a number") from None
+
+
+def make_plan(args: argparse.Namespace) -> dict[str, Any]:
+    """The whole plan as a JSON-able dict; raises PlanError for user-facing failures."""
+    cfg = build_model_config(args)
+    context = args.context or cfg.max_position_embeddings
+    model_dtype = args.dtype
+    try:
+        resolve_kv_cache_dtype(args.kv_cache_dtype, model_dtype, args.kv_quant_mode)
+    except ValueError as e:
+        raise PlanError(str(e)) from None
+    memory: dict[str, Any]
+    if args.memory is not None:
+        kv_budget = args.memory
+        memory = dict(source="--memory", kv_cache=kv_budget)
+    else:
+        from pagedkv.core.specs import dtype_size
+
+        wdt = args.weight_dtype or model_dtype
+        runtime = args.runtime_memory
+        runtime_src = "--runtime-memory"
+        if runtime is None:
+            runtime_src = "estimate"
+            runtime = planning.estimate_runtime_bytes(
+                hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+                num_attention_heads=cfg.num_attention_heads, num_kv_heads=cfg.num_kv_heads,
+                head_dim=cfg.head_dim, vocab_size=cfg.vocab_size,
+                max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+                activation_dtype_bytes=dtype_size(model_dtype))
+        try:
+            mb = planning.plan_device_memory(args.device_memory, cfg.num_params, weight_dtype_bytes(wdt),
+                                             runtime, args.headroom)
+        except ValueError as e:
+            raise PlanError(str(e)) from None
+        kv_budget = mb.kv_cache
+        memory = dict(source="--device-memory", device_memory=mb.device_memory, weight_dtype=wdt,
+                      weights=mb.weights, runtime=mb.runtime, runtime_source=runtime_src,
+                      headroom=mb.headroom, headroom_fraction=args.headroom, kv_cache=kv_budget)
+    try:
+        selected = plan_row(cfg, max(kv_budget, 0), args.block_size, context, args.kv_cache_dtype,
+                            args.kv_quant_mode, model_dtype, args.max_num_batched_tokens)
+        modes = [dict(mode=label, **plan_row(cfg, max(kv_budget, 0), args.block_size, context, dt, mode,
+                                              model_dtype, args.max_num_batched_tokens))
+                 for label, dt, mode in KV_MODES]
+    except (ValueError, NotImplementedError) as e:
+        raise PlanError(str(e)) from None
+    if "device_memory" in memory:
+        memory["c_tokens"] = max(kv_budget, 0) // selected["bytes_per_token"] if selected["bytes_per_token"] else 0
+    specs = cfg.kv_cache_specs(args.block_size, args.kv_cache_dtype, args.kv_quant_mode, model_dtype)
+    try:
+        planning.check_enough_kv_cache_memory(specs, kv_budget, context, args.max_num_batched_tokens)
+    except ValueError as e:
+        where = ""
+        if "device_memory" in memory:
+            where = (f" (KV budget = device {fmt_bytes(memory['device_memory'])} - weights "
+                     f"{fmt_bytes(memory['weights'])} - runtime {fmt_bytes(memory['runtime'])} - headroom "
+                     f"{fmt_bytes(memory['headroom'])} = {fmt_bytes(memory['kv_cache'])})")
+        raise PlanError(f"{e}{where}") from None
+    model = {k: v for k, v in dataclasses.asdict(cfg).items()
+             if k in ("name", "architecture", "num_layers", "num_attention_heads", "num_kv_heads",
+                      "head_dim", "hidden_size", "num_params", "max_position_embeddings",
+                      "sliding_window", "path")}
+    return dict(model=model, block_size=args.block_size, context=context, dtype=model_dtype,
+                max_num_batched_tokens=args.max_num_batched_tokens, memory=memory,
+                null_block="num_blocks includes the null block; usable = num_blocks - 1; "
+                           "max_tokens and max_concurrency count usable blocks only",
+                selected=selected, modes=modes)
+
+
+# ---------------------------------------------------------------- output
+
+
+def format_plan(plan: dict[str, Any]) -> str:
+    m, sel, mem = plan["model"], plan["selected"], plan["memory"]
+    lines = [
+        f"model: {m['name']} ({m['architecture']}, {m['num_layers']} layers, "
+        f"{m['num_attention_heads']} query / {m['num_kv_heads']} KV heads x {m['head_dim']}, "
+        f"{m['num_params'] / 1e6:.1f}M params, max len {m['max_position_embeddings']})",
+    ]
+    if mem["source"] == "--device-memory":
+        lines.append("memory (C_tokens = (M_HBM - M_weights - M_runtime - M_headroom) / M_KV/token):")
+        lines.append(f"  M_HBM (device memory)   {fmt_bytes(mem['device_memory']):>12}")
+        lines.append(f"  - M_weights             {fmt_bytes(mem['weights']):>12}  "
+                     f"({m['num_params']:,} params x {mem['weight_dtype']})")
+        lines.append(f"  - M_runtime             {fmt_bytes(mem['runtime']):>12}  ({mem['runtime_source']})")
+        lines.append(f"  - M_headroom            {fmt_bytes(mem['headroom']):>12}  "
+                     f"({mem['headroom_fraction']:.0%} of device)")
+        lines.append(f"  = KV cache              {fmt_bytes(mem['kv_cache']):>12}")
+        lines.append(f"  C_tokens ~ {mem['c_tokens']:,} tokens at {sel['bytes_per_token']:,} B/token")
+    else:
+        lines.append(f"KV cache memory: {fmt_bytes(mem['kv_cache'])}")
+    lines += [
+        f"block size {plan['block_size']}, context {plan['context']}, KV {sel['kv_cache_dtype']}"
+        f" (quant {sel['kv_quant_mode']}), {sel['num_groups']} KV cache group(s)",
+        f"  bytes per token     {sel['bytes_per_token']:,}",
+        f"  bytes per block     {sel['bytes_per_block']:,}",
+        f"  blocks              {sel['num_blocks']:,} ({sel['num_usable_blocks']:,} usable + 1 null)",
+        f"  max tokens          {sel['max_tokens']:,}",
+        f"  max concurrent requests @ {plan['context']}: {sel['max_concurrency']:.2f}"
+        f" ({sel['blocks_per_request']} blocks each)",
+        "",
+        "all KV quantization modes:",
+    ]
+    header = f"  {'mode':<21}{'dtype':<10}{'B/token':>9}{'B/block':>11}{'blocks':>11}{'max tokens':>13}{'max conc':>10}"
+    lines.append(header)
+    for r in plan["modes"]:
+        lines.append(f"  {r['mode']:<21}{r['kv_cache_dtype']:<10}{r['bytes_per_token']:>9,}"
+                     f"{r['bytes_per_block']:>11,}{r['num_blocks']:>11,}{r['max_tokens']:>13,}"
+                     f"{r['max_concurrency']:>10.2f}")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        plan = make_plan(args)
+    except PlanError as e:
+        print(f"pagedkv plan: error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(plan, indent=2) if args.json else format_plan(plan))
+    return 0

@@ -1,0 +1,135 @@
+"""Building blocks shared by decoder models: linear, RMSNorm, rotary embedding, SwiGLU.
+
+Parameters are created with ``torch.empty`` (no random init: weights are always loaded), in the
+default dtype/device the loader sets. Every ``forward`` takes flat token batches ``[T, ...]``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def _param(*shape: int) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape), requires_grad=False)
+
+
+class Linear(nn.Module):
+    """``y = x @ W.T + b`` with ``W [out, in]``; fused projections are one such layer whose rows
+    are filled shard by shard at load time (see ``LlamaForCausalLM.load_weights``)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        super().__init__()
+        self.weight = _param(out_features, in_features)
+        self.bias = _param(out_features) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class Embedding(nn.Module):
+    """Token embedding table ``[vocab, hidden]``; also serves as the (possibly tied) LM head."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
+        super().__init__()
+        self.weight = _param(num_embeddings, embedding_dim)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight)
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm (HF Llama semantics: normalize in float32, cast back, then scale by the weight).
+
+    ``forward(x, residual)`` fuses the residual add: returns ``(norm(x + residual), x + residual)``
+    so a decoder layer never materializes the sum twice.
+    """
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = _param(hidden_size)
+        self.eps = eps
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        shape = (x.shape[-1],)
+        if x.dtype == torch.float32:
+            return torch.rms_norm(x, shape, self.weight, self.eps)
+        return torch.rms_norm(x.float(), shape, None, self.eps).to(x.dtype) * self.weight
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            return self._norm(x)
+        x = x + residual
+        return self._norm(x), x
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
+    """Inverse frequencies [head_dim/2] (float32), computed exactly as transformers does.
+
+    ``scaling`` is an HF ``rope_scaling`` dict: ``None``/"default", "linear" (positions / factor)
+    or "llama3" (frequency-dependent smoothing). Other types raise ``NotImplementedError``.
+    """
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    if kind == "default":
+        return inv_freq
+    if kind == "linear":
+        return inv_freq / scaling["factor"]
+    if kind == "llama3":
+        factor, lo, hi = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_ctx = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_ctx / lo, inv_freq / factor, inv_freq)
+        smooth = (old_ctx / wavelen - lo) / (hi - lo)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < old_ctx / hi) & ~(wavelen > old_ctx / lo)
+        return torch.where(medium, smoothed, scaled)
+    raise NotImplementedError(f"rope scaling type {kind!r} is not supported")
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary position embedding, neox/HF "rotate_half" convention (pairs ``i`` and ``i + D/2``).
+
+    The cos/sin table for every position up to ``max_positions`` is computed once in float32.
+    ``cos_sin(positions)`` gathers rows once per forward; ``apply`` rotates q/k heads with them.
+    """
+
+    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any] | None) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        self.max_positions = max_positions
+        self.theta = theta
+        self.scaling = scaling
+        self.set_inv_freq(rope_inv_freq(head_dim, theta, scaling))
+
+    def set_inv_freq(self, inv_freq: torch.Tensor) -> None:
+        """Rebuild the table from new inverse frequencies (e.g. a GGUF's ``rope_freqs`` factors)."""
+        t = torch.arange(self.max_positions, dtype=torch.float32)
+        freqs = torch.outer(t, inv_freq.float())
+        self.register_buffer("cos_sin_cache", torch.cat([freqs.cos(), freqs.sin()], dim=-1), persistent=False)
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(cos, sin)``, each ``[T, 1, D/2]`` float32, for int64 ``positions [T]``."""
+        cos, sin = self.cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)
+        return cos, sin
+
+    @staticmethod
+    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rotate ``x [T, H, D]`` (any strides); returns a new contiguous tensor in x's dtype."""
+        xf = x.float()
+        x1, x2 = xf.chunk(2, dim=-1)
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+
+class SiluAndMul(nn.Module):
+    """SwiGLU activation on a fused ``[gate | up]`` projection: ``silu(gate) * up``."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up

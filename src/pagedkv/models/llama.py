@@ -1,0 +1,215 @@
+"""Llama-family decoder (Llama 2/3, SmolLM, Mistral, Qwen2) over a paged KV cache.
+
+The model sees one flat batch of ``T`` tokens from many sequences (prefill chunks and decode
+tokens mixed) and touches the KV cache only through ``pagedkv.ops``: each attention layer
+writes its new K/V with ``reshape_and_cache`` at ``attn_metadata.slot_mapping`` and reads all
+K/V through the block table with ``paged_attention``.
+
+For CPU speed q/k/v are one fused linear (``qkv_proj``) and gate/up another (``gate_up_proj``),
+filled shard by shard by ``load_weights``; rope cos/sin rows are gathered once per forward.
+Qwen2 is this model with ``attention_bias=True`` (q/k/v biases) and its own rope theta.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedkv.models.config import SLIDING_ATTENTION, ModelConfig
+from pagedkv.models.layers import Embedding, Linear, RMSNorm, RotaryEmbedding, SiluAndMul, rope_inv_freq
+from pagedkv.ops.attention import paged_attention
+from pagedkv.ops.cache import reshape_and_cache
+from pagedkv.ops.metadata import AttentionMetadata
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+
+
+class LlamaAttention(nn.Module):
+    """GQA self-attention: fused qkv, rope on q/k, paged cache write + read, output projection."""
+
+    def __init__(self, config: ModelConfig, sliding_window: int | None) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim**-0.5
+        self.sliding_window = sliding_window
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
+        self.o_proj = Linear(self.q_size, config.hidden_size)
+
+    def forward(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv_cache: KVCache, md: AttentionMetadata
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        qkv = self.qkv_proj(x)
+        # q and k heads sit side by side in qkv: rotate them in one pass.
+        qk = RotaryEmbedding.apply(qkv[:, : self.q_size + self.kv_size].view(t, -1, self.head_dim), *rope)
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
+        key_cache, value_cache = kv_cache
+        reshape_and_cache(k, v, key_cache, value_cache, md.slot_mapping)
+        out = paged_attention(q, key_cache, value_cache, md, self.scale, sliding_window=self.sliding_window)
+        return self.o_proj(out.reshape(t, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    """SwiGLU MLP with fused gate/up: ``down(silu(gate(x)) * up(x))``."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size)
+        self.act = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        window = config.sliding_window if config.layer_type(layer_idx) == SLIDING_ATTENTION else None
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = LlamaAttention(config, window)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = LlamaMLP(config)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: KVCache,
+        md: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pre-norm block. ``x`` is the previous layer's output and ``residual`` the stream
+        before it (None for the first layer); returns the same pair for the next layer."""
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, rope, kv_cache, md)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(
+            config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
+        )
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache], md: AttentionMetadata
+    ) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        rope = self.rotary_emb.cos_sin(positions)
+        residual = None
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            x, residual = layer(x, residual, rope, kv_cache, md)
+        x, _ = self.norm(x, residual)
+        return x
+
+
+class LlamaForCausalLM(nn.Module):
+    """A Llama-family causal LM over a paged KV cache.
+
+    ``forward(input_ids [T] int64, positions [T] int64, kv_caches, attn_metadata) -> [T, hidden]``
+    where ``kv_caches[i] = (key_cache, value_cache)`` of layer ``i``, each
+    ``[num_blocks, block_size, num_kv_heads, head_dim]``; ``compute_logits(hidden [N, hidden])``
+    returns float32 ``[N, vocab]``. Both run under ``torch.inference_mode``.
+    """
+
+    # (fused parameter, checkpoint parameter, shard id) as in vLLM's stacked_params_mapping.
+    _STACKED = (
+        (".qkv_proj.", ".q_proj.", "q"),
+        (".qkv_proj.", ".k_proj.", "k"),
+        (".qkv_proj.", ".v_proj.", "v"),
+        (".gate_up_proj.", ".gate_proj.", 0),
+        (".gate_up_proj.", ".up_proj.", 1),
+    )
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config)
+        tied = config.tie_word_embeddings
+        self.lm_head = self.model.embed_tokens if tied else Embedding(config.vocab_size, config.hidden_size)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[KVCache],
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        return self.model(input_ids, positions, kv_caches, attn_metadata)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.lm_head.weight).float()
+
+    # ---- weights -------------------------------------------------------------------------
+    def _shard(self, shard: str | int, rows: int) -> tuple[int, int]:
+        """Row range ``(start, size)`` of one checkpoint tensor inside its fused parameter."""
+        if isinstance(shard, int):  # gate (0) / up (1): halves of gate_up_proj
+            return shard * rows, rows
+        a = self.model.layers[0].self_attn
+        return {"q": (0, a.q_size), "k": (a.q_size, a.kv_size), "v": (a.q_size + a.kv_size, a.kv_size)}[shard]
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy ``(hf_name, tensor)`` pairs into the parameters (casting to their dtype), fusing
+        q/k/v and gate/up. Returns the names of the parameters now fully written (a fused one
+        counts once all its shards arrived); raises ``ValueError`` for a name the model does not
+        have or a shape mismatch.
+        """
+        params = dict(self.named_parameters(remove_duplicate=False))
+        rows_written: dict[str, int] = {}
+        for name, w in weights:
+            if name == "model.rotary_emb.freq_factors":  # llama.cpp's per-frequency rope divisors
+                rope = self.model.rotary_emb
+                rope.set_inv_freq(rope_inv_freq(rope.head_dim, rope.theta, None) / w.float())
+                continue
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue  # some checkpoints store the tied copy too
+            for fused, part, shard in self._STACKED:
+                if part in name:
+                    target = name.replace(part, fused)
+                    start, size = self._shard(shard, w.shape[0])
+                    _copy(_param_of(params, target, name).narrow(0, start, size), w, name)
+                    break
+            else:
+                target, size = name, w.shape[0] if w.dim() else 1
+                _copy(_param_of(params, target, name), w, name)
+            rows_written[target] = rows_written.get(target, 0) + size
+        loaded = {n for n, rows in rows_written.items() if rows == (params[n].shape[0] if params[n].dim() else 1)}
+        if self.config.tie_word_embeddings and "model.embed_tokens.weight" in loaded:
+            loaded.add("lm_head.weight")
+        return loaded
+
+    def param_names(self) -> set[str]:
+        """Every parameter name ``load_weights`` must write for the model to be complete."""
+        return {n for n, _ in self.named_parameters(remove_duplicate=False)}
+
+
+def _param_of(params: dict[str, nn.Parameter], target: str, name: str) -> nn.Parameter:
+    if target not in params:
+        raise ValueError(f"checkpoint tensor {name!r} has no matching model parameter")
+    return params[target]
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
+    if dst.shape != src.shape:
+        raise ValueError(f"{name}: checkpoint shape {tuple(src.shape)} != parameter shape {tuple(dst.shape)}")
+    dst.copy_(src)

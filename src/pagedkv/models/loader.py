@@ -1,0 +1,108 @@
+"""``get_model``: a model name or path in, a ready model + config + tokenizer out.
+
+Accepted ``model`` values: ``None`` (the default SmolLM2-135M-Instruct GGUF), a ``*.gguf`` file,
+a directory with ``config.json`` + ``*.safetensors`` (HF layout), or a directory holding exactly
+one ``*.gguf``. Nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from pagedkv.models.config import ModelConfig, default_model_path, load_model_config
+from pagedkv.models.gguf_loader import iter_gguf_weights, read_gguf
+from pagedkv.models.hf_loader import is_hf_dir, iter_safetensors_weights
+from pagedkv.models.registry import CausalLM, get_model_class
+from pagedkv.models.tokenizer import Tokenizer
+
+_DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+}  # fmt: skip
+
+
+@dataclass(slots=True)
+class LoadedModel:
+    """A model ready for ``forward``, its architecture config and its tokenizer (None only for
+    an HF directory without ``tokenizer.json``, e.g. a tiny random-weight test model)."""
+
+    model: CausalLM
+    config: ModelConfig
+    tokenizer: Tokenizer | None
+    dtype: torch.dtype
+    source: Path  # the .gguf file or HF directory the weights came from
+    load_seconds: float
+
+
+def resolve_dtype(dtype: torch.dtype | str, config: ModelConfig | None = None) -> torch.dtype:
+    """A torch dtype from a dtype or its name; "auto" is the checkpoint's declared float dtype
+    when it has one (HF ``torch_dtype``), else float32 (GGUF weights are dequantized to it)."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        return _DTYPES.get((config.dtype if config else None) or "float32", torch.float32)
+    if dtype not in _DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(_DTYPES)} or 'auto'")
+    return _DTYPES[dtype]
+
+
+def resolve_model_path(model: str | Path | None) -> Path:
+    """The ``.gguf`` file or HF directory ``model`` names (see module docstring)."""
+    if model is None:
+        return default_model_path()
+    p = Path(model).expanduser()
+    if p.is_file() and p.suffix.lower() == ".gguf":
+        return p
+    if p.is_dir():
+        if (p / "config.json").exists():
+            return p
+        ggufs = sorted(p.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return ggufs[0]
+    raise FileNotFoundError(f"{model!r} is not a .gguf file, an HF model directory or a directory with one .gguf")
+
+
+@contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """Parameters created inside are allocated directly in ``dtype`` (no float32 detour)."""
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def get_model(
+    model: str | Path | None = None, dtype: torch.dtype | str = torch.float32, device: str | torch.device = "cpu"
+) -> LoadedModel:
+    """Load weights, config and tokenizer. Raises ``ValueError`` if the checkpoint leaves any
+    parameter unwritten (or has one the model lacks), so a half-loaded model never runs."""
+    start = time.perf_counter()
+    path = resolve_model_path(model)
+    config = load_model_config(path)
+    torch_dtype = resolve_dtype(dtype, config)
+    tokenizer: Tokenizer | None
+    if path.suffix.lower() == ".gguf":
+        gguf = read_gguf(path)
+        tokenizer = Tokenizer.from_gguf_metadata(gguf.metadata)
+        weights = iter_gguf_weights(gguf)
+    elif is_hf_dir(path):
+        tokenizer = Tokenizer.from_hf_dir(path) if (path / "tokenizer.json").exists() else None
+        weights = iter_safetensors_weights(path)
+    else:
+        raise FileNotFoundError(f"{path}: no *.safetensors weights")
+    with _default_dtype(torch_dtype), torch.device(device):
+        net = get_model_class(config.architecture)(config)
+    missing = net.param_names() - net.load_weights(weights)
+    if missing:
+        raise ValueError(f"{path}: checkpoint did not provide {sorted(missing)[:8]} ({len(missing)} missing)")
+    net.eval()
+    return LoadedModel(net, config, tokenizer, torch_dtype, path, time.perf_counter() - start)

@@ -1,0 +1,52 @@
+"""Which model class runs which architecture, and the interface every model class offers."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Protocol
+
+import torch
+
+from pagedkv.models.config import ModelConfig
+from pagedkv.models.llama import LlamaForCausalLM
+from pagedkv.ops.metadata import AttentionMetadata
+
+
+class CausalLM(Protocol):
+    """What the engine calls: a flat token batch in, hidden states out, logits on demand."""
+
+    config: ModelConfig
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor: ...
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]: ...
+
+    def param_names(self) -> set[str]: ...
+
+
+# Keys are GGUF general.architecture / HF model_type values (lower case).
+_MODELS: dict[str, type[LlamaForCausalLM]] = {
+    "llama": LlamaForCausalLM,
+    "mistral": LlamaForCausalLM,  # Llama + sliding window (from the config)
+    "qwen2": LlamaForCausalLM,  # Llama + q/k/v bias (config.attention_bias)
+}
+
+
+def get_model_class(architecture: str) -> type[LlamaForCausalLM]:
+    """The model class for ``architecture``; ``ValueError`` listing the supported ones otherwise."""
+    cls = _MODELS.get(architecture.lower())
+    if cls is None:
+        raise ValueError(f"unsupported architecture {architecture!r}; supported: {sorted(_MODELS)}")
+    return cls
+
+
+def supported_architectures() -> list[str]:
+    return sorted(_MODELS)
