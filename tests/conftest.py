@@ -8,6 +8,7 @@ files that never touch a model pay nothing. Nothing is downloaded (HF offline mo
 from __future__ import annotations
 
 import os
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -50,16 +51,19 @@ def hf_tokenizer(gguf_path: Path) -> Any:
 @pytest.fixture(scope="session")
 def hf_logits(hf_model: Any) -> Callable[[Sequence[int]], Any]:
     """``hf_logits(ids) -> Tensor[len(ids), vocab]`` (float32), the reference forward of one
-    unpadded sequence; memoized per token sequence."""
+    unpadded sequence; the last 32 distinct sequences are memoized (logits are ~200 KB/token)."""
     import torch
 
-    cache: dict[tuple[int, ...], torch.Tensor] = {}
+    cache: OrderedDict[tuple[int, ...], torch.Tensor] = OrderedDict()
 
     def run(ids: Sequence[int]) -> torch.Tensor:
         key = tuple(int(i) for i in ids)
         if key not in cache:
             with torch.inference_mode():
                 cache[key] = hf_model(torch.tensor([key])).logits[0].float()
+            if len(cache) > 32:
+                cache.popitem(last=False)
+        cache.move_to_end(key)
         return cache[key]
 
     return run

@@ -137,9 +137,8 @@ def _one_prompt_logits(loaded: Any, ids: list[int]) -> torch.Tensor:
     table = torch.tensor([[2, 5, 3, 7]], dtype=torch.int32)
     pos = torch.arange(t)
     slots = table[0, pos // bs].long() * bs + pos % bs
-    md = AttentionMetadata(
-        slots, torch.tensor([0, t], dtype=torch.int32), torch.tensor([t], dtype=torch.int32), table, bs, t, t, [0, t], [t]
-    )
+    starts, lens = torch.tensor([0, t], dtype=torch.int32), torch.tensor([t], dtype=torch.int32)
+    md = AttentionMetadata(slots, starts, lens, table, bs, t, t, [0, t], [t])
     return loaded.model.compute_logits(loaded.model.forward(torch.tensor(ids), pos, kv, md))
 
 
@@ -195,3 +194,23 @@ def test_resolve_paths_and_dtypes(gguf_path: Path, tmp_path: Path) -> None:
     assert resolve_dtype("bf16") == torch.bfloat16 and resolve_dtype(torch.float32) == torch.float32
     with pytest.raises(ValueError):
         resolve_dtype("int3")
+
+
+def test_gguf_rope_freq_factors_reproduce_llama3_scaling() -> None:
+    """Llama 3.x GGUFs carry ``rope_freqs`` (per-frequency divisors) instead of a scaling config:
+    loading them must give the same rope table as HF's "llama3" rope_scaling."""
+    from pagedkv.models.config import ModelConfig
+    from pagedkv.models.layers import RotaryEmbedding, rope_inv_freq
+    from pagedkv.models.llama import LlamaForCausalLM
+
+    scaling = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                   original_max_position_embeddings=64)
+    target = RotaryEmbedding(16, 256, 1e4, scaling)
+    config = ModelConfig.from_dict(dict(architecture="llama", num_layers=1, hidden_size=32, num_attention_heads=2,
+                                        num_kv_heads=1, head_dim=16, intermediate_size=64, vocab_size=8,
+                                        max_position_embeddings=256, rope_theta=1e4))
+    model = LlamaForCausalLM(config)
+    assert not torch.allclose(model.model.rotary_emb.cos_sin_cache, target.cos_sin_cache)
+    factors = rope_inv_freq(16, 1e4, None) / rope_inv_freq(16, 1e4, scaling)
+    assert model.load_weights([("model.rotary_emb.freq_factors", factors)]) == set()
+    torch.testing.assert_close(model.model.rotary_emb.cos_sin_cache, target.cos_sin_cache)

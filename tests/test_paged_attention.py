@@ -32,6 +32,7 @@ def batches(draw: st.DrawFn) -> dict:
         num_kv_heads=draw(st.sampled_from([1, 2])),
         group=draw(st.sampled_from([1, 3])),
         head_size=draw(st.sampled_from([8, 32])),
+        head_size_v=draw(st.sampled_from([None, None, 16])),  # Dv != D: the matmul kernel
         layout=draw(st.sampled_from(LAYOUTS)),
         shared_prefix=draw(st.booleans()),
         seed=draw(st.integers(0, 2**31)),
@@ -53,16 +54,17 @@ window = st.one_of(st.none(), st.integers(1, 40))
 soft_cap = st.one_of(st.none(), st.floats(0.5, 30.0))
 splits = st.sampled_from([None, 1, 2, 5])
 # Tiny budgets force many decode chunks, automatic KV splits and small prefill query tiles.
-budgets = st.sampled_from([(4 << 20, 2 << 20), (2048, 4096)])
+budgets = st.sampled_from([(4 << 20, 32 << 20, 16 << 20), (2048, 8192, 4096)])
 
 
 @settings(max_examples=70, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(spec=batches(), w=window, cap=soft_cap, n_splits=splits, budget=budgets)
 def test_matches_dense_reference_fp32(spec: dict, w: int | None, cap: float | None,
-                                      n_splits: int | None, budget: tuple[int, int]) -> None:
+                                      n_splits: int | None, budget: tuple[int, int, int]) -> None:
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(attention_mod, "KV_CHUNK_BYTES", budget[0])
-        mp.setattr(attention_mod, "PREFILL_SCORES_BYTES", budget[1])
+        mp.setattr(attention_mod, "KV_SPLIT_BYTES", budget[1])
+        mp.setattr(attention_mod, "PREFILL_TILE_BYTES", budget[2])
         check(spec, torch.float32, w, cap, n_splits, atol=1e-5, rtol=1e-5)
 
 
@@ -101,6 +103,18 @@ def test_split_kv_decode_equals_single_pass_long_context(layout: str | None) -> 
                                atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("cap", [None, 5.0])  # flash kernel / matmul kernel
+def test_split_with_rows_that_end_before_a_segment(cap: float | None) -> None:
+    """Short and long rows share a chunk: later segments hold no key of the short rows, whose
+    partial results must then carry lse = −inf (weight 0), not a finite lse."""
+    spec = dict(seq_lens=[300, 40, 5, 280, 161], query_lens=[1] * 5, block_size=16,
+                num_kv_heads=2, group=3, head_size=32, layout="LBNHC", shared_prefix=False,
+                seed=8)
+    for splits in (3, 4, 19):
+        check(spec, torch.float32, None, cap, splits, atol=1e-5, rtol=1e-5)
+        check(spec, torch.float32, 33, cap, splits, atol=1e-5, rtol=1e-5)
+
+
 def test_automatic_split_kicks_in_and_agrees(monkeypatch: pytest.MonkeyPatch) -> None:
     spec = dict(seq_lens=[2048, 1500], query_lens=[1, 1], block_size=16, num_kv_heads=1,
                 group=3, head_size=32, layout="LBNHC", shared_prefix=False, seed=5)
@@ -111,10 +125,26 @@ def test_automatic_split_kicks_in_and_agrees(monkeypatch: pytest.MonkeyPatch) ->
     real_merge = attention_mod.merge_attn_states_multi
     monkeypatch.setattr(attention_mod, "merge_attn_states_multi",
                         lambda o, l: merges.append(len(o)) or real_merge(o, l))
-    monkeypatch.setattr(attention_mod, "KV_CHUNK_BYTES", 64 << 10)
+    monkeypatch.setattr(attention_mod, "KV_SPLIT_BYTES", 64 << 10)
     auto = paged_attention(*args)
     assert merges and max(merges) > 1  # the long rows really were split
     torch.testing.assert_close(auto, single, atol=1e-5, rtol=1e-5)
+
+
+def test_decode_chunks_cover_rows_by_length_within_budget() -> None:
+    lens = [500, 20, 700, 30, 650, 5000, 40]
+    rows = [0, 1, 2, 3, 4, 5]  # row 6 is not a decode row
+    chunks = attention_mod._decode_chunks(lens, rows, token_bytes=1, budget=1500)
+    assert sorted(i for c in chunks for i in c) == rows
+    flat = [lens[i] for c in chunks for i in c]
+    assert flat == sorted(flat)  # length order: each chunk pads to little
+    assert chunks[-1] == [5]  # alone above the budget
+    for c in chunks[:-1]:
+        assert len(c) * max(lens[i] for i in c) <= 1500
+    # With a window a chunk only spans [shortest - w, longest): more rows fit.
+    lens = [600, 650, 700, 680]
+    assert len(attention_mod._decode_chunks(lens, [0, 1, 2, 3], 1, 1500)) == 2
+    assert attention_mod._decode_chunks(lens, [0, 1, 2, 3], 1, 1500, 100) == [[0, 1, 3, 2]]
 
 
 def test_window_of_one_sees_only_itself() -> None:

@@ -149,7 +149,9 @@ def test_chat_template_sandbox_and_raise_exception(tok: Tokenizer) -> None:
         tok.backend,
         bos_token_id=1,
         eos_token_id=2,
-        chat_template="{% if messages[0]['role'] != 'system' %}{{ raise_exception('need a system turn') }}{% endif %}ok",
+        chat_template=(
+            "{% if messages[0]['role'] != 'system' %}{{ raise_exception('need a system turn') }}{% endif %}ok"
+        ),
     )
     with pytest.raises(jinja2.exceptions.TemplateError, match="need a system turn"):
         strict.apply_chat_template(CONVERSATIONS[0])

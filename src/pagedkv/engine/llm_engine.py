@@ -172,6 +172,8 @@ class LLMEngine:
             return []
         logits = self.runner.execute_model(so)
         sampling = [s.request for s in so.scheduled if s.samples]
+        if not sampling:  # only prefill chunks that do not reach the end of their prompts
+            return []
         rows: list[int] = []
         reqs: list[Request] = []
         forks: list[tuple[Request, Request]] = []

@@ -110,8 +110,10 @@ class RotaryEmbedding(nn.Module):
 
     def set_inv_freq(self, inv_freq: torch.Tensor) -> None:
         """Rebuild the table from new inverse frequencies (e.g. a GGUF's ``rope_freqs`` factors)."""
-        t = torch.arange(self.max_positions, dtype=torch.float32)
-        freqs = torch.outer(t, inv_freq.float())
+        old = getattr(self, "cos_sin_cache", None)
+        device = old.device if old is not None else inv_freq.device  # stay where the model lives
+        t = torch.arange(self.max_positions, dtype=torch.float32, device=device)
+        freqs = torch.outer(t, inv_freq.to(device=device, dtype=torch.float32))
         self.register_buffer("cos_sin_cache", torch.cat([freqs.cos(), freqs.sin()], dim=-1), persistent=False)
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -121,10 +123,21 @@ class RotaryEmbedding(nn.Module):
 
     @staticmethod
     def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """Rotate ``x [T, H, D]`` (any strides); returns a new contiguous tensor in x's dtype."""
+        """Rotate ``x [T, H, D]`` (any strides); returns a new contiguous tensor in x's dtype.
+
+        ``[x1, x2] -> [x1·cos - x2·sin, x2·cos + x1·sin]`` computed in float32 straight into the
+        two halves of one output (a ``cat`` of temporaries is ~20x slower on CPU). Products and
+        sums are rounded separately (no fused multiply-add) so float32 results equal HF's.
+        """
+        half = x.shape[-1] // 2
         xf = x.float()
-        x1, x2 = xf.chunk(2, dim=-1)
-        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+        x1, x2 = xf[..., :half], xf[..., half:]
+        out = torch.empty(xf.shape, dtype=torch.float32, device=x.device)
+        tmp = torch.empty(x1.shape, dtype=torch.float32, device=x.device)
+        o1, o2 = out[..., :half], out[..., half:]
+        torch.mul(x1, cos, out=o1).sub_(torch.mul(x2, sin, out=tmp))
+        torch.mul(x2, cos, out=o2).add_(torch.mul(x1, sin, out=tmp))
+        return out.to(x.dtype)
 
 
 class SiluAndMul(nn.Module):
@@ -132,4 +145,4 @@ class SiluAndMul(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = x.chunk(2, dim=-1)
-        return F.silu(gate) * up
+        return F.silu(gate).mul_(up)

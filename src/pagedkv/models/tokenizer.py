@@ -79,9 +79,10 @@ def build_gguf_backend(meta: Mapping[str, Any]) -> BackendTokenizer:
     if split is None:
         backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     else:
-        backend.pre_tokenizer = pre_tokenizers.Sequence(
-            [pre_tokenizers.Split(Regex(split), behavior="isolated"), pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
-        )
+        backend.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(split), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ])
     backend.decoder = decoders.ByteLevel()
     # Control tokens (<|im_start|>...) must match whole; one spelled outside the byte alphabet is a
     # llama.cpp mislabel that transformers skips, and so do we.
@@ -279,7 +280,8 @@ def _compile_template(source: str) -> Any:
     def raise_exception(message: str) -> None:
         raise TemplateError(message)
 
-    def tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None, sort_keys: bool = False) -> str:
+    def tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
+               sort_keys: bool = False) -> str:
         # jinja's built-in tojson HTML-escapes; templates expect plain JSON.
         return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 

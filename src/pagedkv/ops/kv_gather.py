@@ -1,0 +1,96 @@
+"""Gathering paged K/V blocks into dense scratch tensors (the one copy attention needs).
+
+Attention kernels here are dense torch ops, so a sequence's scattered blocks are first copied
+into a contiguous workspace: one ``index_select`` per call moves whole blocks (memcpy speed for
+layouts whose blocks are contiguous) and, when K and V interleave in one buffer, moves both at
+once. The workspace is reused: multi-MB tensors allocated fresh on every call come straight
+from mmap and pay a page fault per 4 KiB on first touch, which costs more than the copy.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from pagedkv.ops.kv_cache import kv_combined_view
+
+
+class Workspace:
+    """Grow-only scratch buffers reused across calls, one per (name, device, dtype).
+
+    A view returned by :meth:`get` stays valid until the next ``get`` of the same name;
+    single-threaded use (one engine step at a time per process).
+    """
+
+    def __init__(self) -> None:
+        self._bufs: dict[tuple[str, torch.device, torch.dtype], torch.Tensor] = {}
+
+    def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype,
+            device: torch.device) -> torch.Tensor:
+        numel = math.prod(shape)
+        key = (name, device, dtype)
+        buf = self._bufs.get(key)
+        if buf is None or buf.numel() < numel:
+            buf = self._bufs[key] = torch.empty(numel, dtype=dtype, device=device)
+        return buf[:numel].view(shape)
+
+    def clear(self) -> None:
+        """Release all scratch memory (e.g. after a rare very long prefill)."""
+        self._bufs.clear()
+
+
+WORKSPACE = Workspace()
+
+
+@dataclass(slots=True)
+class PagedKV:
+    """One layer's paged K/V: ``key_cache [NB, BS, Hkv, D]``, ``value_cache [NB, BS, Hkv, Dv]``.
+
+    ``kv`` is their fused ``[NB, BS, Hkv, D + Dv]`` view when they interleave in one buffer
+    (as :func:`allocate_kv_cache` lays them out), else ``None``.
+    """
+
+    key_cache: torch.Tensor
+    value_cache: torch.Tensor
+    kv: torch.Tensor | None
+
+    @classmethod
+    def of(cls, key_cache: torch.Tensor, value_cache: torch.Tensor) -> PagedKV:
+        return cls(key_cache, value_cache, kv_combined_view(key_cache, value_cache))
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.key_cache.shape[2]
+
+    @property
+    def head_size(self) -> int:
+        return self.key_cache.shape[3]
+
+    @property
+    def token_bytes(self) -> int:
+        """Bytes one gathered token (K and V of all KV heads) takes."""
+        per_head = self.head_size + self.value_cache.shape[3]
+        return self.num_kv_heads * per_head * self.key_cache.element_size()
+
+    def gather(self, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(k [B, n*BS, Hkv, D], v [B, n*BS, Hkv, Dv])`` for block ids ``blocks [B, n]``.
+
+        Token ``j`` of row ``b`` is token ``j % BS`` of block ``blocks[b, j // BS]``. Cache
+        dtype; the tensors live in :data:`WORKSPACE`, so use them before the next gather.
+        """
+        b, n = blocks.shape
+        idx = blocks.reshape(-1)
+        if self.kv is not None:
+            kv = _gather("kv", self.kv, idx)
+            kv = kv.view(b, n * kv.shape[1], *kv.shape[2:])
+            return kv[..., : self.head_size], kv[..., self.head_size:]
+        k, v = _gather("k", self.key_cache, idx), _gather("v", self.value_cache, idx)
+        return k.view(b, n * k.shape[1], *k.shape[2:]), v.view(b, n * v.shape[1], *v.shape[2:])
+
+
+def _gather(name: str, src: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """``src[idx]`` into workspace memory, contiguous in logical order whatever src's strides."""
+    dst = WORKSPACE.get(name, (idx.numel(), *src.shape[1:]), src.dtype, src.device)
+    return torch.index_select(src, 0, idx, out=dst)
