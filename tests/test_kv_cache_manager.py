@@ -292,3 +292,32 @@ def test_check_invariants_catches_a_leak():
 def test_none_hash_is_parent_of_first_block():
     tokens = list(range(16))
     assert hash_block_tokens(sha256, None, tokens) == sha256((get_none_hash(sha256), tuple(tokens), None))
+
+
+def test_fork_request_shares_full_blocks_and_copies_partial():
+    m = make_manager()
+    parent = make_request(list(range(40)), m)
+    admit(m, parent)
+    child = make_request(list(range(40)), m)
+    copies = m.fork_request(parent, child)
+    p_ids, c_ids = m.get_block_ids(parent.request_id)[0], m.get_block_ids(child.request_id)[0]
+    assert c_ids[:2] == p_ids[:2] and c_ids[2] != p_ids[2]
+    assert copies == [(p_ids[2], c_ids[2])]
+    assert [m.block_pool.blocks[i].ref_cnt for i in p_ids] == [2, 2, 1]
+    assert child.num_computed_tokens == 40
+    m.check_invariants()
+    # Aligned prompt: nothing to copy.
+    p2 = make_request(list(range(100, 132)), m)
+    admit(m, p2)
+    c2 = make_request(list(range(100, 132)), m)
+    assert m.fork_request(p2, c2) == []
+    # No room for the copy: refused with nothing changed.
+    filler = make_request(list(range(1000, 1000 + 16 * m.num_free_blocks)), m)
+    admit(m, filler)
+    c3 = make_request(list(range(40)), m)
+    assert m.fork_request(parent, c3) is None
+    assert m.get_block_ids(c3.request_id) == ([],)
+    m.check_invariants()
+    for r in (parent, child, p2, c2, filler):
+        m.free(r)
+    m.check_invariants()
