@@ -5,9 +5,10 @@ Shapes follow SmolLM2-135M (Hq=9, Hkv=3, D=64, 30 layers), block size 16, float3
   * prefill: one 512-token prompt (no cached context), and a 512-token chunk after 1536 cached;
   * mixed: the decode batch plus one 128-token prefill chunk;
   * long decode: 8 sequences of 4096 tokens, single pass vs split-KV.
-Each case is timed for every supported layout; the engine's per-step cost is 30× a call.
+Each case runs a whole step: 30 layers, each with its own KV cache, so K/V come from DRAM as
+in the engine, for every layout (interleaved, best of ``--rounds``).
 
-Run: ``.venv/bin/python benchmarks/bench_attention.py [--layouts LBNHC,BLNHC] [--dtype bf16]``
+Run: ``.venv/bin/python benchmarks/bench_attention.py [--layouts LBNHC] [--dtype bf16]``
 """
 
 from __future__ import annotations
@@ -48,22 +49,23 @@ def make_metadata(seq_lens: list[int], query_lens: list[int], num_blocks: int,
         seq_lens_cpu=list(seq_lens))
 
 
-def timeit(fn: Callable[[], object], min_time: float = 0.4) -> tuple[float, float]:
-    """Best-of-runs (wall µs, process-CPU µs) per call, after a warm-up call.
+def time_rounds(fns: dict[str, Callable[[], object]], rounds: int
+                ) -> dict[str, tuple[float, float]]:
+    """Best (wall s, process-CPU s) per variant, interleaving variants round by round.
 
-    Minimums, because other processes on a 2-core machine only ever add time; CPU time is the
-    steadier number when the machine is shared (with one thread it excludes preemption).
+    Minimums over interleaved rounds, because other processes on a shared 2-core machine only
+    ever add time, and in bursts: any quiet moment then counts for every variant alike.
     """
-    fn()
-    walls: list[float] = []
-    cpus: list[float] = []
-    start = time.perf_counter()
-    while time.perf_counter() - start < min_time or len(walls) < 5:
-        t0, c0 = time.perf_counter(), time.process_time()
-        fn()
-        walls.append(time.perf_counter() - t0)
-        cpus.append(time.process_time() - c0)
-    return min(walls) * 1e6, min(cpus) * 1e6
+    for fn in fns.values():
+        fn()  # warm-up: workspace growth, first-touch page faults
+    best = {name: (float("inf"), float("inf")) for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            t0, c0 = time.perf_counter(), time.process_time()
+            fn()
+            wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+            best[name] = (min(best[name][0], wall), min(best[name][1], cpu))
+    return best
 
 
 def cases() -> dict[str, tuple[list[int], list[int], dict]]:
@@ -83,36 +85,40 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layouts", default="LBNHC,BLNHC,LBHNC")
     ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
-    ap.add_argument("--layers", type=int, default=2, help="layers allocated (views differ)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--cases", default="", help="comma-separated substrings of case names")
-    ap.add_argument("--min-time", type=float, default=0.5, help="seconds of runs per case")
+    ap.add_argument("--rounds", type=int, default=8)
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = torch.float32 if args.dtype == "fp32" else torch.bfloat16
-    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, {args.dtype}")
-    print(f"{'case':32s} {'layout':7s} {'wall µs':>9s} {'cpu µs':>9s} {'ms/30 layers':>13s}")
+    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, {args.dtype}; "
+          f"one step = {LAYERS} layers, each with its own (cold) KV cache")
+    print(f"{'case':30s} {'layout':7s} {'µs/layer':>9s} {'cpu µs/layer':>13s} {'ms/step':>8s}")
     for name, (seq_lens, query_lens, kw) in cases().items():
         if args.cases and not any(c in name for c in args.cases.split(",")):
             continue
         num_blocks = sum(-(-n // BS) for n in seq_lens) + 8
         md = make_metadata(seq_lens, query_lens, num_blocks)
         query = torch.randn(sum(query_lens), HQ, D).to(dtype)
+        steps = {}
         for layout in args.layouts.split(","):
-            buf, views = allocate_kv_cache(layout, args.layers, num_blocks, BS, HKV, D, dtype)
+            buf, views = allocate_kv_cache(layout, LAYERS, num_blocks, BS, HKV, D, dtype)
             buf.normal_()
-            k_cache, v_cache = views[-1]
-            us, cpu = timeit(lambda: paged_attention(query, k_cache, v_cache, md, D ** -0.5, **kw),
-                             args.min_time)
-            print(f"{name:32s} {layout:7s} {us:9.0f} {cpu:9.0f} {us * LAYERS / 1e3:13.2f}")
-    # The cache write of a decode step (64 tokens) for reference.
-    buf, views = allocate_kv_cache("LBNHC", 1, 4096, BS, HKV, D, dtype)
+            steps[layout] = lambda views=views: [
+                paged_attention(query, k, v, md, D ** -0.5, **kw) for k, v in views]
+        for layout, (wall, cpu) in time_rounds(steps, args.rounds).items():
+            print(f"{name:30s} {layout:7s} {wall / LAYERS * 1e6:9.0f} "
+                  f"{cpu / LAYERS * 1e6:13.0f} {wall * 1e3:8.1f}")
+        del steps
+    # The cache writes of a 64-token decode step.
+    _, views = allocate_kv_cache("LBNHC", LAYERS, 4096, BS, HKV, D, dtype)
     k_new, v_new = torch.randn(64, HKV, D).to(dtype), torch.randn(64, HKV, D).to(dtype)
     slots = torch.randperm(4096 * BS)[:64]
-    us, cpu = timeit(lambda: reshape_and_cache(k_new, v_new, *views[0], slots), args.min_time)
-    print(f"{'reshape_and_cache 64 tokens':32s} {'LBNHC':7s} {us:9.0f} {cpu:9.0f} "
-          f"{us * LAYERS / 1e3:13.2f}")
+    wall, cpu = time_rounds({"w": lambda: [reshape_and_cache(k_new, v_new, k, v, slots)
+                                           for k, v in views]}, args.rounds)["w"]
+    print(f"{'reshape_and_cache 64 tokens':30s} {'LBNHC':7s} {wall / LAYERS * 1e6:9.0f} "
+          f"{cpu / LAYERS * 1e6:13.0f} {wall * 1e3:8.1f}")
 
 
 if __name__ == "__main__":

@@ -77,3 +77,13 @@ def pagedkv_model(gguf_path: Path) -> Any:
     from pagedkv.models.loader import get_model
 
     return get_model(gguf_path, torch.float32)
+
+
+@pytest.fixture(scope="session")
+def pagedkv_model_bf16(gguf_path: Path) -> Any:
+    """Our bfloat16 ``LoadedModel`` of the default GGUF."""
+    import torch
+
+    from pagedkv.models.loader import get_model
+
+    return get_model(gguf_path, torch.bfloat16)

@@ -158,9 +158,10 @@ def test_chunked_prefill_and_decode_match_transformers(
     assert agree == 1.0
 
 
-def test_bf16_top1_agreement(gguf_path: Path, prompt_ids: list[list[int]],
+def test_bf16_top1_agreement(pagedkv_model_bf16: LoadedModel, prompt_ids: list[list[int]],
                              hf_logits: Callable[[Sequence[int]], torch.Tensor]) -> None:
-    bf16 = get_model(gguf_path, torch.bfloat16)
+    bf16 = pagedkv_model_bf16
+    assert bf16.model.model.layers[0].mlp.gate_up_proj.weight.dtype == torch.bfloat16
     runner = PagedRunner(bf16, num_blocks=64, seed=2)
     seqs = [runner.add(ids, len(ids)) for ids in prompt_ids]
     runner.step([(s, len(s.ids)) for s in seqs])

@@ -122,8 +122,8 @@ def test_loaded_model_metadata(pagedkv_model: Any, gguf_path: Path) -> None:
     print(f"\nGGUF float32 load: {pagedkv_model.load_seconds:.2f} s")
 
 
-def test_bf16_load_is_cast_of_fp32(pagedkv_model: Any, gguf_path: Path) -> None:
-    bf16 = get_model(gguf_path, "bfloat16")
+def test_bf16_load_is_cast_of_fp32(pagedkv_model: Any, pagedkv_model_bf16: Any) -> None:
+    bf16 = pagedkv_model_bf16
     assert bf16.dtype == torch.bfloat16
     ref = dict(pagedkv_model.model.named_parameters())
     for name, w in bf16.model.named_parameters():

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from ref_attention import make_paged_batch, ref_attention
 
 from pagedkv.ops import attention as attention_mod
+from pagedkv.ops import dense_attention as dense_mod
 from pagedkv.ops.attention import paged_attention
 from pagedkv.ops.merge_attn_states import merge_attn_states, merge_attn_states_multi
 
@@ -182,6 +183,26 @@ def test_rejects_bad_arguments() -> None:
         paged_attention(batch.query, batch.key_cache, batch.value_cache, batch.md, 1.0, 0)
     with pytest.raises(ValueError, match="multiple"):
         paged_attention(batch.query[:, :1], batch.key_cache, batch.value_cache, batch.md, 1.0)
+
+
+@pytest.mark.parametrize("m", [1, 6])  # decode (G folded into rows) and prefill shapes
+@pytest.mark.parametrize("causal", [False, True])
+def test_dense_kernels_agree_including_empty_rows(m: int, causal: bool) -> None:
+    """The flash and matmul kernels behind ``attend`` give the same (out, lse), with
+    ``lse = −inf`` and ``out = 0`` for rows whose mask hides every key."""
+    g = torch.Generator().manual_seed(m)
+    b, hkv, grp, n, d = 3, 2, 3, 9, 16
+    q = torch.randn(b, hkv * grp, m, d, generator=g)
+    kv = torch.randn(b, n, hkv, 2 * d, generator=g)  # interleaved, as gathered
+    k, v = kv[..., :d], kv[..., d:]
+    mask = torch.rand(b, m, n, generator=g) > 0.4
+    mask[1] = False  # a sequence with no visible key at all
+    outs = [kern(q, k, v, 0.3, mask, causal, *extra) for kern, extra in
+            [(dense_mod._attend_flash_cpu, (True,)), (dense_mod._attend_matmul, (None,))]]
+    (o1, l1), (o2, l2) = outs
+    torch.testing.assert_close(o1, o2, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(l1, l2, atol=1e-6, rtol=1e-5)
+    assert bool(torch.isneginf(l1[1]).all()) and not o1[1].any()
 
 
 # ---------------------------------------------------------------- merge_attn_states

@@ -6,7 +6,6 @@ from __future__ import annotations
 import random
 import time
 
-import pytest
 import redis
 from redis_server import RedisServer, redis_server  # noqa: F401 (fixture)
 

@@ -287,10 +287,11 @@ def test_random_workload_never_loads_wrong_bytes(tmp_path: Path):
     rng = random.Random(7)
     eng = Engine([disk(tmp_path, capacity=20 * 8192 * 2)], cpu_chunks=6)
     loaded = 0
-    for step in range(40):
+    for _ in range(40):
         prefix = [key(rng.randrange(3) * 100 + i) for i in range(rng.randint(1, 5))]
         if rng.random() < 0.5:
             eng.offload(prefix)
+            assert eng.mgr.drain()  # write-back done before the next request (time passes)
         else:
             loaded += eng.fetch(prefix)
         eng.mgr.on_schedule_end()

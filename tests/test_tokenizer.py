@@ -171,3 +171,13 @@ def test_hf_directory_tokenizer(tok: Tokenizer, hf_tokenizer: Any, tmp_path: Pat
     assert set(tok.stop_token_ids) <= set(loaded.stop_token_ids)
     for conv in CONVERSATIONS:
         assert loaded.apply_chat_template(conv) == tok.apply_chat_template(conv)
+
+
+def test_gguf_add_bos_flag_adds_bos_only_with_special_tokens(gguf_path: Path) -> None:
+    meta = dict(read_gguf(gguf_path).metadata)
+    assert not meta["tokenizer.ggml.add_bos_token"]  # SmolLM2 adds nothing...
+    meta["tokenizer.ggml.add_bos_token"] = True  # ...a Llama-style file asks for bos
+    tok = Tokenizer.from_gguf_metadata(meta)
+    plain = tok.encode("Hello there", add_special_tokens=False)
+    assert tok.encode("Hello there") == [tok.bos_token_id, *plain]
+    assert tok.decode(tok.encode("Hello there")) == "Hello there"

@@ -23,6 +23,7 @@ import dataclasses
 import functools
 import importlib.util
 import json
+import math
 import os
 import pathlib
 from dataclasses import dataclass
@@ -270,15 +271,13 @@ def _read_gguf_header(path: str, size: int, mtime_ns: int) -> dict[str, Any]:
 
     Callers deep-copy the cached dict before building a ModelConfig from it.
     """
-    import gguf  # heavy-ish; only needed here
+    from pagedkv.models.gguf_reader import read_gguf
 
-    reader = gguf.GGUFReader(path)  # np.memmap: tensor bytes are mapped, never read here
+    gguf = read_gguf(path)  # tensor bytes are memory-mapped, never read here
+    meta = gguf.metadata
 
     def get(key: str, default: Any = None) -> Any:
-        f = reader.fields.get(key)
-        if f is None:
-            return default
-        return f.contents()
+        return meta.get(key, default)
 
     arch = get("general.architecture")
     if arch is None:
@@ -291,9 +290,9 @@ def _read_gguf_header(path: str, size: int, mtime_ns: int) -> dict[str, Any]:
         if len(set(kv_heads)) != 1:
             raise NotImplementedError(f"{path}: per-layer KV head counts {sorted(set(kv_heads))}")
         kv_heads = kv_heads[0]
-    tokens = reader.fields.get("tokenizer.ggml.tokens")
-    vocab = len(tokens.data) if tokens is not None else int(get(f"{a}.vocab_size"))
-    tensor_names = {t.name for t in reader.tensors}
+    tokens = meta.get("tokenizer.ggml.tokens")
+    vocab = len(tokens) if tokens is not None else int(get(f"{a}.vocab_size"))
+    tensor_names = set(gguf.tensors)
     rope_scaling = None
     scaling_type = get(f"{a}.rope.scaling.type")
     if scaling_type not in (None, "none"):
@@ -318,7 +317,7 @@ def _read_gguf_header(path: str, size: int, mtime_ns: int) -> dict[str, Any]:
         tie_word_embeddings="output.weight" not in tensor_names,
         attention_bias="blk.0.attn_q.bias" in tensor_names,
         sliding_window=int(sliding) if sliding else None,
-        num_params=sum(int(t.n_elements) for t in reader.tensors),
+        num_params=sum(math.prod(t.shape) for t in gguf.tensors.values()),
         bos_token_id=_first(get("tokenizer.ggml.bos_token_id")),
         eos_token_id=_first(get("tokenizer.ggml.eos_token_id")),
         name=str(get("general.name", pathlib.Path(path).stem)),

@@ -16,7 +16,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as BackendTokenizer
 
 # llama.cpp's token types (tokenizer.ggml.token_type).
@@ -67,8 +67,8 @@ def build_gguf_backend(meta: Mapping[str, Any]) -> BackendTokenizer:
         raise NotImplementedError(f"GGUF tokenizer model {kind!r} is not supported (only 'gpt2' byte-level BPE)")
     tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
     types: Sequence[int] = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
-    alphabet = set(bytes_to_unicode().values())
     spell = bytes_to_unicode()
+    alphabet = set(spell.values())
     # A token outside the byte alphabet is stored as plain text: respell it in bytes, as HF does.
     vocab = {
         (t if set(t) <= alphabet else "".join(spell[b] for b in t.encode("utf-8"))): i for i, t in enumerate(tokens)
@@ -91,7 +91,29 @@ def build_gguf_backend(meta: Mapping[str, Any]) -> BackendTokenizer:
     user = [t for t, ty in zip(tokens, types) if ty == _USER_DEFINED and t in vocab]
     if user:
         backend.add_tokens([AddedToken(t, normalized=False, special=False) for t in user])
+    _add_bos_eos(backend, meta, tokens)
     return backend
+
+
+def _add_bos_eos(backend: BackendTokenizer, meta: Mapping[str, Any], tokens: Sequence[str]) -> None:
+    """Install a post-processor adding bos/eos when the file asks for them (``add_bos_token``),
+    so ``encode(..., add_special_tokens=True)`` behaves as with an HF ``tokenizer.json``."""
+    def wanted(flag: str, key: str) -> tuple[str, int] | None:
+        token_id = meta.get(f"tokenizer.ggml.{key}")
+        if not meta.get(f"tokenizer.ggml.{flag}") or token_id is None:
+            return None
+        return tokens[token_id], int(token_id)
+
+    bos, eos = wanted("add_bos_token", "bos_token_id"), wanted("add_eos_token", "eos_token_id")
+    if bos is None and eos is None:
+        return
+    pre = [f"{bos[0]}:0"] if bos else []
+    post = [f"{eos[0]}:0"] if eos else []
+    backend.post_processor = processors.TemplateProcessing(
+        single=[*pre, "$A:0", *post],
+        pair=[*pre, "$A:0", *post, "$B:1", *post],
+        special_tokens=[e for e in (bos, eos) if e is not None],
+    )
 
 
 @dataclass(slots=True)
@@ -125,8 +147,6 @@ class Tokenizer:
         eos_token_id: int | None,
         pad_token_id: int | None = None,
         chat_template: str | None = None,
-        add_bos_token: bool = False,
-        add_eos_token: bool = False,
         extra_stop_ids: Sequence[int] = (),
     ) -> None:
         self.backend = backend
@@ -134,8 +154,6 @@ class Tokenizer:
         self.eos_token_id = eos_token_id
         self.pad_token_id = pad_token_id if pad_token_id is not None else eos_token_id
         self.chat_template = chat_template
-        self.add_bos_token = add_bos_token
-        self.add_eos_token = add_eos_token
         stops = [] if eos_token_id is None else [eos_token_id]
         stops += [i for i in extra_stop_ids if i not in stops]
         stops += [i for t in _END_OF_TURN if (i := backend.token_to_id(t)) is not None and i not in stops]
@@ -151,8 +169,6 @@ class Tokenizer:
             eos_token_id=_opt_int(meta.get("tokenizer.ggml.eos_token_id")),
             pad_token_id=_opt_int(meta.get("tokenizer.ggml.padding_token_id")),
             chat_template=meta.get("tokenizer.chat_template"),
-            add_bos_token=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
-            add_eos_token=bool(meta.get("tokenizer.ggml.add_eos_token", False)),
         )
 
     @classmethod
@@ -195,8 +211,6 @@ class Tokenizer:
             eos_token_id=eos,
             pad_token_id=tok_id("pad_token"),
             chat_template=template,
-            add_bos_token=bool(cfg.get("add_bos_token", False)),
-            add_eos_token=bool(cfg.get("add_eos_token", False)),
             extra_stop_ids=extra,
         )
 
@@ -208,16 +222,10 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids for ``text``; special-token text like ``<|im_start|>`` maps to its single id.
 
-        ``add_special_tokens`` adds bos/eos only where the model's tokenizer config asks for them
-        (SmolLM2 asks for neither), matching transformers.
+        ``add_special_tokens`` adds bos/eos only where the model's tokenizer asks for them
+        (its post-processor; SmolLM2 asks for neither), matching transformers.
         """
-        ids = self.backend.encode(text, add_special_tokens=False).ids
-        if add_special_tokens:
-            if self.add_bos_token and self.bos_token_id is not None:
-                ids.insert(0, self.bos_token_id)
-            if self.add_eos_token and self.eos_token_id is not None:
-                ids.append(self.eos_token_id)
-        return ids
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)

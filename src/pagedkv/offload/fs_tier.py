@@ -307,6 +307,9 @@ class FileSystemTier(SecondaryTier):
         except FileExistsError:  # left by a dead thread of a process with our pid
             os.unlink(tmp)
             fd = os.open(tmp, flags, 0o644)
+        except FileNotFoundError:  # the directory was removed under us: make it again
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(tmp, flags, 0o644)
         try:
             try:
                 head = header.pack()

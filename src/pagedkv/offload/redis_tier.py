@@ -25,7 +25,6 @@ so a stopped or frozen server costs at most one timeout per backoff period, on a
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar

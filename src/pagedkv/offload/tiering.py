@@ -46,6 +46,7 @@ from pagedkv.offload.base import (
     OffloadingManager,
     OffloadKey,
     PrepareStoreOutput,
+    RateLimitedWarning,
     TierStats,
 )
 from pagedkv.offload.cpu_manager import CPUOffloadingManager
@@ -59,6 +60,7 @@ if TYPE_CHECKING:
     from pagedkv.offload.worker import OffloadingWorker
 
 logger = logging.getLogger(__name__)
+_warn = RateLimitedWarning(logger)
 
 ChunkItems = Sequence[tuple[OffloadKey, memoryview]]
 
@@ -231,7 +233,13 @@ class AsyncLookupManager:
 
 
 class TieringOffloadingManager(OffloadingManager):
-    """See the module docstring. ``tiers`` are in preference order (fastest first)."""
+    """See the module docstring.
+
+    ``primary`` and ``host`` are the CPU tier (bookkeeping and its slots); ``tiers`` are in
+    preference order (fastest first: a key found in several is read from the first). A
+    lookup's existence check resolves within ``lookup_timeout_s``; its answer is reused for
+    ``answer_ttl_s``. Not thread-safe: the scheduler's thread calls it, I/O threads never do.
+    """
 
     def __init__(self, primary: CPUOffloadingManager, host: ChunkBuffer,
                  tiers: Sequence[SecondaryTier], *, lookup_timeout_s: float = 2.0,
@@ -244,7 +252,6 @@ class TieringOffloadingManager(OffloadingManager):
         self.max_cascade_pins = max(1, int(primary.num_chunks * max_cascade_fraction))
         self.max_pending_write_batches = max_pending_write_batches
         self._completions: queue.SimpleQueue[tuple[str, int, list[OffloadKey], list[bool]]] = queue.SimpleQueue()
-        self._promotions: dict[OffloadKey, int] = {}  # key → tier it is being read from
         self._cascade_pins = 0
         self._jobs_in_flight = 0
         self.max_backlog = max_backlog or 4 * primary.num_chunks
@@ -263,8 +270,10 @@ class TieringOffloadingManager(OffloadingManager):
             return
 
         def done(f: Future[list[bool]]) -> None:
-            ok = [False] * len(keys) if f.cancelled() or f.exception() else f.result()
-            self._completions.put((kind, tier_idx, keys, ok))
+            failed = f.cancelled() or f.exception() is not None
+            if failed and not f.cancelled():  # a tier broke its never-raise contract: a bug
+                _warn(f"{tier.name}-{kind}", "%s: %s job raised %r", tier.name, kind, f.exception())
+            self._completions.put((kind, tier_idx, keys, [False] * len(keys) if failed else f.result()))
         fut.add_done_callback(done)
 
     def _poll(self) -> None:
@@ -286,8 +295,6 @@ class TieringOffloadingManager(OffloadingManager):
     def _finish_promotions(self, tier_idx: int, keys: list[OffloadKey], ok: list[bool]) -> None:
         loaded = [k for k, good in zip(keys, ok) if good]
         failed = [k for k, good in zip(keys, ok) if not good]
-        for key in keys:
-            self._promotions.pop(key, None)
         self.primary.complete_store(failed, success=False)
         for key in failed:  # a corrupt or vanished copy: say MISS for a while, do not loop
             self.lookups.set_answer(key, -1)
@@ -378,7 +385,6 @@ class TieringOffloadingManager(OffloadingManager):
         by_tier: dict[int, list[tuple[OffloadKey, memoryview]]] = {}
         for key, ti in run:
             if key in slot:
-                self._promotions[key] = ti
                 by_tier.setdefault(ti, []).append((key, self.host.chunk_view(slot[key])))
         self.lookups.forget(slot)
         for ti, items in by_tier.items():

@@ -17,7 +17,10 @@ from __future__ import annotations
 
 import torch
 
-_flash_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+try:  # a private aten op (stable since torch 2.2); without it everything takes the matmul path
+    _flash_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+except (AttributeError, RuntimeError):
+    _flash_cpu = None
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
@@ -36,7 +39,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
     """
     if mask is not None and mask.dim() == 2:
         mask = mask.unsqueeze(0)
-    if (soft_cap is None and q.device.type == "cpu" and k.shape[-1] == v.shape[-1]
+    if (_flash_cpu is not None and soft_cap is None and q.device.type == "cpu"
+            and k.shape[-1] == v.shape[-1]
             and q.dtype in (torch.float32, torch.bfloat16, torch.float16)):
         return _attend_flash_cpu(q, k, v, scale, mask, causal, exact_empty_lse)
     return _attend_matmul(q, k, v, scale, mask, causal, soft_cap)

@@ -136,7 +136,8 @@ def swap_blocks(src_views: torch.Tensor | Sequence[Any], dst_views: torch.Tensor
 
     ``src_views``/``dst_views`` are matching caches: a block-major tensor, a list of per-layer
     ``(key_cache, value_cache)`` pairs, or a list of tensors. Used to offload blocks to a host
-    tier and to bring them back; with a pinned host side the device copy is asynchronous.
+    tier and to bring them back. Host→device copies are asynchronous (stream-ordered);
+    device→host copies complete before returning.
     """
     srcs, dsts = _block_tensors(src_views), _block_tensors(dst_views)
     if len(srcs) != len(dsts):
@@ -147,4 +148,6 @@ def swap_blocks(src_views: torch.Tensor | Sequence[Any], dst_views: torch.Tensor
     src_ids, dst_ids = _as_pairs(block_mapping, srcs[0].device)
     dst_ids = dst_ids.to(dsts[0].device)
     for s, d in zip(srcs, dsts, strict=True):
-        d[dst_ids] = s[src_ids].to(d.device, non_blocking=True)
+        # Asynchronous only towards an accelerator: a host-side scatter would otherwise read
+        # a device→host copy that may still be in flight.
+        d[dst_ids] = s[src_ids].to(d.device, non_blocking=d.device.type != "cpu")
