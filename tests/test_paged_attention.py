@@ -54,18 +54,20 @@ def check(spec: dict, dtype: torch.dtype, sliding_window: int | None, soft_cap: 
 window = st.one_of(st.none(), st.integers(1, 40))
 soft_cap = st.one_of(st.none(), st.floats(0.5, 30.0))
 splits = st.sampled_from([None, 1, 2, 5])
-# Tiny budgets force many decode chunks, automatic KV splits and small prefill query tiles.
-budgets = st.sampled_from([(4 << 20, 32 << 20, 16 << 20), (2048, 8192, 4096)])
+# (KV_CHUNK_BYTES, KV_SPLIT_BYTES, PREFILL_TILE_BYTES, PREFILL_TILE_TOKENS): the defaults, and
+# small budgets that force many decode chunks, automatic KV splits and 1- or 7-row query tiles.
+BUDGET_NAMES = ("KV_CHUNK_BYTES", "KV_SPLIT_BYTES", "PREFILL_TILE_BYTES", "PREFILL_TILE_TOKENS")
+budgets = st.sampled_from([tuple(getattr(attention_mod, n) for n in BUDGET_NAMES),
+                           (2048, 8192, 4096, 128), (64 << 10, 16 << 10, 16 << 20, 7)])
 
 
 @settings(max_examples=70, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(spec=batches(), w=window, cap=soft_cap, n_splits=splits, budget=budgets)
 def test_matches_dense_reference_fp32(spec: dict, w: int | None, cap: float | None,
-                                      n_splits: int | None, budget: tuple[int, int, int]) -> None:
+                                      n_splits: int | None, budget: tuple[int, ...]) -> None:
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(attention_mod, "KV_CHUNK_BYTES", budget[0])
-        mp.setattr(attention_mod, "KV_SPLIT_BYTES", budget[1])
-        mp.setattr(attention_mod, "PREFILL_TILE_BYTES", budget[2])
+        for name, value in zip(BUDGET_NAMES, budget, strict=True):
+            mp.setattr(attention_mod, name, value)
         check(spec, torch.float32, w, cap, n_splits, atol=1e-5, rtol=1e-5)
 
 
