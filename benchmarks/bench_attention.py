@@ -4,7 +4,7 @@ Shapes follow SmolLM2-135M (Hq=9, Hkv=3, D=64, 30 layers), block size 16, float3
   * decode: 64 sequences with contexts uniform in 300..800, one query token each;
   * prefill: one 512-token prompt (no cached context), and a 512-token chunk after 1536 cached;
   * mixed: the decode batch plus one 128-token prefill chunk;
-  * long decode: 8 sequences of 4096 tokens, single pass vs split-KV.
+  * long decode: 8 sequences of 4096 tokens; one of 8192, single pass vs split-KV.
 Each case runs a whole step: 30 layers, each with its own KV cache, so K/V come from DRAM as
 in the engine, for every layout (interleaved, best of ``--rounds``).
 
@@ -76,8 +76,9 @@ def cases() -> dict[str, tuple[list[int], list[int], dict]]:
         "prefill 512": ([512], [512], {}),
         "prefill 512 after 1536": ([2048], [512], {}),
         "mixed 64 decode + 128 chunk": (decode + [640], [1] * 64 + [128], {}),
-        "decode 8x4096 split=1": ([4096] * 8, [1] * 8, {"num_kv_splits": 1}),
-        "decode 8x4096 auto": ([4096] * 8, [1] * 8, {}),
+        "decode 8x4096": ([4096] * 8, [1] * 8, {}),
+        "decode 1x8192 split=1": ([8192], [1], {"num_kv_splits": 1}),
+        "decode 1x8192 auto-split": ([8192], [1], {}),
     }
 
 

@@ -54,11 +54,12 @@ def check(spec: dict, dtype: torch.dtype, sliding_window: int | None, soft_cap: 
 window = st.one_of(st.none(), st.integers(1, 40))
 soft_cap = st.one_of(st.none(), st.floats(0.5, 30.0))
 splits = st.sampled_from([None, 1, 2, 5])
-# (KV_CHUNK_BYTES, KV_SPLIT_BYTES, PREFILL_TILE_BYTES, PREFILL_TILE_TOKENS): the defaults, and
-# small budgets that force many decode chunks, automatic KV splits and 1- or 7-row query tiles.
-BUDGET_NAMES = ("KV_CHUNK_BYTES", "KV_SPLIT_BYTES", "PREFILL_TILE_BYTES", "PREFILL_TILE_TOKENS")
+# (KV_CHUNK_BYTES, MIN_SPLIT_TOKENS, PREFILL_TILE_BYTES, PREFILL_TILE_TOKENS): the defaults,
+# and small budgets that force many decode chunks and pieces, automatic KV splits and 1- or
+# 7-row query tiles.
+BUDGET_NAMES = ("KV_CHUNK_BYTES", "MIN_SPLIT_TOKENS", "PREFILL_TILE_BYTES", "PREFILL_TILE_TOKENS")
 budgets = st.sampled_from([tuple(getattr(attention_mod, n) for n in BUDGET_NAMES),
-                           (2048, 8192, 4096, 128), (64 << 10, 16 << 10, 16 << 20, 7)])
+                           (2048, 1, 4096, 128), (64 << 10, 16, 16 << 20, 7)])
 
 
 @settings(max_examples=70, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -118,20 +119,33 @@ def test_split_with_rows_that_end_before_a_segment(cap: float | None) -> None:
         check(spec, torch.float32, 33, cap, splits, atol=1e-5, rtol=1e-5)
 
 
-def test_automatic_split_kicks_in_and_agrees(monkeypatch: pytest.MonkeyPatch) -> None:
-    spec = dict(seq_lens=[2048, 1500], query_lens=[1, 1], block_size=16, num_kv_heads=1,
-                group=3, head_size=32, layout="LBNHC", shared_prefix=False, seed=5)
+def test_automatic_split_and_pieces_agree(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A lone long row is split automatically (parallel segments) and, above the chunk
+    budget, read in several pieces: both merge to the single-pass result."""
+    spec = dict(seq_lens=[2048], query_lens=[1], block_size=16, num_kv_heads=1, group=3,
+                head_size=32, layout="LBNHC", shared_prefix=False, seed=5)
     batch = make_paged_batch(dtype=torch.float32, **spec)
     args = (batch.query, batch.key_cache, batch.value_cache, batch.md, 0.2)
     single = paged_attention(*args, num_kv_splits=1)
-    merges = []
+    merges: list[int] = []
     real_merge = attention_mod.merge_attn_states_multi
     monkeypatch.setattr(attention_mod, "merge_attn_states_multi",
                         lambda o, l: merges.append(len(o)) or real_merge(o, l))
-    monkeypatch.setattr(attention_mod, "KV_SPLIT_BYTES", 64 << 10)
     auto = paged_attention(*args)
-    assert merges and max(merges) > 1  # the long rows really were split
+    assert merges == [attention_mod._auto_kv_splits(1, 1, 2048)] and merges[0] > 1
     torch.testing.assert_close(auto, single, atol=1e-5, rtol=1e-5)
+    merges.clear()
+    monkeypatch.setattr(attention_mod, "KV_CHUNK_BYTES", 64 << 10)  # 2048 tokens: 8 pieces
+    pieces = paged_attention(*args, num_kv_splits=1)
+    assert merges == [8]
+    torch.testing.assert_close(pieces, single, atol=1e-5, rtol=1e-5)
+
+
+def test_auto_kv_splits_only_when_threads_would_idle() -> None:
+    threads = torch.get_num_threads()
+    assert attention_mod._auto_kv_splits(64, 3, 4096) == 1  # plenty of (row, head) items
+    assert attention_mod._auto_kv_splits(1, 1, 1 << 20) == 2 * threads
+    assert attention_mod._auto_kv_splits(1, 1, 100) == 1  # too short to be worth it
 
 
 def test_decode_chunks_cover_rows_by_length_within_budget() -> None:

@@ -55,9 +55,11 @@ class KVCacheBlocks:
 
 @dataclass(slots=True)
 class PrefixCacheStats:
-    """Prefix-cache counters, in tokens. ``queries`` counts prompt tokens looked up, ``hits``
-    those found cached; preempted requests (re-admitted after losing their blocks) are counted
-    apart so that recompute does not inflate the hit rate."""
+    """Prefix-cache counters, in tokens, one record per admission. ``queries`` counts the tokens
+    of admitted requests, ``hits`` those found in the local (device) prefix cache and
+    ``external_hits`` those loaded from a KV connector (offload tiers); preempted requests
+    (re-admitted after losing their blocks) are counted apart so that recompute does not
+    inflate the hit rate."""
 
     reset: bool = False
     requests: int = 0
@@ -66,8 +68,10 @@ class PrefixCacheStats:
     preempted_requests: int = 0
     preempted_queries: int = 0
     preempted_hits: int = 0
+    external_hits: int = 0
 
-    def record(self, num_tokens: int, num_hits: int, preempted: bool) -> None:
+    def record(self, num_tokens: int, num_hits: int, preempted: bool, num_external: int = 0) -> None:
+        self.external_hits += num_external
         if preempted:
             self.preempted_requests += 1
             self.preempted_queries += num_tokens
@@ -79,7 +83,7 @@ class PrefixCacheStats:
 
     def merge(self, other: PrefixCacheStats) -> None:
         for name in ("requests", "queries", "hits", "preempted_requests", "preempted_queries",
-                     "preempted_hits"):
+                     "preempted_hits", "external_hits"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
 
     @property
@@ -144,17 +148,15 @@ class KVCacheManager:
 
     def get_computed_blocks(self, request: KVCacheRequest) -> tuple[KVCacheBlocks, int]:
         """``(hit blocks, number of computed tokens)`` for a new request. Does not touch the
-        blocks: `allocate_slots` takes the references, so a failed allocation leaves no trace."""
+        blocks: `allocate_slots` takes the references, so a failed allocation leaves no trace
+        (and the lookup is counted in the prefix-cache stats only when the request is admitted,
+        so a request that waits several steps is counted once)."""
         if not self.enable_caching or request.skip_reading_prefix_cache:
             return self.empty_kv_cache_blocks, 0
         # The last token is always recomputed: its logits are needed to sample.
         max_cache_hit_length = request.num_tokens - 1
         hits, num_computed = self.coordinator.find_longest_cache_hit(request.block_hashes,
                                                                      max_cache_hit_length)
-        preempted = request.num_preemptions > 0
-        if self.prefix_cache_stats is not None:
-            self.prefix_cache_stats.record(request.num_tokens, num_computed, preempted)
-        self.total_prefix_cache_stats.record(request.num_tokens, num_computed, preempted)
         return KVCacheBlocks(hits), num_computed
 
     # ---- allocation -----------------------------------------------------------------------------
@@ -201,6 +203,8 @@ class KVCacheManager:
         num_needed = coordinator.get_num_blocks_to_allocate(rid, num_tokens_need_slot, hits, total_computed)
         if num_needed + watermark > num_free:
             return None
+        if admitting and request.num_computed_tokens == 0:
+            self._record_admission(request, num_new_computed_tokens, num_external_computed_tokens)
         coordinator.allocate_new_computed_blocks(rid, hits, total_computed)
         new_blocks = coordinator.allocate_new_blocks(rid, num_tokens_need_slot)
         if self.enable_caching and not delay_cache_blocks:
@@ -240,6 +244,12 @@ class KVCacheManager:
                                                        len(shared))
         child.num_computed_tokens = num_tokens
         return copies
+
+    def _record_admission(self, request: KVCacheRequest, num_hits: int, num_external: int) -> None:
+        preempted = request.num_preemptions > 0
+        for stats in (self.prefix_cache_stats, self.total_prefix_cache_stats):
+            if stats is not None:
+                stats.record(request.num_tokens, num_hits, preempted, num_external)
 
     def cache_blocks(self, request: KVCacheRequest, num_computed_tokens: int) -> None:
         """Register blocks whose KV has arrived (after a delayed, asynchronous load)."""

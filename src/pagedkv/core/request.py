@@ -65,6 +65,8 @@ class KVCacheRequest:
     # Prompt-logprob or pooling requests write the cache but never read it (their logits for
     # every prompt position are needed).
     skip_reading_prefix_cache: bool = False
+    # KV connector options of this request (e.g. max_offload_tokens, offload_policy).
+    kv_transfer_params: dict[str, Any] | None = None
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
     num_preemptions: int = 0

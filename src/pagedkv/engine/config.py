@@ -37,6 +37,11 @@ class EngineConfig:
     prefix_caching_hash_algo: str = "sha256_cbor"
     enable_kv_cache_events: bool = False
     seed: int = 0
+    # KV offloading tiers, e.g. "cpu:4GiB,disk:/var/cache/pagedkv:20GiB,redis://127.0.0.1:6379".
+    kv_offload: str | None = None
+    kv_offload_cache_policy: str = "lru"  # CPU tier eviction: "lru" or "arc"
+    kv_offload_store_threshold: int = 0  # admit a block to the tiers after this many offers
+    preemption_mode: str = "recompute"  # "swap": a preempted request's KV goes to the CPU tier
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> ValueError:
@@ -58,5 +63,17 @@ class EngineConfig:
             raise bad("max_num_batched_tokens", "must be a positive integer")
         if self.prefix_caching_hash_algo not in HASH_FUNCTIONS:
             raise bad("prefix_caching_hash_algo", f"choose one of {sorted(HASH_FUNCTIONS)}")
+        if self.kv_offload_cache_policy not in ("lru", "arc"):
+            raise bad("kv_offload_cache_policy", "choose 'lru' or 'arc'")
+        if self.preemption_mode not in ("recompute", "swap"):
+            raise bad("preemption_mode", "choose 'recompute' or 'swap'")
+        if self.preemption_mode == "swap" and not self.kv_offload:
+            raise bad("preemption_mode", "'swap' needs a CPU tier (kv_offload)")
+        if self.kv_offload is not None:
+            from pagedkv.offload.spec import parse_offload_spec
+            try:
+                parse_offload_spec(self.kv_offload)
+            except ValueError as e:
+                raise ValueError(f"invalid engine option kv_offload={self.kv_offload!r}: {e}") from None
         if self.dtype not in ("float32", "bfloat16", "float16", "auto"):
             raise bad("dtype", "choose float32, bfloat16, float16 or auto")

@@ -27,6 +27,7 @@ from pagedkv.engine.request import Request
 from pagedkv.engine.sampler import Sampler
 from pagedkv.engine.sampling_params import SamplingParams
 from pagedkv.engine.scheduler import Scheduler
+from pagedkv.kv_transfer.offloading_connector import OffloadingConnector
 from pagedkv.models.loader import get_model
 from pagedkv.models.tokenizer import DetokenizeState
 from pagedkv.ops.kv_cache import allocate_kv_cache
@@ -59,8 +60,9 @@ class LLMEngine:
         self.kv_cache_manager = KVCacheManager(
             self.kv_cache_config, self.max_model_len, enable_caching=config.enable_prefix_caching,
             enable_kv_cache_events=config.enable_kv_cache_events)
+        self.connector = self._make_connector(loaded.source)
         self.scheduler = Scheduler(self.kv_cache_manager, config.max_num_seqs,
-                                   config.max_num_batched_tokens, self.max_model_len)
+                                   config.max_num_batched_tokens, self.max_model_len, self.connector)
         self.runner = ModelRunner(self.model, self.kv_caches, config.block_size, self.device)
         self.sampler = Sampler(config.seed)
         self.block_hasher = get_request_block_hasher(
@@ -73,6 +75,17 @@ class LLMEngine:
         logger.info("KV cache: %d blocks of %d tokens (%.2f GiB), max_model_len %d",
                     self.kv_cache_config.num_blocks, config.block_size,
                     self.kv_buffer.numel() * self.kv_buffer.element_size() / 2**30, self.max_model_len)
+
+    def _make_connector(self, model_path: Any) -> OffloadingConnector | None:
+        c = self.config
+        if not c.kv_offload:
+            return None
+        mc = self.model_config
+        return OffloadingConnector.from_spec(
+            c.kv_offload, model_path=model_path, dtype=self.dtype, block_size=c.block_size,
+            layout=c.kv_cache_layout, num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads,
+            head_size=mc.head_dim, kv_buffer=self.kv_buffer, cache_policy=c.kv_offload_cache_policy,
+            store_threshold=c.kv_offload_store_threshold, preemption_mode=c.preemption_mode)
 
     def _kv_cache_memory(self) -> int:
         if self.config.kv_cache_memory is not None:
@@ -138,9 +151,12 @@ class LLMEngine:
     def _new_request(self, rid: str, token_ids: list[int], text: str | None, params: SamplingParams,
                      max_tokens: int, index: int, arrival_time: float | None,
                      cache_salt: str | None) -> Request:
+        ktp = params.kv_transfer_params or {}
         req = Request(request_id=rid if index == 0 else f"{rid}#{index}",
                       prompt_token_ids=token_ids, block_hasher=self.block_hasher,
                       cache_salt=cache_salt, sampling_params=params, prompt=text,
+                      kv_transfer_params=params.kv_transfer_params,
+                      skip_reading_prefix_cache=bool(ktp.get("skip_reading_prefix_cache")),
                       eos_token_id=self.eos_token_id, parent_id=rid, sample_index=index,
                       max_tokens=max_tokens)
         if arrival_time is not None:
@@ -170,7 +186,11 @@ class LLMEngine:
         so = self.scheduler.schedule()
         if so.is_empty:
             return []
+        if self.connector is not None:
+            self.connector.start_load_kv()
         logits = self.runner.execute_model(so)
+        if self.connector is not None:
+            self.connector.save_kv((s.request, s.block_ids, s.start + s.num_tokens) for s in so.scheduled)
         sampling = [s.request for s in so.scheduled if s.samples]
         if not sampling:  # only prefill chunks that do not reach the end of their prompts
             return []
@@ -290,9 +310,27 @@ class LLMEngine:
             "prefix_cache_queries": pc.queries,
             "prefix_cache_hits": pc.hits,
             "prefix_cache_hit_rate": pc.hit_rate,
+            "external_cache_hits": pc.external_hits,
             "num_preemptions": self.scheduler.num_preemptions,
             "num_running": self.scheduler.num_running,
             "num_waiting": self.scheduler.num_waiting,
             "prompt_tokens": self.num_prompt_tokens,
             "generation_tokens": self.num_generated_tokens,
+            "offload": self.offload_stats(),
         }
+
+    def offload_stats(self) -> dict[str, Any]:
+        """Per-tier usage and hits (empty without tiers)."""
+        if self.connector is None:
+            return {}
+        from dataclasses import asdict
+        out: dict[str, Any] = {name: asdict(st) for name, st in self.connector.get_stats().items()}
+        out["loaded_tokens"] = self.connector.num_loaded_tokens
+        out["stored_blocks"] = self.connector.num_stored_blocks
+        return out
+
+    def shutdown(self) -> None:
+        if self.connector is not None:
+            self.connector.shutdown()
+            self.connector = None
+            self.scheduler.connector = None

@@ -41,6 +41,9 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    # KV connector options: max_offload_tokens, offload_policy ("BLOCK_LEVEL" |
+    # "REQUEST_LEVEL"), skip_reading_prefix_cache (never read cached KV for this request).
+    kv_transfer_params: dict | None = None
     _stop: list[str] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
@@ -85,6 +88,18 @@ class SamplingParams:
             raise bad("stop", "must be a non-empty string or a list of them")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids or []):
             raise bad("stop_token_ids", "must be non-negative integers")
+        ktp = self.kv_transfer_params
+        if ktp is not None:
+            if not isinstance(ktp, dict):
+                raise bad("kv_transfer_params", "must be a dict")
+            unknown = set(ktp) - {"max_offload_tokens", "offload_policy", "skip_reading_prefix_cache"}
+            if unknown:
+                raise bad("kv_transfer_params", f"unknown keys {sorted(unknown)}")
+            if ktp.get("offload_policy", "BLOCK_LEVEL") not in ("BLOCK_LEVEL", "REQUEST_LEVEL"):
+                raise bad("kv_transfer_params", "offload_policy must be BLOCK_LEVEL or REQUEST_LEVEL")
+            mot = ktp.get("max_offload_tokens")
+            if mot is not None and (not isinstance(mot, int) or mot < 0):
+                raise bad("kv_transfer_params", "max_offload_tokens must be an integer >= 0")
 
     @property
     def is_greedy(self) -> bool:

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pagedkv.core.kv_cache_manager import KVCacheManager
 from pagedkv.core.request import RequestStatus
 from pagedkv.engine.request import Request
+from pagedkv.kv_transfer.offloading_connector import OffloadingConnector
 
 
 @dataclass(slots=True)
@@ -56,8 +57,10 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, kv_cache_manager: KVCacheManager, max_num_seqs: int,
-                 max_num_batched_tokens: int, max_model_len: int) -> None:
+                 max_num_batched_tokens: int, max_model_len: int,
+                 connector: OffloadingConnector | None = None) -> None:
         self.kv_cache_manager = kv_cache_manager
+        self.connector = connector
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -85,7 +88,7 @@ class Scheduler:
             else:
                 self.waiting.remove(req)
             req.status = status
-            self.kv_cache_manager.free(req)
+            self._release(req)
             done.append(req)
         return done
 
@@ -131,22 +134,7 @@ class Scheduler:
                 i += 1
 
         if not out.preempted:
-            while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-                req = self.waiting[0]
-                hits, num_hit = kv.get_computed_blocks(req)
-                n = min(req.num_tokens - num_hit, budget)
-                if kv.allocate_slots(req, n, num_hit, hits, full_sequence_must_fit=True) is None:
-                    break
-                self.waiting.popleft()
-                self.running.append(req)
-                req.status = RequestStatus.RUNNING
-                req.num_computed_tokens = num_hit
-                if req.num_cached_tokens < 0:
-                    req.num_cached_tokens = num_hit
-                if req.metrics.first_scheduled_time is None:
-                    req.metrics.first_scheduled_time = time.monotonic()
-                scheduled[req.request_id] = (req, num_hit, n)
-                budget -= n
+            self._schedule_waiting(scheduled, budget)
 
         for req, start, n in scheduled.values():
             req.num_computed_tokens = start + n
@@ -155,8 +143,50 @@ class Scheduler:
             out.num_batched_tokens += n
         return out
 
-    def _preempt(self, req: Request) -> None:
+    def _schedule_waiting(self, scheduled: dict[str, tuple[Request, int, int]], budget: int) -> None:
+        kv = self.kv_cache_manager
+        idx = 0
+        while idx < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting[idx]
+            hits, num_hit = kv.get_computed_blocks(req)
+            num_ext = 0
+            if self.connector is not None:
+                ext = self.connector.get_num_new_matched_tokens(req, num_hit)
+                if ext is None:  # a tier is still answering: leave it waiting, try the next one
+                    idx += 1
+                    continue
+                num_ext = ext
+            n = min(req.num_tokens - num_hit - num_ext, budget)
+            if kv.allocate_slots(req, n, num_hit, hits, num_external_computed_tokens=num_ext,
+                                 full_sequence_must_fit=True) is None:
+                break  # strict FCFS: no one behind it overtakes it for memory
+            del self.waiting[idx]
+            self.running.append(req)
+            req.status = RequestStatus.RUNNING
+            if num_ext:
+                self.connector.update_state_after_alloc(req, kv.get_block_ids(req.request_id)[0],
+                                                        num_hit, num_ext)
+            computed = num_hit + num_ext
+            req.num_computed_tokens = computed
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = computed
+            if req.metrics.first_scheduled_time is None:
+                req.metrics.first_scheduled_time = time.monotonic()
+            scheduled[req.request_id] = (req, computed, n)
+            budget -= n
+
+    def _release(self, req: Request, preempted: bool = False) -> None:
+        """Free the request's blocks, after the connector settled its stores."""
+        if self.connector is not None:
+            block_ids = self.kv_cache_manager.get_block_ids(req.request_id)[0]
+            if preempted:
+                self.connector.on_preempt(req, block_ids)
+            else:
+                self.connector.request_finished(req, block_ids)
         self.kv_cache_manager.free(req)
+
+    def _preempt(self, req: Request) -> None:
+        self._release(req, preempted=True)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.num_preemptions += 1
@@ -188,4 +218,4 @@ class Scheduler:
         self.running.remove(req)
         self.requests.pop(req.request_id, None)
         req.status = status
-        self.kv_cache_manager.free(req)
+        self._release(req)

@@ -21,8 +21,39 @@ def _add_plan(subparsers: Any) -> None:
     plan.add_parser(subparsers)
 
 
+def _add_generate(subparsers: Any) -> None:
+    from pagedkv.entrypoints import generate
+
+    generate.add_parser(subparsers)
+
+
+def _add_chat(subparsers: Any) -> None:
+    from pagedkv.entrypoints import chat
+
+    chat.add_parser(subparsers)
+
+
+def _add_bench(subparsers: Any) -> None:
+    from pagedkv.entrypoints import bench
+
+    bench.add_parser(subparsers)
+
+
+def _add_serve(subparsers: Any) -> None:
+    from pagedkv.entrypoints import serve
+
+    serve.add_parser(subparsers)
+
+
+def _add_events(subparsers: Any) -> None:
+    from pagedkv.entrypoints import events_cli
+
+    events_cli.add_parser(subparsers)
+
+
 # Registration order = order in ``pagedkv --help``.
-SUBCOMMANDS: list[Callable[[Any], None]] = [_add_plan]
+SUBCOMMANDS: list[Callable[[Any], None]] = [_add_plan, _add_generate, _add_chat, _add_bench]
+SUBCOMMANDS += [_add_serve, _add_events]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -13,9 +13,11 @@ How it runs (CPU-first, vectorised; no per-token Python loop):
   A chunk gathers its blocks with ONE indexing op, masks keys past ``seq_len`` or outside the
   window, and runs one dense kernel with each KV head's ``G`` query heads as rows (GQA without
   repeating K/V).
-* **Split-KV ("flash-decoding")**: a chunk is cut along its KV range into segments — when its
-  K/V exceed :data:`KV_SPLIT_BYTES`, or as ``num_kv_splits`` asks. Each segment yields its
-  normalised output and log-sum-exp; :func:`merge_attn_states_multi` combines them.
+* **Split-KV ("flash-decoding")**: a row's key range can be cut into ``num_kv_splits``
+  segments that enter the kernel as extra rows (one call, more parallel work when a few long
+  rows would leave threads idle — automatic then); each yields its normalised output and
+  log-sum-exp, combined by :func:`merge_attn_states_multi`. The same merge joins the pieces a
+  lone row longer than :data:`KV_CHUNK_BYTES` is read in, one gather at a time.
 * **Prefill chunks** (``query_len > 1``, maybe after cached context) run one sequence at a
   time, tiled over queries. Without a window a tile is two dense calls merged by lse: the keys
   every row sees (no mask) and the diagonal square (causal, which the kernel skips by tiles).
@@ -34,9 +36,8 @@ from pagedkv.ops.metadata import AttentionMetadata
 # Gathered K+V bytes of one decode chunk: enough rows to amortise per-chunk overhead, few
 # enough that the gather is still in cache when the kernel reads it.
 KV_CHUNK_BYTES = 8 << 20
-# A decode chunk gathering more than this is split along its KV range (bounds the workspace
-# for very long contexts; below it, splitting only adds merge work on a CPU).
-KV_SPLIT_BYTES = 32 << 20
+# Automatic split-KV never makes a segment shorter than this (merge work would dominate).
+MIN_SPLIT_TOKENS = 256
 # Prefill query tile: at most this many tokens (smaller causal squares leave less masked work
 # to the kernel: -25% time for a 512-token prompt) and this many bytes of float32
 # (query head × key) scores or mask.
@@ -54,7 +55,7 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     (any strides, e.g. views from ``allocate_kv_cache``) already hold this step's K/V (call
     ``reshape_and_cache`` first). ``Hq = G·Hkv``: query head ``h`` uses KV head ``h // G``.
     K/V are read through ``attn_metadata.block_table``. ``num_kv_splits`` forces the number of
-    KV segments per decode chunk (``None`` or 0: automatic; 1: never split).
+    KV segments per decode row (``None`` or 0: automatic; 1: never split).
     Returns ``[T, Hq, Dv]`` in ``query.dtype``.
     """
     if sliding_window is not None and sliding_window < 1:
@@ -113,12 +114,25 @@ def _decode_chunks(seq_lens: list[int], rows: list[int], token_bytes: int, budge
     return chunks
 
 
+def _auto_kv_splits(num_rows: int, num_kv_heads: int, num_keys: int) -> int:
+    """KV segments per row so that a few long rows still give every thread work.
+
+    The kernel parallelises over (row, KV head, segment) items: split only when there are
+    fewer than two items per thread, and never below :data:`MIN_SPLIT_TOKENS` per segment.
+    """
+    items = num_rows * num_kv_heads
+    want = -(-2 * torch.get_num_threads() // items)
+    return max(1, min(want, num_keys // MIN_SPLIT_TOKENS))
+
+
 def _decode(query: torch.Tensor, out: torch.Tensor, paged: PagedKV, md: AttentionMetadata,
             rows: list[int], scale: float, sliding_window: int | None, soft_cap: float | None,
             num_kv_splits: int | None) -> None:
     """Attention of all decode rows (one query token each), written into ``out``.
 
-    Per-row tensors are built once, in chunk order; each chunk works on slices of them.
+    Per-row tensors are built once, in chunk order; each chunk works on slices of them. A
+    chunk's key range is read in pieces of at most :data:`KV_CHUNK_BYTES` (only a lone long
+    row needs more than one), each cut into ``splits`` segments computed in one kernel call.
     """
     bs, dev = md.block_size, query.device
     chunks = _decode_chunks(md.seq_lens_cpu, rows, paged.token_bytes, KV_CHUNK_BYTES,
@@ -138,22 +152,53 @@ def _decode(query: torch.Tensor, out: torch.Tensor, paged: PagedKV, md: Attentio
         lens = [md.seq_lens_cpu[i] for i in chunk]  # ascending
         lo = 0 if sliding_window is None else max(0, lens[0] - sliding_window)
         b0, b1 = lo // bs, -(-lens[-1] // bs)  # blocks holding a key some row can see
-        gather_bytes = len(chunk) * (b1 - b0) * bs * paged.token_bytes
-        splits = num_kv_splits or -(-gather_bytes // KV_SPLIT_BYTES)
-        seg = -(-(b1 - b0) // max(1, splits))  # blocks per KV segment
-        parts = []
-        for s0 in range(b0, b1, seg):
-            s1 = min(b1, s0 + seg)
-            k, v = paged.gather(table[rs, s0:s1])
-            key_pos = torch.arange(s0 * bs, s1 * bs, device=dev)
-            valid = _key_mask(key_pos, q_pos[rs], sliding_window)  # [B, 1, L]
-            parts.append(attend(q[rs], k, v, scale, valid, soft_cap=soft_cap,
-                                exact_empty_lse=seg < b1 - b0))
+        splits = min(b1 - b0, num_kv_splits or
+                     _auto_kv_splits(len(chunk), paged.num_kv_heads, (b1 - b0) * bs))
+        piece = KV_CHUNK_BYTES // (len(chunk) * bs * paged.token_bytes)  # blocks per gather
+        piece = max(splits, piece // splits * splits)
+        parts = [_decode_piece(q[rs], q_pos[rs], table[rs], paged, p0, min(b1, p0 + piece),
+                               splits, scale, sliding_window, soft_cap,
+                               exact_lse=piece < b1 - b0)
+                 for p0 in range(b0, b1, piece)]
         if len(parts) == 1:
             res[rs] = parts[0][0]
         else:
             res[rs] = merge_attn_states_multi([o for o, _ in parts], [lse for _, lse in parts])[0]
     out[tokens] = res.squeeze(2)
+
+
+def _decode_piece(q: torch.Tensor, q_pos: torch.Tensor, table: torch.Tensor, paged: PagedKV,
+                  p0: int, p1: int, splits: int, scale: float, sliding_window: int | None,
+                  soft_cap: float | None, exact_lse: bool
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode rows ``q [B, Hq, 1, D]`` over their key blocks ``[p0, p1)``, as ``splits``
+    segments batched into one kernel call (flash-decoding) and merged by log-sum-exp.
+
+    Returns ``(out [B, Hq, 1, Dv], lse [B, Hq, 1])``.
+    """
+    b, bs = q.shape[0], paged.key_cache.shape[1]
+    seg = -(-(p1 - p0) // splits)  # blocks per segment
+    blocks = table[:, p0:p1]
+    if seg * splits > p1 - p0:
+        # Pad with null blocks. Only a chunk's last piece can need it (the others are whole
+        # multiples of ``splits``), so padded keys lie past every row's end: masked as future.
+        blocks = torch.nn.functional.pad(blocks, (0, seg * splits - (p1 - p0)))
+    k, v = paged.gather(blocks)  # [B, splits*seg*BS, Hkv, *]
+    key_pos = torch.arange(p0 * bs, (p0 + seg * splits) * bs, device=q.device)
+    valid = _key_mask(key_pos, q_pos, sliding_window)  # [B, 1, L]
+    if splits > 1:  # segments become extra rows: [B*splits, L/splits, ...]
+        seg_len = seg * bs
+        k = k.reshape(b * splits, seg_len, *k.shape[2:])
+        v = v.reshape(b * splits, seg_len, *v.shape[2:])
+        valid = valid.view(b * splits, 1, seg_len)
+        q = q.unsqueeze(1).expand(b, splits, *q.shape[1:]).reshape(b * splits, *q.shape[1:])
+    o, lse = attend(q, k, v, scale, valid, soft_cap=soft_cap,
+                    exact_empty_lse=exact_lse or splits > 1)
+    if splits == 1:
+        return o, lse
+    o = o.view(b, splits, *o.shape[1:]).transpose(0, 1)  # [splits, B, Hq, 1, Dv]
+    lse = lse.view(b, splits, *lse.shape[1:]).transpose(0, 1)
+    return merge_attn_states_multi(o, lse)
 
 
 def _prefill(query: torch.Tensor, out: torch.Tensor, paged: PagedKV, md: AttentionMetadata,

@@ -1,0 +1,81 @@
+"""Helpers shared by the benchmarks: output (table + JSON), statistics, workloads."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+
+class BenchOptionError(Exception):
+    """A bad benchmark option: one line on stderr, exit code 2."""
+
+
+def add_output_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json-only", action="store_true", help="print only the JSON report")
+    p.add_argument("--json-out", metavar="FILE", default=None, help="also write the JSON report to FILE")
+
+
+def emit(report: dict[str, Any], table: Callable[[dict[str, Any]], str], args: argparse.Namespace) -> None:
+    """Print the table (unless ``--json-only``), then the JSON; write ``--json-out``."""
+    if not args.json_only:
+        print(table(report))
+        print()
+    print(json.dumps(report, indent=1))
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(report, indent=1) + "\n")
+
+
+def log(args: argparse.Namespace, msg: str) -> None:
+    """Progress on stderr (stdout stays table + JSON)."""
+    if not args.json_only:
+        print(msg, file=sys.stderr, flush=True)
+
+
+def summary(xs: Sequence[float]) -> dict[str, float]:
+    """p50 / mean / min / max of a sample (seconds or whatever ``xs`` holds)."""
+    if not xs:
+        return dict(p50=float("nan"), mean=float("nan"), min=float("nan"), max=float("nan"))
+    return dict(p50=statistics.median(xs), mean=statistics.fmean(xs), min=min(xs), max=max(xs))
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def random_token_ids(rng: random.Random, n: int, vocab_size: int, low: int = 0) -> list[int]:
+    """``n`` token ids drawn uniformly from ``[low, vocab_size)``."""
+    return [rng.randrange(low, vocab_size) for _ in range(n)]
+
+
+def int_range(text: str) -> tuple[int, int]:
+    """argparse type for ``MIN:MAX`` (inclusive) or a single ``N``."""
+    try:
+        lo, _, hi = text.partition(":")
+        a, b = int(lo), int(hi or lo)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid range {text!r}: use MIN:MAX or N") from None
+    if not 1 <= a <= b:
+        raise argparse.ArgumentTypeError(f"invalid range {text!r}: need 1 <= MIN <= MAX")
+    return a, b
+
+
+def fmt(x: float | None, spec: str = ".1f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def run_and_emit(run: Callable[[argparse.Namespace], dict[str, Any]],
+                 table: Callable[[dict[str, Any]], str], args: argparse.Namespace) -> int:
+    """Run a benchmark and print its report; a bad option is exit code 2."""
+    try:
+        report = run(args)
+    except BenchOptionError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    emit(report, table, args)
+    return 0

@@ -1,0 +1,305 @@
+"""Offline throughput: pagedkv against HF transformers ``generate`` on the same workload, in one run.
+
+Workload (fixed seed): ``--num-requests`` requests (64), prompt lengths uniform in
+``--prompt-len`` (32:512) tokens, output lengths uniform in ``--output-len`` (32:256) tokens.
+Prompts are random token ids drawn uniformly from the vocabulary: both systems see exactly the
+same ids (no tokenizer round trip), and ``ignore_eos`` makes every request produce exactly its
+requested length, so the work is fixed whatever the text.
+
+* pagedkv: all requests submitted at once to ``LLM.generate`` (continuous batching, greedy,
+  ``ignore_eos``, prefix caching on but nothing to hit).
+* HF: static batches of ``--hf-batch-size`` (8) in request order, left-padded, greedy, model
+  loaded with ``AutoModelForCausalLM.from_pretrained(dir, gguf_file=name, dtype=...)``. A static
+  batch runs until its longest request is done (``min_new_tokens == max_new_tokens`` = the
+  batch max, so EOS cannot end it early). For fairness only the *requested* tokens of each
+  request are counted (its prompt + its own output length); the padding and the extra tokens
+  generated for shorter requests of a batch are HF's waste, not credited.
+
+Tokens/s are reported for prompt + output and for output alone, plus the ratio pagedkv / HF.
+Batch-1 decode: one request, 32-token prompt, 128 output tokens; decode tok/s excludes the
+first token (pagedkv: from the request's first-token to finish timestamps; HF: the time of a
+128-token generate minus a 1-token generate).
+
+Compute ceiling: the fp32 (``--dtype``) matmul rate of this machine, measured in the same run
+(best of a 1024x1024 @ 1024x1024 ``torch.matmul`` loop), divided by 2 x parameters FLOPs per
+token (0.27 GFLOP for SmolLM2-135M). The pagedkv total tok/s is reported as a fraction of it.
+
+Targets (printed beside the figures): pagedkv >= 5x HF total tok/s; >= 60% of the compute
+ceiling in float32; batch-1 decode >= 40 tok/s (HF ~15).
+
+Usage: python benchmarks/bench_throughput.py [--num-requests N] [--dtype D] [--skip-hf]
+       [--json-out FILE] [--json-only]        (same as ``pagedkv bench throughput``)
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import random
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from pagedkv.bench.common import BenchOptionError, add_output_args, fmt, int_range, log, random_token_ids, ratio, run_and_emit
+
+TARGETS = {"vs_hf_total": 5.0, "fraction_of_ceiling_fp32": 0.60, "batch1_decode_tok_s": 40.0}
+HF_BATCH1_REFERENCE_TOK_S = 15.0
+WARMUP_PROMPT_LEN, WARMUP_OUTPUT_LEN = 32, 8  # one untimed request first (lazy init, allocator)
+
+
+@dataclass(slots=True)
+class Workload:
+    prompts: list[list[int]]
+    output_lens: list[int]
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(map(len, self.prompts))
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(self.output_lens)
+
+
+def make_workload(num_requests: int, prompt_len: tuple[int, int], output_len: tuple[int, int],
+                  vocab_size: int, seed: int) -> Workload:
+    rng = random.Random(seed)
+    prompts = [random_token_ids(rng, rng.randint(*prompt_len), vocab_size) for _ in range(num_requests)]
+    return Workload(prompts, [rng.randint(*output_len) for _ in range(num_requests)])
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--prompt-len", type=int_range, default=(32, 512), metavar="MIN:MAX")
+    p.add_argument("--output-len", type=int_range, default=(32, 256), metavar="MIN:MAX")
+    p.add_argument("--batch1-prompt-len", type=int, default=32)
+    p.add_argument("--batch1-output-len", type=int, default=128)
+    p.add_argument("--hf-batch-size", type=int, default=8)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--model", default=None, help="a .gguf file or HF directory (default: SmolLM2-135M)")
+    p.add_argument("--seed", type=int, default=0, help="workload seed")
+    p.add_argument("--skip-hf", action="store_true", help="pagedkv only (no transformers baseline)")
+    p.add_argument("--matmul-seconds", type=float, default=2.0, help="time spent measuring the matmul rate")
+    add_output_args(p)
+
+
+# ---------------------------------------------------------------- machine ceiling
+
+
+def matmul_gflops(dtype: Any, seconds: float, n: int = 1024) -> float:
+    """Best observed ``n x n @ n x n`` matmul rate in GFLOP/s (the machine's peak, as a ceiling)."""
+    import torch
+
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    flop = 2 * n**3
+    for _ in range(3):
+        torch.matmul(a, b)
+    best, deadline = 0.0, time.perf_counter() + seconds
+    while True:
+        t = time.perf_counter()
+        for _ in range(5):
+            torch.matmul(a, b)
+        best = max(best, 5 * flop / (time.perf_counter() - t) / 1e9)
+        if time.perf_counter() > deadline:
+            return best
+
+
+# ---------------------------------------------------------------- pagedkv
+
+
+def bench_pagedkv(args: argparse.Namespace, w: Workload) -> dict[str, Any]:
+    from pagedkv import LLM, SamplingParams
+
+    t = time.perf_counter()
+    max_len = max(args.prompt_len[1] + args.output_len[1], args.batch1_prompt_len + args.batch1_output_len,
+                  WARMUP_PROMPT_LEN + WARMUP_OUTPUT_LEN)
+    llm = LLM(model=args.model, dtype=args.dtype, max_model_len=max_len)
+    load_s = time.perf_counter() - t
+    vocab = llm.llm_engine.model_config.vocab_size
+    rng = random.Random(args.seed + 1)  # warm-up and batch-1 prompts share nothing with the workload
+    llm.generate({"prompt_token_ids": random_token_ids(rng, WARMUP_PROMPT_LEN, vocab)},
+                 SamplingParams(temperature=0, max_tokens=WARMUP_OUTPUT_LEN, ignore_eos=True), use_tqdm=False)
+
+    one = {"prompt_token_ids": random_token_ids(rng, args.batch1_prompt_len, vocab)}
+    (o,) = llm.generate(one, SamplingParams(temperature=0, max_tokens=args.batch1_output_len, ignore_eos=True),
+                        use_tqdm=False)
+    m = o.metrics
+    decode_s = m.finished_time - m.first_token_time
+    batch1 = (len(o.outputs[0].token_ids) - 1) / decode_s if decode_s > 0 else None
+    llm.reset_prefix_cache()
+
+    prompts = [{"prompt_token_ids": p} for p in w.prompts]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in w.output_lens]
+    before = llm.stats()["num_preemptions"]
+    t = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - t
+    produced = sum(len(o.outputs[0].token_ids) for o in outs)
+    if produced != w.output_tokens:
+        raise RuntimeError(f"pagedkv produced {produced} output tokens, {w.output_tokens} requested")
+    return dict(load_s=load_s, elapsed_s=elapsed, total_tok_s=(w.prompt_tokens + w.output_tokens) / elapsed,
+                output_tok_s=w.output_tokens / elapsed, batch1_decode_tok_s=batch1,
+                batch1_ttft_s=m.time_to_first_token,
+                num_preemptions=llm.stats()["num_preemptions"] - before,
+                num_kv_blocks=llm.llm_engine.kv_cache_config.num_blocks,
+                num_params=llm.llm_engine.model_config.num_params,
+                vocab_size=vocab)
+
+
+# ---------------------------------------------------------------- transformers
+
+
+def load_hf(model: str | None, dtype: Any) -> Any:
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    from pagedkv.models.loader import resolve_model_path
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    path = resolve_model_path(model)
+    # The GGUF conversion draws a bare tqdm bar on stderr that no transformers switch silences.
+    with contextlib.redirect_stderr(io.StringIO()):
+        if path.suffix.lower() == ".gguf":
+            net = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
+        else:
+            net = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    return net.eval()
+
+
+def hf_generate(net: Any, prompts: list[list[int]], new_tokens: int, pad_id: int) -> int:
+    """One static, left-padded, greedy batch of exactly ``new_tokens`` tokens per row; returns
+    the tokens generated (all rows, padding waste included)."""
+    import torch
+
+    width = max(map(len, prompts))
+    ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    with torch.inference_mode():
+        out = net.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=new_tokens,
+                           min_new_tokens=new_tokens, pad_token_id=pad_id, temperature=None, top_p=None,
+                           top_k=None)
+    return (out.shape[1] - width) * out.shape[0]
+
+
+def bench_hf(args: argparse.Namespace, w: Workload, pad_id: int) -> dict[str, Any]:
+    import torch
+
+    t = time.perf_counter()
+    net = load_hf(args.model, getattr(torch, args.dtype))
+    load_s = time.perf_counter() - t
+    rng = random.Random(args.seed + 1)
+    vocab = net.config.vocab_size
+    hf_generate(net, [random_token_ids(rng, WARMUP_PROMPT_LEN, vocab)], WARMUP_OUTPUT_LEN, pad_id)
+    one = [random_token_ids(rng, args.batch1_prompt_len, vocab)]
+    t = time.perf_counter()
+    hf_generate(net, one, 1, pad_id)
+    t1 = time.perf_counter() - t
+    t = time.perf_counter()
+    hf_generate(net, one, args.batch1_output_len, pad_id)
+    tn = time.perf_counter() - t
+    batch1 = (args.batch1_output_len - 1) / (tn - t1) if tn > t1 else None
+
+    generated = 0
+    bs = args.hf_batch_size
+    t = time.perf_counter()
+    for i in range(0, len(w.prompts), bs):
+        generated += hf_generate(net, w.prompts[i:i + bs], max(w.output_lens[i:i + bs]), pad_id)
+    elapsed = time.perf_counter() - t
+    return dict(load_s=load_s, elapsed_s=elapsed, total_tok_s=(w.prompt_tokens + w.output_tokens) / elapsed,
+                output_tok_s=w.output_tokens / elapsed, batch1_decode_tok_s=batch1,
+                generated_tokens_incl_waste=generated, batch_size=bs)
+
+
+# ---------------------------------------------------------------- report
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
+    if args.num_requests < 1 or args.hf_batch_size < 1:
+        raise BenchOptionError("--num-requests and --hf-batch-size must be >= 1")
+    log(args, "measuring the matmul rate ...")
+    gflops = matmul_gflops(getattr(torch, args.dtype), args.matmul_seconds)
+    from pagedkv.models.config import load_model_config
+
+    cfg = load_model_config(args.model)
+    w = make_workload(args.num_requests, args.prompt_len, args.output_len, cfg.vocab_size, args.seed)
+    log(args, f"pagedkv: {args.num_requests} requests, {w.prompt_tokens} prompt + {w.output_tokens} output tokens ...")
+    ours = bench_pagedkv(args, w)
+    gflop_per_token = 2 * ours.pop("num_params") / 1e9
+    ceiling = gflops / gflop_per_token
+    ours["fraction_of_ceiling"] = ours["total_tok_s"] / ceiling
+    hf = None
+    if not args.skip_hf:
+        log(args, "transformers: same workload ...")
+        hf = bench_hf(args, w, pad_id=_pad_id(args.model, cfg))
+    ratios = {k: ratio(ours[k], hf[k]) if hf else None
+              for k in ("total_tok_s", "output_tok_s", "batch1_decode_tok_s")}
+    meets = {
+        "vs_hf_total": None if hf is None else ratios["total_tok_s"] >= TARGETS["vs_hf_total"],
+        "fraction_of_ceiling_fp32": (ours["fraction_of_ceiling"] >= TARGETS["fraction_of_ceiling_fp32"]
+                                     if args.dtype == "float32" else None),
+        "batch1_decode_tok_s": (ours["batch1_decode_tok_s"] or 0) >= TARGETS["batch1_decode_tok_s"],
+    }
+    return dict(
+        benchmark="throughput", dtype=args.dtype,
+        workload=dict(num_requests=args.num_requests, prompt_len=list(args.prompt_len),
+                      output_len=list(args.output_len), prompt_tokens=w.prompt_tokens,
+                      output_tokens=w.output_tokens, seed=args.seed, prompts="random token ids",
+                      batch1=dict(prompt_len=args.batch1_prompt_len, output_len=args.batch1_output_len)),
+        machine=dict(matmul_gflops=gflops, gflop_per_token=gflop_per_token, ceiling_tok_s=ceiling,
+                     torch_threads=torch.get_num_threads()),
+        pagedkv=ours, hf=hf, ratios=ratios, targets=TARGETS | {"hf_batch1_reference_tok_s": HF_BATCH1_REFERENCE_TOK_S},
+        meets_targets=meets,
+    )
+
+
+def _pad_id(model: str | None, cfg: Any) -> int:
+    """Left-padding id: the tokenizer's pad (else eos) id; masked out, so any valid id works."""
+    from pagedkv.models.loader import resolve_model_path
+    from pagedkv.models.tokenizer import Tokenizer
+
+    path = resolve_model_path(model)
+    try:
+        tok = Tokenizer.from_gguf(path) if path.suffix.lower() == ".gguf" else Tokenizer.from_hf_dir(path)
+        pad = tok.pad_token_id
+    except (FileNotFoundError, NotImplementedError, KeyError):
+        pad = None
+    return pad if pad is not None else (cfg.eos_token_id or 0)
+
+
+def table(r: dict[str, Any]) -> str:
+    ours, hf, ra, mach, w = r["pagedkv"], r["hf"], r["ratios"], r["machine"], r["workload"]
+    h = hf or {}
+    lines = [
+        f"workload: {w['num_requests']} requests, prompts {w['prompt_len'][0]}-{w['prompt_len'][1]} "
+        f"({w['prompt_tokens']} tokens), outputs {w['output_len'][0]}-{w['output_len'][1]} "
+        f"({w['output_tokens']} tokens), {r['dtype']}, greedy, ignore_eos",
+        f"machine: {mach['matmul_gflops']:.1f} GFLOP/s matmul ({mach['torch_threads']} threads), "
+        f"{mach['gflop_per_token']:.3f} GFLOP/token -> ceiling {mach['ceiling_tok_s']:.0f} tok/s",
+        "",
+        f"{'figure':28s}{'pagedkv':>10s}{'HF':>10s}{'ratio':>9s}   target",
+        f"{'total tok/s':28s}{ours['total_tok_s']:10.1f}{fmt(h.get('total_tok_s')):>10s}"
+        f"{fmt(ra['total_tok_s'], '.2f'):>8s}x   >= {TARGETS['vs_hf_total']:.0f}x HF",
+        f"{'output tok/s':28s}{ours['output_tok_s']:10.1f}{fmt(h.get('output_tok_s')):>10s}"
+        f"{fmt(ra['output_tok_s'], '.2f'):>8s}x",
+        f"{'batch-1 decode tok/s':28s}{fmt(ours['batch1_decode_tok_s']):>10s}{fmt(h.get('batch1_decode_tok_s')):>10s}"
+        f"{fmt(ra['batch1_decode_tok_s'], '.2f'):>8s}x   >= {TARGETS['batch1_decode_tok_s']:.0f} (HF ~{HF_BATCH1_REFERENCE_TOK_S:.0f})",
+        f"{'elapsed s':28s}{ours['elapsed_s']:10.1f}{fmt(h.get('elapsed_s')):>10s}",
+        f"{'fraction of ceiling':28s}{ours['fraction_of_ceiling']:10.1%}{'':>19s}   >= "
+        f"{TARGETS['fraction_of_ceiling_fp32']:.0%} (float32)",
+        f"pagedkv preemptions: {ours['num_preemptions']}; KV blocks: {ours['num_kv_blocks']}",
+    ]
+    if hf:
+        lines.append(f"HF generated {hf['generated_tokens_incl_waste']} tokens for {w['output_tokens']} requested "
+                     f"(static batches of {hf['batch_size']})")
+    lines.append("meets targets: " + ", ".join(f"{k}={v}" for k, v in r["meets_targets"].items()))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+    return run_and_emit(run, table, p.parse_args(argv))

@@ -1,0 +1,433 @@
+"""`AsyncLLM`: the synchronous `LLMEngine` driven by one background thread, for asyncio servers.
+
+One thread (``pagedkv-engine``) owns the engine: it alone calls ``add_request``, ``step`` and
+``abort_request``, so the engine needs no lock. Other threads talk to it through a command
+list (a condition variable wakes the thread when it is idle):
+
+* `add_request` (a coroutine) submits the request and waits until the engine thread has
+  queued it, so a ValueError from the engine (prompt too long, bad token ids) reaches the
+  caller before any response is sent; it returns a `RequestStream` to iterate;
+* `abort` is fire-and-forget and callable from any thread (a client disconnect, a cancelled
+  task); the request's blocks are freed before the next step;
+* `run_in_engine(fn)` runs ``fn(engine)`` on the engine thread between two steps and returns
+  its result: a consistent view of the block pool (dashboard), a prefix-cache reset, invariants.
+
+After every step the thread hands each request's latest `RequestOutput` to its stream (one
+``call_soon_threadsafe`` per event loop per step). Outputs are cumulative snapshots, so a slow
+consumer only sees the newest one: a stream never grows without bound. KV events are drained
+after every step (and command) and given to ``event_publisher``; per-step stats go to
+``stat_loggers``.
+
+Admission control: at most ``max_num_seqs + max_queue_size`` user requests may be in flight
+(those beyond ``max_num_seqs`` wait in the scheduler's queue); `add_request` raises
+`QueueFullError` beyond that (an HTTP server answers 503 with ``Retry-After``).
+
+If a step raises, every in-flight request fails with `EngineDeadError` and the engine is
+marked dead (``is_healthy`` False): a server answers 503 from then on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+
+from pagedkv.engine.outputs import RequestOutput
+from pagedkv.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pagedkv.engine.config import EngineConfig
+    from pagedkv.engine.llm_engine import LLMEngine, PromptType
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+DEFAULT_MAX_QUEUE_SIZE = 256
+
+
+class QueueFullError(RuntimeError):
+    """Too many requests are already waiting: retry later."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread failed or was shut down; no request can progress."""
+
+
+class StatLogger(Protocol):
+    def record_step(self, engine: LLMEngine, outputs: list[RequestOutput], now: float) -> None:
+        """Called on the engine thread after every step that produced outputs (or changed state)."""
+
+
+class EventPublisher(Protocol):
+    def publish(self, events: list[Any]) -> None: ...
+
+    def shutdown(self) -> None: ...
+
+
+_DONE = object()
+
+
+@dataclass(eq=False)
+class RequestStream:
+    """Outputs of one user request, newest first-class: ``await stream.get()`` returns the most
+    recent `RequestOutput` not yet seen (skipping older snapshots), or raises the engine's error.
+    Iterate with ``async for out in stream``; it stops after the finished output."""
+
+    request_id: str
+    loop: asyncio.AbstractEventLoop
+    owner: AsyncLLM
+    _latest: RequestOutput | None = None
+    _error: BaseException | None = None
+    _event: asyncio.Event = field(default_factory=asyncio.Event)
+    finished: bool = False
+
+    # -- called on the event loop thread (through call_soon_threadsafe) --
+    def _put(self, out: RequestOutput) -> None:
+        self._latest = out
+        self._event.set()
+
+    def _fail(self, err: BaseException) -> None:
+        self._error = err
+        self._event.set()
+
+    # -- consumer side --
+    async def get(self) -> RequestOutput:
+        while self._latest is None and self._error is None:
+            self._event.clear()
+            await self._event.wait()
+        if self._latest is not None:
+            out, self._latest = self._latest, None
+            if out.finished:
+                self.finished = True
+            return out
+        assert self._error is not None
+        self.finished = True
+        raise self._error
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        return await self.get()
+
+    def abort(self) -> None:
+        """Abort the request unless it already finished (idempotent, thread-safe)."""
+        if not self.finished:
+            self.finished = True
+            self.owner.abort(self.request_id)
+
+
+class AsyncLLM:
+    """Serve an `LLMEngine` to asyncio code; see the module docstring."""
+
+    def __init__(self, engine: LLMEngine, *, max_queue_size: int = DEFAULT_MAX_QUEUE_SIZE,
+                 event_publisher: EventPublisher | None = None,
+                 stat_loggers: list[StatLogger] | None = None) -> None:
+        if not isinstance(max_queue_size, int) or max_queue_size < 0:
+            raise ValueError(f"invalid max_queue_size={max_queue_size!r}: must be an integer >= 0")
+        self.engine = engine
+        self.max_queue_size = max_queue_size
+        self.max_in_flight = engine.config.max_num_seqs + max_queue_size
+        self.event_publisher = event_publisher
+        self.stat_loggers: list[StatLogger] = list(stat_loggers or [])
+        self._cv = threading.Condition()
+        self._commands: list[tuple[Callable[[], None], concurrent.futures.Future | None]] = []
+        self._streams: dict[str, RequestStream] = {}  # guarded by _cv
+        self._stopping = False
+        self._dead: BaseException | None = None
+        self.num_aborted = 0
+        self.num_rejected = 0
+        self.last_stats: dict[str, Any] = engine_stats(engine)
+        self._thread = threading.Thread(target=self._run, name="pagedkv-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, **kwargs: Any) -> AsyncLLM:
+        from pagedkv.engine.llm_engine import LLMEngine
+
+        return cls(LLMEngine(config), **kwargs)
+
+    # ---- state --------------------------------------------------------------------------------
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    @property
+    def is_healthy(self) -> bool:
+        return self._dead is None and not self._stopping and self._thread.is_alive()
+
+    @property
+    def num_in_flight(self) -> int:
+        with self._cv:
+            return len(self._streams)
+
+    # ---- requests ---------------------------------------------------------------------------------
+
+    async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
+                          arrival_time: float | None = None) -> RequestStream:
+        """Queue a request; returns its stream once the engine accepted it.
+
+        Raises ValueError (invalid input: nothing queued), QueueFullError or EngineDeadError.
+        """
+        loop = asyncio.get_running_loop()
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        stream = RequestStream(request_id, loop, self)
+        with self._cv:
+            self._check_alive()
+            if request_id in self._streams:
+                raise ValueError(f"request id {request_id!r} is already in use")
+            if len(self._streams) >= self.max_in_flight:
+                self.num_rejected += 1
+                raise QueueFullError(
+                    f"the server is at capacity ({self.engine.config.max_num_seqs} running and "
+                    f"{self.max_queue_size} waiting requests); retry later")
+            self._streams[request_id] = stream
+        fut: concurrent.futures.Future[None] = concurrent.futures.Future()
+
+        def cmd() -> None:
+            try:
+                self.engine.add_request(request_id, prompt, params, arrival_time=arrival)
+            except BaseException as e:  # noqa: BLE001 - handed to the caller
+                with self._cv:
+                    self._streams.pop(request_id, None)
+                _set(fut, error=e)
+            else:
+                _set(fut, None)
+
+        self._submit(cmd, fut)
+        try:
+            await asyncio.wrap_future(fut)
+        except asyncio.CancelledError:
+            self.abort(request_id)
+            raise
+        return stream
+
+    async def generate(self, prompt: PromptType, params: SamplingParams,
+                       request_id: str) -> Any:
+        """Async generator of `RequestOutput` snapshots; aborts the request if the consumer
+        stops early (break, cancellation, error)."""
+        stream = await self.add_request(request_id, prompt, params)
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            stream.abort()
+
+    def abort(self, request_id: str | list[str]) -> None:
+        """Abort user requests (all their samples) and free their blocks; thread-safe, returns
+        at once. Unknown or finished ids are ignored."""
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        with self._cv:
+            ids = [r for r in ids if self._streams.pop(r, None) is not None]
+        if not ids:
+            return
+
+        def cmd() -> None:
+            self.engine.abort_request(ids)
+            self.num_aborted += len(ids)
+            for sl in self.stat_loggers:
+                record_abort = getattr(sl, "record_abort", None)
+                if record_abort is not None:
+                    record_abort(ids)
+
+        self._submit(cmd, None)
+
+    async def run_in_engine(self, fn: Callable[[LLMEngine], T]) -> T:
+        """``fn(engine)`` on the engine thread between two steps; its result or exception."""
+        return await asyncio.wrap_future(self.call_in_engine(fn))
+
+    def call_in_engine(self, fn: Callable[[LLMEngine], T]) -> concurrent.futures.Future[T]:
+        """Thread-safe, non-async form of `run_in_engine`: a concurrent Future."""
+        fut: concurrent.futures.Future[T] = concurrent.futures.Future()
+
+        def cmd() -> None:
+            if not fut.set_running_or_notify_cancel():
+                return  # the caller gave up (cancelled): do not run it
+            try:
+                result = fn(self.engine)
+            except BaseException as e:  # noqa: BLE001 - handed to the caller
+                fut.set_exception(e)
+            else:
+                fut.set_result(result)
+
+        with self._cv:
+            self._check_alive()
+        self._submit(cmd, fut)
+        return fut
+
+    def _check_alive(self) -> None:
+        if self._dead is not None:
+            raise EngineDeadError(f"the engine failed: {self._dead!r}")
+        if self._stopping:
+            raise EngineDeadError("the engine is shutting down")
+
+    def _submit(self, cmd: Callable[[], None], fut: concurrent.futures.Future | None) -> None:
+        with self._cv:
+            if self._stopping or self._dead is not None:
+                if fut is not None:
+                    _set(fut, error=EngineDeadError("the engine is not running"))
+                return
+            self._commands.append((cmd, fut))
+            self._cv.notify()
+
+    # ---- the engine thread ------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        engine = self.engine
+        while True:
+            with self._cv:
+                while not self._commands and not self._stopping and not engine.has_unfinished_requests():
+                    self._cv.wait()
+                cmds, self._commands = self._commands, []
+                stopping = self._stopping
+            for cmd, _ in cmds:
+                cmd()
+            if stopping:
+                _fail_futures(cmds, EngineDeadError("the engine is shutting down"))
+                return
+            try:
+                outputs = engine.step() if engine.has_unfinished_requests() else []
+                self._after_step(outputs, changed=bool(cmds))
+            except BaseException as e:  # noqa: BLE001 - the engine is unusable now
+                logger.exception("engine step failed; failing all in-flight requests")
+                self._die(e)
+                return
+
+    def _after_step(self, outputs: list[RequestOutput], changed: bool) -> None:
+        engine = self.engine
+        now = time.monotonic()
+        if self.event_publisher is not None and engine.config.enable_kv_cache_events:
+            events = engine.kv_cache_manager.take_events()
+            if events:
+                self.event_publisher.publish(events)
+        if outputs or changed:
+            self.last_stats = engine_stats(engine)
+            for sl in self.stat_loggers:
+                try:
+                    sl.record_step(engine, outputs, now)
+                except Exception:  # noqa: BLE001 - metrics must never break serving
+                    logger.exception("stat logger failed")
+        if not outputs:
+            return
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, RequestOutput]]] = {}
+        with self._cv:
+            for out in outputs:
+                stream = self._streams.get(out.request_id)
+                if stream is None:
+                    continue  # aborted meanwhile
+                if out.finished:
+                    del self._streams[out.request_id]
+                by_loop.setdefault(stream.loop, []).append((stream, out))
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, items)
+            except RuntimeError:  # the loop is closed: its consumers are gone
+                pass
+
+    def _die(self, err: BaseException) -> None:
+        with self._cv:
+            self._dead = err
+            streams = list(self._streams.values())
+            self._streams.clear()
+            cmds, self._commands = self._commands, []
+        _fail_all(streams, EngineDeadError(f"the engine failed: {err!r}"))
+        _fail_futures(cmds, EngineDeadError(f"the engine failed: {err!r}"))
+        try:
+            self.engine.abort_request(list(self.engine.samples))
+        except BaseException:  # noqa: BLE001
+            logger.exception("could not abort requests after the engine failed")
+
+    # ---- shutdown ----------------------------------------------------------------------------
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        """Stop the engine thread (aborting every request) and the event publisher."""
+        with self._cv:
+            if self._stopping:
+                return
+            self._stopping = True
+            streams = list(self._streams.values())
+            self._streams.clear()
+            self._cv.notify()
+        self._thread.join(timeout)
+        _fail_all(streams, EngineDeadError("the server is shutting down"))
+        try:
+            self.engine.abort_request(list(self.engine.samples))
+            shutdown = getattr(self.engine, "shutdown", None)
+            if shutdown is not None:
+                shutdown()
+        except Exception:  # noqa: BLE001
+            logger.exception("engine shutdown failed")
+        if self.event_publisher is not None:
+            self.event_publisher.shutdown()
+
+
+def engine_stats(engine: LLMEngine) -> dict[str, Any]:
+    """``engine.stats()`` plus ``"tiers"``: tier name → stats dict (``usage_bytes``,
+    ``capacity_bytes``, ``hits``, ``misses``, ``bytes_read``, ``bytes_written``, ``healthy``...),
+    from ``engine.offload_manager.get_stats()`` when the engine has one, else from the
+    per-tier dicts of ``stats()["offload"]``; absent without tiers. Call on the engine thread."""
+    stats = engine.stats()
+    tiers: dict[str, dict[str, Any]] = {}
+    try:
+        manager = getattr(engine, "offload_manager", None)
+        if manager is not None:
+            tiers = {name: _as_dict(st) for name, st in manager.get_stats().items()}
+        elif isinstance(stats.get("offload"), dict):
+            tiers = {name: _as_dict(st) for name, st in stats["offload"].items()
+                     if isinstance(st, dict) or hasattr(st, "__dataclass_fields__")}
+    except Exception:  # noqa: BLE001 - stats must never break serving
+        logger.exception("reading the offload tiers' stats failed")
+    if tiers:
+        stats["tiers"] = tiers
+    return stats
+
+
+def _as_dict(stats: Any) -> dict[str, Any]:
+    if isinstance(stats, dict):
+        return dict(stats)
+    fields = getattr(stats, "__dataclass_fields__", None)
+    if fields:
+        return {f: getattr(stats, f) for f in fields}
+    return {k: v for k, v in vars(stats).items() if not k.startswith("_")}
+
+
+def _set(fut: concurrent.futures.Future, result: Any = None, error: BaseException | None = None) -> None:
+    """Complete ``fut`` unless its waiter cancelled it meanwhile."""
+    if fut.done():
+        return
+    try:
+        if error is not None:
+            fut.set_exception(error)
+        else:
+            fut.set_result(result)
+    except concurrent.futures.InvalidStateError:  # cancelled between the check and the set
+        pass
+
+
+def _deliver(items: list[tuple[RequestStream, RequestOutput]]) -> None:
+    for stream, out in items:
+        stream._put(out)
+
+
+def _fail_futures(cmds: list[tuple[Callable[[], None], concurrent.futures.Future | None]],
+                  err: BaseException) -> None:
+    for _, fut in cmds:
+        if fut is not None:
+            _set(fut, error=err)
+
+
+def _fail_all(streams: list[RequestStream], err: BaseException) -> None:
+    for stream in streams:
+        try:
+            stream.loop.call_soon_threadsafe(stream._fail, err)
+        except RuntimeError:
+            pass

@@ -1,0 +1,115 @@
+"""The live KV-cache dashboard: ``GET /dashboard`` (one HTML page, no external assets) and
+``GET /dashboard/state`` (the JSON it polls every 500 ms).
+
+The state is taken on the engine thread between two steps (`AsyncLLM.run_in_engine`), so the
+block map is consistent: every block of the pool is exactly one of
+
+* ``n`` the null block (block 0, never allocated),
+* ``f`` free (``ref_cnt == 0``, no hash: holds nothing reusable),
+* ``c`` cached and evictable (``ref_cnt == 0`` with a block hash: a future prefix hit, evicted
+  LRU-first when the pool needs room),
+* ``u`` in use by one request (``ref_cnt == 1``),
+* ``s`` shared by several requests (``ref_cnt > 1``: prefix hits, ``n > 1`` samples),
+
+sent as one character per block (``"blocks"``). The page also shows usage and prefix-cache hit
+rate over time (the hit rate of each polling interval and the cumulative one), running and
+waiting requests (with each running request's tokens and blocks) and, when the engine has an
+``offload_manager``, each tier's usage, hits and traffic.
+"""
+
+from __future__ import annotations
+
+import time
+from importlib import resources
+from typing import TYPE_CHECKING, Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import HTMLResponse, JSONResponse, Response
+
+from pagedkv.engine.async_llm import engine_stats
+
+if TYPE_CHECKING:
+    from pagedkv.engine.llm_engine import LLMEngine
+
+MAX_LISTED_REQUESTS = 64
+STATE_CHARS = {"null": "n", "free": "f", "cached": "c", "used": "u", "shared": "s"}
+
+
+def block_states(engine: LLMEngine) -> str:
+    """One character per block (see the module docstring). Call on the engine thread."""
+    chars = []
+    for b in engine.kv_cache_manager.block_pool.blocks:
+        if b.is_null:
+            chars.append("n")
+        elif b.ref_cnt > 1:
+            chars.append("s")
+        elif b.ref_cnt == 1:
+            chars.append("u")
+        elif b.block_hash is not None:
+            chars.append("c")
+        else:
+            chars.append("f")
+    return "".join(chars)
+
+
+def dashboard_state(engine: LLMEngine, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The JSON of ``/dashboard/state``. Call on the engine thread."""
+    blocks = block_states(engine)
+    stats = engine_stats(engine)
+    kv = engine.kv_cache_manager
+    sched = engine.scheduler
+    running = []
+    for req in list(sched.running)[:MAX_LISTED_REQUESTS]:
+        try:
+            nblocks = len(kv.get_block_ids(req.request_id)[0])
+        except Exception:  # noqa: BLE001 - a request without blocks
+            nblocks = 0
+        running.append(dict(id=req.request_id, prompt_tokens=req.num_prompt_tokens,
+                            output_tokens=req.num_output_tokens, computed_tokens=req.num_computed_tokens,
+                            cached_tokens=max(getattr(req, "num_cached_tokens", 0), 0), blocks=nblocks))
+    waiting = [dict(id=r.request_id, prompt_tokens=r.num_prompt_tokens, preempted=r.num_preemptions > 0)
+               for r in list(sched.waiting)[:MAX_LISTED_REQUESTS]]
+    counts = {name: blocks.count(ch) for name, ch in STATE_CHARS.items() if name != "null"}
+    state = dict(
+        time=time.time(),
+        num_blocks=len(blocks), block_size=engine.block_size, blocks=blocks, counts=counts,
+        usage=stats["kv_cache_usage"],
+        prefix_cache=dict(queries=stats["prefix_cache_queries"], hits=stats["prefix_cache_hits"],
+                          hit_rate=stats["prefix_cache_hit_rate"]),
+        num_running=stats["num_running"], num_waiting=stats["num_waiting"],
+        num_preemptions=stats["num_preemptions"], prompt_tokens=stats["prompt_tokens"],
+        generation_tokens=stats["generation_tokens"],
+        running=running, waiting=waiting,
+        tiers=stats.get("tiers"),
+    )
+    if extra:
+        state.update(extra)
+    return state
+
+
+def dashboard_html() -> str:
+    return resources.files("pagedkv.entrypoints").joinpath("static/dashboard.html").read_text("utf-8")
+
+
+def add_routes(app: FastAPI) -> None:
+    html_cache: dict[str, str] = {}
+
+    async def page(_: Request) -> Response:
+        if "html" not in html_cache:
+            html_cache["html"] = dashboard_html()
+        return HTMLResponse(html_cache["html"], headers={"Cache-Control": "no-cache"})
+
+    async def state(request: Request) -> Response:
+        st = request.app.state.pagedkv
+        llm = st.async_llm
+        pub = st.kv_event_publisher
+        extra = dict(model=st.served_model_name, healthy=llm.is_healthy,
+                     max_num_seqs=llm.engine.config.max_num_seqs, max_queue_size=llm.max_queue_size,
+                     num_aborted=llm.num_aborted, num_rejected=llm.num_rejected,
+                     kv_events=None if pub is None else dict(
+                         endpoint=pub.endpoint, replay_endpoint=pub.replay_endpoint, next_seq=pub.next_seq))
+        data = await llm.run_in_engine(lambda engine: dashboard_state(engine, extra))
+        return JSONResponse(data, headers={"Cache-Control": "no-store"})
+
+    app.add_api_route("/dashboard", page, methods=["GET"], include_in_schema=False)
+    app.add_api_route("/dashboard/state", state, methods=["GET"])

@@ -1,0 +1,351 @@
+"""Request and response models of the OpenAI-compatible server (pydantic).
+
+Requests are validated strictly (``strict=True``: a string is not an integer, ``1.5`` is not an
+``n``); unknown fields are ignored, as OpenAI's and vLLM's servers do. Besides OpenAI's
+parameters, vLLM's sampling extensions are accepted: ``top_k``, ``min_p``,
+``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``,
+``include_stop_str_in_output``, ``skip_special_tokens``.
+
+Value checks (ranges) are left to `SamplingParams`, which names the offending parameter; the
+server turns its ValueError into a 400 whose ``param`` is the request field.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from pagedkv.engine.sampling_params import SamplingParams
+
+MAX_LOGPROBS = 20
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class _Response(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+# ---- shared ----------------------------------------------------------------------------------
+
+
+class StreamOptions(_Request):
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False  # vLLM: usage in every chunk
+
+
+class _SamplingRequest(_Request):
+    """Fields shared by completions and chat completions."""
+
+    model: str | None = None
+    n: int = 1
+    temperature: float | None = None  # None: 1.0 (OpenAI's default)
+    top_p: float | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # vLLM extensions
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    def check(self) -> None:
+        """Cross-field checks pydantic does not do; ValueError ``(param, message)``."""
+        if self.stream_options is not None and not self.stream:
+            raise RequestError("stream_options", "stream_options is only allowed when stream is true")
+        if self.logit_bias:
+            raise RequestError("logit_bias", "logit_bias is not supported")
+
+    def _sampling_kwargs(self) -> dict[str, Any]:
+        kw: dict[str, Any] = dict(
+            n=self.n,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            stop=self.stop, seed=self.seed,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            top_k=0 if self.top_k is None else self.top_k,
+            min_p=0.0 if self.min_p is None else self.min_p,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            min_tokens=self.min_tokens, ignore_eos=self.ignore_eos,
+            stop_token_ids=self.stop_token_ids,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            skip_special_tokens=self.skip_special_tokens,
+        )
+        return kw
+
+
+class RequestError(ValueError):
+    """Invalid request: ``param`` names the field (OpenAI's error ``param``)."""
+
+    def __init__(self, param: str | None, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+        self.message = message
+
+
+def make_sampling_params(kwargs: dict[str, Any], rename: dict[str, str] | None = None) -> SamplingParams:
+    """`SamplingParams(**kwargs)`; its ValueError becomes a RequestError naming the request
+    field (``rename`` maps SamplingParams names to request names)."""
+    try:
+        return SamplingParams(**kwargs)
+    except ValueError as e:
+        msg = str(e)
+        param = None
+        prefix = "invalid sampling parameter "
+        if msg.startswith(prefix):
+            param = msg[len(prefix):].split("=", 1)[0]
+            if rename and param in rename:
+                new = rename[param]
+                msg = prefix + new + msg[len(prefix) + len(param):]
+                param = new
+        raise RequestError(param, msg) from None
+
+
+# ---- completions -----------------------------------------------------------------------------
+
+
+class CompletionRequest(_SamplingRequest):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def check(self) -> None:
+        super().check()
+        if isinstance(self.prompt, list) and not self.prompt:
+            raise RequestError("prompt", "prompt must not be empty")
+        if self.best_of is not None and self.best_of != self.n:
+            raise RequestError("best_of", "best_of is not supported (it must equal n)")
+        if self.suffix:
+            raise RequestError("suffix", "suffix is not supported")
+        if self.logprobs is not None and self.logprobs > MAX_LOGPROBS:
+            raise RequestError("logprobs", f"logprobs must be <= {MAX_LOGPROBS}")
+        if self.echo and self.logprobs is not None:
+            raise RequestError("echo", "echo with logprobs (prompt logprobs) is not supported")
+
+    def prompts(self) -> list[str | list[int]]:
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if all(isinstance(x, int) for x in p):
+            return [list(p)]  # type: ignore[arg-type]
+        return list(p)  # type: ignore[arg-type]
+
+    def to_sampling_params(self) -> SamplingParams:
+        kw = self._sampling_kwargs()
+        kw.update(max_tokens=self.max_tokens, logprobs=self.logprobs)
+        return make_sampling_params(kw)
+
+
+class CompletionLogProbs(_Response):
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
+class PromptTokensDetails(_Response):
+    cached_tokens: int = 0
+
+
+class UsageInfo(_Response):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class CompletionResponseChoice(_Response):
+    index: int
+    text: str
+    logprobs: CompletionLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(_Response):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionResponseChoice]
+    usage: UsageInfo | None = None
+
+
+class CompletionStreamResponse(CompletionResponse):
+    pass
+
+
+# ---- chat completions ----------------------------------------------------------------------
+
+
+class ChatContentPart(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    role: str
+    content: str | list[ChatContentPart] | None = None
+    name: str | None = None
+
+    def text(self, index: int) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        parts = []
+        for j, part in enumerate(self.content):
+            if part.type != "text" or part.text is None:
+                raise RequestError(f"messages[{index}].content[{j}]",
+                                   f"only text content parts are supported, got type {part.type!r}")
+            parts.append(part.text)
+        return "\n".join(parts)
+
+
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[ChatMessage]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True  # vLLM extension
+
+    def check(self) -> None:
+        super().check()
+        if not self.messages:
+            raise RequestError("messages", "messages must not be empty")
+        for i, m in enumerate(self.messages):
+            if m.role not in CHAT_ROLES:
+                raise RequestError(f"messages[{i}].role",
+                                   f"unknown role {m.role!r}: use one of {', '.join(CHAT_ROLES)}")
+        if self.top_logprobs is not None:
+            if not self.logprobs:
+                raise RequestError("top_logprobs", "top_logprobs needs logprobs to be true")
+            if not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+                raise RequestError("top_logprobs", f"top_logprobs must be in [0, {MAX_LOGPROBS}]")
+
+    def conversation(self) -> list[dict[str, str]]:
+        out = []
+        for i, m in enumerate(self.messages):
+            role = "system" if m.role == "developer" else m.role
+            out.append({"role": role, "content": m.text(i)})
+        return out
+
+    def to_sampling_params(self) -> SamplingParams:
+        kw = self._sampling_kwargs()
+        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        kw.update(max_tokens=max_tokens,
+                  logprobs=(self.top_logprobs or 0) if self.logprobs else None)
+        rename = {"logprobs": "top_logprobs"}
+        if self.max_completion_tokens is not None:
+            rename["max_tokens"] = "max_completion_tokens"
+        return make_sampling_params(kw, rename)
+
+
+class ChatTopLogprob(_Response):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatLogprobContent(ChatTopLogprob):
+    top_logprobs: list[ChatTopLogprob] = Field(default_factory=list)
+
+
+class ChatCompletionLogProbs(_Response):
+    content: list[ChatLogprobContent] | None = None
+
+
+class ChatResponseMessage(_Response):
+    role: str = "assistant"
+    content: str | None = None
+
+
+class ChatCompletionResponseChoice(_Response):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatCompletionLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(_Response):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatCompletionResponseChoice]
+    usage: UsageInfo | None = None
+
+
+class DeltaMessage(_Response):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatCompletionStreamChoice(_Response):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatCompletionLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionStreamResponse(_Response):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatCompletionStreamChoice]
+    usage: UsageInfo | None = None
+
+
+# ---- models, errors --------------------------------------------------------------------------
+
+
+class ModelCard(_Response):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "pagedkv"
+    root: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(_Response):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorInfo(_Response):
+    message: str
+    type: str
+    param: str | None = None
+    code: int | str | None = None
+
+
+class ErrorResponse(_Response):
+    error: ErrorInfo

@@ -1,0 +1,207 @@
+"""``pagedkv serve``: the OpenAI-compatible HTTP server (see openai_server.py).
+
+    pagedkv serve --port 8000                       # SmolLM2-135M-Instruct on 127.0.0.1:8000
+    pagedkv serve --num-kv-blocks 512 --max-num-seqs 64 --enable-kv-cache-events \\
+        --kv-events-endpoint tcp://127.0.0.1:5557 --kv-events-replay-endpoint tcp://127.0.0.1:5558
+
+Endpoints: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``, ``/health``,
+``/metrics``, ``POST /reset_prefix_cache``, ``/dashboard``. The server prints one line
+``pagedkv serve: listening on http://HOST:PORT`` once it accepts connections (``--port 0``
+picks a free port; the line has the real one), and with KV events ``pagedkv serve: kv events
+on ENDPOINT (replay ENDPOINT)``. Invalid options exit with code 2 before the model loads.
+
+`BackgroundServer` runs an app in a thread of the current process (tests, benchmarks).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import socket
+import sys
+import threading
+import time
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    from pagedkv.entrypoints.plan import parse_size
+
+    p = subparsers.add_parser("serve", help="run the OpenAI-compatible server",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
+    p.add_argument("--served-model-name", default=None,
+                   help="the model name clients use (default: derived from --model)")
+    p.add_argument("--max-queue-size", type=int, default=256,
+                   help="requests allowed to wait beyond --max-num-seqs; more get 503 (default 256)")
+    p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", help="a .gguf file or HF model directory (default: SmolLM2-135M-Instruct)")
+    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "auto"])
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
+    g.add_argument("--num-kv-blocks", type=int, default=None, help="exact KV pool size in blocks")
+    g.add_argument("--kv-cache-memory", type=parse_size, default=None, help="KV pool size, e.g. 512MiB")
+    g.add_argument("--max-model-len", type=int, default=None, help="context length cap")
+    g.add_argument("--max-num-seqs", type=int, default=128, help="max running sequences (default 128)")
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                   help="token budget per step (default 2048)")
+    g.add_argument("--no-enable-prefix-caching", "--no-prefix-caching", dest="no_prefix_caching",
+                   action="store_true", help="disable prefix caching")
+    g.add_argument("--seed", type=int, default=0, help="engine seed (requests without a seed)")
+    e = p.add_argument_group("KV events (vLLM's ZMQ wire format)")
+    e.add_argument("--enable-kv-cache-events", action="store_true",
+                   help="publish BlockStored / BlockRemoved / AllBlocksCleared events")
+    e.add_argument("--kv-events-endpoint", default="tcp://127.0.0.1:5557",
+                   help="PUB endpoint to bind (default tcp://127.0.0.1:5557; port 0 = free port)")
+    e.add_argument("--kv-events-replay-endpoint", default=None,
+                   help="ROUTER endpoint to bind for replays (default: no replay)")
+    e.add_argument("--kv-events-buffer-steps", type=int, default=10_000,
+                   help="batches kept for replay (default 10000)")
+    e.add_argument("--kv-events-topic", default="", help="topic frame of every message (default empty)")
+    p.set_defaults(func=run)
+    return p
+
+
+def engine_config(args: argparse.Namespace) -> Any:
+    from pagedkv.engine.config import EngineConfig
+
+    return EngineConfig(model=args.model, dtype=args.dtype, block_size=args.block_size,
+                        num_kv_blocks=args.num_kv_blocks, kv_cache_memory=args.kv_cache_memory,
+                        max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+                        max_num_batched_tokens=args.max_num_batched_tokens,
+                        enable_prefix_caching=not args.no_prefix_caching,
+                        enable_kv_cache_events=args.enable_kv_cache_events, seed=args.seed)
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def _uvicorn_server(app: Any, log_level: str) -> Any:
+    import uvicorn
+
+    config = uvicorn.Config(app, log_level=log_level, lifespan="on", timeout_graceful_shutdown=2,
+                            access_log=log_level in ("debug", "info"), timeout_keep_alive=30)
+    return uvicorn.Server(config)
+
+
+def fail(prog: str, err: Exception) -> int:
+    print(f"pagedkv {prog}: error: {err}", file=sys.stderr)
+    return 2
+
+
+def run(args: argparse.Namespace) -> int:
+    from pagedkv.entrypoints.openai_server import KVEventsOptions, create_app
+
+    if args.max_queue_size < 0:
+        return fail("serve", ValueError(f"invalid --max-queue-size {args.max_queue_size}: must be >= 0"))
+    if not 0 <= args.port <= 65535:
+        return fail("serve", ValueError(f"invalid --port {args.port}"))
+    try:
+        config = engine_config(args)
+    except ValueError as e:
+        return fail("serve", e)
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    try:
+        sock = bind_socket(args.host, args.port)
+    except OSError as e:
+        return fail("serve", OSError(f"cannot bind {args.host}:{args.port}: {e.strerror or e}"))
+    kv_events = None
+    if args.enable_kv_cache_events:
+        kv_events = KVEventsOptions(args.kv_events_endpoint, args.kv_events_replay_endpoint,
+                                    args.kv_events_buffer_steps, args.kv_events_topic)
+    try:
+        app = create_app(config, served_model_name=args.served_model_name,
+                         max_queue_size=args.max_queue_size, kv_events=kv_events)
+    except (ValueError, FileNotFoundError, NotImplementedError) as e:
+        sock.close()
+        return fail("serve", e)
+    except Exception as e:  # noqa: BLE001 - zmq bind errors and the like
+        sock.close()
+        return fail("serve", RuntimeError(f"cannot start: {e}"))
+    host, port = sock.getsockname()[:2]
+    shown = f"[{host}]" if ":" in host else host
+    state = app.state.pagedkv
+    pub = state.kv_event_publisher
+    if pub is not None:
+        replay = f" (replay {pub.replay_endpoint})" if pub.replay_endpoint else ""
+        print(f"pagedkv serve: kv events on {pub.endpoint}{replay}", flush=True)
+    print(f"pagedkv serve: model {state.served_model_name}, "
+          f"{state.async_llm.engine.kv_cache_config.num_blocks} KV blocks", flush=True)
+    print(f"pagedkv serve: listening on http://{shown}:{port}", flush=True)
+    server = _uvicorn_server(app, args.log_level)
+    try:
+        server.run(sockets=[sock])
+    except KeyboardInterrupt:
+        pass
+    finally:
+        sock.close()
+        state.async_llm.shutdown()
+    return 0
+
+
+class BackgroundServer:
+    """Serve ``app`` on ``host:port`` (0: a free port) from a daemon thread of this process.
+
+    ``with BackgroundServer(app) as srv: httpx.get(srv.url + "/health")``. ``stop()`` shuts
+    uvicorn down, which runs the app's lifespan shutdown (the engine loop stops with it).
+    """
+
+    def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning") -> None:
+        self.app = app
+        self.sock = bind_socket(host, port)
+        self.host, self.port = self.sock.getsockname()[:2]
+        self.server = _uvicorn_server(app, log_level)
+        self._thread = threading.Thread(target=self._serve, name="pagedkv-http", daemon=True)
+        self._error: BaseException | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def _serve(self) -> None:
+        try:
+            self.server.run(sockets=[self.sock])
+        except BaseException as e:  # noqa: BLE001 - reported by start()
+            self._error = e
+
+    def start(self, timeout: float = 60.0) -> BackgroundServer:
+        self._thread.start()
+        deadline = time.monotonic() + timeout
+        while not self.server.started:
+            if self._error is not None or not self._thread.is_alive():
+                raise RuntimeError(f"server failed to start: {self._error!r}")
+            if time.monotonic() > deadline:
+                raise TimeoutError("server did not start in time")
+            time.sleep(0.02)
+        return self
+
+    def stop(self, timeout: float = 15.0) -> None:
+        self.server.should_exit = True
+        self._thread.join(timeout)
+        self.sock.close()
+
+    def __enter__(self) -> BackgroundServer:
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+
+if __name__ == "__main__":  # python -m pagedkv.entrypoints.serve ...
+    parser = argparse.ArgumentParser(prog="pagedkv")
+    add_parser(parser.add_subparsers(dest="command"))
+    sys.exit(run(parser.parse_args(["serve", *sys.argv[1:]])))

@@ -1,0 +1,106 @@
+"""The end-to-end benchmarks at tiny sizes: JSON shape and sane numbers, never speed.
+
+The memory benchmark is a deterministic simulation (no model), so its full-size figures are
+checked too; the model benchmarks run a handful of tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pagedkv.entrypoints.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def bench_json(capsys, *argv: str) -> dict:
+    assert main(["bench", *argv, "--json-only"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+# ---------------------------------------------------------------- memory (no model)
+
+
+def test_memory_full_trace_meets_target(capsys) -> None:
+    r = bench_json(capsys, "memory")
+    s = r["schemes"]
+    assert set(s) == {"paged_8", "paged_16", "paged_32", "contiguous"}
+    assert r["trace"]["num_requests"] == 200 and r["trace"]["max_model_len"] == 2048
+    for x in s.values():
+        assert 0 < x["utilisation"] <= 1 and 0 < x["mean_step_utilisation"] <= 1
+        assert x["steps"] > 0 and x["mean_running"] > 0
+    # Smaller blocks waste less; any paging beats reserving max_model_len per request.
+    assert s["paged_8"]["utilisation"] >= s["paged_16"]["utilisation"] >= s["paged_32"]["utilisation"]
+    assert s["paged_32"]["utilisation"] > 2 * s["contiguous"]["utilisation"]
+    assert s["contiguous"]["preemptions"] == 0  # it reserved the worst case up front
+    assert s["paged_16"]["mean_running"] > s["contiguous"]["mean_running"]
+    assert s["paged_16"]["utilisation"] >= 0.95 and r["meets_target"] is True
+
+
+def test_memory_script_runs_standalone_and_rejects_bad_options() -> None:
+    script = ROOT / "benchmarks" / "bench_memory.py"
+    res = subprocess.run([sys.executable, str(script), "--num-requests", "20", "--block-sizes", "16", "--json-only"],
+                         capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert res.returncode == 0, res.stderr
+    assert set(json.loads(res.stdout)["schemes"]) == {"paged_16", "contiguous"}
+    bad = subprocess.run([sys.executable, str(script), "--block-sizes", "sixteen"],
+                         capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert bad.returncode == 2 and "block-sizes" in bad.stderr and "Traceback" not in bad.stderr
+
+
+# ---------------------------------------------------------------- model benchmarks (tiny)
+
+
+def test_prefix_cache_tiny(capsys) -> None:
+    r = bench_json(capsys, "prefix-cache", "--num-requests", "3", "--prefix-len", "64",
+                   "--question-len", "4:8", "--max-tokens", "1")
+    on, off = r["caching_on"], r["caching_off"]
+    assert on["mean_cached_tokens"] == 64 and off["mean_cached_tokens"] == 0
+    assert 0 < on["hit_rate"] < 1 and off["hit_rate"] == 0
+    for side in (on, off):
+        t = side["ttft_s"]
+        assert 0 < t["min"] <= t["p50"] <= t["max"] and t["min"] <= t["mean"] <= t["max"]
+    assert r["speedup"]["p50"] == pytest.approx(off["ttft_s"]["p50"] / on["ttft_s"]["p50"])
+    assert isinstance(r["meets_target"], bool)
+
+
+def test_throughput_tiny_with_hf(capsys, tmp_path) -> None:
+    out_file = tmp_path / "tp.json"
+    r = bench_json(capsys, "throughput", "--num-requests", "3", "--prompt-len", "8:16", "--output-len", "2:4",
+                   "--hf-batch-size", "2", "--batch1-prompt-len", "8", "--batch1-output-len", "4",
+                   "--matmul-seconds", "0.2", "--json-out", str(out_file))
+    assert json.loads(out_file.read_text()) == r
+    w, ours, hf = r["workload"], r["pagedkv"], r["hf"]
+    assert w["num_requests"] == 3 and 24 <= w["prompt_tokens"] <= 48 and 6 <= w["output_tokens"] <= 12
+    for side in (ours, hf):
+        assert side["elapsed_s"] > 0 and side["total_tok_s"] > side["output_tok_s"] > 0
+        assert side["total_tok_s"] == pytest.approx((w["prompt_tokens"] + w["output_tokens"]) / side["elapsed_s"])
+        assert side["batch1_decode_tok_s"] > 0
+    # HF's static batches generate up to each batch's longest output; only requested tokens count.
+    assert hf["generated_tokens_incl_waste"] >= w["output_tokens"]
+    assert r["ratios"]["total_tok_s"] == pytest.approx(ours["total_tok_s"] / hf["total_tok_s"])
+    m = r["machine"]
+    assert m["matmul_gflops"] > 0 and m["gflop_per_token"] == pytest.approx(0.269, abs=0.01)
+    assert m["ceiling_tok_s"] == pytest.approx(m["matmul_gflops"] / m["gflop_per_token"])
+    assert ours["fraction_of_ceiling"] == pytest.approx(ours["total_tok_s"] / m["ceiling_tok_s"])
+    assert set(r["meets_targets"]) == {"vs_hf_total", "fraction_of_ceiling_fp32", "batch1_decode_tok_s"}
+
+
+def test_throughput_skip_hf_table_and_script(tmp_path) -> None:
+    """As a script, with the table: --skip-hf leaves the baseline out."""
+    res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_throughput.py"), "--skip-hf",
+                          "--num-requests", "2", "--prompt-len", "8", "--output-len", "2",
+                          "--batch1-prompt-len", "8", "--batch1-output-len", "3", "--matmul-seconds", "0.1"],
+                         capture_output=True, text=True, timeout=300, cwd=ROOT,
+                         env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert res.returncode == 0, res.stderr
+    assert "total tok/s" in res.stdout and "fraction of ceiling" in res.stdout
+    report = json.loads(res.stdout[res.stdout.index("\n{") + 1:])
+    assert report["hf"] is None and report["ratios"]["total_tok_s"] is None
+    assert report["meets_targets"]["vs_hf_total"] is None

@@ -1,0 +1,277 @@
+"""Bad requests get OpenAI-shaped 4xx errors naming the problem, the queue bound gives 503, a
+client that disconnects has its request aborted and its blocks freed, and through all of it
+the server stays healthy. A failing engine turns into 503s (a fake engine, no model)."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from types import SimpleNamespace
+
+import httpx
+import pytest
+
+from pagedkv.engine.async_llm import AsyncLLM
+from pagedkv.engine.config import EngineConfig
+from pagedkv.entrypoints.openai_server import build_app, create_app
+from pagedkv.entrypoints.serve import BackgroundServer
+
+MAX_MODEL_LEN = 256
+MAX_NUM_SEQS = 2
+MAX_QUEUE = 1
+
+
+@pytest.fixture(scope="module")
+def server():
+    app = create_app(EngineConfig(num_kv_blocks=128, max_num_seqs=MAX_NUM_SEQS, max_model_len=MAX_MODEL_LEN),
+                     max_queue_size=MAX_QUEUE)
+    with BackgroundServer(app) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.url, timeout=60) as c:
+        yield c
+
+
+def error_of(r: httpx.Response, status: int) -> dict:
+    assert r.status_code == status, r.text
+    body = r.json()
+    assert set(body) == {"error"}
+    err = body["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    return err
+
+
+def wait_until(fn, timeout: float = 20.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = fn()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def state(http) -> dict:
+    return http.get("/dashboard/state").json()
+
+
+def pool_is_idle(http) -> bool:
+    s = state(http)
+    return s["num_running"] == 0 and s["num_waiting"] == 0 and s["counts"]["used"] == 0 and s["counts"]["shared"] == 0
+
+
+def assert_healthy(http) -> None:
+    assert http.get("/health").status_code == 200
+    r = http.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 2, "temperature": 0})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+
+
+@pytest.mark.parametrize("body, param, words", [
+    ('{"prompt": "hi", "max_tokens": ', None, "not valid JSON"),
+    ("[1, 2, 3]", None, "JSON object"),
+    ("{}", "prompt", "missing required field 'prompt'"),
+    ('{"prompt": 5}', "prompt", "invalid type for 'prompt'"),
+    ('{"prompt": "hi", "max_tokens": "8"}', "max_tokens", "valid integer"),
+    ('{"prompt": "hi", "temperature": "hot"}', "temperature", "valid number"),
+    ('{"prompt": "hi", "n": 1.5}', "n", "valid integer"),
+    ('{"prompt": "hi", "stream": "yes"}', "stream", "valid boolean"),
+    ('{"prompt": "hi", "stop": [1]}', "stop", "invalid type for 'stop'"),
+    ('{"prompt": "hi", "max_tokens": -1}', "max_tokens", "max_tokens=-1"),
+    ('{"prompt": "hi", "max_tokens": 0}', "max_tokens", "max_tokens=0"),
+    ('{"prompt": "hi", "temperature": -0.5}', "temperature", "temperature"),
+    ('{"prompt": "hi", "top_p": 1.5}', "top_p", "top_p"),
+    ('{"prompt": "hi", "n": 0}', "n", "n=0"),
+    ('{"prompt": "hi", "logprobs": 50}', "logprobs", "logprobs"),
+    ('{"prompt": "hi", "stream_options": {"include_usage": true}}', "stream_options", "stream"),
+    ('{"prompt": []}', "prompt", "empty"),
+    ('{"prompt": [99999999]}', "prompt", "token ids"),
+    ('{"prompt": "hi", "logit_bias": {"1": 5}}', "logit_bias", "not supported"),
+])
+def test_bad_completion_requests_get_400_naming_the_field(http, body, param, words):
+    r = http.post("/v1/completions", content=body, headers={"content-type": "application/json"})
+    err = error_of(r, 400)
+    assert err["type"] == "invalid_request_error"
+    assert err["param"] == param
+    assert words in err["message"], err["message"]
+
+
+@pytest.mark.parametrize("payload, param, words", [
+    ({"messages": "hi"}, "messages", "valid array"),
+    ({"messages": []}, "messages", "empty"),
+    ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role", "unknown role"),
+    ({"messages": [{"content": "hi"}]}, "messages[0].role", "missing required field"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     "messages[0].content[0]", "text"),
+    ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": -3}, "max_completion_tokens",
+     "max_completion_tokens=-3"),
+    ({"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 99}, "top_logprobs",
+     "top_logprobs"),
+])
+def test_bad_chat_requests_get_400_naming_the_field(http, payload, param, words):
+    err = error_of(http.post("/v1/chat/completions", json=payload), 400)
+    assert err["param"] == param, err
+    assert words in err["message"], err["message"]
+
+
+def test_unknown_model_is_404(http):
+    for path, extra in (("/v1/completions", {"prompt": "hi"}),
+                        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):
+        err = error_of(http.post(path, json={"model": "gpt-17", **extra}), 404)
+        assert err["param"] == "model" and err["code"] == "model_not_found" and "gpt-17" in err["message"]
+
+
+def test_over_long_prompt_is_400_with_the_limit(http):
+    prompt = "word " * (MAX_MODEL_LEN + 50)
+    err = error_of(http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2}), 400)
+    assert err["code"] == "context_length_exceeded" and err["param"] == "prompt"
+    assert str(MAX_MODEL_LEN) in err["message"]
+    err = error_of(http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": prompt}]}), 400)
+    assert err["code"] == "context_length_exceeded" and err["param"] == "messages"
+
+
+def test_unknown_route_and_method(http):
+    err = error_of(http.get("/v1/nothing"), 404)
+    assert err["type"] == "not_found_error"
+    assert http.get("/v1/completions").status_code == 405
+
+
+def test_server_stays_healthy_after_errors(http):
+    for body in ("{", '{"prompt": 1}', '{"prompt": "x", "max_tokens": -5}'):
+        http.post("/v1/completions", content=body, headers={"content-type": "application/json"})
+    assert_healthy(http)
+    assert pool_is_idle(http)
+
+
+def test_openai_client_sees_typed_errors(server):
+    openai = pytest.importorskip("openai")
+    with openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0) as client:
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model="SmolLM2-135M-Instruct", prompt="hi", max_tokens=-1)
+        assert "max_tokens" in str(e.value)
+        with pytest.raises(openai.NotFoundError):
+            client.completions.create(model="nope", prompt="hi")
+
+
+# ---- disconnects and the queue bound ---------------------------------------------------------
+
+
+LONG = {"prompt": "Tell me a long story about a dragon.", "max_tokens": 200, "ignore_eos": True,
+        "temperature": 0}
+
+
+def open_stream(server, payload: dict) -> tuple[socket.socket, bytes]:
+    """Start a streaming completion on a raw socket; returns it once the first chunk arrived."""
+    sock = socket.create_connection((server.host, server.port), timeout=30)
+    body = json.dumps({**payload, "stream": True}).encode()
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    got = b""
+    deadline = time.monotonic() + 30
+    while b"data: {" not in got and time.monotonic() < deadline:
+        got += sock.recv(65536)
+    assert b"200 OK" in got and b"data: {" in got, got[:300]
+    return sock, got
+
+
+def aborted(http) -> float:
+    for line in http.get("/metrics").text.splitlines():
+        if line.startswith("pagedkv:request_aborted_total"):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError("no pagedkv:request_aborted_total")
+
+
+def test_stream_disconnect_aborts_and_frees_blocks(server, http):
+    before = aborted(http)
+    sock, _ = open_stream(server, LONG)
+    s = state(http)
+    assert s["num_running"] == 1 and s["counts"]["used"] > 0
+    sock.close()
+    wait_until(lambda: pool_is_idle(http), what="the aborted request's blocks to be freed")
+    assert aborted(http) == before + 1
+    server.app.state.pagedkv.async_llm.call_in_engine(lambda e: e.check_invariants()).result(30)
+    assert_healthy(http)
+
+
+def test_non_streaming_disconnect_aborts_and_frees_blocks(server, http):
+    before = aborted(http)
+    sock = socket.create_connection((server.host, server.port), timeout=30)
+    body = json.dumps({k: v for k, v in LONG.items()}).encode()
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    wait_until(lambda: state(http)["counts"]["used"] > 0, what="the request to run")
+    sock.close()
+    wait_until(lambda: pool_is_idle(http), what="the aborted request's blocks to be freed")
+    assert aborted(http) == before + 1
+    assert_healthy(http)
+
+
+def test_full_queue_is_503_with_retry_after(server, http):
+    socks = []
+    try:
+        # max_num_seqs running + max_queue_size waiting fill the server.
+        for _ in range(MAX_NUM_SEQS):
+            socks.append(open_stream(server, LONG)[0])
+        waiting = threading.Thread(target=lambda: http.post("/v1/completions", json={**LONG, "max_tokens": 1}))
+        waiting.start()
+        wait_until(lambda: state(http)["num_waiting"] == 1, what="a waiting request")
+        r = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1})
+        err = error_of(r, 503)
+        assert r.headers["retry-after"] == "1" and err["code"] == "queue_full"
+        r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "stream": True})
+        assert r.status_code == 503
+        assert "pagedkv:request_rejected_total" in http.get("/metrics").text
+    finally:
+        for s in socks:
+            s.close()
+    waiting.join(60)
+    wait_until(lambda: pool_is_idle(http), what="the streams to be aborted")
+    assert_healthy(http)
+
+
+# ---- a failing engine --------------------------------------------------------------------------
+
+
+class FailingEngine:
+    """Just enough of `LLMEngine` for AsyncLLM and the app; ``step`` raises."""
+
+    def __init__(self) -> None:
+        self.config = SimpleNamespace(max_num_seqs=4, enable_kv_cache_events=False, model=None)
+        self.samples: dict[str, object] = {}
+        self.tokenizer = None
+        self.max_model_len = 64
+
+    def stats(self) -> dict:
+        return dict(num_blocks=8, block_size=16, num_free_blocks=7, kv_cache_usage=0.0, prefix_cache_queries=0,
+                    prefix_cache_hits=0, prefix_cache_hit_rate=0.0, num_preemptions=0, num_running=0,
+                    num_waiting=0, prompt_tokens=0, generation_tokens=0)
+
+    def add_request(self, rid, prompt, params, arrival_time=None) -> None:
+        self.samples[rid] = prompt
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.samples)
+
+    def abort_request(self, ids) -> None:
+        for i in [ids] if isinstance(ids, str) else ids:
+            self.samples.pop(i, None)
+
+    def step(self):
+        raise RuntimeError("simulated device failure")
+
+
+def test_engine_failure_gives_503_and_unhealthy():
+    llm = AsyncLLM(FailingEngine())
+    with BackgroundServer(build_app(llm)) as srv, httpx.Client(base_url=srv.url, timeout=30) as http:
+        assert http.get("/health").status_code == 200
+        r = http.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 2})
+        err = error_of(r, 503)
+        assert "simulated device failure" in err["message"]
+        r = http.get("/health")
+        assert r.status_code == 503 and "retry-after" in r.headers
+        assert error_of(http.post("/v1/completions", json={"prompt": [1], "max_tokens": 1}), 503)
+        assert "pagedkv:engine_healthy{" in http.get("/metrics").text
