@@ -7,7 +7,8 @@
    dropped) against a sequential read of the same number of bytes from one file on the same
    filesystem, with the same cache state. Targets: ≥ 50% for both.
 2. ``multiturn`` (the default model): C conversations × T turns sharing a long system prompt;
-   turns are played round-robin (turn 1 of every conversation, then turn 2, ...) one request
+   the first turn of each conversation pastes a document (~600 tokens), later turns ask short
+   questions about it. Turns are played round-robin (turn 1 of every conversation, then turn 2, ...) one request
    at a time, so each conversation's history is evicted from the small device cache before its
    next turn. TTFT (arrival → first token) p50/mean and total throughput, with the tiers
    (``--kv-offload``, default ``cpu:2GiB``) and without. Target: TTFT p50 ≥ 3× lower with tiers.
@@ -114,6 +115,19 @@ SYSTEM = ("You are the support assistant of a large public library. You help rea
           "books, renew loans, reserve rooms and understand the rules. ") * 12
 
 
+WORDS = ("atlas catalogue chapter index journal ledger manuscript novel pamphlet quarto "
+         "reference shelf volume archive binding folio margin preface register series").split()
+
+
+def _user_turn(conv: int, turn: int) -> str:
+    """Turn 0 pastes a document (~600 tokens, unique per conversation); later turns ask short
+    questions about it, so most of each later prompt is history worth keeping."""
+    if turn == 0:
+        words = [WORDS[(conv * 7 + i * i + i // 5) % len(WORDS)] for i in range(400)]
+        return f"Conversation {conv}. Please read this record carefully: {' '.join(words)}."
+    return f"Question {turn}: which shelf holds book number {conv * 31 + turn}?"
+
+
 def run_multiturn(kv_offload: str | None, conversations: int, turns: int, num_kv_blocks: int,
                   max_tokens: int) -> dict[str, float]:
     from pagedkv import LLM, SamplingParams
@@ -127,8 +141,7 @@ def run_multiturn(kv_offload: str | None, conversations: int, turns: int, num_kv
     start = time.perf_counter()
     for turn in range(turns):
         for c, hist in enumerate(histories):
-            hist.append({"role": "user", "content": f"Conversation {c}, question {turn}: can I "
-                                                    f"renew book number {c * 31 + turn} twice?"})
+            hist.append({"role": "user", "content": _user_turn(c, turn)})
             out = llm.chat(hist, params, use_tqdm=False)[0]
             ttfts.append(out.metrics.time_to_first_token)
             tokens += len(out.prompt_token_ids) + len(out.outputs[0].token_ids)
@@ -162,7 +175,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     ap.add_argument("what", nargs="?", default="all", choices=["bandwidth", "multiturn", "all"])
     ap.add_argument("--conversations", type=int, default=50)
     ap.add_argument("--turns", type=int, default=5)
-    ap.add_argument("--num-kv-blocks", type=int, default=160)
+    ap.add_argument("--num-kv-blocks", type=int, default=400)
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--kv-offload", default="cpu:2GiB")
     ap.add_argument("--json-only", action="store_true")

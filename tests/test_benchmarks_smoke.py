@@ -7,7 +7,6 @@ checked too; the model benchmarks run a handful of tokens.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -92,15 +91,14 @@ def test_throughput_tiny_with_hf(capsys, tmp_path) -> None:
     assert set(r["meets_targets"]) == {"vs_hf_total", "fraction_of_ceiling_fp32", "batch1_decode_tok_s"}
 
 
-def test_throughput_skip_hf_table_and_script(tmp_path) -> None:
-    """As a script, with the table: --skip-hf leaves the baseline out."""
-    res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_throughput.py"), "--skip-hf",
-                          "--num-requests", "2", "--prompt-len", "8", "--output-len", "2",
-                          "--batch1-prompt-len", "8", "--batch1-output-len", "3", "--matmul-seconds", "0.1"],
-                         capture_output=True, text=True, timeout=300, cwd=ROOT,
-                         env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    assert res.returncode == 0, res.stderr
-    assert "total tok/s" in res.stdout and "fraction of ceiling" in res.stdout
-    report = json.loads(res.stdout[res.stdout.index("\n{") + 1:])
+def test_throughput_skip_hf_prints_table(capsys) -> None:
+    """Without --json-only: the table, then the JSON; --skip-hf leaves the baseline out."""
+    assert main(["bench", "throughput", "--skip-hf", "--num-requests", "2", "--prompt-len", "8",
+                 "--output-len", "2", "--batch1-prompt-len", "8", "--batch1-output-len", "3",
+                 "--matmul-seconds", "0.1"]) == 0
+    out = capsys.readouterr().out
+    assert "total tok/s" in out and "fraction of ceiling" in out
+    report = json.loads(out[out.index("\n{") + 1:])
     assert report["hf"] is None and report["ratios"]["total_tok_s"] is None
     assert report["meets_targets"]["vs_hf_total"] is None
+    assert report["workload"]["prompt_tokens"] == 16 and report["workload"]["output_tokens"] == 4

@@ -15,9 +15,18 @@ import msgspec
 import pytest
 import zmq
 
-from pagedkv.core.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+from pagedkv.core.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEventBatch,
+)
 from pagedkv.engine.config import EngineConfig
-from pagedkv.entrypoints.kv_events import KVEventSubscriber, ZmqEventPublisher, seq_bytes
+from pagedkv.entrypoints.kv_events import (
+    KVEventSubscriber,
+    ZmqEventPublisher,
+    seq_bytes,
+)
 from pagedkv.entrypoints.openai_server import KVEventsOptions, create_app
 from pagedkv.entrypoints.serve import BackgroundServer
 

@@ -81,6 +81,19 @@ def test_matches_dense_reference_bf16(spec: dict, w: int | None, cap: float | No
     check(spec, torch.bfloat16, w, cap, n_splits, atol=2e-2, rtol=2e-2)
 
 
+def test_strided_query_view_like_a_fused_qkv_projection() -> None:
+    """Models pass q as a column slice of a fused qkv output: a non-contiguous view."""
+    spec = dict(seq_lens=[40, 70, 9], query_lens=[1, 30, 9], block_size=16, num_kv_heads=2,
+                group=3, head_size=32, layout="LBNHC", shared_prefix=False, seed=6)
+    batch = make_paged_batch(dtype=torch.float32, **spec)
+    qkv = torch.randn(batch.query.shape[0], 10, 32)
+    qkv[:, :6] = batch.query
+    query = qkv[:, :6]
+    assert not query.is_contiguous()
+    out = paged_attention(query, batch.key_cache, batch.value_cache, batch.md, 0.2)
+    torch.testing.assert_close(out.double(), batch.reference(0.2), atol=1e-5, rtol=1e-5)
+
+
 def test_value_head_size_differs_from_key_head_size() -> None:
     spec = dict(seq_lens=[40, 7, 33], query_lens=[1, 7, 5], block_size=16, num_kv_heads=2,
                 group=3, head_size=32, layout="LBNHC", shared_prefix=False, seed=3,
@@ -197,6 +210,9 @@ def test_rejects_bad_arguments() -> None:
     batch = make_paged_batch(dtype=torch.float32, **spec)
     with pytest.raises(ValueError, match="sliding_window"):
         paged_attention(batch.query, batch.key_cache, batch.value_cache, batch.md, 1.0, 0)
+    with pytest.raises(ValueError, match="num_kv_splits"):
+        paged_attention(batch.query, batch.key_cache, batch.value_cache, batch.md, 1.0,
+                        num_kv_splits=-2)
     with pytest.raises(ValueError, match="multiple"):
         paged_attention(batch.query[:, :1], batch.key_cache, batch.value_cache, batch.md, 1.0)
 

@@ -16,10 +16,10 @@ import pytest
 
 openai = pytest.importorskip("openai")
 
-from pagedkv import LLM, SamplingParams  # noqa: E402
-from pagedkv.engine.config import EngineConfig  # noqa: E402
-from pagedkv.entrypoints.openai_server import create_app  # noqa: E402
-from pagedkv.entrypoints.serve import BackgroundServer  # noqa: E402
+from pagedkv import LLM, SamplingParams
+from pagedkv.engine.config import EngineConfig
+from pagedkv.entrypoints.openai_server import create_app
+from pagedkv.entrypoints.serve import BackgroundServer
 
 ROOT = Path(__file__).resolve().parents[1]
 NUM_CLIENTS = 64

@@ -9,9 +9,9 @@ import pytest
 
 openai = pytest.importorskip("openai")
 
-from pagedkv.engine.config import EngineConfig  # noqa: E402
-from pagedkv.entrypoints.openai_server import create_app  # noqa: E402
-from pagedkv.entrypoints.serve import BackgroundServer  # noqa: E402
+from pagedkv.engine.config import EngineConfig
+from pagedkv.entrypoints.openai_server import create_app
+from pagedkv.entrypoints.serve import BackgroundServer
 
 MODEL = "SmolLM2-135M-Instruct"
 PROMPT = "The capital of France is"

@@ -196,7 +196,7 @@ class AsyncLLM:
         def cmd() -> None:
             try:
                 self.engine.add_request(request_id, prompt, params, arrival_time=arrival)
-            except BaseException as e:  # noqa: BLE001 - handed to the caller
+            except BaseException as e:
                 with self._cv:
                     self._streams.pop(request_id, None)
                 _set(fut, error=e)
@@ -254,7 +254,7 @@ class AsyncLLM:
                 return  # the caller gave up (cancelled): do not run it
             try:
                 result = fn(self.engine)
-            except BaseException as e:  # noqa: BLE001 - handed to the caller
+            except BaseException as e:
                 fut.set_exception(e)
             else:
                 fut.set_result(result)
@@ -295,26 +295,34 @@ class AsyncLLM:
                 _fail_futures(cmds, EngineDeadError("the engine is shutting down"))
                 return
             try:
+                t0 = time.perf_counter()
                 outputs = engine.step() if engine.has_unfinished_requests() else []
+                idle = not outputs and time.perf_counter() - t0 < 0.0005
                 self._after_step(outputs, changed=bool(cmds))
-            except BaseException as e:  # noqa: BLE001 - the engine is unusable now
+            except BaseException as e:
                 logger.exception("engine step failed; failing all in-flight requests")
                 self._die(e)
                 return
+            if idle:
+                # Nothing could be scheduled (e.g. waiting on an offload tier's answer): do not
+                # spin; a new command wakes the thread at once.
+                with self._cv:
+                    if not self._commands and not self._stopping:
+                        self._cv.wait(0.002)
 
     def _after_step(self, outputs: list[RequestOutput], changed: bool) -> None:
         engine = self.engine
         now = time.monotonic()
-        if self.event_publisher is not None and engine.config.enable_kv_cache_events:
+        if engine.config.enable_kv_cache_events:  # drained even without a publisher: no backlog
             events = engine.kv_cache_manager.take_events()
-            if events:
+            if events and self.event_publisher is not None:
                 self.event_publisher.publish(events)
         if outputs or changed:
             self.last_stats = engine_stats(engine)
             for sl in self.stat_loggers:
                 try:
                     sl.record_step(engine, outputs, now)
-                except Exception:  # noqa: BLE001 - metrics must never break serving
+                except Exception:
                     logger.exception("stat logger failed")
         if not outputs:
             return
@@ -343,7 +351,7 @@ class AsyncLLM:
         _fail_futures(cmds, EngineDeadError(f"the engine failed: {err!r}"))
         try:
             self.engine.abort_request(list(self.engine.samples))
-        except BaseException:  # noqa: BLE001
+        except BaseException:
             logger.exception("could not abort requests after the engine failed")
 
     # ---- shutdown ----------------------------------------------------------------------------
@@ -364,7 +372,7 @@ class AsyncLLM:
             shutdown = getattr(self.engine, "shutdown", None)
             if shutdown is not None:
                 shutdown()
-        except Exception:  # noqa: BLE001
+        except Exception:
             logger.exception("engine shutdown failed")
         if self.event_publisher is not None:
             self.event_publisher.shutdown()
@@ -384,7 +392,7 @@ def engine_stats(engine: LLMEngine) -> dict[str, Any]:
         elif isinstance(stats.get("offload"), dict):
             tiers = {name: _as_dict(st) for name, st in stats["offload"].items()
                      if isinstance(st, dict) or hasattr(st, "__dataclass_fields__")}
-    except Exception:  # noqa: BLE001 - stats must never break serving
+    except Exception:
         logger.exception("reading the offload tiers' stats failed")
     if tiers:
         stats["tiers"] = tiers

@@ -57,8 +57,10 @@ class ChatSession:
         return head + self.history
 
     def _prompt_ids(self) -> list[int]:
-        """The rendered conversation; drops the oldest exchanges while it leaves no room to reply."""
-        limit = self.engine.max_model_len - 1
+        """The rendered conversation; drops the oldest exchanges while it leaves too little room
+        for the reply (``max_tokens``, or half the context when that is larger)."""
+        max_len = self.engine.max_model_len
+        limit = max_len - min(self.params.max_tokens or max_len, max_len // 2)
         while True:
             text = self.tok.apply_chat_template(self._messages(), add_generation_prompt=True)
             ids = self.tok.encode(text, add_special_tokens=False)
@@ -67,10 +69,12 @@ class ChatSession:
             del self.history[:2]  # one user + assistant exchange
             print("[context full: dropped the oldest turn]", file=sys.stderr)
 
-    def reply(self, user: str, out: Any = sys.stdout) -> str:
-        """Stream the assistant's answer to ``user`` to ``out``; returns it and records the turn."""
+    def reply(self, user: str, out: Any = None) -> str:
+        """Stream the assistant's answer to ``user`` to ``out`` (stdout); returns it and records
+        the turn."""
         from pagedkv.models.tokenizer import DetokenizeState
 
+        out = out or sys.stdout
         self.history.append({"role": "user", "content": user})
         ids = self._prompt_ids()
         rid = f"chat-{self.turn}"

@@ -62,7 +62,7 @@ def dashboard_state(engine: LLMEngine, extra: dict[str, Any] | None = None) -> d
     for req in list(sched.running)[:MAX_LISTED_REQUESTS]:
         try:
             nblocks = len(kv.get_block_ids(req.request_id)[0])
-        except Exception:  # noqa: BLE001 - a request without blocks
+        except Exception:
             nblocks = 0
         running.append(dict(id=req.request_id, prompt_tokens=req.num_prompt_tokens,
                             output_tokens=req.num_output_tokens, computed_tokens=req.num_computed_tokens,

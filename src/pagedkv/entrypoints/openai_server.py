@@ -29,7 +29,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,7 +40,12 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pagedkv.engine.async_llm import AsyncLLM, EngineDeadError, QueueFullError, RequestStream
+from pagedkv.engine.async_llm import (
+    AsyncLLM,
+    EngineDeadError,
+    QueueFullError,
+    RequestStream,
+)
 from pagedkv.engine.outputs import CompletionOutput, RequestOutput
 from pagedkv.engine.sampling_params import SamplingParams
 from pagedkv.entrypoints import protocol as P
@@ -224,7 +229,7 @@ async def _merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Requ
         try:
             async for out in s:
                 queue.put_nowait((i, out))
-        except BaseException as e:  # noqa: BLE001 - forwarded
+        except BaseException as e:
             queue.put_nowait((i, e))
 
     tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
@@ -460,7 +465,7 @@ async def chat_completions(request: Request) -> Response:
     try:
         text = tok.apply_chat_template(conversation, add_generation_prompt=req.add_generation_prompt)
         token_ids = tok.encode(text, add_special_tokens=False)
-    except Exception as e:  # noqa: BLE001 - template errors (e.g. raise_exception) are the client's
+    except Exception as e:
         raise bad_request(f"cannot apply the chat template: {e}", "messages") from None
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     streams = await _add_all(state, request_id, [{"prompt_token_ids": token_ids, "prompt": text}],

@@ -129,7 +129,7 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError, NotImplementedError) as e:
         sock.close()
         return fail("serve", e)
-    except Exception as e:  # noqa: BLE001 - zmq bind errors and the like
+    except Exception as e:
         sock.close()
         return fail("serve", RuntimeError(f"cannot start: {e}"))
     host, port = sock.getsockname()[:2]
@@ -175,7 +175,7 @@ class BackgroundServer:
     def _serve(self) -> None:
         try:
             self.server.run(sockets=[self.sock])
-        except BaseException as e:  # noqa: BLE001 - reported by start()
+        except BaseException as e:
             self._error = e
 
     def start(self, timeout: float = 60.0) -> BackgroundServer:

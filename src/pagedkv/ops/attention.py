@@ -60,6 +60,8 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     """
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
+    if num_kv_splits is not None and num_kv_splits < 0:
+        raise ValueError(f"num_kv_splits must be >= 0, got {num_kv_splits}")
     num_tokens, num_heads, _ = query.shape
     if num_heads % key_cache.shape[2]:
         raise ValueError(f"{num_heads} query heads is not a multiple of "
