@@ -28,7 +28,9 @@ SHARED_PREFIX = ("System: you are a storyteller who writes vivid, concise fables
 
 @pytest.fixture(scope="module")
 def server():
-    app = create_app(EngineConfig(num_kv_blocks=NUM_BLOCKS, max_num_seqs=16, max_model_len=512))
+    # A real CPU offload tier, so the tier panel has something to show.
+    app = create_app(EngineConfig(num_kv_blocks=NUM_BLOCKS, max_num_seqs=16, max_model_len=512,
+                                  kv_offload="cpu:16MiB"))
     with BackgroundServer(app) as srv:
         yield srv
 
@@ -60,7 +62,8 @@ def test_state_shape_and_block_map(http):
     for key in ("usage", "prefix_cache", "num_running", "num_waiting", "num_preemptions", "running",
                 "waiting", "tiers", "model", "healthy", "generation_tokens"):
         assert key in st
-    assert st["tiers"] is None and st["healthy"] is True
+    assert set(st["tiers"]) == {"cpu"} and st["healthy"] is True
+    assert st["tiers"]["cpu"]["capacity_bytes"] > 0 and st["tiers"]["cpu"]["medium"] == "CPU"
     page = http.get("/dashboard")
     assert page.status_code == 200 and "text/html" in page.headers["content-type"]
     assert "/state" in page.text and "<canvas" in page.text
@@ -120,8 +123,11 @@ def test_offload_tiers_appear_in_state_and_metrics(server, http):
         assert "pagedkv:offload_bytes_written_total" in metrics and "pagedkv:offload_capacity_bytes" in metrics
     finally:
         del engine.offload_manager
-    http.get("/dashboard/state")
-    assert "pagedkv:offload_usage_bytes" not in http.get("/metrics").text
+    # Back to the engine's own (real) CPU tier, which has stored the blocks of earlier requests.
+    st = http.get("/dashboard/state").json()
+    assert set(st["tiers"]) == {"cpu"} and st["tiers"]["cpu"]["bytes_written"] > 0
+    metrics = http.get("/metrics").text
+    assert 'tier="cpu"' in metrics and 'tier="redis"' not in metrics
 
 
 # ---- the page in a real browser --------------------------------------------------------------------
@@ -225,6 +231,8 @@ def test_dashboard_page_updates_live_in_chromium(server, browser, tmp_path):
         for (let i = 0; i < d.length; i += 4) seen[d[i] + ',' + d[i+1] + ',' + d[i+2]] = 1;
         return Object.keys(seen);""")
     assert {"43,49,64", "59,130,246"} <= set(colours), colours[:20]  # free, cached
-    assert browser.find_element("id", "tiers-section").get_attribute("hidden") is not None
+    # The tier panel shows the CPU tier.
+    assert browser.find_element("id", "tiers-section").get_attribute("hidden") is None
+    assert "cpu" in browser.find_element("id", "tiers").text
     severe = [e for e in browser.get_log("browser") if e["level"] == "SEVERE"]
     assert not severe, severe

@@ -105,6 +105,8 @@ def test_bad_completion_requests_get_400_naming_the_field(http, body, param, wor
     ({"messages": []}, "messages", "empty"),
     ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role", "unknown role"),
     ({"messages": [{"content": "hi"}]}, "messages[0].role", "missing required field"),
+    ({"messages": [{"role": "user", "content": "a"}, {"role": 1, "content": "b"}, {"role": 2}]},
+     "messages[1].role", "valid string"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      "messages[0].content[0]", "text"),
     ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": -3}, "max_completion_tokens",

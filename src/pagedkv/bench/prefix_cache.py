@@ -24,8 +24,16 @@ import argparse
 import random
 from typing import Any
 
-from pagedkv.bench.common import (BenchOptionError, add_output_args, int_range, log, random_token_ids, ratio,
-                                  run_and_emit, summary)
+from pagedkv.bench.common import (
+    BenchOptionError,
+    add_output_args,
+    int_range,
+    log,
+    random_token_ids,
+    ratio,
+    run_and_emit,
+    summary,
+)
 
 TARGET_SPEEDUP = 5.0
 

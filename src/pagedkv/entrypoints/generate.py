@@ -3,7 +3,8 @@
 Prints the completion text, or with ``--json`` one object: ``text``, ``token_ids``,
 ``finish_reason`` (of the first sample), ``outputs`` (every sample), ``num_cached_tokens``,
 ``ttft`` and ``e2e_latency`` (seconds). ``--chat`` renders the prompt as a user message with the
-model's chat template (``--system`` adds a system message). ``-`` reads the prompt from stdin.
+model's chat template (``--system`` adds a system message). ``-`` reads the prompt from stdin
+(trailing newlines dropped).
 
 Sampling flags default to `SamplingParams`' own defaults (temperature 1.0, so pass
 ``--temperature 0`` for greedy). Invalid values exit with code 2 and a one-line message on
@@ -132,7 +133,8 @@ def output_dict(out: Any) -> dict[str, Any]:
 
 
 def generate(args: argparse.Namespace) -> dict[str, Any]:
-    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    # `echo ... |` appends a newline the user did not mean as part of the prompt.
+    prompt = sys.stdin.read().rstrip("\n") if args.prompt == "-" else args.prompt
     if not prompt:
         raise CLIError("the prompt is empty")
     params = sampling_params(args, n=args.n)

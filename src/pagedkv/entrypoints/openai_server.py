@@ -119,11 +119,19 @@ def _validation_message(err: ValidationError, model: type[BaseModel]) -> tuple[s
     top = str(loc[0])
     same_field = [e for e in errors if e["loc"][:1] == (top,)]
     field = model.model_fields.get(top)
-    if len(same_field) > 1 and field is not None and field.annotation is not None:
+    if len(same_field) > 1 and field is not None and _is_union(field.annotation) and len(loc) > 1 \
+            and isinstance(loc[1], str):
         # A union: every member failed. Say what was expected instead of listing each member.
         return (f"invalid type for '{top}': expected {_type_name(field.annotation)}, "
                 f"got {_json_type(same_field[0].get('input'))}"), top
     return f"invalid value for '{param}': {first['msg']} (got {_short(first.get('input'))})", param
+
+
+def _is_union(annotation: Any) -> bool:
+    import types
+    import typing
+
+    return typing.get_origin(annotation) in (typing.Union, types.UnionType)
 
 
 def _type_name(annotation: Any) -> str:

@@ -51,6 +51,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     g.add_argument("--no-enable-prefix-caching", "--no-prefix-caching", dest="no_prefix_caching",
                    action="store_true", help="disable prefix caching")
     g.add_argument("--seed", type=int, default=0, help="engine seed (requests without a seed)")
+    g.add_argument("--kv-offload", default=None, metavar="SPEC",
+                   help="KV offload tiers, e.g. cpu:4GiB,disk:/var/cache/pagedkv:20GiB (default: none)")
     e = p.add_argument_group("KV events (vLLM's ZMQ wire format)")
     e.add_argument("--enable-kv-cache-events", action="store_true",
                    help="publish BlockStored / BlockRemoved / AllBlocksCleared events")
@@ -73,7 +75,8 @@ def engine_config(args: argparse.Namespace) -> Any:
                         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                         max_num_batched_tokens=args.max_num_batched_tokens,
                         enable_prefix_caching=not args.no_prefix_caching,
-                        enable_kv_cache_events=args.enable_kv_cache_events, seed=args.seed)
+                        enable_kv_cache_events=args.enable_kv_cache_events, seed=args.seed,
+                        kv_offload=args.kv_offload)
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
