@@ -131,6 +131,7 @@ async def run_load(base_url: str, prompts: list[list[int]], output_len: int, rat
     limits = httpx.Limits(max_connections=len(prompts) + 4, max_keepalive_connections=len(prompts) + 4)
     async with httpx.AsyncClient(base_url=base_url, timeout=httpx.Timeout(600.0), limits=limits) as client:
         tasks = []
+        cpu0 = time.process_time()
         start = time.perf_counter()
         for i, prompt in enumerate(prompts):
             if math.isfinite(rate) and i > 0:
@@ -138,7 +139,8 @@ async def run_load(base_url: str, prompts: list[list[int]], output_len: int, rat
             tasks.append(asyncio.ensure_future(one_request(client, prompt, output_len, model)))
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
-    return dict(results=results, duration=duration)
+        client_cpu = time.process_time() - cpu0
+    return dict(results=results, duration=duration, client_cpu=client_cpu)
 
 
 def summarize(name: str, rate: float, prompts: list[list[int]], load: dict[str, Any],
@@ -161,6 +163,7 @@ def summarize(name: str, rate: float, prompts: list[list[int]], load: dict[str, 
         itl_s=dist([x for r in ok for x in r["itl"]]),
         e2e_s=dist([r["e2e"] for r in ok]),
         prefix_hit_rate=dh / dq if dq else 0.0,
+        client_cpu_s=load.get("client_cpu"), server_cpu_s=load.get("server_cpu"),
     )
 
 
@@ -206,6 +209,14 @@ class ServerProcess:
             raise RuntimeError("the server did not start:\n" + "".join(self.log[-20:]))
         threading.Thread(target=self._drain, daemon=True).start()
 
+    def cpu_seconds(self) -> float | None:
+        """CPU time (user + system, all threads) the server process used so far."""
+        try:
+            fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+            return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        except (OSError, ValueError, IndexError):
+            return None
+
     def _drain(self) -> None:
         for line in self.proc.stdout:
             self.log.append(line)
@@ -228,13 +239,16 @@ def offline_run(llm: Any, prompts: list[list[int]], output_len: int) -> dict[str
 
     llm.reset_prefix_cache()  # like the server's reset before each run
     sp = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    cpu0 = time.process_time()
     t0 = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
     dur = time.perf_counter() - t0
+    cpu = time.process_time() - cpu0
     out_tok = sum(len(o.outputs[0].token_ids) for o in outs)
     in_tok = sum(len(p) for p in prompts)
     return dict(duration_s=dur, output_tokens=out_tok, output_token_throughput=out_tok / dur,
-                total_token_throughput=(in_tok + out_tok) / dur, request_throughput=len(prompts) / dur)
+                total_token_throughput=(in_tok + out_tok) / dur, request_throughput=len(prompts) / dur,
+                cpu_s=cpu)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -276,7 +290,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 http.post(base_url + "/reset_prefix_cache")
                 before = scrape(http, base_url)
                 log(f"run {name}: {len(prompts)} requests ...")
+                cpu0 = server.cpu_seconds() if server is not None else None
                 load = asyncio.run(run_load(base_url, prompts, args.output_len, rate, args.seed + k, model))
+                cpu1 = server.cpu_seconds() if server is not None else None
+                load["server_cpu"] = cpu1 - cpu0 if cpu0 is not None and cpu1 is not None else None
                 runs.append(summarize(name, rate, prompts, load, before, scrape(http, base_url)))
                 if llm is not None and math.isinf(rate):
                     # The same requests offline, right after, while the server sits idle (its
@@ -393,12 +410,12 @@ def main(argv: list[str] | None = None) -> int:
     if not 0 <= args.prefix_len <= args.input_len:
         parser.error("--prefix-len must be in [0, --input-len]")
     report = run(args)
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(report, indent=1) + "\n")
     if not args.json_only:
         print(table(report))
         print()
     print(json.dumps(report, indent=1))
-    if args.json_out:
-        Path(args.json_out).write_text(json.dumps(report, indent=1) + "\n")
     failed = sum(r["failed"] for r in report["runs"])
     return 1 if failed else 0
 
