@@ -21,6 +21,8 @@ $(STAMP): pyproject.toml Makefile
 setup: $(STAMP)
 
 run: setup
+	$(VENV)/bin/pagedkv generate --chat --temperature 0 --max-tokens 96 \
+	  "Explain in three sentences how paged attention manages the KV cache."
 	$(VENV)/bin/pagedkv plan --memory 8GiB --block-size 16 --context 4096
 
 test: setup
@@ -28,6 +30,8 @@ test: setup
 
 bench: setup
 	$(PY) benchmarks/bench_core.py
+	$(PY) benchmarks/bench_memory.py
+	$(PY) benchmarks/bench_offload.py bandwidth
 
 clean:
 	rm -rf $(VENV)

@@ -42,6 +42,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-kv-blocks", type=int, default=None, help="exact KV pool size in blocks")
     g.add_argument("--kv-cache-memory", type=parse_size, default=None, help="KV pool size, e.g. 512MiB")
     g.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
+    g.add_argument("--kv-offload", default=None, metavar="SPEC",
+                   help="KV tiers, e.g. cpu:4GiB,disk:/var/cache/pagedkv:20GiB,redis://127.0.0.1:6379")
+    g.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"])
 
 
 def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int, temperature: float) -> None:
@@ -77,7 +80,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
     kw = dict(block_size=args.block_size, max_model_len=args.max_model_len, num_kv_blocks=args.num_kv_blocks,
               kv_cache_memory=args.kv_cache_memory, enable_prefix_caching=not args.no_prefix_caching,
-              dtype=args.dtype, seed=args.seed if args.seed is not None else 0)
+              dtype=args.dtype, seed=args.seed if args.seed is not None else 0,
+              kv_offload=args.kv_offload, preemption_mode=args.preemption_mode)
     try:
         EngineConfig(model=args.model, **kw)
     except ValueError as e:
