@@ -145,9 +145,6 @@ def run(args: argparse.Namespace) -> int:
     print(f"pagedkv serve: model {state.served_model_name}, "
           f"{state.async_llm.engine.kv_cache_config.num_blocks} KV blocks", flush=True)
     print(f"pagedkv serve: listening on http://{shown}:{port}", flush=True)
-    import os as _os
-    if _os.environ.get("PAGEDKV_SWITCH_INTERVAL"):
-        sys.setswitchinterval(float(_os.environ["PAGEDKV_SWITCH_INTERVAL"]))
     server = _uvicorn_server(app, args.log_level)
     try:
         server.run(sockets=[sock])
