@@ -185,6 +185,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         so = self.scheduler.schedule()
         if so.is_empty:
+            if self.scheduler.has_unfinished_requests():
+                time.sleep(0.0005)  # requests wait on tier I/O: yield the CPU to its threads
             return []
         if self.connector is not None:
             self.connector.start_load_kv()

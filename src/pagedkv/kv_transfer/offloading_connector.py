@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import time
 import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -51,9 +52,10 @@ logger = logging.getLogger(__name__)
 
 BLOCK_LEVEL = "BLOCK_LEVEL"
 REQUEST_LEVEL = "REQUEST_LEVEL"
-# A request whose tier answer stays pending this many steps is admitted without external hits,
-# so a slow or stuck tier can delay a request but never starve it.
-MAX_DEFERRALS = 200
+# A request whose tier answer stays pending this long is admitted without external hits, so a
+# slow or stuck tier can delay a request but never starve it (time, not steps: an idle engine
+# steps thousands of times a second).
+MAX_DEFERRAL_S = 5.0
 
 
 @dataclass(slots=True)
@@ -66,7 +68,7 @@ class _LoadJob:
 @dataclass(slots=True)
 class _ReqState:
     offered_blocks: int = 0  # blocks [0, offered) were offered to the tiers
-    deferrals: int = 0
+    deferred_since: float | None = None
     pending_stores: set[int] = field(default_factory=set)
 
 
@@ -143,8 +145,10 @@ class OffloadingConnector:
         blocked = n < len(results) and results[n] in (LookupResult.RETRY, LookupResult.HIT_PENDING)
         if blocked:
             st = self._state(req)
-            st.deferrals += 1
-            if st.deferrals <= MAX_DEFERRALS:
+            now = time.monotonic()
+            if st.deferred_since is None:
+                st.deferred_since = now
+            if now - st.deferred_since < MAX_DEFERRAL_S:
                 return None
         return n * bs
 

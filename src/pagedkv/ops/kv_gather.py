@@ -10,6 +10,7 @@ from mmap and pay a page fault per 4 KiB on first touch, which costs more than t
 from __future__ import annotations
 
 import math
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -20,25 +21,33 @@ from pagedkv.ops.kv_cache import kv_combined_view
 class Workspace:
     """Grow-only scratch buffers reused across calls, one per (name, device, dtype).
 
-    A view returned by :meth:`get` stays valid until the next ``get`` of the same name;
-    single-threaded use (one engine step at a time per process).
+    A view returned by :meth:`get` stays valid until the next ``get`` of the same name. Buffers
+    are per thread (two engines may step on two threads of one process) and per inference
+    mode (a buffer made under ``torch.inference_mode`` cannot be written outside it).
     """
 
     def __init__(self) -> None:
-        self._bufs: dict[tuple[str, torch.device, torch.dtype], torch.Tensor] = {}
+        self._local = threading.local()
+
+    def _bufs(self) -> dict[tuple[str, torch.device, torch.dtype, bool], torch.Tensor]:
+        bufs = getattr(self._local, "bufs", None)
+        if bufs is None:
+            bufs = self._local.bufs = {}
+        return bufs
 
     def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype,
             device: torch.device) -> torch.Tensor:
         numel = math.prod(shape)
-        key = (name, device, dtype)
-        buf = self._bufs.get(key)
+        bufs = self._bufs()
+        key = (name, device, dtype, torch.is_inference_mode_enabled())
+        buf = bufs.get(key)
         if buf is None or buf.numel() < numel:
-            buf = self._bufs[key] = torch.empty(numel, dtype=dtype, device=device)
+            buf = bufs[key] = torch.empty(numel, dtype=dtype, device=device)
         return buf[:numel].view(shape)
 
     def clear(self) -> None:
-        """Release all scratch memory (e.g. after a rare very long prefill)."""
-        self._bufs.clear()
+        """Release this thread's scratch memory (e.g. after a rare very long prefill)."""
+        self._bufs().clear()
 
 
 WORKSPACE = Workspace()
