@@ -385,30 +385,18 @@ def test_dual_queue_write_thread_prevents_starvation_and_errors_reach_futures():
         pool.submit_read(print)
 
 
-@pytest.mark.slow
-def test_read_throughput_against_sequential_read(tmp_path: Path, caplog: pytest.LogCaptureFixture):
-    """Informative: the tier's batched reads vs one sequential read of the same bytes, both
-    from whatever cache state the writes left (O_DIRECT reads always go to the device)."""
+def test_concurrent_batched_reads_are_exact(tmp_path: Path, caplog: pytest.LogCaptureFixture):
+    """Several batched reads in flight at once on the read queue all return the stored bytes.
+    (Read throughput against a sequential read is a figure of benchmarks/bench_offload.py,
+    not a timed test.)"""
     caplog.set_level(logging.WARNING)
     chunk, n = 720 * 1024, 64
     tier = FileSystemTier(tmp_path / "c", FP, 10**10, chunk, num_threads=4, fsync=False, use_odirect=False)
     blobs = [random.Random(i).randbytes(chunk) for i in range(n)]
     assert all(tier.store_batch([(key(i), memoryview(b)) for i, b in enumerate(blobs)]))
-    big = tmp_path / "seq.bin"
-    big.write_bytes(b"".join(blobs))
     outs = [bytearray(chunk) for _ in range(n)]
-    t0 = time.perf_counter()
-    with open(big, "rb", buffering=0) as f:
-        buf = memoryview(bytearray(8 << 20))
-        while f.readinto(buf):
-            pass
-    t_seq = time.perf_counter() - t0
     items = [(key(i), memoryview(outs[i])) for i in range(n)]
-    t0 = time.perf_counter()
     futs = [tier.pool.submit_read(tier.load_batch, items[i:i + 16]) for i in range(0, n, 16)]
     assert all(all(f.result()) for f in futs)
-    t_tier = time.perf_counter() - t0
-    assert outs[5] == blobs[5]
-    print(f"tier {n * chunk / t_tier / 1e9:.2f} GB/s, sequential {n * chunk / t_seq / 1e9:.2f} GB/s")
-    assert t_seq / t_tier > 0.15
+    assert all(bytes(o) == b for o, b in zip(outs, blobs))
     tier.shutdown()
