@@ -284,6 +284,18 @@ async def _unless_disconnected(request: Request, coro: Awaitable[T], streams: li
             s.abort()
 
 
+def _sse_error(e: Exception, param: str) -> str:
+    """An in-stream OpenAI error event (the HTTP status is already sent)."""
+    err = e if isinstance(e, APIError) else _engine_error(e, param)
+    return _sse(P.ErrorResponse(error=P.ErrorInfo(message=err.message, type=err.type,
+                                                 param=err.param, code=err.code)))
+
+
+def _event_stream(events: Any) -> StreamingResponse:
+    return StreamingResponse(events, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
 def _sse(obj: BaseModel | dict[str, Any]) -> str:
     data = obj.model_dump_json(exclude_unset=False) if isinstance(obj, BaseModel) else json.dumps(obj)
     return f"data: {data}\n\n"
@@ -423,16 +435,13 @@ async def completions(request: Request) -> Response:
                     yield _sse(P.CompletionStreamResponse(id=request_id, created=created, model=model,
                                                           choices=[], usage=_usage(last)))
             except (EngineDeadError, APIError) as e:
-                err = e if isinstance(e, APIError) else _engine_error(e, "prompt")
-                yield _sse(P.ErrorResponse(error=P.ErrorInfo(message=err.message, type=err.type,
-                                                             param=err.param, code=err.code)))
+                yield _sse_error(e, "prompt")
             finally:
                 for s in streams:
                     s.abort()
             yield "data: [DONE]\n\n"
 
-        return StreamingResponse(gen(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return _event_stream(gen())
 
     async def collect() -> list[RequestOutput]:
         final: list[RequestOutput | None] = [None] * len(streams)
@@ -524,16 +533,13 @@ async def chat_completions(request: Request) -> Response:
                     yield _sse(P.ChatCompletionStreamResponse(id=request_id, created=created, model=model,
                                                               choices=[], usage=_usage([last])))
             except (EngineDeadError, APIError) as e:
-                err = e if isinstance(e, APIError) else _engine_error(e, "messages")
-                yield _sse(P.ErrorResponse(error=P.ErrorInfo(message=err.message, type=err.type,
-                                                             param=err.param, code=err.code)))
+                yield _sse_error(e, "messages")
             finally:
                 for s in streams:
                     s.abort()
             yield "data: [DONE]\n\n"
 
-        return StreamingResponse(gen(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return _event_stream(gen())
 
     async def collect() -> RequestOutput:
         final = None
