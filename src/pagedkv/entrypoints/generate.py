@@ -30,8 +30,9 @@ class CLIError(Exception):
 # ---------------------------------------------------------------- shared flags
 
 
-def add_engine_args(p: argparse.ArgumentParser) -> None:
-    """Model and KV-cache flags (`EngineConfig` fields)."""
+def add_engine_args(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
+    """Model and KV-cache flags (`EngineConfig` fields) shared by generate, chat and serve;
+    returns the group so a command can add its own engine flags to it."""
     from pagedkv.entrypoints.plan import parse_size
 
     g = p.add_argument_group("engine")
@@ -41,10 +42,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, default=None, help="context length cap")
     g.add_argument("--num-kv-blocks", type=int, default=None, help="exact KV pool size in blocks")
     g.add_argument("--kv-cache-memory", type=parse_size, default=None, help="KV pool size, e.g. 512MiB")
-    g.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
+    g.add_argument("--no-prefix-caching", "--no-enable-prefix-caching", dest="no_prefix_caching",
+                   action="store_true", help="disable prefix caching")
     g.add_argument("--kv-offload", default=None, metavar="SPEC",
                    help="KV tiers, e.g. cpu:4GiB,disk:/var/cache/pagedkv:20GiB,redis://127.0.0.1:6379")
     g.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"])
+    return g
 
 
 def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int, temperature: float) -> None:

@@ -27,7 +27,7 @@ logger = logging.getLogger(__name__)
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    from pagedkv.entrypoints.plan import parse_size
+    from pagedkv.entrypoints.generate import add_engine_args
 
     p = subparsers.add_parser("serve", help="run the OpenAI-compatible server",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -38,21 +38,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--max-queue-size", type=int, default=256,
                    help="requests allowed to wait beyond --max-num-seqs; more get 503 (default 256)")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
-    g = p.add_argument_group("engine")
-    g.add_argument("--model", help="a .gguf file or HF model directory (default: SmolLM2-135M-Instruct)")
-    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "auto"])
-    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
-    g.add_argument("--num-kv-blocks", type=int, default=None, help="exact KV pool size in blocks")
-    g.add_argument("--kv-cache-memory", type=parse_size, default=None, help="KV pool size, e.g. 512MiB")
-    g.add_argument("--max-model-len", type=int, default=None, help="context length cap")
+    g = add_engine_args(p)
     g.add_argument("--max-num-seqs", type=int, default=128, help="max running sequences (default 128)")
     g.add_argument("--max-num-batched-tokens", type=int, default=2048,
                    help="token budget per step (default 2048)")
-    g.add_argument("--no-enable-prefix-caching", "--no-prefix-caching", dest="no_prefix_caching",
-                   action="store_true", help="disable prefix caching")
     g.add_argument("--seed", type=int, default=0, help="engine seed (requests without a seed)")
-    g.add_argument("--kv-offload", default=None, metavar="SPEC",
-                   help="KV offload tiers, e.g. cpu:4GiB,disk:/var/cache/pagedkv:20GiB (default: none)")
     e = p.add_argument_group("KV events (vLLM's ZMQ wire format)")
     e.add_argument("--enable-kv-cache-events", action="store_true",
                    help="publish BlockStored / BlockRemoved / AllBlocksCleared events")
@@ -76,7 +66,7 @@ def engine_config(args: argparse.Namespace) -> Any:
                         max_num_batched_tokens=args.max_num_batched_tokens,
                         enable_prefix_caching=not args.no_prefix_caching,
                         enable_kv_cache_events=args.enable_kv_cache_events, seed=args.seed,
-                        kv_offload=args.kv_offload)
+                        kv_offload=args.kv_offload, preemption_mode=args.preemption_mode)
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
