@@ -10,6 +10,7 @@ from ref_attention import make_paged_batch, ref_attention
 
 from pagedkv.ops import attention as attention_mod
 from pagedkv.ops import dense_attention as dense_mod
+from pagedkv.ops import native
 from pagedkv.ops.attention import paged_attention
 from pagedkv.ops.merge_attn_states import merge_attn_states, merge_attn_states_multi
 
@@ -63,12 +64,14 @@ budgets = st.sampled_from([tuple(getattr(attention_mod, n) for n in BUDGET_NAMES
 
 
 @settings(max_examples=70, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(spec=batches(), w=window, cap=soft_cap, n_splits=splits, budget=budgets)
+@given(spec=batches(), w=window, cap=soft_cap, n_splits=splits, budget=budgets, use_native=st.booleans())
 def test_matches_dense_reference_fp32(spec: dict, w: int | None, cap: float | None,
-                                      n_splits: int | None, budget: tuple[int, ...]) -> None:
+                                      n_splits: int | None, budget: tuple[int, ...], use_native: bool) -> None:
     with pytest.MonkeyPatch.context() as mp:
         for name, value in zip(BUDGET_NAMES, budget, strict=True):
             mp.setattr(attention_mod, name, value)
+        if not use_native:  # the torch decode path (else decodes take ops/csrc when it builds)
+            mp.setattr(native, "lib", lambda: None)
         check(spec, torch.float32, w, cap, n_splits, atol=1e-5, rtol=1e-5)
 
 
@@ -134,7 +137,8 @@ def test_split_with_rows_that_end_before_a_segment(cap: float | None) -> None:
 
 def test_automatic_split_and_pieces_agree(monkeypatch: pytest.MonkeyPatch) -> None:
     """A lone long row is split automatically (parallel segments) and, above the chunk
-    budget, read in several pieces: both merge to the single-pass result."""
+    budget, read in several pieces: both merge to the single-pass result (torch path)."""
+    monkeypatch.setattr(native, "lib", lambda: None)
     spec = dict(seq_lens=[2048], query_lens=[1], block_size=16, num_kv_heads=1, group=3,
                 head_size=32, layout="LBNHC", shared_prefix=False, seed=5)
     batch = make_paged_batch(dtype=torch.float32, **spec)

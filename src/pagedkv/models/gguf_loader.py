@@ -120,3 +120,25 @@ def iter_gguf_weights(gguf: GGUFFile) -> Iterator[tuple[str, torch.Tensor]]:
         elif permuted and ".k_proj." in target:
             w = unpermute_qk(w, n_kv)
         yield target, w
+
+
+def iter_gguf_quantized(gguf: GGUFFile, qtypes: frozenset[int]) -> Iterator[tuple[str, int, torch.Tensor]]:
+    """Yield ``(hf_name, qtype, rows)`` for every 2-D loadable tensor stored in one of ``qtypes``:
+    ``rows`` is a uint8 view ``[out_features, bytes_per_row]`` of the file's ggml blocks, with
+    q/k rows un-permuted exactly like :func:`iter_gguf_weights` (the permutation moves whole
+    rows), so row ``i`` dequantizes to row ``i`` of the float weight.
+    """
+    meta, arch = gguf.metadata, gguf.architecture
+    permuted = arch in _PERMUTED_QK_ARCHS
+    n_head = int(meta.get(f"{arch}.attention.head_count", 0))
+    n_kv = int(meta.get(f"{arch}.attention.head_count_kv", n_head))
+    for name, t in gguf.tensors.items():
+        target = hf_name(name)
+        if target is None or len(t.shape) != 2 or int(t.qtype) not in qtypes:
+            continue
+        rows = torch.from_numpy(t.raw).view(t.shape[0], -1)
+        if permuted and ".q_proj." in target:
+            rows = unpermute_qk(rows, n_head)
+        elif permuted and ".k_proj." in target:
+            rows = unpermute_qk(rows, n_kv)
+        yield target, int(t.qtype), rows.contiguous()

@@ -13,12 +13,37 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedkv.ops import native
+
+# At most this many rows (tokens) go through the native quantized GEMV; more rows reuse each
+# weight enough that BLAS on the float32 copy wins (measured: benchmarks/bench_native.py).
+NATIVE_GEMV_MAX_ROWS = 16
+
 
 def _param(*shape: int) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape), requires_grad=False)
 
 
-class Linear(nn.Module):
+class QuantizedRows:
+    """Mixin: an optional copy of ``weight`` as GGUF ggml blocks for the native small-batch GEMV.
+
+    ``qweight [out, bytes_per_row]`` (uint8) dequantizes exactly to ``weight`` (float32); it is
+    a plain attribute, not state. :meth:`project` uses it for at most
+    :data:`NATIVE_GEMV_MAX_ROWS` rows of float32 CPU input and BLAS on ``weight`` otherwise.
+    """
+
+    weight: nn.Parameter
+    qweight: torch.Tensor | None = None
+    qtype: int = 0
+
+    def project(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        q = self.qweight
+        if q is not None and x.shape[0] <= NATIVE_GEMV_MAX_ROWS and x.dtype == torch.float32 and x.dim() == 2:
+            return native.gemv_q(x, q, self.qtype, bias)
+        return F.linear(x, self.weight, bias)
+
+
+class Linear(QuantizedRows, nn.Module):
     """``y = x @ W.T + b`` with ``W [out, in]``; fused projections are one such layer whose rows
     are filled shard by shard at load time (see ``LlamaForCausalLM.load_weights``)."""
 
@@ -28,11 +53,12 @@ class Linear(nn.Module):
         self.bias = _param(out_features) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.project(x, self.bias)
 
 
-class Embedding(nn.Module):
-    """Token embedding table ``[vocab, hidden]``; also serves as the (possibly tied) LM head."""
+class Embedding(QuantizedRows, nn.Module):
+    """Token embedding table ``[vocab, hidden]``; also serves as the (possibly tied) LM head
+    (:meth:`QuantizedRows.project` computes the logits)."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
         super().__init__()

@@ -15,11 +15,18 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pagedkv.models.config import SLIDING_ATTENTION, ModelConfig
-from pagedkv.models.layers import Embedding, Linear, RMSNorm, RotaryEmbedding, SiluAndMul, rope_inv_freq
+from pagedkv.models.layers import (
+    Embedding,
+    Linear,
+    QuantizedRows,
+    RMSNorm,
+    RotaryEmbedding,
+    SiluAndMul,
+    rope_inv_freq,
+)
 from pagedkv.ops.attention import paged_attention
 from pagedkv.ops.cache import reshape_and_cache
 from pagedkv.ops.metadata import AttentionMetadata
@@ -157,7 +164,7 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head.weight).float()
+        return self.lm_head.project(hidden).float()
 
     # ---- weights -------------------------------------------------------------------------
     def _shard(self, shard: str | int, rows: int) -> tuple[int, int]:
@@ -183,20 +190,50 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue  # some checkpoints store the tied copy too
-            for fused, part, shard in self._STACKED:
-                if part in name:
-                    target = name.replace(part, fused)
-                    start, size = self._shard(shard, w.shape[0])
-                    _copy(_param_of(params, target, name).narrow(0, start, size), w, name)
-                    break
-            else:
-                target, size = name, w.shape[0] if w.dim() else 1
-                _copy(_param_of(params, target, name), w, name)
+            size = w.shape[0] if w.dim() else 1
+            target, start = self._target(name, size)
+            param = _param_of(params, target, name)
+            _copy(param.narrow(0, start, size) if target != name else param, w, name)
             rows_written[target] = rows_written.get(target, 0) + size
         loaded = {n for n, rows in rows_written.items() if rows == (params[n].shape[0] if params[n].dim() else 1)}
         if self.config.tie_word_embeddings and "model.embed_tokens.weight" in loaded:
             loaded.add("lm_head.weight")
         return loaded
+
+    def _target(self, name: str, rows: int) -> tuple[str, int]:
+        """``(parameter name, first row)`` where checkpoint tensor ``name`` lands."""
+        for fused, part, shard in self._STACKED:
+            if part in name:
+                return name.replace(part, fused), self._shard(shard, rows)[0]
+        return name, 0
+
+    def load_quantized(self, qweights: Iterable[tuple[str, int, torch.Tensor]]) -> int:
+        """Attach ggml rows ``(hf_name, qtype, rows [out, bytes])`` (see ``iter_gguf_quantized``)
+        to the matching Linear/Embedding layers for the native GEMV, fusing shards like
+        :meth:`load_weights`. A layer gets them only when every one of its rows arrived in one
+        type (llama.cpp files mix types; such a layer keeps BLAS). Returns the layers equipped.
+        """
+        shards: dict[str, list[tuple[int, int, torch.Tensor]]] = {}
+        for name, qtype, rows in qweights:
+            target, start = self._target(name, rows.shape[0])
+            shards.setdefault(target, []).append((start, qtype, rows))
+        modules = dict(self.named_modules())
+        equipped = 0
+        for target, parts in shards.items():
+            mod = modules.get(target.removesuffix(".weight"))
+            if not isinstance(mod, QuantizedRows) or not target.endswith(".weight"):
+                continue
+            parts.sort(key=lambda p: p[0])
+            starts = [0]
+            for _, _, rows in parts:
+                starts.append(starts[-1] + rows.shape[0])
+            if (len({q for _, q, _ in parts}) != 1 or len({r.shape[1] for _, _, r in parts}) != 1
+                    or [p[0] for p in parts] != starts[:-1] or starts[-1] != mod.weight.shape[0]):
+                continue
+            mod.qweight = torch.cat([r for _, _, r in parts]) if len(parts) > 1 else parts[0][2]
+            mod.qtype = parts[0][1]
+            equipped += 1
+        return equipped
 
     def param_names(self) -> set[str]:
         """Every parameter name ``load_weights`` must write for the model to be complete."""

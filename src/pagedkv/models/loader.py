@@ -16,10 +16,11 @@ from pathlib import Path
 import torch
 
 from pagedkv.models.config import ModelConfig, default_model_path, load_model_config
-from pagedkv.models.gguf_loader import iter_gguf_weights, read_gguf
+from pagedkv.models.gguf_loader import iter_gguf_quantized, iter_gguf_weights, read_gguf
 from pagedkv.models.hf_loader import is_hf_dir, iter_safetensors_weights
 from pagedkv.models.registry import CausalLM, get_model_class
 from pagedkv.models.tokenizer import Tokenizer
+from pagedkv.ops import native
 
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
@@ -104,5 +105,9 @@ def get_model(
     missing = net.param_names() - net.load_weights(weights)
     if missing:
         raise ValueError(f"{path}: checkpoint did not provide {sorted(missing)[:8]} ({len(missing)} missing)")
+    if (path.suffix.lower() == ".gguf" and torch_dtype == torch.float32 and torch.device(device).type == "cpu"
+            and hasattr(net, "load_quantized") and native.available()):
+        # Small-batch steps stream the file's 4/8-bit blocks instead of float32 weights.
+        net.load_quantized(iter_gguf_quantized(gguf, native.SUPPORTED_QTYPES))
     net.eval()
     return LoadedModel(net, config, tokenizer, torch_dtype, path, time.perf_counter() - start)

@@ -7,6 +7,12 @@ masking; softmax accumulates in float32 whatever the cache dtype.
 
 How it runs (CPU-first, vectorised; no per-token Python loop):
 
+* **Native decode** (float32, no softcap, automatic splits): every decode row goes through
+  ``ops/csrc/cpu_kernels.c`` (:func:`pagedkv.ops.native.paged_decode`), which walks each row's
+  block table and reads K/V in place with an online softmax, one (row, KV head) per task.
+  Where it does not apply (other dtypes, softcap, forced splits, no compiler) the torch path
+  below runs; tests check both.
+
 * **Decode tokens** (``query_len == 1``) of the step are batched. Rows are sorted by length and
   cut into chunks whose gathered K/V fit a cache-sized budget (:data:`KV_CHUNK_BYTES`): a chunk
   pads only to its own longest row, and its K/V are still in cache when the kernel reads them.
@@ -28,6 +34,7 @@ from __future__ import annotations
 
 import torch
 
+from pagedkv.ops import native
 from pagedkv.ops.dense_attention import attend
 from pagedkv.ops.kv_gather import PagedKV
 from pagedkv.ops.merge_attn_states import merge_attn_states, merge_attn_states_multi
@@ -136,6 +143,9 @@ def _decode(query: torch.Tensor, out: torch.Tensor, paged: PagedKV, md: Attentio
     chunk's key range is read in pieces of at most :data:`KV_CHUNK_BYTES` (only a lone long
     row needs more than one), each cut into ``splits`` segments computed in one kernel call.
     """
+    if soft_cap is None and num_kv_splits in (None, 0) and _native_decode(
+            query, out, paged, md, rows, scale, sliding_window):
+        return
     bs, dev = md.block_size, query.device
     chunks = _decode_chunks(md.seq_lens_cpu, rows, paged.token_bytes, KV_CHUNK_BYTES,
                             sliding_window)
@@ -167,6 +177,24 @@ def _decode(query: torch.Tensor, out: torch.Tensor, paged: PagedKV, md: Attentio
         else:
             res[rs] = merge_attn_states_multi([o for o, _ in parts], [lse for _, lse in parts])[0]
     out[tokens] = res.squeeze(2)
+
+
+def _native_decode(query: torch.Tensor, out: torch.Tensor, paged: PagedKV, md: AttentionMetadata,
+                   rows: list[int], scale: float, sliding_window: int | None) -> bool:
+    """All decode rows through the native kernel (reads K/V in place: no gather, no padding,
+    online softmax). Returns False, having done nothing, where it does not apply (no library,
+    not float32): the torch path below then runs."""
+    if native.lib() is None or query.dtype != torch.float32 or query.device.type != "cpu":
+        return False
+    dev = query.device
+    rows_t = torch.tensor(rows, dtype=torch.int64, device=dev)
+    tokens = torch.tensor([md.query_start_loc_cpu[i] for i in rows], dtype=torch.int64, device=dev)
+    res = native.paged_decode(query[tokens], paged.key_cache, paged.value_cache, md.block_table[rows_t],
+                              md.seq_lens[rows_t], scale, sliding_window)
+    if res is None:
+        return False
+    out[tokens] = res[0].to(out.dtype)
+    return True
 
 
 def _decode_piece(q: torch.Tensor, q_pos: torch.Tensor, table: torch.Tensor, paged: PagedKV,

@@ -1,0 +1,409 @@
+/* pagedkv CPU kernels: fused GGUF dequant + GEMV, and paged decode attention (float32).
+ *
+ * Built at first use by pagedkv/ops/native.py with
+ *   cc -O3 -march=native -fopenmp -ffp-contract=off -shared -fPIC
+ * and called through ctypes (no Python or torch headers: it compiles in about a second).
+ * OpenMP resolves to the libgomp torch already loaded, so these loops share torch's threads.
+ *
+ * Exactness contract. A weight is rebuilt exactly as gguf.quants (and pagedkv's torch
+ * dequantizer) does it: Q4_0 w = d*(q-8), Q4_1 w = d*q + m (product rounded, then the sum:
+ * hence -ffp-contract=off), Q8_0 w = d*q, with d and m converted exactly from float16. So the
+ * kernel multiplies x by the very float32 weights the dense model holds; only the order of the
+ * dot product's additions differs from BLAS (as BLAS's differs between shapes).
+ *
+ * Why: at small batch a decode step streams every weight once. Q4_1 is 0.625 bytes a weight
+ * against 4 for float32, and this machine class is bound by memory bandwidth there.
+ */
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+enum { QK = 32, Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 };  /* ggml type ids */
+enum { MAX_M = 16 };                            /* rows of x per pass over the weights */
+
+static inline float fp16_to_fp32(uint16_t h) {
+    uint32_t sign = (uint32_t)(h >> 15) << 31, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
+    if (exp == 0) {
+        if (man == 0) {
+            bits = sign;
+        } else {  /* subnormal: normalise */
+            exp = 127 - 15 + 1;
+            while (!(man & 0x400)) { man <<= 1; exp--; }
+            bits = sign | (exp << 23) | ((man & 0x3ff) << 13);
+        }
+    } else if (exp == 31) {
+        bits = sign | 0x7f800000u | (man << 13);
+    } else {
+        bits = sign | ((exp + 127 - 15) << 23) | (man << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static inline uint16_t load_u16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return v; }
+
+int pkv_block_bytes(int qtype) {
+    switch (qtype) {
+        case Q4_0: return 18;
+        case Q4_1: return 20;
+        case Q8_0: return 34;
+        default: return 0;
+    }
+}
+
+/* Dequantize one 32-weight block into w[32] (scalar reference path). */
+static inline void dequant_block(int qtype, const uint8_t *b, float *w) {
+    float d = fp16_to_fp32(load_u16(b));
+    if (qtype == Q8_0) {
+        const int8_t *q = (const int8_t *)(b + 2);
+        for (int i = 0; i < QK; i++) w[i] = d * (float)q[i];
+    } else if (qtype == Q4_0) {
+        const uint8_t *q = b + 2;
+        for (int i = 0; i < 16; i++) {
+            w[i] = d * (float)((int)(q[i] & 0xF) - 8);
+            w[i + 16] = d * (float)((int)(q[i] >> 4) - 8);
+        }
+    } else {
+        float m = fp16_to_fp32(load_u16(b + 2));
+        const uint8_t *q = b + 4;
+        for (int i = 0; i < 16; i++) {
+            w[i] = d * (float)(q[i] & 0xF) + m;
+            w[i + 16] = d * (float)(q[i] >> 4) + m;
+        }
+    }
+}
+
+/* One output column n of y = x @ W^T for up to MAX_M rows of x. */
+static void gemv_row(int qtype, const float *x, int64_t m_rows, int64_t ldx, int64_t nblocks,
+                     const uint8_t *row, int bb, float *out /* [m_rows] */) {
+#if defined(__AVX512F__)
+    __m512 acc[MAX_M];
+    for (int i = 0; i < m_rows; i++) acc[i] = _mm512_setzero_ps();
+    const __m128i low = _mm_set1_epi8(0x0F);
+    for (int64_t k = 0; k < nblocks; k++) {
+        const uint8_t *b = row + k * bb;
+        __m512 d = _mm512_set1_ps(fp16_to_fp32(load_u16(b)));
+        __m512 w0, w1;
+        if (qtype == Q8_0) {
+            __m128i q0 = _mm_loadu_si128((const __m128i *)(b + 2));
+            __m128i q1 = _mm_loadu_si128((const __m128i *)(b + 18));
+            w0 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q0)));
+            w1 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q1)));
+        } else {
+            __m128i q = _mm_loadu_si128((const __m128i *)(b + (qtype == Q4_0 ? 2 : 4)));
+            __m512i lo = _mm512_cvtepu8_epi32(_mm_and_si128(q, low));
+            __m512i hi = _mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(q, 4), low));
+            if (qtype == Q4_0) {
+                const __m512i eight = _mm512_set1_epi32(8);
+                w0 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_sub_epi32(lo, eight)));
+                w1 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_sub_epi32(hi, eight)));
+            } else {
+                __m512 m = _mm512_set1_ps(fp16_to_fp32(load_u16(b + 2)));
+                w0 = _mm512_add_ps(_mm512_mul_ps(d, _mm512_cvtepi32_ps(lo)), m);
+                w1 = _mm512_add_ps(_mm512_mul_ps(d, _mm512_cvtepi32_ps(hi)), m);
+            }
+        }
+        const float *xk = x + k * QK;
+        for (int i = 0; i < m_rows; i++) {
+            acc[i] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xk + i * ldx), acc[i]);
+            acc[i] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xk + i * ldx + 16), acc[i]);
+        }
+    }
+    for (int i = 0; i < m_rows; i++) out[i] = _mm512_reduce_add_ps(acc[i]);
+#else
+    float acc[MAX_M][QK], w[QK];
+    memset(acc, 0, sizeof(acc));
+    for (int64_t k = 0; k < nblocks; k++) {
+        dequant_block(qtype, row + k * bb, w);
+        for (int i = 0; i < m_rows; i++)
+            for (int j = 0; j < QK; j++) acc[i][j] += w[j] * x[i * ldx + k * QK + j];
+    }
+    for (int i = 0; i < m_rows; i++) {
+        float s = 0.0f;
+        for (int j = 0; j < QK; j++) s += acc[i][j];
+        out[i] = s;
+    }
+#endif
+}
+
+/* y[M, N] = x[M, K] @ W^T (+ bias[N]), W given as N rows of K/32 ggml blocks of `qtype`,
+ * `row_stride` bytes apart. x and y are row-major and contiguous. Returns 0, or -1 for an
+ * unsupported type or a K that is not a multiple of 32. */
+int pkv_gemv_q(int qtype, const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N,
+               int64_t row_stride, const float *bias, float *y) {
+    int bb = pkv_block_bytes(qtype);
+    if (bb == 0 || K % QK) return -1;
+    int64_t nblocks = K / QK;
+#pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        float out[MAX_M];
+        for (int64_t m0 = 0; m0 < M; m0 += MAX_M) {
+            int64_t mr = M - m0 < MAX_M ? M - m0 : MAX_M;
+            gemv_row(qtype, x + m0 * K, mr, K, nblocks, w + n * row_stride, bb, out);
+            for (int64_t i = 0; i < mr; i++) y[(m0 + i) * N + n] = out[i] + (bias ? bias[n] : 0.0f);
+        }
+    }
+    return 0;
+}
+
+/* Dequantize rows into float32 (same values as the kernel uses): w [N rows] -> out [N, K]. */
+int pkv_dequant(int qtype, const uint8_t *w, int64_t N, int64_t K, int64_t row_stride, float *out) {
+    int bb = pkv_block_bytes(qtype);
+    if (bb == 0 || K % QK) return -1;
+#pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; n++)
+        for (int64_t k = 0; k < K / QK; k++) dequant_block(qtype, w + n * row_stride + k * bb, out + n * K + k * QK);
+    return 0;
+}
+
+/* ------------------------------------------------------------------ paged decode attention */
+
+#if defined(__AVX512F__)
+/* exp on 16 lanes: n = round(x/ln2), r = x - n*ln2 (two-part ln2), degree-6 polynomial.
+ * Max relative error ~2 ulp over the range softmax uses (x <= 0); x < -87 gives 0. */
+static inline __m512 exp16(__m512 x) {
+    const __m512 lo = _mm512_set1_ps(-87.0f);
+    __mmask16 tiny = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
+    x = _mm512_max_ps(x, lo);
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    __m512 e = _mm512_scalef_ps(p, n);
+    return _mm512_mask_mov_ps(e, tiny, _mm512_setzero_ps());
+}
+
+static inline float dot(const float *a, const float *b, int64_t n) {
+    __m512 s = _mm512_setzero_ps();
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) s = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), s);
+    if (i < n) {
+        __mmask16 k = (__mmask16)((1u << (n - i)) - 1);
+        s = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(k, a + i), _mm512_maskz_loadu_ps(k, b + i), s);
+    }
+    return _mm512_reduce_add_ps(s);
+}
+
+static inline void axpy(float *y, float a, const float *x, int64_t n) {  /* y += a*x */
+    __m512 va = _mm512_set1_ps(a);
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16)
+        _mm512_storeu_ps(y + i, _mm512_fmadd_ps(va, _mm512_loadu_ps(x + i), _mm512_loadu_ps(y + i)));
+    if (i < n) {
+        __mmask16 k = (__mmask16)((1u << (n - i)) - 1);
+        _mm512_mask_storeu_ps(y + i, k, _mm512_fmadd_ps(va, _mm512_maskz_loadu_ps(k, x + i),
+                                                        _mm512_maskz_loadu_ps(k, y + i)));
+    }
+}
+
+static inline void exp_inplace(float *s, int64_t n) {
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) _mm512_storeu_ps(s + i, exp16(_mm512_loadu_ps(s + i)));
+    if (i < n) {
+        __mmask16 k = (__mmask16)((1u << (n - i)) - 1);
+        _mm512_mask_storeu_ps(s + i, k, exp16(_mm512_maskz_loadu_ps(k, s + i)));
+    }
+}
+#else
+static inline float dot(const float *a, const float *b, int64_t n) {
+    float s = 0.0f;
+    for (int64_t i = 0; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+static inline void axpy(float *y, float a, const float *x, int64_t n) {
+    for (int64_t i = 0; i < n; i++) y[i] += a * x[i];
+}
+static inline void exp_inplace(float *s, int64_t n) {
+    for (int64_t i = 0; i < n; i++) s[i] = expf(s[i]);
+}
+#endif
+
+enum { TILE = 64, MAX_ACC = 16384 };  /* keys per tile; floats of per-item accumulators */
+
+typedef struct {
+    const float *q, *k, *v;
+    int64_t q_stride, Hq, Hkv, G, D, Dv, kb, kt, kh, vb, vt, vh, block_size, bt_stride, window;
+    const int32_t *block_table, *seq_lens;
+    float scale, *out, *lse;
+    int64_t out_stride;
+} decode_args;
+
+#if defined(__AVX512F__)
+/* acc[0:n) += sum_j p[j] * x_j[0:n) over a tile, accumulating in registers 16 lanes at a time. */
+static inline void accumulate_tile(float *acc, const float *p, const float *const *xs, int64_t off,
+                                   int64_t ntok, int64_t n) {
+    int64_t c = 0;
+    for (; c + 32 <= n; c += 32) {
+        __m512 a0 = _mm512_loadu_ps(acc + c), a1 = _mm512_loadu_ps(acc + c + 16);
+        for (int64_t j = 0; j < ntok; j++) {
+            __m512 pj = _mm512_set1_ps(p[j]);
+            a0 = _mm512_fmadd_ps(pj, _mm512_loadu_ps(xs[j] + off + c), a0);
+            a1 = _mm512_fmadd_ps(pj, _mm512_loadu_ps(xs[j] + off + c + 16), a1);
+        }
+        _mm512_storeu_ps(acc + c, a0);
+        _mm512_storeu_ps(acc + c + 16, a1);
+    }
+    for (; c < n; c += 16) {
+        __mmask16 m = n - c >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - c)) - 1);
+        __m512 a = _mm512_maskz_loadu_ps(m, acc + c);
+        for (int64_t j = 0; j < ntok; j++)
+            a = _mm512_fmadd_ps(_mm512_set1_ps(p[j]), _mm512_maskz_loadu_ps(m, xs[j] + off + c), a);
+        _mm512_mask_storeu_ps(acc + c, m, a);
+    }
+}
+/* r[j] = sum of the 16 lanes of v[j] (a transposing reduction tree: 45 shuffles/adds for 16
+ * sums, against ~8 instructions per sum for _mm512_reduce_add_ps one by one). */
+static inline __m512 hsum16(const __m512 *v) {
+    __m512 w[8], x[4];
+    for (int i = 0; i < 8; i++)
+        w[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; i++) {
+        __m512d a = _mm512_castps_pd(w[2 * i]), b = _mm512_castps_pd(w[2 * i + 1]);
+        x[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+    }
+    __m512 z0 = _mm512_add_ps(_mm512_shuffle_f32x4(x[0], x[1], 0x88), _mm512_shuffle_f32x4(x[0], x[1], 0xDD));
+    __m512 z1 = _mm512_add_ps(_mm512_shuffle_f32x4(x[2], x[3], 0x88), _mm512_shuffle_f32x4(x[2], x[3], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(z0, z1, 0x88), _mm512_shuffle_f32x4(z0, z1, 0xDD));
+}
+
+/* out[0:16) = q . k_j for the 16 keys at ks[j] + off (D floats each). */
+static inline void scores16(const float *q, const float *const *ks, int64_t off, int64_t D, float *out) {
+    __m512 t[16];
+    for (int j = 0; j < 16; j++) t[j] = _mm512_setzero_ps();
+    int64_t d = 0;
+    for (; d + 16 <= D; d += 16) {
+        __m512 qd = _mm512_loadu_ps(q + d);
+        for (int j = 0; j < 16; j++) t[j] = _mm512_fmadd_ps(qd, _mm512_loadu_ps(ks[j] + off + d), t[j]);
+    }
+    if (d < D) {
+        __mmask16 m = (__mmask16)((1u << (D - d)) - 1);
+        __m512 qd = _mm512_maskz_loadu_ps(m, q + d);
+        for (int j = 0; j < 16; j++) t[j] = _mm512_fmadd_ps(qd, _mm512_maskz_loadu_ps(m, ks[j] + off + d), t[j]);
+    }
+    _mm512_storeu_ps(out, hsum16(t));
+}
+#else
+static inline void scores16(const float *q, const float *const *ks, int64_t off, int64_t D, float *out) {
+    for (int j = 0; j < 16; j++) out[j] = dot(q, ks[j] + off, D);
+}
+
+static inline void accumulate_tile(float *acc, const float *p, const float *const *xs, int64_t off,
+                                   int64_t ntok, int64_t n) {
+    for (int64_t j = 0; j < ntok; j++) axpy(acc, p[j], xs[j] + off, n);
+}
+#endif
+
+/* KV heads [h0, h1) of row r: every tile of keys is read once for all of them (a token's heads
+ * share cache lines in the usual layouts), then one online-softmax update per query head. */
+static void decode_item(const decode_args *a, int64_t r, int64_t h0, int64_t h1) {
+    float acc[MAX_ACC], s[256][TILE], mx[256], sum[256];
+    const float *kp[TILE], *vp[TILE];
+    int64_t nq = (h1 - h0) * a->G, Dv = a->Dv, D = a->D, bs = a->block_size;
+    int64_t len = a->seq_lens[r], first = (a->window > 0 && len > a->window) ? len - a->window : 0;
+    const int32_t *table = a->block_table + r * a->bt_stride;
+    const float *qr = a->q + r * a->q_stride + h0 * a->G * D;
+    for (int64_t i = 0; i < nq; i++) {
+        mx[i] = -INFINITY;
+        sum[i] = 0.0f;
+    }
+    memset(acc, 0, nq * Dv * sizeof(float));
+    for (int64_t t0 = first; t0 < len; t0 += TILE) {
+        int64_t n = len - t0 < TILE ? len - t0 : TILE;
+        for (int64_t j = 0, bi = t0 / bs, tok = t0 % bs; j < n; j++) {
+            const int64_t blk = table[bi];
+            kp[j] = a->k + blk * a->kb + tok * a->kt;
+            vp[j] = a->v + blk * a->vb + tok * a->vt;
+            if (++tok == bs) { tok = 0; bi++; }
+        }
+        for (int64_t j = n; j < TILE; j++) kp[j] = kp[0];  /* padding keys: computed, never used */
+        /* Prefetch the next tile's K/V while this one computes: a tile's rows sit in blocks
+         * scattered over the cache, which the hardware prefetcher cannot anticipate. */
+        int64_t n2 = len - (t0 + TILE) < TILE ? len - (t0 + TILE) : TILE;
+        for (int64_t j = 0; j < n2; j++) {
+            int64_t pos = t0 + TILE + j, blk = table[pos / bs], tok = pos % bs;
+            const char *kn = (const char *)(a->k + blk * a->kb + tok * a->kt);
+            const char *vn = (const char *)(a->v + blk * a->vb + tok * a->vt);
+            for (int64_t hk = h0; hk < h1; hk++) {
+                for (int64_t b = 0; b < D * 4; b += 64) __builtin_prefetch(kn + hk * a->kh * 4 + b);
+                for (int64_t b = 0; b < Dv * 4; b += 64) __builtin_prefetch(vn + hk * a->vh * 4 + b);
+            }
+        }
+        for (int64_t hk = h0; hk < h1; hk++)
+            for (int64_t g = 0; g < a->G; g++) {
+                int64_t i = (hk - h0) * a->G + g;
+                for (int64_t j = 0; j < n; j += 16) scores16(qr + i * D, kp + j, hk * a->kh, D, s[i] + j);
+                for (int64_t j = 0; j < n; j++) s[i][j] *= a->scale;
+            }
+        for (int64_t i = 0; i < nq; i++) {
+            float m_new = mx[i];
+            for (int64_t j = 0; j < n; j++) m_new = s[i][j] > m_new ? s[i][j] : m_new;
+            float corr = expf(mx[i] - m_new);  /* 0 on the first tile (mx = -inf) */
+            for (int64_t j = 0; j < n; j++) s[i][j] -= m_new;
+            exp_inplace(s[i], n);
+            float ps = 0.0f;
+            for (int64_t j = 0; j < n; j++) ps += s[i][j];
+            sum[i] = sum[i] * corr + ps;
+            mx[i] = m_new;
+            if (corr != 1.0f)
+                for (int64_t c = 0; c < Dv; c++) acc[i * Dv + c] *= corr;
+        }
+        for (int64_t hk = h0; hk < h1; hk++)
+            for (int64_t g = 0; g < a->G; g++) {
+                int64_t i = (hk - h0) * a->G + g;
+                accumulate_tile(acc + i * Dv, s[i], vp, hk * a->vh, n, Dv);
+            }
+    }
+    for (int64_t i = 0; i < nq; i++) {
+        int64_t h = h0 * a->G + i;
+        float *o = a->out + r * a->out_stride + h * Dv, inv = 1.0f / sum[i];
+        for (int64_t c = 0; c < Dv; c++) o[c] = acc[i * Dv + c] * inv;
+        if (a->lse) a->lse[r * a->Hq + h] = mx[i] + logf(sum[i]);
+    }
+}
+
+/* Decode attention straight from the paged cache (no gather copy), online softmax per query
+ * head. Row r has one query q[r] ([Hq, D] at q + r*q_stride) at position seq_lens[r]-1 and
+ * reads its keys through block_table[r] (bt_stride int32s apart): keys max(0, len - window) ..
+ * len-1 (window <= 0: all). K element (block, token, head, i) is at
+ * k + block*kb + token*kt + head*kh + i (same for V with vb/vt/vh). Query head h uses KV head
+ * h / (Hq/Hkv). Writes out[r] ([Hq, Dv] at out + r*out_stride) and, if lse is not NULL,
+ * lse[r*Hq + h] (natural log-sum-exp of the scaled logits).
+ *
+ * Work split: with enough rows, one task per row covering all its KV heads (each K/V cache line
+ * is fetched once); with few rows (batch-1 decode), one task per (row, KV head) so every thread
+ * has work. Returns -1 (nothing written) when even one KV head's query group does not fit the
+ * accumulators (G*Dv > MAX_ACC or G > 256), else 0. */
+int pkv_paged_decode(const float *q, int64_t q_stride, int64_t num_rows, int64_t Hq, int64_t Hkv,
+                     int64_t D, int64_t Dv, const float *k, int64_t kb, int64_t kt, int64_t kh,
+                     const float *v, int64_t vb, int64_t vt, int64_t vh, int64_t block_size,
+                     const int32_t *block_table, int64_t bt_stride, const int32_t *seq_lens,
+                     int64_t window, float scale, float *out, int64_t out_stride, float *lse) {
+    if (Hkv <= 0 || Hq % Hkv) return -1;
+    int64_t G = Hq / Hkv;
+    if (G * Dv > MAX_ACC || G > 256) return -1;
+    decode_args a = {q, k, v, q_stride, Hq, Hkv, G, D, Dv, kb, kt, kh, vb, vt, vh, block_size,
+                     bt_stride, window, block_table, seq_lens, scale, out, lse, out_stride};
+    int threads = omp_get_max_threads();
+    if (num_rows >= 2 * threads && Hq * Dv <= MAX_ACC && Hq <= 256) {
+#pragma omp parallel for schedule(dynamic, 1)
+        for (int64_t r = 0; r < num_rows; r++) decode_item(&a, r, 0, Hkv);
+    } else {
+#pragma omp parallel for collapse(2) schedule(dynamic, 1)
+        for (int64_t r = 0; r < num_rows; r++)
+            for (int64_t hk = 0; hk < Hkv; hk++) decode_item(&a, r, hk, hk + 1);
+    }
+    return 0;
+}

@@ -1,0 +1,175 @@
+"""The native CPU kernels (``ops/csrc/cpu_kernels.c``): built at first use, called via ctypes.
+
+The C file has no Python or torch headers, so ``cc -O3 -march=native -fopenmp`` builds it in
+about a second. The library lands in ``$PAGEDKV_CACHE_DIR/native`` (default
+``~/.cache/pagedkv/native``) under a name hashing the source, the flags and this CPU's flags,
+so an edit or another machine gets a fresh build and concurrent builders never see a partial
+file (write to a temp name, then ``os.replace``).
+
+No compiler, a failed build, or ``PAGEDKV_NATIVE=0`` → :func:`lib` returns ``None`` (one
+warning) and callers keep their pure-torch path: the kernels make things faster, never
+different in kind. ``PAGEDKV_NATIVE=1`` makes a failed build an error (CI uses it so a broken
+kernel cannot hide behind the fallback).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.c"
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC", "-std=c11"]
+# ggml tensor type ids the GEMV kernel reads (gguf.GGMLQuantizationType values).
+GGML_Q4_0, GGML_Q4_1, GGML_Q8_0 = 2, 3, 8
+SUPPORTED_QTYPES = frozenset({GGML_Q4_0, GGML_Q4_1, GGML_Q8_0})
+
+_i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("PAGEDKV_CACHE_DIR", Path.home() / ".cache" / "pagedkv")) / "native"
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return ""
+
+
+def _build(cc: str) -> Path:
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join([cc, *FLAGS]).encode() + _cpu_flags().encode())
+    out = cache_dir() / f"cpu_kernels-{key.hexdigest()[:16]}.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    try:
+        subprocess.run([cc, *FLAGS, str(SOURCE), "-o", tmp, "-lm"], check=True, capture_output=True, text=True,
+                       timeout=120)
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return out
+
+
+def _bind(so: ctypes.CDLL) -> ctypes.CDLL:
+    so.pkv_gemv_q.argtypes = [ctypes.c_int, _ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr]
+    so.pkv_gemv_q.restype = ctypes.c_int
+    so.pkv_dequant.argtypes = [ctypes.c_int, _ptr, _i64, _i64, _i64, _ptr]
+    so.pkv_dequant.restype = ctypes.c_int
+    so.pkv_block_bytes.argtypes = [ctypes.c_int]
+    so.pkv_block_bytes.restype = ctypes.c_int
+    so.pkv_paged_decode.argtypes = [_ptr, _i64, _i64, _i64, _i64, _i64, _i64,
+                                    _ptr, _i64, _i64, _i64, _ptr, _i64, _i64, _i64, _i64,
+                                    _ptr, _i64, _ptr, _i64, _f32, _ptr, _i64, _ptr]
+    so.pkv_paged_decode.restype = ctypes.c_int
+    return so
+
+
+@functools.cache
+def lib() -> ctypes.CDLL | None:
+    """The loaded kernel library, or ``None`` when native kernels are off or cannot be built."""
+    mode = os.environ.get("PAGEDKV_NATIVE", "auto").lower()
+    if mode in ("0", "off", "false", "no"):
+        return None
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    try:
+        if cc is None:
+            raise FileNotFoundError("no C compiler (cc/gcc) on PATH")
+        return _bind(ctypes.CDLL(str(_build(cc))))
+    except (OSError, subprocess.SubprocessError, AttributeError) as e:
+        detail = getattr(e, "stderr", "") or e
+        if mode in ("1", "on", "true", "yes"):
+            raise RuntimeError(f"PAGEDKV_NATIVE=1 but the native kernels failed to build: {detail}") from e
+        log.warning("native CPU kernels unavailable (%s); using the torch path", detail)
+        return None
+
+
+def available() -> bool:
+    return lib() is not None
+
+
+def _addr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def gemv_q(x: torch.Tensor, qweight: torch.Tensor, qtype: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x [M, K] @ W.T (+ bias)`` with ``W [N, K]`` held as ggml blocks ``qweight [N, K/32 * bytes]``
+    (uint8, contiguous rows). float32 in and out; the weights are exactly the values the GGUF
+    dequantizer gives (see the C file). Raises ``ValueError`` on a bad shape or type."""
+    so = lib()
+    if so is None:
+        raise RuntimeError("native kernels are not available")
+    if x.dtype != torch.float32 or x.dim() != 2 or x.device.type != "cpu":
+        raise ValueError("gemv_q takes a 2-D float32 CPU tensor")
+    x = x.contiguous()
+    m, k = x.shape
+    n = qweight.shape[0]
+    if qweight.shape[1] != k // 32 * so.pkv_block_bytes(qtype) or not qweight.is_contiguous():
+        raise ValueError(f"qweight {tuple(qweight.shape)} does not hold {n} rows of {k} type-{qtype} weights")
+    y = torch.empty(m, n, dtype=torch.float32)
+    if so.pkv_gemv_q(qtype, x.data_ptr(), m, k, qweight.data_ptr(), n, qweight.shape[1], _addr(bias),
+                     y.data_ptr()):
+        raise ValueError(f"unsupported ggml type {qtype} or K={k} not a multiple of 32")
+    return y
+
+
+def dequant(qweight: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
+    """float32 ``[N, k]`` from ggml rows, computed by the kernel's own dequantizer."""
+    so = lib()
+    if so is None:
+        raise RuntimeError("native kernels are not available")
+    out = torch.empty(qweight.shape[0], k, dtype=torch.float32)
+    if so.pkv_dequant(qtype, qweight.data_ptr(), qweight.shape[0], k, qweight.shape[1], out.data_ptr()):
+        raise ValueError(f"unsupported ggml type {qtype} or K={k} not a multiple of 32")
+    return out
+
+
+def paged_decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_table: torch.Tensor,
+                 seq_lens: torch.Tensor, scale: float, sliding_window: int | None = None,
+                 return_lse: bool = False) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """Decode attention read straight from the paged cache (float32 only).
+
+    ``q [R, Hq, D]`` (one query per row, at position ``seq_lens[r] - 1``), ``key_cache
+    [NB, BS, Hkv, D]`` / ``value_cache [NB, BS, Hkv, Dv]`` with unit stride on the last dim,
+    ``block_table [R, max_blocks]`` int32, ``seq_lens [R]`` int32 (>= 1). Returns ``(out
+    [R, Hq, Dv], lse [R, Hq] or None)``, or ``None`` when the kernel does not cover the case
+    (no library, a dtype other than float32, group or head size past its limits): the caller
+    then uses its torch path.
+    """
+    so = lib()
+    if (so is None or q.dtype != torch.float32 or key_cache.dtype != torch.float32
+            or value_cache.dtype != torch.float32 or key_cache.stride(-1) != 1 or value_cache.stride(-1) != 1
+            or q.device.type != "cpu"):
+        return None
+    q = q.contiguous()
+    rows, hq, d = q.shape
+    hkv, dv = key_cache.shape[2], value_cache.shape[3]
+    table = block_table.to(torch.int32).contiguous()
+    lens = seq_lens.to(torch.int32).contiguous()
+    out = torch.empty(rows, hq, dv, dtype=torch.float32)
+    lse = torch.empty(rows, hq, dtype=torch.float32) if return_lse else None
+    ks, vs = key_cache.stride(), value_cache.stride()
+    rc = so.pkv_paged_decode(q.data_ptr(), hq * d, rows, hq, hkv, d, dv,
+                             key_cache.data_ptr(), ks[0], ks[1], ks[2],
+                             value_cache.data_ptr(), vs[0], vs[1], vs[2], key_cache.shape[1],
+                             table.data_ptr(), table.stride(0), lens.data_ptr(),
+                             sliding_window or 0, scale, out.data_ptr(), hq * dv, _addr(lse))
+    return None if rc else (out, lse)

@@ -1,0 +1,151 @@
+"""The native CPU kernels (ops/csrc/cpu_kernels.c): quantized GEMV and paged decode attention.
+
+The dequantizer must give bit-identical weights to gguf.quants (so the GEMV multiplies by the
+very float32 weights the dense model holds); the GEMV and the decode kernel are checked
+against float64 references; the model must choose them only where they apply.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf.quants import dequantize as np_dequantize
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from ref_attention import make_paged_batch
+
+from pagedkv.ops import native
+from pagedkv.ops.attention import paged_attention
+
+pytestmark = pytest.mark.skipif(not native.available(), reason="no C compiler: native kernels unavailable")
+
+QTYPES = [GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0]
+
+
+def random_rows(qtype: GGMLQuantizationType, n: int, k: int, seed: int) -> torch.Tensor:
+    """``n`` rows of ``k`` weights as random ggml blocks: random quants, random finite float16
+    scales (including subnormal and negative ones)."""
+    rng = np.random.default_rng(seed)
+    _, type_size = GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, size=(n * k // 32, type_size), dtype=np.uint8)
+    num_scales = 2 if qtype == GGMLQuantizationType.Q4_1 else 1
+    scales = (rng.standard_normal((raw.shape[0], num_scales)) * 0.05).astype(np.float16)
+    scales[::7, 0] = np.float16(3e-6)  # subnormal float16
+    raw[:, : 2 * num_scales] = scales.view(np.uint8)
+    return torch.from_numpy(raw.reshape(n, -1).copy())
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_dequant_is_bit_identical_to_gguf(qtype: GGMLQuantizationType) -> None:
+    rows = random_rows(qtype, 24, 96, seed=int(qtype))
+    ref = torch.from_numpy(np_dequantize(rows.numpy(), qtype))
+    assert torch.equal(native.dequant(rows, int(qtype), 96), ref)
+
+
+@settings(max_examples=30, deadline=None)
+@given(qtype=st.sampled_from(QTYPES), m=st.integers(1, 19), n=st.integers(1, 70),
+       kb=st.integers(1, 9), bias=st.booleans(), seed=st.integers(0, 2**31))
+def test_gemv_matches_float64_reference(qtype: GGMLQuantizationType, m: int, n: int, kb: int,
+                                        bias: bool, seed: int) -> None:
+    k = 32 * kb
+    rows = random_rows(qtype, n, k, seed)
+    w = torch.from_numpy(np_dequantize(rows.numpy(), qtype)).double()
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=gen)
+    b = torch.randn(n, generator=gen) if bias else None
+    y = native.gemv_q(x, rows, int(qtype), b)
+    ref = x.double() @ w.T + (b.double() if bias else 0)
+    assert y.shape == (m, n) and y.dtype == torch.float32
+    torch.testing.assert_close(y.double(), ref, atol=1e-5 * k ** 0.5, rtol=1e-5)
+
+
+def test_gemv_rejects_bad_shapes_and_types() -> None:
+    rows = random_rows(GGMLQuantizationType.Q8_0, 4, 64, seed=1)
+    with pytest.raises(ValueError, match="does not hold"):
+        native.gemv_q(torch.randn(2, 96), rows, int(GGMLQuantizationType.Q8_0))
+    with pytest.raises(ValueError, match="float32"):
+        native.gemv_q(torch.randn(2, 64, dtype=torch.float64), rows, int(GGMLQuantizationType.Q8_0))
+    with pytest.raises(ValueError):
+        native.gemv_q(torch.randn(2, 64), rows, 12)  # Q4_K: not a kernel type
+
+
+@settings(max_examples=60, deadline=None)
+@given(lens=st.lists(st.integers(1, 300), min_size=1, max_size=6), bs=st.sampled_from([1, 16, 32]),
+       hkv=st.sampled_from([1, 2, 3]), group=st.sampled_from([1, 3, 4]), d=st.sampled_from([8, 64, 70]),
+       dv=st.sampled_from([None, 16]), layout=st.sampled_from([None, "LBNHC", "LBHNC", "BLNHC"]),
+       window=st.one_of(st.none(), st.integers(1, 100)), seed=st.integers(0, 2**31))
+def test_paged_decode_matches_dense_reference(lens: list[int], bs: int, hkv: int, group: int, d: int,
+                                              dv: int | None, layout: str | None, window: int | None,
+                                              seed: int) -> None:
+    batch = make_paged_batch(lens, [1] * len(lens), block_size=bs, num_kv_heads=hkv, group=group,
+                             head_size=d, dtype=torch.float32, layout=layout, shared_prefix=seed % 2 == 0,
+                             seed=seed, head_size_v=dv)
+    scale = d**-0.5
+    md = batch.md
+    out, lse = native.paged_decode(batch.query, batch.key_cache, batch.value_cache, md.block_table,
+                                   md.seq_lens, scale, window, return_lse=True)
+    torch.testing.assert_close(out.double(), batch.reference(scale, window), atol=1e-5, rtol=1e-5)
+    # lse of row r, head h: logsumexp of its visible scaled logits.
+    for r, n in enumerate(lens):
+        lo = 0 if window is None else max(0, n - window)
+        k = batch.keys[r][lo:n].double().repeat_interleave(group, dim=1)  # [L, Hq, D]
+        s = torch.einsum("hd,lhd->hl", batch.query[r].double(), k) * scale
+        torch.testing.assert_close(lse[r].double(), torch.logsumexp(s, dim=-1), atol=1e-5, rtol=1e-5)
+
+
+def test_paged_decode_declines_what_it_does_not_cover() -> None:
+    batch = make_paged_batch([20], [1], block_size=16, num_kv_heads=1, group=2, head_size=8,
+                             dtype=torch.bfloat16, layout="LBNHC", shared_prefix=False, seed=0)
+    md = batch.md
+    assert native.paged_decode(batch.query, batch.key_cache, batch.value_cache, md.block_table,
+                               md.seq_lens, 1.0) is None  # bf16: the torch path's job
+    big = make_paged_batch([20], [1], block_size=16, num_kv_heads=1, group=2, head_size=8,
+                           dtype=torch.float32, layout="LBNHC", shared_prefix=False, seed=0,
+                           head_size_v=8200)
+    assert native.paged_decode(big.query, big.key_cache, big.value_cache, big.md.block_table,
+                               big.md.seq_lens, 1.0) is None  # group x Dv > the accumulators
+    # ...and paged_attention still answers through the torch path.
+    out = paged_attention(big.query, big.key_cache, big.value_cache, big.md, 0.3)
+    torch.testing.assert_close(out.double(), big.reference(0.3), atol=1e-5, rtol=1e-5)
+
+
+def test_paged_attention_native_and_torch_paths_agree(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A mixed step (decodes + prefill chunks): the decode rows take the native kernel unless it
+    is off; both give the reference."""
+    batch = make_paged_batch([130, 7, 64, 300, 33], [1, 7, 1, 20, 1], block_size=16, num_kv_heads=3,
+                             group=3, head_size=64, dtype=torch.float32, layout="LBNHC",
+                             shared_prefix=True, seed=4)
+    args = (batch.query, batch.key_cache, batch.value_cache, batch.md, 0.125)
+    calls = []
+    real = native.paged_decode
+    monkeypatch.setattr(native, "paged_decode", lambda *a, **k: calls.append(1) or real(*a, **k))
+    with_native = paged_attention(*args, sliding_window=50)
+    assert calls, "decode rows did not take the native kernel"
+    monkeypatch.setattr(native, "lib", lambda: None)
+    with_torch = paged_attention(*args, sliding_window=50)
+    ref = batch.reference(0.125, 50)
+    torch.testing.assert_close(with_native.double(), ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(with_torch.double(), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_default_model_gets_quantized_rows_and_uses_them_for_small_batches(pagedkv_model) -> None:
+    """SmolLM2's GGUF is Q4_1 (+ a Q8_0 embedding): every projection and the tied LM head carry
+    ggml rows; a 1-row projection equals BLAS on the float32 weight up to summation order, and
+    a large batch takes BLAS (bit-equal to F.linear)."""
+    from pagedkv.models.layers import NATIVE_GEMV_MAX_ROWS, Linear
+
+    net = pagedkv_model.model
+    linears = [m for m in net.modules() if isinstance(m, Linear)]
+    assert linears and all(m.qweight is not None for m in linears)
+    assert net.lm_head.qweight is not None and net.lm_head.qtype == int(GGMLQuantizationType.Q8_0)
+    layer = net.model.layers[0].self_attn.qkv_proj
+    x = torch.randn(1, layer.weight.shape[1])
+    dense = torch.nn.functional.linear(x, layer.weight)
+    with torch.inference_mode():
+        torch.testing.assert_close(layer(x), dense, atol=1e-5, rtol=1e-5)
+        big = torch.randn(NATIVE_GEMV_MAX_ROWS + 1, layer.weight.shape[1])
+        assert torch.equal(layer(big), torch.nn.functional.linear(big, layer.weight))
+    # The rows dequantize exactly to the fused, q/k-unpermuted float32 weight.
+    assert torch.equal(native.dequant(layer.qweight, layer.qtype, layer.weight.shape[1]), layer.weight)

@@ -1,0 +1,54 @@
+"""Building and switching off the native kernels: a missing compiler or PAGEDKV_NATIVE=0 falls
+back to the torch path (with a warning); PAGEDKV_NATIVE=1 makes a failed build an error."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from pagedkv.ops import native
+
+
+@pytest.fixture
+def fresh(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[None]:
+    """An empty build cache and an uncached ``lib()``; restored afterwards."""
+    monkeypatch.setenv("PAGEDKV_CACHE_DIR", str(tmp_path))
+    native.lib.cache_clear()
+    yield
+    native.lib.cache_clear()
+
+
+def test_off_switch_gives_the_torch_path(fresh: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PAGEDKV_NATIVE", "0")
+    assert native.lib() is None and not native.available()
+
+
+def test_missing_compiler_warns_and_falls_back(fresh: None, monkeypatch: pytest.MonkeyPatch,
+                                               caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setenv("PAGEDKV_NATIVE", "auto")
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    with caplog.at_level(logging.WARNING, logger="pagedkv.ops.native"):
+        assert native.lib() is None
+    assert "native CPU kernels unavailable" in caplog.text
+
+
+def test_required_build_that_fails_is_an_error(fresh: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PAGEDKV_NATIVE", "1")
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    with pytest.raises(RuntimeError, match="PAGEDKV_NATIVE=1"):
+        native.lib()
+
+
+@pytest.mark.skipif(native.lib() is None, reason="no C compiler")
+def test_build_lands_in_the_cache_dir_once(fresh: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("CC", raising=False)
+    assert native.lib() is not None
+    built = list((tmp_path / "native").glob("cpu_kernels-*.so"))
+    assert len(built) == 1 and not list((tmp_path / "native").glob("tmp*"))
+    mtime = built[0].stat().st_mtime_ns
+    native.lib.cache_clear()
+    assert native.lib() is not None  # reuses the cached library, no rebuild
+    assert built[0].stat().st_mtime_ns == mtime
