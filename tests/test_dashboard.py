@@ -15,10 +15,10 @@ from pathlib import Path
 
 import httpx
 import pytest
+from server_utils import client as http_client
+from server_utils import running_server
 
 from pagedkv.engine.config import EngineConfig
-from pagedkv.entrypoints.openai_server import create_app
-from pagedkv.entrypoints.serve import BackgroundServer
 
 ARTIFACTS = Path(__file__).resolve().parent / "artifacts"
 NUM_BLOCKS = 160
@@ -29,15 +29,14 @@ SHARED_PREFIX = ("System: you are a storyteller who writes vivid, concise fables
 @pytest.fixture(scope="module")
 def server():
     # A real CPU offload tier, so the tier panel has something to show.
-    app = create_app(EngineConfig(num_kv_blocks=NUM_BLOCKS, max_num_seqs=16, max_model_len=512,
-                                  kv_offload="cpu:16MiB"))
-    with BackgroundServer(app) as srv:
+    with running_server(EngineConfig(num_kv_blocks=NUM_BLOCKS, max_num_seqs=16, max_model_len=512,
+                                     kv_offload="cpu:16MiB")) as srv:
         yield srv
 
 
 @pytest.fixture(scope="module")
 def http(server):
-    with httpx.Client(base_url=server.url, timeout=60) as c:
+    with http_client(server) as c:
         yield c
 
 

@@ -12,10 +12,12 @@ from types import SimpleNamespace
 
 import httpx
 import pytest
+from server_utils import client as http_client
+from server_utils import running_server
 
 from pagedkv.engine.async_llm import AsyncLLM
 from pagedkv.engine.config import EngineConfig
-from pagedkv.entrypoints.openai_server import build_app, create_app
+from pagedkv.entrypoints.openai_server import build_app
 from pagedkv.entrypoints.serve import BackgroundServer
 
 MAX_MODEL_LEN = 256
@@ -25,15 +27,14 @@ MAX_QUEUE = 1
 
 @pytest.fixture(scope="module")
 def server():
-    app = create_app(EngineConfig(num_kv_blocks=128, max_num_seqs=MAX_NUM_SEQS, max_model_len=MAX_MODEL_LEN),
-                     max_queue_size=MAX_QUEUE)
-    with BackgroundServer(app) as srv:
+    with running_server(EngineConfig(num_kv_blocks=128, max_num_seqs=MAX_NUM_SEQS, max_model_len=MAX_MODEL_LEN),
+                        max_queue_size=MAX_QUEUE) as srv:
         yield srv
 
 
 @pytest.fixture(scope="module")
 def http(server):
-    with httpx.Client(base_url=server.url, timeout=60) as c:
+    with http_client(server) as c:
         yield c
 
 

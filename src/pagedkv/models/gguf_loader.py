@@ -10,7 +10,7 @@ yields ``(hf_name, tensor)`` pairs that a model's ``load_weights`` consumes.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import torch
@@ -35,7 +35,7 @@ def dequantize(t: GGUFTensor) -> torch.Tensor:
     if kernel is None:
         rows = t.raw.reshape(-1, t.raw.size // int(np.prod(t.shape[:-1])))
         return torch.from_numpy(np_dequantize(rows, t.qtype)).view(t.shape)
-    block, type_size = GGML_QUANT_SIZES[t.qtype]
+    _, type_size = GGML_QUANT_SIZES[t.qtype]
     return kernel(raw.view(-1, type_size)).view(t.shape)
 
 
@@ -100,12 +100,9 @@ def hf_name(gguf_name: str) -> str | None:
     return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
 
 
-def iter_gguf_weights(gguf: GGUFFile) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(hf_name, tensor)`` for every loadable tensor, dequantized, q/k un-permuted.
-
-    Tensors are float32 (or the file's own float dtype); the consumer converts while copying into
-    its parameters, so each weight is materialized once at the model's dtype.
-    """
+def _loadable(gguf: GGUFFile) -> Iterator[tuple[str, GGUFTensor, Callable[[torch.Tensor], torch.Tensor]]]:
+    """``(hf_name, tensor, fix_rows)`` for every tensor a model loads; ``fix_rows`` undoes
+    llama.cpp's q/k row permutation on anything with the tensor's rows (identity elsewhere)."""
     meta, arch = gguf.metadata, gguf.architecture
     permuted = arch in _PERMUTED_QK_ARCHS
     n_head = int(meta.get(f"{arch}.attention.head_count", 0))
@@ -114,31 +111,26 @@ def iter_gguf_weights(gguf: GGUFFile) -> Iterator[tuple[str, torch.Tensor]]:
         target = hf_name(name)
         if target is None:
             continue
-        w = dequantize(t)
-        if permuted and ".q_proj." in target:
-            w = unpermute_qk(w, n_head)
-        elif permuted and ".k_proj." in target:
-            w = unpermute_qk(w, n_kv)
-        yield target, w
+        heads = (n_head if ".q_proj." in target else n_kv if ".k_proj." in target else 0) if permuted else 0
+        yield target, t, (lambda w, h=heads: unpermute_qk(w, h)) if heads else (lambda w: w)
+
+
+def iter_gguf_weights(gguf: GGUFFile) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(hf_name, tensor)`` for every loadable tensor, dequantized, q/k un-permuted.
+
+    Tensors are float32 (or the file's own float dtype); the consumer converts while copying into
+    its parameters, so each weight is materialized once at the model's dtype.
+    """
+    for target, t, fix_rows in _loadable(gguf):
+        yield target, fix_rows(dequantize(t))
 
 
 def iter_gguf_quantized(gguf: GGUFFile, qtypes: frozenset[int]) -> Iterator[tuple[str, int, torch.Tensor]]:
     """Yield ``(hf_name, qtype, rows)`` for every 2-D loadable tensor stored in one of ``qtypes``:
-    ``rows`` is a uint8 view ``[out_features, bytes_per_row]`` of the file's ggml blocks, with
+    ``rows`` is a uint8 ``[out_features, bytes_per_row]`` copy of the file's ggml blocks, with
     q/k rows un-permuted exactly like :func:`iter_gguf_weights` (the permutation moves whole
     rows), so row ``i`` dequantizes to row ``i`` of the float weight.
     """
-    meta, arch = gguf.metadata, gguf.architecture
-    permuted = arch in _PERMUTED_QK_ARCHS
-    n_head = int(meta.get(f"{arch}.attention.head_count", 0))
-    n_kv = int(meta.get(f"{arch}.attention.head_count_kv", n_head))
-    for name, t in gguf.tensors.items():
-        target = hf_name(name)
-        if target is None or len(t.shape) != 2 or int(t.qtype) not in qtypes:
-            continue
-        rows = torch.from_numpy(t.raw).view(t.shape[0], -1)
-        if permuted and ".q_proj." in target:
-            rows = unpermute_qk(rows, n_head)
-        elif permuted and ".k_proj." in target:
-            rows = unpermute_qk(rows, n_kv)
-        yield target, int(t.qtype), rows.contiguous()
+    for target, t, fix_rows in _loadable(gguf):
+        if len(t.shape) == 2 and int(t.qtype) in qtypes:
+            yield target, int(t.qtype), fix_rows(torch.from_numpy(t.raw).view(t.shape[0], -1)).contiguous()
