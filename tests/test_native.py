@@ -12,7 +12,7 @@ import pytest
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize as np_dequantize
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from ref_attention import make_paged_batch
 
@@ -20,6 +20,16 @@ from pagedkv.ops import native
 from pagedkv.ops.attention import paged_attention
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="no C compiler: native kernels unavailable")
+
+
+@pytest.fixture(params=["native", "portable"])
+def kernels(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Run a test against this machine's build and against the portable C path (built with
+    ``-mno-avx512f``: what a machine without AVX-512 runs)."""
+    if request.param == "portable":
+        so = native.build(("-mno-avx512f",))
+        monkeypatch.setattr(native, "lib", lambda: so)
+    return request.param
 
 QTYPES = [GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0]
 
@@ -38,17 +48,18 @@ def random_rows(qtype: GGMLQuantizationType, n: int, k: int, seed: int) -> torch
 
 
 @pytest.mark.parametrize("qtype", QTYPES)
-def test_dequant_is_bit_identical_to_gguf(qtype: GGMLQuantizationType) -> None:
+def test_dequant_is_bit_identical_to_gguf(qtype: GGMLQuantizationType, kernels: str) -> None:
     rows = random_rows(qtype, 24, 96, seed=int(qtype))
     ref = torch.from_numpy(np_dequantize(rows.numpy(), qtype))
     assert torch.equal(native.dequant(rows, int(qtype), 96), ref)
 
 
-@settings(max_examples=30, deadline=None)
+# The `kernels` fixture holds for every example of a test (one build per parametrization).
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(qtype=st.sampled_from(QTYPES), m=st.integers(1, 19), n=st.integers(1, 70),
        kb=st.integers(1, 9), bias=st.booleans(), seed=st.integers(0, 2**31))
 def test_gemv_matches_float64_reference(qtype: GGMLQuantizationType, m: int, n: int, kb: int,
-                                        bias: bool, seed: int) -> None:
+                                        bias: bool, seed: int, kernels: str) -> None:
     k = 32 * kb
     rows = random_rows(qtype, n, k, seed)
     w = torch.from_numpy(np_dequantize(rows.numpy(), qtype)).double()
@@ -71,14 +82,14 @@ def test_gemv_rejects_bad_shapes_and_types() -> None:
         native.gemv_q(torch.randn(2, 64), rows, 12)  # Q4_K: not a kernel type
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(lens=st.lists(st.integers(1, 300), min_size=1, max_size=6), bs=st.sampled_from([1, 16, 32]),
        hkv=st.sampled_from([1, 2, 3]), group=st.sampled_from([1, 3, 4]), d=st.sampled_from([8, 64, 70]),
        dv=st.sampled_from([None, 16]), layout=st.sampled_from([None, "LBNHC", "LBHNC", "BLNHC"]),
        window=st.one_of(st.none(), st.integers(1, 100)), seed=st.integers(0, 2**31))
 def test_paged_decode_matches_dense_reference(lens: list[int], bs: int, hkv: int, group: int, d: int,
                                               dv: int | None, layout: str | None, window: int | None,
-                                              seed: int) -> None:
+                                              seed: int, kernels: str) -> None:
     batch = make_paged_batch(lens, [1] * len(lens), block_size=bs, num_kv_heads=hkv, group=group,
                              head_size=d, dtype=torch.float32, layout=layout, shared_prefix=seed % 2 == 0,
                              seed=seed, head_size_v=dv)

@@ -51,8 +51,8 @@ def _cpu_flags() -> str:
     return ""
 
 
-def _build(cc: str) -> Path:
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join([cc, *FLAGS]).encode() + _cpu_flags().encode())
+def _build(cc: str, flags: list[str]) -> Path:
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join([cc, *flags]).encode() + _cpu_flags().encode())
     out = cache_dir() / f"cpu_kernels-{key.hexdigest()[:16]}.so"
     if out.exists():
         return out
@@ -60,7 +60,7 @@ def _build(cc: str) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        subprocess.run([cc, *FLAGS, str(SOURCE), "-o", tmp, "-lm"], check=True, capture_output=True, text=True,
+        subprocess.run([cc, *flags, str(SOURCE), "-o", tmp, "-lm"], check=True, capture_output=True, text=True,
                        timeout=120)
         os.replace(tmp, out)
     finally:
@@ -83,17 +83,24 @@ def _bind(so: ctypes.CDLL) -> ctypes.CDLL:
     return so
 
 
+def build(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
+    """Compile (or reuse the cached build) and load the library; raises ``OSError`` /
+    ``subprocess.SubprocessError`` on failure. ``extra_flags`` append to :data:`FLAGS` (tests
+    build the portable C path with ``-mno-avx512f`` to check it on AVX-512 machines)."""
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        raise FileNotFoundError("no C compiler (cc/gcc) on PATH")
+    return _bind(ctypes.CDLL(str(_build(cc, [*FLAGS, *extra_flags]))))
+
+
 @functools.cache
 def lib() -> ctypes.CDLL | None:
     """The loaded kernel library, or ``None`` when native kernels are off or cannot be built."""
     mode = os.environ.get("PAGEDKV_NATIVE", "auto").lower()
     if mode in ("0", "off", "false", "no"):
         return None
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     try:
-        if cc is None:
-            raise FileNotFoundError("no C compiler (cc/gcc) on PATH")
-        return _bind(ctypes.CDLL(str(_build(cc))))
+        return build()
     except (OSError, subprocess.SubprocessError, AttributeError) as e:
         detail = getattr(e, "stderr", "") or e
         if mode in ("1", "on", "true", "yes"):
