@@ -205,3 +205,23 @@ def test_engine_option_validation_names_the_option():
         LLM(num_kv_blocks=1)
     with pytest.raises(ValueError, match=r"max seq len \(8192\).*maximum model length is 336\b"):
         LLM(kv_cache_memory=16 << 20)  # 22 blocks of 16 tokens: 21 usable = 336 tokens
+
+
+def test_a_sequence_outgrowing_the_whole_cache_stops_with_length_and_others_go_on():
+    """A request whose prompt fits but whose generation outgrows the entire KV cache is
+    stopped with finish_reason "length" (preempting it could never help: it would be
+    re-admitted into the same cache), keeps the tokens it made, and frees its blocks; a request
+    beside it finishes normally. Before the fix this looped for ever."""
+    small = LLM(num_kv_blocks=8, block_size=16, max_model_len=512)  # 7 usable blocks = 112 tokens
+    engine = small.llm_engine
+    long_prompt = {"prompt_token_ids": list(range(100, 200))}
+    outs = small.generate([long_prompt, "Hello"], SamplingParams(temperature=0, max_tokens=50, ignore_eos=True),
+                          use_tqdm=False)
+    big, other = outs
+    assert big.finished and big.outputs[0].finish_reason == "length"
+    assert 0 < len(big.outputs[0].token_ids) < 50
+    assert len(big.prompt_token_ids) + len(big.outputs[0].token_ids) <= 7 * 16 + 1  # the last token needs no slot
+    assert other.finished and len(other.outputs[0].token_ids) == 50
+    assert not engine.has_unfinished_requests()
+    engine.check_invariants()
+    assert engine.kv_cache_manager.num_free_blocks == 7

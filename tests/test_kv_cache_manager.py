@@ -4,7 +4,7 @@ ours: unhashed blocks are prepended, hashed blocks appended) and past bugs of pe
 from __future__ import annotations
 
 import pytest
-from core_utils import admit, make_manager, make_request
+from core_utils import admit, full_spec, make_manager, make_request, swa_spec
 
 from pagedkv.core.events import AllBlocksCleared, BlockRemoved, BlockStored
 from pagedkv.core.hashing import get_none_hash, hash_block_tokens, sha256
@@ -174,6 +174,26 @@ def test_full_sequence_must_fit_refuses_admission():
     assert m.allocate_slots(req, 32, full_sequence_must_fit=True) is None
     assert m.allocate_slots(req, 32) is not None
     m.free(req)
+
+
+def test_full_sequence_must_fit_counts_windowed_groups_per_step():
+    """Hybrid full + sliding window: a whole sequence of 160 tokens needs 10 full-attention
+    blocks, while the window group only ever holds a chunk plus its window. Counting the
+    window group's whole sequence too (20 blocks) would refuse, for ever, a request that fits."""
+    m = make_manager(num_blocks=17, specs=[full_spec(16), swa_spec(16, window=32)])
+    req = make_request(list(range(160)), m)
+    assert m.allocate_slots(req, 32, full_sequence_must_fit=True) is not None
+    req.num_computed_tokens = 32
+    for done in range(32, 160, 32):  # the rest of the prompt in chunks: the window trims as it goes
+        assert m.allocate_slots(req, 32) is not None
+        req.num_computed_tokens = done + 32
+    assert sum(b != 0 for b in m.get_block_ids(req.request_id)[1]) <= 4
+    m.check_invariants()
+    m.free(req)
+    # ...and a sequence whose full-attention part alone exceeds the pool is still refused.
+    big = make_request(list(range(16 * 17)), m)
+    assert m.allocate_slots(big, 32, full_sequence_must_fit=True) is None
+    m.check_invariants()
 
 
 def test_duplicate_prefixes_in_one_step():

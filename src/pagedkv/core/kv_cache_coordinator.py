@@ -18,8 +18,10 @@ from pagedkv.core.block_pool import BlockPool, KVCacheBlock
 from pagedkv.core.hashing import BlockHash
 from pagedkv.core.request import KVCacheRequest
 from pagedkv.core.single_type_kv_cache_manager import (
+    ChunkedLocalAttentionManager,
     FullAttentionManager,
     SingleTypeKVCacheManager,
+    SlidingWindowManager,
     get_manager_class,
 )
 from pagedkv.core.specs import KVCacheGroupSpec, KVCacheSpec
@@ -85,6 +87,19 @@ class KVCacheCoordinator:
         return sum(m.get_num_blocks_to_allocate(request_id, num_tokens, new_computed_blocks[i],
                                                 total_computed_tokens)
                    for i, m in enumerate(self.single_type_managers))
+
+    def get_num_blocks_for_whole_sequence(self, request_id: str, sequence_len: int, step_len: int,
+                                          new_computed_blocks: tuple[Sequence[KVCacheBlock], ...],
+                                          total_computed_tokens: int) -> int:
+        """Blocks to admit a request only if its whole sequence (``sequence_len`` tokens) will
+        fit: groups that keep every token (full attention) count the whole sequence; windowed
+        groups count this step's ``step_len`` slots, since what they hold is trimmed to the
+        window as the sequence advances (counting the whole sequence there would refuse, for
+        ever, a request that fits)."""
+        return sum(m.get_num_blocks_to_allocate(
+            request_id, step_len if isinstance(m, (SlidingWindowManager, ChunkedLocalAttentionManager))
+            else sequence_len, new_computed_blocks[i], total_computed_tokens)
+            for i, m in enumerate(self.single_type_managers))
 
     def allocate_new_computed_blocks(self, request_id: str,
                                      new_computed_blocks: tuple[Sequence[KVCacheBlock], ...],

@@ -198,7 +198,8 @@ class KVCacheManager:
         num_free = self.block_pool.get_num_free_blocks()
         if full_sequence_must_fit and admitting:
             full_len = min(max(request.num_tokens, num_tokens_need_slot), self.max_model_len)
-            if coordinator.get_num_blocks_to_allocate(rid, full_len, hits, total_computed) + watermark > num_free:
+            if coordinator.get_num_blocks_for_whole_sequence(rid, full_len, num_tokens_need_slot, hits,
+                                                             total_computed) + watermark > num_free:
                 return None
         num_needed = coordinator.get_num_blocks_to_allocate(rid, num_tokens_need_slot, hits, total_computed)
         if num_needed + watermark > num_free:

@@ -17,7 +17,7 @@ import torch
 
 from pagedkv.core.hashing import get_hash_fn_by_name
 from pagedkv.core.kv_cache_manager import KVCacheManager
-from pagedkv.core.planning import make_kv_cache_config
+from pagedkv.core.planning import blocks_per_request, make_kv_cache_config
 from pagedkv.core.request import RequestStatus, get_request_block_hasher
 from pagedkv.core.specs import get_kv_cache_groups
 from pagedkv.engine.config import DEFAULT_CPU_KV_CACHE_MEMORY, EngineConfig
@@ -48,22 +48,26 @@ class LLMEngine:
         self.device = torch.device(config.device)
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
         groups = get_kv_cache_groups(mc.kv_cache_specs(config.block_size, torch_dtype=str(self.dtype).split(".")[-1]))
-        if len(groups) != 1:
-            raise NotImplementedError("the engine runs models with one KV cache group; hybrid "
-                                      "full + sliding-window models are planned but not served yet")
+        layer_groups, layer_slots = self._layer_placement(groups)
+        if len(groups) > 1 and config.kv_offload:
+            raise ValueError("kv_offload supports models with one KV cache group; this model's "
+                             f"{len(groups)} groups (hybrid full + sliding-window attention) are not offloaded yet")
         self.kv_cache_config = make_kv_cache_config(
             groups, self._kv_cache_memory(), self.max_model_len, config.max_num_batched_tokens,
             num_blocks_override=config.num_kv_blocks, layout=config.kv_cache_layout)
-        self.kv_buffer, self.kv_caches = allocate_kv_cache(
-            config.kv_cache_layout, mc.num_layers, self.kv_cache_config.num_blocks, config.block_size,
+        # One tensor per layer slot of the largest group: layer j of every group uses tensor j
+        # (vLLM's sharing: a block id belongs to one group at a time, so groups never collide).
+        self.kv_buffer, tensors = allocate_kv_cache(
+            config.kv_cache_layout, max(layer_slots) + 1, self.kv_cache_config.num_blocks, config.block_size,
             mc.num_kv_heads, mc.head_dim, self.dtype, self.device)
+        self.kv_caches = [tensors[j] for j in layer_slots]
         self.kv_cache_manager = KVCacheManager(
             self.kv_cache_config, self.max_model_len, enable_caching=config.enable_prefix_caching,
             enable_kv_cache_events=config.enable_kv_cache_events)
         self.connector = self._make_connector(loaded.source)
         self.scheduler = Scheduler(self.kv_cache_manager, config.max_num_seqs,
                                    config.max_num_batched_tokens, self.max_model_len, self.connector)
-        self.runner = ModelRunner(self.model, self.kv_caches, config.block_size, self.device)
+        self.runner = ModelRunner(self.model, self.kv_caches, config.block_size, self.device, layer_groups)
         self.sampler = Sampler(config.seed)
         self.block_hasher = get_request_block_hasher(
             config.block_size, get_hash_fn_by_name(config.prefix_caching_hash_algo))
@@ -75,6 +79,19 @@ class LLMEngine:
         logger.info("KV cache: %d blocks of %d tokens (%.2f GiB), max_model_len %d",
                     self.kv_cache_config.num_blocks, config.block_size,
                     self.kv_buffer.numel() * self.kv_buffer.element_size() / 2**30, self.max_model_len)
+
+    def _layer_placement(self, groups: list[Any]) -> tuple[list[int], list[int]]:
+        """``(group of each layer, its slot in that group)``; the slot picks the KV tensor."""
+        mc = self.model_config
+        where = {name: (g, j) for g, grp in enumerate(groups) for j, name in enumerate(grp.layer_names)}
+        missing = [mc.layer_name(i) for i in range(mc.num_layers) if mc.layer_name(i) not in where]
+        if missing:
+            raise ValueError(f"layers {missing[:4]} belong to no KV cache group")
+        if len({g.kv_cache_spec.block_size for g in groups}) > 1:
+            raise NotImplementedError("KV cache groups with different block sizes are not served yet: "
+                                      f"{[g.kv_cache_spec.block_size for g in groups]}")
+        placement = [where[mc.layer_name(i)] for i in range(mc.num_layers)]
+        return [g for g, _ in placement], [j for _, j in placement]
 
     def _make_connector(self, model_path: Any) -> OffloadingConnector | None:
         c = self.config
@@ -140,10 +157,11 @@ class LLMEngine:
         if n > self.max_model_len:
             raise ValueError(f"the prompt ({n} tokens) is longer than the maximum model length "
                              f"of {self.max_model_len} tokens")
-        if n > self.num_usable_kv_tokens:
+        usable = self.kv_cache_config.num_usable_blocks
+        need = blocks_per_request(self.kv_cache_config.kv_cache_groups, n, self.config.max_num_batched_tokens)
+        if need > usable:
             raise ValueError(f"the prompt ({n} tokens) is longer than the whole KV cache "
-                             f"({self.num_usable_kv_tokens} tokens in "
-                             f"{self.kv_cache_config.num_blocks - 1} blocks)")
+                             f"({self.num_usable_kv_tokens} tokens in {usable} blocks; it needs {need})")
         vocab = self.model_config.vocab_size
         if any(not isinstance(t, int) or not 0 <= t < vocab for t in token_ids):
             raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
@@ -184,18 +202,19 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         so = self.scheduler.schedule()
+        ended = self._cache_exhausted(so.finished)
         if so.is_empty:
-            if self.scheduler.has_unfinished_requests():
+            if self.scheduler.has_unfinished_requests() and not ended:
                 time.sleep(0.0005)  # requests wait on tier I/O: yield the CPU to its threads
-            return []
+            return ended
         if self.connector is not None:
             self.connector.start_load_kv()
         logits = self.runner.execute_model(so)
         if self.connector is not None:
-            self.connector.save_kv((s.request, s.block_ids, s.start + s.num_tokens) for s in so.scheduled)
+            self.connector.save_kv((s.request, s.block_ids[0], s.start + s.num_tokens) for s in so.scheduled)
         sampling = [s.request for s in so.scheduled if s.samples]
         if not sampling:  # only prefill chunks that do not reach the end of their prompts
-            return []
+            return ended
         rows: list[int] = []
         reqs: list[Request] = []
         forks: list[tuple[Request, Request]] = []
@@ -219,7 +238,20 @@ class LLMEngine:
         for req, token, lp, slp in zip(reqs, out.token_ids, out.logprobs, out.sampled_logprobs):
             self._append_token(req, token, lp, slp, now)
             touched[req.parent_id] = None
-        return [self._make_output(rid) for rid in touched]
+        return ended + [self._make_output(rid) for rid in touched]
+
+    def _cache_exhausted(self, reqs: list[Request]) -> list[RequestOutput]:
+        """Outputs for requests the scheduler stopped because their sequence outgrew the whole
+        KV cache (finish_reason "length", like reaching max_model_len; logged once each)."""
+        now = time.monotonic()
+        for req in reqs:
+            logger.warning("request %s stopped at %d tokens: the whole KV cache (%d tokens) cannot "
+                           "hold more", req.request_id, req.num_tokens, self.num_usable_kv_tokens)
+            req.finish_reason = "length"
+            req.metrics.finished_time = now
+            if req.detok_state is not None:
+                req.output_text += self.tokenizer.decode_incremental(req.detok_state, [], final=True)
+        return [self._make_output(rid) for rid in dict.fromkeys(r.parent_id for r in reqs)]
 
     def _fork_child(self, parent: Request, index: int) -> Request:
         child = self._new_request(parent.parent_id, parent.prompt_token_ids, parent.prompt,

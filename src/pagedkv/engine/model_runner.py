@@ -19,57 +19,70 @@ from pagedkv.ops.metadata import AttentionMetadata
 
 
 class ModelRunner:
+    """Runs the model over the paged KV cache.
+
+    ``layer_groups[i]`` is the KV cache group of layer ``i`` (all 0 for a single-group model):
+    every group has its own block tables and slot mappings, hence its own
+    ``AttentionMetadata``, and each layer is given its group's. ``kv_caches`` holds one (K, V)
+    view pair per layer; layers of different groups may alias the same memory (their block
+    ids never overlap, since they come from one pool).
+    """
+
     def __init__(self, model: torch.nn.Module, kv_caches: KVCacheViews, block_size: int,
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str = "cpu", layer_groups: list[int] | None = None) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = torch.device(device)
+        self.layer_groups = layer_groups or [0] * len(kv_caches)
+        # copy_blocks must copy each distinct tensor once (aliased layers would copy twice).
+        seen: set[int] = set()
+        self.distinct_kv_caches = [kv for kv in kv_caches
+                                   if kv[0].data_ptr() not in seen and not seen.add(kv[0].data_ptr())]
 
-    def prepare_inputs(self, so: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
-        """``(input_ids, positions, attn_metadata, logits_indices)`` for the step."""
+    def prepare_inputs(self, so: SchedulerOutput
+                       ) -> tuple[torch.Tensor, torch.Tensor, list[AttentionMetadata], list[int]]:
+        """``(input_ids, positions, attn_metadata per group, logits_indices)`` for the step."""
         token_ids: list[int] = []
         positions: list[int] = []
         query_start_loc = [0]
         seq_lens: list[int] = []
         logits_indices: list[int] = []
-        max_blocks = max(len(s.block_ids) for s in so.scheduled)
-        table: list[list[int]] = []
         for s in so.scheduled:
             end = s.start + s.num_tokens
             token_ids.extend(s.request.all_token_ids[s.start:end])
             positions.extend(range(s.start, end))
             query_start_loc.append(query_start_loc[-1] + s.num_tokens)
             seq_lens.append(end)
-            table.append(s.block_ids + [0] * (max_blocks - len(s.block_ids)))
             if s.samples:
                 logits_indices.append(query_start_loc[-1] - 1)
         dev = self.device
         input_ids = torch.tensor(token_ids, dtype=torch.long, device=dev)
         pos = torch.tensor(positions, dtype=torch.long, device=dev)
-        block_table = torch.tensor(table, dtype=torch.int32, device=dev)
         counts = torch.tensor([s.num_tokens for s in so.scheduled], device=dev)
         req_indices = torch.repeat_interleave(torch.arange(len(so.scheduled), device=dev), counts)
-        md = AttentionMetadata(
-            slot_mapping=compute_slot_mapping(block_table, req_indices, pos, self.block_size),
-            query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            block_table=block_table,
-            block_size=self.block_size,
-            max_query_len=max(s.num_tokens for s in so.scheduled),
-            max_seq_len=max(seq_lens),
-            query_start_loc_cpu=query_start_loc,
-            seq_lens_cpu=seq_lens,
-        )
-        return input_ids, pos, md, logits_indices
+        qsl = torch.tensor(query_start_loc, dtype=torch.int32, device=dev)
+        lens = torch.tensor(seq_lens, dtype=torch.int32, device=dev)
+        mds = []
+        for g in range(max(self.layer_groups) + 1):
+            max_blocks = max(len(s.block_ids[g]) for s in so.scheduled)
+            block_table = torch.tensor([s.block_ids[g] + [0] * (max_blocks - len(s.block_ids[g]))
+                                        for s in so.scheduled], dtype=torch.int32, device=dev)
+            mds.append(AttentionMetadata(
+                slot_mapping=compute_slot_mapping(block_table, req_indices, pos, self.block_size),
+                query_start_loc=qsl, seq_lens=lens, block_table=block_table, block_size=self.block_size,
+                max_query_len=max(s.num_tokens for s in so.scheduled), max_seq_len=max(seq_lens),
+                query_start_loc_cpu=query_start_loc, seq_lens_cpu=seq_lens))
+        return input_ids, pos, mds, logits_indices
 
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> torch.Tensor:
         """Run one forward pass; returns float32 logits ``[num_sampling_requests, vocab]`` in
         the order of ``so.scheduled`` (requests that do not sample this step are skipped)."""
         if so.blocks_to_copy:
-            copy_blocks(self.kv_caches, so.blocks_to_copy)
-        input_ids, positions, md, logits_indices = self.prepare_inputs(so)
+            copy_blocks(self.distinct_kv_caches, so.blocks_to_copy)
+        input_ids, positions, mds, logits_indices = self.prepare_inputs(so)
+        md = mds[0] if len(mds) == 1 else [mds[g] for g in self.layer_groups]
         hidden = self.model(input_ids, positions, self.kv_caches, md)
         if not logits_indices:
             return hidden.new_empty((0, 0), dtype=torch.float32)

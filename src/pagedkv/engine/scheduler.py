@@ -36,7 +36,7 @@ class ScheduledRequest:
     request: Request
     start: int  # first position computed this step (== num_computed_tokens before the step)
     num_tokens: int
-    block_ids: list[int]  # the request's block table (group 0)
+    block_ids: tuple[list[int], ...]  # the request's block table in each KV cache group
 
     @property
     def samples(self) -> bool:
@@ -48,6 +48,8 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) before the pass
+    # Running requests stopped because their sequence no longer fits even the empty cache.
+    finished: list[Request] = field(default_factory=list)
     num_batched_tokens: int = 0
 
     @property
@@ -121,6 +123,16 @@ class Scheduler:
                 i += 1
                 continue
             while kv.allocate_slots(req, n) is None:
+                if len(self.running) == 1 and self.running[0] is req:
+                    # Alone and still no room: its sequence outgrew the whole KV cache.
+                    # Preempting it would loop forever (re-admission needs the same room):
+                    # it ends as if max_model_len were reached.
+                    self.running.pop()
+                    self.requests.pop(req.request_id, None)
+                    req.status = RequestStatus.FINISHED_LENGTH_CAPPED
+                    self._release(req)
+                    out.finished.append(req)
+                    break
                 victim = self.running.pop()  # FCFS: the latest admitted goes first
                 if victim.request_id in scheduled:
                     budget += scheduled.pop(victim.request_id)[2]
@@ -138,8 +150,7 @@ class Scheduler:
 
         for req, start, n in scheduled.values():
             req.num_computed_tokens = start + n
-            block_ids = kv.get_block_ids(req.request_id)[0]
-            out.scheduled.append(ScheduledRequest(req, start, n, block_ids))
+            out.scheduled.append(ScheduledRequest(req, start, n, kv.get_block_ids(req.request_id)))
             out.num_batched_tokens += n
         return out
 

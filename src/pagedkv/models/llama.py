@@ -116,13 +116,15 @@ class LlamaModel(nn.Module):
         )
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache], md: AttentionMetadata
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
+        md: AttentionMetadata | list[AttentionMetadata],
     ) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         rope = self.rotary_emb.cos_sin(positions)
         residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x, residual = layer(x, residual, rope, kv_cache, md)
+        mds = md if isinstance(md, list) else [md] * len(self.layers)
+        for layer, kv_cache, layer_md in zip(self.layers, kv_caches, mds, strict=True):
+            x, residual = layer(x, residual, rope, kv_cache, layer_md)
         x, _ = self.norm(x, residual)
         return x
 
@@ -131,7 +133,9 @@ class LlamaForCausalLM(nn.Module):
     """A Llama-family causal LM over a paged KV cache.
 
     ``forward(input_ids [T] int64, positions [T] int64, kv_caches, attn_metadata) -> [T, hidden]``
-    where ``kv_caches[i] = (key_cache, value_cache)`` of layer ``i``, each
+    where ``attn_metadata`` is one ``AttentionMetadata`` for all layers or a list with one per
+    layer (hybrid models: each layer gets its KV cache group's block tables), and
+    ``kv_caches[i] = (key_cache, value_cache)`` of layer ``i``, each
     ``[num_blocks, block_size, num_kv_heads, head_dim]``; ``compute_logits(hidden [N, hidden])``
     returns float32 ``[N, vocab]``. Both run under ``torch.inference_mode``.
     """
@@ -158,7 +162,7 @@ class LlamaForCausalLM(nn.Module):
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         kv_caches: list[KVCache],
-        attn_metadata: AttentionMetadata,
+        attn_metadata: AttentionMetadata | list[AttentionMetadata],
     ) -> torch.Tensor:
         return self.model(input_ids, positions, kv_caches, attn_metadata)
 
