@@ -27,9 +27,10 @@ def _param(*shape: int) -> nn.Parameter:
 class QuantizedRows:
     """Mixin: an optional copy of ``weight`` as GGUF ggml blocks for the native small-batch GEMV.
 
-    ``qweight [out, bytes_per_row]`` (uint8) dequantizes exactly to ``weight`` (float32); it is
-    a plain attribute, not state. :meth:`project` uses it for at most
-    :data:`NATIVE_GEMV_MAX_ROWS` rows of float32 CPU input and BLAS on ``weight`` otherwise.
+    ``qweight [out, bytes_per_row]`` (uint8) dequantizes exactly to the file's float32 weights
+    (``weight`` itself in a float32 model, their rounding in a bf16/fp16 one); it is a plain
+    attribute, not state. :meth:`project` uses it for at most :data:`NATIVE_GEMV_MAX_ROWS` rows
+    of CPU input and BLAS on ``weight`` otherwise.
     """
 
     weight: nn.Parameter
@@ -38,9 +39,13 @@ class QuantizedRows:
 
     def project(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         q = self.qweight
-        if q is not None and x.shape[0] <= NATIVE_GEMV_MAX_ROWS and x.dtype == torch.float32 and x.dim() == 2:
+        if q is None or x.shape[0] > NATIVE_GEMV_MAX_ROWS or x.dim() != 2:
+            return F.linear(x, self.weight, bias)
+        if x.dtype == torch.float32:
             return native.gemv_q(x, q, self.qtype, bias)
-        return F.linear(x, self.weight, bias)
+        # bfloat16/float16 models: the exact (float32) file weights, float32 accumulation,
+        # rounded once to the model dtype — at least as accurate as the dense low-precision path.
+        return native.gemv_q(x.float(), q, self.qtype, None if bias is None else bias.float()).to(x.dtype)
 
 
 class Linear(QuantizedRows, nn.Module):

@@ -105,9 +105,9 @@ def get_model(
     missing = net.param_names() - net.load_weights(weights)
     if missing:
         raise ValueError(f"{path}: checkpoint did not provide {sorted(missing)[:8]} ({len(missing)} missing)")
-    if (path.suffix.lower() == ".gguf" and torch_dtype == torch.float32 and torch.device(device).type == "cpu"
+    if (path.suffix.lower() == ".gguf" and torch.device(device).type == "cpu"
             and hasattr(net, "load_quantized") and native.available()):
-        # Small-batch steps stream the file's 4/8-bit blocks instead of float32 weights.
+        # Small-batch steps stream the file's 4/8-bit blocks instead of the dense weights.
         net.load_quantized(iter_gguf_quantized(gguf, native.SUPPORTED_QTYPES))
     net.eval()
     return LoadedModel(net, config, tokenizer, torch_dtype, path, time.perf_counter() - start)
