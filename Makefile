@@ -32,6 +32,7 @@ bench: setup
 	$(PY) benchmarks/bench_core.py
 	$(PY) benchmarks/bench_memory.py
 	$(PY) benchmarks/bench_offload.py bandwidth
+	$(PY) benchmarks/bench_native.py
 
 clean:
 	rm -rf $(VENV)

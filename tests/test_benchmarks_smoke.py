@@ -102,3 +102,22 @@ def test_throughput_skip_hf_prints_table(capsys) -> None:
     assert report["hf"] is None and report["ratios"]["total_tok_s"] is None
     assert report["meets_targets"]["vs_hf_total"] is None
     assert report["workload"]["prompt_tokens"] == 16 and report["workload"]["output_tokens"] == 4
+
+
+# ---------------------------------------------------------------- native kernels
+
+
+def test_native_script_reports_every_case() -> None:
+    from pagedkv.ops import native
+
+    if not native.available():
+        pytest.skip("no C compiler: native kernels unavailable")
+    script = ROOT / "benchmarks" / "bench_native.py"
+    res = subprocess.run([sys.executable, str(script), "--rounds", "1", "--json-only"],
+                         capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert res.returncode == 0, res.stderr
+    r = json.loads(res.stdout)
+    assert {g["tensor"] for g in r["gemv"]} >= {"blk.0.ffn_up.weight", "token_embd.weight"}
+    assert all(g["native_ms"] > 0 and g["blas_ms"] > 0 for g in r["gemv"])
+    assert [d["sequences"] for d in r["decode_attention"]] == [1, 8, 64]
+    assert all(d["native_ms_per_step"] > 0 and d["speedup"] > 0 for d in r["decode_attention"])
