@@ -4,6 +4,7 @@
   ``M`` rows: ``native.gemv_q`` on the ggml blocks vs ``F.linear`` on the float32 weights.
   Eight copies of each weight rotate so reads come from DRAM, as in a decode step. This picks
   ``NATIVE_GEMV_MAX_ROWS`` (models/layers.py): the largest M where native still wins.
+* The K-quants (Q4_K, Q6_K) on a synthetic 2048 x 2048 weight, same comparison.
 * Decode attention: one step of 30 layers (each its own cold KV cache, LBNHC, block 16, fp32,
   Hq=9, Hkv=3, D=64) for 1, 8 and 64 sequences: ``native.paged_decode`` vs the torch path
   (gather + fused flash kernel), best of interleaved rounds.
@@ -68,6 +69,34 @@ def bench_gemv(rounds: int) -> list[dict[str, Any]]:
     return rows
 
 
+def bench_kquants(rounds: int, n: int = 2048, k: int = 2048) -> list[dict[str, Any]]:
+    """The K-quants of llama.cpp's Q4_K_M files on a synthetic [2048, 2048] weight (SmolLM2's
+    576-wide rows are not a whole number of 256-weight super-blocks, so its file has none)."""
+    import numpy as np
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    from gguf.quants import dequantize as np_dequantize
+
+    rows = []
+    rng = np.random.default_rng(0)
+    for qtype in (GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K):
+        block, size = GGML_QUANT_SIZES[qtype]
+        raw = rng.integers(0, 256, size=(n * k // block, size), dtype=np.uint8)
+        at = 208 if qtype == GGMLQuantizationType.Q6_K else 0
+        raw[:, at:at + 2] = (rng.standard_normal((raw.shape[0], 1)) * 0.01).astype(np.float16).view(np.uint8)
+        if qtype == GGMLQuantizationType.Q4_K:
+            raw[:, 2:4] = (rng.standard_normal((raw.shape[0], 1)) * 0.01).astype(np.float16).view(np.uint8)
+        q = torch.from_numpy(raw.reshape(n, -1).copy())
+        w = torch.from_numpy(np_dequantize(raw.reshape(n, -1), qtype)).contiguous()
+        ws, qs = [w.clone() for _ in range(8)], [q.clone() for _ in range(8)]
+        for m in (1, 4, 16):
+            x = torch.randn(m, k)
+            nat = best_ms(lambda i, x=x: native.gemv_q(x, qs[i], int(qtype)), rounds)
+            blas = best_ms(lambda i, x=x: F.linear(x, ws[i]), rounds)
+            rows.append({"tensor": f"synthetic {n}x{k}", "qtype": qtype.name, "shape": [n, k], "rows": m,
+                         "native_ms": nat, "blas_ms": blas, "speedup": blas / nat})
+    return rows
+
+
 def bench_decode(rounds: int) -> list[dict[str, Any]]:
     rnd = random.Random(1)
     out = []
@@ -105,12 +134,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     crossover = max((m for m in GEMV_ROWS if all(r["speedup"] > 1.0 for r in layer_rows if r["rows"] == m)),
                     default=0)
     return {"benchmark": "native", "torch_threads": torch.get_num_threads(), "gemv": gemv,
+            "gemv_kquants": bench_kquants(args.rounds),
             "gemv_native_wins_up_to_rows": crossover, "decode_attention": bench_decode(args.rounds)}
 
 
 def table(r: dict[str, Any]) -> str:
     lines = [f"{'GEMV tensor':24s}{'type':>6s}{'M':>4s}{'native ms':>11s}{'BLAS ms':>9s}{'speedup':>9s}"]
     for g in r["gemv"]:
+        lines.append(f"{g['tensor']:24s}{g['qtype']:>6s}{g['rows']:4d}{g['native_ms']:11.3f}"
+                     f"{g['blas_ms']:9.3f}{g['speedup']:8.2f}x")
+    for g in r["gemv_kquants"]:
         lines.append(f"{g['tensor']:24s}{g['qtype']:>6s}{g['rows']:4d}{g['native_ms']:11.3f}"
                      f"{g['blas_ms']:9.3f}{g['speedup']:8.2f}x")
     lines.append(f"native GEMV wins on every layer weight up to M = {r['gemv_native_wins_up_to_rows']}")

@@ -16,36 +16,52 @@ from torch import nn
 from pagedkv.ops import native
 
 # At most this many rows (tokens) go through the native quantized GEMV; more rows reuse each
-# weight enough that BLAS on the float32 copy wins (measured: benchmarks/bench_native.py).
+# weight enough that BLAS on the dense copy wins (measured: benchmarks/bench_native.py). The
+# K-quants' dearer dequantization moves the crossover down.
 NATIVE_GEMV_MAX_ROWS = 16
+NATIVE_GEMV_MAX_ROWS_KQUANT = 8
 
 
 def _param(*shape: int) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape), requires_grad=False)
 
 
+QSegment = tuple[int, int, int, torch.Tensor]  # (first row, end row, ggml type, rows [n, bytes])
+
+
 class QuantizedRows:
     """Mixin: an optional copy of ``weight`` as GGUF ggml blocks for the native small-batch GEMV.
 
-    ``qweight [out, bytes_per_row]`` (uint8) dequantizes exactly to the file's float32 weights
-    (``weight`` itself in a float32 model, their rounding in a bf16/fp16 one); it is a plain
-    attribute, not state. :meth:`project` uses it for at most :data:`NATIVE_GEMV_MAX_ROWS` rows
-    of CPU input and BLAS on ``weight`` otherwise.
+    ``qsegments`` covers the output rows in order, one segment per run of rows stored in one
+    ggml type (a fused qkv whose v came as Q6_K and q/k as Q4_K has two); each segment's rows
+    dequantize exactly to the file's float32 weights (``weight`` itself in a float32 model,
+    their rounding in a bf16/fp16 one). It is a plain attribute, not state. :meth:`project`
+    uses it for at most :data:`NATIVE_GEMV_MAX_ROWS` rows of input and BLAS on ``weight``
+    otherwise; low-precision inputs are computed in float32 and rounded once.
     """
 
     weight: nn.Parameter
-    qweight: torch.Tensor | None = None
-    qtype: int = 0
+    qsegments: list[QSegment] | None = None
+    qkquant: bool = False  # some segment is a K-quant (a lower row limit)
+
+    def set_qsegments(self, segments: list[QSegment] | None) -> None:
+        self.qsegments = segments
+        self.qkquant = bool(segments) and any(native.block_weights(t) > 32 for _, _, t, _ in segments)
 
     def project(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        q = self.qweight
-        if q is None or x.shape[0] > NATIVE_GEMV_MAX_ROWS or x.dim() != 2:
+        segs = self.qsegments
+        limit = NATIVE_GEMV_MAX_ROWS_KQUANT if self.qkquant else NATIVE_GEMV_MAX_ROWS
+        if segs is None or x.dim() != 2 or x.shape[0] > limit:
             return F.linear(x, self.weight, bias)
-        if x.dtype == torch.float32:
-            return native.gemv_q(x, q, self.qtype, bias)
-        # bfloat16/float16 models: the exact (float32) file weights, float32 accumulation,
-        # rounded once to the model dtype — at least as accurate as the dense low-precision path.
-        return native.gemv_q(x.float(), q, self.qtype, None if bias is None else bias.float()).to(x.dtype)
+        xf = x.float()
+        bf = None if bias is None else bias.float()
+        if len(segs) == 1:
+            y = native.gemv_q(xf, segs[0][3], segs[0][2], bf)
+        else:
+            y = torch.empty(x.shape[0], self.weight.shape[0], dtype=torch.float32)
+            for start, stop, qtype, rows in segs:
+                native.gemv_q(xf, rows, qtype, None if bf is None else bf[start:stop], out=y[:, start:stop])
+        return y if x.dtype == torch.float32 else y.to(x.dtype)
 
 
 class Linear(QuantizedRows, nn.Module):

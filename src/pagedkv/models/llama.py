@@ -21,6 +21,7 @@ from pagedkv.models.config import SLIDING_ATTENTION, ModelConfig
 from pagedkv.models.layers import (
     Embedding,
     Linear,
+    QSegment,
     QuantizedRows,
     RMSNorm,
     RotaryEmbedding,
@@ -213,9 +214,10 @@ class LlamaForCausalLM(nn.Module):
 
     def load_quantized(self, qweights: Iterable[tuple[str, int, torch.Tensor]]) -> int:
         """Attach ggml rows ``(hf_name, qtype, rows [out, bytes])`` (see ``iter_gguf_quantized``)
-        to the matching Linear/Embedding layers for the native GEMV, fusing shards like
-        :meth:`load_weights`. A layer gets them only when every one of its rows arrived in one
-        type (llama.cpp files mix types; such a layer keeps BLAS). Returns the layers equipped.
+        to the matching Linear/Embedding layers for the native GEMV, placing shards like
+        :meth:`load_weights`. A layer gets them only when every one of its rows arrived (in any
+        mix of kernel types: each run of one type becomes a segment); otherwise it keeps BLAS.
+        Returns the layers equipped.
         """
         shards: dict[str, list[tuple[int, int, torch.Tensor]]] = {}
         for name, qtype, rows in qweights:
@@ -228,15 +230,20 @@ class LlamaForCausalLM(nn.Module):
             if not isinstance(mod, QuantizedRows) or not target.endswith(".weight"):
                 continue
             parts.sort(key=lambda p: p[0])
-            starts = [0]
-            for _, _, rows in parts:
-                starts.append(starts[-1] + rows.shape[0])
-            if (len({q for _, q, _ in parts}) != 1 or len({r.shape[1] for _, _, r in parts}) != 1
-                    or [p[0] for p in parts] != starts[:-1] or starts[-1] != mod.weight.shape[0]):
-                continue
-            mod.qweight = torch.cat([r for _, _, r in parts]) if len(parts) > 1 else parts[0][2]
-            mod.qtype = parts[0][1]
-            equipped += 1
+            segments: list[QSegment] = []
+            end = 0
+            for start, qtype, rows in parts:
+                if start != end:
+                    break  # a gap: some rows are in a type the kernel lacks
+                if segments and segments[-1][2] == qtype and segments[-1][3].shape[1] == rows.shape[1]:
+                    s0, _, _, prev = segments.pop()
+                    segments.append((s0, start + rows.shape[0], qtype, torch.cat([prev, rows])))
+                else:
+                    segments.append((start, start + rows.shape[0], qtype, rows))
+                end = start + rows.shape[0]
+            if end == mod.weight.shape[0] and segments:
+                mod.set_qsegments(segments)
+                equipped += 1
         return equipped
 
     def param_names(self) -> set[str]:

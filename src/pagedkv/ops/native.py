@@ -30,9 +30,10 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.c"
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC", "-std=c11"]
-# ggml tensor type ids the GEMV kernel reads (gguf.GGMLQuantizationType values).
-GGML_Q4_0, GGML_Q4_1, GGML_Q8_0 = 2, 3, 8
-SUPPORTED_QTYPES = frozenset({GGML_Q4_0, GGML_Q4_1, GGML_Q8_0})
+# ggml tensor type ids the GEMV kernel reads (gguf.GGMLQuantizationType values): the simple
+# 32-weight types and the K-quants of llama.cpp's popular Q4_K_M files (256-weight blocks).
+GGML_Q4_0, GGML_Q4_1, GGML_Q8_0, GGML_Q4_K, GGML_Q6_K = 2, 3, 8, 12, 14
+SUPPORTED_QTYPES = frozenset({GGML_Q4_0, GGML_Q4_1, GGML_Q8_0, GGML_Q4_K, GGML_Q6_K})
 
 _i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 
@@ -70,12 +71,13 @@ def _build(cc: str, flags: list[str]) -> Path:
 
 
 def _bind(so: ctypes.CDLL) -> ctypes.CDLL:
-    so.pkv_gemv_q.argtypes = [ctypes.c_int, _ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr]
+    so.pkv_gemv_q.argtypes = [ctypes.c_int, _ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr, _i64]
     so.pkv_gemv_q.restype = ctypes.c_int
     so.pkv_dequant.argtypes = [ctypes.c_int, _ptr, _i64, _i64, _i64, _ptr]
     so.pkv_dequant.restype = ctypes.c_int
-    so.pkv_block_bytes.argtypes = [ctypes.c_int]
-    so.pkv_block_bytes.restype = ctypes.c_int
+    for f in (so.pkv_block_bytes, so.pkv_block_weights):
+        f.argtypes = [ctypes.c_int]
+        f.restype = ctypes.c_int
     so.pkv_paged_decode.argtypes = [_ptr, _i64, _i64, _i64, _i64, _i64, _i64,
                                     _ptr, _i64, _i64, _i64, _ptr, _i64, _i64, _i64, _i64,
                                     _ptr, _i64, _ptr, _i64, _f32, _ptr, _i64, _ptr]
@@ -117,10 +119,31 @@ def _addr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
-def gemv_q(x: torch.Tensor, qweight: torch.Tensor, qtype: int, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x [M, K] @ W.T (+ bias)`` with ``W [N, K]`` held as ggml blocks ``qweight [N, K/32 * bytes]``
+def block_weights(qtype: int) -> int:
+    """Weights per ggml block of ``qtype`` as the kernel reads it (32, or 256 for K-quants)."""
+    so = lib()
+    if so is None:
+        raise RuntimeError("native kernels are not available")
+    return so.pkv_block_weights(qtype)
+
+
+def row_bytes(qtype: int, k: int) -> int:
+    """Bytes of one row of ``k`` weights in ggml type ``qtype`` (0 if the kernel lacks it or
+    ``k`` is not a whole number of its blocks)."""
+    so = lib()
+    if so is None:
+        raise RuntimeError("native kernels are not available")
+    bw = so.pkv_block_weights(qtype)
+    return k // bw * so.pkv_block_bytes(qtype) if k % bw == 0 else 0
+
+
+def gemv_q(x: torch.Tensor, qweight: torch.Tensor, qtype: int, bias: torch.Tensor | None = None,
+           out: torch.Tensor | None = None) -> torch.Tensor:
+    """``x [M, K] @ W.T (+ bias)`` with ``W [N, K]`` held as ggml blocks ``qweight [N, bytes]``
     (uint8, contiguous rows). float32 in and out; the weights are exactly the values the GGUF
-    dequantizer gives (see the C file). Raises ``ValueError`` on a bad shape or type."""
+    dequantizer gives (see the C file). ``out`` may be a column slice ``[M, N]`` of a wider
+    float32 tensor with unit column stride (a fused layer's rows of one type). Raises
+    ``ValueError`` on a bad shape or type."""
     so = lib()
     if so is None:
         raise RuntimeError("native kernels are not available")
@@ -129,13 +152,21 @@ def gemv_q(x: torch.Tensor, qweight: torch.Tensor, qtype: int, bias: torch.Tenso
     x = x.contiguous()
     m, k = x.shape
     n = qweight.shape[0]
-    if qweight.shape[1] != k // 32 * so.pkv_block_bytes(qtype) or not qweight.is_contiguous():
+    if not so.pkv_block_bytes(qtype):
+        raise ValueError(f"ggml type {qtype} has no native kernel")
+    expect = row_bytes(qtype, k)
+    if expect == 0:
+        raise ValueError(f"K={k} is not a whole number of type-{qtype} blocks")
+    if qweight.shape[1] != expect or not qweight.is_contiguous():
         raise ValueError(f"qweight {tuple(qweight.shape)} does not hold {n} rows of {k} type-{qtype} weights")
-    y = torch.empty(m, n, dtype=torch.float32)
+    if out is None:
+        out = torch.empty(m, n, dtype=torch.float32)
+    elif out.shape != (m, n) or out.dtype != torch.float32 or out.stride(1) != 1:
+        raise ValueError(f"out must be float32 [{m}, {n}] with unit column stride")
     if so.pkv_gemv_q(qtype, x.data_ptr(), m, k, qweight.data_ptr(), n, qweight.shape[1], _addr(bias),
-                     y.data_ptr()):
-        raise ValueError(f"unsupported ggml type {qtype} or K={k} not a multiple of 32")
-    return y
+                     out.data_ptr(), out.stride(0)):
+        raise ValueError(f"ggml type {qtype} has no native kernel")
+    return out
 
 
 def dequant(qweight: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
@@ -145,7 +176,7 @@ def dequant(qweight: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
         raise RuntimeError("native kernels are not available")
     out = torch.empty(qweight.shape[0], k, dtype=torch.float32)
     if so.pkv_dequant(qtype, qweight.data_ptr(), qweight.shape[0], k, qweight.shape[1], out.data_ptr()):
-        raise ValueError(f"unsupported ggml type {qtype} or K={k} not a multiple of 32")
+        raise ValueError(f"unsupported ggml type {qtype} or K={k} not a whole number of its blocks")
     return out
 
 

@@ -7,7 +7,8 @@
  *
  * Exactness contract. A weight is rebuilt exactly as gguf.quants (and pagedkv's torch
  * dequantizer) does it: Q4_0 w = d*(q-8), Q4_1 w = d*q + m (product rounded, then the sum:
- * hence -ffp-contract=off), Q8_0 w = d*q, with d and m converted exactly from float16. So the
+ * hence -ffp-contract=off), Q8_0 w = d*q, Q4_K w = (d*sc)*q - dmin*m, Q6_K w = (d*sc)*(q-32),
+ * with d and m converted exactly from float16. So the
  * kernel multiplies x by the very float32 weights the dense model holds; only the order of the
  * dot product's additions differs from BLAS (as BLAS's differs between shapes).
  *
@@ -23,7 +24,7 @@
 #include <immintrin.h>
 #endif
 
-enum { QK = 32, Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 };  /* ggml type ids */
+enum { QK = 32, QK_K = 256, Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q6_K = 14 };  /* ggml type ids */
 enum { MAX_M = 16 };                            /* rows of x per pass over the weights */
 
 static inline float fp16_to_fp32(uint16_t h) {
@@ -53,7 +54,96 @@ int pkv_block_bytes(int qtype) {
         case Q4_0: return 18;
         case Q4_1: return 20;
         case Q8_0: return 34;
+        case Q4_K: return 144;
+        case Q6_K: return 210;
         default: return 0;
+    }
+}
+
+/* Weights per block: 32 for the simple types, 256 for the K-quants' super-blocks. */
+int pkv_block_weights(int qtype) { return (qtype == Q4_K || qtype == Q6_K) ? QK_K : QK; }
+
+/* Q4_K: 6-bit scale and min of sub-block j (gguf.quants Q4_K.get_scale_min). */
+static inline void q4k_scale_min(const uint8_t *sc, int j, int *scale, int *min) {
+    if (j < 4) {
+        *scale = sc[j] & 0x3F;
+        *min = sc[j + 4] & 0x3F;
+    } else {
+        *scale = (sc[j + 4] & 0x0F) | ((sc[j - 4] >> 2) & 0x30);
+        *min = (sc[j + 4] >> 4) | ((sc[j] >> 2) & 0x30);
+    }
+}
+
+/* Dequantize one K-quant super-block into w[256], with gguf.quants' float32 operations:
+ * Q4_K w = (d*sc)*q - dmin*m per 32-weight sub-block; Q6_K w = (d*scale)*(q-32) per 16. */
+static void dequant_superblock(int qtype, const uint8_t *b, float *w) {
+#if defined(__AVX512F__)
+    if (qtype == Q4_K) {
+        float d = fp16_to_fp32(load_u16(b)), dmin = fp16_to_fp32(load_u16(b + 2));
+        const uint8_t *scales = b + 4, *qs = b + 16;
+        const __m128i low = _mm_set1_epi8(0x0F);
+        for (int j = 0; j < 8; j++) {
+            int sc, m;
+            q4k_scale_min(scales, j, &sc, &m);
+            __m512 ds = _mm512_set1_ps(d * (float)sc), dm = _mm512_set1_ps(dmin * (float)m);
+            const uint8_t *q = qs + (j / 2) * 32;
+            for (int h = 0; h < 2; h++) {
+                __m128i v = _mm_loadu_si128((const __m128i *)(q + 16 * h));
+                if (j % 2) v = _mm_srli_epi16(v, 4);
+                __m512 qf = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(v, low)));
+                _mm512_storeu_ps(w + j * 32 + 16 * h, _mm512_sub_ps(_mm512_mul_ps(ds, qf), dm));
+            }
+        }
+        return;
+    }
+    if (qtype == Q6_K) {
+        const uint8_t *ql = b, *qh = b + 128;
+        const int8_t *scales = (const int8_t *)(b + 192);
+        float d = fp16_to_fp32(load_u16(b + 208));
+        const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(0x03);
+        const __m512i off = _mm512_set1_epi32(32);
+        for (int c = 0; c < 8; c++) {
+            int h = c / 4, r = c % 4;
+            __m256i l = _mm256_loadu_si256((const __m256i *)(ql + h * 64 + (r % 2) * 32));
+            __m256i hb = _mm256_loadu_si256((const __m256i *)(qh + h * 32));
+            l = _mm256_and_si256(_mm256_srli_epi16(l, (r / 2) * 4), m4);
+            hb = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2 * r), m2), 4);
+            __m256i q = _mm256_or_si256(l, hb);
+            for (int half = 0; half < 2; half++) {
+                __m128i q16 = half ? _mm256_extracti128_si256(q, 1) : _mm256_castsi256_si128(q);
+                __m512 qf = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepu8_epi32(q16), off));
+                __m512 dj = _mm512_set1_ps(d * (float)scales[c * 2 + half]);
+                _mm512_storeu_ps(w + c * 32 + 16 * half, _mm512_mul_ps(dj, qf));
+            }
+        }
+        return;
+    }
+#endif
+    if (qtype == Q4_K) {
+        float d = fp16_to_fp32(load_u16(b)), dmin = fp16_to_fp32(load_u16(b + 2));
+        const uint8_t *scales = b + 4, *qs = b + 16;
+        for (int j = 0; j < 8; j++) {
+            int sc, m;
+            q4k_scale_min(scales, j, &sc, &m);
+            float ds = d * (float)sc, dm = dmin * (float)m;
+            const uint8_t *q = qs + (j / 2) * 32;
+            int shift = (j % 2) * 4;
+            for (int i = 0; i < 32; i++) w[j * 32 + i] = ds * (float)((q[i] >> shift) & 0xF) - dm;
+        }
+    } else {  /* Q6_K: ql[128] qh[64] scales[16] d */
+        const uint8_t *ql = b, *qh = b + 128;
+        const int8_t *scales = (const int8_t *)(b + 192);
+        float d = fp16_to_fp32(load_u16(b + 208));
+        for (int c = 0; c < 8; c++) {  /* 32-weight chunks */
+            int h = c / 4, r = c % 4;
+            const uint8_t *l = ql + h * 64 + (r % 2) * 32, *hb = qh + h * 32;
+            int lshift = (r / 2) * 4, hshift = 2 * r;
+            for (int i = 0; i < 32; i++) {
+                int e = c * 32 + i;
+                int q = (((l[i] >> lshift) & 0xF) | (((hb[i] >> hshift) & 3) << 4)) - 32;
+                w[e] = (d * (float)scales[e / 16]) * (float)q;
+            }
+        }
     }
 }
 
@@ -132,21 +222,57 @@ static void gemv_row(int qtype, const float *x, int64_t m_rows, int64_t ldx, int
 #endif
 }
 
-/* y[M, N] = x[M, K] @ W^T (+ bias[N]), W given as N rows of K/32 ggml blocks of `qtype`,
- * `row_stride` bytes apart. x and y are row-major and contiguous. Returns 0, or -1 for an
- * unsupported type or a K that is not a multiple of 32. */
+/* K-quant rows: each super-block is dequantized into a 256-float buffer (L1), then FMA'd. */
+static void gemv_row_k(int qtype, const float *x, int64_t m_rows, int64_t ldx, int64_t nblocks,
+                       const uint8_t *row, int bb, float *out) {
+    float w[QK_K];
+#if defined(__AVX512F__)
+    __m512 acc[MAX_M];
+    for (int i = 0; i < m_rows; i++) acc[i] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < nblocks; k++) {
+        dequant_superblock(qtype, row + k * bb, w);
+        const float *xk = x + k * QK_K;
+        for (int v = 0; v < QK_K; v += 16) {
+            __m512 wv = _mm512_loadu_ps(w + v);
+            for (int i = 0; i < m_rows; i++) acc[i] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(xk + i * ldx + v), acc[i]);
+        }
+    }
+    for (int i = 0; i < m_rows; i++) out[i] = _mm512_reduce_add_ps(acc[i]);
+#else
+    float acc[MAX_M][16];
+    memset(acc, 0, sizeof(acc));
+    for (int64_t k = 0; k < nblocks; k++) {
+        dequant_superblock(qtype, row + k * bb, w);
+        for (int i = 0; i < m_rows; i++)
+            for (int j = 0; j < QK_K; j++) acc[i][j % 16] += w[j] * x[i * ldx + k * QK_K + j];
+    }
+    for (int i = 0; i < m_rows; i++) {
+        float s = 0.0f;
+        for (int j = 0; j < 16; j++) s += acc[i][j];
+        out[i] = s;
+    }
+#endif
+}
+
+/* y[m, n] (at y + m*ldy + n) = x[M, K] @ W^T (+ bias[N]), W given as N rows of ggml blocks of
+ * `qtype`, `row_stride` bytes apart; x is row-major and contiguous. `ldy` lets a fused layer
+ * whose row ranges come in different types write each range into its columns of one output.
+ * Returns 0, or -1 for an unsupported type or a K that is not a multiple of the block. */
 int pkv_gemv_q(int qtype, const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N,
-               int64_t row_stride, const float *bias, float *y) {
-    int bb = pkv_block_bytes(qtype);
-    if (bb == 0 || K % QK) return -1;
-    int64_t nblocks = K / QK;
+               int64_t row_stride, const float *bias, float *y, int64_t ldy) {
+    int bb = pkv_block_bytes(qtype), bw = pkv_block_weights(qtype);
+    if (bb == 0 || K % bw) return -1;
+    int64_t nblocks = K / bw;
 #pragma omp parallel for schedule(static)
     for (int64_t n = 0; n < N; n++) {
         float out[MAX_M];
         for (int64_t m0 = 0; m0 < M; m0 += MAX_M) {
             int64_t mr = M - m0 < MAX_M ? M - m0 : MAX_M;
-            gemv_row(qtype, x + m0 * K, mr, K, nblocks, w + n * row_stride, bb, out);
-            for (int64_t i = 0; i < mr; i++) y[(m0 + i) * N + n] = out[i] + (bias ? bias[n] : 0.0f);
+            if (bw == QK_K)
+                gemv_row_k(qtype, x + m0 * K, mr, K, nblocks, w + n * row_stride, bb, out);
+            else
+                gemv_row(qtype, x + m0 * K, mr, K, nblocks, w + n * row_stride, bb, out);
+            for (int64_t i = 0; i < mr; i++) y[(m0 + i) * ldy + n] = out[i] + (bias ? bias[n] : 0.0f);
         }
     }
     return 0;
@@ -154,11 +280,17 @@ int pkv_gemv_q(int qtype, const float *x, int64_t M, int64_t K, const uint8_t *w
 
 /* Dequantize rows into float32 (same values as the kernel uses): w [N rows] -> out [N, K]. */
 int pkv_dequant(int qtype, const uint8_t *w, int64_t N, int64_t K, int64_t row_stride, float *out) {
-    int bb = pkv_block_bytes(qtype);
-    if (bb == 0 || K % QK) return -1;
+    int bb = pkv_block_bytes(qtype), bw = pkv_block_weights(qtype);
+    if (bb == 0 || K % bw) return -1;
 #pragma omp parallel for schedule(static)
     for (int64_t n = 0; n < N; n++)
-        for (int64_t k = 0; k < K / QK; k++) dequant_block(qtype, w + n * row_stride + k * bb, out + n * K + k * QK);
+        for (int64_t k = 0; k < K / bw; k++) {
+            const uint8_t *b = w + n * row_stride + k * bb;
+            if (bw == QK_K)
+                dequant_superblock(qtype, b, out + n * K + k * bw);
+            else
+                dequant_block(qtype, b, out + n * K + k * bw);
+        }
     return 0;
 }
 
