@@ -97,12 +97,15 @@ def test_gemv_rejects_bad_shapes_and_types() -> None:
 @given(lens=st.lists(st.integers(1, 300), min_size=1, max_size=6), bs=st.sampled_from([1, 16, 32]),
        hkv=st.sampled_from([1, 2, 3]), group=st.sampled_from([1, 3, 4]), d=st.sampled_from([8, 64, 70]),
        dv=st.sampled_from([None, 16]), layout=st.sampled_from([None, "LBNHC", "LBHNC", "BLNHC"]),
-       window=st.one_of(st.none(), st.integers(1, 100)), seed=st.integers(0, 2**31))
+       window=st.one_of(st.none(), st.integers(1, 100)), seed=st.integers(0, 2**31),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]))
 def test_paged_decode_matches_dense_reference(lens: list[int], bs: int, hkv: int, group: int, d: int,
                                               dv: int | None, layout: str | None, window: int | None,
-                                              seed: int, kernels: str) -> None:
+                                              seed: int, dtype: torch.dtype, kernels: str) -> None:
+    """float32 math over a float32/bf16/fp16 cache: the reference sees the same stored values,
+    so the tolerance is float32's whatever the cache dtype."""
     batch = make_paged_batch(lens, [1] * len(lens), block_size=bs, num_kv_heads=hkv, group=group,
-                             head_size=d, dtype=torch.float32, layout=layout, shared_prefix=seed % 2 == 0,
+                             head_size=d, dtype=dtype, layout=layout, shared_prefix=seed % 2 == 0,
                              seed=seed, head_size_v=dv)
     scale = d**-0.5
     md = batch.md
@@ -119,10 +122,12 @@ def test_paged_decode_matches_dense_reference(lens: list[int], bs: int, hkv: int
 
 def test_paged_decode_declines_what_it_does_not_cover() -> None:
     batch = make_paged_batch([20], [1], block_size=16, num_kv_heads=1, group=2, head_size=8,
-                             dtype=torch.bfloat16, layout="LBNHC", shared_prefix=False, seed=0)
+                             dtype=torch.float32, layout=None, shared_prefix=False, seed=0)
     md = batch.md
-    assert native.paged_decode(batch.query, batch.key_cache, batch.value_cache, md.block_table,
-                               md.seq_lens, 1.0) is None  # bf16: the torch path's job
+    assert native.paged_decode(batch.query, batch.key_cache.double(), batch.value_cache.double(),
+                               md.block_table, md.seq_lens, 1.0) is None  # float64: the torch path's job
+    assert native.paged_decode(batch.query, batch.key_cache, batch.value_cache.half(),
+                               md.block_table, md.seq_lens, 1.0) is None  # K and V of different dtypes
     big = make_paged_batch([20], [1], block_size=16, num_kv_heads=1, group=2, head_size=8,
                            dtype=torch.float32, layout="LBNHC", shared_prefix=False, seed=0,
                            head_size_v=8200)

@@ -7,7 +7,7 @@ masking; softmax accumulates in float32 whatever the cache dtype.
 
 How it runs (CPU-first, vectorised; no per-token Python loop):
 
-* **Native decode** (float32, no softcap, automatic splits): every decode row goes through
+* **Native decode** (float32/bf16/fp16 KV, no softcap, automatic splits): every decode row goes through
   ``ops/csrc/cpu_kernels.c`` (:func:`pagedkv.ops.native.paged_decode`), which walks each row's
   block table and reads K/V in place with an online softmax, one (row, KV head) per task.
   Where it does not apply (other dtypes, softcap, forced splits, no compiler) the torch path
@@ -182,9 +182,9 @@ def _decode(query: torch.Tensor, out: torch.Tensor, paged: PagedKV, md: Attentio
 def _native_decode(query: torch.Tensor, out: torch.Tensor, paged: PagedKV, md: AttentionMetadata,
                    rows: list[int], scale: float, sliding_window: int | None) -> bool:
     """All decode rows through the native kernel (reads K/V in place: no gather, no padding,
-    online softmax). Returns False, having done nothing, where it does not apply (no library,
-    not float32): the torch path below then runs."""
-    if native.lib() is None or query.dtype != torch.float32 or query.device.type != "cpu":
+    online softmax in float32). Returns False, having done nothing, where it does not apply (no
+    library, a KV dtype other than float32/bfloat16/float16): the torch path below then runs."""
+    if native.lib() is None or query.device.type != "cpu":
         return False
     dev = query.device
     rows_t = torch.tensor(rows, dtype=torch.int64, device=dev)

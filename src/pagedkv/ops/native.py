@@ -80,7 +80,7 @@ def _bind(so: ctypes.CDLL) -> ctypes.CDLL:
         f.restype = ctypes.c_int
     so.pkv_paged_decode.argtypes = [_ptr, _i64, _i64, _i64, _i64, _i64, _i64,
                                     _ptr, _i64, _i64, _i64, _ptr, _i64, _i64, _i64, _i64,
-                                    _ptr, _i64, _ptr, _i64, _f32, _ptr, _i64, _ptr]
+                                    _ptr, _i64, _ptr, _i64, _f32, _ptr, _i64, _ptr, ctypes.c_int]
     so.pkv_paged_decode.restype = ctypes.c_int
     return so
 
@@ -180,24 +180,28 @@ def dequant(qweight: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
     return out
 
 
+# KV cache dtypes the decode kernel reads (converted exactly to float32 in registers).
+KV_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
 def paged_decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_table: torch.Tensor,
                  seq_lens: torch.Tensor, scale: float, sliding_window: int | None = None,
                  return_lse: bool = False) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-    """Decode attention read straight from the paged cache (float32 only).
+    """Decode attention read straight from the paged cache, float32 math.
 
-    ``q [R, Hq, D]`` (one query per row, at position ``seq_lens[r] - 1``), ``key_cache
-    [NB, BS, Hkv, D]`` / ``value_cache [NB, BS, Hkv, Dv]`` with unit stride on the last dim,
-    ``block_table [R, max_blocks]`` int32, ``seq_lens [R]`` int32 (>= 1). Returns ``(out
-    [R, Hq, Dv], lse [R, Hq] or None)``, or ``None`` when the kernel does not cover the case
-    (no library, a dtype other than float32, group or head size past its limits): the caller
-    then uses its torch path.
+    ``q [R, Hq, D]`` (one query per row, at position ``seq_lens[r] - 1``; any float dtype),
+    ``key_cache [NB, BS, Hkv, D]`` / ``value_cache [NB, BS, Hkv, Dv]`` in float32, bfloat16 or
+    float16 (the same for both) with unit stride on the last dim, ``block_table [R,
+    max_blocks]`` int32, ``seq_lens [R]`` int32 (>= 1). Returns ``(out [R, Hq, Dv] float32,
+    lse [R, Hq] or None)``, or ``None`` when the kernel does not cover the case (no library,
+    another KV dtype, group or head size past its limits): the caller then uses its torch path.
     """
     so = lib()
-    if (so is None or q.dtype != torch.float32 or key_cache.dtype != torch.float32
-            or value_cache.dtype != torch.float32 or key_cache.stride(-1) != 1 or value_cache.stride(-1) != 1
-            or q.device.type != "cpu"):
+    kvt = KV_TYPES.get(key_cache.dtype)
+    if (so is None or kvt is None or value_cache.dtype != key_cache.dtype or key_cache.stride(-1) != 1
+            or value_cache.stride(-1) != 1 or q.device.type != "cpu"):
         return None
-    q = q.contiguous()
+    q = q.float().contiguous()
     rows, hq, d = q.shape
     hkv, dv = key_cache.shape[2], value_cache.shape[3]
     table = block_table.to(torch.int32).contiguous()
@@ -209,5 +213,5 @@ def paged_decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Te
                              key_cache.data_ptr(), ks[0], ks[1], ks[2],
                              value_cache.data_ptr(), vs[0], vs[1], vs[2], key_cache.shape[1],
                              table.data_ptr(), table.stride(0), lens.data_ptr(),
-                             sliding_window or 0, scale, out.data_ptr(), hq * dv, _addr(lse))
+                             sliding_window or 0, scale, out.data_ptr(), hq * dv, _addr(lse), kvt)
     return None if rc else (out, lse)

@@ -1,4 +1,5 @@
-/* pagedkv CPU kernels: fused GGUF dequant + GEMV, and paged decode attention (float32).
+/* pagedkv CPU kernels: fused GGUF dequant + GEMV, and paged decode attention (float32 math
+ * over a float32, bfloat16 or float16 KV cache).
  *
  * Built at first use by pagedkv/ops/native.py with
  *   cc -O3 -march=native -fopenmp -ffp-contract=off -shared -fPIC
@@ -296,7 +297,28 @@ int pkv_dequant(int qtype, const uint8_t *w, int64_t N, int64_t K, int64_t row_s
 
 /* ------------------------------------------------------------------ paged decode attention */
 
-#if defined(__AVX512F__)
+/* The attention kernel reads K/V stored as float32, bfloat16 or float16 (converted exactly to
+ * float32 in registers); 16-bit masked loads need AVX-512 BW/VL besides F. */
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define PKV_ATTN_AVX512 1
+#else
+#define PKV_ATTN_AVX512 0
+#endif
+enum { KV_F32 = 0, KV_BF16 = 1, KV_F16 = 2 };
+
+static inline float kv_scalar(const char *p, int64_t i, int kvt) {
+    if (kvt == KV_F32) { float f; memcpy(&f, p + 4 * i, 4); return f; }
+    uint16_t h;
+    memcpy(&h, p + 2 * i, 2);
+    if (kvt == KV_F16) return fp16_to_fp32(h);
+    uint32_t b = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &b, 4);
+    return f;
+}
+
+
+#if PKV_ATTN_AVX512
 /* exp on 16 lanes: n = round(x/ln2), r = x - n*ln2 (two-part ln2), degree-6 polynomial.
  * Max relative error ~2 ulp over the range softmax uses (x <= 0); x < -87 gives 0. */
 static inline __m512 exp16(__m512 x) {
@@ -316,6 +338,20 @@ static inline __m512 exp16(__m512 x) {
     p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
     __m512 e = _mm512_scalef_ps(p, n);
     return _mm512_mask_mov_ps(e, tiny, _mm512_setzero_ps());
+}
+
+static inline __m512 kv_load16(const char *p, int kvt) {
+    if (kvt == KV_F32) return _mm512_loadu_ps((const float *)p);
+    __m256i h = _mm256_loadu_si256((const __m256i *)p);
+    if (kvt == KV_F16) return _mm512_cvtph_ps(h);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+static inline __m512 kv_maskz_load16(__mmask16 m, const char *p, int kvt) {
+    if (kvt == KV_F32) return _mm512_maskz_loadu_ps(m, (const float *)p);
+    __m256i h = _mm256_maskz_loadu_epi16(m, p);
+    if (kvt == KV_F16) return _mm512_cvtph_ps(h);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
 static inline float dot(const float *a, const float *b, int64_t n) {
@@ -366,24 +402,26 @@ static inline void exp_inplace(float *s, int64_t n) {
 enum { TILE = 64, MAX_ACC = 16384 };  /* keys per tile; floats of per-item accumulators */
 
 typedef struct {
-    const float *q, *k, *v;
+    const float *q;
+    const char *k, *v;  /* K/V of kvt, esz bytes an element; strides below count elements */
     int64_t q_stride, Hq, Hkv, G, D, Dv, kb, kt, kh, vb, vt, vh, block_size, bt_stride, window;
     const int32_t *block_table, *seq_lens;
     float scale, *out, *lse;
     int64_t out_stride;
+    int kvt, esz;
 } decode_args;
 
-#if defined(__AVX512F__)
+#if PKV_ATTN_AVX512
 /* acc[0:n) += sum_j p[j] * x_j[0:n) over a tile, accumulating in registers 16 lanes at a time. */
-static inline void accumulate_tile(float *acc, const float *p, const float *const *xs, int64_t off,
-                                   int64_t ntok, int64_t n) {
+static inline void accumulate_tile(float *acc, const float *p, const char *const *xs, int64_t off,
+                                   int64_t ntok, int64_t n, int kvt, int esz) {
     int64_t c = 0;
     for (; c + 32 <= n; c += 32) {
         __m512 a0 = _mm512_loadu_ps(acc + c), a1 = _mm512_loadu_ps(acc + c + 16);
         for (int64_t j = 0; j < ntok; j++) {
             __m512 pj = _mm512_set1_ps(p[j]);
-            a0 = _mm512_fmadd_ps(pj, _mm512_loadu_ps(xs[j] + off + c), a0);
-            a1 = _mm512_fmadd_ps(pj, _mm512_loadu_ps(xs[j] + off + c + 16), a1);
+            a0 = _mm512_fmadd_ps(pj, kv_load16(xs[j] + off + c * esz, kvt), a0);
+            a1 = _mm512_fmadd_ps(pj, kv_load16(xs[j] + off + (c + 16) * esz, kvt), a1);
         }
         _mm512_storeu_ps(acc + c, a0);
         _mm512_storeu_ps(acc + c + 16, a1);
@@ -392,7 +430,7 @@ static inline void accumulate_tile(float *acc, const float *p, const float *cons
         __mmask16 m = n - c >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - c)) - 1);
         __m512 a = _mm512_maskz_loadu_ps(m, acc + c);
         for (int64_t j = 0; j < ntok; j++)
-            a = _mm512_fmadd_ps(_mm512_set1_ps(p[j]), _mm512_maskz_loadu_ps(m, xs[j] + off + c), a);
+            a = _mm512_fmadd_ps(_mm512_set1_ps(p[j]), kv_maskz_load16(m, xs[j] + off + c * esz, kvt), a);
         _mm512_mask_storeu_ps(acc + c, m, a);
     }
 }
@@ -411,30 +449,39 @@ static inline __m512 hsum16(const __m512 *v) {
     return _mm512_add_ps(_mm512_shuffle_f32x4(z0, z1, 0x88), _mm512_shuffle_f32x4(z0, z1, 0xDD));
 }
 
-/* out[0:16) = q . k_j for the 16 keys at ks[j] + off (D floats each). */
-static inline void scores16(const float *q, const float *const *ks, int64_t off, int64_t D, float *out) {
+/* out[0:16) = q . k_j for the 16 keys at ks[j] + off bytes (D elements each). */
+static inline void scores16(const float *q, const char *const *ks, int64_t off, int64_t D, int kvt, int esz,
+                            float *out) {
     __m512 t[16];
     for (int j = 0; j < 16; j++) t[j] = _mm512_setzero_ps();
     int64_t d = 0;
     for (; d + 16 <= D; d += 16) {
         __m512 qd = _mm512_loadu_ps(q + d);
-        for (int j = 0; j < 16; j++) t[j] = _mm512_fmadd_ps(qd, _mm512_loadu_ps(ks[j] + off + d), t[j]);
+        for (int j = 0; j < 16; j++) t[j] = _mm512_fmadd_ps(qd, kv_load16(ks[j] + off + d * esz, kvt), t[j]);
     }
     if (d < D) {
         __mmask16 m = (__mmask16)((1u << (D - d)) - 1);
         __m512 qd = _mm512_maskz_loadu_ps(m, q + d);
-        for (int j = 0; j < 16; j++) t[j] = _mm512_fmadd_ps(qd, _mm512_maskz_loadu_ps(m, ks[j] + off + d), t[j]);
+        for (int j = 0; j < 16; j++) t[j] = _mm512_fmadd_ps(qd, kv_maskz_load16(m, ks[j] + off + d * esz, kvt), t[j]);
     }
     _mm512_storeu_ps(out, hsum16(t));
 }
 #else
-static inline void scores16(const float *q, const float *const *ks, int64_t off, int64_t D, float *out) {
-    for (int j = 0; j < 16; j++) out[j] = dot(q, ks[j] + off, D);
+static inline void scores16(const float *q, const char *const *ks, int64_t off, int64_t D, int kvt, int esz,
+                            float *out) {
+    (void)esz;
+    for (int j = 0; j < 16; j++) {
+        float s = 0.0f;
+        for (int64_t d = 0; d < D; d++) s += q[d] * kv_scalar(ks[j] + off, d, kvt);
+        out[j] = s;
+    }
 }
 
-static inline void accumulate_tile(float *acc, const float *p, const float *const *xs, int64_t off,
-                                   int64_t ntok, int64_t n) {
-    for (int64_t j = 0; j < ntok; j++) axpy(acc, p[j], xs[j] + off, n);
+static inline void accumulate_tile(float *acc, const float *p, const char *const *xs, int64_t off,
+                                   int64_t ntok, int64_t n, int kvt, int esz) {
+    (void)esz;
+    for (int64_t j = 0; j < ntok; j++)
+        for (int64_t c = 0; c < n; c++) acc[c] += p[j] * kv_scalar(xs[j] + off, c, kvt);
 }
 #endif
 
@@ -442,7 +489,8 @@ static inline void accumulate_tile(float *acc, const float *p, const float *cons
  * share cache lines in the usual layouts), then one online-softmax update per query head. */
 static void decode_item(const decode_args *a, int64_t r, int64_t h0, int64_t h1) {
     float acc[MAX_ACC], s[256][TILE], mx[256], sum[256];
-    const float *kp[TILE], *vp[TILE];
+    const char *kp[TILE], *vp[TILE];
+    const int64_t esz = a->esz;
     int64_t nq = (h1 - h0) * a->G, Dv = a->Dv, D = a->D, bs = a->block_size;
     int64_t len = a->seq_lens[r], first = (a->window > 0 && len > a->window) ? len - a->window : 0;
     const int32_t *table = a->block_table + r * a->bt_stride;
@@ -456,8 +504,8 @@ static void decode_item(const decode_args *a, int64_t r, int64_t h0, int64_t h1)
         int64_t n = len - t0 < TILE ? len - t0 : TILE;
         for (int64_t j = 0, bi = t0 / bs, tok = t0 % bs; j < n; j++) {
             const int64_t blk = table[bi];
-            kp[j] = a->k + blk * a->kb + tok * a->kt;
-            vp[j] = a->v + blk * a->vb + tok * a->vt;
+            kp[j] = a->k + (blk * a->kb + tok * a->kt) * esz;
+            vp[j] = a->v + (blk * a->vb + tok * a->vt) * esz;
             if (++tok == bs) { tok = 0; bi++; }
         }
         for (int64_t j = n; j < TILE; j++) kp[j] = kp[0];  /* padding keys: computed, never used */
@@ -466,17 +514,17 @@ static void decode_item(const decode_args *a, int64_t r, int64_t h0, int64_t h1)
         int64_t n2 = len - (t0 + TILE) < TILE ? len - (t0 + TILE) : TILE;
         for (int64_t j = 0; j < n2; j++) {
             int64_t pos = t0 + TILE + j, blk = table[pos / bs], tok = pos % bs;
-            const char *kn = (const char *)(a->k + blk * a->kb + tok * a->kt);
-            const char *vn = (const char *)(a->v + blk * a->vb + tok * a->vt);
+            const char *kn = a->k + (blk * a->kb + tok * a->kt) * esz;
+            const char *vn = a->v + (blk * a->vb + tok * a->vt) * esz;
             for (int64_t hk = h0; hk < h1; hk++) {
-                for (int64_t b = 0; b < D * 4; b += 64) __builtin_prefetch(kn + hk * a->kh * 4 + b);
-                for (int64_t b = 0; b < Dv * 4; b += 64) __builtin_prefetch(vn + hk * a->vh * 4 + b);
+                for (int64_t b = 0; b < D * esz; b += 64) __builtin_prefetch(kn + hk * a->kh * esz + b);
+                for (int64_t b = 0; b < Dv * esz; b += 64) __builtin_prefetch(vn + hk * a->vh * esz + b);
             }
         }
         for (int64_t hk = h0; hk < h1; hk++)
             for (int64_t g = 0; g < a->G; g++) {
                 int64_t i = (hk - h0) * a->G + g;
-                for (int64_t j = 0; j < n; j += 16) scores16(qr + i * D, kp + j, hk * a->kh, D, s[i] + j);
+                for (int64_t j = 0; j < n; j += 16) scores16(qr + i * D, kp + j, hk * a->kh * esz, D, a->kvt, (int)esz, s[i] + j);
                 for (int64_t j = 0; j < n; j++) s[i][j] *= a->scale;
             }
         for (int64_t i = 0; i < nq; i++) {
@@ -495,7 +543,7 @@ static void decode_item(const decode_args *a, int64_t r, int64_t h0, int64_t h1)
         for (int64_t hk = h0; hk < h1; hk++)
             for (int64_t g = 0; g < a->G; g++) {
                 int64_t i = (hk - h0) * a->G + g;
-                accumulate_tile(acc + i * Dv, s[i], vp, hk * a->vh, n, Dv);
+                accumulate_tile(acc + i * Dv, s[i], vp, hk * a->vh * esz, n, Dv, a->kvt, (int)esz);
             }
     }
     for (int64_t i = 0; i < nq; i++) {
@@ -510,7 +558,8 @@ static void decode_item(const decode_args *a, int64_t r, int64_t h0, int64_t h1)
  * head. Row r has one query q[r] ([Hq, D] at q + r*q_stride) at position seq_lens[r]-1 and
  * reads its keys through block_table[r] (bt_stride int32s apart): keys max(0, len - window) ..
  * len-1 (window <= 0: all). K element (block, token, head, i) is at
- * k + block*kb + token*kt + head*kh + i (same for V with vb/vt/vh). Query head h uses KV head
+ * k + block*kb + token*kt + head*kh + i elements (same for V with vb/vt/vh), each a float32,
+ * bfloat16 or float16 as kv_type says (KV_F32/KV_BF16/KV_F16). Query head h uses KV head
  * h / (Hq/Hkv). Writes out[r] ([Hq, Dv] at out + r*out_stride) and, if lse is not NULL,
  * lse[r*Hq + h] (natural log-sum-exp of the scaled logits).
  *
@@ -519,15 +568,16 @@ static void decode_item(const decode_args *a, int64_t r, int64_t h0, int64_t h1)
  * has work. Returns -1 (nothing written) when even one KV head's query group does not fit the
  * accumulators (G*Dv > MAX_ACC or G > 256), else 0. */
 int pkv_paged_decode(const float *q, int64_t q_stride, int64_t num_rows, int64_t Hq, int64_t Hkv,
-                     int64_t D, int64_t Dv, const float *k, int64_t kb, int64_t kt, int64_t kh,
-                     const float *v, int64_t vb, int64_t vt, int64_t vh, int64_t block_size,
+                     int64_t D, int64_t Dv, const void *k, int64_t kb, int64_t kt, int64_t kh,
+                     const void *v, int64_t vb, int64_t vt, int64_t vh, int64_t block_size,
                      const int32_t *block_table, int64_t bt_stride, const int32_t *seq_lens,
-                     int64_t window, float scale, float *out, int64_t out_stride, float *lse) {
-    if (Hkv <= 0 || Hq % Hkv) return -1;
+                     int64_t window, float scale, float *out, int64_t out_stride, float *lse, int kv_type) {
+    if (Hkv <= 0 || Hq % Hkv || kv_type < KV_F32 || kv_type > KV_F16) return -1;
     int64_t G = Hq / Hkv;
     if (G * Dv > MAX_ACC || G > 256) return -1;
-    decode_args a = {q, k, v, q_stride, Hq, Hkv, G, D, Dv, kb, kt, kh, vb, vt, vh, block_size,
-                     bt_stride, window, block_table, seq_lens, scale, out, lse, out_stride};
+    decode_args a = {q, (const char *)k, (const char *)v, q_stride, Hq, Hkv, G, D, Dv, kb, kt, kh, vb, vt, vh,
+                     block_size, bt_stride, window, block_table, seq_lens, scale, out, lse, out_stride,
+                     kv_type, kv_type == KV_F32 ? 4 : 2};
     int threads = omp_get_max_threads();
     if (num_rows >= 2 * threads && Hq * Dv <= MAX_ACC && Hq <= 256) {
 #pragma omp parallel for schedule(dynamic, 1)
