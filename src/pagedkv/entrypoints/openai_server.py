@@ -291,8 +291,29 @@ def _sse_error(e: Exception, param: str) -> str:
                                                  param=err.param, code=err.code)))
 
 
-def _event_stream(events: Any) -> StreamingResponse:
-    return StreamingResponse(events, media_type="text/event-stream",
+def _usage_flags(opts: P.StreamOptions | None) -> tuple[bool, bool]:
+    """``(include_usage, continuous_usage_stats)`` of a request's ``stream_options``."""
+    return bool(opts and opts.include_usage), bool(opts and opts.continuous_usage_stats)
+
+
+def _event_stream(body: AsyncIterator[str], streams: list[RequestStream], param: str) -> StreamingResponse:
+    """An SSE response of ``body``'s events, then ``[DONE]``. An engine or API error mid-stream
+    becomes an error event naming ``param``; whatever ends the stream (a client that
+    disconnects too), the requests behind it are aborted."""
+
+    async def guarded() -> AsyncIterator[str]:
+        try:
+            async for event in body:
+                yield event
+        except (EngineDeadError, APIError) as e:
+            yield _sse_error(e, param)
+        finally:
+            await body.aclose()  # type: ignore[attr-defined]
+            for s in streams:
+                s.abort()
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(guarded(), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
@@ -398,50 +419,42 @@ async def completions(request: Request) -> Response:
     echo_text = [p if isinstance(p, str) else state.async_llm.tokenizer.decode(p) for p in prompts] if req.echo else None
 
     if req.stream:
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
+        include_usage, continuous = _usage_flags(req.stream_options)
 
         async def gen() -> AsyncIterator[str]:
             cursors = [[_ChoiceCursor() for _ in range(n)] for _ in prompts]
             last: list[RequestOutput | None] = [None] * len(prompts)
-            try:
-                async for pi, out in _merged(streams):
-                    last[pi] = out
-                    choices = []
-                    for c in out.outputs:
-                        cur = cursors[pi][c.index]
-                        if cur.done:
-                            continue
-                        text, t0, t1 = _delta(cur, c, holdback)
-                        if not cur.started and echo_text is not None:
-                            text = echo_text[pi] + text
-                        cur.started = True
-                        finished = c.finish_reason is not None
-                        if not text and t0 == t1 and not finished:
-                            continue
-                        lp = _completion_logprobs(state, c, k, t0, t1, cur.text_len - len(text)) if k is not None else None
-                        choices.append(P.CompletionResponseChoice(
-                            index=pi * n + c.index, text=text, logprobs=lp,
-                            finish_reason=c.finish_reason if finished else None,
-                            stop_reason=c.stop_reason if finished else None))
-                        cur.done = finished
-                    if choices:
-                        chunk = P.CompletionStreamResponse(id=request_id, created=created, model=model,
-                                                           choices=choices)
-                        if include_usage and continuous:
-                            chunk.usage = _usage(last)
-                        yield _sse(chunk)
-                if include_usage:
-                    yield _sse(P.CompletionStreamResponse(id=request_id, created=created, model=model,
-                                                          choices=[], usage=_usage(last)))
-            except (EngineDeadError, APIError) as e:
-                yield _sse_error(e, "prompt")
-            finally:
-                for s in streams:
-                    s.abort()
-            yield "data: [DONE]\n\n"
+            async for pi, out in _merged(streams):
+                last[pi] = out
+                choices = []
+                for c in out.outputs:
+                    cur = cursors[pi][c.index]
+                    if cur.done:
+                        continue
+                    text, t0, t1 = _delta(cur, c, holdback)
+                    if not cur.started and echo_text is not None:
+                        text = echo_text[pi] + text
+                    cur.started = True
+                    finished = c.finish_reason is not None
+                    if not text and t0 == t1 and not finished:
+                        continue
+                    lp = _completion_logprobs(state, c, k, t0, t1, cur.text_len - len(text)) if k is not None else None
+                    choices.append(P.CompletionResponseChoice(
+                        index=pi * n + c.index, text=text, logprobs=lp,
+                        finish_reason=c.finish_reason if finished else None,
+                        stop_reason=c.stop_reason if finished else None))
+                    cur.done = finished
+                if choices:
+                    chunk = P.CompletionStreamResponse(id=request_id, created=created, model=model,
+                                                       choices=choices)
+                    if include_usage and continuous:
+                        chunk.usage = _usage(last)
+                    yield _sse(chunk)
+            if include_usage:
+                yield _sse(P.CompletionStreamResponse(id=request_id, created=created, model=model,
+                                                      choices=[], usage=_usage(last)))
 
-        return _event_stream(gen())
+        return _event_stream(gen(), streams, "prompt")
 
     async def collect() -> list[RequestOutput]:
         final: list[RequestOutput | None] = [None] * len(streams)
@@ -494,52 +507,44 @@ async def chat_completions(request: Request) -> Response:
     holdback = _holdback(params)
 
     if req.stream:
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
+        include_usage, continuous = _usage_flags(req.stream_options)
 
         async def gen() -> AsyncIterator[str]:
             cursors = [_ChoiceCursor() for _ in range(n)]
             last: RequestOutput | None = None
-            try:
-                # The role first, for every choice (OpenAI sends it before any content).
-                yield _sse(P.ChatCompletionStreamResponse(
-                    id=request_id, created=created, model=model,
-                    choices=[P.ChatCompletionStreamChoice(index=i, delta=P.DeltaMessage(role="assistant", content=""))
-                             for i in range(n)]))
-                async for _, out in _merged(streams):
-                    last = out
-                    choices = []
-                    for c in out.outputs:
-                        cur = cursors[c.index]
-                        if cur.done:
-                            continue
-                        text, t0, t1 = _delta(cur, c, holdback)
-                        finished = c.finish_reason is not None
-                        if not text and t0 == t1 and not finished:
-                            continue
-                        lp = _chat_logprobs(state, c, k, t0, t1) if k is not None else None
-                        choices.append(P.ChatCompletionStreamChoice(
-                            index=c.index, delta=P.DeltaMessage(content=text) if text else P.DeltaMessage(),
-                            logprobs=lp, finish_reason=c.finish_reason if finished else None,
-                            stop_reason=c.stop_reason if finished else None))
-                        cur.done = finished
-                    if choices:
-                        chunk = P.ChatCompletionStreamResponse(id=request_id, created=created, model=model,
-                                                               choices=choices)
-                        if include_usage and continuous:
-                            chunk.usage = _usage([last])
-                        yield _sse(chunk)
-                if include_usage:
-                    yield _sse(P.ChatCompletionStreamResponse(id=request_id, created=created, model=model,
-                                                              choices=[], usage=_usage([last])))
-            except (EngineDeadError, APIError) as e:
-                yield _sse_error(e, "messages")
-            finally:
-                for s in streams:
-                    s.abort()
-            yield "data: [DONE]\n\n"
+            # The role first, for every choice (OpenAI sends it before any content).
+            yield _sse(P.ChatCompletionStreamResponse(
+                id=request_id, created=created, model=model,
+                choices=[P.ChatCompletionStreamChoice(index=i, delta=P.DeltaMessage(role="assistant", content=""))
+                         for i in range(n)]))
+            async for _, out in _merged(streams):
+                last = out
+                choices = []
+                for c in out.outputs:
+                    cur = cursors[c.index]
+                    if cur.done:
+                        continue
+                    text, t0, t1 = _delta(cur, c, holdback)
+                    finished = c.finish_reason is not None
+                    if not text and t0 == t1 and not finished:
+                        continue
+                    lp = _chat_logprobs(state, c, k, t0, t1) if k is not None else None
+                    choices.append(P.ChatCompletionStreamChoice(
+                        index=c.index, delta=P.DeltaMessage(content=text) if text else P.DeltaMessage(),
+                        logprobs=lp, finish_reason=c.finish_reason if finished else None,
+                        stop_reason=c.stop_reason if finished else None))
+                    cur.done = finished
+                if choices:
+                    chunk = P.ChatCompletionStreamResponse(id=request_id, created=created, model=model,
+                                                           choices=choices)
+                    if include_usage and continuous:
+                        chunk.usage = _usage([last])
+                    yield _sse(chunk)
+            if include_usage:
+                yield _sse(P.ChatCompletionStreamResponse(id=request_id, created=created, model=model,
+                                                          choices=[], usage=_usage([last])))
 
-        return _event_stream(gen())
+        return _event_stream(gen(), streams, "messages")
 
     async def collect() -> RequestOutput:
         final = None
