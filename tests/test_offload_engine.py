@@ -191,7 +191,6 @@ def test_all_tiers_together(reference, tmp_path):
         drain(llm)
         assert outputs(llm) == reference
         st = llm.stats()["offload"]
-        print(st)
         assert st["loaded_tokens"] > 0, st
         assert st["disk"]["stores"] > 0 and st["redis"]["stores"] > 0, st
         llm.llm_engine.shutdown()
