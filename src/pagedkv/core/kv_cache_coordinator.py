@@ -18,10 +18,8 @@ from pagedkv.core.block_pool import BlockPool, KVCacheBlock
 from pagedkv.core.hashing import BlockHash
 from pagedkv.core.request import KVCacheRequest
 from pagedkv.core.single_type_kv_cache_manager import (
-    ChunkedLocalAttentionManager,
     FullAttentionManager,
     SingleTypeKVCacheManager,
-    SlidingWindowManager,
     get_manager_class,
 )
 from pagedkv.core.specs import KVCacheGroupSpec, KVCacheSpec
@@ -96,10 +94,9 @@ class KVCacheCoordinator:
         groups count this step's ``step_len`` slots, since what they hold is trimmed to the
         window as the sequence advances (counting the whole sequence there would refuse, for
         ever, a request that fits)."""
-        return sum(m.get_num_blocks_to_allocate(
-            request_id, step_len if isinstance(m, (SlidingWindowManager, ChunkedLocalAttentionManager))
-            else sequence_len, new_computed_blocks[i], total_computed_tokens)
-            for i, m in enumerate(self.single_type_managers))
+        return sum(m.get_num_blocks_to_allocate(request_id, sequence_len if m.keeps_all_tokens else step_len,
+                                                new_computed_blocks[i], total_computed_tokens)
+                   for i, m in enumerate(self.single_type_managers))
 
     def allocate_new_computed_blocks(self, request_id: str,
                                      new_computed_blocks: tuple[Sequence[KVCacheBlock], ...],

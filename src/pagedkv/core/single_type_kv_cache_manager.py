@@ -45,6 +45,10 @@ def cdiv(a: int, b: int) -> int:
 class SingleTypeKVCacheManager:
     """Block tables of one KV cache group and the allocation rules of its attention type."""
 
+    # Whether a request holds a block for every token it has (False when blocks that fell out
+    # of a window or chunk are released as it advances): what "the whole sequence fits" counts.
+    keeps_all_tokens = True
+
     def __init__(self, kv_cache_spec: KVCacheSpec, block_pool: BlockPool, kv_cache_group_id: int) -> None:
         self.kv_cache_spec = kv_cache_spec
         self.block_size = kv_cache_spec.block_size
@@ -189,6 +193,8 @@ class FullAttentionManager(SingleTypeKVCacheManager):
 class SlidingWindowManager(SingleTypeKVCacheManager):
     """Sliding-window attention: a query at position p reads keys in ``(p - window, p]``."""
 
+    keeps_all_tokens = False
+
     def __init__(self, kv_cache_spec: SlidingWindowSpec, block_pool: BlockPool, kv_cache_group_id: int) -> None:
         super().__init__(kv_cache_spec, block_pool, kv_cache_group_id)
         self.sliding_window = kv_cache_spec.sliding_window
@@ -234,6 +240,8 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
 class ChunkedLocalAttentionManager(SingleTypeKVCacheManager):
     """Chunked local attention (Llama 4): a query reads only keys of its own chunk of
     ``attention_chunk_size`` tokens."""
+
+    keeps_all_tokens = False
 
     def __init__(self, kv_cache_spec: ChunkedLocalAttentionSpec, block_pool: BlockPool, kv_cache_group_id: int) -> None:
         super().__init__(kv_cache_spec, block_pool, kv_cache_group_id)

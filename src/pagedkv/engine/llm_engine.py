@@ -248,9 +248,7 @@ class LLMEngine:
             logger.warning("request %s stopped at %d tokens: the whole KV cache (%d tokens) cannot "
                            "hold more", req.request_id, req.num_tokens, self.num_usable_kv_tokens)
             req.finish_reason = "length"
-            req.metrics.finished_time = now
-            if req.detok_state is not None:
-                req.output_text += self.tokenizer.decode_incremental(req.detok_state, [], final=True)
+            self._close(req, now)
         return [self._make_output(rid) for rid in dict.fromkeys(r.parent_id for r in reqs)]
 
     def _fork_child(self, parent: Request, index: int) -> Request:
@@ -276,12 +274,15 @@ class LLMEngine:
             req.output_text += self.tokenizer.decode_incremental(req.detok_state, [token])
         status = self._check_stop(req, token)
         if status is not None:
-            # Flush text held back for an incomplete character (not after a stop string: the
-            # text was cut there on purpose).
-            if req.detok_state is not None and not isinstance(req.stop_reason, str):
-                req.output_text += self.tokenizer.decode_incremental(req.detok_state, [], final=True)
-            req.metrics.finished_time = now
+            self._close(req, now)
             self.scheduler.finish(req, status)
+
+    def _close(self, req: Request, now: float) -> None:
+        """A request just finished: flush text held back for an incomplete character (not
+        after a stop string: the text was cut there on purpose) and stamp the finish time."""
+        if req.detok_state is not None and not isinstance(req.stop_reason, str):
+            req.output_text += self.tokenizer.decode_incremental(req.detok_state, [], final=True)
+        req.metrics.finished_time = now
 
     def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
         p = req.sampling_params

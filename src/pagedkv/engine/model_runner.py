@@ -36,9 +36,7 @@ class ModelRunner:
         self.device = torch.device(device)
         self.layer_groups = layer_groups or [0] * len(kv_caches)
         # copy_blocks must copy each distinct tensor once (aliased layers would copy twice).
-        seen: set[int] = set()
-        self.distinct_kv_caches = [kv for kv in kv_caches
-                                   if kv[0].data_ptr() not in seen and not seen.add(kv[0].data_ptr())]
+        self.distinct_kv_caches = list({kv[0].data_ptr(): kv for kv in kv_caches}.values())
 
     def prepare_inputs(self, so: SchedulerOutput
                        ) -> tuple[torch.Tensor, torch.Tensor, list[AttentionMetadata], list[int]]:
@@ -63,6 +61,7 @@ class ModelRunner:
         req_indices = torch.repeat_interleave(torch.arange(len(so.scheduled), device=dev), counts)
         qsl = torch.tensor(query_start_loc, dtype=torch.int32, device=dev)
         lens = torch.tensor(seq_lens, dtype=torch.int32, device=dev)
+        max_query_len = max(s.num_tokens for s in so.scheduled)
         mds = []
         for g in range(max(self.layer_groups) + 1):
             max_blocks = max(len(s.block_ids[g]) for s in so.scheduled)
@@ -71,7 +70,7 @@ class ModelRunner:
             mds.append(AttentionMetadata(
                 slot_mapping=compute_slot_mapping(block_table, req_indices, pos, self.block_size),
                 query_start_loc=qsl, seq_lens=lens, block_table=block_table, block_size=self.block_size,
-                max_query_len=max(s.num_tokens for s in so.scheduled), max_seq_len=max(seq_lens),
+                max_query_len=max_query_len, max_seq_len=max(seq_lens),
                 query_start_loc_cpu=query_start_loc, seq_lens_cpu=seq_lens))
         return input_ids, pos, mds, logits_indices
 

@@ -127,10 +127,7 @@ class Scheduler:
                     # Alone and still no room: its sequence outgrew the whole KV cache.
                     # Preempting it would loop forever (re-admission needs the same room):
                     # it ends as if max_model_len were reached.
-                    self.running.pop()
-                    self.requests.pop(req.request_id, None)
-                    req.status = RequestStatus.FINISHED_LENGTH_CAPPED
-                    self._release(req)
+                    self.finish(req, RequestStatus.FINISHED_LENGTH_CAPPED)
                     out.finished.append(req)
                     break
                 victim = self.running.pop()  # FCFS: the latest admitted goes first

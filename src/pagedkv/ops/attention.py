@@ -9,7 +9,8 @@ How it runs (CPU-first, vectorised; no per-token Python loop):
 
 * **Native decode** (float32/bf16/fp16 KV, no softcap, automatic splits): every decode row goes through
   ``ops/csrc/cpu_kernels.c`` (:func:`pagedkv.ops.native.paged_decode`), which walks each row's
-  block table and reads K/V in place with an online softmax, one (row, KV head) per task.
+  block table and reads K/V in place with an online softmax (a task per row, or per (row, KV
+  head) when rows are few); the rows' tensors are built once per step (``md.rows()``).
   Where it does not apply (other dtypes, softcap, forced splits, no compiler) the torch path
   below runs; tests check both.
 
@@ -38,7 +39,7 @@ from pagedkv.ops import native
 from pagedkv.ops.dense_attention import attend
 from pagedkv.ops.kv_gather import PagedKV
 from pagedkv.ops.merge_attn_states import merge_attn_states, merge_attn_states_multi
-from pagedkv.ops.metadata import AttentionMetadata
+from pagedkv.ops.metadata import AttentionMetadata, StepRows
 
 # Gathered K+V bytes of one decode chunk: enough rows to amortise per-chunk overhead, few
 # enough that the gather is still in cache when the kernel reads it.
@@ -76,15 +77,12 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     md = attn_metadata
     paged = PagedKV.of(key_cache, value_cache)
     out = query.new_empty(num_tokens, num_heads, value_cache.shape[-1])
-    qsl = md.query_start_loc_cpu
-    q_lens = [qsl[i + 1] - qsl[i] for i in range(md.num_seqs)]
-    decode_rows = [i for i, n in enumerate(q_lens) if n == 1]
-    if decode_rows:
-        _decode(query, out, paged, md, decode_rows, scale, sliding_window, logits_soft_cap,
+    rows = md.rows()
+    if rows.decode:
+        _decode(query, out, paged, md, rows.decode, scale, sliding_window, logits_soft_cap,
                 num_kv_splits)
-    for i, n in enumerate(q_lens):
-        if n > 1:
-            _prefill(query, out, paged, md, i, scale, sliding_window, logits_soft_cap)
+    for i in rows.prefill:
+        _prefill(query, out, paged, md, i, scale, sliding_window, logits_soft_cap)
     return out
 
 
@@ -144,7 +142,7 @@ def _decode(query: torch.Tensor, out: torch.Tensor, paged: PagedKV, md: Attentio
     row needs more than one), each cut into ``splits`` segments computed in one kernel call.
     """
     if soft_cap is None and num_kv_splits in (None, 0) and _native_decode(
-            query, out, paged, md, rows, scale, sliding_window):
+            query, out, paged, md.rows(), scale, sliding_window):
         return
     bs, dev = md.block_size, query.device
     chunks = _decode_chunks(md.seq_lens_cpu, rows, paged.token_bytes, KV_CHUNK_BYTES,
@@ -179,21 +177,22 @@ def _decode(query: torch.Tensor, out: torch.Tensor, paged: PagedKV, md: Attentio
     out[tokens] = res.squeeze(2)
 
 
-def _native_decode(query: torch.Tensor, out: torch.Tensor, paged: PagedKV, md: AttentionMetadata,
-                   rows: list[int], scale: float, sliding_window: int | None) -> bool:
+def _native_decode(query: torch.Tensor, out: torch.Tensor, paged: PagedKV, rows: StepRows,
+                   scale: float, sliding_window: int | None) -> bool:
     """All decode rows through the native kernel (reads K/V in place: no gather, no padding,
     online softmax in float32). Returns False, having done nothing, where it does not apply (no
     library, a KV dtype other than float32/bfloat16/float16): the torch path below then runs."""
     if native.lib() is None or query.device.type != "cpu":
         return False
-    dev = query.device
-    rows_t = torch.tensor(rows, dtype=torch.int64, device=dev)
-    tokens = torch.tensor([md.query_start_loc_cpu[i] for i in rows], dtype=torch.int64, device=dev)
-    res = native.paged_decode(query[tokens], paged.key_cache, paged.value_cache, md.block_table[rows_t],
-                              md.seq_lens[rows_t], scale, sliding_window)
+    q = query if rows.all_decode else query[rows.tokens]
+    res = native.paged_decode(q, paged.key_cache, paged.value_cache, rows.block_table, rows.seq_lens,
+                              scale, sliding_window)
     if res is None:
         return False
-    out[tokens] = res[0].to(out.dtype)
+    if rows.all_decode:
+        out.copy_(res[0])
+    else:
+        out[rows.tokens] = res[0].to(out.dtype)
     return True
 
 

@@ -8,9 +8,22 @@ single decode token. Nothing here knows about requests: only tensors and their h
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+
+
+@dataclass(slots=True)
+class StepRows:
+    """How a step's sequences split into decode rows (one query token) and prefill chunks,
+    with the decode rows' tensors; derived from the metadata once and shared by every layer."""
+
+    decode: list[int]  # sequence indices with query_len == 1
+    prefill: list[int]  # sequence indices with query_len > 1
+    tokens: torch.Tensor  # [R] int64: flat-batch index of each decode row's query token
+    block_table: torch.Tensor  # [R, max_blocks] int32: the decode rows' block tables
+    seq_lens: torch.Tensor  # [R] int32
+    all_decode: bool  # every token of the batch is a decode row (tokens == arange(T))
 
 
 @dataclass(slots=True)
@@ -40,6 +53,21 @@ class AttentionMetadata:
     # Host copies (lists) so CPU kernels can plan work without device syncs.
     query_start_loc_cpu: list[int]
     seq_lens_cpu: list[int]
+    _rows: StepRows | None = field(default=None, repr=False, compare=False)
+
+    def rows(self) -> StepRows:
+        """The step's :class:`StepRows`, computed on first use (layers share the metadata)."""
+        if self._rows is None:
+            qsl = self.query_start_loc_cpu
+            decode = [i for i in range(self.num_seqs) if qsl[i + 1] - qsl[i] == 1]
+            prefill = [i for i in range(self.num_seqs) if qsl[i + 1] - qsl[i] > 1]
+            dev = self.seq_lens.device
+            idx = torch.tensor(decode, dtype=torch.int64, device=dev)
+            self._rows = StepRows(
+                decode, prefill, torch.tensor([qsl[i] for i in decode], dtype=torch.int64, device=dev),
+                self.block_table[idx].to(torch.int32).contiguous(), self.seq_lens[idx].to(torch.int32),
+                all_decode=len(decode) == self.num_tokens)
+        return self._rows
 
     @property
     def num_seqs(self) -> int:

@@ -119,22 +119,32 @@ def _addr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
-def block_weights(qtype: int) -> int:
-    """Weights per ggml block of ``qtype`` as the kernel reads it (32, or 256 for K-quants)."""
+def _require() -> ctypes.CDLL:
     so = lib()
     if so is None:
         raise RuntimeError("native kernels are not available")
-    return so.pkv_block_weights(qtype)
+    return so
+
+
+@functools.cache
+def _block(qtype: int) -> tuple[int, int]:
+    """``(weights, bytes)`` of one ggml block of ``qtype`` as the kernel reads it; ``(0, 0)``
+    for a type it lacks. Cached: the GEMV checks shapes on every call of a decode step."""
+    so = _require()
+    size = so.pkv_block_bytes(qtype)
+    return (so.pkv_block_weights(qtype), size) if size else (0, 0)
+
+
+def block_weights(qtype: int) -> int:
+    """Weights per ggml block of ``qtype`` (32, or 256 for K-quants; 0 if the kernel lacks it)."""
+    return _block(qtype)[0]
 
 
 def row_bytes(qtype: int, k: int) -> int:
     """Bytes of one row of ``k`` weights in ggml type ``qtype`` (0 if the kernel lacks it or
     ``k`` is not a whole number of its blocks)."""
-    so = lib()
-    if so is None:
-        raise RuntimeError("native kernels are not available")
-    bw = so.pkv_block_weights(qtype)
-    return k // bw * so.pkv_block_bytes(qtype) if k % bw == 0 else 0
+    bw, size = _block(qtype)
+    return k // bw * size if bw and k % bw == 0 else 0
 
 
 def gemv_q(x: torch.Tensor, qweight: torch.Tensor, qtype: int, bias: torch.Tensor | None = None,
@@ -144,15 +154,13 @@ def gemv_q(x: torch.Tensor, qweight: torch.Tensor, qtype: int, bias: torch.Tenso
     dequantizer gives (see the C file). ``out`` may be a column slice ``[M, N]`` of a wider
     float32 tensor with unit column stride (a fused layer's rows of one type). Raises
     ``ValueError`` on a bad shape or type."""
-    so = lib()
-    if so is None:
-        raise RuntimeError("native kernels are not available")
+    so = _require()
     if x.dtype != torch.float32 or x.dim() != 2 or x.device.type != "cpu":
         raise ValueError("gemv_q takes a 2-D float32 CPU tensor")
     x = x.contiguous()
     m, k = x.shape
     n = qweight.shape[0]
-    if not so.pkv_block_bytes(qtype):
+    if not block_weights(qtype):
         raise ValueError(f"ggml type {qtype} has no native kernel")
     expect = row_bytes(qtype, k)
     if expect == 0:
@@ -163,17 +171,13 @@ def gemv_q(x: torch.Tensor, qweight: torch.Tensor, qtype: int, bias: torch.Tenso
         out = torch.empty(m, n, dtype=torch.float32)
     elif out.shape != (m, n) or out.dtype != torch.float32 or out.stride(1) != 1:
         raise ValueError(f"out must be float32 [{m}, {n}] with unit column stride")
-    if so.pkv_gemv_q(qtype, x.data_ptr(), m, k, qweight.data_ptr(), n, qweight.shape[1], _addr(bias),
-                     out.data_ptr(), out.stride(0)):
-        raise ValueError(f"ggml type {qtype} has no native kernel")
+    so.pkv_gemv_q(qtype, x.data_ptr(), m, k, qweight.data_ptr(), n, expect, _addr(bias), out.data_ptr(), out.stride(0))
     return out
 
 
 def dequant(qweight: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
     """float32 ``[N, k]`` from ggml rows, computed by the kernel's own dequantizer."""
-    so = lib()
-    if so is None:
-        raise RuntimeError("native kernels are not available")
+    so = _require()
     out = torch.empty(qweight.shape[0], k, dtype=torch.float32)
     if so.pkv_dequant(qtype, qweight.data_ptr(), qweight.shape[0], k, qweight.shape[1], out.data_ptr()):
         raise ValueError(f"unsupported ggml type {qtype} or K={k} not a whole number of its blocks")

@@ -354,29 +354,6 @@ static inline __m512 kv_maskz_load16(__mmask16 m, const char *p, int kvt) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
-static inline float dot(const float *a, const float *b, int64_t n) {
-    __m512 s = _mm512_setzero_ps();
-    int64_t i = 0;
-    for (; i + 16 <= n; i += 16) s = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), s);
-    if (i < n) {
-        __mmask16 k = (__mmask16)((1u << (n - i)) - 1);
-        s = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(k, a + i), _mm512_maskz_loadu_ps(k, b + i), s);
-    }
-    return _mm512_reduce_add_ps(s);
-}
-
-static inline void axpy(float *y, float a, const float *x, int64_t n) {  /* y += a*x */
-    __m512 va = _mm512_set1_ps(a);
-    int64_t i = 0;
-    for (; i + 16 <= n; i += 16)
-        _mm512_storeu_ps(y + i, _mm512_fmadd_ps(va, _mm512_loadu_ps(x + i), _mm512_loadu_ps(y + i)));
-    if (i < n) {
-        __mmask16 k = (__mmask16)((1u << (n - i)) - 1);
-        _mm512_mask_storeu_ps(y + i, k, _mm512_fmadd_ps(va, _mm512_maskz_loadu_ps(k, x + i),
-                                                        _mm512_maskz_loadu_ps(k, y + i)));
-    }
-}
-
 static inline void exp_inplace(float *s, int64_t n) {
     int64_t i = 0;
     for (; i + 16 <= n; i += 16) _mm512_storeu_ps(s + i, exp16(_mm512_loadu_ps(s + i)));
@@ -386,14 +363,6 @@ static inline void exp_inplace(float *s, int64_t n) {
     }
 }
 #else
-static inline float dot(const float *a, const float *b, int64_t n) {
-    float s = 0.0f;
-    for (int64_t i = 0; i < n; i++) s += a[i] * b[i];
-    return s;
-}
-static inline void axpy(float *y, float a, const float *x, int64_t n) {
-    for (int64_t i = 0; i < n; i++) y[i] += a * x[i];
-}
 static inline void exp_inplace(float *s, int64_t n) {
     for (int64_t i = 0; i < n; i++) s[i] = expf(s[i]);
 }
