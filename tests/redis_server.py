@@ -32,8 +32,8 @@ def free_port() -> int:
 class RedisServer:
     def __init__(self, port: int | None = None, maxmemory: str = "256mb",
                  policy: str = "allkeys-lru") -> None:
-        if REDIS_SERVER is None:
-            raise RuntimeError(SKIP_REASON)
+        if REDIS_SERVER is None:  # a test that builds its own server skips, never errors
+            pytest.skip(SKIP_REASON)
         self.port = port or free_port()
         self.maxmemory = maxmemory
         self.policy = policy
