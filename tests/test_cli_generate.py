@@ -99,3 +99,51 @@ def test_chat_ends_at_eof() -> None:
     res = pagedkv("chat", "--temperature", "0", "--max-tokens", "8", *SMALL, stdin="Hello!\n")
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip()
+
+
+def test_generate_shows_loading_progress_and_the_plan_summary() -> None:
+    """stderr: "loading model ... done in X s", then the same one-line KV summary `pagedkv plan`
+    prints for the same settings; stdout holds only the completion."""
+    flags = ["--max-model-len", "256", "--kv-cache-memory", "64MiB"]
+    res = pagedkv("generate", "The capital of France is", "--temperature", "0", "--max-tokens", "4", *flags)
+    assert res.returncode == 0, res.stderr
+    plan = pagedkv("plan", "--memory", "64MiB", "--context", "256", "--json")
+    summary = json.loads(plan.stdout)["summary"]
+    lines = res.stderr.strip().splitlines()
+    assert lines[0].startswith("pagedkv generate: loading model ") and " ... done in " in lines[0]
+    assert lines[0].endswith(" s")
+    assert lines[1] == f"pagedkv generate: {summary}"
+    assert summary.startswith("KV cache: 91 blocks of 16 tokens")  # 64 MiB / 720 KiB per fp32 block
+    assert "Paris" in res.stdout and "KV cache" not in res.stdout
+
+
+def test_chat_help_unknown_commands_and_cut_replies() -> None:
+    """The banner comes before the model loads; /help lists the commands; an unknown /command
+    is refused and never sent to the model (one request in all); a reply that hits
+    --max-tokens says so; "//" sends a message starting with "/"."""
+    stdin = "/help\n/frobnicate the model\nWhat is the capital of France?\n//etc is a folder\n/exit\n"
+    res = pagedkv("chat", "--temperature", "0", "--max-tokens", "3", "--stats", *SMALL, stdin=stdin)
+    assert res.returncode == 0, res.stderr
+    err = res.stderr.splitlines()
+    banner = err.index("pagedkv chat: type a message; /help lists commands, /exit quits.")
+    loading = next(i for i, line in enumerate(err) if "loading model" in line)
+    assert banner < loading
+    assert "  /reset   clear the conversation (keeps --system)" in err
+    assert any(line.startswith("unknown command /frobnicate: type /help") for line in err)
+    assert err.count("[reply cut at --max-tokens 3]") == 2
+    assert len([line for line in err if "prompt tokens cached" in line]) == 2  # two requests, not three
+    assert len([line for line in res.stdout.splitlines() if line.strip()]) == 2
+
+
+def test_llm_generate_progress_bar_shows_token_speeds(capsys) -> None:
+    """vLLM's bar postfix: "est. speed input: X toks/s, output: Y toks/s"."""
+    import re
+
+    from pagedkv import LLM, SamplingParams
+
+    llm = LLM(max_model_len=128, num_kv_blocks=32)
+    llm.generate(["Hello", "The capital of France is"], SamplingParams(temperature=0, max_tokens=3))
+    err = capsys.readouterr().err
+    m = re.findall(r"est\. speed input: ([0-9.]+) toks/s, output: ([0-9.]+) toks/s", err)
+    assert m, err[-500:]
+    assert float(m[-1][0]) > 0 and float(m[-1][1]) > 0

@@ -22,7 +22,7 @@ def run_json(capsys, *argv: str) -> dict:
 
 
 def test_default_model_8gib(capsys) -> None:
-    plan = run_json(capsys, "--memory", "8GiB", "--block-size", "16", "--context", "4096")
+    plan = run_json(capsys, "--memory", "8GiB", "--block-size", "16", "--context", "4096", "--dtype", "bfloat16")
     sel = plan["selected"]
     bpb = 16 * SMOL_BYTES_PER_TOKEN
     assert sel["bytes_per_token"] == SMOL_BYTES_PER_TOKEN and sel["bytes_per_block"] == bpb
@@ -34,7 +34,7 @@ def test_default_model_8gib(capsys) -> None:
 
 
 def test_every_quant_mode_side_by_side(capsys) -> None:
-    plan = run_json(capsys, "--memory", "1GiB", "--context", "2048")
+    plan = run_json(capsys, "--memory", "1GiB", "--context", "2048", "--dtype", "bfloat16")
     rows = {r["mode"]: r for r in plan["modes"]}
     per_layer_head = {"float32": 2 * 64 * 4, "auto": 2 * 64 * 2, "fp8_per_tensor": 2 * 64,
                       "fp8_per_token_head": 2 * 64 + 8, "int8_per_token_head": 2 * 64 + 8,
@@ -51,7 +51,8 @@ def test_text_output_subprocess() -> None:
     """The issue's example, through a real process (console script if installed)."""
     script = os.path.join(os.path.dirname(sys.executable), "pagedkv")
     cmd = [script] if os.path.exists(script) else [sys.executable, "-m", "pagedkv.entrypoints.cli"]
-    res = subprocess.run([*cmd, "plan", "--memory", "8GiB", "--block-size", "16", "--context", "4096"],
+    res = subprocess.run([*cmd, "plan", "--memory", "8GiB", "--block-size", "16", "--context", "4096",
+                          "--dtype", "bfloat16"],
                          capture_output=True, text=True, timeout=60)
     assert res.returncode == 0, res.stderr
     blocks = 8 * GiB // (16 * SMOL_BYTES_PER_TOKEN)
@@ -64,7 +65,7 @@ def test_text_output_subprocess() -> None:
 
 def test_too_small_is_exit_2_with_the_length_that_fits() -> None:
     res = subprocess.run([sys.executable, "-m", "pagedkv.entrypoints.cli", "plan", "--memory", "100MiB",
-                          "--context", "8192"], capture_output=True, text=True, timeout=60)
+                          "--context", "8192", "--dtype", "bfloat16"], capture_output=True, text=True, timeout=60)
     assert res.returncode == 2
     assert res.stdout == "" and "Traceback" not in res.stderr
     usable = 100 * MiB // (16 * SMOL_BYTES_PER_TOKEN) - 1
@@ -73,7 +74,7 @@ def test_too_small_is_exit_2_with_the_length_that_fits() -> None:
 
 def test_too_small_in_process(capsys) -> None:
     assert main(["plan", "--memory", "1MiB", "--num-layers", "4", "--num-kv-heads", "2",
-                 "--head-dim", "64", "--context", "100000"]) == 2
+                 "--head-dim", "64", "--context", "100000", "--dtype", "bfloat16"]) == 2
     err = capsys.readouterr().err
     # bf16: 4 layers * 2 * 2 heads * 64 * 2 B = 2048 B/token → 32 KiB blocks → 32 blocks, 31 usable.
     assert "estimated maximum model length is 496" in err
@@ -89,14 +90,14 @@ def test_flags_only_model(capsys) -> None:
 
 
 def test_flags_override_loaded_model(capsys) -> None:
-    plan = run_json(capsys, "--memory", "1GiB", "--num-layers", "10", "--context", "1024")
+    plan = run_json(capsys, "--memory", "1GiB", "--num-layers", "10", "--context", "1024", "--dtype", "bfloat16")
     assert plan["model"]["num_layers"] == 10 and plan["model"]["num_kv_heads"] == 3
     assert plan["selected"]["bytes_per_token"] == SMOL_BYTES_PER_TOKEN // 3
 
 
 def test_device_memory_breakdown(capsys) -> None:
     plan = run_json(capsys, "--device-memory", "24GiB", "--runtime-memory", "1GiB", "--headroom", "0.1",
-                    "--weight-dtype", "float32", "--context", "8192")
+                    "--weight-dtype", "float32", "--context", "8192", "--dtype", "bfloat16")
     mem, sel = plan["memory"], plan["selected"]
     n = plan["model"]["num_params"]
     assert mem["weights"] == n * 4 and mem["runtime"] == GiB
@@ -141,7 +142,7 @@ def test_parse_size(text: str, want: int) -> None:
 
 
 def test_bad_arguments_exit_2(capsys) -> None:
-    for argv in (["plan", "--memory", "8GX"], ["plan"], ["plan", "--memory", "1GiB", "--device-memory", "2GiB"]):
+    for argv in (["plan", "--memory", "8GX"], ["plan", "--memory", "1GiB", "--device-memory", "2GiB"]):
         with pytest.raises(SystemExit) as e:
             main(argv)
         assert e.value.code == 2

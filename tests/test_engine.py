@@ -207,12 +207,12 @@ def test_engine_option_validation_names_the_option():
         LLM(kv_cache_memory=16 << 20)  # 22 blocks of 16 tokens: 21 usable = 336 tokens
 
 
-def test_a_sequence_outgrowing_the_whole_cache_stops_with_length_and_others_go_on():
-    """A request whose prompt fits but whose generation outgrows the entire KV cache is
-    stopped with finish_reason "length" (preempting it could never help: it would be
-    re-admitted into the same cache), keeps the tokens it made, and frees its blocks; a request
-    beside it finishes normally. Before the fix this looped for ever."""
-    small = LLM(num_kv_blocks=8, block_size=16, max_model_len=512)  # 7 usable blocks = 112 tokens
+def test_a_sequence_filling_the_whole_cache_stops_with_length_and_others_go_on():
+    """A request whose generation fills the entire KV cache (max_model_len = the whole cache:
+    a larger max_model_len is refused at start, as in vLLM) stops with finish_reason "length",
+    keeps the tokens it made, and frees its blocks; a request beside it, which forces
+    preemptions, finishes normally. Before the fix this looped for ever."""
+    small = LLM(num_kv_blocks=8, block_size=16, max_model_len=112)  # 7 usable blocks = 112 tokens
     engine = small.llm_engine
     long_prompt = {"prompt_token_ids": list(range(100, 200))}
     outs = small.generate([long_prompt, "Hello"], SamplingParams(temperature=0, max_tokens=50, ignore_eos=True),

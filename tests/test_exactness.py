@@ -129,7 +129,9 @@ def test_small_kv_cache_forces_preemption_and_matches_hf(tok, hf_greedy):
     longest = max(len(p) for p in prompts) + MAX_TOKENS
     num_blocks = -(-longest // 16) + 3  # one long request fits, the batch does not
     report: list[str] = []
-    llm, outs = run_engine(prompts, block_size=16, num_kv_blocks=num_blocks)
+    # max_model_len = the longest request: the engine refuses a cache that cannot hold one
+    # max_model_len request (vLLM's start-up rule), and the default (8192) would not fit.
+    llm, outs = run_engine(prompts, block_size=16, num_kv_blocks=num_blocks, max_model_len=longest)
     assert llm.stats()["num_preemptions"] > 0
     assert_same(prompts, outs, hf_greedy, report)
     print("\n".join(report))

@@ -68,11 +68,13 @@ def check_clean(llm: LLM) -> None:
     # So few blocks that requests are preempted and recomputed (a small token budget bounds
     # the sliding-window groups' prefill peak, which holds a whole chunk before the window
     # trims it).
-    {"num_kv_blocks": 48, "max_num_batched_tokens": 16},
+    # max_model_len 96 (the longest request is 76 tokens): 48 blocks cannot hold one request of
+    # 128, and the engine refuses such a cache at start, as vLLM does.
+    {"num_kv_blocks": 48, "max_num_batched_tokens": 16, "max_model_len": 96},
 ], ids=["plain", "chunked", "preempting"])
 def test_greedy_matches_transformers(hybrid: tuple[Any, Path], engine_kw: dict[str, int]) -> None:
     hf, path = hybrid
-    llm = LLM(model=str(path), block_size=4, max_model_len=128, **({"num_kv_blocks": 200} | engine_kw))
+    llm = LLM(model=str(path), block_size=4, **({"num_kv_blocks": 200, "max_model_len": 128} | engine_kw))
     engine = llm.llm_engine
     assert len(engine.kv_cache_config.kv_cache_groups) >= 2  # really hybrid
     batch = prompts(1, [5, 23, 40, 61, 17, 9], shared=0) + prompts(2, [6, 11, 30], shared=33)

@@ -8,7 +8,9 @@ from core_utils import admit, full_spec, make_manager, make_request, swa_spec
 
 from pagedkv.core.events import AllBlocksCleared, BlockRemoved, BlockStored
 from pagedkv.core.hashing import get_none_hash, hash_block_tokens, sha256
+from pagedkv.core.kv_cache_manager import KVCacheManager
 from pagedkv.core.request import RequestStatus
+from pagedkv.core.specs import KVCacheConfig, KVCacheGroupSpec
 
 
 def free_ids(m):
@@ -341,3 +343,54 @@ def test_fork_request_shares_full_blocks_and_copies_partial():
     for r in (parent, child, p2, c2, filler):
         m.free(r)
     m.check_invariants()
+
+
+def _events_manager(specs=None, num_blocks: int = 11, **kwargs) -> KVCacheManager:
+    groups = [KVCacheGroupSpec([f"layer.{i}"], s) for i, s in enumerate(specs or [full_spec(16)])]
+    config = KVCacheConfig(num_blocks=num_blocks, kv_cache_groups=groups, bytes_per_block=1)
+    return KVCacheManager(config, max_model_len=8192, enable_kv_cache_events=True, **kwargs)
+
+
+@pytest.mark.parametrize("medium", [None, "GPU", "CPU"])
+def test_events_report_the_device_cache_medium(medium):
+    """vLLM's default medium is "GPU"; an engine whose KV cache is host memory says "CPU"."""
+    m = _events_manager(num_blocks=4, **({} if medium is None else {"medium": medium}))
+    want = medium or "GPU"
+    a = make_request(list(range(33)), m)
+    admit(m, a)
+    m.free(a)
+    b = make_request(list(range(100, 133)), m)  # reuses a's cached blocks: BlockRemoved
+    admit(m, b)
+    events = m.take_events()
+    assert {type(e) for e in events} == {BlockStored, BlockRemoved}
+    assert all(e.medium == want for e in events)
+
+
+def test_bad_medium_is_a_clear_error():
+    with pytest.raises(ValueError, match="medium"):
+        _events_manager(medium="")
+
+
+def test_stored_event_carries_lora_id_and_name():
+    m = _events_manager()
+    req = make_request(list(range(33)), m, lora_name="sql", lora_path="/adapters/sql", lora_id=3)
+    admit(m, req)
+    (ev,) = m.take_events()
+    assert (ev.lora_id, ev.lora_name) == (3, "sql")
+    assert ev.extra_keys == [["sql"], ["sql"]]  # per block, untagged (vLLM's event shape)
+    plain = make_request(list(range(200, 233)), m)
+    admit(m, plain)
+    (ev,) = m.take_events()
+    assert ev.lora_id is None and ev.lora_name is None
+
+
+def test_stored_event_block_size_is_the_groups_and_hashes_match_it():
+    """Each group's BlockStored names that group's block size, and its hashes are the request's
+    chained hashes at that size (the hash at the end of each block)."""
+    m = _events_manager(specs=[full_spec(16), swa_spec(32, window=64)], num_blocks=20)
+    req = make_request(list(range(65)), m)
+    admit(m, req)
+    by_group = {e.group_idx: e for e in m.take_events()}
+    assert by_group[0].block_size == 16 and by_group[0].block_hashes == req.block_hashes[:4]
+    assert by_group[1].block_size == 32 and by_group[1].block_hashes == req.block_hashes[1:4:2]
+    assert by_group[1].token_ids == list(range(64))

@@ -50,6 +50,12 @@ def publisher(server):
 
 
 @pytest.fixture(scope="module")
+def device_medium(server) -> str:
+    """The medium device-cache events must report: where the engine's KV cache lives."""
+    return "CPU" if server.app.state.pagedkv.async_llm.engine.device.type == "cpu" else "GPU"
+
+
+@pytest.fixture(scope="module")
 def tokenizer(server):
     return server.app.state.pagedkv.async_llm.tokenizer
 
@@ -77,7 +83,7 @@ def stored(batches) -> list[BlockStored]:
     return [e for _, b in batches for e in b.events if isinstance(e, BlockStored)]
 
 
-def test_subscriber_receives_block_stored_and_replays_from_zero(server, publisher, tokenizer):
+def test_subscriber_receives_block_stored_and_replays_from_zero(server, publisher, tokenizer, device_medium):
     ids = tokenizer.encode(PROMPT)
     assert len(ids) >= 2 * BLOCK
     with KVEventSubscriber(publisher.endpoint, publisher.replay_endpoint) as sub:
@@ -86,7 +92,7 @@ def test_subscriber_receives_block_stored_and_replays_from_zero(server, publishe
         got = drain(sub, lambda g: sum(len(e.block_hashes) for e in stored(g)) >= len(ids) // BLOCK)
         events = stored(got)
         first = events[0]
-        assert first.parent_block_hash is None and first.block_size == BLOCK and first.medium == "GPU"
+        assert first.parent_block_hash is None and first.block_size == BLOCK and first.medium == device_medium
         assert first.token_ids[:BLOCK] == ids[:BLOCK]
         tokens = [t for e in events for t in e.token_ids]
         assert tokens[:len(ids) // BLOCK * BLOCK] == ids[:len(ids) // BLOCK * BLOCK]
@@ -143,14 +149,14 @@ def test_wire_format_is_vllms(server, publisher):
         ctx.term()
 
 
-def test_evictions_and_reset_publish_removed_and_cleared(server, publisher):
+def test_evictions_and_reset_publish_removed_and_cleared(server, publisher, device_medium):
     with KVEventSubscriber(publisher.endpoint) as sub:
         time.sleep(0.3)
         for i in range(6):  # 6 distinct 3-block prompts overflow a 23-block pool
             complete(server, f"Prompt number {i}: " + "lorem ipsum dolor sit amet " * 6)
         got = drain(sub, lambda g: any(isinstance(e, BlockRemoved) for _, b in g for e in b.events))
         removed = [e for _, b in got for e in b.events if isinstance(e, BlockRemoved)]
-        assert removed[0].medium == "GPU" and removed[0].block_hashes
+        assert removed[0].medium == device_medium and removed[0].block_hashes
         r = httpx.post(server.url + "/reset_prefix_cache", timeout=30)
         assert r.status_code == 200 and r.json() == {"success": True}
         got = drain(sub, lambda g: any(isinstance(e, AllBlocksCleared) for _, b in g for e in b.events))

@@ -8,7 +8,6 @@ import json
 import socket
 import threading
 import time
-from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -243,7 +242,7 @@ class FailingEngine:
     """Just enough of `LLMEngine` for AsyncLLM and the app; ``step`` raises."""
 
     def __init__(self) -> None:
-        self.config = SimpleNamespace(max_num_seqs=4, enable_kv_cache_events=False, model=None)
+        self.config = EngineConfig(max_num_seqs=4)  # a real config: the app reads its fields
         self.samples: dict[str, object] = {}
         self.tokenizer = None
         self.max_model_len = 64
@@ -278,3 +277,160 @@ def test_engine_failure_gives_503_and_unhealthy():
         assert r.status_code == 503 and "retry-after" in r.headers
         assert error_of(http.post("/v1/completions", json={"prompt": [1], "max_tokens": 1}), 503)
         assert "pagedkv:engine_healthy{" in http.get("/metrics").text
+
+
+# ---- non-finite numbers, context length, unimplemented fields (issue 9) ------------------------
+
+
+CHAT_HI = '"messages": [{"role": "user", "content": "hi"}]'
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/completions", '{"prompt": "hi", "temperature": NaN}', "temperature"),
+    ("/v1/completions", '{"prompt": "hi", "temperature": NaN, "stream": true}', "temperature"),
+    ("/v1/completions", '{"prompt": "hi", "top_p": Infinity}', "top_p"),
+    ("/v1/completions", '{"prompt": "hi", "repetition_penalty": NaN, "temperature": 0}', "repetition_penalty"),
+    ("/v1/completions", '{"prompt": "hi", "presence_penalty": -Infinity, "stream": true}', "presence_penalty"),
+    ("/v1/completions", '{"prompt": "hi", "frequency_penalty": NaN}', "frequency_penalty"),
+    ("/v1/completions", '{"prompt": "hi", "min_p": Infinity}', "min_p"),
+    ("/v1/completions", '{"prompt": "hi", "vendor_extension": {"x": [1, NaN]}}', "vendor_extension.x[1]"),
+    ("/v1/chat/completions", '{' + CHAT_HI + ', "temperature": NaN}', "temperature"),
+    ("/v1/chat/completions", '{' + CHAT_HI + ', "temperature": Infinity, "stream": true}', "temperature"),
+    ("/v1/chat/completions", '{' + CHAT_HI + ', "repetition_penalty": NaN, "stream": true}', "repetition_penalty"),
+    ("/v1/chat/completions", '{' + CHAT_HI + ', "top_p": -Infinity}', "top_p"),
+])
+def test_nan_and_infinity_literals_are_400_naming_the_field(http, path, body, param):
+    """Python's JSON parser takes NaN/Infinity; one NaN temperature used to kill the engine."""
+    r = http.post(path, content=body, headers={"content-type": "application/json"})
+    err = error_of(r, 400)
+    assert err["param"] == param, err
+    assert "NaN/Infinity are not valid numbers" in err["message"], err["message"]
+    assert param in err["message"]
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/completions", '{"prompt": "hi", "temperature": 1e999}', "temperature"),
+    ("/v1/chat/completions", '{' + CHAT_HI + ', "repetition_penalty": -1e400, "stream": true}', "repetition_penalty"),
+])
+def test_overflowing_numbers_are_400_naming_the_field(http, path, body, param):
+    """``1e999`` parses as inf: refused as not finite, like the literals."""
+    err = error_of(http.post(path, content=body, headers={"content-type": "application/json"}), 400)
+    assert err["param"] == param and "finite" in err["message"], err
+
+
+def test_top_level_nan_body_and_nan_inside_strings(http):
+    err = error_of(http.post("/v1/completions", content="NaN", headers={"content-type": "application/json"}), 400)
+    assert err["param"] is None and "invalid JSON: NaN/Infinity are not valid numbers" in err["message"]
+    # The words inside a string are text, not numbers.
+    r = http.post("/v1/completions", json={"prompt": "NaN and Infinity", "max_tokens": 1, "stop": ["NaN"]})
+    assert r.status_code == 200, r.text
+
+
+def test_server_keeps_serving_after_nan_requests(http):
+    for path, body in (("/v1/completions", '{"prompt": "hi", "temperature": NaN, "max_tokens": 3}'),
+                       ("/v1/chat/completions", '{' + CHAT_HI + ', "repetition_penalty": NaN, "temperature": 0}')):
+        assert http.post(path, content=body, headers={"content-type": "application/json"}).status_code == 400
+    assert_healthy(http)
+    r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+
+
+def context_message(prompt_tokens: int, completion: int, where: str) -> str:
+    return (f"This model's maximum context length is {MAX_MODEL_LEN} tokens. However, you requested "
+            f"{prompt_tokens + completion} tokens ({prompt_tokens} in the {where}, {completion} in the "
+            f"completion). Please reduce the length of the {where} or completion.")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_max_tokens_beyond_the_context_is_400(http, stream):
+    prompt = [1] * 250  # 250 tokens: 6 left in a 256-token context
+    err = error_of(http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 7, "stream": stream}), 400)
+    assert err["message"] == context_message(250, 7, "prompt")
+    assert err["param"] == "max_tokens" and err["code"] == "context_length_exceeded"
+    err = error_of(http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 100_000, "stream": stream}), 400)
+    assert "100000 in the completion" in err["message"] and err["param"] == "max_tokens"
+    r = http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 6, "ignore_eos": True, "stream": stream})
+    assert r.status_code == 200, r.text
+
+
+def test_chat_max_completion_tokens_beyond_the_context_is_400(http, server):
+    tok = server.app.state.pagedkv.async_llm.tokenizer
+    messages = [{"role": "user", "content": "hi"}]
+    n = len(tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True), add_special_tokens=False))
+    for field in ("max_completion_tokens", "max_tokens"):
+        for stream in (False, True):
+            err = error_of(http.post("/v1/chat/completions",
+                                     json={"messages": messages, field: 5000, "stream": stream}), 400)
+            assert err["message"] == context_message(n, 5000, "messages")
+            assert err["param"] == field and err["code"] == "context_length_exceeded"
+
+
+def test_implicit_default_max_tokens_is_clamped_not_refused(http):
+    """OpenAI's default max_tokens (16) was not asked for: clamped to what the context leaves."""
+    r = http.post("/v1/completions", json={"prompt": [1] * 250, "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == MAX_MODEL_LEN - 250
+
+
+@pytest.mark.parametrize("field, value", [
+    ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
+    ("tool_choice", "auto"),
+    ("tool_choice", "required"),
+    ("functions", [{"name": "f", "parameters": {}}]),
+    ("function_call", "auto"),
+    ("response_format", {"type": "json_object"}),
+    ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}),
+    ("logit_bias", {"42": 100}),
+    ("guided_json", {"type": "object"}),
+    ("guided_regex", "[a-z]+"),
+    ("guided_choice", ["yes", "no"]),
+    ("guided_grammar", "root ::= 'a'"),
+    ("structured_outputs", {"json": {"type": "object"}}),
+])
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_unimplemented_fields_are_400_not_ignored(http, path, field, value):
+    base = {"prompt": "hi"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "hi"}]}
+    for stream in (False, True):
+        err = error_of(http.post(path, json={**base, field: value, "max_tokens": 1, "stream": stream}), 400)
+        assert err["param"] == field and "not supported" in err["message"], err
+
+
+@pytest.mark.parametrize("unused", [{"tools": []}, {"tool_choice": "none"}, {"response_format": {"type": "text"}},
+                                    {"logit_bias": {}}, {"tools": None, "guided_json": None}])
+def test_unimplemented_fields_with_neutral_values_are_accepted(http, unused):
+    r = http.post("/v1/chat/completions",
+                  json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, **unused})
+    assert r.status_code == 200, r.text
+
+
+def test_a_failing_step_is_500_for_its_request_only(server, http):
+    """A fault while running one batch (injected into the real engine's forward pass) fails the
+    request of that batch with a 500 (non-streaming) or an error event (streaming); the server
+    stays healthy and serves the next request."""
+    engine = server.app.state.pagedkv.async_llm.engine
+    real = engine.runner.execute_model
+    faults = []
+
+    def faulty(*args, **kwargs):
+        if not faults:
+            faults.append(1)
+            raise RuntimeError("injected device fault")
+        return real(*args, **kwargs)
+
+    for stream in (False, True):
+        faults.clear()
+        engine.runner.execute_model = faulty
+        try:
+            r = http.post("/v1/completions", json={"prompt": "Hi there", "max_tokens": 3, "stream": stream})
+        finally:
+            engine.runner.execute_model = real
+        if stream:
+            events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+            assert r.status_code == 200 and events[-1] == "[DONE]", r.text
+            err = json.loads(events[-2])["error"]
+        else:
+            err = error_of(r, 500)
+        assert err["code"] == "engine_generate_error" and "injected device fault" in err["message"], err
+        assert http.get("/health").status_code == 200
+        assert_healthy(http)
+    wait_until(lambda: pool_is_idle(http), what="the failed request's blocks to be freed")

@@ -110,6 +110,7 @@ def test_bench_serving_tiny_run(tmp_path):
     out = tmp_path / "bench.json"
     res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_serving.py"), "--num-requests", "6",
                           "--request-rate", "20", "--input-len", "24", "--prefix-len", "16", "--output-len", "4", "--num-kv-blocks", "256",
+                          "--max-model-len", "512",
                           "--json-out", str(out)],
                          capture_output=True, text=True, timeout=400, cwd=ROOT)
     assert res.returncode == 0, res.stderr[-3000:]

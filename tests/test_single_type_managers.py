@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import math
+
+import pytest
 from core_utils import admit, full_spec, make_manager, make_request, swa_spec
 
 from pagedkv.core.block_pool import BlockPool
 from pagedkv.core.hashing import BlockHash
+from pagedkv.core.request import RequestStatus
 from pagedkv.core.single_type_kv_cache_manager import (
     ChunkedLocalAttentionManager,
     FullAttentionManager,
@@ -142,3 +146,86 @@ def test_hybrid_different_block_sizes_align_to_lcm():
     hits, num_hit = m.get_computed_blocks(b)
     assert num_hit == 40  # 44 rounded down to the lcm (8)
     assert len(hits.blocks[0]) == 10 and len(hits.blocks[1]) == 5
+
+
+def num_hashed(m, req) -> list[int]:
+    """Cached (hashed) blocks in ``req``'s block table, per KV cache group."""
+    return [sum(1 for b in g if not b.is_null and b.block_hash is not None)
+            for g in m.get_blocks(req.request_id).blocks]
+
+
+def num_cached(m) -> list[int]:
+    """Entries of the prefix-cache index per KV cache group (blocks freed since included)."""
+    counts = [0] * m.num_kv_cache_groups
+    for key, _ in m.block_pool.cached_block_hash_to_block.items():
+        counts[int.from_bytes(key[-4:], "big")] += 1
+    return counts
+
+
+@pytest.mark.parametrize("specs,prompt_len,want,grown_len,want_grown", [
+    # lcm 32: 50 cacheable tokens round down to 32 -> full 2 blocks (not 3), SWA 1 block.
+    ([full_spec(16), swa_spec(32, window=64)], 50, [2, 1], 65, [4, 2]),
+    # lcm 16: 41 -> 32 -> full 2 blocks; SWA (bs 8, window 9: one block before an aligned end
+    # is all a hit reads) caches only the 2nd block of each 16-token segment: blocks 1 and 3.
+    ([full_spec(16), swa_spec(8, window=9)], 41, [2, 2], 49, [3, 3]),
+])
+def test_hybrid_caches_only_blocks_a_hit_can_use(specs, prompt_len, want, grown_len, want_grown):
+    """vLLM 0.33's rule (reference §5.5 `_align_cacheable`, §5.6 `reachable_block_mask`): the
+    cacheable length is rounded down to the lcm of the group block sizes, and a sliding-window
+    group caches only blocks that lie in the window before an lcm boundary. Once the sequence
+    reaches the next boundary, the blocks up to it are cached."""
+    m = make_manager(num_blocks=60, specs=specs)
+    req = make_request(list(range(prompt_len)), m)
+    admit(m, req)
+    assert num_hashed(m, req) == want == num_cached(m)
+    assert m.coordinator.lcm_block_size == math.lcm(*(s.block_size for s in specs))
+    req.append_output_token_ids(list(range(1000, 1000 + grown_len - prompt_len)))
+    assert m.allocate_slots(req, grown_len - prompt_len) is not None
+    req.num_computed_tokens = grown_len
+    assert num_cached(m) == want_grown
+    m.check_invariants()
+    # What is cached still serves the hits it can: the longest aligned prefix.
+    m.free(req)
+    again = make_request(list(range(prompt_len)) + [5], m)
+    _, num_hit = m.get_computed_blocks(again)
+    lcm = m.coordinator.lcm_block_size
+    assert num_hit == prompt_len // lcm * lcm
+    m.check_invariants()
+
+
+def test_swa_unreachable_out_of_window_blocks_do_not_push_out_cached_prefixes():
+    """full (bs 64) + SWA (bs 16, window 17): a hit ends on a 64-token boundary and its SWA part
+    is the one block before it, so SWA blocks 0-2 of each 4-block segment are never cached
+    (vLLM: ``reachable_block_mask``). When `remove_skipped_blocks` frees them as the window
+    moves they carry no hash, so `free_blocks` puts them at the front of the free queue: they
+    are reused before any cached block is evicted. (Originally they were hashed and appended
+    at the back, after older useful cached blocks, which were then evicted first.)"""
+    m = make_manager(num_blocks=40, specs=[full_spec(64), swa_spec(16, window=17)])
+    pool = m.block_pool
+    c = make_request([7] * 65, m)  # a useful prefix: 64 cacheable tokens
+    admit(m, c)
+    assert num_hashed(m, c) == [1, 1]  # full block 0; SWA block 3 only
+    m.free(c)
+    c_cached = [pool.get_cached_block(c.block_hashes[3], [0, 1])]
+    assert c_cached[0] is not None
+    # Request a: 130 tokens, prefilled in 64-token chunks; the second chunk's allocate_slots
+    # first frees SWA blocks 0-2 (out of the window at 64 computed tokens).
+    a = make_request(list(range(130)), m)
+    hits, num_hit = m.get_computed_blocks(a)
+    assert num_hit == 0
+    assert m.allocate_slots(a, 64, 0, hits) is not None
+    a.num_computed_tokens = 64
+    a.status = RequestStatus.RUNNING
+    freed = [b.block_id for b in m.get_blocks(a.request_id).blocks[1][:3]]
+    assert m.allocate_slots(a, 64) is not None
+    a.num_computed_tokens = 128
+    # The freed blocks were unhashed, hence at the front: this very allocation reused them.
+    full_table, swa_table = m.get_blocks(a.request_id).blocks
+    assert [b.is_null for b in swa_table[:3]] == [True] * 3
+    assert set(freed) <= {b.block_id for b in full_table[1:] + swa_table[4:]}
+    assert num_hashed(m, a) == [2, 2]  # full blocks 0-1; SWA blocks 3 and 7
+    # Use every free block except c's two cached ones: c's prefix must survive.
+    pool.get_new_blocks(pool.get_num_free_blocks() - 2)
+    again = make_request([7] * 65, m)
+    _, num_hit = m.get_computed_blocks(again)
+    assert num_hit == 64

@@ -143,6 +143,50 @@ def test_prefix_lookup_stops_at_the_first_gap(tmp_path: Path):
     eng.mgr.shutdown()
 
 
+@pytest.mark.parametrize("tier_kind", ["disk", "redis"])
+def test_a_prefix_found_while_nobody_asks_is_promoted_and_outlives_its_answers(
+        tmp_path: Path, tier_kind: str, request: pytest.FixtureRequest):
+    # Issue 9, item 3: a request asks once (RETRY), then waits for a batch slot and does not
+    # ask again while its answers come back and expire. Its prefix must be in CPU when it
+    # asks next, not an expired answer that starts the check over.
+    tier = disk(tmp_path) if tier_kind == "disk" else redis_tier(request.getfixturevalue("redis_server"))
+    eng = Engine([tier], answer_ttl_s=0.05)
+    keys = [key(i) for i in range(4)]
+    assert eng.offload(keys) == keys
+    eng.evict_cpu()
+    assert all(eng.cpu.peek(k) is MISS for k in keys)
+    assert eng.mgr.lookup_many(keys) == [RETRY] * 4
+    assert eng.mgr.drain()  # the engine steps on (polls), never asking about these keys
+    time.sleep(0.1)  # every existence answer has expired by now
+    assert all(eng.cpu.peek(k) is HIT for k in keys)  # promoted when the answers came back
+    assert eng.mgr.lookup_many(keys) == [HIT] * 4  # no new check, no wait
+    assert eng.fetch(keys) == 4  # and the bytes are the ones stored
+    assert eng.mgr.get_stats()[tier.name].loads == 4
+    eng.cpu.check_invariants()
+    eng.mgr.shutdown()
+
+
+def test_a_watched_promotion_never_evicts_chunks_about_to_be_loaded(tmp_path: Path):
+    # The CPU tier is full of HIT chunks a request is about to load, and the answers of a
+    # watched prefix arrive just then: its promotion must not take their slots.
+    eng = Engine([disk(tmp_path)], cpu_chunks=4)
+    watched = [key(i) for i in range(2)]
+    eng.offload(watched)
+    eng.evict_cpu()
+    hits = list(eng.cpu._entries)
+    assert len(hits) == 4 and all(eng.cpu.peek(k) is HIT for k in hits)
+    assert eng.mgr.lookup_many(watched) == [RETRY, RETRY]
+    deadline = time.monotonic() + 10
+    while eng.mgr.lookups._done.qsize() == 0 and time.monotonic() < deadline:
+        time.sleep(0.005)  # the disk answered; nobody has polled yet
+    eng.mgr.prepare_load(hits)  # pins all four, then folds the answers in
+    assert all(eng.cpu.peek(k) is HIT for k in hits)
+    eng.mgr.complete_load(hits)
+    assert eng.resolve(watched) == [HIT, HIT]  # promoted once room came back
+    eng.cpu.check_invariants()
+    eng.mgr.shutdown()
+
+
 def test_restarted_engine_reuses_the_disk(tmp_path: Path):
     first = Engine([disk(tmp_path)])
     keys = [key(i) for i in range(6)]

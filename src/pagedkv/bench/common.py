@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import re
 import statistics
 import sys
 from collections.abc import Callable, Sequence
@@ -14,6 +15,14 @@ from typing import Any
 
 class BenchOptionError(Exception):
     """A bad benchmark option: one line on stderr, exit code 2."""
+
+
+def user_help(doc: str | None) -> str:
+    """A benchmark docstring as ``--help`` text: reST quoting dropped, no "Usage: python
+    benchmarks/..." paragraph (argparse prints the real usage)."""
+    paras = [p for p in (doc or "").strip().split("\n\n") if not p.lstrip().startswith("Usage:")]
+    text = "\n\n".join(paras)
+    return re.sub(r"``?([^`]+?)``?", r"\1", text) + "\n"
 
 
 def add_output_args(p: argparse.ArgumentParser) -> None:
@@ -70,12 +79,14 @@ def fmt(x: float | None, spec: str = ".1f") -> str:
 
 
 def run_and_emit(run: Callable[[argparse.Namespace], dict[str, Any]],
-                 table: Callable[[dict[str, Any]], str], args: argparse.Namespace) -> int:
-    """Run a benchmark and print its report; a bad option is exit code 2."""
+                 table: Callable[[dict[str, Any]], str], args: argparse.Namespace,
+                 exit_code: Callable[[dict[str, Any]], int] | None = None) -> int:
+    """Run a benchmark and print its report; a bad option is exit code 2 (one line on stderr),
+    else ``exit_code(report)`` (0 without one)."""
     try:
         report = run(args)
     except BenchOptionError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     emit(report, table, args)
-    return 0
+    return exit_code(report) if exit_code is not None else 0

@@ -33,7 +33,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
-from pagedkv.bench.common import BenchOptionError, add_output_args, run_and_emit
+from pagedkv.bench.common import BenchOptionError, add_output_args, log, run_and_emit, user_help
 
 TARGET_UTILISATION_BS16 = 0.95
 
@@ -151,8 +151,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.pool_tokens < args.max_model_len:
         raise BenchOptionError("--pool-tokens must hold at least one --max-model-len request")
     trace = make_trace(args.num_requests, args.max_model_len, args.seed)
-    schemes = {f"paged_{bs}": simulate(trace, bs, args.pool_tokens, args.max_model_len, args.max_num_seqs)
-               for bs in sizes}
+    schemes: dict[str, dict[str, Any]] = {}
+    for bs in sizes:
+        log(args, f"simulating paged blocks of {bs} tokens ...")
+        schemes[f"paged_{bs}"] = simulate(trace, bs, args.pool_tokens, args.max_model_len, args.max_num_seqs)
+    log(args, f"simulating contiguous reservation of {args.max_model_len} tokens per request ...")
     schemes["contiguous"] = simulate(trace, args.max_model_len, args.pool_tokens, args.max_model_len,
                                      args.max_num_seqs)
     schemes["contiguous"]["block_size"] = args.max_model_len
@@ -193,6 +196,6 @@ def table(r: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=user_help(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(p)
     return run_and_emit(run, table, p.parse_args(argv))

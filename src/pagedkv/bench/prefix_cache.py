@@ -33,6 +33,7 @@ from pagedkv.bench.common import (
     ratio,
     run_and_emit,
     summary,
+    user_help,
 )
 
 TARGET_SPEEDUP = 5.0
@@ -122,6 +123,6 @@ def table(r: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=user_help(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(p)
     return run_and_emit(run, table, p.parse_args(argv))

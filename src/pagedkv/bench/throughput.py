@@ -50,6 +50,7 @@ from pagedkv.bench.common import (
     random_token_ids,
     ratio,
     run_and_emit,
+    user_help,
 )
 
 TARGETS = {"vs_hf_total": 5.0, "fraction_of_ceiling_fp32": 0.60,
@@ -143,7 +144,8 @@ def bench_pagedkv(args: argparse.Namespace, w: Workload) -> dict[str, Any]:
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in w.output_lens]
     before = llm.stats()["num_preemptions"]
     t = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
+    # The progress bar (stderr; tok/s in its postfix) costs one update per finished request.
+    outs = llm.generate(prompts, params, use_tqdm=not args.json_only)
     elapsed = time.perf_counter() - t
     produced = sum(len(o.outputs[0].token_ids) for o in outs)
     if produced != w.output_tokens:
@@ -221,6 +223,8 @@ def bench_hf(args: argparse.Namespace, w: Workload, pad_id: int) -> dict[str, An
     t = time.perf_counter()
     for i in range(0, len(w.prompts), bs):
         generated += hf_generate(net, w.prompts[i:i + bs], max(w.output_lens[i:i + bs]), pad_id)
+        log(args, f"transformers: batch {i // bs + 1}/{-(-len(w.prompts) // bs)} done "
+                  f"({time.perf_counter() - t:.1f} s)")
     elapsed = time.perf_counter() - t
     return dict(load_s=load_s, elapsed_s=elapsed, total_tok_s=(w.prompt_tokens + w.output_tokens) / elapsed,
                 output_tok_s=w.output_tokens / elapsed, batch1_decode_tok_s=batch1,
@@ -317,6 +321,6 @@ def table(r: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=user_help(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(p)
     return run_and_emit(run, table, p.parse_args(argv))

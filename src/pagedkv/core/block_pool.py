@@ -249,7 +249,8 @@ class BlockPool:
 
     Block ids are per pool: a group's layers read and write a block only while that group's
     manager holds it. ``num_gpu_blocks`` includes the null block, so ``num_gpu_blocks - 1`` are
-    usable.
+    usable. ``medium`` is what KV events report as the blocks' location: ``"GPU"`` (vLLM's
+    default) for an accelerator's cache, ``"CPU"`` when the device cache is host memory.
     """
 
     def __init__(
@@ -261,6 +262,8 @@ class BlockPool:
     ) -> None:
         if num_gpu_blocks < 1:
             raise ValueError(f"num_gpu_blocks must be >= 1 (the null block), got {num_gpu_blocks}")
+        if not isinstance(medium, str) or not medium:
+            raise ValueError(f"medium must be a non-empty string such as 'GPU' or 'CPU', got {medium!r}")
         self.num_gpu_blocks = num_gpu_blocks
         self.enable_caching = enable_caching
         self.enable_kv_cache_events = enable_kv_cache_events
@@ -297,12 +300,16 @@ class BlockPool:
         num_full_blocks: int,
         block_size: int,
         kv_cache_group_id: int,
+        block_mask: Sequence[bool] | None = None,
     ) -> None:
         """Register ``blocks[num_cached_blocks:num_full_blocks]`` in the prefix cache.
 
         ``block_hashes[i]`` is the hash of block ``i`` at this group's ``block_size``. Null
-        blocks are skipped. A block that already carries a hash is left as is. Emits one
-        `BlockStored` for the batch.
+        blocks are skipped, and so are blocks whose ``block_mask[i - num_cached_blocks]`` is
+        False (blocks no prefix hit can ever use: left unhashed, they are recycled first when
+        freed instead of crowding out useful cached blocks). A block that already carries a
+        hash is left as is. Emits one `BlockStored` for the batch (none if nothing was stored);
+        its ``token_ids`` cover the whole range, skipped blocks included, as vLLM's do.
         """
         if num_cached_blocks >= num_full_blocks:
             return
@@ -311,7 +318,7 @@ class BlockPool:
         stored: list[BlockHash] = []
         for i in range(num_cached_blocks, num_full_blocks):
             block = blocks[i]
-            if block.is_null:
+            if block.is_null or (block_mask is not None and not block_mask[i - num_cached_blocks]):
                 continue
             block_hash = block_hashes[i]
             if block._block_hash is None:
@@ -338,7 +345,7 @@ class BlockPool:
             parent_block_hash=None if parent is None else maybe_convert_block_hash(parent),
             token_ids=request.all_token_ids[start * block_size:end * block_size],
             block_size=block_size,
-            lora_id=None,
+            lora_id=request.lora_id,
             medium=self.medium,
             lora_name=request.lora_name,
             extra_keys=extra,

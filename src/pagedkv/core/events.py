@@ -16,8 +16,8 @@ from typing import Any
 
 import msgspec
 
-MEDIUM_GPU = "GPU"  # the accelerator's (or, on CPU, the engine's) KV cache
-MEDIUM_CPU = "CPU"
+MEDIUM_GPU = "GPU"  # an accelerator's KV cache (vLLM's default medium)
+MEDIUM_CPU = "CPU"  # host memory: a CPU engine's KV cache, or the CPU offload tier
 MEDIUM_STORAGE = "STORAGE"
 MEDIUM_REMOTE = "REMOTE"
 

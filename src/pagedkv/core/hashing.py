@@ -20,9 +20,14 @@ xxhash_cbor    canonical CBOR                           xxh3_128, 16 B
 =============  =======================================  ===============
 
 ``NONE_HASH`` (the parent of block 0) is ``hash_fn(seed)``: the seed is ``PYTHONHASHSEED`` when
-set; otherwise a fixed string for the cryptographic hashes (so separate processes and machines
-agree and a shared cache tier works) and a random one for xxhash (non-cryptographic: a fixed seed
-would let a client craft colliding prefixes across tenants).
+set; otherwise vLLM's fixed ``"vllm-none-hash"`` for the cryptographic hashes (so separate
+processes and machines agree, a shared cache tier works, and KV-aware routers that recompute
+vLLM's hashes from token ids get pagedkv's) and a random one for xxhash (non-cryptographic: a
+fixed seed would let a client craft colliding prefixes across tenants).
+
+Compatibility contract: with ``sha256_cbor`` or ``sha256`` and ``PYTHONHASHSEED`` unset, every
+block hash equals vLLM 0.33's for the same tokens and extra keys, bit for bit
+(``tests/test_hashing.py`` checks fixed vectors computed from vLLM's documented algorithm).
 """
 
 from __future__ import annotations
@@ -41,7 +46,8 @@ BlockHash = NewType("BlockHash", bytes)
 BlockHashWithGroupId = bytes
 HashFn = Callable[[Any], bytes]
 
-DEFAULT_NONE_HASH_SEED = "pagedkv-none-hash"
+# vLLM's DEFAULT_NONE_HASH_SEED: the same seed gives the same hashes as a vLLM instance.
+DEFAULT_NONE_HASH_SEED = "vllm-none-hash"
 _PICKLE_PROTOCOL = pickle.HIGHEST_PROTOCOL
 
 

@@ -7,6 +7,10 @@
   let each attention type shrink it in turn (full attention first), and repeat until no type
   shrinks it. All lengths are multiples of the lcm of the group block sizes, so every group's
   hit ends on one of its block boundaries.
+
+Caching follows the same alignment (vLLM's ``_align_cacheable``): the cacheable length is
+rounded down to a multiple of the lcm, so a block past the last lcm boundary — which no hit can
+use yet — is never cached (it stays unhashed and is recycled first once freed).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import math
 from collections.abc import Sequence
 
 from pagedkv.core.block_pool import BlockPool, KVCacheBlock
+from pagedkv.core.events import MEDIUM_GPU
 from pagedkv.core.hashing import BlockHash
 from pagedkv.core.request import KVCacheRequest
 from pagedkv.core.single_type_kv_cache_manager import (
@@ -70,12 +75,15 @@ class KVCacheCoordinator:
         enable_caching: bool,
         enable_kv_cache_events: bool,
         hash_block_size: int,
+        medium: str = MEDIUM_GPU,
     ) -> None:
         self.kv_cache_groups = list(kv_cache_groups)
         self.hash_block_size = hash_block_size
-        self.block_pool = BlockPool(num_blocks, enable_caching, enable_kv_cache_events)
+        self.block_pool = BlockPool(num_blocks, enable_caching, enable_kv_cache_events, medium)
+        # Hits (and so cached blocks) end on multiples of the lcm of the group block sizes.
+        self.lcm_block_size = math.lcm(*(g.kv_cache_spec.block_size for g in self.kv_cache_groups))
         self.single_type_managers: tuple[SingleTypeKVCacheManager, ...] = tuple(
-            get_manager_class(g.kv_cache_spec)(g.kv_cache_spec, self.block_pool, i)
+            get_manager_class(g.kv_cache_spec)(g.kv_cache_spec, self.block_pool, i, self.lcm_block_size)
             for i, g in enumerate(self.kv_cache_groups)
         )
 
@@ -108,6 +116,10 @@ class KVCacheCoordinator:
         return tuple(m.allocate_new_blocks(request_id, num_tokens) for m in self.single_type_managers)
 
     def cache_blocks(self, request: KVCacheRequest, num_tokens: int) -> None:
+        """Register the request's full blocks within its first ``num_tokens`` tokens, rounded
+        down to the lcm boundary (a no-op rounding with one group)."""
+        lcm = self.lcm_block_size
+        num_tokens = num_tokens // lcm * lcm
         for m in self.single_type_managers:
             m.cache_blocks(request, view_block_hashes(request.block_hashes, self.hash_block_size,
                                                       m.block_size), num_tokens)
@@ -151,8 +163,6 @@ class UnitaryKVCacheCoordinator(KVCacheCoordinator):
 class HybridKVCacheCoordinator(KVCacheCoordinator):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        sizes = [g.kv_cache_spec.block_size for g in self.kv_cache_groups]
-        self.lcm_block_size = math.lcm(*sizes)
         # Groups with equal specs are looked up together (one get_cached_block per hash).
         by_spec: dict[KVCacheSpec, list[int]] = {}
         for i, g in enumerate(self.kv_cache_groups):
@@ -190,11 +200,12 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
 
 def get_kv_cache_coordinator(kv_cache_groups: Sequence[KVCacheGroupSpec], num_blocks: int,
                              enable_caching: bool, enable_kv_cache_events: bool,
-                             hash_block_size: int) -> KVCacheCoordinator:
+                             hash_block_size: int, medium: str = MEDIUM_GPU) -> KVCacheCoordinator:
     if not enable_caching:
         cls: type[KVCacheCoordinator] = KVCacheCoordinatorNoPrefixCache
     elif len(kv_cache_groups) == 1:
         cls = UnitaryKVCacheCoordinator
     else:
         cls = HybridKVCacheCoordinator
-    return cls(kv_cache_groups, num_blocks, enable_caching, enable_kv_cache_events, hash_block_size)
+    return cls(kv_cache_groups, num_blocks, enable_caching, enable_kv_cache_events, hash_block_size,
+               medium)

@@ -24,7 +24,7 @@ import math
 from dataclasses import dataclass
 
 from pagedkv.core.block_pool import BlockPool, KVCacheBlock
-from pagedkv.core.events import KVCacheEvent
+from pagedkv.core.events import MEDIUM_GPU, KVCacheEvent
 from pagedkv.core.kv_cache_coordinator import get_kv_cache_coordinator
 from pagedkv.core.request import KVCacheRequest, RequestStatus
 from pagedkv.core.specs import KVCacheConfig
@@ -96,6 +96,8 @@ class KVCacheManager:
 
     ``watermark`` (a fraction of the pool) is kept free when admitting new or preempted
     requests, so running requests can still grow a little before someone must be preempted.
+    ``medium`` is the location KV events report for these blocks: ``"GPU"`` (vLLM's default)
+    for an accelerator's cache; an engine whose KV cache is host memory passes ``"CPU"``.
     """
 
     def __init__(
@@ -107,6 +109,7 @@ class KVCacheManager:
         hash_block_size: int | None = None,
         watermark: float = 0.0,
         log_stats: bool = True,
+        medium: str = MEDIUM_GPU,
     ) -> None:
         groups = list(kv_cache_config.kv_cache_groups)
         if not groups:
@@ -120,7 +123,7 @@ class KVCacheManager:
             hash_block_size = sizes[0] if len(set(sizes)) == 1 else math.gcd(*sizes)
         self.hash_block_size = hash_block_size
         self.coordinator = get_kv_cache_coordinator(groups, kv_cache_config.num_blocks, enable_caching,
-                                                    enable_kv_cache_events, hash_block_size)
+                                                    enable_kv_cache_events, hash_block_size, medium)
         self.block_pool: BlockPool = self.coordinator.block_pool
         self.kv_cache_groups = groups
         self.num_kv_cache_groups = len(groups)

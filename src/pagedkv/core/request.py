@@ -60,6 +60,9 @@ class KVCacheRequest:
     block_hasher: Callable[[KVCacheRequest], list[BlockHash]] | None = None
     lora_name: str | None = None
     lora_path: str | None = None
+    # The adapter's integer id (vLLM's ``LoRARequest.adapter_id``): not hashed (the name and
+    # path are), but reported in KV events so routers can key by it.
+    lora_id: int | None = None
     mm_features: list[MultiModalFeature] = field(default_factory=list)
     cache_salt: str | None = None
     # Prompt-logprob or pooling requests write the cache but never read it (their logits for

@@ -20,6 +20,13 @@ ChunkedLocal...Manager  (n // chunk) * chunk           blocks before the current
 
 Invariant: a request's block table only grows, except that blocks that fell out of the window
 are replaced by the null block (their ids never change otherwise).
+
+What gets cached (vLLM 0.33's rule): a full block is registered in the prefix cache only if some
+prefix hit could ever use it. Hits end on multiples of ``alignment_tokens`` (the lcm of the
+groups' block sizes), so the coordinator never caches past the last such boundary, and a
+sliding-window group caches only the blocks inside the window before an aligned end
+(`SlidingWindowManager.reachable_block_mask`). Blocks left unhashed go to the front of the free
+queue when freed, so they are recycled before any cached block is evicted.
 """
 
 from __future__ import annotations
@@ -49,9 +56,18 @@ class SingleTypeKVCacheManager:
     # of a window or chunk are released as it advances): what "the whole sequence fits" counts.
     keeps_all_tokens = True
 
-    def __init__(self, kv_cache_spec: KVCacheSpec, block_pool: BlockPool, kv_cache_group_id: int) -> None:
+    def __init__(self, kv_cache_spec: KVCacheSpec, block_pool: BlockPool, kv_cache_group_id: int,
+                 alignment_tokens: int | None = None) -> None:
+        """``alignment_tokens``: every prefix hit ends on a multiple of it (the lcm of all
+        groups' block sizes; a multiple of this group's block size). Defaults to the block
+        size (one group)."""
         self.kv_cache_spec = kv_cache_spec
         self.block_size = kv_cache_spec.block_size
+        alignment_tokens = alignment_tokens or self.block_size
+        if alignment_tokens % self.block_size:
+            raise ValueError(f"alignment_tokens {alignment_tokens} is not a multiple of the block "
+                             f"size {self.block_size}")
+        self.alignment_tokens = alignment_tokens
         self.block_pool = block_pool
         self.kv_cache_group_id = kv_cache_group_id
         self._null_block = block_pool.null_block
@@ -64,6 +80,11 @@ class SingleTypeKVCacheManager:
 
     def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
         return 0
+
+    def reachable_block_mask(self, start: int, end: int) -> list[bool] | None:
+        """For blocks ``start..end-1``: whether a prefix hit could ever use each one (only
+        those are cached). None means all of them (the fast path)."""
+        return None
 
     @classmethod
     def find_longest_cache_hit(
@@ -139,7 +160,7 @@ class SingleTypeKVCacheManager:
             return
         self.block_pool.cache_full_blocks(
             request, self.req_to_blocks[request.request_id], block_hashes, num_cached, num_full,
-            self.block_size, self.kv_cache_group_id)
+            self.block_size, self.kv_cache_group_id, self.reachable_block_mask(num_cached, num_full))
         self.num_cached_block[request.request_id] = num_full
 
     def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
@@ -195,12 +216,28 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
 
     keeps_all_tokens = False
 
-    def __init__(self, kv_cache_spec: SlidingWindowSpec, block_pool: BlockPool, kv_cache_group_id: int) -> None:
-        super().__init__(kv_cache_spec, block_pool, kv_cache_group_id)
+    def __init__(self, kv_cache_spec: SlidingWindowSpec, block_pool: BlockPool, kv_cache_group_id: int,
+                 alignment_tokens: int | None = None) -> None:
+        super().__init__(kv_cache_spec, block_pool, kv_cache_group_id, alignment_tokens)
         self.sliding_window = kv_cache_spec.sliding_window
+        # A hit ending at aligned block e uses blocks [e - needed, e) (see find_longest_cache_hit),
+        # so in each aligned segment of ``ratio`` blocks only the last ``needed`` can ever serve
+        # a hit; the leading ``ratio - needed`` never can, and are not cached.
+        self._segment_blocks = self.alignment_tokens // self.block_size
+        needed = cdiv(self.sliding_window - 1, self.block_size)
+        self._unreachable_per_segment = max(0, self._segment_blocks - needed)
 
     def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
         return max(0, num_computed_tokens - self.sliding_window + 1)
+
+    def reachable_block_mask(self, start: int, end: int) -> list[bool] | None:
+        """vLLM's ``reachable_block_mask``: block ``i`` can serve a hit iff
+        ``i % ratio >= ratio - needed`` (the window's blocks before an aligned end)."""
+        skip = self._unreachable_per_segment
+        if skip == 0:
+            return None
+        seg = self._segment_blocks
+        return [i % seg >= skip for i in range(start, end)]
 
     @classmethod
     def find_longest_cache_hit(cls, block_hashes, max_length, kv_cache_group_ids, block_pool,
@@ -243,8 +280,9 @@ class ChunkedLocalAttentionManager(SingleTypeKVCacheManager):
 
     keeps_all_tokens = False
 
-    def __init__(self, kv_cache_spec: ChunkedLocalAttentionSpec, block_pool: BlockPool, kv_cache_group_id: int) -> None:
-        super().__init__(kv_cache_spec, block_pool, kv_cache_group_id)
+    def __init__(self, kv_cache_spec: ChunkedLocalAttentionSpec, block_pool: BlockPool, kv_cache_group_id: int,
+                 alignment_tokens: int | None = None) -> None:
+        super().__init__(kv_cache_spec, block_pool, kv_cache_group_id, alignment_tokens)
         self.attention_chunk_size = kv_cache_spec.attention_chunk_size
 
     def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:

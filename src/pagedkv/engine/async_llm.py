@@ -24,8 +24,16 @@ Admission control: at most ``max_num_seqs + max_queue_size`` user requests may b
 (those beyond ``max_num_seqs`` wait in the scheduler's queue); `add_request` raises
 `QueueFullError` beyond that (an HTTP server answers 503 with ``Retry-After``).
 
-If a step raises, every in-flight request fails with `EngineDeadError` and the engine is
-marked dead (``is_healthy`` False): a server answers 503 from then on.
+Prompts are tokenized and validated (`LLMEngine.process_prompt`) in `add_request`, long ones on
+a small thread pool, so the engine thread only receives token ids: a multi-megabyte prompt
+neither stalls the running streams nor reaches the engine.
+
+Failures: when running a batch raises (forward pass, sampler...), `LLMEngine.step` finishes
+the requests of that batch with an error and goes on; their streams raise
+`EngineGenerateError`, every other request keeps going and ``is_healthy`` stays True. Only an
+exception that escapes ``step`` (the engine's state is then unknown) fails every in-flight
+request with `EngineDeadError` and marks the engine dead (``is_healthy`` False): a server
+answers 503 from then on.
 """
 
 from __future__ import annotations
@@ -52,6 +60,11 @@ T = TypeVar("T")
 
 DEFAULT_MAX_QUEUE_SIZE = 256
 
+# Prompts with more characters are tokenized on the tokenizer pool, off the event loop: a few
+# thousand characters tokenize in well under a millisecond; megabytes take seconds.
+_INLINE_TOKENIZE_CHARS = 8192
+TOKENIZER_POOL_WORKERS = 4
+
 
 class QueueFullError(RuntimeError):
     """Too many requests are already waiting: retry later."""
@@ -59,6 +72,11 @@ class QueueFullError(RuntimeError):
 
 class EngineDeadError(RuntimeError):
     """The engine thread failed or was shut down; no request can progress."""
+
+
+class EngineGenerateError(RuntimeError):
+    """This request failed because the engine step running it raised (vLLM's name); the
+    engine is healthy and serves other and later requests."""
 
 
 class StatLogger(Protocol):
@@ -156,11 +174,14 @@ class AsyncLLM:
         self.num_rejected = 0
         self._ready = threading.Event()
         self._init_error: BaseException | None = None
+        self._tokenizer_pool = concurrent.futures.ThreadPoolExecutor(
+            TOKENIZER_POOL_WORKERS, thread_name_prefix="pagedkv-tokenize")
         self._thread = threading.Thread(target=self._main, args=(config,), name="pagedkv-engine", daemon=True)
         self._thread.start()
         self._ready.wait()
         if self._init_error is not None:
             self._thread.join()
+            self._tokenizer_pool.shutdown(wait=False)
             raise self._init_error
         self.max_in_flight = self.engine.config.max_num_seqs + max_queue_size
 
@@ -187,9 +208,12 @@ class AsyncLLM:
     # ---- requests ---------------------------------------------------------------------------------
 
     async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
-                          arrival_time: float | None = None) -> RequestStream:
+                          arrival_time: float | None = None, *,
+                          cache_salt: str | None = None) -> RequestStream:
         """Queue a request; returns its stream once the engine accepted it.
 
+        The prompt is tokenized and validated here, on a worker thread when it is long, before
+        it reaches the engine thread: a huge prompt never stalls the other streams.
         Raises ValueError (invalid input: nothing queued), QueueFullError or EngineDeadError.
         """
         loop = asyncio.get_running_loop()
@@ -205,11 +229,27 @@ class AsyncLLM:
                     f"the server is at capacity ({self.engine.config.max_num_seqs} running and "
                     f"{self.max_queue_size} waiting requests); retry later")
             self._streams[request_id] = stream
+        try:
+            prompt = await self._process_prompt(loop, prompt)
+        except BaseException:
+            with self._cv:
+                if self._streams.get(request_id) is stream:
+                    del self._streams[request_id]
+            raise
         fut: concurrent.futures.Future[None] = concurrent.futures.Future()
 
         def cmd() -> None:
+            with self._cv:
+                aborted = self._streams.get(request_id) is not stream
+            if aborted:  # abort() came first (e.g. while tokenizing): never start it
+                _set(fut, None)
+                return
             try:
-                self.engine.add_request(request_id, prompt, params, arrival_time=arrival)
+                if cache_salt is None:  # engines without the keyword (test fakes) still work
+                    self.engine.add_request(request_id, prompt, params, arrival_time=arrival)
+                else:
+                    self.engine.add_request(request_id, prompt, params, arrival_time=arrival,
+                                            cache_salt=cache_salt)
             except BaseException as e:
                 with self._cv:
                     self._streams.pop(request_id, None)
@@ -224,6 +264,21 @@ class AsyncLLM:
             self.abort(request_id)
             raise
         return stream
+
+    async def _process_prompt(self, loop: asyncio.AbstractEventLoop, prompt: PromptType) -> PromptType:
+        """``{"prompt_token_ids", "prompt"}`` for ``prompt``, tokenized and validated by the
+        engine's thread-safe `process_prompt` (ValueError for a bad prompt): inline for short
+        text and token ids, on the tokenizer pool for long text. Engines without
+        ``process_prompt`` (test fakes) get ``prompt`` unchanged."""
+        process = getattr(self.engine, "process_prompt", None)
+        if process is None:
+            return prompt
+        text = prompt.get("prompt") if isinstance(prompt, dict) and "prompt_token_ids" not in prompt else prompt
+        if isinstance(text, str) and len(text) > _INLINE_TOKENIZE_CHARS:
+            token_ids, text = await loop.run_in_executor(self._tokenizer_pool, process, prompt)
+        else:
+            token_ids, text = process(prompt)
+        return {"prompt_token_ids": token_ids, "prompt": text}
 
     async def generate(self, prompt: PromptType, params: SamplingParams,
                        request_id: str) -> Any:
@@ -344,7 +399,10 @@ class AsyncLLM:
         if engine.config.enable_kv_cache_events:  # drained even without a publisher: no backlog
             events = engine.kv_cache_manager.take_events()
             if events and self.event_publisher is not None:
-                self.event_publisher.publish(events)
+                try:
+                    self.event_publisher.publish(events)
+                except Exception:  # a broken socket must not stop generation
+                    logger.exception("publishing KV events failed")
         if outputs or changed:
             self.last_stats = engine_stats(engine)
             for sl in self.stat_loggers:
@@ -404,6 +462,7 @@ class AsyncLLM:
             logger.exception("engine shutdown failed")
         if self.event_publisher is not None:
             self.event_publisher.shutdown()
+        self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
 
 
 def engine_stats(engine: LLMEngine) -> dict[str, Any]:
@@ -450,8 +509,13 @@ def _set(fut: concurrent.futures.Future, result: Any = None, error: BaseExceptio
 
 
 def _deliver(items: list[tuple[RequestStream, RequestOutput]]) -> None:
+    """Hand each stream its output; a request failed by its step gets `EngineGenerateError`."""
     for stream, out in items:
-        stream._put(out)
+        error = getattr(out, "error", None)
+        if error is not None:
+            stream._fail(EngineGenerateError(f"request {out.request_id} failed: {error}"))
+        else:
+            stream._put(out)
 
 
 def _fail_futures(cmds: list[tuple[Callable[[], None], concurrent.futures.Future | None]],

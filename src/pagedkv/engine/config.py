@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from pagedkv.core.hashing import HASH_FUNCTIONS
 
@@ -77,3 +78,53 @@ class EngineConfig:
                 raise ValueError(f"invalid engine option kv_offload={self.kv_offload!r}: {e}") from None
         if self.dtype not in ("float32", "bfloat16", "float16", "auto"):
             raise bad("dtype", "choose float32, bfloat16, float16 or auto")
+
+
+_DTYPE_ALIASES = {"float32": "float32", "fp32": "float32", "float": "float32", "bfloat16": "bfloat16",
+                  "bf16": "bfloat16", "float16": "float16", "fp16": "float16", "half": "float16"}
+
+
+def resolve_dtype_name(dtype: str, checkpoint_dtype: str | None) -> str:
+    """The dtype name the engine computes (and stores KV) in: ``"auto"`` is the checkpoint's
+    declared dtype, else float32 (GGUF weights are dequantized to it); the loader's rule."""
+    if dtype == "auto":
+        return _DTYPE_ALIASES.get(checkpoint_dtype or "float32", "float32")
+    return dtype
+
+
+def default_kv_cache_memory(config: EngineConfig) -> int | None:
+    """KV bytes the engine sizes its pool from without looking at a device: ``kv_cache_memory``,
+    else 1 GiB on CPU; None on CUDA (there it depends on the free device memory)."""
+    if config.kv_cache_memory is not None:
+        return config.kv_cache_memory
+    return None if config.device.startswith("cuda") else DEFAULT_CPU_KV_CACHE_MEMORY
+
+
+def check_kv_cache_fits(config: EngineConfig, groups: list[Any], max_model_len: int, kv_cache_memory: int) -> None:
+    """vLLM's start-up rule: one request of ``max_model_len`` tokens must fit in the KV cache.
+
+    The cache is ``config.num_kv_blocks`` blocks when set, else ``kv_cache_memory`` bytes.
+    Raises ValueError naming the blocks needed, the largest length that fits
+    (`estimate_max_model_len`) and the option (and CLI flag) to change. No torch: the CLI runs
+    it before loading weights, the engine again once the model is loaded.
+    """
+    from pagedkv.core import planning
+
+    bpb = planning.bytes_per_block(groups)
+    blocks = config.num_kv_blocks if config.num_kv_blocks is not None else planning.num_blocks_from_memory(
+        kv_cache_memory, groups)
+    need = planning.blocks_per_request(groups, max_model_len, config.max_num_batched_tokens)
+    if need <= blocks - 1:
+        return
+    fits = planning.estimate_max_model_len(groups, blocks * bpb, max_model_len, config.max_num_batched_tokens)
+    if config.num_kv_blocks is not None:
+        have, knob = f"num_kv_blocks={config.num_kv_blocks} ({blocks - 1} usable)", "num_kv_blocks (--num-kv-blocks)"
+    else:
+        have = f"{kv_cache_memory / GiB:.2f} GiB of KV cache memory ({max(blocks - 1, 0)} usable blocks)"
+        knob = ("gpu_memory_utilization" if config.device.startswith("cuda") and config.kv_cache_memory is None
+                else "kv_cache_memory (--kv-cache-memory)")
+    raise ValueError(
+        f"To serve at least one request with the model's max seq len ({max_model_len}), {need} KV "
+        f"blocks are needed, more than {have}. Based on the available KV cache, the estimated "
+        f"maximum model length is {fits}. Try decreasing max_model_len (--max-model-len) to at "
+        f"most {fits} or increasing {knob}.")

@@ -16,6 +16,15 @@ from pagedkv.engine.sampling_params import SamplingParams
 Message = dict[str, str]
 
 
+def _show_speed(bar: Any, in_toks: int, out_toks: int) -> None:
+    """vLLM's progress-bar postfix: prompt and generated tokens per second so far (finished
+    requests; prompts count once per sample, as vLLM counts them)."""
+    if bar.disable:
+        return
+    elapsed = bar.format_dict["elapsed"] or 1e-9
+    bar.postfix = f"est. speed input: {in_toks / elapsed:.2f} toks/s, output: {out_toks / elapsed:.2f} toks/s"
+
+
 class LLM:
     """An engine for offline batched generation.
 
@@ -75,12 +84,16 @@ class LLM:
         engine = self.llm_engine
         done: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm or len(ids) < 2,
-                   dynamic_ncols=True)
+                   dynamic_ncols=True, postfix="est. speed input: 0.00 toks/s, output: 0.00 toks/s")
+        in_toks = out_toks = 0
         try:
             while len(done) < len(ids):
                 for out in engine.step():
                     if out.finished:
                         done[out.request_id] = out
+                        in_toks += len(out.prompt_token_ids) * len(out.outputs)
+                        out_toks += sum(len(c.token_ids) for c in out.outputs)
+                        _show_speed(bar, in_toks, out_toks)
                         bar.update(1)
         except BaseException:
             engine.abort_request([i for i in ids if i not in done])

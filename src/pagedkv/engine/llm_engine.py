@@ -20,13 +20,13 @@ from pagedkv.core.kv_cache_manager import KVCacheManager
 from pagedkv.core.planning import blocks_per_request, make_kv_cache_config
 from pagedkv.core.request import RequestStatus, get_request_block_hasher
 from pagedkv.core.specs import get_kv_cache_groups
-from pagedkv.engine.config import DEFAULT_CPU_KV_CACHE_MEMORY, EngineConfig
+from pagedkv.engine.config import DEFAULT_CPU_KV_CACHE_MEMORY, EngineConfig, check_kv_cache_fits
 from pagedkv.engine.model_runner import ModelRunner
 from pagedkv.engine.outputs import CompletionOutput, RequestOutput
 from pagedkv.engine.request import Request
 from pagedkv.engine.sampler import Sampler
 from pagedkv.engine.sampling_params import SamplingParams
-from pagedkv.engine.scheduler import Scheduler
+from pagedkv.engine.scheduler import Scheduler, SchedulerOutput
 from pagedkv.kv_transfer.offloading_connector import OffloadingConnector
 from pagedkv.models.loader import get_model
 from pagedkv.models.tokenizer import DetokenizeState
@@ -52,8 +52,12 @@ class LLMEngine:
         if len(groups) > 1 and config.kv_offload:
             raise ValueError("kv_offload supports models with one KV cache group; this model's "
                              f"{len(groups)} groups (hybrid full + sliding-window attention) are not offloaded yet")
+        kv_memory = self._kv_cache_memory()
+        # vLLM's rule: refuse to start when one max_model_len request cannot fit (also with an
+        # explicit num_kv_blocks, which would otherwise start and thrash later).
+        check_kv_cache_fits(config, groups, self.max_model_len, kv_memory)
         self.kv_cache_config = make_kv_cache_config(
-            groups, self._kv_cache_memory(), self.max_model_len, config.max_num_batched_tokens,
+            groups, kv_memory, self.max_model_len, config.max_num_batched_tokens,
             num_blocks_override=config.num_kv_blocks, layout=config.kv_cache_layout)
         # One tensor per layer slot of the largest group: layer j of every group uses tensor j
         # (vLLM's sharing: a block id belongs to one group at a time, so groups never collide).
@@ -63,7 +67,9 @@ class LLMEngine:
         self.kv_caches = [tensors[j] for j in layer_slots]
         self.kv_cache_manager = KVCacheManager(
             self.kv_cache_config, self.max_model_len, enable_caching=config.enable_prefix_caching,
-            enable_kv_cache_events=config.enable_kv_cache_events)
+            enable_kv_cache_events=config.enable_kv_cache_events,
+            # KV events report where the blocks live: host memory on a CPU engine, not "GPU".
+            medium="CPU" if self.device.type == "cpu" else "GPU")
         self.connector = self._make_connector(loaded.source)
         self.scheduler = Scheduler(self.kv_cache_manager, config.max_num_seqs,
                                    config.max_num_batched_tokens, self.max_model_len, self.connector)
@@ -119,6 +125,8 @@ class LLMEngine:
         return (self.kv_cache_config.num_blocks - 1) * self.block_size
 
     def tokenize_prompt(self, prompt: PromptType) -> tuple[list[int], str | None]:
+        """``(token ids, prompt text or None)``. Thread-safe: it reads only the tokenizer, so a
+        server tokenizes on a worker thread, never on the thread that steps the engine."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer: pass {'prompt_token_ids': [...]}")
@@ -139,8 +147,7 @@ class LLMEngine:
         params = params or SamplingParams()
         if request_id in self.samples:
             raise ValueError(f"request id {request_id!r} is already in use")
-        token_ids, text = self.tokenize_prompt(prompt)
-        self._validate_prompt(token_ids)
+        token_ids, text = self.process_prompt(prompt)
         limit = self.max_model_len - len(token_ids)
         max_tokens = limit if params.max_tokens is None else min(params.max_tokens, limit)
         req = self._new_request(request_id, token_ids, text, params, max(max_tokens, 1), 0,
@@ -149,6 +156,14 @@ class LLMEngine:
         self.samples[request_id] = [req]
         self.num_prompt_tokens += len(token_ids)
         self.scheduler.add_request(req)
+
+    def process_prompt(self, prompt: PromptType) -> tuple[list[int], str | None]:
+        """Tokenize and validate ``prompt``: ``(token ids, text)``, or ValueError. Thread-safe
+        (reads only the tokenizer and fixed configuration): `AsyncLLM` runs it on a worker
+        thread first, so a huge prompt neither stalls the engine loop nor reaches it."""
+        token_ids, text = self.tokenize_prompt(prompt)
+        self._validate_prompt(token_ids)
+        return token_ids, text
 
     def _validate_prompt(self, token_ids: list[int]) -> None:
         n = len(token_ids)
@@ -201,12 +216,33 @@ class LLMEngine:
     # ---- the step loop ----------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        """Schedule one batch, run it and return the outputs of every request that progressed.
+
+        An exception while running the batch (tier load, forward pass, sampler, stop checks)
+        fails only the user requests in that batch: they finish with reason ``"error"`` and
+        ``RequestOutput.error`` set, their blocks are freed, and the step returns normally, so
+        the engine keeps serving. An exception from the scheduler itself propagates (the
+        engine's state is then unknown). A non-``Exception`` (KeyboardInterrupt) fails the
+        batch the same way and is re-raised.
+        """
         so = self.scheduler.schedule()
         ended = self._cache_exhausted(so.finished)
         if so.is_empty:
             if self.scheduler.has_unfinished_requests() and not ended:
                 time.sleep(0.0005)  # requests wait on tier I/O: yield the CPU to its threads
             return ended
+        try:
+            return ended + self._run_batch(so)
+        except BaseException as e:
+            logger.exception("engine step failed; failing the %d requests of its batch", len(so.scheduled))
+            failed = self._fail_batch(so, e)
+            if not isinstance(e, Exception):
+                raise
+            return ended + failed
+
+    def _run_batch(self, so: SchedulerOutput) -> list[RequestOutput]:
+        """Load external KV, run the forward pass, sample and append one token per sampling
+        request; the outputs of the requests that got a token."""
         if self.connector is not None:
             self.connector.start_load_kv()
         logits = self.runner.execute_model(so)
@@ -214,7 +250,7 @@ class LLMEngine:
             self.connector.save_kv((s.request, s.block_ids[0], s.start + s.num_tokens) for s in so.scheduled)
         sampling = [s.request for s in so.scheduled if s.samples]
         if not sampling:  # only prefill chunks that do not reach the end of their prompts
-            return ended
+            return []
         rows: list[int] = []
         reqs: list[Request] = []
         forks: list[tuple[Request, Request]] = []
@@ -238,7 +274,39 @@ class LLMEngine:
         for req, token, lp, slp in zip(reqs, out.token_ids, out.logprobs, out.sampled_logprobs):
             self._append_token(req, token, lp, slp, now)
             touched[req.parent_id] = None
-        return ended + [self._make_output(rid) for rid in touched]
+        return [self._make_output(rid) for rid in touched]
+
+    def _fail_batch(self, so: SchedulerOutput, err: BaseException) -> list[RequestOutput]:
+        """Finish every user request of the failed batch ``so`` with reason "error".
+
+        Their blocks' prefix-cache hashes are dropped first: allocation registered the hashes
+        of blocks this batch was to write (or load from a tier), so their KV may be missing or
+        half written and must never be served as a cache hit. Dropping a hash only costs a
+        future hit; blocks shared with surviving requests keep their references. Pending
+        copy-on-write copies into the failed requests' blocks are dropped too (those blocks
+        go back to the pool). Returns one finished output per failed user request.
+        """
+        message = f"{type(err).__name__}: {err}"
+        kv = self.kv_cache_manager
+        for s in so.scheduled:  # this batch's tokens were not computed
+            s.request.num_computed_tokens = min(s.request.num_computed_tokens, s.start)
+        now = time.monotonic()
+        outputs: list[RequestOutput] = []
+        for rid in dict.fromkeys(s.request.parent_id for s in so.scheduled):
+            samples = self.samples.get(rid)
+            if samples is None:
+                continue  # already finished and reported before the failure
+            live = [r for r in samples if not r.is_finished]
+            block_ids = {b for r in live for group in kv.get_block_ids(r.request_id) for b in group}
+            kv.evict_blocks(sorted(block_ids))
+            self.scheduler.pending_copies = [(src, dst) for src, dst in self.scheduler.pending_copies
+                                             if dst not in block_ids]
+            self.scheduler.finish_requests([r.request_id for r in live], RequestStatus.FINISHED_ABORTED)
+            for r in live:
+                r.finish_reason = "error"
+                r.metrics.finished_time = now
+            outputs.append(self._make_output(rid, error=message))
+        return outputs
 
     def _cache_exhausted(self, reqs: list[Request]) -> list[RequestOutput]:
         """Outputs for requests the scheduler stopped because their sequence outgrew the whole
@@ -312,11 +380,13 @@ class LLMEngine:
                 return True
         return False
 
-    def _make_output(self, rid: str) -> RequestOutput:
+    def _make_output(self, rid: str, error: str | None = None) -> RequestOutput:
+        """The cumulative output of user request ``rid``; once finished (or failed with
+        ``error``: finished whatever its samples) the request is forgotten."""
         samples = self.samples[rid]
         first = samples[0]
         n = first.sampling_params.n
-        finished = len(samples) == n and all(s.is_finished for s in samples)
+        finished = error is not None or (len(samples) == n and all(s.is_finished for s in samples))
         outputs = [CompletionOutput(
             index=s.sample_index, text=s.output_text, token_ids=list(s.output_token_ids),
             finish_reason=s.finish_reason, stop_reason=s.stop_reason, logprobs=s.logprobs,
@@ -327,7 +397,7 @@ class LLMEngine:
         return RequestOutput(request_id=rid, prompt=first.prompt,
                              prompt_token_ids=first.prompt_token_ids, outputs=outputs,
                              finished=finished, num_cached_tokens=max(first.num_cached_tokens, 0),
-                             metrics=first.metrics)
+                             metrics=first.metrics, error=error)
 
     # ---- introspection ------------------------------------------------------------------------------
 

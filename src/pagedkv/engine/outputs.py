@@ -45,7 +45,7 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None = None  # "stop", "length", "abort" or None while running
+    finish_reason: str | None = None  # "stop", "length", "abort", "error" or None while running
     stop_reason: int | str | None = None  # the stop string or stop token that matched
     logprobs: SampleLogprobs | None = None
     cumulative_logprob: float | None = None
@@ -65,3 +65,6 @@ class RequestOutput:
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
     prompt_logprobs: list | None = field(default=None, repr=False)
+    # Set when the step running this request failed: the request finished with reason "error"
+    # (its KV blocks freed); other requests and the engine go on.
+    error: str | None = None

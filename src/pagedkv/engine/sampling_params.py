@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 _GREEDY_EPS = 1e-5
@@ -21,7 +22,8 @@ class SamplingParams:
     ``"length"``. ``n`` completions share the prompt's KV blocks. ``logprobs=k`` returns the
     sampled token's logprob and the top-k alternatives per step.
 
-    Invalid values raise ValueError naming the parameter.
+    Invalid values raise ValueError naming the parameter; every float field must be finite
+    (NaN and ±inf are refused: NaN passes every range comparison and poisons the sampler).
     """
 
     n: int = 1
@@ -60,19 +62,22 @@ class SamplingParams:
 
         if not isinstance(self.n, int) or self.n < 1:
             raise bad("n", "must be an integer >= 1")
-        if not _is_number(self.temperature) or self.temperature < 0:
+        for name in _FLOAT_FIELDS:  # NaN slips through every range check below (nan < 0 is False)
+            if not _is_finite_number(getattr(self, name)):
+                raise bad(name, "must be a finite number")
+        if self.temperature < 0:
             raise bad("temperature", "must be >= 0")
-        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
+        if not 0 < self.top_p <= 1:
             raise bad("top_p", "must be in (0, 1]")
         if not isinstance(self.top_k, int) or self.top_k < -1:
             raise bad("top_k", "must be -1, 0 (disabled) or a positive integer")
-        if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
+        if not 0 <= self.min_p <= 1:
             raise bad("min_p", "must be in [0, 1]")
-        if not _is_number(self.repetition_penalty) or self.repetition_penalty <= 0:
+        if self.repetition_penalty <= 0:
             raise bad("repetition_penalty", "must be > 0")
-        if not _is_number(self.presence_penalty) or not -2 <= self.presence_penalty <= 2:
+        if not -2 <= self.presence_penalty <= 2:
             raise bad("presence_penalty", "must be in [-2, 2]")
-        if not _is_number(self.frequency_penalty) or not -2 <= self.frequency_penalty <= 2:
+        if not -2 <= self.frequency_penalty <= 2:
             raise bad("frequency_penalty", "must be in [-2, 2]")
         if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
             raise bad("max_tokens", "must be an integer >= 1")
@@ -115,5 +120,11 @@ class SamplingParams:
                 or self.frequency_penalty != 0.0)
 
 
-def _is_number(x: object) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
+# Every float field: each must be a finite number (NaN and ±inf are refused, naming the field).
+_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                 "frequency_penalty")
+
+
+def _is_finite_number(x: object) -> bool:
+    """An int or float (not a bool) that is neither NaN nor ±inf."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)

@@ -113,6 +113,8 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         kv = self.kv_cache_manager
         scheduled: dict[str, tuple[Request, int, int]] = {}  # rid -> (req, start, n)
+        if self.connector is not None:
+            self.connector.on_schedule_start()
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -161,6 +163,8 @@ class Scheduler:
             if self.connector is not None:
                 ext = self.connector.get_num_new_matched_tokens(req, num_hit)
                 if ext is None:  # a tier is still answering: leave it waiting, try the next one
+                    # (vLLM's skip). Its deferral clock runs only while it is considered, so
+                    # waiting for a batch slot later never costs it its tier hits.
                     idx += 1
                     continue
                 num_ext = ext

@@ -3,11 +3,8 @@
 Each line on stdin is a user turn; the whole conversation so far is rendered with the chat
 template and sent as one request, so earlier turns come back as prefix-cache hits. Tokens are
 printed as soon as the engine produces them (`LLMEngine.step` + incremental detokenization).
-
-Commands: ``/reset`` clears the history (keeps ``--system``), ``/exit`` (or end of input)
-quits. Ctrl-C during a reply stops that reply; at the prompt it quits. When the conversation
-outgrows the context, the oldest turns are dropped. ``--stats`` prints per-reply figures
-(tokens, tok/s, cached prompt tokens) on stderr.
+Lines starting with "/" are commands (``COMMANDS``); an unknown one is refused, never sent to
+the model. ``DESCRIPTION`` is the user-facing help.
 """
 
 from __future__ import annotations
@@ -21,10 +18,30 @@ from pagedkv.entrypoints.generate import CLIError, add_engine_args, add_sampling
 
 Message = dict[str, str]
 
+COMMANDS: dict[str, str] = {
+    "/help": "show this help",
+    "/reset": "clear the conversation (keeps --system)",
+    "/exit": "quit (also /quit, or end of input)",
+}
+
+DESCRIPTION = """\
+Chat with the model: each line you type is a user turn, and the reply streams as it is
+generated. The whole conversation is sent each turn, so earlier turns are served from the
+prefix cache; when it outgrows the context, the oldest turns are dropped.
+
+Commands: /help, /reset (clear the conversation, keep --system), /exit (or /quit, or end of
+input). Any other line starting with "/" is refused as an unknown command; start a message
+with "//" to send it with one leading "/". Ctrl-C during a reply stops that reply; at the
+prompt it quits. A reply cut short by --max-tokens is marked so. --stats prints per-reply
+figures (tokens, tok/s, cached prompt tokens) on standard error.
+"""
+
+BANNER = "pagedkv chat: type a message; /help lists commands, /exit quits."
+
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p = subparsers.add_parser("chat", help="interactive chat with streamed replies",
-                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                              description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--system", default=None, help="a system message that starts every conversation")
     p.add_argument("--stats", action="store_true", help="print per-reply statistics on stderr")
     add_sampling_args(p, max_tokens=256, temperature=0.7)
@@ -115,6 +132,8 @@ class ChatSession:
         out.flush()
         text = state.text[:printed]
         self.history.append({"role": "assistant", "content": text.strip()})
+        if final is not None and self._cut_by_max_tokens(final):
+            print(f"[reply cut at --max-tokens {self.params.max_tokens}]", file=sys.stderr)
         if self.show_stats and final is not None and final.metrics is not None:
             dt = time.perf_counter() - start
             print(f"[{seen} tokens in {dt:.2f}s, {seen / dt:.1f} tok/s, ttft "
@@ -123,16 +142,48 @@ class ChatSession:
         return text
 
 
+    def _cut_by_max_tokens(self, out: Any) -> bool:
+        """The reply stopped because it reached ``max_tokens`` (not at a stop token, not at the
+        end of the context)."""
+        c = out.outputs[0]
+        return c.finish_reason == "length" and len(c.token_ids) == self.params.max_tokens
+
+
+def help_text() -> str:
+    rows = [f"  {cmd:<8} {what}" for cmd, what in COMMANDS.items()]
+    return "\n".join(["commands:", *rows, '  //text   send "/text" as a message'])
+
+
+def handle_command(line: str, session: ChatSession) -> str | None:
+    """Run a "/" command; returns "exit" to quit, None when handled. An unknown command is
+    refused with a message (never sent to the model)."""
+    cmd = line.split()[0].lower()
+    if cmd in ("/exit", "/quit"):
+        return "exit"
+    if cmd == "/reset":
+        session.reset()
+        print("[conversation cleared]", file=sys.stderr)
+    elif cmd == "/help":
+        print(help_text(), file=sys.stderr)
+    else:
+        print(f"unknown command {cmd}: type /help for the commands, or //text to send a message "
+              f"starting with /", file=sys.stderr)
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         params = sampling_params(args)
-        llm = make_llm(args)
-        session = ChatSession(llm, params, args.system, args.stats)
     except CLIError as e:
         return fail("chat", e)
     interactive = sys.stdin.isatty()
-    if interactive:
-        print("pagedkv chat: /reset clears the conversation, /exit quits.", file=sys.stderr)
+    # Before the model loads, so the user knows what they are waiting for.
+    print(BANNER, file=sys.stderr, flush=True)
+    try:
+        llm = make_llm(args, prog="chat")
+        session = ChatSession(llm, params, args.system, args.stats)
+    except CLIError as e:
+        return fail("chat", e)
     while True:
         try:
             if interactive:
@@ -146,12 +197,12 @@ def run(args: argparse.Namespace) -> int:
         line = line.strip()
         if not line:
             continue
-        if line in ("/exit", "/quit"):
-            break
-        if line == "/reset":
-            session.reset()
-            print("[conversation cleared]", file=sys.stderr)
+        if line.startswith("/") and not line.startswith("//"):
+            if handle_command(line, session) == "exit":
+                break
             continue
+        if line.startswith("//"):
+            line = line[1:]
         try:
             session.reply(line)
         except CLIError as e:

@@ -10,6 +10,7 @@ To add a subcommand, write its module and append one small ``_add_<name>`` funct
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -56,12 +57,54 @@ SUBCOMMANDS: list[Callable[[Any], None]] = [_add_plan, _add_generate, _add_chat,
 SUBCOMMANDS += [_add_serve, _add_events]
 
 
+class CLIError(Exception):
+    """A user-facing failure: ``main`` prints it as one line on stderr, exit code 2."""
+
+
+def read_model_config(model: str | None) -> Any:
+    """The `ModelConfig` of ``model`` (a .gguf, an HF config.json or a directory holding one;
+    None: the default model) from its header only, no weights. Every way a user's file can be
+    wrong (missing, unreadable, not JSON, missing keys) becomes a CLIError naming the file."""
+    from pagedkv.models.config import load_model_config
+
+    try:
+        return load_model_config(model)
+    except KeyError as e:
+        raise CLIError(f"invalid model config {model!r}: missing key {e}") from None
+    except (TypeError, AttributeError) as e:
+        raise CLIError(f"invalid model config {model!r}: {e}") from None
+    except (OSError, ValueError, NotImplementedError) as e:
+        raise CLIError(str(e) if str(model) in str(e) else f"{model}: {e}") from None
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("pagedkv")
+    except PackageNotFoundError:
+        from pagedkv import __version__
+
+        return __version__
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pagedkv", description="A paged KV-cache memory system for LLM inference.")
+    parser = argparse.ArgumentParser(
+        prog="pagedkv", description="A paged KV-cache memory system for LLM inference.",
+        epilog="Run 'pagedkv COMMAND --help' for a command's options.")
+    parser.add_argument("--version", action="version", version=f"pagedkv {_version()}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for add in SUBCOMMANDS:
         add(subparsers)
     return parser
+
+
+def _stdout_closed() -> int:
+    """The reader of our stdout went away (``pagedkv plan --json | head``): stop quietly, as
+    ``cat`` would. Pointing stdout at /dev/null stops Python's exit-time flush from failing again."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    return 141  # 128 + SIGPIPE: what a shell reports for a writer killed by a closed pipe
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -71,7 +114,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     if getattr(args, "func", None) is None:
         parser.print_help(sys.stderr)
         return 2
-    return int(args.func(args))
+    try:
+        return int(args.func(args))
+    except CLIError as e:
+        print(f"pagedkv {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except BrokenPipeError:
+        return _stdout_closed()
+    except KeyboardInterrupt:
+        return 130
 
 
 if __name__ == "__main__":

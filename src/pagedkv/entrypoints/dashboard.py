@@ -11,10 +11,22 @@ block map is consistent: every block of the pool is exactly one of
 * ``u`` in use by one request (``ref_cnt == 1``),
 * ``s`` shared by several requests (``ref_cnt > 1``: prefix hits, ``n > 1`` samples),
 
-sent as one character per block (``"blocks"``). The page also shows usage and prefix-cache hit
-rate over time (the hit rate of each polling interval and the cumulative one), running and
-waiting requests (with each running request's tokens and blocks) and, when the engine has an
-``offload_manager``, each tier's usage, hits and traffic.
+sent as one character per block (``"blocks"``). Hovering a block shows its details, sent
+compactly beside the map:
+
+* ``"ref_cnt"``: one integer per block;
+* ``"hashes"``: block id (as a JSON key) -> the first 16 hex digits of its block hash (without
+  the group id), for the blocks that have one;
+* ``"owner_ids"`` (running requests' ids) and ``"owners"``: block id -> indexes into
+  ``owner_ids`` of the requests whose block tables hold it (blocks held only by a finished
+  request whose tier stores are still in flight have ``ref_cnt > 0`` and no owner).
+
+The page also shows, over time (a time axis on every chart): KV usage and prefix-cache hit
+rate (per polling interval and cumulative), prompt and generation throughput, TTFT and
+inter-token latency p50 / p99 (``"latency"``: the server's `ServerMetrics.latency_summary`
+over the last 30 s), running and waiting requests; the running requests (tokens and blocks
+each) and, when the engine has an ``offload_manager``, each tier's usage, hits and traffic.
+``GET /`` redirects to ``/dashboard``.
 """
 
 from __future__ import annotations
@@ -24,8 +36,9 @@ from importlib import resources
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import HTMLResponse, JSONResponse, Response
+from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
 
+from pagedkv.core.hashing import get_block_hash
 from pagedkv.engine.async_llm import engine_stats
 
 if TYPE_CHECKING:
@@ -33,6 +46,7 @@ if TYPE_CHECKING:
 
 MAX_LISTED_REQUESTS = 64
 STATE_CHARS = {"null": "n", "free": "f", "cached": "c", "used": "u", "shared": "s"}
+HASH_HEX_DIGITS = 16  # enough to tell blocks apart on screen; the full hash is 64
 
 
 def block_states(engine: LLMEngine) -> str:
@@ -50,6 +64,28 @@ def block_states(engine: LLMEngine) -> str:
         else:
             chars.append("f")
     return "".join(chars)
+
+
+def block_details(engine: LLMEngine) -> dict[str, Any]:
+    """``ref_cnt``, ``hashes``, ``owner_ids`` and ``owners`` of the block map (see the module
+    docstring). Call on the engine thread."""
+    pool = engine.kv_cache_manager.block_pool
+    ref_cnt = [b.ref_cnt for b in pool.blocks]
+    hashes = {str(b.block_id): get_block_hash(b.block_hash).hex()[:HASH_HEX_DIGITS]
+              for b in pool.blocks if b.block_hash is not None}
+    owner_ids: list[str] = []
+    owners: dict[str, list[int]] = {}
+    kv = engine.kv_cache_manager
+    for req in list(engine.scheduler.running):
+        try:
+            groups = kv.get_block_ids(req.request_id)
+        except Exception:  # no blocks (yet): nothing to attribute
+            continue
+        index = len(owner_ids)
+        owner_ids.append(req.request_id)
+        for block_id in {b for group in groups for b in group if b}:  # block 0 is the null block
+            owners.setdefault(str(block_id), []).append(index)
+    return dict(ref_cnt=ref_cnt, hashes=hashes, owner_ids=owner_ids, owners=owners)
 
 
 def dashboard_state(engine: LLMEngine, extra: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -81,6 +117,7 @@ def dashboard_state(engine: LLMEngine, extra: dict[str, Any] | None = None) -> d
         generation_tokens=stats["generation_tokens"],
         running=running, waiting=waiting,
         tiers=stats.get("tiers"),
+        **block_details(engine),
     )
     if extra:
         state.update(extra)
@@ -99,11 +136,15 @@ def add_routes(app: FastAPI) -> None:
             html_cache["html"] = dashboard_html()
         return HTMLResponse(html_cache["html"], headers={"Cache-Control": "no-cache"})
 
+    async def root(_: Request) -> Response:
+        return RedirectResponse("/dashboard", status_code=307)
+
     async def state(request: Request) -> Response:
         st = request.app.state.pagedkv
         llm = st.async_llm
         pub = st.kv_event_publisher
         extra = dict(model=st.served_model_name, healthy=llm.is_healthy,
+                     latency=st.metrics.latency_summary(time.monotonic()),
                      max_num_seqs=llm.engine.config.max_num_seqs, max_queue_size=llm.max_queue_size,
                      num_aborted=llm.num_aborted, num_rejected=llm.num_rejected,
                      kv_events=None if pub is None else dict(
@@ -111,5 +152,6 @@ def add_routes(app: FastAPI) -> None:
         data = await llm.run_in_engine(lambda engine: dashboard_state(engine, extra))
         return JSONResponse(data, headers={"Cache-Control": "no-store"})
 
+    app.add_api_route("/", root, methods=["GET"], include_in_schema=False)
     app.add_api_route("/dashboard", page, methods=["GET"], include_in_schema=False)
     app.add_api_route("/dashboard/state", state, methods=["GET"])

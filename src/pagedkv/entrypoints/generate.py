@@ -1,16 +1,9 @@
-"""``pagedkv generate "prompt"``: one completion (or ``--n`` of them) from the command line.
+"""``pagedkv generate "prompt"``: one completion (or ``--n``) from the command line.
 
-Prints the completion text, or with ``--json`` one object: ``text``, ``token_ids``,
-``finish_reason`` (of the first sample), ``outputs`` (every sample), ``num_cached_tokens``,
-``ttft`` and ``e2e_latency`` (seconds). ``--chat`` renders the prompt as a user message with the
-model's chat template (``--system`` adds a system message). ``-`` reads the prompt from stdin
-(trailing newlines dropped).
-
-Sampling flags default to `SamplingParams`' own defaults (temperature 1.0, so pass
-``--temperature 0`` for greedy). Invalid values exit with code 2 and a one-line message on
-stderr, before the model is loaded.
-
-This module also owns the engine and sampling flags that ``pagedkv chat`` shares.
+Also owns what generate, chat and serve share: the engine and sampling flags, the pre-flight
+check that fails fast (one line, exit 2) on a bad model or a KV cache too small for one
+request before any weight is read, the "loading model ... done in 1.2 s" progress line, and
+the KV cache summary line on stderr. ``DESCRIPTION`` is the user-facing help.
 """
 
 from __future__ import annotations
@@ -18,13 +11,32 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
+
+from pagedkv.entrypoints.cli import CLIError, read_model_config
 
 USER_ERRORS = (ValueError, FileNotFoundError, NotImplementedError)
 
+DESCRIPTION = """\
+Generate a completion for one prompt and print it (or, with --json, one JSON object with the
+text, token ids, finish reason, cached prompt tokens and latencies).
 
-class CLIError(Exception):
-    """A user-facing failure: printed as one line on stderr, exit code 2."""
+--chat wraps the prompt in the model's chat template as a user message (--system adds a system
+message). A prompt of '-' is read from standard input. Sampling flags default to the engine's
+own defaults (temperature 1.0: pass --temperature 0 for greedy decoding). Invalid values exit
+with code 2 and a one-line message before the model loads. Progress and the KV cache plan go
+to standard error; standard output holds only the completion.
+"""
+
+EXAMPLES = """\
+examples:
+  pagedkv generate "The capital of France is" --temperature 0 --max-tokens 32
+  pagedkv generate --chat "What is paged attention?" --json
+  echo "Once upon a time" | pagedkv generate - --n 3 --seed 1
+"""
 
 
 # ---------------------------------------------------------------- shared flags
@@ -37,29 +49,37 @@ def add_engine_args(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
 
     g = p.add_argument_group("engine")
     g.add_argument("--model", help="a .gguf file or HF model directory (default: SmolLM2-135M-Instruct)")
-    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "auto"])
-    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    g.add_argument("--max-model-len", type=int, default=None, help="context length cap")
-    g.add_argument("--num-kv-blocks", type=int, default=None, help="exact KV pool size in blocks")
-    g.add_argument("--kv-cache-memory", type=parse_size, default=None, help="KV pool size, e.g. 512MiB")
+    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "auto"],
+                   help="model and KV cache dtype (default float32)")
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
+    g.add_argument("--max-model-len", type=int, default=None,
+                   help="context length cap (default: the model's context length)")
+    g.add_argument("--num-kv-blocks", type=int, default=None,
+                   help="exact KV pool size in blocks, the null block included (default: from memory)")
+    g.add_argument("--kv-cache-memory", type=parse_size, default=None,
+                   help="KV pool size, e.g. 512MiB (default 1GiB on CPU)")
     g.add_argument("--no-prefix-caching", "--no-enable-prefix-caching", dest="no_prefix_caching",
                    action="store_true", help="disable prefix caching")
     g.add_argument("--kv-offload", default=None, metavar="SPEC",
                    help="KV tiers, e.g. cpu:4GiB,disk:/var/cache/pagedkv:20GiB,redis://127.0.0.1:6379")
-    g.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"])
+    g.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"],
+                   help="how a preempted request comes back: recompute its KV, or swap it to the CPU tier "
+                        "(default recompute)")
     return g
 
 
 def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int, temperature: float) -> None:
     """Sampling and stopping flags (`SamplingParams` fields)."""
     g = p.add_argument_group("sampling")
-    g.add_argument("--max-tokens", type=int, default=max_tokens, help=f"(default {max_tokens})")
+    g.add_argument("--max-tokens", type=int, default=max_tokens,
+                   help=f"tokens to generate at most (default {max_tokens})")
     g.add_argument("--temperature", type=float, default=temperature, help=f"0 = greedy (default {temperature})")
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0, help="0 or -1 disables")
-    g.add_argument("--min-p", type=float, default=0.0)
-    g.add_argument("--repetition-penalty", type=float, default=1.0)
-    g.add_argument("--seed", type=int, default=None, help="per-request sampling seed")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0: off)")
+    g.add_argument("--top-k", type=int, default=0, help="sample from the k likeliest tokens (default 0: off)")
+    g.add_argument("--min-p", type=float, default=0.0,
+                   help="drop tokens below this fraction of the top one (default 0)")
+    g.add_argument("--repetition-penalty", type=float, default=1.0, help="above 1 discourages repeats (default 1.0)")
+    g.add_argument("--seed", type=int, default=None, help="sampling seed, for reproducible samples")
     g.add_argument("--stop", action="append", default=None, metavar="STR",
                    help="stop string (repeatable); removed from the output")
     g.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
@@ -92,15 +112,69 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     return kw
 
 
-def make_llm(args: argparse.Namespace) -> Any:
-    """Load the model; an unreadable or unsupported model becomes a CLIError."""
-    kw = engine_kwargs(args)
-    from pagedkv import LLM
+def preflight(config: Any) -> Any:
+    """Check what can be checked without loading weights; returns the model's `ModelConfig`.
+
+    A missing or malformed model, and a KV cache that cannot hold one ``max_model_len``
+    request (vLLM's start-up rule, `check_kv_cache_fits`), raise CLIError here, before the
+    slow load, so the error is the only line printed."""
+    from pagedkv.core.specs import get_kv_cache_groups
+    from pagedkv.engine.config import check_kv_cache_fits, default_kv_cache_memory, resolve_dtype_name
+    from pagedkv.models.loader import resolve_model_path
 
     try:
-        return LLM(model=args.model, **kw)
-    except USER_ERRORS as e:
+        path = resolve_model_path(config.model)
+    except (FileNotFoundError, ValueError) as e:
         raise CLIError(str(e)) from None
+    mc = read_model_config(str(path))
+    memory = default_kv_cache_memory(config)
+    try:
+        specs = mc.kv_cache_specs(config.block_size, torch_dtype=resolve_dtype_name(config.dtype, mc.dtype))
+        if memory is not None:
+            check_kv_cache_fits(config, get_kv_cache_groups(specs), config.max_model_len or mc.max_position_embeddings,
+                                memory)
+    except (ValueError, NotImplementedError) as e:
+        raise CLIError(str(e)) from None
+    return mc
+
+
+@contextmanager
+def loading_progress(prog: str, what: str) -> Iterator[None]:
+    """``pagedkv PROG: loading WHAT ... done in 1.2 s`` on stderr around a slow step (the line
+    ends with "failed" if it raises)."""
+    print(f"pagedkv {prog}: loading {what} ...", end=" ", file=sys.stderr, flush=True)
+    start = time.perf_counter()
+    try:
+        yield
+    except BaseException:
+        print("failed", file=sys.stderr, flush=True)
+        raise
+    print(f"done in {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
+
+
+def print_kv_summary(prog: str, engine: Any) -> None:
+    """The engine's KV cache in `pagedkv plan`'s one-line summary, on stderr."""
+    from pagedkv.entrypoints.plan import engine_summary_line
+
+    print(f"pagedkv {prog}: {engine_summary_line(engine)}", file=sys.stderr, flush=True)
+
+
+def make_llm(args: argparse.Namespace, prog: str = "generate") -> Any:
+    """Pre-flight, load the model with a progress line, print the KV summary; every user-facing
+    failure becomes a CLIError."""
+    from pagedkv.engine.config import EngineConfig
+
+    kw = engine_kwargs(args)
+    mc = preflight(EngineConfig(model=args.model, **kw))
+    with loading_progress(prog, f"model {mc.name}"):
+        from pagedkv import LLM
+
+        try:
+            llm = LLM(model=args.model, **kw)
+        except USER_ERRORS as e:
+            raise CLIError(str(e)) from None
+    print_kv_summary(prog, llm.llm_engine)
+    return llm
 
 
 def fail(prog: str, err: Exception) -> int:
@@ -113,11 +187,12 @@ def fail(prog: str, err: Exception) -> int:
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p = subparsers.add_parser("generate", help="generate a completion for one prompt",
-                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                              description=DESCRIPTION, epilog=EXAMPLES,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("prompt", help="the prompt text ('-' reads stdin)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     p.add_argument("--system", default=None, help="with --chat: a system message")
-    p.add_argument("--n", type=int, default=1, help="completions to sample (they share the prompt's KV)")
+    p.add_argument("--n", type=int, default=1, help="completions to sample; they share the prompt's KV (default 1)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     add_sampling_args(p, max_tokens=64, temperature=1.0)
     add_engine_args(p)

@@ -13,9 +13,17 @@ Routes:
   ``GET /dashboard`` and ``GET /dashboard/state`` (see dashboard.py).
 
 Errors have OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``: 400 for
-malformed JSON, wrong types, invalid values (``param`` names the field) and prompts longer than
-the context (``code: context_length_exceeded``); 404 for an unknown model or route; 503 with
-``Retry-After`` when the waiting queue is full or the engine is down; 500 otherwise.
+malformed JSON (``NaN``/``Infinity`` literals included), wrong types, invalid or non-finite
+values and fields pagedkv does not implement (``param`` names the field), and for prompts or
+requested completion lengths that do not fit the context (``code: context_length_exceeded``,
+vLLM's wording); 401 without the API key (``api_key``); 404 for an unknown model or route; 413
+for a body over ``max_request_bytes``; 503 with ``Retry-After`` when the waiting queue is full
+or the engine is down; 500 when the engine step running a request failed (other requests go
+on) and for anything unexpected.
+
+Prompt text is tokenized (and chat templates rendered) on a worker thread, never on the event
+loop. ``cache_salt`` is passed to the engine: requests share cached blocks only with the same
+salt. Every request gets one ``pagedkv.access`` log line at INFO.
 
 A client that disconnects has its request aborted: a stream is cancelled by Starlette when the
 connection drops; a non-streaming request races its disconnect (``http.disconnect``) and is
@@ -25,6 +33,7 @@ cancelled too. Either way the engine frees the request's blocks before its next 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 import time
@@ -43,6 +52,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from pagedkv.engine.async_llm import (
     AsyncLLM,
     EngineDeadError,
+    EngineGenerateError,
     QueueFullError,
     RequestStream,
 )
@@ -52,9 +62,16 @@ from pagedkv.entrypoints import protocol as P
 from pagedkv.entrypoints.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
+access_logger = logging.getLogger("pagedkv.access")
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 RETRY_AFTER_SECONDS = 1
+DEFAULT_MAX_REQUEST_BYTES = 8 * 2**20
+# Routes that stay open when an API key is set (as in vLLM: health, metrics; the read-only
+# dashboard and API docs too). Everything else (/v1/*, /reset_prefix_cache, unknown paths)
+# needs ``Authorization: Bearer KEY``.
+OPEN_PATHS = frozenset({"/", "/health", "/metrics", "/dashboard", "/dashboard/state",
+                        "/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"})
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -87,6 +104,8 @@ def _engine_error(e: BaseException, prompt_param: str) -> APIError:
     if isinstance(e, EngineDeadError):
         return APIError(503, str(e), "server_error", None, "engine_unavailable",
                         headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
+    if isinstance(e, EngineGenerateError):  # this request's step failed; the engine lives on
+        return APIError(500, str(e), "internal_server_error", None, "engine_generate_error")
     if isinstance(e, P.RequestError):
         return bad_request(e.message, e.param)
     if isinstance(e, ValueError):
@@ -155,8 +174,50 @@ def _short(x: Any) -> str:
     return s if len(s) <= 60 else s[:57] + "..."
 
 
+class _NonFinite:
+    """Stands for a ``NaN``/``Infinity``/``-Infinity`` literal while locating it."""
+
+    def __init__(self, literal: str) -> None:
+        self.literal = literal
+
+
+def _non_finite_path(obj: Any, path: str = "") -> tuple[str, str] | None:
+    """``(field path, literal)`` of the first `_NonFinite` in a parsed body, else None."""
+    if isinstance(obj, _NonFinite):
+        return path, obj.literal
+    items: Any = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, list) else ()
+    for key, value in items:
+        sub = f"{path}[{key}]" if isinstance(key, int) else f"{path}.{key}" if path else str(key)
+        found = _non_finite_path(value, sub)
+        if found is not None:
+            return found
+    return None
+
+
+def check_non_finite_literals(body: bytes) -> None:
+    """Refuse ``NaN``, ``Infinity`` and ``-Infinity``: Python's and pydantic's JSON parsers
+    accept them, but they are not JSON and a NaN sampling parameter would poison the sampler.
+    The 400 names the field holding the literal. Bodies that merely mention the words inside
+    strings pass (the byte scan is a cheap filter; the parse decides)."""
+    if b"NaN" not in body and b"Infinity" not in body:
+        return
+    try:
+        parsed = json.loads(body, parse_constant=_NonFinite)
+    except ValueError:
+        return  # malformed: pydantic reports it
+    found = _non_finite_path(parsed)
+    if found is None:
+        return
+    path, literal = found
+    if not path:
+        raise bad_request("invalid JSON: NaN/Infinity are not valid numbers")
+    raise bad_request(f"invalid value for '{path}': {literal} is not a valid number "
+                      "(invalid JSON: NaN/Infinity are not valid numbers)", path)
+
+
 async def parse_body(request: Request, model: type[M]) -> M:
     body = await request.body()
+    check_non_finite_literals(body)
     try:
         parsed = model.model_validate_json(body or b"null")
     except ValidationError as e:
@@ -208,14 +269,15 @@ def _state(request: Request) -> ServerState:
 
 
 async def _add_all(state: ServerState, base_id: str, prompts: list[Any], params: SamplingParams,
-                   prompt_param: str) -> list[RequestStream]:
+                   prompt_param: str, cache_salt: str | None = None) -> list[RequestStream]:
     """Queue every prompt (all or none: a failure aborts those already queued)."""
     streams: list[RequestStream] = []
     arrival = time.monotonic()
     try:
         for i, prompt in enumerate(prompts):
             rid = base_id if len(prompts) == 1 else f"{base_id}-{i}"
-            streams.append(await state.async_llm.add_request(rid, prompt, params, arrival))
+            streams.append(await state.async_llm.add_request(rid, prompt, params, arrival,
+                                                             cache_salt=cache_salt))
     except BaseException as e:
         for s in streams:
             s.abort()
@@ -223,6 +285,37 @@ async def _add_all(state: ServerState, base_id: str, prompts: list[Any], params:
             raise
         raise _engine_error(e, prompt_param) from None
     return streams
+
+
+async def _tokenize(state: ServerState, prompts: list[str | list[int]]) -> list[list[int]]:
+    """Token ids of every prompt; text is tokenized on a worker thread, so that a huge prompt
+    stalls neither the event loop (other streams) nor the engine thread."""
+    texts = [p for p in prompts if isinstance(p, str)]
+    if not texts:
+        return [list(p) for p in prompts]  # type: ignore[arg-type]
+    tok = state.async_llm.tokenizer
+    if tok is None:
+        raise bad_request("this model has no tokenizer: send the prompt as token ids", "prompt")
+    encoded = iter(await asyncio.to_thread(lambda: [tok.encode(t) for t in texts]))
+    return [next(encoded) if isinstance(p, str) else list(p) for p in prompts]
+
+
+def check_context_length(max_model_len: int, prompt_lens: list[int],
+                         requested: tuple[str, int] | None, where: str) -> None:
+    """vLLM's context-length check: a prompt longer than ``max_model_len``, or a requested
+    completion length (``requested = (field, tokens)``) that does not fit after the prompt, is
+    a 400 (``code: context_length_exceeded``) in vLLM's words; ``where`` is "prompt" or
+    "messages". A length the client did not ask for is clamped by the engine instead."""
+    for n in prompt_lens:
+        head = f"This model's maximum context length is {max_model_len} tokens. However, you requested"
+        if n > max_model_len:
+            raise bad_request(f"{head} {n} tokens in the {where}. Please reduce the length of the {where}.",
+                              where, "context_length_exceeded")
+        if requested is not None and n + requested[1] > max_model_len:
+            field_, c = requested
+            raise bad_request(f"{head} {n + c} tokens ({n} in the {where}, {c} in the completion). "
+                              f"Please reduce the length of the {where} or completion.",
+                              field_, "context_length_exceeded")
 
 
 async def _merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -305,7 +398,7 @@ def _event_stream(body: AsyncIterator[str], streams: list[RequestStream], param:
         try:
             async for event in body:
                 yield event
-        except (EngineDeadError, APIError) as e:
+        except (EngineDeadError, EngineGenerateError, APIError) as e:
             yield _sse_error(e, param)
         finally:
             await body.aclose()  # type: ignore[attr-defined]
@@ -408,9 +501,13 @@ async def completions(request: Request) -> Response:
     except P.RequestError as e:
         raise bad_request(e.message, e.param) from None
     prompts = req.prompts()
-    engine_prompts = [p if isinstance(p, str) else {"prompt_token_ids": p} for p in prompts]
+    token_ids = await _tokenize(state, prompts)
+    check_context_length(state.async_llm.engine.max_model_len, [len(t) for t in token_ids],
+                         req.requested_max_tokens(), "prompt")
+    engine_prompts = [{"prompt_token_ids": ids, "prompt": p} if isinstance(p, str) else {"prompt_token_ids": ids}
+                      for p, ids in zip(prompts, token_ids)]
     request_id = f"cmpl-{uuid.uuid4().hex}"
-    streams = await _add_all(state, request_id, engine_prompts, params, "prompt")
+    streams = await _add_all(state, request_id, engine_prompts, params, "prompt", req.cache_salt)
     model = req.model or state.served_model_name
     created = int(time.time())
     n = params.n
@@ -464,7 +561,7 @@ async def completions(request: Request) -> Response:
 
     try:
         finals = await _unless_disconnected(request, collect(), streams)
-    except EngineDeadError as e:
+    except (EngineDeadError, EngineGenerateError) as e:
         raise _engine_error(e, "prompt") from None
     if finals is None:
         return Response(status_code=499)
@@ -492,14 +589,20 @@ async def chat_completions(request: Request) -> Response:
     tok = state.async_llm.tokenizer
     if tok is None:
         raise bad_request("this model has no tokenizer, so no chat template", "messages")
-    try:
+
+    def render() -> tuple[str, list[int]]:
         text = tok.apply_chat_template(conversation, add_generation_prompt=req.add_generation_prompt)
-        token_ids = tok.encode(text, add_special_tokens=False)
+        return text, tok.encode(text, add_special_tokens=False)
+
+    try:
+        text, token_ids = await asyncio.to_thread(render)  # off the event loop (huge prompts)
     except Exception as e:
         raise bad_request(f"cannot apply the chat template: {e}", "messages") from None
+    check_context_length(state.async_llm.engine.max_model_len, [len(token_ids)],
+                         req.requested_max_tokens(), "messages")
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     streams = await _add_all(state, request_id, [{"prompt_token_ids": token_ids, "prompt": text}],
-                             params, "messages")
+                             params, "messages", req.cache_salt)
     model = req.model or state.served_model_name
     created = int(time.time())
     n = params.n
@@ -554,7 +657,7 @@ async def chat_completions(request: Request) -> Response:
 
     try:
         final = await _unless_disconnected(request, collect(), streams)
-    except EngineDeadError as e:
+    except (EngineDeadError, EngineGenerateError) as e:
         raise _engine_error(e, "messages") from None
     if final is None:
         return Response(status_code=499)
@@ -603,13 +706,133 @@ async def reset_prefix_cache(request: Request) -> Response:
     return JSONResponse({"success": True})
 
 
+# ---- ASGI middleware: access log, API key, body size ------------------------------------------
+# Plain ASGI (not BaseHTTPMiddleware): they see every byte of the body as it arrives and never
+# buffer a streamed response.
+
+ASGIApp = Any  # (scope, receive, send) -> Awaitable[None]
+
+
+class AccessLogMiddleware:
+    """One ``pagedkv.access`` line at INFO per HTTP request: client, method, path, status and
+    the time until the response (a stream: its end) was sent."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        t0 = time.perf_counter()
+        status = 0  # stays 0 when the client left before any response
+
+        async def send_(message: dict[str, Any]) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_)
+        finally:
+            client = scope.get("client")
+            access_logger.info('%s - "%s %s" %d %.1f ms', f"{client[0]}:{client[1]}" if client else "-",
+                               scope["method"], scope["path"], status, (time.perf_counter() - t0) * 1e3)
+
+
+class APIKeyMiddleware:
+    """Every path outside `OPEN_PATHS` answers 401 (OpenAI's error JSON) unless the request
+    carries ``Authorization: Bearer <api_key>``; the key is compared in constant time."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.key = api_key.encode()
+
+    def authorized(self, scope: dict[str, Any]) -> bool:
+        value = b""
+        for name, v in scope["headers"]:
+            if name.lower() == b"authorization":
+                value = v
+        scheme, _, token = value.strip().partition(b" ")
+        # compare_digest: no early exit on the first differing byte (no timing oracle).
+        return hmac.compare_digest(token.strip(), self.key) and scheme.lower() == b"bearer"
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS and not self.authorized(scope):
+            err = APIError(401, "invalid or missing API key: send the header 'Authorization: Bearer <key>'",
+                           "invalid_request_error", None, "invalid_api_key",
+                           headers={"WWW-Authenticate": "Bearer"})
+            await err.response()(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+
+class MaxBodySizeMiddleware:
+    """413 (OpenAI's error JSON) for a request body over ``max_bytes``: at once when its
+    ``Content-Length`` says so; a chunked body (no length) is read up to the limit first and
+    refused as soon as it passes it, so that no body bigger than the limit is ever held."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    def too_large(self) -> APIError:
+        return APIError(413, f"the request body is larger than this server's limit of {self.max_bytes} "
+                        "bytes (pagedkv serve --max-request-bytes)", "invalid_request_error", None,
+                        "request_too_large", headers={"Connection": "close"})
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = next((v for k, v in scope["headers"] if k.lower() == b"content-length"), None)
+        if length is not None:
+            # The server (h11/httptools) already holds the body to its declared length.
+            if length.strip().isdigit() and int(length) > self.max_bytes:
+                await self.too_large().response()(scope, receive, send)
+                return
+            await self.app(scope, receive, send)
+            return
+        buffered: list[dict[str, Any]] = []
+        size = 0
+        while True:
+            message = await receive()
+            buffered.append(message)
+            if message["type"] != "http.request":
+                break
+            size += len(message.get("body", b""))
+            if size > self.max_bytes:
+                await self.too_large().response()(scope, receive, send)
+                return
+            if not message.get("more_body", False):
+                break
+
+        async def replay() -> dict[str, Any]:
+            return buffered.pop(0) if buffered else await receive()
+
+        await self.app(scope, replay, send)
+
+
 # ---- app -----------------------------------------------------------------------------------------
 
 
+def check_server_options(api_key: str | None, max_request_bytes: int | None) -> None:
+    """ValueError naming the option when ``api_key`` is empty or ``max_request_bytes`` < 1."""
+    if api_key is not None and not api_key:
+        raise ValueError("api_key must be a non-empty string (or None for no authentication)")
+    if max_request_bytes is not None and max_request_bytes < 1:
+        raise ValueError(f"invalid max_request_bytes {max_request_bytes}: must be >= 1")
+
+
 def build_app(async_llm: AsyncLLM, *, served_model_name: str | None = None,
-              kv_event_publisher: Any = None, owns_engine: bool = True) -> FastAPI:
+              kv_event_publisher: Any = None, owns_engine: bool = True, api_key: str | None = None,
+              max_request_bytes: int | None = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
     """The FastAPI app serving ``async_llm``. With ``owns_engine`` the app shuts the engine
-    (and the event publisher) down when it stops."""
+    (and the event publisher) down when it stops. With ``api_key`` every route but
+    `OPEN_PATHS` needs ``Authorization: Bearer <api_key>``; bodies over ``max_request_bytes``
+    (None: no limit) get 413. Every request is logged on ``pagedkv.access`` at INFO."""
+    check_server_options(api_key, max_request_bytes)
     from pagedkv.entrypoints import dashboard
 
     engine = async_llm.engine
@@ -655,6 +878,12 @@ def build_app(async_llm: AsyncLLM, *, served_model_name: str | None = None,
     app.add_api_route("/metrics", metrics, methods=["GET"])
     app.add_api_route("/reset_prefix_cache", reset_prefix_cache, methods=["POST"])
     dashboard.add_routes(app)
+    # The last added runs first: log everything, then authenticate, then read the body.
+    if max_request_bytes is not None:
+        app.add_middleware(MaxBodySizeMiddleware, max_bytes=max_request_bytes)
+    if api_key is not None:
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    app.add_middleware(AccessLogMiddleware)
     return app
 
 
@@ -677,15 +906,18 @@ class KVEventsOptions:
 
 def create_app(config: Any = None, *, served_model_name: str | None = None,
                max_queue_size: int | None = None, kv_events: KVEventsOptions | None = None,
-               engine: Any = None) -> FastAPI:
+               engine: Any = None, api_key: str | None = None,
+               max_request_bytes: int | None = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
     """Load the engine (an `EngineConfig`, or an existing ``engine``), start the engine loop
     and the KV event publisher (when ``kv_events`` is given; it forces
-    ``enable_kv_cache_events``) and return the app."""
+    ``enable_kv_cache_events``) and return the app (``api_key``, ``max_request_bytes``: see
+    `build_app`)."""
     from dataclasses import replace
 
     from pagedkv.engine.async_llm import DEFAULT_MAX_QUEUE_SIZE
     from pagedkv.engine.config import EngineConfig
 
+    check_server_options(api_key, max_request_bytes)  # before the engine starts
     queue_size = DEFAULT_MAX_QUEUE_SIZE if max_queue_size is None else max_queue_size
     publisher = None
     if engine is None:
@@ -707,7 +939,8 @@ def create_app(config: Any = None, *, served_model_name: str | None = None,
                 raise ValueError("kv_events needs an engine built with enable_kv_cache_events=True")
             publisher = _make_publisher(kv_events)
         async_llm = AsyncLLM(engine, max_queue_size=queue_size, event_publisher=publisher)
-    return build_app(async_llm, served_model_name=served_model_name, kv_event_publisher=publisher)
+    return build_app(async_llm, served_model_name=served_model_name, kv_event_publisher=publisher,
+                     api_key=api_key, max_request_bytes=max_request_bytes)
 
 
 def _make_publisher(opts: KVEventsOptions) -> Any:

@@ -1,15 +1,9 @@
 """``pagedkv plan``: how many KV blocks, tokens and concurrent requests a memory budget buys.
 
-Model shape comes from a GGUF header (the default model unless ``--model``), an HF
-``config.json``, or flags (``--num-layers --num-kv-heads --head-dim ...``; flags also override
-fields of a loaded model). The budget is either the KV memory itself (``--memory 8GiB``) or a
-device size (``--device-memory 24GiB``) from which weights, a runtime estimate and a headroom
-fraction are subtracted (the seed's C_tokens formula, every term printed).
-
-Prints the chosen KV dtype's plan and the same numbers for every quantization mode side by
-side (``--json`` for machine output). Exit code 2 with a one-line stderr message when one
-request of ``--context`` tokens does not fit (naming the length that would).
-No torch import: this runs on any machine.
+Defaults are the engine's (`EngineConfig`): dtype, block size, token budget, and the KV memory
+the engine sizes its pool from (1 GiB on CPU), so ``pagedkv plan`` with no flags prints what
+``pagedkv serve`` will allocate; ``summary_line`` is the one line both print. User-facing help
+is ``DESCRIPTION``; no torch import, so this runs on any machine.
 """
 
 from __future__ import annotations
@@ -23,6 +17,10 @@ from typing import Any
 
 from pagedkv.core import planning
 from pagedkv.core.specs import KVQuantMode, resolve_kv_cache_dtype
+from pagedkv.engine.config import DEFAULT_CPU_KV_CACHE_MEMORY, EngineConfig, resolve_dtype_name
+from pagedkv.entrypoints.cli import CLIError, read_model_config
+
+ENGINE_DEFAULTS = EngineConfig()  # cheap: validation only, no torch
 
 _UNITS = {
     "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -48,7 +46,31 @@ KV_MODES: list[tuple[str, str, KVQuantMode]] = [
 ]
 
 
-class PlanError(Exception):
+DESCRIPTION = """\
+How many KV cache blocks, tokens and concurrent requests a memory budget buys, for the chosen
+KV dtype and for every KV quantization mode side by side.
+
+The model's shape comes from a GGUF header (the bundled SmolLM2-135M-Instruct unless --model),
+an HF config.json, or flags (--num-layers --num-kv-heads --head-dim ...; flags also override a
+loaded model's fields). The budget is the KV memory itself (--memory; default: what the engine
+allocates, 1 GiB on CPU) or a device size (--device-memory 24GiB) from which weights, a runtime
+estimate and a headroom fraction are subtracted, every term printed. Defaults match the
+engine's, so with no flags this prints what 'pagedkv serve' allocates.
+
+Exits with code 2 and a one-line message when one request of --context tokens does not fit,
+naming the length that would.
+"""
+
+EXAMPLES = """\
+examples:
+  pagedkv plan                                   # what 'pagedkv serve' will allocate
+  pagedkv plan --memory 8GiB --context 4096 --dtype bfloat16
+  pagedkv plan --device-memory 24GiB --dtype bfloat16
+  pagedkv plan --model path/to/config.json --json
+"""
+
+
+class PlanError(CLIError):
     """A user-facing planning failure: printed on stderr, exit code 2."""
 
 
@@ -70,9 +92,11 @@ def fmt_bytes(n: float) -> str:
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    d = ENGINE_DEFAULTS
     p = subparsers.add_parser("plan", help="plan KV cache capacity for a memory budget",
-                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    src = p.add_argument_group("model (default: the bundled SmolLM2-135M-Instruct GGUF)")
+                              description=DESCRIPTION, epilog=EXAMPLES,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    src = p.add_argument_group("model (default: the bundled SmolLM2-135M-Instruct)")
     src.add_argument("--model", help="a .gguf file, an HF config.json, or a directory holding one")
     for flag, what in [("--num-layers", "decoder layers"), ("--num-kv-heads", "KV heads"),
                        ("--head-dim", "head size"), ("--num-heads", "query heads"),
@@ -82,26 +106,51 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                        ("--sliding-window", "sliding window (tokens)"),
                        ("--full-attention-every", "with --sliding-window: every Nth layer is full")]:
         src.add_argument(flag, type=int, help=what)
-    mem = p.add_argument_group("memory").add_mutually_exclusive_group(required=True)
-    mem.add_argument("--memory", type=parse_size, help="KV cache budget, e.g. 8GiB")
+    mem = p.add_argument_group("memory (default: the engine's KV memory, "
+                               f"{fmt_bytes(DEFAULT_CPU_KV_CACHE_MEMORY)} on CPU)").add_mutually_exclusive_group()
+    mem.add_argument("--memory", "--kv-cache-memory", dest="memory", type=parse_size,
+                     help="KV cache budget, e.g. 8GiB")
     mem.add_argument("--device-memory", type=parse_size,
                      help="device size; weights, runtime and headroom are subtracted")
     p.add_argument("--weight-dtype", default=None,
                    help=f"weight storage: {', '.join(WEIGHT_DTYPE_BYTES)} or bytes/param (default: --dtype)")
     p.add_argument("--runtime-memory", type=parse_size, default=None,
-                   help="M_runtime override (default: estimate_runtime_bytes)")
-    p.add_argument("--headroom", type=float, default=0.1, help="headroom fraction of device memory")
-    p.add_argument("--block-size", type=int, default=16, help="tokens per block")
-    p.add_argument("--dtype", default="bfloat16", help="model/activation dtype ('auto' KV dtype)")
+                   help="runtime memory (activations, workspaces) instead of the built-in estimate")
+    p.add_argument("--headroom", type=float, default=0.1, help="headroom fraction of device memory (default 0.1)")
+    p.add_argument("--block-size", type=int, default=d.block_size, help=f"tokens per block (default {d.block_size})")
+    p.add_argument("--dtype", default=d.dtype,
+                   help=f"model dtype, which the 'auto' KV dtype follows (default {d.dtype}, the engine's)")
     p.add_argument("--kv-cache-dtype", default="auto",
-                   help="auto, float32, float16, bfloat16, fp8, int8, int4, or a mode name")
-    p.add_argument("--kv-quant-mode", default=None, help="none, fp8_per_tensor, *_per_token_head")
-    p.add_argument("--context", type=int, default=None, help="max model length per request")
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--max-num-seqs", type=int, default=256)
+                   help="auto, float32, float16, bfloat16, fp8, int8, int4, or a mode name (default auto)")
+    p.add_argument("--kv-quant-mode", default=None, help="none, fp8_per_tensor, or a *_per_token_head mode")
+    p.add_argument("--context", type=int, default=None,
+                   help="max model length per request (default: the model's context length)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
+                   help=f"token budget per step (default {d.max_num_batched_tokens})")
+    p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs,
+                   help=f"max running sequences, for the runtime estimate (default {d.max_num_seqs})")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=run)
     return p
+
+
+def summary_line(num_blocks: int, groups: Any, max_model_len: int, max_num_batched_tokens: int) -> str:
+    """The one-line plan ``pagedkv plan``, ``serve``, ``generate`` and ``chat`` all print:
+    blocks (null block included), bytes per block, token slots, and max concurrent requests at
+    ``max_model_len``."""
+    gs = planning.as_groups(groups)
+    bpb = planning.bytes_per_block(gs)
+    block_size = gs[0].kv_cache_spec.block_size if gs else 0
+    tokens = planning.max_num_tokens(num_blocks, gs, max_model_len, max_num_batched_tokens)
+    conc = planning.get_max_concurrency(num_blocks, gs, max_model_len, max_num_batched_tokens)
+    return (f"KV cache: {num_blocks:,} blocks of {block_size} tokens x {bpb:,} B = {fmt_bytes(num_blocks * bpb)}, "
+            f"{tokens:,} tokens, max {conc:.2f} concurrent requests at max_model_len {max_model_len}")
+
+
+def engine_summary_line(engine: Any) -> str:
+    """`summary_line` of a built `LLMEngine`: what it really allocated."""
+    kc = engine.kv_cache_config
+    return summary_line(kc.num_blocks, kc.kv_cache_groups, engine.max_model_len, engine.config.max_num_batched_tokens)
 
 
 # ---------------------------------------------------------------- model
@@ -109,7 +158,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def build_model_config(args: argparse.Namespace) -> Any:
     """ModelConfig from --model / the default GGUF, with flag overrides; or from flags alone."""
-    from pagedkv.models.config import ModelConfig, load_model_config
+    from pagedkv.models.config import ModelConfig
 
     shape_flags = (args.num_layers, args.num_kv_heads, args.head_dim)
     if args.model is None and all(x is not None for x in shape_flags):
@@ -122,10 +171,7 @@ def build_model_config(args: argparse.Namespace) -> Any:
                           max_position_embeddings=args.max_model_len or 4096,
                           num_params=args.num_params or 0, name="custom (flags)")
     else:
-        try:
-            cfg = load_model_config(args.model)
-        except (FileNotFoundError, ValueError, NotImplementedError) as e:
-            raise PlanError(str(e)) from None
+        cfg = read_model_config(args.model)
     overrides = {k: v for k, v in dict(
         num_layers=args.num_layers, num_kv_heads=args.num_kv_heads, head_dim=args.head_dim,
         num_attention_heads=args.num_heads, hidden_size=args.hidden_size,
@@ -198,15 +244,16 @@ def make_plan(args: argparse.Namespace) -> dict[str, Any]:
     """The whole plan as a JSON-able dict; raises PlanError for user-facing failures."""
     cfg = build_model_config(args)
     context = args.context or cfg.max_position_embeddings
-    model_dtype = args.dtype
+    model_dtype = resolve_dtype_name(args.dtype, cfg.dtype)  # "auto" as the engine resolves it
     try:
         resolve_kv_cache_dtype(args.kv_cache_dtype, model_dtype, args.kv_quant_mode)
     except ValueError as e:
         raise PlanError(str(e)) from None
     memory: dict[str, Any]
-    if args.memory is not None:
-        kv_budget = args.memory
-        memory = dict(source="--memory", kv_cache=kv_budget)
+    if args.device_memory is None:
+        kv_budget = args.memory if args.memory is not None else DEFAULT_CPU_KV_CACHE_MEMORY
+        source = "--memory" if args.memory is not None else "the engine's default on CPU"
+        memory = dict(source=source, kv_cache=kv_budget)
     else:
         from pagedkv.core.specs import dtype_size
 
@@ -254,7 +301,8 @@ def make_plan(args: argparse.Namespace) -> dict[str, Any]:
              if k in ("name", "architecture", "num_layers", "num_attention_heads", "num_kv_heads",
                       "head_dim", "hidden_size", "num_params", "max_position_embeddings",
                       "sliding_window", "path")}
-    return dict(model=model, block_size=args.block_size, context=context, dtype=model_dtype,
+    summary = summary_line(selected["num_blocks"], planning.as_groups(specs), context, args.max_num_batched_tokens)
+    return dict(model=model, summary=summary, block_size=args.block_size, context=context, dtype=model_dtype,
                 max_num_batched_tokens=args.max_num_batched_tokens, memory=memory,
                 null_block="num_blocks includes the null block; usable = num_blocks - 1; "
                            "max_tokens and max_concurrency count usable blocks only",
@@ -282,7 +330,8 @@ def format_plan(plan: dict[str, Any]) -> str:
         lines.append(f"  = KV cache              {fmt_bytes(mem['kv_cache']):>12}")
         lines.append(f"  C_tokens ~ {mem['c_tokens']:,} tokens at {sel['bytes_per_token']:,} B/token")
     else:
-        lines.append(f"KV cache memory: {fmt_bytes(mem['kv_cache'])}")
+        lines.append(f"KV cache memory: {fmt_bytes(mem['kv_cache'])} ({mem['source']})")
+    lines.append(plan["summary"])
     lines += [
         f"block size {plan['block_size']}, context {plan['context']}, KV {sel['kv_cache_dtype']}"
         f" (quant {sel['kv_quant_mode']}), {sel['num_groups']} KV cache group(s)",

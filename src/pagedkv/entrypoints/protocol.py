@@ -7,7 +7,13 @@ parameters, vLLM's sampling extensions are accepted: ``top_k``, ``min_p``,
 ``include_stop_str_in_output``, ``skip_special_tokens``.
 
 Value checks (ranges) are left to `SamplingParams`, which names the offending parameter; the
-server turns its ValueError into a 400 whose ``param`` is the request field.
+server turns its ValueError into a 400 whose ``param`` is the request field. Numbers must be
+finite (``allow_inf_nan=False``: ``1e999`` is refused like ``NaN``), so a NaN temperature never
+reaches the sampler.
+
+Fields of OpenAI's or vLLM's API that pagedkv does not implement (tools, function calling,
+structured output, ``logit_bias``) are refused with a 400 naming the field rather than ignored:
+a client relying on them must not get a 200 that silently did something else.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ MAX_LOGPROBS = 20
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 
 
 class _Response(BaseModel):
@@ -38,8 +44,22 @@ class StreamOptions(_Request):
     continuous_usage_stats: bool | None = False  # vLLM: usage in every chunk
 
 
+# Fields that pagedkv does not implement, with the values that mean "not used" (accepted).
+UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "response_format": (None, {"type": "text"}),
+    "structured_outputs": (None,),
+}
+
+
 class _SamplingRequest(_Request):
-    """Fields shared by completions and chat completions."""
+    """Fields shared by completions and chat completions. Unknown fields are kept in
+    ``model_extra`` (``extra="allow"``) only so that `check` can refuse ``guided_*``."""
+
+    model_config = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)
 
     model: str | None = None
     n: int = 1
@@ -62,13 +82,34 @@ class _SamplingRequest(_Request):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    cache_salt: str | None = None  # vLLM: requests share cached blocks only with the same salt
+    # Not implemented: refused unless unused (see UNSUPPORTED_FIELDS).
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    response_format: Any = None
+    structured_outputs: Any = None
 
     def check(self) -> None:
-        """Cross-field checks pydantic does not do; ValueError ``(param, message)``."""
+        """Cross-field checks pydantic does not do; RequestError ``(param, message)``."""
         if self.stream_options is not None and not self.stream:
             raise RequestError("stream_options", "stream_options is only allowed when stream is true")
         if self.logit_bias:
             raise RequestError("logit_bias", "logit_bias is not supported")
+        if self.cache_salt is not None and not self.cache_salt:
+            raise RequestError("cache_salt", "cache_salt must be a non-empty string")
+        self._check_unsupported()
+
+    def _check_unsupported(self) -> None:
+        """Refuse fields that pagedkv does not implement, unless their value means "unused"."""
+        for name, unused in UNSUPPORTED_FIELDS.items():
+            value = getattr(self, name)
+            if not any(value == u and type(value) is type(u) for u in unused):
+                raise RequestError(name, f"{name} is not supported by this server (got {_brief(value)})")
+        for name, value in (self.model_extra or {}).items():
+            if name.startswith("guided_") and value is not None:
+                raise RequestError(name, f"{name} (guided decoding) is not supported by this server")
 
     def _sampling_kwargs(self) -> dict[str, Any]:
         kw: dict[str, Any] = dict(
@@ -87,6 +128,17 @@ class _SamplingRequest(_Request):
             skip_special_tokens=self.skip_special_tokens,
         )
         return kw
+
+
+def _brief(value: Any) -> str:
+    """``value`` as short JSON for an error message."""
+    import json
+
+    try:
+        text = json.dumps(value)
+    except (TypeError, ValueError):
+        text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 class RequestError(ValueError):
@@ -152,6 +204,13 @@ class CompletionRequest(_SamplingRequest):
         kw = self._sampling_kwargs()
         kw.update(max_tokens=self.max_tokens, logprobs=self.logprobs)
         return make_sampling_params(kw)
+
+    def requested_max_tokens(self) -> tuple[str, int] | None:
+        """``(field, value)`` of a completion length the client asked for, else None. OpenAI's
+        implicit default (16) is not a request: it is clamped to what the context leaves."""
+        if "max_tokens" in self.model_fields_set and self.max_tokens is not None:
+            return "max_tokens", self.max_tokens
+        return None
 
 
 class CompletionLogProbs(_Response):
@@ -263,6 +322,15 @@ class ChatCompletionRequest(_SamplingRequest):
         if self.max_completion_tokens is not None:
             rename["max_tokens"] = "max_completion_tokens"
         return make_sampling_params(kw, rename)
+
+    def requested_max_tokens(self) -> tuple[str, int] | None:
+        """``(field, value)`` of the completion length asked for (``max_completion_tokens``
+        wins over the deprecated ``max_tokens``), else None."""
+        if self.max_completion_tokens is not None:
+            return "max_completion_tokens", self.max_completion_tokens
+        if self.max_tokens is not None:
+            return "max_tokens", self.max_tokens
+        return None
 
 
 class ChatTopLogprob(_Response):

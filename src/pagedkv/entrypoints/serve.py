@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import socket
 import sys
 import threading
@@ -25,19 +26,53 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
+DESCRIPTION = """\
+Serve the model over HTTP with OpenAI's API: /v1/completions and /v1/chat/completions
+(streaming or not), /v1/models, plus /health, /metrics (Prometheus), POST /reset_prefix_cache
+and a live KV cache dashboard at /dashboard. The official openai client works against it.
+
+At start it prints the KV cache plan on standard error and, once it accepts connections, the
+line "pagedkv serve: listening on http://HOST:PORT" (--port 0 picks a free port; the line has
+the real one). It refuses to start, with a one-line message and exit code 2, on invalid options
+or when one request of --max-model-len tokens cannot fit in the KV cache.
+"""
+
+EXAMPLES = """\
+examples:
+  pagedkv serve --port 8000
+  pagedkv serve --max-model-len 4096 --kv-cache-memory 512MiB --max-num-seqs 64
+  pagedkv serve --enable-kv-cache-events --kv-events-replay-endpoint tcp://127.0.0.1:5558
+"""
+
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     from pagedkv.entrypoints.generate import add_engine_args
 
     p = subparsers.add_parser("serve", help="run the OpenAI-compatible server",
-                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                              description=DESCRIPTION, epilog=EXAMPLES,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
     p.add_argument("--served-model-name", default=None,
                    help="the model name clients use (default: derived from --model)")
     p.add_argument("--max-queue-size", type=int, default=256,
                    help="requests allowed to wait beyond --max-num-seqs; more get 503 (default 256)")
-    p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"],
+                   help="log level; info logs one access line per request (default warning)")
+    o = p.add_argument_group("metrics and stats")
+    o.add_argument("--metrics-prefix", default="pagedkv", choices=["pagedkv", "vllm"],
+                   help="name prefix of the /metrics series; 'vllm' exports vLLM's exact names, so "
+                        "dashboards made for vLLM work (default pagedkv)")
+    o.add_argument("--log-stats-interval", metavar="SECONDS", type=float, default=10.0,
+                   help="log a throughput / queue / KV usage line this often while busy; 0 turns "
+                        "it off (default 10)")
+    s = p.add_argument_group("security")
+    s.add_argument("--api-key", metavar="KEY", default=os.environ.get("PAGEDKV_API_KEY") or None,
+                   help="require 'Authorization: Bearer KEY' on /v1/* and /reset_prefix_cache "
+                        "(default: the PAGEDKV_API_KEY environment variable; /health, /metrics "
+                        "and the read-only dashboard stay open)")
+    s.add_argument("--max-request-bytes", metavar="SIZE", type=_parse_size, default=8 * 2**20,
+                   help="largest request body accepted, e.g. 8MiB; larger ones get 413 (default 8MiB)")
     g = add_engine_args(p)
     g.add_argument("--max-num-seqs", type=int, default=128, help="max running sequences (default 128)")
     g.add_argument("--max-num-batched-tokens", type=int, default=2048,
@@ -55,6 +90,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     e.add_argument("--kv-events-topic", default="", help="topic frame of every message (default empty)")
     p.set_defaults(func=run)
     return p
+
+
+def _parse_size(text: str) -> int:
+    from pagedkv.entrypoints.plan import parse_size
+
+    return parse_size(text)
 
 
 def engine_config(args: argparse.Namespace) -> Any:
@@ -87,7 +128,8 @@ def _uvicorn_server(app: Any, log_level: str) -> Any:
     import uvicorn
 
     config = uvicorn.Config(app, log_level=log_level, lifespan="on", timeout_graceful_shutdown=2,
-                            access_log=log_level in ("debug", "info"), timeout_keep_alive=30)
+                            # The app logs each request itself, with its duration.
+                            access_log=False, timeout_keep_alive=30)
     return uvicorn.Server(config)
 
 
@@ -103,6 +145,12 @@ def run(args: argparse.Namespace) -> int:
         return fail("serve", ValueError(f"invalid --max-queue-size {args.max_queue_size}: must be >= 0"))
     if not 0 <= args.port <= 65535:
         return fail("serve", ValueError(f"invalid --port {args.port}"))
+    if args.api_key is not None and not args.api_key.strip():
+        return fail("serve", ValueError("invalid --api-key: must not be empty"))
+    if not args.log_stats_interval >= 0:
+        return fail("serve", ValueError(f"invalid --log-stats-interval {args.log_stats_interval}: must be >= 0"))
+    if args.max_request_bytes < 1:
+        return fail("serve", ValueError(f"invalid --max-request-bytes {args.max_request_bytes}: must be >= 1"))
     try:
         config = engine_config(args)
     except ValueError as e:
@@ -116,9 +164,17 @@ def run(args: argparse.Namespace) -> int:
     if args.enable_kv_cache_events:
         kv_events = KVEventsOptions(args.kv_events_endpoint, args.kv_events_replay_endpoint,
                                     args.kv_events_buffer_steps, args.kv_events_topic)
+    from pagedkv.entrypoints.generate import CLIError, loading_progress, preflight, print_kv_summary
     try:
-        app = create_app(config, served_model_name=args.served_model_name,
-                         max_queue_size=args.max_queue_size, kv_events=kv_events)
+        model_config = preflight(config)  # bad model, KV cache too small: fail before loading
+    except CLIError as e:
+        sock.close()
+        return fail("serve", e)
+    try:
+        with loading_progress("serve", f"model {model_config.name}"):
+            app = create_app(config, served_model_name=args.served_model_name, api_key=args.api_key,
+                             max_request_bytes=args.max_request_bytes,
+                             max_queue_size=args.max_queue_size, kv_events=kv_events)
     except (ValueError, FileNotFoundError, NotImplementedError) as e:
         sock.close()
         return fail("serve", e)
@@ -128,12 +184,17 @@ def run(args: argparse.Namespace) -> int:
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
     state = app.state.pagedkv
+    from pagedkv.entrypoints.stat_logger import configure_server_stats
+    configure_server_stats(state, args.metrics_prefix, args.log_stats_interval)
     pub = state.kv_event_publisher
     if pub is not None:
         replay = f" (replay {pub.replay_endpoint})" if pub.replay_endpoint else ""
         print(f"pagedkv serve: kv events on {pub.endpoint}{replay}", flush=True)
+    print_kv_summary("serve", state.async_llm.engine)
     print(f"pagedkv serve: model {state.served_model_name}, "
           f"{state.async_llm.engine.kv_cache_config.num_blocks} KV blocks", flush=True)
+    if args.api_key is not None:
+        print("pagedkv serve: API key required on /v1/* and /reset_prefix_cache", flush=True)
     print(f"pagedkv serve: listening on http://{shown}:{port}", flush=True)
     server = _uvicorn_server(app, args.log_level)
     try:

@@ -54,8 +54,16 @@ BLOCK_LEVEL = "BLOCK_LEVEL"
 REQUEST_LEVEL = "REQUEST_LEVEL"
 # A request whose tier answer stays pending this long is admitted without external hits, so a
 # slow or stuck tier can delay a request but never starve it (time, not steps: an idle engine
-# steps thousands of times a second).
+# steps thousands of times a second). Only time while the scheduler keeps considering the
+# request counts: the intervals between blocked answers in consecutive scheduling steps. Time
+# spent queued behind a full batch (the request is not considered) never counts, or a prefix
+# on disk would be recomputed just because its request waited for a batch slot.
 MAX_DEFERRAL_S = 5.0
+# A request blocked again after a gap (it was passed over: the batch filled, or a request ahead
+# blocked admission) starts a new deferral episode. Normally its prefix was promoted to the CPU
+# tier meanwhile, so the next episode ends at once; this many episodes bound the rare case where
+# its promoted chunks keep being evicted before it gets a slot.
+MAX_DEFERRAL_EPISODES = 8
 
 
 @dataclass(slots=True)
@@ -68,8 +76,14 @@ class _LoadJob:
 @dataclass(slots=True)
 class _ReqState:
     offered_blocks: int = 0  # blocks [0, offered) were offered to the tiers
-    deferred_since: float | None = None
+    deferred_s: float = 0.0  # time blocked on a tier answer while being considered
+    deferral_episodes: int = 0  # runs of consecutive blocked steps (see MAX_DEFERRAL_EPISODES)
+    blocked_at: float = 0.0  # when the last blocked answer was given ...
+    blocked_step: int = -2  # ... and in which scheduling step (-2: not blocked)
     pending_stores: set[int] = field(default_factory=set)
+
+    def reset_deferral(self) -> None:
+        self.deferred_s, self.deferral_episodes, self.blocked_step = 0.0, 0, -2
 
 
 def model_identity(path: str | Path) -> str:
@@ -100,6 +114,9 @@ class OffloadingConnector:
         self._reqs: dict[str, _ReqState] = {}
         self.num_loaded_tokens = 0
         self.num_stored_blocks = 0
+        self.max_deferral_s = MAX_DEFERRAL_S
+        self.max_deferral_episodes = MAX_DEFERRAL_EPISODES
+        self._step = 0  # scheduling steps so far (`on_schedule_start`)
 
     @classmethod
     def from_spec(cls, spec: str, *, model_path: str | Path, dtype: Any, block_size: int,
@@ -127,8 +144,16 @@ class OffloadingConnector:
     def _params(req: Request) -> dict[str, Any]:
         return req.kv_transfer_params or {}
 
+    def on_schedule_start(self) -> None:
+        """The scheduler starts a step: the deferral clocks tell consecutive steps apart."""
+        self._step += 1
+
     def get_num_new_matched_tokens(self, req: Request, num_computed_tokens: int) -> int | None:
-        """External hit tokens after ``num_computed_tokens`` (block aligned), or None to retry."""
+        """External hit tokens after ``num_computed_tokens`` (block aligned), or None to retry.
+
+        None (the request stays waiting) while a tier answer or a promotion is pending, until
+        the request has been blocked for ``max_deferral_s`` of consideration time (see
+        `MAX_DEFERRAL_S`) or ``max_deferral_episodes`` episodes; then the hits known so far."""
         if req.skip_reading_prefix_cache:
             return 0
         bs = self.block_size
@@ -143,14 +168,23 @@ class OffloadingConnector:
                 break
             n += 1
         blocked = n < len(results) and results[n] in (LookupResult.RETRY, LookupResult.HIT_PENDING)
-        if blocked:
-            st = self._state(req)
-            now = time.monotonic()
-            if st.deferred_since is None:
-                st.deferred_since = now
-            if now - st.deferred_since < MAX_DEFERRAL_S:
-                return None
+        if blocked and self._defer(self._state(req)):
+            return None
+        st = self._reqs.get(req.request_id)
+        if st is not None:
+            st.reset_deferral()
         return n * bs
+
+    def _defer(self, st: _ReqState) -> bool:
+        """Charge one blocked answer to the request's deferral clock; True: keep waiting."""
+        now = time.monotonic()
+        if st.blocked_step >= self._step - 1:  # blocked in the previous step too: count the gap
+            st.deferred_s += now - st.blocked_at
+        else:  # first blocked answer, or after a pass-over: a new episode, nothing to charge
+            st.deferral_episodes += 1
+        st.blocked_at, st.blocked_step = now, self._step
+        return (st.deferred_s < self.max_deferral_s
+                and st.deferral_episodes <= self.max_deferral_episodes)
 
     def update_state_after_alloc(self, req: Request, block_ids: Sequence[int], num_computed_tokens: int,
                                  num_external_tokens: int) -> None:

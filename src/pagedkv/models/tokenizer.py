@@ -22,6 +22,9 @@ from tokenizers import Tokenizer as BackendTokenizer
 # llama.cpp's token types (tokenizer.ggml.token_type).
 _CONTROL, _USER_DEFINED = 3, 4
 
+# Texts longer than this are encoded with the GIL released (see `Tokenizer.encode`).
+_GIL_FREE_ENCODE_CHARS = 8192
+
 # End-of-turn markers that stop generation besides eos (chat models end a reply with these).
 _END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>")
 
@@ -224,7 +227,12 @@ class Tokenizer:
 
         ``add_special_tokens`` adds bos/eos only where the model's tokenizer asks for them
         (its post-processor; SmolLM2 asks for neither), matching transformers.
+        Long text goes through ``encode_batch``, which releases the GIL while it works
+        (``encode`` holds it throughout: seconds for megabytes, during which no other Python
+        thread runs, the engine loop included); the ids are the same.
         """
+        if len(text) > _GIL_FREE_ENCODE_CHARS:
+            return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:

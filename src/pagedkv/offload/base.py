@@ -138,6 +138,9 @@ class TierStats:
     name: str
     medium: str
     capacity_bytes: int = 0
+    # True when the tier has no size limit (a Redis server without ``maxmemory``): then
+    # capacity_bytes is 0 and means "unbounded", not "full".
+    capacity_unbounded: bool = False
     usage_bytes: int = 0
     hits: int = 0             # lookups / existence checks that found the key
     misses: int = 0

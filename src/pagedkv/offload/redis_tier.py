@@ -15,6 +15,13 @@ Memory and TTL policy (the server's, documented here because this tier depends o
 * No ``BlockRemoved`` events for server-side eviction or expiry (they are not observable
   without keyspace notifications); only deletes of corrupt values are reported.
 
+Capacity: the tier reports the server's own numbers (``INFO memory``): ``usage_bytes`` is
+``used_memory`` (the whole server's, other tenants included) and ``capacity_bytes`` its
+``maxmemory``. A server without ``maxmemory`` (0, Redis's default) has no limit of its own:
+the stats then say ``capacity_unbounded=True`` with ``capacity_bytes=0``, never "full". The
+numbers are read on an I/O thread when the tier starts and then at most every 5 s, when
+stores happen or when someone reads the stats (`get_stats` never waits on the network).
+
 Health: a connection error or timeout marks the tier unhealthy. While unhealthy every call
 answers at once (misses, dropped stores) without touching the network; after a backoff
 (``backoff_base_s`` doubling up to ``backoff_max_s``) one call probes the server again and a
@@ -34,7 +41,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from pagedkv.core.events import MEDIUM_REMOTE
-from pagedkv.offload.base import OffloadKey, RateLimitedWarning
+from pagedkv.offload.base import OffloadKey, RateLimitedWarning, TierStats
 from pagedkv.offload.dual_queue_pool import DualQueueThreadPool
 from pagedkv.offload.fingerprint import HEADER_SIZE, OffloadFingerprint, RecordError, RecordHeader
 from pagedkv.offload.tiering import ChunkItems, SecondaryTier
@@ -68,8 +75,10 @@ class RedisTier(SecondaryTier):
         self._healthy = True
         self._failures = 0
         self._next_attempt = 0.0
-        self._usage_refreshed = 0.0
+        self._usage_refreshed = float("-inf")
+        self._refresh_queued = False
         self.pool = DualQueueThreadPool(num_threads, f"{name}-io")
+        self._request_usage_refresh()  # capacity known before the first store
 
     def redis_key(self, key: OffloadKey) -> bytes:
         return self.prefix + key.hex().encode()
@@ -181,17 +190,47 @@ class RedisTier(SecondaryTier):
             self.stats.bytes_read += sum(out) * self.chunk_bytes
         return out
 
+    def get_stats(self) -> TierStats:
+        """The counters; also queues a background refresh of usage and capacity when the
+        last one is older than 5 s (returns at once: the engine thread calls this)."""
+        self._request_usage_refresh()
+        return super().get_stats()
+
+    def _request_usage_refresh(self) -> None:
+        """Queue `_refresh_usage` on an I/O thread unless one is queued or fresh enough."""
+        with self._lock:
+            if self._refresh_queued or time.monotonic() - self._usage_refreshed < _USAGE_REFRESH_S:
+                return
+            self._refresh_queued = True
+        try:
+            self.pool.submit_read(self._run_queued_refresh)
+        except RuntimeError:  # the pool is shut down
+            with self._lock:
+                self._refresh_queued = False
+
+    def _run_queued_refresh(self) -> None:
+        try:
+            self._refresh_usage()
+        finally:
+            with self._lock:
+                self._refresh_queued = False
+
     def _refresh_usage(self) -> None:
-        """Sample the server's memory use now and then (an I/O thread: never the engine)."""
+        """Sample the server's memory use and ``maxmemory`` now and then (an I/O thread:
+        never the engine). ``maxmemory`` 0 means the server has no limit (see the module
+        docstring)."""
         now = time.monotonic()
-        if now - self._usage_refreshed < _USAGE_REFRESH_S:
-            return
-        self._usage_refreshed = now
+        with self._lock:
+            if now - self._usage_refreshed < _USAGE_REFRESH_S:
+                return
+            self._usage_refreshed = now
         info = self._call("INFO", lambda: self.client.info("memory"))
         if info:
+            maxmemory = int(info.get("maxmemory", 0))
             with self._lock:
                 self.stats.usage_bytes = int(info.get("used_memory", 0))
-                self.stats.capacity_bytes = int(info.get("maxmemory", 0))
+                self.stats.capacity_bytes = maxmemory
+                self.stats.capacity_unbounded = maxmemory == 0
 
     def shutdown(self, timeout: float = 5.0) -> None:
         super().shutdown(timeout)

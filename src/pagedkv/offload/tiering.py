@@ -12,6 +12,11 @@
   I/O threads and the answer is RETRY until they come back (or time out, which counts as a
   miss). A hit starts a *promotion*: a CPU slot is prepared (HIT_PENDING) and filled by the
   tier; when the read is verified the slot becomes HIT and the engine loads it as usual.
+* Answers expire (``answer_ttl_s``), promoted chunks do not: so the manager acts on an answer
+  when it arrives, not when the prefix is next asked about. A prefix whose lookup said RETRY
+  is *watched*; when its checks come back, the hits it completes are promoted at once. A
+  request that then waits for a batch slot (not asking) finds its prefix in CPU however long
+  it waited; an answer that went stale before anyone acted on it is asked again.
 * All bookkeeping happens on the caller's (scheduler's) thread: I/O threads only post
   completions to a queue that every public method drains first. So no lock guards manager
   state, and nothing the scheduler calls waits for I/O.
@@ -183,7 +188,9 @@ class AsyncLookupManager:
                 fut.add_done_callback(lambda f, i=i, b=batch: self._done.put(
                     (i, b, None if f.cancelled() or f.exception() else f.result())))
 
-    def poll(self) -> None:
+    def poll(self) -> int:
+        """Fold completed checks in and time out late ones; returns how many keys resolved."""
+        resolved = 0
         while True:
             try:
                 tier_idx, batch, found = self._done.get_nowait()
@@ -195,6 +202,7 @@ class AsyncLookupManager:
                     check.answers[tier_idx] = bool(found[j]) if found is not None else False
                     if all(a is not None for a in check.answers):
                         self._resolve(key)
+                        resolved += 1
         now = self._clock()
         while self._pending:
             key, check = next(iter(self._pending.items()))
@@ -202,6 +210,8 @@ class AsyncLookupManager:
                 break
             self.num_timeouts += 1
             self._resolve(key)
+            resolved += 1
+        return resolved
 
     def _resolve(self, key: OffloadKey) -> None:
         check = self._pending.pop(key)
@@ -244,7 +254,8 @@ class TieringOffloadingManager(OffloadingManager):
     def __init__(self, primary: CPUOffloadingManager, host: ChunkBuffer,
                  tiers: Sequence[SecondaryTier], *, lookup_timeout_s: float = 2.0,
                  answer_ttl_s: float = 1.0, max_cascade_fraction: float = 0.5,
-                 max_pending_write_batches: int = 64, max_backlog: int | None = None) -> None:
+                 max_pending_write_batches: int = 64, max_backlog: int | None = None,
+                 max_watched: int = 1024) -> None:
         self.primary = primary
         self.host = host
         self.tiers = list(tiers)
@@ -256,6 +267,9 @@ class TieringOffloadingManager(OffloadingManager):
         self._jobs_in_flight = 0
         self.max_backlog = max_backlog or 4 * primary.num_chunks
         self._backlog: list[deque[OffloadKey]] = [deque() for _ in self.tiers]  # write-back queues
+        # Prefixes whose lookup said RETRY -> when to stop watching (see the module docstring).
+        self._watched: OrderedDict[tuple[OffloadKey, ...], float] = OrderedDict()
+        self.max_watched = max_watched
 
     # ------------------------------------------------------------------------ completions
     def _submit(self, kind: str, tier_idx: int, items: ChunkItems) -> None:
@@ -277,7 +291,8 @@ class TieringOffloadingManager(OffloadingManager):
         fut.add_done_callback(done)
 
     def _poll(self) -> None:
-        self.lookups.poll()
+        if self.lookups.poll() and self._watched:
+            self._promote_watched()
         while True:
             try:
                 kind, tier_idx, keys, ok = self._completions.get_nowait()
@@ -349,17 +364,44 @@ class TieringOffloadingManager(OffloadingManager):
 
     def lookup_many(self, keys: Sequence[OffloadKey]) -> list[LookupResult]:
         """Prefix lookup (see `OffloadingManager.lookup_many`). Keys missing from CPU are
-        checked in every secondary tier in one background batch; found ones are promoted."""
+        checked in every secondary tier in one background batch; found ones are promoted, now
+        or (RETRY: the prefix is watched) as soon as their checks come back."""
         self._poll()
         if not keys:
             return []
         if self.tiers:
             self.lookups.request([k for k in keys if self.primary.peek(k) is LookupResult.MISS])
+        results = self._resolve_prefix(keys)
+        if results[-1] is LookupResult.RETRY:  # a RETRY repeats to the end of the list
+            self._watch(tuple(keys))
+        return results
+
+    def _watch(self, keys: tuple[OffloadKey, ...]) -> None:
+        """Promote ``keys``' hits when their checks come back, even if nobody asks again."""
+        self._watched.pop(keys, None)
+        # Checks resolve within the lookup timeout; the margin covers a late poll.
+        self._watched[keys] = time.monotonic() + self.lookups.timeout_s + 1.0
+        while len(self._watched) > self.max_watched:
+            self._watched.popitem(last=False)
+
+    def _promote_watched(self) -> None:
+        """Answers came back: promote what each watched prefix can now use; stop watching a
+        prefix once none of its answers is outstanding (or its time is up)."""
+        now = time.monotonic()
+        for keys, until in list(self._watched.items()):
+            if self._resolve_prefix(keys, count=False)[-1] is not LookupResult.RETRY or until <= now:
+                del self._watched[keys]
+
+    def _resolve_prefix(self, keys: Sequence[OffloadKey], count: bool = True) -> list[LookupResult]:
+        """The prefix lookup proper, on the answers known now; starts the promotion of the
+        hits that continue the CPU prefix (a miss if the CPU tier has no room for them).
+        ``count``: count CPU hits and misses in the stats (not for the manager's own looks)."""
         results: list[LookupResult] = []
         to_promote: list[tuple[OffloadKey, int]] = []
         first_promoted = -1
+        cpu_lookup = self.primary.lookup if count else self.primary.peek
         for i, key in enumerate(keys):
-            result = self.primary.lookup(key)
+            result = cpu_lookup(key)
             if result is LookupResult.MISS and self.tiers:
                 tier = self.lookups.get(key)
                 if tier is None:
@@ -394,8 +436,11 @@ class TieringOffloadingManager(OffloadingManager):
 
     # -------------------------------------------------------------------- primary delegates
     def prepare_load(self, keys: Sequence[OffloadKey]) -> LoadStoreSpec:
+        # Pin before polling: a poll may start promotions for watched prefixes, which evict
+        # unpinned chunks, and ``keys`` are chunks the caller just saw as HIT.
+        spec = self.primary.prepare_load(keys)
         self._poll()
-        return self.primary.prepare_load(keys)
+        return spec
 
     def complete_load(self, keys: Sequence[OffloadKey]) -> None:
         self.primary.complete_load(keys)
