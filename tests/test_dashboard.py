@@ -16,7 +16,7 @@ import shutil
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import replace
 from pathlib import Path
 
 import httpx
@@ -26,6 +26,7 @@ from server_utils import client as http_client
 from server_utils import running_server
 
 from pagedkv.engine.config import EngineConfig
+from pagedkv.engine.stats import KVConnectorStats, SchedulerStats, TierStats
 
 ARTIFACTS = Path(__file__).resolve().parent / "artifacts"
 STABLE_SCREENSHOT = Path(tempfile.gettempdir()) / "pagedkv-dashboard.png"
@@ -158,28 +159,23 @@ def test_state_shows_shared_in_use_and_cached_blocks(server, http):
     assert "c" in st["blocks"] and st["num_running"] == 0 and st["owners"] == {}
 
 
-@dataclass
-class FakeTierStats:
-    name: str
-    medium: str
-    capacity_bytes: int
-    usage_bytes: int
-    hits: int
-    misses: int
-    bytes_read: int
-    bytes_written: int
-    healthy: bool
-
-
-class FakeOffloadManager:
-    def get_stats(self):
-        return {"cpu": FakeTierStats("cpu", "CPU", 4 << 30, 1 << 30, 30, 10, 123456, 654321, True),
-                "redis": FakeTierStats("redis", "REMOTE", 8 << 30, 0, 0, 5, 0, 0, False)}
+# Tier counters the real tiers cannot show on demand (a Redis tier that is down).
+GIVEN_TIERS = [TierStats("cpu", "CPU", capacity_bytes=4 << 30, usage_bytes=1 << 30, hits=30, misses=10,
+                         bytes_read=123456, bytes_written=654321),
+               TierStats("redis", "REMOTE", capacity_bytes=8 << 30, misses=5, healthy=False)]
 
 
 def test_offload_tiers_appear_in_state_and_metrics(server, http, tier_names):
     engine = server.app.state.pagedkv.async_llm.engine
-    engine.offload_manager = FakeOffloadManager()
+    real_make_stats = engine.make_stats
+
+    def make_stats() -> SchedulerStats:
+        """The engine's own snapshot with `GIVEN_TIERS` in place of its tiers' counters."""
+        stats = real_make_stats()
+        stats.kv_connector_stats = KVConnectorStats(tiers=[replace(t) for t in GIVEN_TIERS])
+        return stats
+
+    engine.make_stats = make_stats  # an instance attribute: `del` brings the method back
     try:
         st = http.get("/dashboard/state").json()  # a command: refreshes the stats snapshot too
         assert st["tiers"]["cpu"]["usage_bytes"] == 1 << 30 and st["tiers"]["redis"]["healthy"] is False
@@ -189,7 +185,7 @@ def test_offload_tiers_appear_in_state_and_metrics(server, http, tier_names):
         assert 'pagedkv:offload_healthy{medium="REMOTE",model_name="SmolLM2-135M-Instruct",tier="redis"} 0.0' in metrics
         assert "pagedkv:offload_bytes_written_total" in metrics and "pagedkv:offload_capacity_bytes" in metrics
     finally:
-        del engine.offload_manager
+        del engine.make_stats
     # Back to the engine's own (real) tiers; the CPU tier has stored the blocks of earlier requests.
     st = http.get("/dashboard/state").json()
     assert set(st["tiers"]) == tier_names and st["tiers"]["cpu"]["bytes_written"] > 0

@@ -225,3 +225,19 @@ def test_a_sequence_filling_the_whole_cache_stops_with_length_and_others_go_on()
     assert not engine.has_unfinished_requests()
     engine.check_invariants()
     assert engine.kv_cache_manager.num_free_blocks == 7
+
+
+def test_forked_children_queued_past_max_num_seqs_can_finish_on_their_first_token():
+    """n=3 with max_num_seqs=2: the third sample cannot run beside its siblings, so it waits in
+    the queue; with max_tokens=1 it finishes on its first token. The old engine removed it
+    from the running list it was never in and failed the whole batch with "error"."""
+    small = LLM(num_kv_blocks=64, block_size=16, max_model_len=512, max_num_seqs=2)
+    out = small.generate("Once upon a time", SamplingParams(n=3, temperature=1.0, seed=1, max_tokens=1),
+                         use_tqdm=False)[0]
+    assert out.error is None
+    assert [c.finish_reason for c in out.outputs] == ["length"] * 3
+    assert all(len(c.token_ids) == 1 for c in out.outputs)
+    engine = small.llm_engine
+    assert not engine.has_unfinished_requests()
+    engine.check_invariants()
+    assert engine.kv_cache_manager.num_free_blocks == engine.kv_cache_config.num_blocks - 1

@@ -16,6 +16,7 @@ from server_utils import running_server
 
 from pagedkv.engine.async_llm import AsyncLLM
 from pagedkv.engine.config import EngineConfig
+from pagedkv.engine.stats import SchedulerStats
 from pagedkv.entrypoints.openai_server import build_app
 from pagedkv.entrypoints.serve import BackgroundServer
 
@@ -247,10 +248,8 @@ class FailingEngine:
         self.tokenizer = None
         self.max_model_len = 64
 
-    def stats(self) -> dict:
-        return dict(num_blocks=8, block_size=16, num_free_blocks=7, kv_cache_usage=0.0, prefix_cache_queries=0,
-                    prefix_cache_hits=0, prefix_cache_hit_rate=0.0, num_preemptions=0, num_running=0,
-                    num_waiting=0, prompt_tokens=0, generation_tokens=0)
+    def make_stats(self) -> SchedulerStats:
+        return SchedulerStats(num_blocks=8, block_size=16, num_free_blocks=7)
 
     def add_request(self, rid, prompt, params, arrival_time=None) -> None:
         self.samples[rid] = prompt

@@ -19,7 +19,8 @@ from pagedkv.offload.fingerprint import OffloadFingerprint
 from pagedkv.offload.fs_tier import FileSystemTier
 from pagedkv.offload.redis_tier import RedisTier
 from pagedkv.offload.spec import parse_offload_spec
-from pagedkv.offload.tiering import AsyncLookupManager, SecondaryTier, TieringOffloadingManager, build_offloading
+from pagedkv.offload.factory import build_offloading
+from pagedkv.offload.tiering import AsyncLookupManager, SecondaryTier, TieringOffloadingManager
 from pagedkv.offload.worker import HostChunkBuffer, OffloadingWorker
 from pagedkv.ops.kv_cache import allocate_kv_cache
 

@@ -449,7 +449,7 @@ class BlockPool:
     # ---- invariants -------------------------------------------------------------------------
 
     def check_invariants(self) -> None:
-        """Assert the pool-local invariants (see DESIGN.md). O(num_blocks)."""
+        """Assert the pool-local invariants (see the README, "core/"). O(num_blocks)."""
         free = self.free_block_queue.get_all_free_blocks()
         assert len(free) == self.free_block_queue.num_free_blocks, "free count drifted"
         prev = self.free_block_queue.fake_free_list_head

@@ -132,6 +132,20 @@ class KVCacheCoordinator:
         for m in self.single_type_managers:
             m.free(request_id)
 
+    def fork(self, parent_id: str, child_id: str, num_tokens: int) -> list[tuple[int, int]] | None:
+        """Give ``child_id`` the blocks of ``parent_id``'s first ``num_tokens`` tokens in every
+        group (`SingleTypeKVCacheManager.fork`). Returns the ``(src, dst)`` copies of partial
+        blocks, or None, with nothing changed, when the pool lacks blocks for them."""
+        managers = self.single_type_managers
+        if sum(m.get_num_blocks_to_fork(num_tokens) for m in managers) > self.block_pool.get_num_free_blocks():
+            return None
+        copies = []
+        for m in managers:
+            copy = m.fork(parent_id, child_id, num_tokens)
+            if copy is not None:
+                copies.append(copy)
+        return copies
+
     def get_blocks(self, request_id: str) -> tuple[list[KVCacheBlock], ...]:
         return tuple(m.get_blocks(request_id) for m in self.single_type_managers)
 

@@ -227,26 +227,9 @@ class KVCacheManager:
         changed — when the pool lacks blocks for the copies.
         """
         num_tokens = parent.num_computed_tokens
-        managers = self.coordinator.single_type_managers
-        plans = []
-        for m in managers:
-            blocks = m.req_to_blocks.get(parent.request_id, [])
-            num_full = num_tokens // m.block_size
-            partial = blocks[num_full] if num_tokens % m.block_size else None
-            plans.append((m, blocks[:num_full], partial))
-        if sum(p is not None for _, _, p in plans) > self.block_pool.get_num_free_blocks():
-            return None
-        copies = []
-        for m, shared, partial in plans:
-            self.block_pool.touch(b for b in shared if not b.is_null)
-            table = m.req_to_blocks[child.request_id] = list(shared)
-            if partial is not None:
-                (new,) = self.block_pool.get_new_blocks(1)
-                table.append(new)
-                copies.append((partial.block_id, new.block_id))
-            m.num_cached_block[child.request_id] = min(m.num_cached_block.get(parent.request_id, 0),
-                                                       len(shared))
-        child.num_computed_tokens = num_tokens
+        copies = self.coordinator.fork(parent.request_id, child.request_id, num_tokens)
+        if copies is not None:
+            child.num_computed_tokens = num_tokens
         return copies
 
     def _record_admission(self, request: KVCacheRequest, num_hits: int, num_external: int) -> None:
@@ -295,7 +278,7 @@ class KVCacheManager:
     # ---- invariants -------------------------------------------------------------------------
 
     def check_invariants(self) -> None:
-        """Assert DESIGN.md's invariants: every block is null, in use or free (exactly one);
+        """Assert the README's invariants ("core/"): every block is null, in use or free (exactly one);
         ``ref_cnt`` equals the number of live block tables holding the block; hashes and the
         prefix-cache index agree; the free count plus the used count plus the null block is the
         pool size. Raises AssertionError with the first violation."""

@@ -27,12 +27,9 @@ from pagedkv.core.specs import (
     KVCacheConfig,
     KVCacheGroupSpec,
     KVCacheSpec,
-    cdiv,
     get_kv_cache_groups,
 )
-
-GiB = 1 << 30
-MiB = 1 << 20
+from pagedkv.core.units import GiB, MiB, cdiv
 
 GroupsOrSpecs = list[KVCacheGroupSpec] | dict[str, KVCacheSpec]
 

@@ -43,10 +43,7 @@ from pagedkv.core.specs import (
     KVCacheSpec,
     SlidingWindowSpec,
 )
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+from pagedkv.core.units import cdiv
 
 
 class SingleTypeKVCacheManager:
@@ -184,6 +181,31 @@ class SingleTypeKVCacheManager:
         if blocks:
             self.block_pool.free_blocks(reversed(blocks))
         self.num_cached_block.pop(request_id, None)
+
+    def get_num_blocks_to_fork(self, num_tokens: int) -> int:
+        """New blocks `fork` takes for a child of ``num_tokens`` tokens: one partial block."""
+        return 1 if num_tokens % self.block_size else 0
+
+    def fork(self, parent_id: str, child_id: str, num_tokens: int) -> tuple[int, int] | None:
+        """Start ``child_id``'s block table from ``parent_id``'s first ``num_tokens`` tokens
+        (parallel sampling, ``n > 1``). Full blocks are shared by reference (``ref_cnt + 1``;
+        null blocks as they are); a partially filled last block is copied into a fresh block,
+        since both sequences write their next tokens into it (copy-on-write at fork time).
+        Returns that copy's ``(src, dst)`` block ids for the worker, or None. The caller checks
+        that the pool has `get_num_blocks_to_fork` free blocks."""
+        blocks = self.req_to_blocks.get(parent_id, [])
+        num_full = num_tokens // self.block_size
+        table = self.req_to_blocks[child_id] = blocks[:num_full]
+        num_shared = len(table)
+        self.block_pool.touch(b for b in table if not b.is_null)
+        copy = None
+        if num_tokens % self.block_size:
+            (new,) = self.block_pool.get_new_blocks(1)
+            table.append(new)
+            copy = (blocks[num_full].block_id, new.block_id)
+        # The child's leading blocks are registered exactly where the parent's are.
+        self.num_cached_block[child_id] = min(self.num_cached_block.get(parent_id, 0), num_shared)
+        return copy
 
     def get_blocks(self, request_id: str) -> list[KVCacheBlock]:
         return self.req_to_blocks.get(request_id, [])

@@ -27,13 +27,9 @@ import math
 from dataclasses import dataclass
 
 from pagedkv.core.layout import DEFAULT_KV_CACHE_LAYOUT, KVCacheLayout
+from pagedkv.core.units import cdiv
 from collections.abc import Iterable, Sequence
 from typing import Any, ClassVar
-
-
-def cdiv(a: int, b: int) -> int:
-    """Ceiling division for non-negative ints."""
-    return -(a // -b)
 
 
 # ---------------------------------------------------------------- dtypes and quantization

@@ -18,7 +18,7 @@ After every step the thread hands each request's latest `RequestOutput` to its s
 ``call_soon_threadsafe`` per event loop per step). Outputs are cumulative snapshots, so a slow
 consumer only sees the newest one: a stream never grows without bound. KV events are drained
 after every step (and command) and given to ``event_publisher``; per-step stats go to
-``stat_loggers``.
+``stat_loggers``, and ``last_stats`` holds the engine's latest `SchedulerStats` snapshot.
 
 Admission control: at most ``max_num_seqs + max_queue_size`` user requests may be in flight
 (those beyond ``max_num_seqs`` wait in the scheduler's queue); `add_request` raises
@@ -53,6 +53,7 @@ from pagedkv.engine.sampling_params import SamplingParams
 if TYPE_CHECKING:
     from pagedkv.engine.config import EngineConfig
     from pagedkv.engine.llm_engine import LLMEngine, PromptType
+    from pagedkv.engine.stats import SchedulerStats
 
 logger = logging.getLogger(__name__)
 
@@ -80,8 +81,13 @@ class EngineGenerateError(RuntimeError):
 
 
 class StatLogger(Protocol):
+    """Observes the engine (vLLM's ``StatLoggerBase``); every method runs on the engine thread."""
+
     def record_step(self, engine: LLMEngine, outputs: list[RequestOutput], now: float) -> None:
-        """Called on the engine thread after every step that produced outputs (or changed state)."""
+        """Called after every step that produced outputs (or changed state)."""
+
+    def record_abort(self, request_ids: list[str]) -> None:
+        """Called when user requests are aborted: forget whatever is tracked about them."""
 
 
 class EventPublisher(Protocol):
@@ -304,9 +310,7 @@ class AsyncLLM:
             self.engine.abort_request(ids)
             self.num_aborted += len(ids)
             for sl in self.stat_loggers:
-                record_abort = getattr(sl, "record_abort", None)
-                if record_abort is not None:
-                    record_abort(ids)
+                sl.record_abort(ids)
 
         self._submit(cmd, None)
 
@@ -356,7 +360,9 @@ class AsyncLLM:
                 from pagedkv.engine.llm_engine import LLMEngine
 
                 self.engine = LLMEngine(config)
-            self.last_stats: dict[str, Any] = engine_stats(self.engine)
+            # The latest snapshot, replaced (never mutated) by the engine thread: readers on
+            # other threads (metrics scrapes, the stats line) read it without a lock.
+            self.last_stats: SchedulerStats = self.engine.make_stats()
         except BaseException as e:  # noqa: BLE001 - re-raised by __init__
             self._init_error = e
             self._ready.set()
@@ -404,7 +410,7 @@ class AsyncLLM:
                 except Exception:  # a broken socket must not stop generation
                     logger.exception("publishing KV events failed")
         if outputs or changed:
-            self.last_stats = engine_stats(engine)
+            self.last_stats = engine.make_stats()
             for sl in self.stat_loggers:
                 try:
                     sl.record_step(engine, outputs, now)
@@ -463,36 +469,6 @@ class AsyncLLM:
         if self.event_publisher is not None:
             self.event_publisher.shutdown()
         self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
-
-
-def engine_stats(engine: LLMEngine) -> dict[str, Any]:
-    """``engine.stats()`` plus ``"tiers"``: tier name → stats dict (``usage_bytes``,
-    ``capacity_bytes``, ``hits``, ``misses``, ``bytes_read``, ``bytes_written``, ``healthy``...),
-    from ``engine.offload_manager.get_stats()`` when the engine has one, else from the
-    per-tier dicts of ``stats()["offload"]``; absent without tiers. Call on the engine thread."""
-    stats = engine.stats()
-    tiers: dict[str, dict[str, Any]] = {}
-    try:
-        manager = getattr(engine, "offload_manager", None)
-        if manager is not None:
-            tiers = {name: _as_dict(st) for name, st in manager.get_stats().items()}
-        elif isinstance(stats.get("offload"), dict):
-            tiers = {name: _as_dict(st) for name, st in stats["offload"].items()
-                     if isinstance(st, dict) or hasattr(st, "__dataclass_fields__")}
-    except Exception:
-        logger.exception("reading the offload tiers' stats failed")
-    if tiers:
-        stats["tiers"] = tiers
-    return stats
-
-
-def _as_dict(stats: Any) -> dict[str, Any]:
-    if isinstance(stats, dict):
-        return dict(stats)
-    fields = getattr(stats, "__dataclass_fields__", None)
-    if fields:
-        return {f: getattr(stats, f) for f in fields}
-    return {k: v for k, v in vars(stats).items() if not k.startswith("_")}
 
 
 def _set(fut: concurrent.futures.Future, result: Any = None, error: BaseException | None = None) -> None:

@@ -6,8 +6,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagedkv.core.hashing import HASH_FUNCTIONS
+from pagedkv.core.units import GiB
 
-GiB = 1 << 30
 # On CPU the "device" KV cache is host memory: 1 GiB holds ~23k tokens of SmolLM2-135M in
 # float32 (45 KiB/token), plenty for 8k-token contexts at high concurrency.
 DEFAULT_CPU_KV_CACHE_MEMORY = 1 * GiB

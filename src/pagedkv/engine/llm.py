@@ -12,6 +12,7 @@ from pagedkv.engine.config import EngineConfig
 from pagedkv.engine.llm_engine import LLMEngine, PromptType
 from pagedkv.engine.outputs import RequestOutput
 from pagedkv.engine.sampling_params import SamplingParams
+from pagedkv.engine.stats import SchedulerStats
 
 Message = dict[str, str]
 
@@ -106,5 +107,11 @@ class LLM:
         return self.llm_engine.kv_cache_manager.reset_prefix_cache()
 
     def stats(self) -> dict[str, Any]:
-        """KV cache and scheduler statistics (usage, prefix-cache hits in tokens, preemptions)."""
+        """KV cache and scheduler statistics (usage, prefix-cache hits in tokens, preemptions,
+        ``offload``: per-tier counters): the dict form of `SchedulerStats`
+        (`SchedulerStats.to_dict`); `make_stats` gives the typed snapshot."""
         return self.llm_engine.stats()
+
+    def make_stats(self) -> SchedulerStats:
+        """The engine's typed statistics snapshot (`LLMEngine.make_stats`)."""
+        return self.llm_engine.make_stats()

@@ -1,9 +1,15 @@
 """`LLMEngine`: requests in, tokens out, one `step()` at a time.
 
-``add_request`` validates and queues; ``step`` schedules one batch, runs the model, samples,
-appends tokens (which hashes newly full blocks), applies stop conditions, frees finished
-requests and returns the outputs of every request that progressed. ``abort_request`` frees a
-request wherever it is. Invalid input raises ValueError and leaves the engine untouched.
+``add_request`` validates and queues; ``step`` reads one way through the modules that own
+each part of it::
+
+    Scheduler.schedule()            -> SchedulerOutput     which tokens run (scheduler)
+    ModelRunner + Sampler           -> ModelRunnerOutput   one token per sampling row
+    Scheduler.update_from_output()  -> EngineCoreOutputs   appends, token stops, forks, frees
+    OutputProcessor.process_outputs -> RequestOutputs      text, stop strings, outputs
+
+``abort_request`` frees a request wherever it is. Invalid input raises ValueError and leaves
+the engine untouched.
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -22,14 +29,16 @@ from pagedkv.core.request import RequestStatus, get_request_block_hasher
 from pagedkv.core.specs import get_kv_cache_groups
 from pagedkv.engine.config import DEFAULT_CPU_KV_CACHE_MEMORY, EngineConfig, check_kv_cache_fits
 from pagedkv.engine.model_runner import ModelRunner
-from pagedkv.engine.outputs import CompletionOutput, RequestOutput
+from pagedkv.engine.output_processor import OutputProcessor
+from pagedkv.engine.outputs import RequestOutput
 from pagedkv.engine.request import Request
 from pagedkv.engine.sampler import Sampler
 from pagedkv.engine.sampling_params import SamplingParams
-from pagedkv.engine.scheduler import Scheduler, SchedulerOutput
+from pagedkv.engine.scheduler import Scheduler
+from pagedkv.engine.scheduler_output import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput, SchedulerOutput
+from pagedkv.engine.stats import KVConnectorStats, SchedulerStats
 from pagedkv.kv_transfer.offloading_connector import OffloadingConnector
 from pagedkv.models.loader import get_model
-from pagedkv.models.tokenizer import DetokenizeState
 from pagedkv.ops.kv_cache import allocate_kv_cache
 
 logger = logging.getLogger(__name__)
@@ -78,7 +87,7 @@ class LLMEngine:
         self.block_hasher = get_request_block_hasher(
             config.block_size, get_hash_fn_by_name(config.prefix_caching_hash_algo))
         self.eos_token_id = self.tokenizer.eos_token_id if self.tokenizer else mc.eos_token_id
-        self.samples: dict[str, list[Request]] = {}  # user request id -> its samples
+        self.output_processor = OutputProcessor(self.tokenizer)
         self.block_size = config.block_size
         self.num_generated_tokens = 0
         self.num_prompt_tokens = 0
@@ -145,15 +154,15 @@ class LLMEngine:
                     arrival_time: float | None = None, cache_salt: str | None = None) -> None:
         """Validate and queue a request. ValueError (nothing queued) on bad input."""
         params = params or SamplingParams()
-        if request_id in self.samples:
+        if self.output_processor.has_request(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
         token_ids, text = self.process_prompt(prompt)
         limit = self.max_model_len - len(token_ids)
         max_tokens = limit if params.max_tokens is None else min(params.max_tokens, limit)
-        req = self._new_request(request_id, token_ids, text, params, max(max_tokens, 1), 0,
+        req = self._new_request(request_id, token_ids, text, params, max(max_tokens, 1),
                                 arrival_time, cache_salt)
         req.fork_pending = params.n - 1
-        self.samples[request_id] = [req]
+        self.output_processor.add_request(req)
         self.num_prompt_tokens += len(token_ids)
         self.scheduler.add_request(req)
 
@@ -182,257 +191,151 @@ class LLMEngine:
             raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
 
     def _new_request(self, rid: str, token_ids: list[int], text: str | None, params: SamplingParams,
-                     max_tokens: int, index: int, arrival_time: float | None,
-                     cache_salt: str | None) -> Request:
+                     max_tokens: int, arrival_time: float | None, cache_salt: str | None) -> Request:
+        """Sample 0 of a user request; the scheduler forks the others (`Request.make_child`)."""
         ktp = params.kv_transfer_params or {}
-        req = Request(request_id=rid if index == 0 else f"{rid}#{index}",
-                      prompt_token_ids=token_ids, block_hasher=self.block_hasher,
+        req = Request(request_id=rid, prompt_token_ids=token_ids, block_hasher=self.block_hasher,
                       cache_salt=cache_salt, sampling_params=params, prompt=text,
                       kv_transfer_params=params.kv_transfer_params,
                       skip_reading_prefix_cache=bool(ktp.get("skip_reading_prefix_cache")),
-                      eos_token_id=self.eos_token_id, parent_id=rid, sample_index=index,
-                      max_tokens=max_tokens)
+                      eos_token_id=self.eos_token_id, parent_id=rid, sample_index=0,
+                      max_tokens=max_tokens, seed=params.seed)
         if arrival_time is not None:
             req.metrics.arrival_time = arrival_time
-        if params.seed is not None:
-            req.generator = torch.Generator().manual_seed(params.seed + index)
-        if self.tokenizer is not None:
-            req.detok_state = DetokenizeState(skip_special_tokens=params.skip_special_tokens)
         return req
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
         """Abort user requests (all their samples) and free their blocks. Unknown ids are ignored."""
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
         for rid in ids:
-            samples = self.samples.pop(rid, [])
-            self.scheduler.finish_requests([s.request_id for s in samples], RequestStatus.FINISHED_ABORTED)
+            self.scheduler.finish_requests(self.output_processor.abort_requests([rid]),
+                                           RequestStatus.FINISHED_ABORTED)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.samples)
+        return self.output_processor.has_unfinished_requests()
 
     def get_num_unfinished_requests(self) -> int:
-        return len(self.samples)
+        return self.output_processor.get_num_unfinished_requests()
+
+    @property
+    def samples(self) -> dict[str, Any]:
+        """The unfinished user requests, by id (values: their samples' output states)."""
+        return self.output_processor.parent_requests
 
     # ---- the step loop ----------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Schedule one batch, run it and return the outputs of every request that progressed.
+        """One step: schedule → execute (runner + sampler) → scheduler.update_from_output →
+        output_processor.process_outputs. Returns the outputs of every request that progressed.
 
         An exception while running the batch (tier load, forward pass, sampler, stop checks)
         fails only the user requests in that batch: they finish with reason ``"error"`` and
         ``RequestOutput.error`` set, their blocks are freed, and the step returns normally, so
-        the engine keeps serving. An exception from the scheduler itself propagates (the
+        the engine keeps serving. An exception from ``schedule()`` itself propagates (the
         engine's state is then unknown). A non-``Exception`` (KeyboardInterrupt) fails the
         batch the same way and is re-raised.
         """
         so = self.scheduler.schedule()
-        ended = self._cache_exhausted(so.finished)
+        if so.finished_req_ids:
+            self.sampler.remove_requests(so.finished_req_ids)
         if so.is_empty:
-            if self.scheduler.has_unfinished_requests() and not ended:
+            if self.scheduler.has_unfinished_requests() and not so.finished:
                 time.sleep(0.0005)  # requests wait on tier I/O: yield the CPU to its threads
-            return ended
+            return self._update(so, EMPTY_MODEL_RUNNER_OUTPUT)
         try:
-            return ended + self._run_batch(so)
+            return self._update(so, self._execute(so))
         except BaseException as e:
             logger.exception("engine step failed; failing the %d requests of its batch", len(so.scheduled))
             failed = self._fail_batch(so, e)
             if not isinstance(e, Exception):
                 raise
-            return ended + failed
+            # Requests schedule() stopped (not in the failed batch) are still reported.
+            return failed + self._update(so, EMPTY_MODEL_RUNNER_OUTPUT)
 
-    def _run_batch(self, so: SchedulerOutput) -> list[RequestOutput]:
-        """Load external KV, run the forward pass, sample and append one token per sampling
-        request; the outputs of the requests that got a token."""
+    def _execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        """Load external KV, run the forward pass and sample one token per sampling request
+        (and per child forked from it this step, from the parent's logits row)."""
         if self.connector is not None:
             self.connector.start_load_kv()
         logits = self.runner.execute_model(so)
         if self.connector is not None:
             self.connector.save_kv((s.request, s.block_ids[0], s.start + s.num_tokens) for s in so.scheduled)
-        sampling = [s.request for s in so.scheduled if s.samples]
-        if not sampling:  # only prefill chunks that do not reach the end of their prompts
-            return []
-        rows: list[int] = []
-        reqs: list[Request] = []
-        forks: list[tuple[Request, Request]] = []
-        for j, req in enumerate(sampling):
-            rows.append(j)
-            reqs.append(req)
-            if req.fork_pending and req.num_output_tokens == 0:
-                for i in range(1, req.fork_pending + 1):
-                    child = self._fork_child(req, i)
-                    forks.append((req, child))
-                    rows.append(j)
-                    reqs.append(child)
-                req.fork_pending = 0
-        if rows != list(range(len(sampling))):
-            logits = logits[torch.tensor(rows)]
+        reqs = [s.request for s in so.scheduled if s.samples]
+        if not reqs:  # only prefill chunks that do not reach the end of their prompts
+            return EMPTY_MODEL_RUNNER_OUTPUT
+        if so.forks:
+            logits, reqs = self._fork_rows(logits, reqs, so.forks)
         out = self.sampler(logits, reqs)
-        for parent, child in forks:  # before any parent may finish and free its blocks
-            self.scheduler.fork(parent, child)
-        now = time.monotonic()
-        touched: dict[str, None] = {}
-        for req, token, lp, slp in zip(reqs, out.token_ids, out.logprobs, out.sampled_logprobs):
-            self._append_token(req, token, lp, slp, now)
-            touched[req.parent_id] = None
-        return [self._make_output(rid) for rid in touched]
+        return ModelRunnerOutput([r.request_id for r in reqs], out.token_ids, out.logprobs,
+                                 out.sampled_logprobs)
+
+    @staticmethod
+    def _fork_rows(logits: torch.Tensor, reqs: list[Request], forks: list[tuple[Request, Request]]
+                   ) -> tuple[torch.Tensor, list[Request]]:
+        """Each child sampled right after its parent, from the parent's logits row."""
+        children: dict[str, list[Request]] = {}
+        for parent, child in forks:
+            children.setdefault(parent.request_id, []).append(child)
+        rows: list[int] = []
+        rows_reqs: list[Request] = []
+        for j, req in enumerate(reqs):
+            rows.append(j)
+            rows_reqs.append(req)
+            for child in children.get(req.request_id, ()):
+                rows.append(j)
+                rows_reqs.append(child)
+        return logits[torch.tensor(rows)], rows_reqs
+
+    def _update(self, so: SchedulerOutput, mro: ModelRunnerOutput) -> list[RequestOutput]:
+        """The scheduler applies the sampled tokens; the output processor turns them into
+        outputs, and requests it stopped on a stop string are finished in the scheduler."""
+        eco = self.scheduler.update_from_output(so, mro)
+        self.num_generated_tokens += len(mro.sampled_token_ids)
+        if not eco.outputs and not eco.forked:
+            return []
+        processed = self.output_processor.process_outputs(eco, time.monotonic())
+        if processed.reqs_to_abort:
+            self.scheduler.finish_requests(processed.reqs_to_abort, RequestStatus.FINISHED_STOPPED)
+        return processed.request_outputs
 
     def _fail_batch(self, so: SchedulerOutput, err: BaseException) -> list[RequestOutput]:
-        """Finish every user request of the failed batch ``so`` with reason "error".
-
-        Their blocks' prefix-cache hashes are dropped first: allocation registered the hashes
-        of blocks this batch was to write (or load from a tier), so their KV may be missing or
-        half written and must never be served as a cache hit. Dropping a hash only costs a
-        future hit; blocks shared with surviving requests keep their references. Pending
-        copy-on-write copies into the failed requests' blocks are dropped too (those blocks
-        go back to the pool). Returns one finished output per failed user request.
-        """
+        """Finish every user request of the failed batch ``so`` with reason "error": the
+        scheduler frees their requests (dropping the prefix-cache hashes of blocks the batch
+        never wrote, see `Scheduler.fail_requests`); one finished output per user request."""
         message = f"{type(err).__name__}: {err}"
-        kv = self.kv_cache_manager
-        for s in so.scheduled:  # this batch's tokens were not computed
-            s.request.num_computed_tokens = min(s.request.num_computed_tokens, s.start)
-        now = time.monotonic()
-        outputs: list[RequestOutput] = []
-        for rid in dict.fromkeys(s.request.parent_id for s in so.scheduled):
-            samples = self.samples.get(rid)
-            if samples is None:
-                continue  # already finished and reported before the failure
-            live = [r for r in samples if not r.is_finished]
-            block_ids = {b for r in live for group in kv.get_block_ids(r.request_id) for b in group}
-            kv.evict_blocks(sorted(block_ids))
-            self.scheduler.pending_copies = [(src, dst) for src, dst in self.scheduler.pending_copies
-                                             if dst not in block_ids]
-            self.scheduler.finish_requests([r.request_id for r in live], RequestStatus.FINISHED_ABORTED)
-            for r in live:
-                r.finish_reason = "error"
-                r.metrics.finished_time = now
-            outputs.append(self._make_output(rid, error=message))
-        return outputs
-
-    def _cache_exhausted(self, reqs: list[Request]) -> list[RequestOutput]:
-        """Outputs for requests the scheduler stopped because their sequence outgrew the whole
-        KV cache (finish_reason "length", like reaching max_model_len; logged once each)."""
-        now = time.monotonic()
-        for req in reqs:
-            logger.warning("request %s stopped at %d tokens: the whole KV cache (%d tokens) cannot "
-                           "hold more", req.request_id, req.num_tokens, self.num_usable_kv_tokens)
-            req.finish_reason = "length"
-            self._close(req, now)
-        return [self._make_output(rid) for rid in dict.fromkeys(r.parent_id for r in reqs)]
-
-    def _fork_child(self, parent: Request, index: int) -> Request:
-        child = self._new_request(parent.parent_id, parent.prompt_token_ids, parent.prompt,
-                                  parent.sampling_params, parent.max_tokens, index, None,
-                                  parent.cache_salt)
-        child.metrics.arrival_time = parent.metrics.arrival_time
-        self.samples[parent.parent_id].append(child)
-        return child
-
-    def _append_token(self, req: Request, token: int, lp: Any, sampled_lp: float | None, now: float) -> None:
-        req.append_output_token_ids(token)
-        self.num_generated_tokens += 1
-        if req.metrics.first_token_time is None:
-            req.metrics.first_token_time = now
-        req.metrics.last_token_time = now
-        if lp is not None:
-            if req.logprobs is None:
-                req.logprobs = []
-            req.logprobs.append(lp)
-            req.cumulative_logprob += sampled_lp or 0.0
-        if req.detok_state is not None:
-            req.output_text += self.tokenizer.decode_incremental(req.detok_state, [token])
-        status = self._check_stop(req, token)
-        if status is not None:
-            self._close(req, now)
-            self.scheduler.finish(req, status)
-
-    def _close(self, req: Request, now: float) -> None:
-        """A request just finished: flush text held back for an incomplete character (not
-        after a stop string: the text was cut there on purpose) and stamp the finish time."""
-        if req.detok_state is not None and not isinstance(req.stop_reason, str):
-            req.output_text += self.tokenizer.decode_incremental(req.detok_state, [], final=True)
-        req.metrics.finished_time = now
-
-    def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
-        p = req.sampling_params
-        n_out = req.num_output_tokens
-        if n_out >= p.min_tokens:
-            if not p.ignore_eos and token == req.eos_token_id:
-                req.finish_reason = "stop"
-                return RequestStatus.FINISHED_STOPPED
-            if token in p.stop_token_ids:
-                req.finish_reason, req.stop_reason = "stop", token
-                return RequestStatus.FINISHED_STOPPED
-            if p.stop_strings and self._truncate_at_stop(req):
-                return RequestStatus.FINISHED_STOPPED
-        if n_out >= req.max_tokens or req.num_tokens >= self.max_model_len:
-            req.finish_reason = "length"
-            return RequestStatus.FINISHED_LENGTH_CAPPED
-        return None
-
-    def _truncate_at_stop(self, req: Request) -> bool:
-        p = req.sampling_params
-        text = req.output_text
-        for stop in p.stop_strings:
-            at = text.find(stop)
-            if at >= 0:
-                req.output_text = text[:at + len(stop)] if p.include_stop_str_in_output else text[:at]
-                req.finish_reason, req.stop_reason = "stop", stop
-                return True
-        return False
-
-    def _make_output(self, rid: str, error: str | None = None) -> RequestOutput:
-        """The cumulative output of user request ``rid``; once finished (or failed with
-        ``error``: finished whatever its samples) the request is forgotten."""
-        samples = self.samples[rid]
-        first = samples[0]
-        n = first.sampling_params.n
-        finished = error is not None or (len(samples) == n and all(s.is_finished for s in samples))
-        outputs = [CompletionOutput(
-            index=s.sample_index, text=s.output_text, token_ids=list(s.output_token_ids),
-            finish_reason=s.finish_reason, stop_reason=s.stop_reason, logprobs=s.logprobs,
-            cumulative_logprob=s.cumulative_logprob if s.logprobs is not None else None)
-            for s in samples]
-        if finished:
-            del self.samples[rid]
-        return RequestOutput(request_id=rid, prompt=first.prompt,
-                             prompt_token_ids=first.prompt_token_ids, outputs=outputs,
-                             finished=finished, num_cached_tokens=max(first.num_cached_tokens, 0),
-                             metrics=first.metrics, error=error)
+        op = self.output_processor
+        # Already finished and reported before the failure: nothing to fail.
+        parents = [p for p in dict.fromkeys(s.request.parent_id for s in so.scheduled) if op.has_request(p)]
+        self.scheduler.fail_requests(so, parents)
+        return op.fail_requests(parents, message, time.monotonic())
 
     # ---- introspection ------------------------------------------------------------------------------
 
     def check_invariants(self) -> None:
         self.kv_cache_manager.check_invariants()
 
-    def stats(self) -> dict[str, Any]:
+    def make_stats(self) -> SchedulerStats:
+        """A snapshot of the engine's counters (vLLM's ``Scheduler.make_stats``); it shares no
+        mutable state with the engine, so other threads may read it. Call on the engine thread."""
         kv = self.kv_cache_manager
-        pc = kv.total_prefix_cache_stats
-        return {
-            "num_blocks": self.kv_cache_config.num_blocks,
-            "block_size": self.block_size,
-            "num_free_blocks": kv.num_free_blocks,
-            "kv_cache_usage": kv.usage,
-            "prefix_cache_queries": pc.queries,
-            "prefix_cache_hits": pc.hits,
-            "prefix_cache_hit_rate": pc.hit_rate,
-            "external_cache_hits": pc.external_hits,
-            "num_preemptions": self.scheduler.num_preemptions,
-            "num_running": self.scheduler.num_running,
-            "num_waiting": self.scheduler.num_waiting,
-            "prompt_tokens": self.num_prompt_tokens,
-            "generation_tokens": self.num_generated_tokens,
-            "offload": self.offload_stats(),
-        }
+        return SchedulerStats(
+            num_running_reqs=self.scheduler.num_running, num_waiting_reqs=self.scheduler.num_waiting,
+            kv_cache_usage=kv.usage, num_blocks=self.kv_cache_config.num_blocks, block_size=self.block_size,
+            num_free_blocks=kv.num_free_blocks, num_preemptions=self.scheduler.num_preemptions,
+            prompt_tokens=self.num_prompt_tokens, generation_tokens=self.num_generated_tokens,
+            prefix_cache_stats=replace(kv.total_prefix_cache_stats),
+            kv_connector_stats=self._kv_connector_stats())
 
-    def offload_stats(self) -> dict[str, Any]:
-        """Per-tier usage and hits (empty without tiers)."""
+    def _kv_connector_stats(self) -> KVConnectorStats | None:
+        """The connector's loaded / stored counts and per-tier counters; None without one."""
         if self.connector is None:
-            return {}
-        from dataclasses import asdict
-        out: dict[str, Any] = {name: asdict(st) for name, st in self.connector.get_stats().items()}
-        out["loaded_tokens"] = self.connector.num_loaded_tokens
-        out["stored_blocks"] = self.connector.num_stored_blocks
-        return out
+            return None
+        return KVConnectorStats.from_tiers(self.connector.get_stats(), self.connector.num_loaded_tokens,
+                                           self.connector.num_stored_blocks)
+
+    def stats(self) -> dict[str, Any]:
+        """`make_stats` as a dict (`SchedulerStats.to_dict`): what `LLM.stats()` returns."""
+        return self.make_stats().to_dict()
 
     def shutdown(self) -> None:
         if self.connector is not None:

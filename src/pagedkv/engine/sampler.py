@@ -3,12 +3,13 @@
 Order of operations (vLLM's): raw logprobs (for ``logprobs=k``) → penalties (repetition,
 presence, frequency) → ``min_tokens`` (stop tokens masked) → greedy rows take the argmax;
 other rows: temperature → top-k → top-p → min-p → sample. A request with a ``seed`` samples
-with its own `torch.Generator`, so its tokens do not depend on what else is in the batch.
+with its own `torch.Generator` (built here at its first sample, kept by request id until
+`remove_requests`), so its tokens do not depend on what else is in the batch.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -27,7 +28,21 @@ class SamplerOutput:
 
 class Sampler:
     def __init__(self, seed: int = 0) -> None:
-        self.generator = torch.Generator().manual_seed(seed)
+        self.generator = torch.Generator().manual_seed(seed)  # rows of unseeded requests
+        self.generators: dict[str, torch.Generator] = {}  # request id -> its seeded generator
+
+    def remove_requests(self, request_ids: Iterable[str]) -> None:
+        """Forget the generators of finished requests (a reused id starts from its seed)."""
+        for rid in request_ids:
+            self.generators.pop(rid, None)
+
+    def _generator(self, req: Request) -> torch.Generator:
+        if req.seed is None:
+            return self.generator
+        gen = self.generators.get(req.request_id)
+        if gen is None:
+            gen = self.generators[req.request_id] = torch.Generator().manual_seed(req.seed)
+        return gen
 
     def __call__(self, logits: torch.Tensor, requests: Sequence[Request]) -> SamplerOutput:
         """``logits[i]`` (float32, [vocab]) is the next-token distribution of ``requests[i]``."""
@@ -77,9 +92,7 @@ class Sampler:
             keep = probs >= min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
             probs = probs * keep
         for j, i in enumerate(rows):
-            req = requests[i]
-            gen = req.generator if req.generator is not None else self.generator
-            tokens[i] = torch.multinomial(probs[j], 1, generator=gen)[0]
+            tokens[i] = torch.multinomial(probs[j], 1, generator=self._generator(requests[i]))[0]
 
 
 def _apply_penalties(row: torch.Tensor, req: Request) -> None:

@@ -1,6 +1,8 @@
-"""Continuous batching: which tokens of which requests run in the next forward pass.
+"""Continuous batching and the request lifecycle: which tokens of which requests run in the next
+forward pass, and what the sampled tokens do to each request.
 
-Each `schedule()` builds one flat batch inside a token budget (``max_num_batched_tokens``):
+``schedule() -> SchedulerOutput`` builds one flat batch inside a token budget
+(``max_num_batched_tokens``):
 
 1. RUNNING requests first, in admission order: a decode token, or the next prefill chunk.
    When the pool cannot hold their slots, the most recently admitted running request is
@@ -12,6 +14,15 @@ Each `schedule()` builds one flat batch inside a token budget (``max_num_batched
    remaining budget. A new request is admitted only if its whole prompt fits in the pool
    (vLLM's ``scheduler_reserve_full_isl``), so a chunked prompt is not admitted only to be
    preempted a few steps later. Admission is strict FCFS (head-of-line).
+3. A request of ``n > 1`` whose prompt ends this step names its ``n - 1`` children
+   (``SchedulerOutput.forks``): they are sampled from its logits in the same step.
+
+``update_from_output(scheduler_output, model_runner_output) -> EngineCoreOutputs`` then owns
+the rest of the step: it forks the children (sharing the parent's prompt blocks), appends each
+sampled token (which hashes newly full blocks), applies the token-level stops (EOS, stop token
+ids, ``max_tokens``, ``max_model_len``) and finishes and frees the requests that stopped.
+Stop strings need text: the output processor finds them and finishes the request through
+`finish_requests`.
 
 ``num_computed_tokens`` advances when a request is scheduled (the KV of scheduled tokens is
 "written or being written"); a request is sampled in the step its scheduled tokens reach
@@ -20,41 +31,30 @@ Each `schedule()` builds one flat batch inside a token budget (``max_num_batched
 
 from __future__ import annotations
 
+import itertools
+import logging
 import time
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from pagedkv.core.kv_cache_manager import KVCacheManager
 from pagedkv.core.request import RequestStatus
-from pagedkv.engine.request import Request
-from pagedkv.kv_transfer.offloading_connector import OffloadingConnector
+from pagedkv.engine.request import FINISHED_REASONS, Request
+from pagedkv.engine.scheduler_output import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    ModelRunnerOutput,
+    ScheduledRequest,
+    SchedulerOutput,
+)
 
+if TYPE_CHECKING:  # a type only: the scheduler stays torch-free at run time
+    from pagedkv.kv_transfer.offloading_connector import OffloadingConnector
 
-@dataclass(slots=True)
-class ScheduledRequest:
-    request: Request
-    start: int  # first position computed this step (== num_computed_tokens before the step)
-    num_tokens: int
-    block_ids: tuple[list[int], ...]  # the request's block table in each KV cache group
+__all__ = ["Scheduler", "SchedulerOutput", "ScheduledRequest"]  # re-exported for compatibility
 
-    @property
-    def samples(self) -> bool:
-        return self.start + self.num_tokens >= self.request.num_tokens
-
-
-@dataclass(slots=True)
-class SchedulerOutput:
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
-    preempted: list[Request] = field(default_factory=list)
-    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) before the pass
-    # Running requests stopped because their sequence no longer fits even the empty cache.
-    finished: list[Request] = field(default_factory=list)
-    num_batched_tokens: int = 0
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
+logger = logging.getLogger(__name__)
 
 
 class Scheduler:
@@ -68,8 +68,10 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self.requests: dict[str, Request] = {}
+        self.requests: dict[str, Request] = {}  # every unfinished request, by id
         self.pending_copies: list[tuple[int, int]] = []
+        # Finished since the last schedule(): handed to the workers in the next SchedulerOutput.
+        self.finished_req_ids: set[str] = set()
         self.num_preemptions = 0
 
     # ---- queues -----------------------------------------------------------------------------
@@ -79,18 +81,14 @@ class Scheduler:
         self.requests[request.request_id] = request
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
-        """Finish (abort) requests wherever they are; frees their blocks. Unknown ids are ignored."""
+        """Finish requests wherever they are (abort, or a stop string the output processor
+        found) and free their blocks. Unknown (already finished) ids are ignored."""
         done = []
         for rid in request_ids:
-            req = self.requests.pop(rid, None)
+            req = self.requests.get(rid)
             if req is None:
                 continue
-            if req.status == RequestStatus.RUNNING:
-                self.running.remove(req)
-            else:
-                self.waiting.remove(req)
-            req.status = status
-            self._release(req)
+            self._free_request(req, status)
             done.append(req)
         return done
 
@@ -110,6 +108,8 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(blocks_to_copy=self.pending_copies)
         self.pending_copies = []
+        if self.finished_req_ids:
+            out.finished_req_ids, self.finished_req_ids = self.finished_req_ids, set()
         budget = self.max_num_batched_tokens
         kv = self.kv_cache_manager
         scheduled: dict[str, tuple[Request, int, int]] = {}  # rid -> (req, start, n)
@@ -129,7 +129,7 @@ class Scheduler:
                     # Alone and still no room: its sequence outgrew the whole KV cache.
                     # Preempting it would loop forever (re-admission needs the same room):
                     # it ends as if max_model_len were reached.
-                    self.finish(req, RequestStatus.FINISHED_LENGTH_CAPPED)
+                    self._stop_cache_exhausted(req)
                     out.finished.append(req)
                     break
                 victim = self.running.pop()  # FCFS: the latest admitted goes first
@@ -148,9 +148,13 @@ class Scheduler:
             self._schedule_waiting(scheduled, budget)
 
         for req, start, n in scheduled.values():
-            req.num_computed_tokens = start + n
+            req.num_computed_tokens = end = start + n
             out.scheduled.append(ScheduledRequest(req, start, n, kv.get_block_ids(req.request_id)))
             out.num_batched_tokens += n
+            if req.fork_pending and end >= req.num_tokens and not req.output_token_ids:
+                # Its prompt ends this step: its siblings are sampled from the same logits.
+                out.forks.extend((req, req.make_child(k)) for k in range(1, req.fork_pending + 1))
+                req.fork_pending = 0
         return out
 
     def _schedule_waiting(self, scheduled: dict[str, tuple[Request, int, int]], budget: int) -> None:
@@ -187,6 +191,14 @@ class Scheduler:
             scheduled[req.request_id] = (req, computed, n)
             budget -= n
 
+    def _stop_cache_exhausted(self, req: Request) -> None:
+        kv = self.kv_cache_manager
+        pool = kv.block_pool
+        logger.warning("request %s stopped at %d tokens: the whole KV cache (%d tokens) cannot "
+                       "hold more", req.request_id, req.num_tokens,
+                       (pool.num_gpu_blocks - 1) * kv.kv_cache_groups[0].kv_cache_spec.block_size)
+        self._free_request(req, RequestStatus.FINISHED_LENGTH_CAPPED)
+
     def _release(self, req: Request, preempted: bool = False) -> None:
         """Free the request's blocks, after the connector settled its stores."""
         if self.connector is not None:
@@ -206,18 +218,93 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(req)
 
+    def _free_request(self, req: Request, status: RequestStatus) -> None:
+        """The one way a request ends: out of its queue, forgotten, ``status`` set, blocks
+        freed, and its id handed to the workers in the next `SchedulerOutput`."""
+        if req.status == RequestStatus.RUNNING:
+            self.running.remove(req)
+        else:
+            self.waiting.remove(req)
+        del self.requests[req.request_id]
+        req.status = status
+        self._release(req)
+        self.finished_req_ids.add(req.request_id)
+
     # ---- after the forward pass -------------------------------------------------------------------
 
-    def fork(self, parent: Request, child: Request) -> bool:
-        """Start ``child`` from ``parent``'s prompt KV (n > 1). Falls back to queueing the child
-        as a new request (it will then hit the prefix cache) when the pool is short."""
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           model_runner_output: ModelRunnerOutput) -> EngineCoreOutputs:
+        """Apply one step's sampled tokens: fork the step's children, append one token per
+        row, stop and free the requests that hit EOS, a stop token id, ``max_tokens`` or
+        ``max_model_len``. Returns one `EngineCoreOutput` per request that got a token, after
+        one per request `schedule()` stopped (finish reason "length").
+
+        Rows of requests no longer known (finished meanwhile) are skipped, and so are forks of
+        a parent that finished (a failed step). Forks are consumed on the first call and the
+        ``finished`` list on success, so calling again after a failure (with an empty runner
+        output) reports what the failed call did not.
+        """
+        so = scheduler_output
+        outputs = [EngineCoreOutput(r.request_id, [], finish_reason=FINISHED_REASONS[r.status])
+                   for r in so.finished] if so.finished else []
+        forked: list[Request] = []
+        if so.forks:
+            forks, so.forks = so.forks, []
+            # Before any parent may finish (and free its blocks) below.
+            forked = [child for parent, child in forks if self._fork(parent, child)]
+        mro = model_runner_output
+        if mro.req_ids:
+            self._append_tokens(mro, outputs)
+        if so.finished:
+            so.finished = []
+        return EngineCoreOutputs(outputs, forked)
+
+    def _append_tokens(self, mro: ModelRunnerOutput, outputs: list[EngineCoreOutput]) -> None:
+        """Append each row's token to its request and apply the token-level stops."""
+        requests = self.requests
+        lps = itertools.repeat(None) if mro.logprobs is None else mro.logprobs
+        slps = itertools.repeat(None) if mro.sampled_logprobs is None else mro.sampled_logprobs
+        for rid, token, lp, slp in zip(mro.req_ids, mro.sampled_token_ids, lps, slps):
+            req = requests.get(rid)
+            if req is None:
+                continue
+            req.append_output_token_ids(token)
+            status = self._check_stop(req, token)
+            if status is None:
+                outputs.append(EngineCoreOutput(rid, [token], lp, slp))
+            else:
+                self._free_request(req, status)
+                outputs.append(EngineCoreOutput(rid, [token], lp, slp, FINISHED_REASONS[status],
+                                                req.stop_reason))
+
+    def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
+        """The token-level stop ``token`` (just appended) triggers, if any. EOS and stop token
+        ids count only from ``min_tokens`` on; a stop token id becomes ``stop_reason``."""
+        p = req.sampling_params
+        n_out = len(req.output_token_ids)
+        if n_out >= p.min_tokens:
+            if not p.ignore_eos and token == req.eos_token_id:
+                return RequestStatus.FINISHED_STOPPED
+            if token in p.stop_token_ids:
+                req.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+        if n_out >= req.max_tokens or len(req.all_token_ids) >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH_CAPPED
+        return None
+
+    def _fork(self, parent: Request, child: Request) -> bool:
+        """Start ``child`` from ``parent``'s prompt KV (n > 1); False when the parent is gone.
+        Falls back to queueing the child as a new request (it will then hit the prefix cache)
+        when the pool is short or ``max_num_seqs`` are running."""
+        if parent.request_id not in self.requests:
+            return False
         self.requests[child.request_id] = child
         copies = None
         if len(self.running) < self.max_num_seqs:
             copies = self.kv_cache_manager.fork_request(parent, child)
         if copies is None:
             self.waiting.appendleft(child)
-            return False
+            return True
         child.status = RequestStatus.RUNNING
         child.num_cached_tokens = parent.num_cached_tokens
         child.metrics.first_scheduled_time = parent.metrics.first_scheduled_time
@@ -225,9 +312,30 @@ class Scheduler:
         self.running.append(child)
         return True
 
-    def finish(self, req: Request, status: RequestStatus) -> None:
-        """A running request stopped (EOS, stop string, length): free its blocks."""
-        self.running.remove(req)
-        self.requests.pop(req.request_id, None)
-        req.status = status
-        self._release(req)
+    def fail_requests(self, scheduler_output: SchedulerOutput, parent_ids: Iterable[str]) -> list[Request]:
+        """The step of ``scheduler_output`` failed: finish (aborted) every unfinished request of
+        the user requests ``parent_ids`` and free their blocks; returns them.
+
+        Their blocks' prefix-cache hashes are dropped first: allocation registered the hashes
+        of blocks this batch was to write (or load from a tier), so their KV may be missing or
+        half written and must never be served as a cache hit. Dropping a hash only costs a
+        future hit; blocks shared with surviving requests keep their references. Pending
+        copy-on-write copies into the failed requests' blocks are dropped too (those blocks
+        go back to the pool).
+        """
+        for s in scheduler_output.scheduled:  # this batch's tokens were not computed
+            s.request.num_computed_tokens = min(s.request.num_computed_tokens, s.start)
+        by_parent: dict[str | None, list[Request]] = {}
+        for r in self.requests.values():
+            by_parent.setdefault(r.parent_id, []).append(r)
+        kv = self.kv_cache_manager
+        failed: list[Request] = []
+        for pid in parent_ids:
+            live = by_parent.pop(pid, [])
+            block_ids = {b for r in live for group in kv.get_block_ids(r.request_id) for b in group}
+            kv.evict_blocks(sorted(block_ids))
+            self.pending_copies = [(src, dst) for src, dst in self.pending_copies if dst not in block_ids]
+            for r in live:
+                self._free_request(r, RequestStatus.FINISHED_ABORTED)
+            failed.extend(live)
+        return failed

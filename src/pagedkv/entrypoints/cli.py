@@ -15,6 +15,10 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from pagedkv.entrypoints.cli_common import CLIError, read_model_config
+
+__all__ = ["CLIError", "build_parser", "main", "read_model_config"]
+
 
 def _add_plan(subparsers: Any) -> None:
     from pagedkv.entrypoints import plan
@@ -55,26 +59,6 @@ def _add_events(subparsers: Any) -> None:
 # Registration order = order in ``pagedkv --help``.
 SUBCOMMANDS: list[Callable[[Any], None]] = [_add_plan, _add_generate, _add_chat, _add_bench]
 SUBCOMMANDS += [_add_serve, _add_events]
-
-
-class CLIError(Exception):
-    """A user-facing failure: ``main`` prints it as one line on stderr, exit code 2."""
-
-
-def read_model_config(model: str | None) -> Any:
-    """The `ModelConfig` of ``model`` (a .gguf, an HF config.json or a directory holding one;
-    None: the default model) from its header only, no weights. Every way a user's file can be
-    wrong (missing, unreadable, not JSON, missing keys) becomes a CLIError naming the file."""
-    from pagedkv.models.config import load_model_config
-
-    try:
-        return load_model_config(model)
-    except KeyError as e:
-        raise CLIError(f"invalid model config {model!r}: missing key {e}") from None
-    except (TypeError, AttributeError) as e:
-        raise CLIError(f"invalid model config {model!r}: {e}") from None
-    except (OSError, ValueError, NotImplementedError) as e:
-        raise CLIError(str(e) if str(model) in str(e) else f"{model}: {e}") from None
 
 
 def _version() -> str:

@@ -25,7 +25,9 @@ The page also shows, over time (a time axis on every chart): KV usage and prefix
 rate (per polling interval and cumulative), prompt and generation throughput, TTFT and
 inter-token latency p50 / p99 (``"latency"``: the server's `ServerMetrics.latency_summary`
 over the last 30 s), running and waiting requests; the running requests (tokens and blocks
-each) and, when the engine has an ``offload_manager``, each tier's usage, hits and traffic.
+each) and, with offload tiers, each tier's usage, hits and traffic (``"tiers"``: tier name ->
+its `TierStats` fields; null without tiers). The numbers come from one `SchedulerStats`
+snapshot (`LLMEngine.make_stats`).
 ``GET /`` redirects to ``/dashboard``.
 """
 
@@ -39,7 +41,6 @@ from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
 
 from pagedkv.core.hashing import get_block_hash
-from pagedkv.engine.async_llm import engine_stats
 
 if TYPE_CHECKING:
     from pagedkv.engine.llm_engine import LLMEngine
@@ -91,7 +92,7 @@ def block_details(engine: LLMEngine) -> dict[str, Any]:
 def dashboard_state(engine: LLMEngine, extra: dict[str, Any] | None = None) -> dict[str, Any]:
     """The JSON of ``/dashboard/state``. Call on the engine thread."""
     blocks = block_states(engine)
-    stats = engine_stats(engine)
+    stats = engine.make_stats()
     kv = engine.kv_cache_manager
     sched = engine.scheduler
     running = []
@@ -106,17 +107,18 @@ def dashboard_state(engine: LLMEngine, extra: dict[str, Any] | None = None) -> d
     waiting = [dict(id=r.request_id, prompt_tokens=r.num_prompt_tokens, preempted=r.num_preemptions > 0)
                for r in list(sched.waiting)[:MAX_LISTED_REQUESTS]]
     counts = {name: blocks.count(ch) for name, ch in STATE_CHARS.items() if name != "null"}
+    pc = stats.prefix_cache_stats
+    tiers = stats.kv_connector_stats.tier_dicts() if stats.kv_connector_stats is not None else {}
     state = dict(
         time=time.time(),
         num_blocks=len(blocks), block_size=engine.block_size, blocks=blocks, counts=counts,
-        usage=stats["kv_cache_usage"],
-        prefix_cache=dict(queries=stats["prefix_cache_queries"], hits=stats["prefix_cache_hits"],
-                          hit_rate=stats["prefix_cache_hit_rate"]),
-        num_running=stats["num_running"], num_waiting=stats["num_waiting"],
-        num_preemptions=stats["num_preemptions"], prompt_tokens=stats["prompt_tokens"],
-        generation_tokens=stats["generation_tokens"],
+        usage=stats.kv_cache_usage,
+        prefix_cache=dict(queries=pc.queries, hits=pc.hits, hit_rate=pc.hit_rate),
+        num_running=stats.num_running_reqs, num_waiting=stats.num_waiting_reqs,
+        num_preemptions=stats.num_preemptions, prompt_tokens=stats.prompt_tokens,
+        generation_tokens=stats.generation_tokens,
         running=running, waiting=waiting,
-        tiers=stats.get("tiers"),
+        tiers=tiers or None,
         **block_details(engine),
     )
     if extra:

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from pagedkv.entrypoints.cli import CLIError, read_model_config
+from pagedkv.entrypoints.cli_common import CLIError, read_model_config
 
 USER_ERRORS = (ValueError, FileNotFoundError, NotImplementedError)
 
@@ -45,7 +45,7 @@ examples:
 def add_engine_args(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     """Model and KV-cache flags (`EngineConfig` fields) shared by generate, chat and serve;
     returns the group so a command can add its own engine flags to it."""
-    from pagedkv.entrypoints.plan import parse_size
+    from pagedkv.entrypoints.plan import size_arg
 
     g = p.add_argument_group("engine")
     g.add_argument("--model", help="a .gguf file or HF model directory (default: SmolLM2-135M-Instruct)")
@@ -56,7 +56,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
                    help="context length cap (default: the model's context length)")
     g.add_argument("--num-kv-blocks", type=int, default=None,
                    help="exact KV pool size in blocks, the null block included (default: from memory)")
-    g.add_argument("--kv-cache-memory", type=parse_size, default=None,
+    g.add_argument("--kv-cache-memory", type=size_arg, default=None,
                    help="KV pool size, e.g. 512MiB (default 1GiB on CPU)")
     g.add_argument("--no-prefix-caching", "--no-enable-prefix-caching", dest="no_prefix_caching",
                    action="store_true", help="disable prefix caching")

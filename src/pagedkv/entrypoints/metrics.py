@@ -16,13 +16,13 @@ process, e.g. in tests). Two sources feed it:
   ``request_success`` by finish reason; per step with outputs, ``iteration_tokens_total``
   (vLLM's definition: the prompt tokens of the requests whose prefill ended in the step plus
   the tokens generated in it);
-* a collector reads the engine's latest stats snapshot (`AsyncLLM.last_stats`, taken after
-  every step) at scrape time: KV cache usage and block counts, prefix-cache queries and hits
-  (tokens), preemptions, running / waiting requests, prompt and generation tokens, aborted and
-  rejected requests, ``cache_config_info`` (a gauge set to 1 whose labels are the KV cache
-  configuration) and, when the engine has an ``offload_manager``, per-tier usage, capacity,
-  hits, misses, bytes read / written and health. A tier without a size limit (a Redis server
-  without ``maxmemory``) reports ``offload_capacity_bytes`` +Inf.
+* a collector reads the engine's latest `SchedulerStats` snapshot (`AsyncLLM.last_stats`,
+  taken after every step) at scrape time: KV cache usage and block counts, prefix-cache queries
+  and hits (tokens), preemptions, running / waiting requests, prompt and generation tokens,
+  aborted and rejected requests, ``cache_config_info`` (a gauge set to 1 whose labels are the
+  KV cache configuration) and, with offload tiers, per-tier usage, capacity, hits, misses,
+  bytes read / written and health (each tier's `TierStats`). A tier without a size limit (a
+  Redis server without ``maxmemory``) reports ``offload_capacity_bytes`` +Inf.
 
 Counters are exposed with the ``_total`` suffix, as prometheus_client (and vLLM) do:
 ``pagedkv:prefix_cache_queries_total``. No ``_created`` series are exported
@@ -51,6 +51,7 @@ if TYPE_CHECKING:
     from pagedkv.engine.async_llm import AsyncLLM
     from pagedkv.engine.llm_engine import LLMEngine
     from pagedkv.engine.outputs import RequestOutput
+    from pagedkv.engine.stats import TierStats
 
 DEFAULT_METRICS_PREFIX = "pagedkv"
 METRICS_PREFIXES = ("pagedkv", "vllm")
@@ -335,40 +336,44 @@ class _EngineCollector(Collector):
             c.add_metric(values, float(value))
             return c
 
-        usable = s["num_blocks"] - 1
-        free = s["num_free_blocks"]
-        yield gauge("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", s["kv_cache_usage"])
-        yield gauge("kv_cache_total_blocks", "Usable KV cache blocks (the null block excluded).", usable)
-        yield gauge("kv_cache_free_blocks", "Free KV cache blocks (including cached, evictable ones).", free)
-        yield gauge("kv_cache_used_blocks", "KV cache blocks held by requests.", usable - free)
-        yield gauge("num_requests_running", "Number of requests in model execution batches.", s["num_running"])
-        yield gauge("num_requests_waiting", "Number of requests waiting to be processed.", s["num_waiting"])
+        pc = s.prefix_cache_stats
+        yield gauge("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", s.kv_cache_usage)
+        yield gauge("kv_cache_total_blocks", "Usable KV cache blocks (the null block excluded).",
+                    s.num_usable_blocks)
+        yield gauge("kv_cache_free_blocks", "Free KV cache blocks (including cached, evictable ones).",
+                    s.num_free_blocks)
+        yield gauge("kv_cache_used_blocks", "KV cache blocks held by requests.", s.num_used_blocks)
+        yield gauge("num_requests_running", "Number of requests in model execution batches.", s.num_running_reqs)
+        yield gauge("num_requests_waiting", "Number of requests waiting to be processed.", s.num_waiting_reqs)
         yield gauge("engine_healthy", "1 while the engine loop is running, else 0.", 1.0 if llm.is_healthy else 0.0)
         yield counter("prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
-                      s["prefix_cache_queries"])
-        yield counter("prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
-                      s["prefix_cache_hits"])
-        if "external_cache_hits" in s:
-            yield counter("external_prefix_cache_hits",
-                          "External prefix cache hits (offload tiers), in terms of number of loaded tokens.",
-                          s["external_cache_hits"])
-        yield counter("num_preemptions", "Cumulative number of preemptions from the engine.", s["num_preemptions"])
-        yield counter("prompt_tokens", "Number of prefill tokens processed.", s["prompt_tokens"])
-        yield counter("generation_tokens", "Number of generation tokens processed.", s["generation_tokens"])
+                      pc.queries)
+        yield counter("prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", pc.hits)
+        yield counter("external_prefix_cache_hits",
+                      "External prefix cache hits (offload tiers), in terms of number of loaded tokens.",
+                      pc.external_hits)
+        yield counter("num_preemptions", "Cumulative number of preemptions from the engine.", s.num_preemptions)
+        yield counter("prompt_tokens", "Number of prefill tokens processed.", s.prompt_tokens)
+        yield counter("generation_tokens", "Number of generation tokens processed.", s.generation_tokens)
         yield counter("request_aborted", "Requests aborted (client disconnects, cancellations).", llm.num_aborted)
         yield counter("request_rejected", "Requests refused because the waiting queue was full.", llm.num_rejected)
         yield self._cache_config_info()
-        tiers = s.get("tiers")
-        if tiers:
-            for field, suffix, kind, doc in TIER_FIELDS:
-                cls = GaugeMetricFamily if kind == "gauge" else CounterMetricFamily
-                fam = cls(prefix + suffix, doc, labels=labels + ["tier", "medium"])
-                for tier, st in tiers.items():
-                    value = float(st.get(field) or 0)
-                    if field == "capacity_bytes" and st.get("capacity_unbounded"):
-                        value = math.inf
-                    fam.add_metric(values + [tier, str(st.get("medium", ""))], value)
-                yield fam
+        if s.tier_stats:
+            yield from self._tier_metrics(s.tier_stats)
+
+    def _tier_metrics(self, tiers: list[TierStats]) -> Iterable[Metric]:
+        """One family per `TIER_FIELDS` entry, one sample per tier (labels ``tier``, ``medium``)."""
+        m = self.metrics
+        labels, values = m.label_names, m.label_values
+        for field, suffix, kind, doc in TIER_FIELDS:
+            cls = GaugeMetricFamily if kind == "gauge" else CounterMetricFamily
+            fam = cls(m.prefix + suffix, doc, labels=labels + ["tier", "medium"])
+            for st in tiers:
+                value = float(getattr(st, field))
+                if field == "capacity_bytes" and st.capacity_unbounded:
+                    value = math.inf  # a tier without a size limit, not a full one
+                fam.add_metric(values + [st.name, st.medium], value)
+            yield fam
 
     def _cache_config_info(self) -> GaugeMetricFamily:
         """vLLM's ``cache_config_info``: one sample, value 1, the configuration in its labels."""

@@ -11,21 +11,16 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import re
 import sys
 from typing import Any
 
 from pagedkv.core import planning
 from pagedkv.core.specs import KVQuantMode, resolve_kv_cache_dtype
+from pagedkv.core.units import parse_size
 from pagedkv.engine.config import DEFAULT_CPU_KV_CACHE_MEMORY, EngineConfig, resolve_dtype_name
-from pagedkv.entrypoints.cli import CLIError, read_model_config
+from pagedkv.entrypoints.cli_common import CLIError, read_model_config
 
 ENGINE_DEFAULTS = EngineConfig()  # cheap: validation only, no torch
-
-_UNITS = {
-    "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-    "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
-}
 
 # Bytes per weight element as loaded. GGUF block formats include their per-block scales
 # (q4_0: 18 B / 32 weights, q4_1: 20 B / 32, q8_0: 34 B / 32).
@@ -74,14 +69,13 @@ class PlanError(CLIError):
     """A user-facing planning failure: printed on stderr, exit code 2."""
 
 
-def parse_size(text: str) -> int:
-    """"8GiB" → 8589934592. Units B/KB/MB/GB/TB (powers of 10), KiB/MiB/GiB/TiB (of 2)."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
-    unit = m.group(2).lower() if m else ""
-    if m is None or (unit and unit not in _UNITS):
-        raise argparse.ArgumentTypeError(
-            f"invalid size {text!r}: use a number with B, KB, MB, GB, TB, KiB, MiB, GiB or TiB")
-    return int(float(m.group(1)) * _UNITS[unit or "b"])
+def size_arg(text: str) -> int:
+    """`parse_size` as an argparse ``type``: a bad size is a usage error (exit 2) whose
+    message says what a size looks like."""
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def fmt_bytes(n: float) -> str:
@@ -108,13 +102,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         src.add_argument(flag, type=int, help=what)
     mem = p.add_argument_group("memory (default: the engine's KV memory, "
                                f"{fmt_bytes(DEFAULT_CPU_KV_CACHE_MEMORY)} on CPU)").add_mutually_exclusive_group()
-    mem.add_argument("--memory", "--kv-cache-memory", dest="memory", type=parse_size,
+    mem.add_argument("--memory", "--kv-cache-memory", dest="memory", type=size_arg,
                      help="KV cache budget, e.g. 8GiB")
-    mem.add_argument("--device-memory", type=parse_size,
+    mem.add_argument("--device-memory", type=size_arg,
                      help="device size; weights, runtime and headroom are subtracted")
     p.add_argument("--weight-dtype", default=None,
                    help=f"weight storage: {', '.join(WEIGHT_DTYPE_BYTES)} or bytes/param (default: --dtype)")
-    p.add_argument("--runtime-memory", type=parse_size, default=None,
+    p.add_argument("--runtime-memory", type=size_arg, default=None,
                    help="runtime memory (activations, workspaces) instead of the built-in estimate")
     p.add_argument("--headroom", type=float, default=0.1, help="headroom fraction of device memory (default 0.1)")
     p.add_argument("--block-size", type=int, default=d.block_size, help=f"tokens per block (default {d.block_size})")

@@ -47,6 +47,7 @@ examples:
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     from pagedkv.entrypoints.generate import add_engine_args
+    from pagedkv.entrypoints.plan import size_arg
 
     p = subparsers.add_parser("serve", help="run the OpenAI-compatible server",
                               description=DESCRIPTION, epilog=EXAMPLES,
@@ -71,7 +72,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="require 'Authorization: Bearer KEY' on /v1/* and /reset_prefix_cache "
                         "(default: the PAGEDKV_API_KEY environment variable; /health, /metrics "
                         "and the read-only dashboard stay open)")
-    s.add_argument("--max-request-bytes", metavar="SIZE", type=_parse_size, default=8 * 2**20,
+    s.add_argument("--max-request-bytes", metavar="SIZE", type=size_arg, default=8 * 2**20,
                    help="largest request body accepted, e.g. 8MiB; larger ones get 413 (default 8MiB)")
     g = add_engine_args(p)
     g.add_argument("--max-num-seqs", type=int, default=128, help="max running sequences (default 128)")
@@ -90,12 +91,6 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     e.add_argument("--kv-events-topic", default="", help="topic frame of every message (default empty)")
     p.set_defaults(func=run)
     return p
-
-
-def _parse_size(text: str) -> int:
-    from pagedkv.entrypoints.plan import parse_size
-
-    return parse_size(text)
 
 
 def engine_config(args: argparse.Namespace) -> Any:

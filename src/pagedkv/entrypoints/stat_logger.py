@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from pagedkv.engine.async_llm import AsyncLLM
     from pagedkv.engine.llm_engine import LLMEngine
     from pagedkv.engine.outputs import RequestOutput
+    from pagedkv.engine.stats import SchedulerStats
 
 logger = logging.getLogger(__name__)
 
@@ -76,8 +77,10 @@ class LoggingStatLogger:
 
     # ---- the line --------------------------------------------------------------------------------
 
-    def _snapshot(self) -> dict[str, Any]:
-        return dict(getattr(self.async_llm, "last_stats", None) or {})
+    def _snapshot(self) -> SchedulerStats:
+        """The engine's latest snapshot; `AsyncLLM` replaces it, never mutates it, so keeping a
+        reference keeps the numbers this interval started from."""
+        return self.async_llm.last_stats
 
     def log(self, now: float | None = None) -> str:
         """Close the current interval: build its line, log it (INFO when busy, else DEBUG)
@@ -88,15 +91,15 @@ class LoggingStatLogger:
             prompt_tokens, self._prompt_tokens = self._prompt_tokens, 0
             elapsed = max(now - self._last_time, 1e-9)
             prev, self._last_snapshot, self._last_time = self._last_snapshot, snap, now
-        gen_tokens = max(snap.get("generation_tokens", 0) - prev.get("generation_tokens", 0), 0)
-        queries = snap.get("prefix_cache_queries", 0) - prev.get("prefix_cache_queries", 0)
-        hits = snap.get("prefix_cache_hits", 0) - prev.get("prefix_cache_hits", 0)
-        hit_rate = hits / queries if queries > 0 else snap.get("prefix_cache_hit_rate", 0.0)
-        running, waiting = snap.get("num_running", 0), snap.get("num_waiting", 0)
+        gen_tokens = max(snap.generation_tokens - prev.generation_tokens, 0)
+        pc, prev_pc = snap.prefix_cache_stats, prev.prefix_cache_stats
+        queries, hits = pc.queries - prev_pc.queries, pc.hits - prev_pc.hits
+        hit_rate = hits / queries if queries > 0 else pc.hit_rate
+        running, waiting = snap.num_running_reqs, snap.num_waiting_reqs
         line = (f"Avg prompt throughput: {prompt_tokens / elapsed:.1f} tokens/s, "
                 f"Avg generation throughput: {gen_tokens / elapsed:.1f} tokens/s, "
                 f"Running: {running} reqs, Waiting: {waiting} reqs, "
-                f"KV cache usage: {100 * snap.get('kv_cache_usage', 0.0):.1f}%, "
+                f"KV cache usage: {100 * snap.kv_cache_usage:.1f}%, "
                 f"Prefix cache hit rate: {100 * hit_rate:.1f}%")
         busy = bool(prompt_tokens or gen_tokens or running or waiting)
         # As vLLM: the first idle interval after a busy one still shows (its throughput is 0).

@@ -45,7 +45,7 @@ from pagedkv.offload.base import (
 )
 from pagedkv.offload.fingerprint import OffloadFingerprint
 from pagedkv.offload.spec import parse_offload_spec
-from pagedkv.offload.tiering import build_offloading
+from pagedkv.offload.factory import build_offloading
 from pagedkv.offload.worker import OffloadingWorker
 
 logger = logging.getLogger(__name__)

@@ -16,6 +16,9 @@ Store protocol: ``prepare_store(keys)`` → the worker copies device blocks into
 ``store_spec`` → ``complete_store(keys, success)``. Entries are not readable in between
 (``HIT_PENDING``). Load protocol: ``lookup(key) is HIT`` → ``prepare_load(keys)`` pins them →
 the worker copies → ``complete_load(keys)`` unpins. A pinned entry is never evicted.
+
+Tiers below the CPU tier (disk, Redis) implement `SecondaryTier`; `tiering.py` chains them
+behind the CPU tier and `factory.py` builds the chain from an `OffloadConfig`.
 """
 
 from __future__ import annotations
@@ -26,12 +29,17 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
-from typing import ClassVar
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, ClassVar
 
 from pagedkv.core.events import MEDIUM_CPU, MEDIUM_GPU, BlockRemoved, BlockStored
 
+if TYPE_CHECKING:
+    from pagedkv.offload.dual_queue_pool import DualQueueThreadPool
+
 OffloadKey = bytes
+# ``(key, buffer)`` pairs a tier writes from or reads into (a chunk slot of the host buffer).
+ChunkItems = Sequence[tuple[OffloadKey, memoryview]]
 _GROUP_BYTES = 4
 
 
@@ -243,14 +251,69 @@ class RateLimitedWarning:
         self._logger.warning(msg + suffix, *args)
 
 
+class SecondaryTier(ABC):
+    """A tier below the CPU tier (disk, Redis). Its batch methods block (they run on
+    ``self.pool``'s threads), are thread-safe, and never raise: a failure is a False entry
+    plus counters. A tier that is down reports ``healthy == False`` and answers without I/O."""
+
+    name: str
+    medium: str
+    pool: DualQueueThreadPool
+    max_batch: int = 16  # chunks per load/store job (existence checks take 4x as many)
+
+    def __init__(self, name: str, medium: str, capacity_bytes: int = 0) -> None:
+        self.name = name
+        self.medium = medium
+        self._lock = threading.Lock()  # guards stats and events (and subclass state)
+        self.stats = TierStats(name=name, medium=medium, capacity_bytes=capacity_bytes)
+        self._events: list[OffloadingEvent] = []
+
+    @property
+    def healthy(self) -> bool:
+        return True
+
+    @abstractmethod
+    def exists_batch(self, keys: Sequence[OffloadKey]) -> list[bool]: ...
+
+    @abstractmethod
+    def store_batch(self, items: ChunkItems) -> list[bool]:
+        """Write each ``(key, payload)``; True once it is durable and readable."""
+
+    @abstractmethod
+    def load_batch(self, items: ChunkItems) -> list[bool]:
+        """Fill each ``(key, out)`` with the verified payload; False: ``out`` is garbage."""
+
+    def count_dropped(self, n: int) -> None:
+        """Stores refused before reaching the tier (backpressure, tier down)."""
+        with self._lock:
+            self.stats.store_failures += n
+
+    def _emit(self, keys: Sequence[OffloadKey], removed: bool) -> None:
+        if keys:
+            with self._lock:
+                self._events.append(OffloadingEvent(tuple(keys), self.medium, removed))
+
+    def take_events(self) -> list[OffloadingEvent]:
+        with self._lock:
+            events, self._events = self._events, []
+        return events
+
+    def get_stats(self) -> TierStats:
+        with self._lock:
+            return replace(self.stats, healthy=self.healthy)
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        self.pool.shutdown(wait=True, timeout=timeout)
+
+
 def unique(keys: Iterable[OffloadKey]) -> list[OffloadKey]:
     """``keys`` without duplicates, first occurrence order."""
     return list(dict.fromkeys(keys))
 
 
 __all__ = [
-    "CPULoadStoreSpec", "GPULoadStoreSpec", "LoadStoreSpec", "LookupResult", "OffloadKey",
-    "OffloadingEvent", "OffloadingManager", "PrepareStoreOutput", "RateLimitedWarning",
-    "TierStats", "get_offload_block_hash", "get_offload_group_idx", "make_offload_key",
-    "unique",
+    "CPULoadStoreSpec", "ChunkItems", "GPULoadStoreSpec", "LoadStoreSpec", "LookupResult",
+    "OffloadKey", "OffloadingEvent", "OffloadingManager", "PrepareStoreOutput",
+    "RateLimitedWarning", "SecondaryTier", "TierStats", "get_offload_block_hash",
+    "get_offload_group_idx", "make_offload_key", "unique",
 ]

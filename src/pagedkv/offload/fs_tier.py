@@ -41,10 +41,16 @@ from pathlib import Path
 from typing import Any
 
 from pagedkv.core.events import MEDIUM_STORAGE
-from pagedkv.offload.base import OffloadingEvent, OffloadKey, RateLimitedWarning, TierStats
+from pagedkv.offload.base import (
+    ChunkItems,
+    OffloadingEvent,
+    OffloadKey,
+    RateLimitedWarning,
+    SecondaryTier,
+    TierStats,
+)
 from pagedkv.offload.dual_queue_pool import DualQueueThreadPool
 from pagedkv.offload.fingerprint import HEADER_SIZE, OffloadFingerprint, RecordError, RecordHeader
-from pagedkv.offload.tiering import ChunkItems, SecondaryTier
 
 logger = logging.getLogger(__name__)
 _warn = RateLimitedWarning(logger)

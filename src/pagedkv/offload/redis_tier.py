@@ -41,10 +41,9 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from pagedkv.core.events import MEDIUM_REMOTE
-from pagedkv.offload.base import OffloadKey, RateLimitedWarning, TierStats
+from pagedkv.offload.base import ChunkItems, OffloadKey, RateLimitedWarning, SecondaryTier, TierStats
 from pagedkv.offload.dual_queue_pool import DualQueueThreadPool
 from pagedkv.offload.fingerprint import HEADER_SIZE, OffloadFingerprint, RecordError, RecordHeader
-from pagedkv.offload.tiering import ChunkItems, SecondaryTier
 
 logger = logging.getLogger(__name__)
 _warn = RateLimitedWarning(logger)

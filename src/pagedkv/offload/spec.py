@@ -15,28 +15,13 @@ of 1000) or ``KiB``/``MiB``/``GiB``/``TiB`` (powers of 1024), case-insensitive. 
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from urllib.parse import parse_qs, urlsplit
 
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+from pagedkv.core.units import format_size, parse_size
 
-
-def parse_size(text: str) -> int:
-    """``"4GiB"`` → 4294967296; ValueError on anything else."""
-    m = _SIZE.match(text)
-    if not m or m.group(2).lower() not in _UNITS:
-        raise ValueError(f"bad size {text!r}: expected e.g. 512MiB, 4GiB, 20GB or a byte count")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-
-
-def format_size(n: int) -> str:
-    for unit in ("TiB", "GiB", "MiB", "KiB"):
-        if n >= _UNITS[unit.lower()] and n % _UNITS[unit.lower()] == 0:
-            return f"{n // _UNITS[unit.lower()]}{unit}"
-    return str(n)
+__all__ = ["CPUTierConfig", "DiskTierConfig", "OffloadConfig", "RedisTierConfig", "format_size",
+           "parse_offload_spec", "parse_size"]
 
 
 @dataclass(frozen=True, slots=True)

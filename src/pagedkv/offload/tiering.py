@@ -17,6 +17,8 @@
   is *watched*; when its checks come back, the hits it completes are promoted at once. A
   request that then waits for a batch slot (not asking) finds its prefix in CPU however long
   it waited; an answer that went stale before anyone acted on it is asked again.
+* Tiers implement `base.SecondaryTier`; `factory.build_offloading` builds this manager from
+  the ``--kv-offload`` spec.
 * All bookkeeping happens on the caller's (scheduler's) thread: I/O threads only post
   completions to a queue that every public method drains first. So no lock guards manager
   state, and nothing the scheduler calls waits for I/O.
@@ -35,16 +37,15 @@ from __future__ import annotations
 
 import logging
 import queue
-import threading
 import time
-from abc import ABC, abstractmethod
 from collections import OrderedDict, deque
 from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, Protocol
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 from pagedkv.offload.base import (
+    ChunkItems,
     LoadStoreSpec,
     LookupResult,
     OffloadingEvent,
@@ -52,22 +53,15 @@ from pagedkv.offload.base import (
     OffloadKey,
     PrepareStoreOutput,
     RateLimitedWarning,
+    SecondaryTier,
     TierStats,
 )
 from pagedkv.offload.cpu_manager import CPUOffloadingManager
-from pagedkv.offload.dual_queue_pool import DualQueueThreadPool
 
-if TYPE_CHECKING:
-    import torch
-
-    from pagedkv.offload.fingerprint import OffloadFingerprint
-    from pagedkv.offload.spec import OffloadConfig
-    from pagedkv.offload.worker import OffloadingWorker
+__all__ = ["AsyncLookupManager", "ChunkBuffer", "ChunkItems", "SecondaryTier", "TieringOffloadingManager"]
 
 logger = logging.getLogger(__name__)
 _warn = RateLimitedWarning(logger)
-
-ChunkItems = Sequence[tuple[OffloadKey, memoryview]]
 
 
 class ChunkBuffer(Protocol):
@@ -76,61 +70,6 @@ class ChunkBuffer(Protocol):
     chunk_bytes: int
 
     def chunk_view(self, chunk_id: int) -> memoryview: ...
-
-
-class SecondaryTier(ABC):
-    """A tier below the CPU tier. Its batch methods block (they run on ``self.pool``'s
-    threads), are thread-safe, and never raise: a failure is a False entry plus counters.
-    A tier that is down reports ``healthy == False`` and answers without doing I/O."""
-
-    name: str
-    medium: str
-    pool: DualQueueThreadPool
-    max_batch: int = 16  # chunks per load/store job (existence checks take 4x as many)
-
-    def __init__(self, name: str, medium: str, capacity_bytes: int = 0) -> None:
-        self.name = name
-        self.medium = medium
-        self._lock = threading.Lock()  # guards stats and events (and subclass state)
-        self.stats = TierStats(name=name, medium=medium, capacity_bytes=capacity_bytes)
-        self._events: list[OffloadingEvent] = []
-
-    @property
-    def healthy(self) -> bool:
-        return True
-
-    @abstractmethod
-    def exists_batch(self, keys: Sequence[OffloadKey]) -> list[bool]: ...
-
-    @abstractmethod
-    def store_batch(self, items: ChunkItems) -> list[bool]:
-        """Write each ``(key, payload)``; True once it is durable and readable."""
-
-    @abstractmethod
-    def load_batch(self, items: ChunkItems) -> list[bool]:
-        """Fill each ``(key, out)`` with the verified payload; False: ``out`` is garbage."""
-
-    def count_dropped(self, n: int) -> None:
-        """Stores refused before reaching the tier (backpressure, tier down)."""
-        with self._lock:
-            self.stats.store_failures += n
-
-    def _emit(self, keys: Sequence[OffloadKey], removed: bool) -> None:
-        if keys:
-            with self._lock:
-                self._events.append(OffloadingEvent(tuple(keys), self.medium, removed))
-
-    def take_events(self) -> list[OffloadingEvent]:
-        with self._lock:
-            events, self._events = self._events, []
-        return events
-
-    def get_stats(self) -> TierStats:
-        with self._lock:
-            return replace(self.stats, healthy=self.healthy)
-
-    def shutdown(self, timeout: float = 5.0) -> None:
-        self.pool.shutdown(wait=True, timeout=timeout)
 
 
 def _batches(items: Sequence[Any], size: int) -> list[Sequence[Any]]:
@@ -480,10 +419,6 @@ class TieringOffloadingManager(OffloadingManager):
         self._poll()
         return self.primary.reset_cache()
 
-    @property
-    def num_jobs_in_flight(self) -> int:
-        return self._jobs_in_flight
-
     def drain(self, timeout_s: float = 10.0) -> bool:
         """Wait (polling) until no cascade, promotion or existence check is in flight. For
         tests and shutdown only: the engine never calls a blocking method."""
@@ -501,34 +436,3 @@ class TieringOffloadingManager(OffloadingManager):
         self.drain(timeout_s)
         for tier in self.tiers:
             tier.shutdown(timeout_s)
-
-
-def build_offloading(config: OffloadConfig, fingerprint: OffloadFingerprint, kv_buffer: torch.Tensor,
-                     layout: Any, *, cache_policy: str = "lru", store_threshold: int = 0,
-                     enable_events: bool = True) -> tuple[OffloadingManager, OffloadingWorker]:
-    """The manager (scheduler side) and worker (device side) for a parsed ``--kv-offload``
-    spec. CPU only → a `CPUOffloadingManager`; with disk/Redis → a `TieringOffloadingManager`."""
-    # Imported here: fs_tier/redis_tier import this module, and redis-py is needed only when
-    # a Redis tier is configured.
-    from pagedkv.offload.worker import HostChunkBuffer, OffloadingWorker
-
-    host = HostChunkBuffer.for_kv_cache(kv_buffer, layout, config.cpu.capacity_bytes,
-                                        fingerprint.blocks_per_chunk)
-    primary = CPUOffloadingManager(host.num_chunks, cache_policy, chunk_bytes=host.chunk_bytes,
-                                   enable_events=enable_events, store_threshold=store_threshold)
-    worker = OffloadingWorker(kv_buffer, layout, host)
-    tiers: list[SecondaryTier] = []
-    if config.disk is not None:
-        from pagedkv.offload.fs_tier import FileSystemTier
-
-        tiers.append(FileSystemTier(config.disk.path, fingerprint, config.disk.capacity_bytes,
-                                    host.chunk_bytes))
-    if config.redis is not None:
-        from pagedkv.offload.redis_tier import RedisTier
-
-        r = config.redis
-        tiers.append(RedisTier(r.host, r.port, fingerprint, host.chunk_bytes, db=r.db,
-                               ttl_s=r.ttl_s, password=r.password))
-    if not tiers:
-        return primary, worker
-    return TieringOffloadingManager(primary, host, tiers), worker

@@ -1,0 +1,125 @@
+"""ASGI middleware of the server: access log, API key, request body size.
+
+Plain ASGI (not ``BaseHTTPMiddleware``): they see every byte of the body as it arrives and
+never buffer a streamed response. Refusals are OpenAI's error JSON (`errors.APIError`).
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import time
+from typing import Any
+
+from pagedkv.entrypoints.errors import APIError
+
+access_logger = logging.getLogger("pagedkv.access")
+
+ASGIApp = Any  # (scope, receive, send) -> Awaitable[None]
+
+# Routes that stay open when an API key is set (as in vLLM: health, metrics; the read-only
+# dashboard and API docs too). Everything else (/v1/*, /reset_prefix_cache, unknown paths)
+# needs ``Authorization: Bearer KEY``.
+OPEN_PATHS = frozenset({"/", "/health", "/metrics", "/dashboard", "/dashboard/state",
+                        "/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"})
+
+
+class AccessLogMiddleware:
+    """One ``pagedkv.access`` line at INFO per HTTP request: client, method, path, status and
+    the time until the response (a stream: its end) was sent."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        t0 = time.perf_counter()
+        status = 0  # stays 0 when the client left before any response
+
+        async def send_(message: dict[str, Any]) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_)
+        finally:
+            client = scope.get("client")
+            access_logger.info('%s - "%s %s" %d %.1f ms', f"{client[0]}:{client[1]}" if client else "-",
+                               scope["method"], scope["path"], status, (time.perf_counter() - t0) * 1e3)
+
+
+class APIKeyMiddleware:
+    """Every path outside `OPEN_PATHS` answers 401 (OpenAI's error JSON) unless the request
+    carries ``Authorization: Bearer <api_key>``; the key is compared in constant time."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.key = api_key.encode()
+
+    def authorized(self, scope: dict[str, Any]) -> bool:
+        value = b""
+        for name, v in scope["headers"]:
+            if name.lower() == b"authorization":
+                value = v
+        scheme, _, token = value.strip().partition(b" ")
+        # compare_digest: no early exit on the first differing byte (no timing oracle).
+        return hmac.compare_digest(token.strip(), self.key) and scheme.lower() == b"bearer"
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS and not self.authorized(scope):
+            err = APIError(401, "invalid or missing API key: send the header 'Authorization: Bearer <key>'",
+                           "invalid_request_error", None, "invalid_api_key",
+                           headers={"WWW-Authenticate": "Bearer"})
+            await err.response()(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+
+class MaxBodySizeMiddleware:
+    """413 (OpenAI's error JSON) for a request body over ``max_bytes``: at once when its
+    ``Content-Length`` says so; a chunked body (no length) is read up to the limit first and
+    refused as soon as it passes it, so that no body bigger than the limit is ever held."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    def too_large(self) -> APIError:
+        return APIError(413, f"the request body is larger than this server's limit of {self.max_bytes} "
+                        "bytes (pagedkv serve --max-request-bytes)", "invalid_request_error", None,
+                        "request_too_large", headers={"Connection": "close"})
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = next((v for k, v in scope["headers"] if k.lower() == b"content-length"), None)
+        if length is not None:
+            # The server (h11/httptools) already holds the body to its declared length.
+            if length.strip().isdigit() and int(length) > self.max_bytes:
+                await self.too_large().response()(scope, receive, send)
+                return
+            await self.app(scope, receive, send)
+            return
+        buffered: list[dict[str, Any]] = []
+        size = 0
+        while True:
+            message = await receive()
+            buffered.append(message)
+            if message["type"] != "http.request":
+                break
+            size += len(message.get("body", b""))
+            if size > self.max_bytes:
+                await self.too_large().response()(scope, receive, send)
+                return
+            if not message.get("more_body", False):
+                break
+
+        async def replay() -> dict[str, Any]:
+            return buffered.pop(0) if buffered else await receive()
+
+        await self.app(scope, replay, send)

@@ -1,0 +1,125 @@
+"""``POST /v1/chat/completions``: messages, rendered with the model's chat template, to choices.
+
+The template is rendered and tokenized on a worker thread (a huge conversation never stalls the
+event loop). A stream opens with one chunk giving every choice its role, as OpenAI's does;
+``logprobs: true`` with ``top_logprobs: k`` gives the sampled token's logprob and the top ``k``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from dataclasses import dataclass
+
+from fastapi import Request
+from fastapi.responses import Response
+
+from pagedkv.engine.outputs import CompletionOutput
+from pagedkv.entrypoints import protocol as P
+from pagedkv.entrypoints.errors import bad_request
+from pagedkv.entrypoints.serving_engine import (
+    ChoiceRenderer,
+    ServerState,
+    add_all,
+    generate_response,
+    server_state,
+)
+from pagedkv.entrypoints.validation import check_context_length, parse_body
+
+
+async def create_chat_completion(request: Request) -> Response:
+    state = server_state(request)
+    req = await parse_body(request, P.ChatCompletionRequest)
+    state.check_model(req.model)
+    try:
+        params = req.to_sampling_params()
+        conversation = req.conversation()
+    except P.RequestError as e:
+        raise bad_request(e.message, e.param) from None
+    text, token_ids = await _render(state, conversation, req.add_generation_prompt)
+    check_context_length(state.async_llm.engine.max_model_len, [len(token_ids)],
+                         req.requested_max_tokens(), "messages")
+    renderer = ChatRenderer(state, request_id=f"chatcmpl-{uuid.uuid4().hex}",
+                            model=req.model or state.served_model_name, created=int(time.time()),
+                            n=params.n, top_k=params.logprobs)
+    streams = await add_all(state, renderer.request_id, [{"prompt_token_ids": token_ids, "prompt": text}],
+                            params, "messages", req.cache_salt)
+    return await generate_response(request, renderer, streams, params, req.stream, req.stream_options)
+
+
+async def _render(state: ServerState, conversation: list[dict[str, str]],
+                  add_generation_prompt: bool) -> tuple[str, list[int]]:
+    """The prompt text and its token ids (off the event loop); a 400 naming ``messages`` when
+    there is no tokenizer or the template fails."""
+    tok = state.async_llm.tokenizer
+    if tok is None:
+        raise bad_request("this model has no tokenizer, so no chat template", "messages")
+
+    def render() -> tuple[str, list[int]]:
+        text = tok.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt)
+        return text, tok.encode(text, add_special_tokens=False)
+
+    try:
+        return await asyncio.to_thread(render)
+    except Exception as e:
+        raise bad_request(f"cannot apply the chat template: {e}", "messages") from None
+
+
+@dataclass
+class ChatRenderer(ChoiceRenderer):
+    """Chat completions' choices and responses (see `ChoiceRenderer`)."""
+
+    state: ServerState
+    request_id: str
+    model: str
+    created: int
+    n: int
+    top_k: int | None  # top_logprobs when logprobs is true; None: no logprobs
+    prompt_param: str = "messages"
+
+    def stream_prelude(self) -> list[P.ChatCompletionStreamResponse]:
+        # The role first, for every choice (OpenAI sends it before any content).
+        return [self.stream_chunk([P.ChatCompletionStreamChoice(
+            index=i, delta=P.DeltaMessage(role="assistant", content="")) for i in range(self.n)])]
+
+    def stream_choice(self, pi: int, c: CompletionOutput, text: str, t0: int, t1: int,
+                      text_offset: int, finished: bool) -> P.ChatCompletionStreamChoice:
+        return P.ChatCompletionStreamChoice(
+            index=c.index, delta=P.DeltaMessage(content=text) if text else P.DeltaMessage(),
+            logprobs=self._logprobs(c, t0, t1), finish_reason=c.finish_reason if finished else None,
+            stop_reason=c.stop_reason if finished else None)
+
+    def stream_chunk(self, choices: list, usage: P.UsageInfo | None = None) -> P.ChatCompletionStreamResponse:
+        return P.ChatCompletionStreamResponse(id=self.request_id, created=self.created, model=self.model,
+                                              choices=choices, usage=usage)
+
+    def final_choice(self, pi: int, c: CompletionOutput, text: str) -> P.ChatCompletionResponseChoice:
+        return P.ChatCompletionResponseChoice(
+            index=c.index, message=P.ChatResponseMessage(content=text),
+            logprobs=self._logprobs(c, 0, len(c.token_ids)),
+            finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+
+    def response(self, choices: list, usage: P.UsageInfo) -> P.ChatCompletionResponse:
+        return P.ChatCompletionResponse(id=self.request_id, created=self.created, model=self.model,
+                                        choices=choices, usage=usage)
+
+    def _logprobs(self, c: CompletionOutput, t0: int, t1: int) -> P.ChatCompletionLogProbs | None:
+        """Tokens ``t0:t1`` of ``c`` in chat's logprobs shape."""
+        k = self.top_k
+        if k is None:
+            return None
+        content = []
+        for i in range(t0, t1):
+            tid = c.token_ids[i]
+            d = c.logprobs[i] if c.logprobs is not None and i < len(c.logprobs) else {}
+            text = self.state.token_text(tid)
+            chosen = d.get(tid)
+            top = sorted((x for x in d.items() if x[1].rank <= k), key=lambda x: x[1].rank)[:k]
+            content.append(P.ChatLogprobContent(
+                token=text, logprob=chosen.logprob if chosen is not None else float("-inf"),
+                bytes=list(text.encode()),
+                top_logprobs=[P.ChatTopLogprob(token=self.state.token_text(t), logprob=v.logprob,
+                                               bytes=list(self.state.token_text(t).encode()))
+                              for t, v in top]))
+        return P.ChatCompletionLogProbs(content=content)

@@ -1,0 +1,232 @@
+"""The import graph of pagedkv: no circles, no upward imports, a torch-free core.
+
+The graph is read from the source with `ast` (nothing is imported): one node per module, one
+edge per ``import``/``from ... import`` of a pagedkv module *anywhere* in the file, function-level
+imports included (a circle closed inside a function is still a circle: it only fails later,
+at the first call). Imports under ``if TYPE_CHECKING:`` never run and are left out.
+"""
+
+from __future__ import annotations
+
+import ast
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+
+# Layers, lowest first: a module may import its own layer and the ones below (the README's
+# "entrypoints > engine > models/offload/kv_transfer > ops > core"; the offloading connector in
+# kv_transfer builds the offload tiers, so kv_transfer sits just above offload).
+LAYERS = {"core": 0, "ops": 1, "models": 2, "offload": 2, "kv_transfer": 3, "engine": 4,
+          "bench": 5, "entrypoints": 6}
+
+
+def module_name(path: Path, root: Path) -> str:
+    parts = path.relative_to(root).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    t = node.test
+    return (isinstance(t, ast.Name) and t.id == "TYPE_CHECKING") or \
+        (isinstance(t, ast.Attribute) and t.attr == "TYPE_CHECKING")
+
+
+def _import_nodes(node: ast.AST) -> Iterator[ast.Import | ast.ImportFrom]:
+    """Every import statement under ``node`` (at any depth), except ``if TYPE_CHECKING:`` bodies."""
+    for child in ast.iter_child_nodes(node):
+        if isinstance(child, (ast.Import, ast.ImportFrom)):
+            yield child
+        elif isinstance(child, ast.If) and _is_type_checking(child):
+            for sub in child.orelse:
+                yield from _import_nodes(ast.Module(body=[sub], type_ignores=[]))
+        else:
+            yield from _import_nodes(child)
+
+
+def _resolve(name: str, modules: set[str]) -> str | None:
+    """The module ``name`` denotes: itself, else its longest known prefix (``a.b.attr`` → ``a.b``)."""
+    while name and name not in modules:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def imports_of(path: Path, root: Path, modules: set[str]) -> set[str]:
+    """The modules of ``modules`` that ``path`` imports (see the module docstring)."""
+    mod = module_name(path, root)
+    package = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
+    out: set[str] = set()
+    for node in _import_nodes(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        else:
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")
+                anchor = anchor[:len(anchor) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            # ``from pkg import sub`` imports the submodule when there is one.
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
+        out.update(t for t in (_resolve(t, modules) for t in targets) if t is not None)
+    out.discard(mod)
+    return out
+
+
+def import_graph(root: Path, package: str) -> dict[str, set[str]]:
+    """Module → the package's modules it imports, for every module of ``root/package``."""
+    files = sorted((root / package).rglob("*.py"))
+    modules = {module_name(f, root) for f in files}
+    return {module_name(f, root): imports_of(f, root, modules) for f in files}
+
+
+def find_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return cycles
+
+
+def _path_in(graph: dict[str, set[str]], component: list[str]) -> str:
+    """One circle through ``component`` as ``a → b → a`` (for the failure message)."""
+    members = set(component)
+    start = component[0]
+    path, seen = [start], {start}
+    while True:
+        nxt = sorted(w for w in graph[path[-1]] if w in members)
+        back = [w for w in nxt if w in seen]
+        if back:
+            return " → ".join(path[path.index(back[0]):] + [back[0]])
+        path.append(nxt[0])
+        seen.add(nxt[0])
+
+
+def test_no_import_cycles_in_pagedkv() -> None:
+    graph = import_graph(SRC, "pagedkv")
+    assert "pagedkv.offload.tiering" in graph and graph["pagedkv.core.units"] == set()
+    cycles = find_cycles(graph)
+    assert not cycles, "import circles:\n" + "\n".join(_path_in(graph, c) for c in cycles)
+
+
+def test_offload_tiers_import_only_the_base() -> None:
+    """The circle that was: fs_tier/redis_tier imported tiering, whose factory imported them."""
+    graph = import_graph(SRC, "pagedkv")
+    for tier in ("fs_tier", "redis_tier"):
+        assert "pagedkv.offload.tiering" not in graph[f"pagedkv.offload.{tier}"]
+        assert "pagedkv.offload.base" in graph[f"pagedkv.offload.{tier}"]
+    assert "pagedkv.offload.factory" not in graph["pagedkv.offload.tiering"]
+
+
+def test_no_upward_imports_and_a_torch_free_core() -> None:
+    graph = import_graph(SRC, "pagedkv")
+    upward = [f"{m} → {t}" for m, targets in graph.items() for t in targets
+              if (lm := LAYERS.get(m.split(".")[1] if m.count(".") else "")) is not None
+              and (lt := LAYERS.get(t.split(".")[1] if t.count(".") else "")) is not None and lt > lm]
+    assert not upward, "upward imports:\n" + "\n".join(sorted(upward))
+    torch_in_core = [f.name for f in sorted((SRC / "pagedkv" / "core").rglob("*.py"))
+                     if "torch" in _top_level_names(f)]
+    assert not torch_in_core, f"core/ imports torch: {torch_in_core}"
+
+
+def _top_level_names(path: Path) -> set[str]:
+    """The top-level packages ``path`` imports (``torch`` for ``import torch.nn``)."""
+    names: set[str] = set()
+    for node in _import_nodes(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            names.update(a.name.split(".")[0] for a in node.names)
+        elif not node.level and node.module:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+@pytest.mark.parametrize("name", ["parse_size", "cdiv", "GiB", "MiB"])
+def test_one_definition_of_each_unit_helper(name: str) -> None:
+    """``parse_size``, ``cdiv``, ``GiB``, ``MiB`` are defined once (core/units.py) and imported
+    everywhere else, so that a size means the same bytes in every option."""
+    where = []
+    for f in sorted((SRC / "pagedkv").rglob("*.py")):
+        for node in ast.walk(ast.parse(f.read_text(encoding="utf-8"))):
+            defined = [node.name] if isinstance(node, ast.FunctionDef) else \
+                [t.id for t in node.targets if isinstance(t, ast.Name)] if isinstance(node, ast.Assign) else []
+            if name in defined:
+                where.append(str(f.relative_to(SRC)))
+    assert where == ["pagedkv/core/units.py"]
+
+
+def test_the_one_parse_size_serves_every_option() -> None:
+    from pagedkv.core.units import parse_size
+    from pagedkv.entrypoints import plan
+    from pagedkv.offload import spec
+
+    assert plan.parse_size is parse_size and spec.parse_size is parse_size
+    assert parse_size(".5KiB") == 512 and parse_size(" 2 GB ") == 2 * 10**9
+    with pytest.raises(ValueError, match="invalid size '4 parsecs'"):
+        parse_size("4 parsecs")
+    with pytest.raises(ValueError, match="invalid size '1e9'"):
+        spec.parse_offload_spec("cpu:1e9")
+
+
+# ---- the checker itself finds what it must -------------------------------------------------------
+
+
+def _write_package(root: Path, files: dict[str, str]) -> None:
+    for name, text in files.items():
+        path = root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(textwrap.dedent(text))
+
+
+@pytest.mark.parametrize("b_source", [
+    "from pkg.a import X\n",                                      # module level
+    "def f():\n    from pkg import a\n    return a\n",            # inside a function
+    "from . import a\n",                                          # relative
+    "import pkg.a\n",                                            # plain import
+])
+def test_checker_finds_a_circle(tmp_path: Path, b_source: str) -> None:
+    _write_package(tmp_path, {"pkg/__init__.py": "", "pkg/a.py": "from pkg import b\nX = 1\n",
+                              "pkg/b.py": b_source, "pkg/c.py": "import pkg.a\n"})
+    graph = import_graph(tmp_path, "pkg")
+    assert find_cycles(graph) == [["pkg.a", "pkg.b"]]
+    assert _path_in(graph, ["pkg.a", "pkg.b"]) == "pkg.a → pkg.b → pkg.a"
+
+
+def test_checker_ignores_type_checking_imports(tmp_path: Path) -> None:
+    _write_package(tmp_path, {
+        "pkg/__init__.py": "",
+        "pkg/a.py": "from pkg.b import Y\nX = 1\n",
+        "pkg/b.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg.a import X\n"
+                    "else:\n    import pkg.c\nY = 2\n",
+        "pkg/c.py": "",
+    })
+    graph = import_graph(tmp_path, "pkg")
+    assert graph["pkg.b"] == {"pkg.c"} and find_cycles(graph) == []
