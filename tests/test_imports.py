@@ -230,3 +230,17 @@ def test_checker_ignores_type_checking_imports(tmp_path: Path) -> None:
     })
     graph = import_graph(tmp_path, "pkg")
     assert graph["pkg.b"] == {"pkg.c"} and find_cycles(graph) == []
+
+
+def test_the_scheduler_knows_only_core_its_types_and_the_connector_seam() -> None:
+    """The scheduler reaches the connector through `KVConnectorBase` only, never a concrete
+    connector, tier code or torch (module-level and function-level imports alike)."""
+    src = Path(__file__).resolve().parents[1] / "src" / "pagedkv" / "engine" / "scheduler.py"
+    allowed = ("pagedkv.core.", "pagedkv.engine.request", "pagedkv.engine.scheduler_output",
+               "pagedkv.kv_transfer.base")
+    for node in ast.walk(ast.parse(src.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("pagedkv"):
+            assert node.module.startswith(allowed), node.module
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            names = [a.name for a in node.names] + ([node.module] if isinstance(node, ast.ImportFrom) else [])
+            assert not any(n and n.split(".")[0] == "torch" for n in names)

@@ -36,11 +36,11 @@ import logging
 import time
 from collections import deque
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
 
 from pagedkv.core.kv_cache_manager import KVCacheManager
 from pagedkv.core.request import RequestStatus
 from pagedkv.engine.request import FINISHED_REASONS, Request
+from pagedkv.kv_transfer.base import KVConnectorBase
 from pagedkv.engine.scheduler_output import (
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -49,8 +49,6 @@ from pagedkv.engine.scheduler_output import (
     SchedulerOutput,
 )
 
-if TYPE_CHECKING:  # a type only: the scheduler stays torch-free at run time
-    from pagedkv.kv_transfer.offloading_connector import OffloadingConnector
 
 __all__ = ["Scheduler", "SchedulerOutput", "ScheduledRequest"]  # re-exported for compatibility
 
@@ -60,7 +58,7 @@ logger = logging.getLogger(__name__)
 class Scheduler:
     def __init__(self, kv_cache_manager: KVCacheManager, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int,
-                 connector: OffloadingConnector | None = None) -> None:
+                 connector: KVConnectorBase | None = None) -> None:
         self.kv_cache_manager = kv_cache_manager
         self.connector = connector
         self.max_num_seqs = max_num_seqs

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from pagedkv.core.request import KVCacheRequest as Request
+from pagedkv.kv_transfer.base import KVConnectorBase
 from pagedkv.offload.base import (
     GPULoadStoreSpec,
     LookupResult,
@@ -99,7 +100,7 @@ def model_identity(path: str | Path) -> str:
     return f"{p.name}|{p.stat().st_size}|{head}"
 
 
-class OffloadingConnector:
+class OffloadingConnector(KVConnectorBase):
     def __init__(self, manager: OffloadingManager, worker: OffloadingWorker, block_size: int,
                  preemption_mode: str = "recompute") -> None:
         if preemption_mode not in ("recompute", "swap"):
