@@ -251,7 +251,10 @@ class FailingEngine:
     def make_stats(self) -> SchedulerStats:
         return SchedulerStats(num_blocks=8, block_size=16, num_free_blocks=7)
 
-    def add_request(self, rid, prompt, params, arrival_time=None) -> None:
+    def process_prompt(self, prompt) -> tuple[list[int], None]:
+        return list(prompt["prompt_token_ids"]), None
+
+    def add_request(self, rid, prompt, params, arrival_time=None, cache_salt=None) -> None:
         self.samples[rid] = prompt
 
     def has_unfinished_requests(self) -> bool:

@@ -251,11 +251,8 @@ class AsyncLLM:
                 _set(fut, None)
                 return
             try:
-                if cache_salt is None:  # engines without the keyword (test fakes) still work
-                    self.engine.add_request(request_id, prompt, params, arrival_time=arrival)
-                else:
-                    self.engine.add_request(request_id, prompt, params, arrival_time=arrival,
-                                            cache_salt=cache_salt)
+                self.engine.add_request(request_id, prompt, params, arrival_time=arrival,
+                                        cache_salt=cache_salt)
             except BaseException as e:
                 with self._cv:
                     self._streams.pop(request_id, None)
@@ -274,11 +271,8 @@ class AsyncLLM:
     async def _process_prompt(self, loop: asyncio.AbstractEventLoop, prompt: PromptType) -> PromptType:
         """``{"prompt_token_ids", "prompt"}`` for ``prompt``, tokenized and validated by the
         engine's thread-safe `process_prompt` (ValueError for a bad prompt): inline for short
-        text and token ids, on the tokenizer pool for long text. Engines without
-        ``process_prompt`` (test fakes) get ``prompt`` unchanged."""
-        process = getattr(self.engine, "process_prompt", None)
-        if process is None:
-            return prompt
+        text and token ids, on the tokenizer pool for long text."""
+        process = self.engine.process_prompt
         text = prompt.get("prompt") if isinstance(prompt, dict) and "prompt_token_ids" not in prompt else prompt
         if isinstance(text, str) and len(text) > _INLINE_TOKENIZE_CHARS:
             token_ids, text = await loop.run_in_executor(self._tokenizer_pool, process, prompt)
