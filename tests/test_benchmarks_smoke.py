@@ -121,3 +121,34 @@ def test_native_script_reports_every_case() -> None:
     assert all(g["native_ms"] > 0 and g["blas_ms"] > 0 for g in r["gemv"])
     assert [d["sequences"] for d in r["decode_attention"]] == [1, 8, 64]
     assert all(d["native_ms_per_step"] > 0 and d["speedup"] > 0 for d in r["decode_attention"])
+
+
+# ---------------------------------------------------------------- PD disaggregation
+
+
+@pytest.mark.slow
+def test_disagg_script_tiny_loses_no_request() -> None:
+    """Colocated and PD (producer + consumer + proxy) on two tiny requests, and a 1 MiB
+    transfer; no kill test (it restarts four instances: minutes on a small machine)."""
+    script = ROOT / "benchmarks" / "bench_disagg.py"
+    res = subprocess.run([sys.executable, str(script), "--num-requests", "2", "--max-tokens", "2",
+                          "--long-len", "40:60", "--short-len", "4:8", "--num-kv-blocks", "64",
+                          "--max-model-len", "128", "--bandwidth-mib", "1", "--bandwidth-repeats", "1",
+                          "--kill-test", "0", "--json-only"],
+                         capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert res.returncode == 0, res.stderr[-3000:]
+    r = json.loads(res.stdout)  # --json-only: nothing else on stdout (NIXL's INFO lines included)
+    for setup in (r["colocated"], r["pd"]):
+        assert setup["completed"] == 2 and setup["failed"] == 0 and setup["errors"] == []
+        assert setup["output_tokens"] == 4 and setup["output_tok_s"] > 0
+        for key in ("ttft_s", "itl_s", "e2e_s"):
+            assert 0 < setup[key]["p50"] <= setup[key]["p99"]
+    assert r["pd"]["kv_transfers"] >= 2 and r["pd"]["kv_transfer_failures"] == 0  # the KV really moved
+    assert r["ratios"]["itl_p99"] == pytest.approx(r["pd"]["itl_s"]["p99"] / r["colocated"]["itl_s"]["p99"])
+    bw = r["bandwidth"]
+    assert bw["verified"] is True and bw["agents"] == "two processes" and bw["bytes_moved"] >= 2**20
+    assert bw["transfer_gbps"] > 0 and bw["memcpy_gbps"] > 0
+    assert bw["ratio_vs_memcpy"] == pytest.approx(bw["transfer_gbps"] / bw["memcpy_gbps"])
+    assert r["kill_test"] is None and r["meets_targets"]["kill_test"] is None
+    pin = r["config"]["pinning"]
+    assert (pin["note"] is None) == (pin["colocated"] is not None)

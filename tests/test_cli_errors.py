@@ -40,7 +40,7 @@ def free_port() -> int:
 # ---------------------------------------------------------------- help and version
 
 HELP_COMMANDS = [[], ["plan"], ["generate"], ["chat"], ["serve"], ["events"], ["bench"],
-                 ["bench", "throughput"], ["bench", "prefix-cache"], ["bench", "memory"], ["bench", "serve"]]
+                 ["bench", "throughput"], ["bench", "prefix-cache"], ["bench", "memory"], ["bench", "serve"], ["proxy"]]
 
 
 @pytest.mark.parametrize("argv", HELP_COMMANDS, ids=lambda a: " ".join(a) or "pagedkv")

@@ -147,3 +147,67 @@ def test_llm_generate_progress_bar_shows_token_speeds(capsys) -> None:
     m = re.findall(r"est\. speed input: ([0-9.]+) toks/s, output: ([0-9.]+) toks/s", err)
     assert m, err[-500:]
     assert float(m[-1][0]) > 0 and float(m[-1][1]) > 0
+
+
+# ---------------------------------------------------------------- --kv-transfer-config
+
+OFFLOAD_JSON = json.dumps({"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+                           "kv_connector_extra_config": {"kv_offload": "cpu:64MiB"}})
+
+
+@pytest.mark.parametrize("command", [["generate", "hello"], ["serve", "--port", "0"]])
+@pytest.mark.parametrize("argv, message", [
+    (["--kv-transfer-config", "{not json"], "--kv-transfer-config is not valid JSON"),
+    (["--kv-transfer-config", '{"kv_conector": "OffloadingConnector"}'], "'kv_conector'"),
+    (["--kv-transfer-config", '{"kv_connector": "Nope", "kv_role": "kv_both"}'], "unknown kv_connector 'Nope'"),
+    (["--kv-transfer-config", '{"kv_connector": "OffloadingConnector", "kv_role": "both"}'], "kv_role='both'"),
+    (["--kv-transfer-config", OFFLOAD_JSON, "--kv-offload", "cpu:64MiB"],
+     "either --kv-offload or --kv-transfer-config"),
+])
+def test_bad_kv_transfer_config_exits_2_with_one_line(capsys, command: list[str], argv: list[str],
+                                                       message: str) -> None:
+    """generate and serve refuse a bad --kv-transfer-config before the model loads: one line
+    naming the flag (and the bad field), exit code 2."""
+    assert main([*command, *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err and err.count("\n") == 1
+    assert "--kv-transfer-config" in err and "loading model" not in err
+
+
+def test_kv_transfer_config_flag_reaches_the_engine(capsys) -> None:
+    """The flag's JSON becomes the engine's typed `KVTransferConfig` (generate's and serve's
+    wiring alike) and the engine builds the connector it names."""
+    from pagedkv.entrypoints.cli import build_parser
+    from pagedkv.entrypoints.generate import engine_kwargs, make_llm
+    from pagedkv.entrypoints.serve import engine_config
+    from pagedkv.kv_transfer.config import KVTransferConfig
+    from pagedkv.offload.spec import OffloadConfig
+
+    parser = build_parser()
+    serve_config = engine_config(parser.parse_args(["serve", "--kv-transfer-config", OFFLOAD_JSON]))
+    assert serve_config.kv_transfer_config.kv_connector == "OffloadingConnector"
+    assert serve_config.kv_offload is None  # the short form was not used
+
+    args = parser.parse_args(["generate", "The capital of France is", "--temperature", "0",
+                              "--max-tokens", "4", "--kv-transfer-config", OFFLOAD_JSON, *SMALL])
+    kvt = engine_kwargs(args)["kv_transfer_config"]
+    assert isinstance(kvt, KVTransferConfig) and kvt.kv_role == "kv_both"
+    assert "offload_config" not in kvt.kv_connector_extra_config  # the engine config works on a copy
+    llm = make_llm(args)
+    try:
+        assert type(llm.llm_engine.connector).__name__ == "OffloadingConnector"
+        extra = llm.llm_engine.config.kv_transfer_config.kv_connector_extra_config
+        assert extra["kv_offload"] == "cpu:64MiB"
+        assert isinstance(extra["offload_config"], OffloadConfig)  # parsed once, into the typed config
+        assert llm.llm_engine.connector.offload_config is extra["offload_config"]
+    finally:
+        llm.llm_engine.shutdown()
+
+
+def test_generate_with_kv_transfer_config() -> None:
+    """The documented OffloadingConnector config runs a completion end to end."""
+    res = pagedkv("generate", "The capital of France is", "--temperature", "0", "--max-tokens", "4", "--json",
+                  "--kv-transfer-config", OFFLOAD_JSON, *SMALL)
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout)
+    assert "Paris" in out["text"] and 0 < len(out["token_ids"]) <= 4

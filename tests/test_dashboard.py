@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import socket
 import tempfile
 import threading
 import time
@@ -25,8 +26,11 @@ from redis_server import REDIS_SERVER, RedisServer
 from server_utils import client as http_client
 from server_utils import running_server
 
+from pagedkv import LLM
 from pagedkv.engine.config import EngineConfig
 from pagedkv.engine.stats import KVConnectorStats, SchedulerStats, TierStats
+from pagedkv.entrypoints.dashboard import dashboard_state, kv_transfer_state
+from pagedkv.kv_transfer.stats import KVTransferStats
 
 ARTIFACTS = Path(__file__).resolve().parent / "artifacts"
 STABLE_SCREENSHOT = Path(tempfile.gettempdir()) / "pagedkv-dashboard.png"
@@ -186,7 +190,10 @@ def test_offload_tiers_appear_in_state_and_metrics(server, http, tier_names):
         assert "pagedkv:offload_bytes_written_total" in metrics and "pagedkv:offload_capacity_bytes" in metrics
     finally:
         del engine.make_stats
-    # Back to the engine's own (real) tiers; the CPU tier has stored the blocks of earlier requests.
+    # Back to the engine's own (real) tiers: a request of its own (the test may run alone) has
+    # the CPU tier store its blocks.
+    r = http.post("/v1/completions", json={"prompt": "Offload me: " + "tier " * 40, "max_tokens": 2})
+    assert r.status_code == 200, r.text
     st = http.get("/dashboard/state").json()
     assert set(st["tiers"]) == tier_names and st["tiers"]["cpu"]["bytes_written"] > 0
     metrics = http.get("/metrics").text
@@ -401,3 +408,59 @@ def test_dashboard_page_updates_live_in_chromium(server, browser, tmp_path, redi
     assert browser.find_element("id", "tiers-section").get_attribute("hidden") is None
     severe = [e for e in browser.get_log("browser") if e["level"] == "SEVERE"]
     assert not severe, severe
+
+
+# ---- a PD connector's transfers ----------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def nixl_config(role: str) -> dict:
+    return {"kv_connector": "NixlConnector", "kv_role": role,
+            "kv_connector_extra_config": {"backend": "tcp", "side_channel_port": free_port()}}
+
+
+def test_kv_transfer_is_null_without_a_pd_connector(http):
+    # The module's server has an offloading connector (tiers) but no transfers.
+    st = http.get("/dashboard/state").json()
+    assert st["tiers"] and st["kv_transfer"] is None
+    assert kv_transfer_state(SchedulerStats()) is None  # no connector at all
+    assert 'id="kvt-section"' in http.get("/dashboard").text
+
+
+def test_kv_transfer_state_of_given_counters():
+    t = KVTransferStats(role="kv_consumer", num_transfers=4, num_blocks=9, num_bytes=4096, num_failed=1,
+                        num_leases_expired=2, transfers_in_flight=3, peers=["p@127.0.0.1:5000"])
+    assert kv_transfer_state(SchedulerStats(kv_connector_stats=KVConnectorStats(transfer=t))) == dict(
+        role="kv_consumer", peers=["p@127.0.0.1:5000"], transfers_in_flight=3, transfers=4, failures=1,
+        leases_expired=2, bytes=4096)
+
+
+def test_dashboard_state_of_a_real_pd_engine():
+    llm = LLM(num_kv_blocks=64, max_model_len=256, kv_transfer_config=nixl_config("kv_producer"))
+    try:
+        st = dashboard_state(llm.llm_engine)
+        assert st["kv_transfer"] == dict(role="kv_producer", peers=[], transfers_in_flight=0, transfers=0,
+                                         failures=0, leases_expired=0, bytes=0)
+        assert st["tiers"] is None and json.loads(json.dumps(st))["kv_transfer"]["role"] == "kv_producer"
+    finally:
+        llm.llm_engine.shutdown()
+
+
+@pytest.mark.slow
+def test_kv_transfer_panel_in_chromium(browser):
+    """The panel shows a PD server's role and counters, and stays hidden without one (the module's
+    tier server is not needed: one small server with a NixlConnector)."""
+    config = EngineConfig(num_kv_blocks=64, max_model_len=256, kv_transfer_config=nixl_config("kv_consumer"))
+    with running_server(config) as srv:
+        browser.get(srv.url + "/dashboard")
+        wait_js(browser, "window.__pagedkv && window.__pagedkv.polls >= 2", 20, "the first polls")
+        assert not browser.execute_script("return document.getElementById('kvt-section').hidden;")
+        assert browser.execute_script("return document.getElementById('kvt-role').textContent;") == "kv_consumer"
+        text = browser.find_element("id", "kvt").text
+        assert "transfers" in text and "none" in text and "0 B" in text, text
+        assert browser.execute_script("return window.__pagedkv.errors;") == 0

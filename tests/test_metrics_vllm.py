@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import queue
 import re
+import socket
 import subprocess
 import sys
 import threading
@@ -21,13 +22,18 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
+from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from redis_server import RedisServer
 from server_utils import client as http_client
 from server_utils import running_server
 
+from pagedkv import LLM
+from pagedkv.engine.async_llm import AsyncLLM
 from pagedkv.engine.config import EngineConfig
-from pagedkv.entrypoints.metrics import build_1_2_5_buckets, percentile
+from pagedkv.engine.stats import KVConnectorStats, SchedulerStats, TierStats
+from pagedkv.entrypoints.metrics import ServerMetrics, build_1_2_5_buckets, kv_transfer_metrics, percentile
+from pagedkv.kv_transfer.stats import TRANSFER_LATENCY_BUCKETS, KVTransferStats
 from pagedkv.entrypoints.stat_logger import configure_server_stats
 from pagedkv.offload.redis_tier import RedisTier
 
@@ -287,3 +293,113 @@ def test_redis_tier_reports_the_servers_capacity(maxmemory, capacity, unbounded)
             tier.shutdown()
     finally:
         server.close()
+
+
+# ---- a PD connector's transfers ----------------------------------------------------------------------
+
+
+class _SnapshotCollector:
+    """A collector over one given `SchedulerStats` (what `_EngineCollector` reads at scrape time)."""
+
+    def __init__(self, stats: SchedulerStats, prefix: str, labels: list[str], values: list[str]) -> None:
+        self.args = (stats, prefix, labels, values)
+
+    def collect(self):
+        return kv_transfer_metrics(*self.args)
+
+
+def render_snapshot(stats: SchedulerStats, prefix: str = "pagedkv:", labels: tuple[str, ...] = ("model_name",),
+                    values: tuple[str, ...] = ("m",)) -> str:
+    reg = CollectorRegistry()
+    reg.register(_SnapshotCollector(stats, prefix, list(labels), list(values)))
+    return generate_latest(reg).decode()
+
+
+# Six transfers: 1 ms, 2 ms, 2 ms, 40 ms, 3 s and 30 s (past the last bound: +Inf only).
+LATENCIES = [0.001, 0.002, 0.002, 0.04, 3.0, 30.0]
+
+
+def given_transfer_stats() -> KVTransferStats:
+    t = KVTransferStats(role="kv_consumer", num_failed=2, num_leases_expired=1, transfers_in_flight=3,
+                        peers=["p@127.0.0.1:5000"])
+    for i, lat in enumerate(LATENCIES):
+        t.record(num_blocks=i + 1, num_bytes=1000 * (i + 1), latency_s=lat)
+    return t
+
+
+def test_kv_transfer_metrics_exposition():
+    text = render_snapshot(SchedulerStats(kv_connector_stats=KVConnectorStats(transfer=given_transfer_stats())))
+    lines = text.splitlines()
+    for line in ['pagedkv:kv_transfer_transfers_total{model_name="m"} 6.0',
+                 'pagedkv:kv_transfer_blocks_total{model_name="m"} 21.0',
+                 'pagedkv:kv_transfer_bytes_total{model_name="m"} 21000.0',
+                 'pagedkv:kv_transfer_failures_total{model_name="m"} 2.0',
+                 'pagedkv:kv_transfer_leases_expired_total{model_name="m"} 1.0',
+                 'pagedkv:kv_transfer_in_flight{model_name="m"} 3.0',
+                 '# TYPE pagedkv:kv_transfer_transfers_total counter',
+                 '# TYPE pagedkv:kv_transfer_in_flight gauge',
+                 '# TYPE pagedkv:kv_transfer_latency_seconds histogram']:
+        assert line in lines, line
+    assert "kv_load_failure_policy" in text  # the failures' HELP says what became of them
+    s = samples(text)
+    buckets = {labels["le"]: v for labels, v in s["pagedkv:kv_transfer_latency_seconds_bucket"]}
+    assert list(buckets) == [str(b) for b in TRANSFER_LATENCY_BUCKETS] + ["+Inf"]
+    # Cumulative: le=0.001 holds the 1 ms transfer, le=0.0025 both 2 ms ones too, and so on.
+    expected = [sum(lat <= b for lat in LATENCIES) for b in TRANSFER_LATENCY_BUCKETS] + [len(LATENCIES)]
+    assert list(buckets.values()) == expected
+    assert expected[:3] == [1, 3, 3] and expected[-2] == 5  # the 30 s transfer is only in +Inf
+    assert value(s, "pagedkv:kv_transfer_latency_seconds_count") == 6
+    assert value(s, "pagedkv:kv_transfer_latency_seconds_sum") == pytest.approx(sum(LATENCIES))
+
+
+def test_kv_transfer_metrics_follow_the_vllm_prefix_and_labels():
+    stats = SchedulerStats(kv_connector_stats=KVConnectorStats(transfer=given_transfer_stats()))
+    text = render_snapshot(stats, "vllm:", ("model_name", "engine"), (MODEL, "0"))
+    assert f'vllm:kv_transfer_failures_total{{engine="0",model_name="{MODEL}"}} 2.0' in text.splitlines()
+    assert "pagedkv:" not in text
+
+
+@pytest.mark.parametrize("kcs", [None, KVConnectorStats(tiers=[TierStats("cpu", "CPU", capacity_bytes=1 << 20)])],
+                         ids=["no-connector", "offloading-connector"])
+def test_no_kv_transfer_metrics_without_a_pd_connector(kcs):
+    assert kv_transfer_metrics(SchedulerStats(kv_connector_stats=kcs), "pagedkv:", ["model_name"], ["m"]) == []
+    assert "kv_transfer" not in render_snapshot(SchedulerStats(kv_connector_stats=kcs))
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_producer_engine_exports_its_kv_transfer_metrics_and_role():
+    """A real engine with a real `NixlConnector` (TCP backend), scraped through the server's
+    collector (`ServerMetrics` over an `AsyncLLM` driving the engine)."""
+    llm = LLM(num_kv_blocks=64, max_model_len=256, kv_transfer_config={
+        "kv_connector": "NixlConnector", "kv_role": "kv_producer",
+        "kv_connector_extra_config": {"backend": "tcp", "side_channel_port": free_port()}})
+    try:
+        t = llm.llm_engine.make_stats().kv_connector_stats.transfer
+        assert t is not None and t.role == "kv_producer" and t.num_transfers == 0
+        async_llm = AsyncLLM(engine=llm.llm_engine)
+        try:
+            text = ServerMetrics(async_llm, MODEL).render().decode()
+        finally:
+            async_llm.shutdown()
+        lines = text.splitlines()
+        for name in ("transfers_total", "blocks_total", "bytes_total", "failures_total",
+                     "leases_expired_total", "in_flight", "latency_seconds_count"):
+            assert f'pagedkv:kv_transfer_{name}{{model_name="{MODEL}"}} 0.0' in lines, name
+        (labels, _), = samples(text)["pagedkv:cache_config_info"]
+        assert labels["kv_connector"] == "NixlConnector" and labels["kv_role"] == "kv_producer"
+    finally:
+        llm.llm_engine.shutdown()
+
+
+def test_cache_config_info_has_no_kv_role_without_a_connector(http):
+    text = http.get("/metrics").text
+    s = samples(text)
+    # The module's server may have been switched to vLLM's prefix by an earlier test.
+    (labels, _), = next(v for k, v in s.items() if k.endswith(":cache_config_info"))
+    assert labels["kv_connector"] == "None" and labels["kv_role"] == "None"
+    assert "kv_transfer_" not in text and any(k.endswith(":kv_cache_usage_perc") for k in s)

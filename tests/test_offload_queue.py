@@ -174,12 +174,14 @@ def test_deferral_clock_counts_only_steps_that_consider_the_request():
     tier = HungTier()
     manager = TieringOffloadingManager(CPUOffloadingManager(host.num_chunks, chunk_bytes=host.chunk_bytes),
                                        host, [tier], lookup_timeout_s=120.0)
-    conn = OffloadingConnector(manager, OffloadingWorker(buf, "LBNHC", host), block_size=16)
+    conn = OffloadingConnector.from_parts(manager, OffloadingWorker(buf, "LBNHC", host), block_size=16)
     conn.max_deferral_s = 0.3
     try:
         def ask(req) -> int | None:
             conn.on_schedule_start()
-            return conn.get_num_new_matched_tokens(req, 0)
+            n, load_async = conn.get_num_new_matched_tokens(req, 0)
+            assert not load_async  # the tiers load synchronously
+            return n
 
         # Asked once, then passed over (not considered) for longer than the limit: the time
         # it was not considered is not charged, so it is still waiting for its answer.

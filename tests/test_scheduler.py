@@ -18,7 +18,7 @@ import sys
 from collections.abc import Callable
 
 import pytest
-from core_utils import full_spec, make_manager, swa_spec
+from core_utils import full_spec, make_kv_cache_config, swa_spec
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule, run_state_machine_as_test
@@ -47,8 +47,8 @@ def counting(req: Request) -> int:
 
 def make_scheduler(num_blocks: int = 64, *, specs=None, max_num_seqs: int = 8, budget: int = 64,
                    max_model_len: int = 256, caching: bool = True) -> Scheduler:
-    kv = make_manager(num_blocks, specs, block_size=BS, max_model_len=max_model_len, caching=caching)
-    return Scheduler(kv, max_num_seqs, budget, max_model_len)
+    config = make_kv_cache_config(num_blocks, specs, block_size=BS)
+    return Scheduler(config, max_num_seqs, budget, max_model_len, enable_caching=caching)
 
 
 def make_req(rid: str, prompt: list[int], *, max_tokens: int = 4, n: int = 1, eos: int | None = EOS,

@@ -260,6 +260,9 @@ class FailingEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.samples)
 
+    def has_work(self) -> bool:
+        return bool(self.samples)
+
     def abort_request(self, ids) -> None:
         for i in [ids] if isinstance(ids, str) else ids:
             self.samples.pop(i, None)

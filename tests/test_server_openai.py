@@ -168,3 +168,91 @@ def test_batched_prompts_and_token_id_prompts(client, tokenizer):
     single = client.completions.create(model=MODEL, prompt=ids, max_tokens=3, temperature=0)
     assert single.choices[0].text == r.choices[0].text
     assert single.usage.prompt_tokens == len(ids)
+
+
+def test_kv_transfer_params_are_accepted_and_returned(server):
+    """vLLM's top-level ``kv_transfer_params``: passed to SamplingParams (a known key is
+    accepted), and the response carries the connector's params (null: no connector here)."""
+    import httpx
+
+    body = dict(model=MODEL, prompt=PROMPT, max_tokens=3, temperature=0,
+                kv_transfer_params={"skip_reading_prefix_cache": True})
+    r = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    assert "kv_transfer_params" in r.json() and r.json()["kv_transfer_params"] is None
+    plain = httpx.post(server.url + "/v1/completions", json={**body, "kv_transfer_params": None}, timeout=60)
+    assert plain.json()["choices"][0]["text"] == r.json()["choices"][0]["text"]
+    chat = httpx.post(server.url + "/v1/chat/completions", timeout=60, json=dict(
+        model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=2, temperature=0,
+        kv_transfer_params={"skip_reading_prefix_cache": True}))
+    assert chat.status_code == 200, chat.text
+    assert "kv_transfer_params" in chat.json() and chat.json()["kv_transfer_params"] is None
+
+
+def test_kv_transfer_params_unknown_key_is_a_400_naming_the_field(server):
+    import httpx
+
+    for path, extra in (("/v1/completions", {"prompt": PROMPT}),
+                        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]})):
+        r = httpx.post(server.url + path, timeout=60,
+                       json=dict(model=MODEL, max_tokens=2, kv_transfer_params={"bogus": 1}, **extra))
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == "kv_transfer_params" and "bogus" in err["message"]
+        wrong_type = httpx.post(server.url + path, timeout=60,
+                                json=dict(model=MODEL, max_tokens=2, kv_transfer_params=[1], **extra))
+        assert wrong_type.status_code == 400 and "kv_transfer_params" in wrong_type.text
+
+
+def test_kv_transfer_params_only_on_the_last_stream_chunk(server):
+    import json
+
+    import httpx
+
+    for path, extra in (("/v1/completions", {"prompt": PROMPT}),
+                        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]})):
+        for options in (None, {"include_usage": True}):
+            body = dict(model=MODEL, max_tokens=3, temperature=0, stream=True, **extra)
+            if options:
+                body["stream_options"] = options
+            with httpx.stream("POST", server.url + path, json=body, timeout=60) as r:
+                events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+            assert events[-1] == "[DONE]"
+            chunks = [json.loads(e) for e in events[:-1]]
+            assert "kv_transfer_params" in chunks[-1] and chunks[-1]["kv_transfer_params"] is None
+            assert all("kv_transfer_params" not in c for c in chunks[:-1])
+            # The final chunk is the finishing one, or the usage chunk after it.
+            assert (chunks[-1]["usage"] is not None) == bool(options)
+            if not options:
+                assert chunks[-1]["choices"][0]["finish_reason"] is not None
+
+
+def test_debug_kv_cache_reports_the_pool_and_a_broken_invariant(server):
+    """``GET /debug/kv_cache``: an idle server has every block but the null one free and its
+    invariants hold; a block corrupted on the engine thread (a free block given a reference)
+    makes it report ``invariants_ok: false`` with the check's message, and the repair is seen."""
+    import httpx
+
+    async_llm = server.app.state.pagedkv.async_llm
+    r = httpx.get(server.url + "/debug/kv_cache", timeout=60)
+    assert r.status_code == 200, r.text
+    idle = r.json()
+    num_blocks = async_llm.call_in_engine(lambda e: e.kv_cache_config.num_blocks).result(60)
+    assert idle == {"num_blocks": num_blocks, "num_free_blocks": num_blocks - 1, "num_running": 0,
+                    "num_waiting": 0, "invariants_ok": True}
+
+    def corrupt(e) -> int:
+        block = e.kv_cache_manager.block_pool.free_block_queue.get_all_free_blocks()[0]
+        block.ref_cnt += 1
+        return block.block_id
+
+    def repair(e) -> None:
+        e.kv_cache_manager.block_pool.blocks[bad].ref_cnt -= 1
+
+    bad = async_llm.call_in_engine(corrupt).result(60)
+    try:
+        broken = httpx.get(server.url + "/debug/kv_cache", timeout=60).json()
+    finally:
+        async_llm.call_in_engine(repair).result(60)
+    assert broken["invariants_ok"] is False and f"block {bad}" in broken["error"]
+    assert httpx.get(server.url + "/debug/kv_cache", timeout=60).json() == idle

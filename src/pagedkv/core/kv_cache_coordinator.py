@@ -132,6 +132,10 @@ class KVCacheCoordinator:
         for m in self.single_type_managers:
             m.free(request_id)
 
+    def invalidate(self, request_id: str, num_valid_tokens: int) -> None:
+        for m in self.single_type_managers:
+            m.invalidate(request_id, num_valid_tokens)
+
     def fork(self, parent_id: str, child_id: str, num_tokens: int) -> list[tuple[int, int]] | None:
         """Give ``child_id`` the blocks of ``parent_id``'s first ``num_tokens`` tokens in every
         group (`SingleTypeKVCacheManager.fork`). Returns the ``(src, dst)`` copies of partial

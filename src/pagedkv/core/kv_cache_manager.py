@@ -247,6 +247,12 @@ class KVCacheManager:
         """Release all blocks of the request, tail first (see `BlockPool.free_blocks`)."""
         self.coordinator.free(request.request_id)
 
+    def invalidate(self, request: KVCacheRequest, num_valid_tokens: int) -> None:
+        """Only the first ``num_valid_tokens`` tokens of ``request``'s KV are valid (a connector
+        reported a failed load): later blocks lose their prefix-cache hashes (in every group)
+        and are registered again when recomputed. The caller rewinds ``num_computed_tokens``."""
+        self.coordinator.invalidate(request.request_id, num_valid_tokens)
+
     def evict_blocks(self, block_ids: Sequence[int]) -> None:
         self.block_pool.evict_blocks(block_ids)
 

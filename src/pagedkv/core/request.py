@@ -26,6 +26,7 @@ class RequestStatus(enum.IntEnum):
     FINISHED_LENGTH_CAPPED = enum.auto()
     FINISHED_ABORTED = enum.auto()
     FINISHED_IGNORED = enum.auto()
+    FINISHED_ERROR = enum.auto()  # its external KV failed to load (kv_load_failure_policy "fail")
 
     @staticmethod
     def is_finished(status: RequestStatus) -> bool:

@@ -175,6 +175,16 @@ class SingleTypeKVCacheManager:
             blocks[i] = self._null_block
         self.block_pool.free_blocks(removed)
 
+    def invalidate(self, request_id: str, num_valid_tokens: int) -> None:
+        """The request's KV after its first ``num_valid_tokens`` tokens is not valid (a failed
+        load): those blocks lose their prefix-cache hashes, and are cached again once
+        recomputed. Reference counts are unchanged."""
+        first = num_valid_tokens // self.block_size
+        blocks = self.req_to_blocks.get(request_id, [])
+        self.block_pool.evict_blocks([b.block_id for b in blocks[first:] if not b.is_null])
+        if self.num_cached_block.get(request_id, 0) > first:
+            self.num_cached_block[request_id] = first
+
     def free(self, request_id: str) -> None:
         """Release all blocks of the request, tail first (chain tails are evicted before heads)."""
         blocks = self.req_to_blocks.pop(request_id, None)

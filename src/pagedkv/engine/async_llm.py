@@ -368,7 +368,7 @@ class AsyncLLM:
         engine = self.engine
         while True:
             with self._cv:
-                while not self._commands and not self._stopping and not engine.has_unfinished_requests():
+                while not self._commands and not self._stopping and not engine.has_work():
                     self._cv.wait()
                 cmds, self._commands = self._commands, []
                 stopping = self._stopping
@@ -379,7 +379,9 @@ class AsyncLLM:
                     _fail_futures(cmds, EngineDeadError("the engine is shutting down"))
                     return
                 t0 = time.perf_counter()
-                outputs = engine.step() if engine.has_unfinished_requests() else []
+                # Also step with no request left while KV transfers are pending: the connector
+                # must hear of their completion to free the blocks held for them.
+                outputs = engine.step() if engine.has_work() else []
                 idle = not outputs and time.perf_counter() - t0 < 0.0005
                 self._after_step(outputs, changed=bool(cmds))
             except BaseException as e:

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from pagedkv.core.hashing import HASH_FUNCTIONS
 from pagedkv.core.units import GiB
+from pagedkv.kv_transfer.config import (
+    OFFLOADING_CONNECTOR,
+    KVTransferConfig,
+    offloading_transfer_config,
+    resolve_offload_config,
+)
 
 # On CPU the "device" KV cache is host memory: 1 GiB holds ~23k tokens of SmolLM2-135M in
 # float32 (45 KiB/token), plenty for 8k-token contexts at high concurrency.
@@ -21,6 +27,12 @@ class EngineConfig:
     KV cache size: exactly ``num_kv_blocks`` blocks (the null block included) if given; else
     ``kv_cache_memory`` bytes if given; else, on CPU, 1 GiB, and on CUDA
     ``gpu_memory_utilization`` of the free device memory after the weights are loaded.
+
+    KV connector: ``kv_transfer_config`` (a `KVTransferConfig` or its dict), or ``kv_offload``,
+    the short form of the offloading connector's (with ``kv_offload_cache_policy``,
+    ``kv_offload_store_threshold`` and ``preemption_mode``). After construction
+    ``kv_transfer_config`` is the typed config the engine builds its connector from (None: no
+    connector); the offload spec has been parsed, once, into its `OffloadConfig`.
     """
 
     model: str | None = None  # None: the default model (SmolLM2-135M-Instruct GGUF)
@@ -43,6 +55,7 @@ class EngineConfig:
     kv_offload_cache_policy: str = "lru"  # CPU tier eviction: "lru" or "arc"
     kv_offload_store_threshold: int = 0  # admit a block to the tiers after this many offers
     preemption_mode: str = "recompute"  # "swap": a preempted request's KV goes to the CPU tier
+    kv_transfer_config: KVTransferConfig | dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> ValueError:
@@ -68,16 +81,45 @@ class EngineConfig:
             raise bad("kv_offload_cache_policy", "choose 'lru' or 'arc'")
         if self.preemption_mode not in ("recompute", "swap"):
             raise bad("preemption_mode", "choose 'recompute' or 'swap'")
-        if self.preemption_mode == "swap" and not self.kv_offload:
-            raise bad("preemption_mode", "'swap' needs a CPU tier (kv_offload)")
-        if self.kv_offload is not None:
-            from pagedkv.offload.spec import parse_offload_spec
-            try:
-                parse_offload_spec(self.kv_offload)
-            except ValueError as e:
-                raise ValueError(f"invalid engine option kv_offload={self.kv_offload!r}: {e}") from None
+        self._resolve_kv_transfer_config()
         if self.dtype not in ("float32", "bfloat16", "float16", "auto"):
             raise bad("dtype", "choose float32, bfloat16, float16 or auto")
+
+
+    def _resolve_kv_transfer_config(self) -> None:
+        """``kv_offload`` / ``kv_transfer_config`` → one typed `KVTransferConfig` (or None)."""
+        kvt = self.kv_transfer_config
+        if kvt is not None and self.kv_offload is not None:
+            raise ValueError("give either kv_offload (--kv-offload) or kv_transfer_config "
+                             "(--kv-transfer-config), not both")
+        if isinstance(kvt, dict):
+            kvt = KVTransferConfig.from_dict(kvt)
+        elif isinstance(kvt, KVTransferConfig):  # a copy: the caller's object stays as given
+            kvt = replace(kvt, kv_connector_extra_config=dict(kvt.kv_connector_extra_config))
+        elif kvt is not None and not isinstance(kvt, KVTransferConfig):
+            raise ValueError(f"invalid engine option kv_transfer_config: expected a KVTransferConfig or a "
+                             f"dict, got {type(kvt).__name__}")
+        if self.kv_offload is not None:
+            try:
+                kvt = offloading_transfer_config(
+                    self.kv_offload, cache_policy=self.kv_offload_cache_policy,
+                    store_threshold=self.kv_offload_store_threshold, preemption_mode=self.preemption_mode)
+            except ValueError as e:
+                raise ValueError(f"invalid engine option kv_offload={self.kv_offload!r}: {e}") from None
+        elif kvt is not None and kvt.kv_connector == OFFLOADING_CONNECTOR:
+            try:
+                resolve_offload_config(kvt)
+            except ValueError as e:
+                raise ValueError(f"invalid engine option kv_transfer_config: {e}") from None
+            extra = kvt.kv_connector_extra_config
+            extra.setdefault("cache_policy", self.kv_offload_cache_policy)
+            extra.setdefault("store_threshold", self.kv_offload_store_threshold)
+            extra.setdefault("preemption_mode", self.preemption_mode)
+        offloading = kvt is not None and kvt.kv_connector == OFFLOADING_CONNECTOR
+        if self.preemption_mode == "swap" and not offloading:
+            raise ValueError(f"invalid engine option preemption_mode={self.preemption_mode!r}: "
+                             "'swap' needs a CPU tier (kv_offload)")
+        self.kv_transfer_config = kvt if kvt is not None and kvt.kv_connector is not None else None
 
 
 _DTYPE_ALIASES = {"float32": "float32", "fp32": "float32", "float": "float32", "bfloat16": "bfloat16",

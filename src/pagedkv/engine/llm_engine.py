@@ -22,11 +22,11 @@ from typing import Any
 
 import torch
 
-from pagedkv.core.hashing import get_hash_fn_by_name
+from pagedkv.core.hashing import get_hash_fn_by_name, resolve_none_hash_seed
 from pagedkv.core.kv_cache_manager import KVCacheManager
 from pagedkv.core.planning import blocks_per_request, make_kv_cache_config
 from pagedkv.core.request import RequestStatus, get_request_block_hasher
-from pagedkv.core.specs import get_kv_cache_groups
+from pagedkv.core.specs import KVCacheConfig, get_kv_cache_groups
 from pagedkv.engine.config import DEFAULT_CPU_KV_CACHE_MEMORY, EngineConfig, check_kv_cache_fits
 from pagedkv.engine.model_runner import ModelRunner
 from pagedkv.engine.output_processor import OutputProcessor
@@ -37,9 +37,9 @@ from pagedkv.engine.sampling_params import SamplingParams
 from pagedkv.engine.scheduler import Scheduler
 from pagedkv.engine.scheduler_output import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput, SchedulerOutput
 from pagedkv.engine.stats import KVConnectorStats, SchedulerStats
-from pagedkv.kv_transfer.offloading_connector import OffloadingConnector
-from pagedkv.models.loader import get_model
-from pagedkv.ops.kv_cache import allocate_kv_cache
+from pagedkv.kv_transfer.base import KVConnectorBase, KVConnectorRole
+from pagedkv.kv_transfer.factory import KVConnectorFactory
+from pagedkv.models.loader import get_model, model_identity
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +47,10 @@ PromptType = str | list[int] | dict[str, Any]
 
 
 class LLMEngine:
+    """Construction reads one way: load the model → plan the KV cache (`KVCacheConfig`) → the
+    KV connector (if configured) → the runner, which allocates the KV cache and registers it
+    with the connector → the scheduler, which builds its own `KVCacheManager`."""
+
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         loaded = get_model(config.model, config.dtype, config.device)
@@ -56,68 +60,63 @@ class LLMEngine:
         self.dtype = loaded.dtype
         self.device = torch.device(config.device)
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
-        groups = get_kv_cache_groups(mc.kv_cache_specs(config.block_size, torch_dtype=str(self.dtype).split(".")[-1]))
-        layer_groups, layer_slots = self._layer_placement(groups)
-        if len(groups) > 1 and config.kv_offload:
-            raise ValueError("kv_offload supports models with one KV cache group; this model's "
-                             f"{len(groups)} groups (hybrid full + sliding-window attention) are not offloaded yet")
-        kv_memory = self._kv_cache_memory()
-        # vLLM's rule: refuse to start when one max_model_len request cannot fit (also with an
-        # explicit num_kv_blocks, which would otherwise start and thrash later).
-        check_kv_cache_fits(config, groups, self.max_model_len, kv_memory)
-        self.kv_cache_config = make_kv_cache_config(
-            groups, kv_memory, self.max_model_len, config.max_num_batched_tokens,
-            num_blocks_override=config.num_kv_blocks, layout=config.kv_cache_layout)
-        # One tensor per layer slot of the largest group: layer j of every group uses tensor j
-        # (vLLM's sharing: a block id belongs to one group at a time, so groups never collide).
-        self.kv_buffer, tensors = allocate_kv_cache(
-            config.kv_cache_layout, max(layer_slots) + 1, self.kv_cache_config.num_blocks, config.block_size,
-            mc.num_kv_heads, mc.head_dim, self.dtype, self.device)
-        self.kv_caches = [tensors[j] for j in layer_slots]
-        self.kv_cache_manager = KVCacheManager(
-            self.kv_cache_config, self.max_model_len, enable_caching=config.enable_prefix_caching,
+        self.block_size = config.block_size
+        self.kv_cache_config = self._plan_kv_cache()
+        self.connector = self._make_connector(model_identity(loaded.source))
+        self.runner = ModelRunner(self.model, mc, self.dtype, self.device, self.connector)
+        self.runner.initialize_kv_cache(self.kv_cache_config)
+        self.scheduler = Scheduler(
+            self.kv_cache_config, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
+            self.connector, enable_caching=config.enable_prefix_caching,
             enable_kv_cache_events=config.enable_kv_cache_events,
             # KV events report where the blocks live: host memory on a CPU engine, not "GPU".
-            medium="CPU" if self.device.type == "cpu" else "GPU")
-        self.connector = self._make_connector(loaded.source)
-        self.scheduler = Scheduler(self.kv_cache_manager, config.max_num_seqs,
-                                   config.max_num_batched_tokens, self.max_model_len, self.connector)
-        self.runner = ModelRunner(self.model, self.kv_caches, config.block_size, self.device, layer_groups)
+            kv_cache_medium="CPU" if self.device.type == "cpu" else "GPU")
         self.sampler = Sampler(config.seed)
         self.block_hasher = get_request_block_hasher(
             config.block_size, get_hash_fn_by_name(config.prefix_caching_hash_algo))
         self.eos_token_id = self.tokenizer.eos_token_id if self.tokenizer else mc.eos_token_id
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.block_size = config.block_size
         self.num_generated_tokens = 0
         self.num_prompt_tokens = 0
+        kv_buffer = self.runner.kv_buffer
         logger.info("KV cache: %d blocks of %d tokens (%.2f GiB), max_model_len %d",
                     self.kv_cache_config.num_blocks, config.block_size,
-                    self.kv_buffer.numel() * self.kv_buffer.element_size() / 2**30, self.max_model_len)
+                    kv_buffer.numel() * kv_buffer.element_size() / 2**30, self.max_model_len)
 
-    def _layer_placement(self, groups: list[Any]) -> tuple[list[int], list[int]]:
-        """``(group of each layer, its slot in that group)``; the slot picks the KV tensor."""
-        mc = self.model_config
-        where = {name: (g, j) for g, grp in enumerate(groups) for j, name in enumerate(grp.layer_names)}
-        missing = [mc.layer_name(i) for i in range(mc.num_layers) if mc.layer_name(i) not in where]
-        if missing:
-            raise ValueError(f"layers {missing[:4]} belong to no KV cache group")
-        if len({g.kv_cache_spec.block_size for g in groups}) > 1:
-            raise NotImplementedError("KV cache groups with different block sizes are not served yet: "
-                                      f"{[g.kv_cache_spec.block_size for g in groups]}")
-        placement = [where[mc.layer_name(i)] for i in range(mc.num_layers)]
-        return [g for g, _ in placement], [j for _, j in placement]
+    def _plan_kv_cache(self) -> KVCacheConfig:
+        """The model's KV cache specs → groups → a pool sized from the configured memory.
+        Refuses (ValueError) when one ``max_model_len`` request cannot fit (vLLM's rule, also
+        with an explicit ``num_kv_blocks``, which would otherwise start and thrash later)."""
+        config = self.config
+        specs = self.model_config.kv_cache_specs(config.block_size, torch_dtype=str(self.dtype).split(".")[-1])
+        groups = get_kv_cache_groups(specs)
+        if config.kv_transfer_config is not None:  # a connector's limits come before sizing
+            KVConnectorFactory.get_connector_class(config.kv_transfer_config).check_kv_cache_groups(groups)
+        kv_memory = self._kv_cache_memory()
+        check_kv_cache_fits(config, groups, self.max_model_len, kv_memory)
+        return make_kv_cache_config(groups, kv_memory, self.max_model_len, config.max_num_batched_tokens,
+                                    num_blocks_override=config.num_kv_blocks, layout=config.kv_cache_layout)
 
-    def _make_connector(self, model_path: Any) -> OffloadingConnector | None:
-        c = self.config
-        if not c.kv_offload:
+    def _make_connector(self, identity: str) -> KVConnectorBase | None:
+        kvt = self.config.kv_transfer_config
+        if kvt is None:
             return None
-        mc = self.model_config
-        return OffloadingConnector.from_spec(
-            c.kv_offload, model_path=model_path, dtype=self.dtype, block_size=c.block_size,
-            layout=c.kv_cache_layout, num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads,
-            head_size=mc.head_dim, kv_buffer=self.kv_buffer, cache_policy=c.kv_offload_cache_policy,
-            store_threshold=c.kv_offload_store_threshold, preemption_mode=c.preemption_mode)
+        algo = self.config.prefix_caching_hash_algo
+        seed = f"{algo}:{resolve_none_hash_seed(get_hash_fn_by_name(algo))}"
+        return KVConnectorFactory.create_connector(kvt, KVConnectorRole.SCHEDULER, self.kv_cache_config,
+                                                   model_identity=identity, hash_seed=seed)
+
+    @property
+    def kv_cache_manager(self) -> KVCacheManager:
+        return self.scheduler.kv_cache_manager
+
+    @property
+    def kv_buffer(self) -> torch.Tensor:
+        return self.runner.kv_buffer
+
+    @property
+    def kv_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return self.runner.kv_caches
 
     def _kv_cache_memory(self) -> int:
         if self.config.kv_cache_memory is not None:
@@ -214,6 +213,11 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.output_processor.has_unfinished_requests()
 
+    def has_work(self) -> bool:
+        """Unfinished requests, or KV transfers whose completion the connector must still hear
+        of (blocks held for a consumer, loads in flight): the serving loop steps while true."""
+        return self.output_processor.has_unfinished_requests() or self.scheduler.has_pending_kv_transfers()
+
     def get_num_unfinished_requests(self) -> int:
         return self.output_processor.get_num_unfinished_requests()
 
@@ -241,7 +245,8 @@ class LLMEngine:
         if so.is_empty:
             if self.scheduler.has_unfinished_requests() and not so.finished:
                 time.sleep(0.0005)  # requests wait on tier I/O: yield the CPU to its threads
-            return self._update(so, EMPTY_MODEL_RUNNER_OUTPUT)
+            if self.connector is None:
+                return self._update(so, EMPTY_MODEL_RUNNER_OUTPUT)
         try:
             return self._update(so, self._execute(so))
         except BaseException as e:
@@ -253,21 +258,20 @@ class LLMEngine:
             return failed + self._update(so, EMPTY_MODEL_RUNNER_OUTPUT)
 
     def _execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        """Load external KV, run the forward pass and sample one token per sampling request
-        (and per child forked from it this step, from the parent's logits row)."""
-        if self.connector is not None:
-            self.connector.start_load_kv()
-        logits = self.runner.execute_model(so)
-        if self.connector is not None:
-            self.connector.save_kv((s.request, s.block_ids[0], s.start + s.num_tokens) for s in so.scheduled)
+        """Run the forward pass (the runner drives the KV connector around it) and sample one
+        token per sampling request (and per child forked from it this step, from the parent's
+        logits row)."""
+        logits, kv_connector_output = self.runner.execute_model(so)
         reqs = [s.request for s in so.scheduled if s.samples]
         if not reqs:  # only prefill chunks that do not reach the end of their prompts
-            return EMPTY_MODEL_RUNNER_OUTPUT
+            if kv_connector_output is None or kv_connector_output.is_empty:
+                return EMPTY_MODEL_RUNNER_OUTPUT
+            return ModelRunnerOutput(kv_connector_output=kv_connector_output)
         if so.forks:
             logits, reqs = self._fork_rows(logits, reqs, so.forks)
         out = self.sampler(logits, reqs)
         return ModelRunnerOutput([r.request_id for r in reqs], out.token_ids, out.logprobs,
-                                 out.sampled_logprobs)
+                                 out.sampled_logprobs, kv_connector_output)
 
     @staticmethod
     def _fork_rows(logits: torch.Tensor, reqs: list[Request], forks: list[tuple[Request, Request]]
@@ -327,11 +331,8 @@ class LLMEngine:
             kv_connector_stats=self._kv_connector_stats())
 
     def _kv_connector_stats(self) -> KVConnectorStats | None:
-        """The connector's loaded / stored counts and per-tier counters; None without one."""
-        if self.connector is None:
-            return None
-        return KVConnectorStats.from_tiers(self.connector.get_stats(), self.connector.num_loaded_tokens,
-                                           self.connector.num_stored_blocks)
+        """The connector's counters (`KVConnectorBase.get_kv_connector_stats`); None without one."""
+        return None if self.connector is None else self.connector.get_kv_connector_stats()
 
     def stats(self) -> dict[str, Any]:
         """`make_stats` as a dict (`SchedulerStats.to_dict`): what `LLM.stats()` returns."""

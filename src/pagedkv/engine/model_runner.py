@@ -1,4 +1,13 @@
-"""`ModelRunner`: a `SchedulerOutput` → the tensors of one forward pass → logits to sample.
+"""`ModelRunner`: owns the KV cache tensors, and turns a `SchedulerOutput` into the tensors of
+one forward pass and the logits to sample.
+
+`initialize_kv_cache(kv_cache_config)` places every layer in its KV cache group, allocates the
+one contiguous KV buffer with a (K, V) view per layer, and registers them with the KV
+connector (`register_kv_caches`). Around each forward pass it drives the connector's worker
+side: bind the step's metadata → `start_load_kv` → forward (the attention layers call
+`wait_for_layer_load` / `save_kv_layer` through the forward context) → `wait_for_save` →
+`get_finished` + `get_block_ids_with_load_errors` → clear. A step with nothing to compute still
+runs the connector's side (loads may finish, sends may be reported).
 
 Per step it builds, for the flat batch of ``T`` tokens from ``S`` requests: ``input_ids``,
 ``positions``, ``query_start_loc``, ``seq_lens``, ``block_table`` and ``slot_mapping``
@@ -10,11 +19,16 @@ forked request's partial block).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
-from pagedkv.engine.scheduler import SchedulerOutput
+from pagedkv.core.specs import KVCacheConfig
+from pagedkv.engine.scheduler_output import SchedulerOutput
+from pagedkv.kv_transfer.base import KVConnectorBase, KVConnectorOutput
 from pagedkv.ops.cache import compute_slot_mapping
-from pagedkv.ops.kv_cache import KVCacheViews, copy_blocks
+from pagedkv.ops.forward_context import set_forward_context
+from pagedkv.ops.kv_cache import allocate_kv_cache, copy_blocks
 from pagedkv.ops.metadata import AttentionMetadata
 
 
@@ -28,15 +42,38 @@ class ModelRunner:
     ids never overlap, since they come from one pool).
     """
 
-    def __init__(self, model: torch.nn.Module, kv_caches: KVCacheViews, block_size: int,
-                 device: torch.device | str = "cpu", layer_groups: list[int] | None = None) -> None:
+    def __init__(self, model: torch.nn.Module, model_config: Any, dtype: torch.dtype,
+                 device: torch.device | str = "cpu", connector: KVConnectorBase | None = None) -> None:
         self.model = model
-        self.kv_caches = kv_caches
-        self.block_size = block_size
+        self.model_config = model_config
+        self.dtype = dtype
         self.device = torch.device(device)
-        self.layer_groups = layer_groups or [0] * len(kv_caches)
+        self.connector = connector
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.kv_buffer: torch.Tensor | None = None
+        self.block_size = 0
+        self.layer_groups: list[int] = []
+        self.distinct_kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
+        """Allocate the KV cache ``kv_cache_config`` plans and hand it to the connector.
+
+        One tensor per layer slot of the largest group: layer ``j`` of every group uses tensor
+        ``j`` (vLLM's sharing: a block id belongs to one group at a time, so groups never
+        collide). Raises ValueError if a layer belongs to no group."""
+        mc = self.model_config
+        groups = kv_cache_config.kv_cache_groups
+        self.layer_groups, layer_slots = layer_placement(mc, groups)
+        self.block_size = groups[0].kv_cache_spec.block_size
+        self.kv_buffer, tensors = allocate_kv_cache(
+            kv_cache_config.layout, max(layer_slots) + 1, kv_cache_config.num_blocks, self.block_size,
+            mc.num_kv_heads, mc.head_dim, self.dtype, self.device)
+        self.kv_caches = [tensors[j] for j in layer_slots]
         # copy_blocks must copy each distinct tensor once (aliased layers would copy twice).
-        self.distinct_kv_caches = list({kv[0].data_ptr(): kv for kv in kv_caches}.values())
+        self.distinct_kv_caches = list({kv[0].data_ptr(): kv for kv in self.kv_caches}.values())
+        if self.connector is not None:
+            self.connector.register_kv_caches(
+                {mc.layer_name(i): kv for i, kv in enumerate(self.kv_caches)}, self.kv_buffer)
 
     def prepare_inputs(self, so: SchedulerOutput
                        ) -> tuple[torch.Tensor, torch.Tensor, list[AttentionMetadata], list[int]]:
@@ -75,9 +112,30 @@ class ModelRunner:
         return input_ids, pos, mds, logits_indices
 
     @torch.inference_mode()
-    def execute_model(self, so: SchedulerOutput) -> torch.Tensor:
-        """Run one forward pass; returns float32 logits ``[num_sampling_requests, vocab]`` in
-        the order of ``so.scheduled`` (requests that do not sample this step are skipped)."""
+    def execute_model(self, so: SchedulerOutput) -> tuple[torch.Tensor, KVConnectorOutput | None]:
+        """Run one forward pass (none for an empty step) with the connector's worker side
+        around it. Returns float32 logits ``[num_sampling_requests, vocab]`` in the order of
+        ``so.scheduled`` (requests that do not sample this step are skipped), and the
+        connector's report (None without a connector)."""
+        c = self.connector
+        if c is None:
+            return self._forward(so), None
+        c.bind_connector_metadata(so.kv_connector_metadata)
+        try:
+            c.start_load_kv()
+            if so.is_empty:
+                logits = torch.empty((0, 0), dtype=torch.float32)
+            else:
+                with set_forward_context(c):
+                    logits = self._forward(so)
+            c.wait_for_save()
+            sending, recving = c.get_finished(so.finished_req_ids)
+            out = KVConnectorOutput(sending or set(), recving or set(), c.get_block_ids_with_load_errors())
+        finally:
+            c.clear_connector_metadata()
+        return logits, out
+
+    def _forward(self, so: SchedulerOutput) -> torch.Tensor:
         if so.blocks_to_copy:
             copy_blocks(self.distinct_kv_caches, so.blocks_to_copy)
         input_ids, positions, mds, logits_indices = self.prepare_inputs(so)
@@ -86,3 +144,17 @@ class ModelRunner:
         if not logits_indices:
             return hidden.new_empty((0, 0), dtype=torch.float32)
         return self.model.compute_logits(hidden[torch.tensor(logits_indices, device=hidden.device)])
+
+
+def layer_placement(model_config: Any, groups: list[Any]) -> tuple[list[int], list[int]]:
+    """``(group of each layer, its slot in that group)``; the slot picks the KV tensor."""
+    mc = model_config
+    where = {name: (g, j) for g, grp in enumerate(groups) for j, name in enumerate(grp.layer_names)}
+    missing = [mc.layer_name(i) for i in range(mc.num_layers) if mc.layer_name(i) not in where]
+    if missing:
+        raise ValueError(f"layers {missing[:4]} belong to no KV cache group")
+    if len({g.kv_cache_spec.block_size for g in groups}) > 1:
+        raise NotImplementedError("KV cache groups with different block sizes are not served yet: "
+                                  f"{[g.kv_cache_spec.block_size for g in groups]}")
+    placement = [where[mc.layer_name(i)] for i in range(mc.num_layers)]
+    return [g for g, _ in placement], [j for _, j in placement]

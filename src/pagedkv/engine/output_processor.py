@@ -19,6 +19,11 @@ from pagedkv.engine.scheduler_output import EngineCoreOutput, EngineCoreOutputs
 from pagedkv.models.tokenizer import DetokenizeState
 
 
+# `RequestOutput.error` of a request the scheduler failed (finish reason "error" from
+# ``kv_load_failure_policy="fail"``).
+KV_LOAD_ERROR = "KVLoadError: the request's KV cache failed to load from the KV connector"
+
+
 @dataclass(slots=True)
 class RequestState:
     """What users see of one sample: its text, logprobs and finish reason."""
@@ -30,6 +35,7 @@ class RequestState:
     cumulative_logprob: float = 0.0
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    kv_transfer_params: dict[str, Any] | None = None  # from the KV connector, at finish
 
 
 @dataclass(slots=True)
@@ -120,6 +126,8 @@ class OutputProcessor:
                     if finish_reason is None:
                         reqs_to_abort.append(req.request_id)
                     finish_reason, stop_reason = "stop", stop
+        if out.kv_transfer_params is not None:
+            state.kv_transfer_params = out.kv_transfer_params
         if finish_reason is not None:
             state.finish_reason, state.stop_reason = finish_reason, stop_reason
             self._close(state, now)
@@ -171,7 +179,10 @@ class OutputProcessor:
             del self.parent_requests[parent_id]
             for s in states:
                 self.request_states.pop(s.request.request_id, None)
+            if error is None and any(s.finish_reason == "error" for s in states):
+                error = KV_LOAD_ERROR
         return RequestOutput(request_id=parent_id, prompt=first.prompt,
                              prompt_token_ids=first.prompt_token_ids, outputs=outputs,
                              finished=finished, num_cached_tokens=max(first.num_cached_tokens, 0),
-                             metrics=first.metrics, error=error)
+                             metrics=first.metrics, error=error,
+                             kv_transfer_params=states[0].kv_transfer_params)

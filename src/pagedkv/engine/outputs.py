@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(slots=True)
@@ -68,3 +69,6 @@ class RequestOutput:
     # Set when the step running this request failed: the request finished with reason "error"
     # (its KV blocks freed); other requests and the engine go on.
     error: str | None = None
+    # From the KV connector when the request finished (vLLM's field): e.g. where a decode
+    # instance fetches the KV a prefill instance computed.
+    kv_transfer_params: dict[str, Any] | None = None

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from pagedkv.kv_transfer.config import KV_TRANSFER_PARAM_KEYS
+
 _GREEDY_EPS = 1e-5
 
 
@@ -97,7 +99,7 @@ class SamplingParams:
         if ktp is not None:
             if not isinstance(ktp, dict):
                 raise bad("kv_transfer_params", "must be a dict")
-            unknown = set(ktp) - {"max_offload_tokens", "offload_policy", "skip_reading_prefix_cache"}
+            unknown = set(ktp) - KV_TRANSFER_PARAM_KEYS
             if unknown:
                 raise bad("kv_transfer_params", f"unknown keys {sorted(unknown)}")
             if ktp.get("offload_policy", "BLOCK_LEVEL") not in ("BLOCK_LEVEL", "REQUEST_LEVEL"):

@@ -24,6 +24,16 @@ ids, ``max_tokens``, ``max_model_len``) and finishes and frees the requests that
 Stop strings need text: the output processor finds them and finishes the request through
 `finish_requests`.
 
+With a KV connector (`kv_transfer.base.KVConnectorBase`, the only connector type known here):
+a waiting request's external tokens (``get_num_new_matched_tokens``) are loaded into its
+freshly allocated blocks; asynchronous ones park it in ``WAITING_FOR_REMOTE_KVS`` (blocks
+allocated, not scheduled) until the worker reports it in ``finished_recving``, then it is
+scheduled from its loaded prefix. Blocks the worker reports invalid are recomputed (their
+prefix-cache hashes dropped, ``num_computed_tokens`` rewound) or fail the request with
+``finish_reason "error"``, per ``kv_load_failure_policy``. A finished request's blocks stay
+allocated while the connector sends them (``request_finished`` returned ``delay_free``) until
+it appears in ``finished_sending``.
+
 ``num_computed_tokens`` advances when a request is scheduled (the KV of scheduled tokens is
 "written or being written"); a request is sampled in the step its scheduled tokens reach
 ``num_tokens``.
@@ -39,8 +49,9 @@ from collections.abc import Iterable
 
 from pagedkv.core.kv_cache_manager import KVCacheManager
 from pagedkv.core.request import RequestStatus
+from pagedkv.core.specs import KVCacheConfig
 from pagedkv.engine.request import FINISHED_REASONS, Request
-from pagedkv.kv_transfer.base import KVConnectorBase
+from pagedkv.kv_transfer.base import KVConnectorBase, KVConnectorOutput
 from pagedkv.engine.scheduler_output import (
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -56,11 +67,27 @@ logger = logging.getLogger(__name__)
 
 
 class Scheduler:
-    def __init__(self, kv_cache_manager: KVCacheManager, max_num_seqs: int,
-                 max_num_batched_tokens: int, max_model_len: int,
-                 connector: KVConnectorBase | None = None) -> None:
-        self.kv_cache_manager = kv_cache_manager
+    """Builds its own `KVCacheManager` from ``kv_cache_config`` (``enable_caching``: prefix
+    caching; ``enable_kv_cache_events``; ``kv_cache_medium``: where the blocks live, for KV
+    events). ``connector``: the engine's KV connector, if any."""
+
+    def __init__(self, kv_cache_config: KVCacheConfig, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_model_len: int, connector: KVConnectorBase | None = None, *,
+                 enable_caching: bool = True, enable_kv_cache_events: bool = False,
+                 kv_cache_medium: str = "GPU") -> None:
+        self.kv_cache_manager = KVCacheManager(
+            kv_cache_config, max_model_len, enable_caching=enable_caching,
+            enable_kv_cache_events=enable_kv_cache_events, medium=kv_cache_medium)
         self.connector = connector
+        self.kv_load_failure_policy = connector.config.kv_load_failure_policy if connector else "recompute"
+        # Requests whose asynchronous load the worker reported done, not yet promoted.
+        self.finished_recving_kv_req_ids: set[str] = set()
+        # Promoted from WAITING_FOR_REMOTE_KVS, holding their blocks, not yet running.
+        self.promoted_req_ids: set[str] = set()
+        # Finished requests whose blocks a transfer still uses, with what is pending: "send"
+        # (``delay_free``: until ``finished_sending``) and/or "recv" (aborted while its KV was
+        # arriving: until ``finished_recving``). Freed when nothing is pending.
+        self.delayed_free: dict[str, tuple[Request, set[str]]] = {}
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -92,6 +119,11 @@ class Scheduler:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def has_pending_kv_transfers(self) -> bool:
+        """Blocks held for a connector's transfer (or its own pending work): the engine keeps
+        stepping until they are settled."""
+        return bool(self.delayed_free) or (self.connector is not None and self.connector.has_pending_work())
 
     @property
     def num_waiting(self) -> int:
@@ -153,41 +185,103 @@ class Scheduler:
                 # Its prompt ends this step: its siblings are sampled from the same logits.
                 out.forks.extend((req, req.make_child(k)) for k in range(1, req.fork_pending + 1))
                 req.fork_pending = 0
+        if self.connector is not None:
+            out.kv_connector_metadata = self.connector.build_connector_meta(out)
         return out
 
     def _schedule_waiting(self, scheduled: dict[str, tuple[Request, int, int]], budget: int) -> None:
         kv = self.kv_cache_manager
         idx = 0
+        no_room = False  # a new request did not fit: only requests holding blocks may still go
         while idx < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[idx]
-            hits, num_hit = kv.get_computed_blocks(req)
-            num_ext = 0
-            if self.connector is not None:
-                ext = self.connector.get_num_new_matched_tokens(req, num_hit)
-                if ext is None:  # a tier is still answering: leave it waiting, try the next one
-                    # (vLLM's skip). Its deferral clock runs only while it is considered, so
-                    # waiting for a batch slot later never costs it its tier hits.
+            rid = req.request_id
+            if req.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                if rid not in self.finished_recving_kv_req_ids:
+                    idx += 1  # its KV is still arriving
+                    continue
+                self._promote_remote_kv(req)
+            if rid in self.promoted_req_ids:
+                # Its blocks arrived from a connector: go on from its valid prefix. It already
+                # holds its blocks, so a new request that did not fit never holds it back.
+                computed = req.num_computed_tokens
+                n = min(req.num_tokens - computed, budget)
+                if kv.allocate_slots(req, n) is None:
                     idx += 1
                     continue
-                num_ext = ext
-            n = min(req.num_tokens - num_hit - num_ext, budget)
-            if kv.allocate_slots(req, n, num_hit, hits, num_external_computed_tokens=num_ext,
-                                 full_sequence_must_fit=True) is None:
-                break  # strict FCFS: no one behind it overtakes it for memory
+                self.promoted_req_ids.discard(rid)
+            elif no_room:
+                idx += 1
+                continue
+            else:
+                admitted = self._admit(req, budget)
+                if admitted is None:
+                    # Strict FCFS: no new request behind it overtakes it for memory; but
+                    # requests whose external KV arrived hold their blocks and may go on
+                    # (else they would hold those blocks for ever).
+                    if not (self.promoted_req_ids or self.finished_recving_kv_req_ids):
+                        break
+                    no_room = True
+                    idx += 1
+                    continue
+                if admitted is False:
+                    idx += 1  # undecided, or parked waiting for remote KV: the next one may go
+                    continue
+                computed, n = admitted
             del self.waiting[idx]
             self.running.append(req)
             req.status = RequestStatus.RUNNING
-            if num_ext:
-                self.connector.update_state_after_alloc(req, kv.get_block_ids(req.request_id)[0],
-                                                        num_hit, num_ext)
-            computed = num_hit + num_ext
             req.num_computed_tokens = computed
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = computed
             if req.metrics.first_scheduled_time is None:
                 req.metrics.first_scheduled_time = time.monotonic()
-            scheduled[req.request_id] = (req, computed, n)
+            scheduled[rid] = (req, computed, n)
             budget -= n
+
+    def _admit(self, req: Request, budget: int) -> tuple[int, int] | bool | None:
+        """Prefix lookup, connector query and allocation for a new (or preempted) request.
+        ``(computed, n)``: admitted, to compute ``n`` tokens after ``computed``; None: no room
+        (strict FCFS: no one behind it overtakes it for memory); False: not admitted this step
+        (the connector is undecided, or its KV loads asynchronously: it was parked in
+        ``WAITING_FOR_REMOTE_KVS`` with its blocks allocated)."""
+        kv = self.kv_cache_manager
+        hits, num_hit = kv.get_computed_blocks(req)
+        num_ext, load_async = 0, False
+        if self.connector is not None:
+            ext, load_async = self.connector.get_num_new_matched_tokens(req, num_hit)
+            if ext is None:  # a tier is still answering: leave it waiting, try the next one
+                # (vLLM's skip). Its deferral clock runs only while it is considered, so
+                # waiting for a batch slot later never costs it its tier hits.
+                return False
+            num_ext = ext
+        load_async = load_async and num_ext > 0
+        if not load_async:  # compute at least the last token: its logits give the next one
+            num_ext = max(min(num_ext, req.num_tokens - 1 - num_hit), 0)
+        n = 0 if load_async else min(req.num_tokens - num_hit - num_ext, budget)
+        if kv.allocate_slots(req, n, num_hit, hits, num_external_computed_tokens=num_ext,
+                             delay_cache_blocks=load_async, full_sequence_must_fit=True) is None:
+            return None
+        if self.connector is not None:
+            req.num_computed_tokens = num_hit
+            self.connector.update_state_after_alloc(req, kv.get_block_ids(req.request_id), num_ext)
+        if load_async:
+            req.num_computed_tokens = num_hit + num_ext  # provisional, until the KV arrives
+            req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+            return False
+        return num_hit + num_ext, n
+
+    def _promote_remote_kv(self, req: Request) -> None:
+        """``req``'s asynchronous load ended (failed blocks were already cut off by
+        `_handle_invalid_blocks`): register its loaded blocks in the prefix cache; if the whole
+        prompt arrived, recompute its last token, whose logits give the first output token. It
+        goes on from its valid prefix, even an empty one (the connector is not asked again)."""
+        self.finished_recving_kv_req_ids.discard(req.request_id)
+        self.promoted_req_ids.add(req.request_id)
+        req.status = RequestStatus.WAITING
+        self.kv_cache_manager.cache_blocks(req, req.num_computed_tokens)
+        if req.num_computed_tokens >= req.num_tokens:
+            req.num_computed_tokens = req.num_tokens - 1
 
     def _stop_cache_exhausted(self, req: Request) -> None:
         kv = self.kv_cache_manager
@@ -197,18 +291,30 @@ class Scheduler:
                        (pool.num_gpu_blocks - 1) * kv.kv_cache_groups[0].kv_cache_spec.block_size)
         self._free_request(req, RequestStatus.FINISHED_LENGTH_CAPPED)
 
-    def _release(self, req: Request, preempted: bool = False) -> None:
-        """Free the request's blocks, after the connector settled its stores."""
+    def _release(self, req: Request, was_loading: bool = False) -> dict | None:
+        """Free the request's blocks once no transfer uses them: at once, or when the connector
+        reports the send it asked to delay (``delay_free``) and/or the load still in flight
+        (which may write into them: vLLM's rule). Returns the connector's
+        ``kv_transfer_params`` for the client."""
+        rid = req.request_id
+        self.promoted_req_ids.discard(rid)
+        params = None
         if self.connector is not None:
-            block_ids = self.kv_cache_manager.get_block_ids(req.request_id)[0]
-            if preempted:
-                self.connector.on_preempt(req, block_ids)
-            else:
-                self.connector.request_finished(req, block_ids)
+            delay, params = self.connector.request_finished(req, self.kv_cache_manager.get_block_ids(rid))
+            pending = {"send"} if delay else set()
+            if was_loading and rid not in self.finished_recving_kv_req_ids:
+                pending.add("recv")
+            self.finished_recving_kv_req_ids.discard(rid)
+            if pending:
+                self.delayed_free[rid] = (req, pending)
+                return params
         self.kv_cache_manager.free(req)
+        return params
 
     def _preempt(self, req: Request) -> None:
-        self._release(req, preempted=True)
+        if self.connector is not None:
+            self.connector.on_preempt(req, self.kv_cache_manager.get_block_ids(req.request_id))
+        self.kv_cache_manager.free(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.num_preemptions += 1
@@ -216,17 +322,20 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(req)
 
-    def _free_request(self, req: Request, status: RequestStatus) -> None:
-        """The one way a request ends: out of its queue, forgotten, ``status`` set, blocks
-        freed, and its id handed to the workers in the next `SchedulerOutput`."""
+    def _free_request(self, req: Request, status: RequestStatus) -> dict | None:
+        """The one way a request ends: out of its queue, forgotten, blocks freed (or held for
+        the connector, see `_release`), ``status`` set, and its id handed to the workers in the
+        next `SchedulerOutput`. Returns the connector's ``kv_transfer_params``."""
         if req.status == RequestStatus.RUNNING:
             self.running.remove(req)
         else:
             self.waiting.remove(req)
         del self.requests[req.request_id]
+        was_loading = req.status == RequestStatus.WAITING_FOR_REMOTE_KVS
         req.status = status
-        self._release(req)
+        params = self._release(req, was_loading)
         self.finished_req_ids.add(req.request_id)
+        return params
 
     # ---- after the forward pass -------------------------------------------------------------------
 
@@ -245,35 +354,113 @@ class Scheduler:
         so = scheduler_output
         outputs = [EngineCoreOutput(r.request_id, [], finish_reason=FINISHED_REASONS[r.status])
                    for r in so.finished] if so.finished else []
+        mro = model_runner_output
+        kco = mro.kv_connector_output
+        dropped: set[str] = set()
+        if kco is not None and self.connector is not None:
+            self.connector.update_connector_output(kco)
+            if kco.invalid_block_ids:
+                dropped = self._handle_invalid_blocks(kco.invalid_block_ids, outputs)
         forked: list[Request] = []
         if so.forks:
             forks, so.forks = so.forks, []
             # Before any parent may finish (and free its blocks) below.
-            forked = [child for parent, child in forks if self._fork(parent, child)]
-        mro = model_runner_output
+            forked = [child for parent, child in forks
+                      if self._fork_unless_dropped(parent, child, dropped)]
         if mro.req_ids:
-            self._append_tokens(mro, outputs)
+            self._append_tokens(mro, outputs, dropped)
         if so.finished:
             so.finished = []
+        if kco is not None:
+            self._update_from_kv_xfer_finished(kco)
         return EngineCoreOutputs(outputs, forked)
 
-    def _append_tokens(self, mro: ModelRunnerOutput, outputs: list[EngineCoreOutput]) -> None:
-        """Append each row's token to its request and apply the token-level stops."""
+    def _fork_unless_dropped(self, parent: Request, child: Request, dropped: set[str]) -> bool:
+        if parent.request_id in dropped:  # its prompt KV is being recomputed: fork later
+            parent.fork_pending += 1
+            return False
+        return self._fork(parent, child)
+
+    # ---- KV connector reports ---------------------------------------------------------------------
+
+    def _handle_invalid_blocks(self, invalid: set[int], outputs: list[EngineCoreOutput]) -> set[str]:
+        """Blocks whose load failed: each request holding one keeps only the KV before its
+        first invalid block. Policy "recompute": its prefix-cache hashes from there are dropped
+        and ``num_computed_tokens`` rewinds to there (a running request's token sampled this
+        step is discarded). Policy "fail": it finishes with reason "error". Returns the ids
+        whose sampled token must be dropped."""
+        kv = self.kv_cache_manager
+        dropped: set[str] = set()
+        for req in list(self.requests.values()):
+            valid = self._num_valid_tokens(req, invalid)
+            if valid is None:
+                continue
+            kv.invalidate(req, valid)
+            dropped.add(req.request_id)
+            if self.kv_load_failure_policy == "fail":
+                logger.error("request %s: its KV failed to load (kv_load_failure_policy=fail)", req.request_id)
+                self._free_request(req, RequestStatus.FINISHED_ERROR)
+                outputs.append(EngineCoreOutput(req.request_id, [], finish_reason="error"))
+            else:
+                logger.warning("request %s: KV load failed after %d tokens; recomputing the rest",
+                               req.request_id, valid)
+                req.num_computed_tokens = min(req.num_computed_tokens, valid)
+        return dropped
+
+    def _num_valid_tokens(self, req: Request, invalid: set[int]) -> int | None:
+        """Tokens before the first block of ``req`` in ``invalid`` (over all groups); None if it
+        holds none."""
+        valid = None
+        groups = self.kv_cache_manager.kv_cache_groups
+        for g, ids in enumerate(self.kv_cache_manager.get_block_ids(req.request_id)):
+            for i, b in enumerate(ids):
+                if b in invalid:
+                    tokens = i * groups[g].kv_cache_spec.block_size
+                    valid = tokens if valid is None else min(valid, tokens)
+                    break
+        return valid
+
+    def _update_from_kv_xfer_finished(self, kco: KVConnectorOutput) -> None:
+        """Loads that ended ready their requests (promoted in the next `schedule`); sends and
+        loads that ended free the blocks held for them."""
+        for rid in kco.finished_recving:
+            req = self.requests.get(rid)
+            if req is not None and req.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                self.finished_recving_kv_req_ids.add(rid)
+            else:
+                self._settle_delayed_free(rid, "recv")
+        for rid in kco.finished_sending:
+            self._settle_delayed_free(rid, "send")
+
+    def _settle_delayed_free(self, rid: str, what: str) -> None:
+        entry = self.delayed_free.get(rid)
+        if entry is None:
+            return
+        req, pending = entry
+        pending.discard(what)
+        if not pending:
+            del self.delayed_free[rid]
+            self.kv_cache_manager.free(req)
+
+    def _append_tokens(self, mro: ModelRunnerOutput, outputs: list[EngineCoreOutput],
+                       dropped: set[str] = frozenset()) -> None:  # type: ignore[assignment]
+        """Append each row's token to its request and apply the token-level stops (rows of
+        ``dropped`` requests are skipped: their KV is being recomputed)."""
         requests = self.requests
         lps = itertools.repeat(None) if mro.logprobs is None else mro.logprobs
         slps = itertools.repeat(None) if mro.sampled_logprobs is None else mro.sampled_logprobs
         for rid, token, lp, slp in zip(mro.req_ids, mro.sampled_token_ids, lps, slps):
             req = requests.get(rid)
-            if req is None:
+            if req is None or rid in dropped:
                 continue
             req.append_output_token_ids(token)
             status = self._check_stop(req, token)
             if status is None:
                 outputs.append(EngineCoreOutput(rid, [token], lp, slp))
             else:
-                self._free_request(req, status)
+                params = self._free_request(req, status)
                 outputs.append(EngineCoreOutput(rid, [token], lp, slp, FINISHED_REASONS[status],
-                                                req.stop_reason))
+                                                req.stop_reason, params))
 
     def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
         """The token-level stop ``token`` (just appended) triggers, if any. EOS and stop token

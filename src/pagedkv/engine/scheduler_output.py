@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagedkv.engine.request import Request
+from pagedkv.kv_transfer.base import KVConnectorMetadata, KVConnectorOutput
 
 
 @dataclass(slots=True)
@@ -50,6 +51,8 @@ class SchedulerOutput:
     # Requests finished (or aborted) since the previous step: workers drop their state.
     finished_req_ids: set[str] = field(default_factory=set)
     num_batched_tokens: int = 0
+    # The KV connector's work for this step (`KVConnectorBase.build_connector_meta`).
+    kv_connector_metadata: KVConnectorMetadata | None = None
 
     @property
     def is_empty(self) -> bool:
@@ -69,6 +72,8 @@ class ModelRunnerOutput:
     sampled_token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, Any] | None] | None = None
     sampled_logprobs: list[float | None] | None = None
+    # The KV connector's worker-side report of the step (None without a connector).
+    kv_connector_output: KVConnectorOutput | None = None
 
 
 # A step that sampled nothing (an empty batch, or only prefill chunks short of their prompt's
@@ -82,7 +87,8 @@ class EngineCoreOutput:
 
     ``finish_reason`` is ``"stop"`` (EOS or a stop token id; then ``stop_reason`` is that id, or
     None for EOS), ``"length"`` (max_tokens, max_model_len, or a sequence the whole KV cache
-    cannot hold), ``"abort"``, or None while the request runs.
+    cannot hold), ``"abort"``, ``"error"`` (its KV could not be loaded, with
+    ``kv_load_failure_policy="fail"``), or None while the request runs.
     """
 
     request_id: str
@@ -91,6 +97,8 @@ class EngineCoreOutput:
     new_sampled_logprob: float | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # From `KVConnectorBase.request_finished`: what a consumer needs to fetch this request's KV.
+    kv_transfer_params: dict[str, Any] | None = None
 
     @property
     def finished(self) -> bool:

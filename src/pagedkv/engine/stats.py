@@ -16,36 +16,8 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from pagedkv.core.kv_cache_manager import PrefixCacheStats
+from pagedkv.kv_transfer.stats import KVConnectorStats
 from pagedkv.offload.base import TierStats
-
-
-@dataclass(slots=True)
-class KVConnectorStats:
-    """The KV connector's counters (vLLM's ``SchedulerStats.kv_connector_stats``): tokens loaded
-    from the offload tiers into the device cache, blocks stored into them, and one `TierStats`
-    per tier (CPU first, then disk, Redis), each a copy."""
-
-    loaded_tokens: int = 0
-    stored_blocks: int = 0
-    tiers: list[TierStats] = field(default_factory=list)
-
-    def tier_dicts(self) -> dict[str, dict[str, Any]]:
-        """Tier name → its counters as a dict (every `TierStats` field), in tier order."""
-        return {t.name: asdict(t) for t in self.tiers}
-
-    def to_dict(self) -> dict[str, Any]:
-        """``stats()["offload"]``: `tier_dicts` plus ``loaded_tokens`` and ``stored_blocks``."""
-        out: dict[str, Any] = self.tier_dicts()
-        out["loaded_tokens"] = self.loaded_tokens
-        out["stored_blocks"] = self.stored_blocks
-        return out
-
-    @classmethod
-    def from_tiers(cls, tiers: dict[str, TierStats], loaded_tokens: int, stored_blocks: int) -> KVConnectorStats:
-        """A snapshot of ``tiers`` (a connector's ``get_stats()``, which may hand out the live
-        objects): each `TierStats` is copied, named by its key."""
-        return cls(loaded_tokens=loaded_tokens, stored_blocks=stored_blocks,
-                   tiers=[replace(st, name=name) for name, st in tiers.items()])
 
 
 @dataclass(slots=True)

@@ -56,9 +56,15 @@ def _add_events(subparsers: Any) -> None:
     events_cli.add_parser(subparsers)
 
 
+def _add_proxy(subparsers: Any) -> None:
+    from pagedkv.entrypoints import proxy
+
+    proxy.add_parser(subparsers)
+
+
 # Registration order = order in ``pagedkv --help``.
 SUBCOMMANDS: list[Callable[[Any], None]] = [_add_plan, _add_generate, _add_chat, _add_bench]
-SUBCOMMANDS += [_add_serve, _add_events]
+SUBCOMMANDS += [_add_serve, _add_proxy, _add_events]
 
 
 def _version() -> str:

@@ -26,8 +26,9 @@ rate (per polling interval and cumulative), prompt and generation throughput, TT
 inter-token latency p50 / p99 (``"latency"``: the server's `ServerMetrics.latency_summary`
 over the last 30 s), running and waiting requests; the running requests (tokens and blocks
 each) and, with offload tiers, each tier's usage, hits and traffic (``"tiers"``: tier name ->
-its `TierStats` fields; null without tiers). The numbers come from one `SchedulerStats`
-snapshot (`LLMEngine.make_stats`).
+its `TierStats` fields; null without tiers) and, with a PD connector (`NixlConnector`), its
+transfers (``"kv_transfer"``: `kv_transfer_state`; null without one). The numbers come from one
+`SchedulerStats` snapshot (`LLMEngine.make_stats`).
 ``GET /`` redirects to ``/dashboard``.
 """
 
@@ -44,6 +45,7 @@ from pagedkv.core.hashing import get_block_hash
 
 if TYPE_CHECKING:
     from pagedkv.engine.llm_engine import LLMEngine
+    from pagedkv.engine.stats import SchedulerStats
 
 MAX_LISTED_REQUESTS = 64
 STATE_CHARS = {"null": "n", "free": "f", "cached": "c", "used": "u", "shared": "s"}
@@ -89,6 +91,19 @@ def block_details(engine: LLMEngine) -> dict[str, Any]:
     return dict(ref_cnt=ref_cnt, hashes=hashes, owner_ids=owner_ids, owners=owners)
 
 
+def kv_transfer_state(stats: SchedulerStats) -> dict[str, Any] | None:
+    """``"kv_transfer"`` of the state: a PD connector's role, connected peers, transfers in
+    flight and cumulative transfers, failures, expired leases and bytes; None without a PD
+    connector (no connector, or an offloading one)."""
+    kcs = stats.kv_connector_stats
+    t = kcs.transfer if kcs is not None else None
+    if t is None:
+        return None
+    return dict(role=t.role, peers=list(t.peers), transfers_in_flight=t.transfers_in_flight,
+                transfers=t.num_transfers, failures=t.num_failed, leases_expired=t.num_leases_expired,
+                bytes=t.num_bytes)
+
+
 def dashboard_state(engine: LLMEngine, extra: dict[str, Any] | None = None) -> dict[str, Any]:
     """The JSON of ``/dashboard/state``. Call on the engine thread."""
     blocks = block_states(engine)
@@ -119,6 +134,7 @@ def dashboard_state(engine: LLMEngine, extra: dict[str, Any] | None = None) -> d
         generation_tokens=stats.generation_tokens,
         running=running, waiting=waiting,
         tiers=tiers or None,
+        kv_transfer=kv_transfer_state(stats),
         **block_details(engine),
     )
     if extra:

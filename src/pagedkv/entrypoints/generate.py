@@ -61,7 +61,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     g.add_argument("--no-prefix-caching", "--no-enable-prefix-caching", dest="no_prefix_caching",
                    action="store_true", help="disable prefix caching")
     g.add_argument("--kv-offload", default=None, metavar="SPEC",
-                   help="KV tiers, e.g. cpu:4GiB,disk:/var/cache/pagedkv:20GiB,redis://127.0.0.1:6379")
+                   help="KV tiers, e.g. cpu:4GiB,disk:/var/cache/pagedkv:20GiB,redis://127.0.0.1:6379 "
+                        "(short form of --kv-transfer-config for the OffloadingConnector)")
+    g.add_argument("--kv-transfer-config", default=None, metavar="JSON",
+                   help="the KV connector as vLLM's KVTransferConfig JSON, e.g. "
+                        '\'{"kv_connector":"OffloadingConnector","kv_role":"kv_both",'
+                        '"kv_connector_extra_config":{"kv_offload":"cpu:4GiB"}}\'')
+    g.add_argument("--kv-side-channel-port", type=int, default=None, metavar="PORT",
+                   help="where a NixlConnector listens for KV handshakes (sets "
+                        "kv_connector_extra_config.side_channel_port)")
     g.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"],
                    help="how a preempted request comes back: recompute its KV, or swap it to the CPU tier "
                         "(default recompute)")
@@ -97,6 +105,37 @@ def sampling_params(args: argparse.Namespace, **extra: Any) -> Any:
         raise CLIError(str(e)) from None
 
 
+def kv_transfer_config_arg(args: argparse.Namespace) -> Any:
+    """The `KVTransferConfig` ``--kv-transfer-config`` gives (None without the flag). Bad JSON,
+    an unknown or invalid field, or the flag together with ``--kv-offload`` (its short form)
+    raise CLIError naming the flag; so does a ``kv_connector`` that no registered name or
+    ``kv_connector_module_path`` provides (checked here: the engine would find out only after
+    loading the weights)."""
+    text = getattr(args, "kv_transfer_config", None)
+    if text is None:
+        if getattr(args, "kv_side_channel_port", None) is not None:
+            raise CLIError("--kv-side-channel-port needs --kv-transfer-config naming a NixlConnector")
+        return None
+    if args.kv_offload is not None:
+        raise CLIError("give either --kv-offload or --kv-transfer-config, not both "
+                       "(--kv-offload SPEC is the short form of the OffloadingConnector's config)")
+    from pagedkv.kv_transfer.config import KVTransferConfig
+    from pagedkv.kv_transfer.factory import KVConnectorFactory
+
+    try:
+        config = KVTransferConfig.from_cli(text)
+        if config.kv_connector is not None:
+            KVConnectorFactory.get_connector_class(config)
+        port = getattr(args, "kv_side_channel_port", None)
+        if port is not None:
+            config.kv_connector_extra_config["side_channel_port"] = port
+        return config
+    except (ValueError, TypeError) as e:  # TypeError: a field of the wrong JSON type
+        msg = str(e)
+        named = msg.startswith("--kv-transfer-config")  # from_cli's JSON error names it already
+        raise CLIError(msg if named else f"invalid --kv-transfer-config: {msg}") from None
+
+
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """`LLM(...)` keywords from the flags, validated (CLIError) before any weight is read."""
     from pagedkv.engine.config import EngineConfig
@@ -104,7 +143,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     kw = dict(block_size=args.block_size, max_model_len=args.max_model_len, num_kv_blocks=args.num_kv_blocks,
               kv_cache_memory=args.kv_cache_memory, enable_prefix_caching=not args.no_prefix_caching,
               dtype=args.dtype, seed=args.seed if args.seed is not None else 0,
-              kv_offload=args.kv_offload, preemption_mode=args.preemption_mode)
+              kv_offload=args.kv_offload, preemption_mode=args.preemption_mode,
+              kv_transfer_config=kv_transfer_config_arg(args))
     try:
         EngineConfig(model=args.model, **kw)
     except ValueError as e:

@@ -22,7 +22,13 @@ process, e.g. in tests). Two sources feed it:
   aborted and rejected requests, ``cache_config_info`` (a gauge set to 1 whose labels are the
   KV cache configuration) and, with offload tiers, per-tier usage, capacity, hits, misses,
   bytes read / written and health (each tier's `TierStats`). A tier without a size limit (a
-  Redis server without ``maxmemory``) reports ``offload_capacity_bytes`` +Inf.
+  Redis server without ``maxmemory``) reports ``offload_capacity_bytes`` +Inf. With a PD
+  connector (`NixlConnector`: ``kv_connector_stats.transfer`` set), its transfers
+  (`kv_transfer_metrics`): ``kv_transfer_transfers_total``, ``kv_transfer_blocks_total``,
+  ``kv_transfer_bytes_total``, ``kv_transfer_failures_total``,
+  ``kv_transfer_leases_expired_total``, the gauge ``kv_transfer_in_flight`` and the histogram
+  ``kv_transfer_latency_seconds``. ``cache_config_info`` names the connector and its
+  ``kv_role`` ("None" without one).
 
 Counters are exposed with the ``_total`` suffix, as prometheus_client (and vLLM) do:
 ``pagedkv:prefix_cache_queries_total``. No ``_created`` series are exported
@@ -44,14 +50,18 @@ from typing import TYPE_CHECKING, Any
 
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
+
+from pagedkv.kv_transfer.stats import TRANSFER_LATENCY_BUCKETS
 
 if TYPE_CHECKING:
     from pagedkv.engine.async_llm import AsyncLLM
     from pagedkv.engine.llm_engine import LLMEngine
     from pagedkv.engine.outputs import RequestOutput
-    from pagedkv.engine.stats import TierStats
+    from pagedkv.engine.stats import SchedulerStats, TierStats
+    from pagedkv.kv_transfer.stats import KVTransferStats
 
 DEFAULT_METRICS_PREFIX = "pagedkv"
 METRICS_PREFIXES = ("pagedkv", "vllm")
@@ -81,6 +91,19 @@ TIER_FIELDS = [
     ("misses", "offload_misses", "counter", "Lookups that did not find the chunk in the tier."),
     ("bytes_read", "offload_bytes_read", "counter", "Bytes loaded from the tier."),
     ("bytes_written", "offload_bytes_written", "counter", "Bytes stored into the tier."),
+]
+
+# (field of KVTransferStats, metric suffix, kind, help): a PD connector's transfers.
+TRANSFER_FIELDS = [
+    ("num_transfers", "kv_transfer_transfers", "counter", "KV cache transfers completed by the PD connector."),
+    ("num_blocks", "kv_transfer_blocks", "counter", "KV cache blocks moved by completed transfers."),
+    ("num_bytes", "kv_transfer_bytes", "counter", "Bytes moved by completed KV cache transfers."),
+    ("num_failed", "kv_transfer_failures", "counter",
+     "Failed KV cache transfers; each request is recomputed locally or failed, per kv_load_failure_policy."),
+    ("num_leases_expired", "kv_transfer_leases_expired", "counter",
+     "Producer block leases that expired before a consumer fetched the blocks."),
+    ("transfers_in_flight", "kv_transfer_in_flight", "gauge",
+     "KV cache transfers in flight (handshaking, receiving or sending)."),
 ]
 
 
@@ -310,8 +333,49 @@ def cache_config_labels(engine: Any) -> dict[str, str]:
         "gpu_memory_utilization": str(config.gpu_memory_utilization),
         "kv_cache_layout": str(config.kv_cache_layout),
         "kv_offload": str(config.kv_offload),
+        # vLLM's KVTransferConfig.kv_connector ("None" without a connector; --kv-offload and
+        # --kv-transfer-config both name it, only the first sets kv_offload).
+        "kv_connector": str(getattr(getattr(config, "kv_transfer_config", None), "kv_connector", None)),
+        # KVTransferConfig.kv_role: kv_producer / kv_consumer / kv_both ("None" without one).
+        "kv_role": str(getattr(getattr(config, "kv_transfer_config", None), "kv_role", None)),
         "device": str(config.device),
     }
+
+
+def kv_transfer_metrics(stats: SchedulerStats, prefix: str, labels: list[str],
+                        values: list[str]) -> list[Metric]:
+    """A PD connector's transfer metrics (`TRANSFER_FIELDS` and ``kv_transfer_latency_seconds``),
+    each one sample with ``labels`` = ``values``; empty unless ``stats.kv_connector_stats.transfer``
+    is set (no connector, or an offloading one)."""
+    kcs = stats.kv_connector_stats
+    t = kcs.transfer if kcs is not None else None
+    if t is None:
+        return []
+    out: list[Metric] = []
+    for field, suffix, kind, doc in TRANSFER_FIELDS:
+        cls = GaugeMetricFamily if kind == "gauge" else CounterMetricFamily
+        fam = cls(prefix + suffix, doc, labels=labels)
+        fam.add_metric(values, float(getattr(t, field)))
+        out.append(fam)
+    out.append(_latency_histogram(t, prefix + "kv_transfer_latency_seconds", labels, values))
+    return out
+
+
+def _latency_histogram(t: KVTransferStats, name: str, labels: list[str], values: list[str]) -> Metric:
+    """``t.latency_buckets`` (a count per bucket) as a Prometheus histogram: cumulative counts per
+    ``le`` bound of `TRANSFER_LATENCY_BUCKETS`, then +Inf (every observation), and the sum."""
+    fam = HistogramMetricFamily(name, "Latency of completed KV cache transfers in seconds.", labels=labels)
+    bounds = [floatToGoString(b) for b in TRANSFER_LATENCY_BUCKETS] + ["+Inf"]
+    counts = list(t.latency_buckets) + [0] * max(len(bounds) - len(t.latency_buckets), 0)
+    cumulative: list[tuple[str, float]] = []
+    total = 0
+    for le, n in zip(bounds, counts):
+        total += n
+        cumulative.append((le, float(total)))
+    # Counts past the last slot (none by construction) still belong in +Inf, so it equals _count.
+    cumulative[-1] = ("+Inf", float(sum(counts)))
+    fam.add_metric(values, cumulative, sum_value=float(t.latency_sum_s))
+    return fam
 
 
 class _EngineCollector(Collector):
@@ -360,6 +424,7 @@ class _EngineCollector(Collector):
         yield self._cache_config_info()
         if s.tier_stats:
             yield from self._tier_metrics(s.tier_stats)
+        yield from kv_transfer_metrics(s, prefix, labels, values)
 
     def _tier_metrics(self, tiers: list[TierStats]) -> Iterable[Metric]:
         """One family per `TIER_FIELDS` entry, one sample per tier (labels ``tier``, ``medium``)."""
@@ -387,4 +452,4 @@ class _EngineCollector(Collector):
 
 
 __all__ = ["DEFAULT_METRICS_PREFIX", "METRICS_PREFIXES", "ServerMetrics", "build_1_2_5_buckets",
-           "cache_config_labels", "check_metrics_prefix", "percentile"]
+           "cache_config_labels", "check_metrics_prefix", "kv_transfer_metrics", "percentile"]

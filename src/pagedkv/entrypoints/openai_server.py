@@ -10,6 +10,7 @@ Routes:
   prompts (choice ``index = prompt_index * n + sample_index``).
 * ``GET /v1/models``, ``GET /health`` (503 once the engine failed), ``GET /metrics``
   (Prometheus, see metrics.py), ``POST /reset_prefix_cache`` (409 while requests hold blocks),
+  ``GET /debug/kv_cache`` (the pool's counts and an invariant check: `debug_kv_cache`),
   ``GET /dashboard`` and ``GET /dashboard/state`` (see dashboard.py).
 
 Errors have OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``: 400 for
@@ -45,7 +46,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -58,6 +59,9 @@ from pagedkv.entrypoints.middleware import AccessLogMiddleware, APIKeyMiddleware
 from pagedkv.entrypoints.serving_chat import create_chat_completion
 from pagedkv.entrypoints.serving_completion import create_completion
 from pagedkv.entrypoints.serving_engine import ServerState, server_state
+
+if TYPE_CHECKING:
+    from pagedkv.engine.llm_engine import LLMEngine
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_MAX_REQUEST_BYTES = 8 * 2**20
@@ -98,6 +102,32 @@ async def reset_prefix_cache(request: Request) -> Response:
         raise APIError(409, "the prefix cache cannot be reset while requests hold KV blocks; "
                        "retry when the server is idle", "conflict_error", None, "blocks_in_use")
     return JSONResponse({"success": True})
+
+
+async def debug_kv_cache(request: Request) -> Response:
+    """An operator's leak check: the KV pool's counts and `LLMEngine.check_invariants`, run on the
+    engine thread between two steps. Returns ``{"num_blocks", "num_free_blocks", "num_running",
+    "num_waiting", "invariants_ok": true}``; when the check fails, ``invariants_ok`` is false and
+    ``"error"`` is its AssertionError's message (still 200: the answer is the finding).
+    ``num_blocks`` counts the reserved null block, so an idle server (nothing running, waiting
+    or held for a KV transfer) has ``num_free_blocks == num_blocks - 1``. O(num_blocks)."""
+    state = server_state(request)
+
+    def check(e: LLMEngine) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "num_blocks": e.kv_cache_config.num_blocks, "num_free_blocks": e.kv_cache_manager.num_free_blocks,
+            "num_running": e.scheduler.num_running, "num_waiting": e.scheduler.num_waiting,
+            "invariants_ok": True}
+        try:
+            e.check_invariants()
+        except AssertionError as err:
+            out.update(invariants_ok=False, error=str(err))
+        return out
+
+    try:
+        return JSONResponse(await state.async_llm.run_in_engine(check))
+    except EngineDeadError as e:
+        raise engine_error(e, "") from None
 
 
 # ---- app -----------------------------------------------------------------------------------------
@@ -148,6 +178,7 @@ def build_app(async_llm: AsyncLLM, *, served_model_name: str | None = None,
     app.add_api_route("/health", health, methods=["GET"])
     app.add_api_route("/metrics", metrics, methods=["GET"])
     app.add_api_route("/reset_prefix_cache", reset_prefix_cache, methods=["POST"])
+    app.add_api_route("/debug/kv_cache", debug_kv_cache, methods=["GET"])
     dashboard.add_routes(app)
     # The last added runs first: log everything, then authenticate, then read the body.
     if max_request_bytes is not None:

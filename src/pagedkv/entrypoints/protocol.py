@@ -4,7 +4,9 @@ Requests are validated strictly (``strict=True``: a string is not an integer, ``
 ``n``); unknown fields are ignored, as OpenAI's and vLLM's servers do. Besides OpenAI's
 parameters, vLLM's sampling extensions are accepted: ``top_k``, ``min_p``,
 ``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``,
-``include_stop_str_in_output``, ``skip_special_tokens``.
+``include_stop_str_in_output``, ``skip_special_tokens``, and vLLM's ``kv_transfer_params`` (an
+object handed to the KV connector as ``SamplingParams.kv_transfer_params``; responses carry the
+connector's params for the finished request at their top level, null when there are none).
 
 Value checks (ranges) are left to `SamplingParams`, which names the offending parameter; the
 server turns its ValueError into a 400 whose ``param`` is the request field. Numbers must be
@@ -83,6 +85,9 @@ class _SamplingRequest(_Request):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     cache_salt: str | None = None  # vLLM: requests share cached blocks only with the same salt
+    # vLLM: per-request KV connector params (PD disaggregation, offload policy); SamplingParams
+    # checks the keys, so an unknown one is a 400 naming this field.
+    kv_transfer_params: dict[str, Any] | None = None
     # Not implemented: refused unless unused (see UNSUPPORTED_FIELDS).
     tools: Any = None
     tool_choice: Any = None
@@ -126,6 +131,7 @@ class _SamplingRequest(_Request):
             stop_token_ids=self.stop_token_ids,
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
+            kv_transfer_params=self.kv_transfer_params,
         )
         return kw
 
@@ -246,10 +252,20 @@ class CompletionResponse(_Response):
     model: str
     choices: list[CompletionResponseChoice]
     usage: UsageInfo | None = None
+    # The KV connector's params of the finished request (vLLM's field; null without one).
+    kv_transfer_params: dict[str, Any] | None = None
 
 
-class CompletionStreamResponse(CompletionResponse):
-    pass
+class CompletionStreamResponse(_Response):
+    """One SSE chunk; the last one also carries ``kv_transfer_params`` (an extra field, set by
+    serving_engine), so that the other chunks do not repeat a null."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionResponseChoice]
+    usage: UsageInfo | None = None
 
 
 # ---- chat completions ----------------------------------------------------------------------
@@ -367,6 +383,8 @@ class ChatCompletionResponse(_Response):
     model: str
     choices: list[ChatCompletionResponseChoice]
     usage: UsageInfo | None = None
+    # The KV connector's params of the finished request (vLLM's field; null without one).
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class DeltaMessage(_Response):

@@ -94,7 +94,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def engine_config(args: argparse.Namespace) -> Any:
+    """`EngineConfig` from the flags; raises ValueError (a `CLIError` for
+    ``--kv-transfer-config``) naming the bad one."""
     from pagedkv.engine.config import EngineConfig
+    from pagedkv.entrypoints.generate import kv_transfer_config_arg
 
     return EngineConfig(model=args.model, dtype=args.dtype, block_size=args.block_size,
                         num_kv_blocks=args.num_kv_blocks, kv_cache_memory=args.kv_cache_memory,
@@ -102,7 +105,8 @@ def engine_config(args: argparse.Namespace) -> Any:
                         max_num_batched_tokens=args.max_num_batched_tokens,
                         enable_prefix_caching=not args.no_prefix_caching,
                         enable_kv_cache_events=args.enable_kv_cache_events, seed=args.seed,
-                        kv_offload=args.kv_offload, preemption_mode=args.preemption_mode)
+                        kv_offload=args.kv_offload, preemption_mode=args.preemption_mode,
+                        kv_transfer_config=kv_transfer_config_arg(args))
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -146,9 +150,10 @@ def run(args: argparse.Namespace) -> int:
         return fail("serve", ValueError(f"invalid --log-stats-interval {args.log_stats_interval}: must be >= 0"))
     if args.max_request_bytes < 1:
         return fail("serve", ValueError(f"invalid --max-request-bytes {args.max_request_bytes}: must be >= 1"))
+    from pagedkv.entrypoints.cli_common import CLIError
     try:
         config = engine_config(args)
-    except ValueError as e:
+    except (ValueError, CLIError) as e:
         return fail("serve", e)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     try:

@@ -11,6 +11,7 @@ import asyncio
 import time
 import uuid
 from dataclasses import dataclass
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import Response
@@ -100,9 +101,10 @@ class ChatRenderer(ChoiceRenderer):
             logprobs=self._logprobs(c, 0, len(c.token_ids)),
             finish_reason=c.finish_reason, stop_reason=c.stop_reason)
 
-    def response(self, choices: list, usage: P.UsageInfo) -> P.ChatCompletionResponse:
+    def response(self, choices: list, usage: P.UsageInfo,
+                 kv_transfer_params: dict[str, Any] | None = None) -> P.ChatCompletionResponse:
         return P.ChatCompletionResponse(id=self.request_id, created=self.created, model=self.model,
-                                        choices=choices, usage=usage)
+                                        choices=choices, usage=usage, kv_transfer_params=kv_transfer_params)
 
     def _logprobs(self, c: CompletionOutput, t0: int, t1: int) -> P.ChatCompletionLogProbs | None:
         """Tokens ``t0:t1`` of ``c`` in chat's logprobs shape."""

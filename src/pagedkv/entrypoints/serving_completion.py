@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 import uuid
 from dataclasses import dataclass
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import Response
@@ -82,9 +83,10 @@ class CompletionRenderer(ChoiceRenderer):
                                           logprobs=self._logprobs(c, 0, len(c.token_ids), 0),
                                           finish_reason=c.finish_reason, stop_reason=c.stop_reason)
 
-    def response(self, choices: list, usage: P.UsageInfo) -> P.CompletionResponse:
+    def response(self, choices: list, usage: P.UsageInfo,
+                 kv_transfer_params: dict[str, Any] | None = None) -> P.CompletionResponse:
         return P.CompletionResponse(id=self.request_id, created=self.created, model=self.model,
-                                    choices=choices, usage=usage)
+                                    choices=choices, usage=usage, kv_transfer_params=kv_transfer_params)
 
     def _logprobs(self, c: CompletionOutput, t0: int, t1: int, offset0: int) -> P.CompletionLogProbs | None:
         """Tokens ``t0:t1`` of ``c`` in completions' logprobs shape; ``offset0``: the text

@@ -12,6 +12,10 @@ and a `ChoiceRenderer`, queues the prompts (`add_all`) and hands the streams to
 The renderer says only what differs between the endpoints: the choice and response models,
 choice indices, echo, logprobs, a chat stream's leading role chunk. The rest (stop-string
 holdback, skipping empty deltas, usage, errors, aborting on disconnect) is here, once.
+
+``kv_transfer_params`` (vLLM's PD field): the KV connector's params of the finished request go
+on the response's top level (the first prompt's, as vLLM does; null without a connector), and
+on the last chunk of a stream.
 """
 
 from __future__ import annotations
@@ -181,7 +185,8 @@ class ChoiceRenderer(ABC):
     def final_choice(self, pi: int, c: CompletionOutput, text: str) -> BaseModel: ...
 
     @abstractmethod
-    def response(self, choices: list[BaseModel], usage: P.UsageInfo) -> BaseModel: ...
+    def response(self, choices: list[BaseModel], usage: P.UsageInfo,
+                 kv_transfer_params: dict[str, Any] | None = None) -> BaseModel: ...
 
 
 async def generate_response(request: Request, renderer: ChoiceRenderer, streams: list[RequestStream],
@@ -201,7 +206,8 @@ async def generate_response(request: Request, renderer: ChoiceRenderer, streams:
         return Response(status_code=499)
     choices = [renderer.final_choice(pi, c, renderer.echo(pi) + c.text)
                for pi, out in enumerate(finals) for c in sorted(out.outputs, key=lambda c: c.index)]
-    return JSONResponse(renderer.response(choices, usage_info(finals)).model_dump())  # type: ignore[arg-type]
+    body = renderer.response(choices, usage_info(finals), finals[0].kv_transfer_params)  # type: ignore[arg-type]
+    return JSONResponse(body.model_dump())
 
 
 async def _collect(streams: list[RequestStream]) -> list[RequestOutput]:
@@ -216,12 +222,13 @@ async def _chunks(renderer: ChoiceRenderer, streams: list[RequestStream], params
                   stream_options: P.StreamOptions | None) -> AsyncIterator[str]:
     """SSE events of the streamed choices: one chunk per engine output that moved any choice
     (text, tokens or its finish), ``usage`` in each (``continuous_usage_stats``) and in a last
-    chunk without choices (``include_usage``)."""
+    chunk without choices (``include_usage``). The last chunk also has ``kv_transfer_params``."""
     include_usage = bool(stream_options and stream_options.include_usage)
     continuous = bool(stream_options and stream_options.continuous_usage_stats)
     holdback = stop_holdback(params)
     cursors = [[ChoiceCursor() for _ in range(params.n)] for _ in streams]
     last: list[RequestOutput | None] = [None] * len(streams)
+    kv_sent = False
     for chunk in renderer.stream_prelude():
         yield sse(chunk)
     async for pi, out in merged(streams):
@@ -229,9 +236,16 @@ async def _chunks(renderer: ChoiceRenderer, streams: list[RequestStream], params
         choices = [choice for c in out.outputs
                    if (choice := _stream_choice(renderer, pi, c, cursors[pi][c.index], holdback)) is not None]
         if choices:
-            yield sse(renderer.stream_chunk(choices, usage_info(last) if include_usage and continuous else None))
-    if include_usage:
-        yield sse(renderer.stream_chunk([], usage_info(last)))
+            chunk = renderer.stream_chunk(choices, usage_info(last) if include_usage and continuous else None)
+            # Without a usage chunk to come, the chunk in which every request finished is the last.
+            if not include_usage and all(o is not None and o.finished for o in last):
+                chunk.kv_transfer_params = last[0].kv_transfer_params  # type: ignore[union-attr, attr-defined]
+                kv_sent = True
+            yield sse(chunk)
+    if include_usage or not kv_sent:
+        chunk = renderer.stream_chunk([], usage_info(last) if include_usage else None)
+        chunk.kv_transfer_params = last[0].kv_transfer_params if last[0] is not None else None  # type: ignore[attr-defined]
+        yield sse(chunk)
 
 
 def _stream_choice(renderer: ChoiceRenderer, pi: int, c: CompletionOutput, cur: ChoiceCursor,

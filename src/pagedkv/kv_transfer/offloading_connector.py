@@ -1,22 +1,28 @@
-"""`OffloadingConnector`: the engine's bridge to the KV tiers (vLLM's KV connector split).
+"""`OffloadingConnector`: the engine's bridge to the KV tiers (CPU, disk, Redis), a
+`KVConnectorBase` built from ``--kv-offload SPEC`` (or ``--kv-transfer-config`` naming it).
 
-Scheduler side (bookkeeping, never blocks on I/O):
+Scheduler side (bookkeeping, never blocks on a tier):
 
 * `get_num_new_matched_tokens(request, num_computed_tokens)`: how many tokens after the local
   prefix hit can be loaded from the tiers (whole blocks, leaving at least the last token to
-  compute); None while an answer is pending (a secondary-tier lookup or a promotion to the CPU
-  tier) — the scheduler then leaves the request waiting and asks again next step.
-* `update_state_after_alloc(request, block_ids, num_computed, num_external)`: pin the hit
-  chunks and queue a load into the request's freshly allocated device blocks.
+  compute), always synchronous loads; ``(None, False)`` while an answer is pending (a
+  secondary-tier lookup or a promotion to the CPU tier) — the scheduler then leaves the request
+  waiting and asks again next step.
+* `update_state_after_alloc(request, block_ids, num_external)`: pin the hit chunks and queue a
+  load into the request's freshly allocated device blocks.
+* `build_connector_meta(scheduler_output)`: this step's loads, and the stores of the blocks that
+  become full in this step (``BLOCK_LEVEL``; CPU chunks are reserved now, filled after the pass).
 * `request_finished(request)` / `on_preempt(request)`: store what the offload policy still owes
-  and wait for the request's stores to finish, so no block is reused while a store reads it.
+  and wait for the request's stores to finish, so no block is reused while a store reads it
+  (never delays the free: ``(False, None)``).
 
-Worker side (moves bytes, `OffloadingWorker`):
-
-* `start_load_kv()`: before the forward pass, run the queued loads (synchronous on CPU);
-* `save_kv(scheduler_output)`: after the forward pass, offer the newly full blocks of every
-  scheduled request to the tiers (write-through: the CPU tier gets them, and cascades them to
-  disk and Redis in the background).
+Worker side (moves bytes, `OffloadingWorker`): `register_kv_caches` builds the host buffer and
+tiers over the runner's KV buffer; `start_load_kv` runs the step's loads before the forward pass
+(synchronous; a failed load's device blocks are reported by `get_block_ids_with_load_errors`,
+and the scheduler recomputes them); `wait_for_save` submits the step's stores after it
+(write-through: the CPU tier gets them and cascades them to disk and Redis in the background).
+A step whose forward pass failed never submits its stores: `clear_connector_metadata` releases
+their reserved chunks.
 
 Per-request ``kv_transfer_params`` (`SamplingParams.kv_transfer_params`): ``max_offload_tokens`` (store no
 block past this many tokens), ``offload_policy`` (``"BLOCK_LEVEL"``: store blocks as they fill;
@@ -26,17 +32,17 @@ block past this many tokens), ``offload_policy`` (``"BLOCK_LEVEL"``: store block
 
 from __future__ import annotations
 
-import hashlib
 import itertools
-import time
 import logging
-from collections.abc import Iterable, Sequence
+import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pagedkv.core.request import KVCacheRequest as Request
-from pagedkv.kv_transfer.base import KVConnectorBase
+from pagedkv.kv_transfer.base import BlockIds, KVConnectorBase, KVConnectorMetadata, KVConnectorRole
+from pagedkv.kv_transfer.config import KVTransferConfig, offloading_transfer_config, resolve_offload_config
+from pagedkv.kv_transfer.stats import KVConnectorStats
 from pagedkv.offload.base import (
     GPULoadStoreSpec,
     LookupResult,
@@ -45,9 +51,12 @@ from pagedkv.offload.base import (
     make_offload_key,
 )
 from pagedkv.offload.fingerprint import OffloadFingerprint
-from pagedkv.offload.spec import parse_offload_spec
 from pagedkv.offload.factory import build_offloading
+from pagedkv.offload.spec import CPUTierConfig, OffloadConfig
 from pagedkv.offload.worker import OffloadingWorker
+
+if TYPE_CHECKING:
+    from pagedkv.core.specs import KVCacheConfig
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +84,22 @@ class _LoadJob:
 
 
 @dataclass(slots=True)
+class _StoreJob:
+    request_id: str
+    keys: list[bytes]
+    src: GPULoadStoreSpec
+    spec: Any
+
+
+@dataclass(slots=True)
+class OffloadingConnectorMetadata(KVConnectorMetadata):
+    """One step's work: loads before the forward pass, stores after it (by job id)."""
+
+    loads: dict[int, _LoadJob] = field(default_factory=dict)
+    stores: dict[int, _StoreJob] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
 class _ReqState:
     offered_blocks: int = 0  # blocks [0, offered) were offered to the tiers
     deferred_s: float = 0.0  # time blocked on a tier answer while being considered
@@ -87,32 +112,35 @@ class _ReqState:
         self.deferred_s, self.deferral_episodes, self.blocked_step = 0.0, 0, -2
 
 
-def model_identity(path: str | Path) -> str:
-    """Names the weights, not just the architecture: file name, size and a digest of the first
-    4 MiB (cheap, and different for every real checkpoint)."""
-    p = Path(path)
-    if p.is_dir():
-        files = sorted(p.glob("*.safetensors"))
-        parts = [f"{f.name}:{f.stat().st_size}" for f in files]
-        return f"{p.name}|" + ",".join(parts)
-    with open(p, "rb") as f:
-        head = hashlib.sha256(f.read(4 << 20)).hexdigest()[:16]
-    return f"{p.name}|{p.stat().st_size}|{head}"
-
-
 class OffloadingConnector(KVConnectorBase):
-    def __init__(self, manager: OffloadingManager, worker: OffloadingWorker, block_size: int,
-                 preemption_mode: str = "recompute") -> None:
+    """``kv_connector_extra_config``: ``offload_config`` (the parsed tiers, see
+    `kv_transfer.config.resolve_offload_config`), ``cache_policy`` (CPU tier eviction, "lru" or
+    "arc"), ``store_threshold`` (admit a block after this many offers), ``preemption_mode``
+    ("recompute", or "swap": a preempted request's KV goes to the CPU tier)."""
+
+    def __init__(self, config: KVTransferConfig, role: KVConnectorRole,
+                 kv_cache_config: KVCacheConfig | None = None, *, model_identity: str = "",
+                 hash_seed: str = "") -> None:
+        super().__init__(config, role, kv_cache_config, model_identity=model_identity, hash_seed=hash_seed)
+        if kv_cache_config is None:
+            raise ValueError("the OffloadingConnector needs the KV cache config")
+        self.check_kv_cache_groups(kv_cache_config.kv_cache_groups)
+        self.offload_config = resolve_offload_config(config)
+        self.cache_policy = config.get_from_extra_config("cache_policy", "lru")
+        self.store_threshold = int(config.get_from_extra_config("store_threshold", 0))
+        preemption_mode = config.get_from_extra_config("preemption_mode", "recompute")
         if preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"invalid preemption_mode {preemption_mode!r}: use 'recompute' or 'swap'")
-        self.manager = manager
-        self.worker = worker
-        self.block_size = block_size
         self.preemption_mode = preemption_mode
+        self.block_size = kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
+        self.manager: OffloadingManager | None = None  # built by register_kv_caches
+        self.worker: OffloadingWorker | None = None
         self._jobs = itertools.count()
-        self._loads: dict[int, _LoadJob] = {}
-        self._stores: dict[int, tuple[str, list[bytes]]] = {}
+        self._pending_loads: dict[int, _LoadJob] = {}  # queued until build_connector_meta
+        self._loads: dict[int, _LoadJob] = {}  # submitted, not collected
+        self._stores: dict[int, tuple[str, list[bytes]]] = {}  # submitted, not collected
         self._reqs: dict[str, _ReqState] = {}
+        self._load_errors: set[int] = set()
         self.num_loaded_tokens = 0
         self.num_stored_blocks = 0
         self.max_deferral_s = MAX_DEFERRAL_S
@@ -120,15 +148,41 @@ class OffloadingConnector(KVConnectorBase):
         self._step = 0  # scheduling steps so far (`on_schedule_start`)
 
     @classmethod
-    def from_spec(cls, spec: str, *, model_path: str | Path, dtype: Any, block_size: int,
-                  layout: Any, num_layers: int, num_kv_heads: int, head_size: int, kv_buffer: Any,
-                  cache_policy: str = "lru", store_threshold: int = 0,
-                  preemption_mode: str = "recompute") -> OffloadingConnector:
-        fingerprint = OffloadFingerprint.create(model_identity(model_path), dtype, block_size, layout,
-                                                num_layers, num_kv_heads, head_size)
-        manager, worker = build_offloading(parse_offload_spec(spec), fingerprint, kv_buffer, layout,
-                                           cache_policy=cache_policy, store_threshold=store_threshold)
-        return cls(manager, worker, block_size, preemption_mode)
+    def check_kv_cache_groups(cls, kv_cache_groups: list[Any]) -> None:
+        if len(kv_cache_groups) > 1:
+            raise ValueError("kv_offload supports models with one KV cache group; this model's "
+                             f"{len(kv_cache_groups)} groups (hybrid full + sliding-window "
+                             "attention) are not offloaded yet")
+
+    @classmethod
+    def from_parts(cls, manager: OffloadingManager, worker: OffloadingWorker, block_size: int,
+                   preemption_mode: str = "recompute") -> OffloadingConnector:
+        """A connector over a ready manager and worker (tests that build their own tiers)."""
+        from pagedkv.core.specs import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+
+        spec = FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=1, dtype="float32")
+        kv_config = KVCacheConfig(num_blocks=1, kv_cache_groups=[KVCacheGroupSpec(["layer.0"], spec)],
+                                  bytes_per_block=1)
+        config = offloading_transfer_config(OffloadConfig(CPUTierConfig(1)), preemption_mode=preemption_mode)
+        self = cls(config, KVConnectorRole.SCHEDULER, kv_config)
+        self.manager, self.worker = manager, worker
+        return self
+
+    # ---- worker side: setup ----------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, Any], kv_buffer: Any = None) -> None:
+        """Build the host chunk buffer, the tiers and the copy worker over ``kv_buffer``."""
+        super().register_kv_caches(kv_caches, kv_buffer)
+        if kv_buffer is None:
+            raise ValueError("the OffloadingConnector needs the contiguous KV buffer")
+        kvc = self.kv_cache_config
+        spec = kvc.kv_cache_groups[0].kv_cache_spec
+        fingerprint = OffloadFingerprint.create(
+            self.model_identity, kv_buffer.dtype, self.block_size, kvc.layout,
+            len(kvc.kv_cache_groups[0].layer_names), spec.num_kv_heads, spec.head_size)
+        self.manager, self.worker = build_offloading(
+            self.offload_config, fingerprint, kv_buffer, kvc.layout, cache_policy=self.cache_policy,
+            store_threshold=self.store_threshold)
 
     # ---- scheduler side ---------------------------------------------------------------------------
 
@@ -149,19 +203,20 @@ class OffloadingConnector(KVConnectorBase):
         """The scheduler starts a step: the deferral clocks tell consecutive steps apart."""
         self._step += 1
 
-    def get_num_new_matched_tokens(self, req: Request, num_computed_tokens: int) -> int | None:
-        """External hit tokens after ``num_computed_tokens`` (block aligned), or None to retry.
+    def get_num_new_matched_tokens(self, req: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """External hit tokens after ``num_computed_tokens`` (block aligned), loaded
+        synchronously; ``(None, False)`` to retry.
 
         None (the request stays waiting) while a tier answer or a promotion is pending, until
         the request has been blocked for ``max_deferral_s`` of consideration time (see
         `MAX_DEFERRAL_S`) or ``max_deferral_episodes`` episodes; then the hits known so far."""
         if req.skip_reading_prefix_cache:
-            return 0
+            return 0, False
         bs = self.block_size
         start = num_computed_tokens // bs
         end = (req.num_tokens - 1) // bs  # always compute at least the last token
         if end <= start:
-            return 0
+            return 0, False
         results = self.manager.lookup_many(self._keys(req, start, end))
         n = 0
         for r in results:
@@ -170,11 +225,11 @@ class OffloadingConnector(KVConnectorBase):
             n += 1
         blocked = n < len(results) and results[n] in (LookupResult.RETRY, LookupResult.HIT_PENDING)
         if blocked and self._defer(self._state(req)):
-            return None
+            return None, False
         st = self._reqs.get(req.request_id)
         if st is not None:
             st.reset_deferral()
-        return n * bs
+        return n * bs, False
 
     def _defer(self, st: _ReqState) -> bool:
         """Charge one blocked answer to the request's deferral clock; True: keep waiting."""
@@ -187,52 +242,89 @@ class OffloadingConnector(KVConnectorBase):
         return (st.deferred_s < self.max_deferral_s
                 and st.deferral_episodes <= self.max_deferral_episodes)
 
-    def update_state_after_alloc(self, req: Request, block_ids: Sequence[int], num_computed_tokens: int,
-                                 num_external_tokens: int) -> None:
+    def update_state_after_alloc(self, req: Request, block_ids: BlockIds, num_external_tokens: int) -> None:
         if num_external_tokens <= 0:
             return
         bs = self.block_size
-        start, end = num_computed_tokens // bs, (num_computed_tokens + num_external_tokens) // bs
+        num_computed = req.num_computed_tokens
+        start, end = num_computed // bs, (num_computed + num_external_tokens) // bs
         keys = self._keys(req, start, end)
         spec = self.manager.prepare_load(keys)
-        self._loads[next(self._jobs)] = _LoadJob(keys, list(block_ids[start:end]), spec)
+        self._pending_loads[next(self._jobs)] = _LoadJob(keys, list(block_ids[0][start:end]), spec)
         self.num_loaded_tokens += num_external_tokens
 
-    def request_finished(self, req: Request, block_ids: Sequence[int]) -> None:
-        """Before the request's blocks are freed: settle what it owes the tiers."""
+    def build_connector_meta(self, scheduler_output: Any) -> OffloadingConnectorMetadata:
+        """The loads queued since the last step, and a store job (CPU chunks reserved) for the
+        blocks of each scheduled request that this step fills (``BLOCK_LEVEL`` requests)."""
+        meta = OffloadingConnectorMetadata(loads=self._pending_loads)
+        self._pending_loads = {}
+        for s in scheduler_output.scheduled:
+            req = s.request
+            if self._params(req).get("offload_policy", BLOCK_LEVEL) == BLOCK_LEVEL:
+                job = self._prepare_store(req, s.block_ids[0], s.start + s.num_tokens)
+                if job is not None:
+                    meta.stores[next(self._jobs)] = job
+        return meta
+
+    def request_finished(self, req: Request, block_ids: BlockIds) -> tuple[bool, dict[str, Any] | None]:
+        """Before the request's blocks are freed: settle what it owes the tiers (synchronously,
+        so the free is never delayed)."""
         if self._params(req).get("offload_policy", BLOCK_LEVEL) == REQUEST_LEVEL:
-            self._offer(req, block_ids, req.num_computed_tokens, force=True)
+            self._store_now(req, block_ids[0])
         self._wait_stores(req)
         self._reqs.pop(req.request_id, None)
+        return False, None
 
-    def on_preempt(self, req: Request, block_ids: Sequence[int]) -> None:
+    def on_preempt(self, req: Request, block_ids: BlockIds) -> None:
         """Swap mode: make sure the victim's full blocks are in the CPU tier, so re-admission
         loads them instead of recomputing."""
         if self.preemption_mode == "swap":
-            self._offer(req, block_ids, req.num_computed_tokens, force=True)
+            self._store_now(req, block_ids[0])
         self._wait_stores(req)
 
     # ---- worker side --------------------------------------------------------------------------------
 
     def start_load_kv(self) -> None:
-        """Run every queued load (before the forward pass reads the blocks)."""
-        if not self._loads:
+        """Run the step's loads (before the forward pass reads the blocks); the device blocks
+        of a failed load are reported by `get_block_ids_with_load_errors`."""
+        loads = self._get_connector_metadata().loads
+        if not loads:
             return
-        for job_id, job in self._loads.items():
+        for job_id, job in loads.items():
+            self._loads[job_id] = job
             self.worker.submit_load(job_id, job.spec, GPULoadStoreSpec(tuple(job.dst_block_ids)))
-        self.worker.wait(list(self._loads))
+        self.worker.wait(list(loads))
         self._collect()
 
-    def save_kv(self, scheduled: Iterable[tuple[Request, Sequence[int], int]]) -> None:
-        """Offer the blocks that became full in this step: ``(request, block ids, tokens
-        computed after the step)`` for every scheduled request."""
-        for req, block_ids, num_computed in scheduled:
-            if self._params(req).get("offload_policy", BLOCK_LEVEL) == BLOCK_LEVEL:
-                self._offer(req, block_ids, num_computed)
+    def wait_for_save(self) -> None:
+        """Submit the step's stores (after the forward pass wrote the blocks they read)."""
+        meta = self._get_connector_metadata()
+        stores, meta.stores = meta.stores, {}
+        for job_id, job in stores.items():
+            self._submit_store(job_id, job)
         self._collect()
         self.manager.on_schedule_end()
 
-    def _offer(self, req: Request, block_ids: Sequence[int], num_computed: int, force: bool = False) -> None:
+    def clear_connector_metadata(self) -> None:
+        """Stores still in the metadata were never submitted (the forward pass failed): their
+        reserved chunks are released."""
+        meta = self._metadata
+        if isinstance(meta, OffloadingConnectorMetadata) and meta.stores:
+            for job in meta.stores.values():
+                self.manager.complete_store(job.keys, False)
+            meta.stores = {}
+        super().clear_connector_metadata()
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    # ---- stores -------------------------------------------------------------------------------------
+
+    def _prepare_store(self, req: Request, block_ids: Sequence[int], num_computed: int,
+                       force: bool = False) -> _StoreJob | None:
+        """Reserve CPU chunks for the blocks of ``req`` full after ``num_computed`` tokens that
+        were not offered yet (all of them with ``force``); None if nothing is to store."""
         st = self._state(req)
         limit = self._params(req).get("max_offload_tokens")
         num_tokens = min(num_computed, req.num_tokens)
@@ -241,18 +333,28 @@ class OffloadingConnector(KVConnectorBase):
         end = min(num_tokens // self.block_size, len(req.block_hashes), len(block_ids))
         start = 0 if force else st.offered_blocks
         if end <= start:
-            return
+            return None
         keys = self._keys(req, start, end)
         st.offered_blocks = max(st.offered_blocks, end)
         out = self.manager.prepare_store(keys)
         if out is None or not out.keys_to_store:
-            return
+            return None
         index = {k: i for i, k in enumerate(keys)}
         dev = tuple(block_ids[start + index[k]] for k in out.keys_to_store)
-        job_id = next(self._jobs)
-        self._stores[job_id] = (req.request_id, list(out.keys_to_store))
-        st.pending_stores.add(job_id)
-        self.worker.submit_store(job_id, GPULoadStoreSpec(dev), out.store_spec)
+        return _StoreJob(req.request_id, list(out.keys_to_store), GPULoadStoreSpec(dev), out.store_spec)
+
+    def _submit_store(self, job_id: int, job: _StoreJob) -> None:
+        self._stores[job_id] = (job.request_id, job.keys)
+        st = self._reqs.get(job.request_id)
+        if st is not None:
+            st.pending_stores.add(job_id)
+        self.worker.submit_store(job_id, job.src, job.spec)
+
+    def _store_now(self, req: Request, block_ids: Sequence[int]) -> None:
+        """Store every full block of ``req`` at once (outside a step: finish, swap-out)."""
+        job = self._prepare_store(req, block_ids, req.num_computed_tokens, force=True)
+        if job is not None:
+            self._submit_store(next(self._jobs), job)
 
     def _wait_stores(self, req: Request) -> None:
         st = self._reqs.get(req.request_id)
@@ -266,7 +368,9 @@ class OffloadingConnector(KVConnectorBase):
                 job = self._loads.pop(result.job_id)
                 self.manager.complete_load(job.keys)
                 if not result.success:
-                    logger.error("offload load job %d failed", result.job_id)
+                    logger.error("offload load job %d failed: its %d blocks are recomputed",
+                                 result.job_id, len(job.dst_block_ids))
+                    self._load_errors.update(job.dst_block_ids)
             elif result.job_id in self._stores:
                 rid, keys = self._stores.pop(result.job_id)
                 self.manager.complete_store(keys, result.success)
@@ -287,5 +391,10 @@ class OffloadingConnector(KVConnectorBase):
     def get_stats(self) -> dict[str, TierStats]:
         return self.manager.get_stats()
 
+    def get_kv_connector_stats(self) -> KVConnectorStats:
+        return KVConnectorStats.from_tiers(self.manager.get_stats(), self.num_loaded_tokens,
+                                           self.num_stored_blocks)
+
     def shutdown(self) -> None:
-        self.manager.shutdown()
+        if self.manager is not None:
+            self.manager.shutdown()

@@ -30,6 +30,7 @@ from pagedkv.models.layers import (
 )
 from pagedkv.ops.attention import paged_attention
 from pagedkv.ops.cache import reshape_and_cache
+from pagedkv.ops.forward_context import save_kv_layer, wait_for_kv_layer_load
 from pagedkv.ops.metadata import AttentionMetadata
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -38,8 +39,9 @@ KVCache = tuple[torch.Tensor, torch.Tensor]
 class LlamaAttention(nn.Module):
     """GQA self-attention: fused qkv, rope on q/k, paged cache write + read, output projection."""
 
-    def __init__(self, config: ModelConfig, sliding_window: int | None) -> None:
+    def __init__(self, config: ModelConfig, sliding_window: int | None, layer_name: str = "") -> None:
         super().__init__()
+        self.layer_name = layer_name  # the KV cache groups' name for it (KV connector hooks)
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
@@ -60,8 +62,10 @@ class LlamaAttention(nn.Module):
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
         key_cache, value_cache = kv_cache
+        wait_for_kv_layer_load(self.layer_name)
         reshape_and_cache(k, v, key_cache, value_cache, md.slot_mapping)
         out = paged_attention(q, key_cache, value_cache, md, self.scale, sliding_window=self.sliding_window)
+        save_kv_layer(self.layer_name, kv_cache, md)
         return self.o_proj(out.reshape(t, self.q_size))
 
 
@@ -83,7 +87,7 @@ class LlamaDecoderLayer(nn.Module):
         super().__init__()
         window = config.sliding_window if config.layer_type(layer_idx) == SLIDING_ATTENTION else None
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config, window)
+        self.self_attn = LlamaAttention(config, window, config.layer_name(layer_idx))
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config)
 

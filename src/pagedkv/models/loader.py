@@ -7,6 +7,7 @@ one ``*.gguf``. Nothing is downloaded.
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -40,6 +41,19 @@ class LoadedModel:
     dtype: torch.dtype
     source: Path  # the .gguf file or HF directory the weights came from
     load_seconds: float
+
+
+def model_identity(path: str | Path) -> str:
+    """Names the weights, not just the architecture: file name, size and a digest of the first
+    4 MiB (cheap, and different for every real checkpoint)."""
+    p = Path(path)
+    if p.is_dir():
+        files = sorted(p.glob("*.safetensors"))
+        parts = [f"{f.name}:{f.stat().st_size}" for f in files]
+        return f"{p.name}|" + ",".join(parts)
+    with open(p, "rb") as f:
+        head = hashlib.sha256(f.read(4 << 20)).hexdigest()[:16]
+    return f"{p.name}|{p.stat().st_size}|{head}"
 
 
 def resolve_dtype(dtype: torch.dtype | str, config: ModelConfig | None = None) -> torch.dtype:

@@ -1,0 +1,536 @@
+"""`NixlConnector`: prefill/decode disaggregation over a `KVTransferBackend` (NIXL, or the TCP
+fallback), vLLM's connector name and protocol (``pd-disaggregation.md`` §3-4).
+
+Roles (``kv_role``): a producer (``kv_producer``, the prefill instance) computes a prompt's KV
+and hands it over; a consumer (``kv_consumer``, the decode instance) continues from it;
+``kv_both`` does either, per request. Per-request ``kv_transfer_params`` select the part:
+
+* **producer** — a request with ``do_remote_decode: true`` (the proxy sends it with
+  ``max_tokens=1``) finishes normally, but its blocks stay allocated (delayed free) and its
+  output carries ``kv_transfer_params``: ``do_remote_prefill``, ``remote_engine_id``,
+  ``remote_block_ids``, ``remote_host``, ``remote_port`` (this side channel),
+  ``remote_request_id``, ``remote_num_tokens``, ``transfer_mode``. The blocks are freed when the
+  consumer reports it is done, or when the request's lease expires (``kv_lease_duration``,
+  default 30 s, extended by the consumer's heartbeats while its transfer is pending).
+* **consumer** — a request with ``do_remote_prefill: true`` and those fields is admitted with
+  blocks for its whole prompt, parks in ``WAITING_FOR_REMOTE_KVS``, and fetches only the blocks
+  after its own local prefix hit. *Pull* (default): it reads them, the notification attached to
+  the read tells the producer to free. *Push* (``transfer_mode: "push"``): it registers its
+  block ids with the producer, which writes into them and notifies; a push that does not arrive
+  within ``push_timeout_s`` (default 30 s) fails over to local recompute. When the KV has
+  arrived the request recomputes only its last prompt token (whose logits give the next token).
+
+Failures never lose a request: a peer that is unreachable, refuses the handshake (model, hash
+seed, block size, dtype, layout differ: `side_channel.check_compatible`) or fails a transfer
+makes the consumer report the request's blocks invalid, and the scheduler recomputes them
+(``kv_load_failure_policy: "recompute"``, the default) or fails the request (``"fail"``).
+
+``kv_connector_extra_config``: ``side_channel_port`` (default ``kv_port``), ``backend``
+(``"nixl"``, ``"tcp"``; default: NIXL when it imports), ``transfer_mode`` (``"pull"`` or
+``"push"``: what this producer offers), ``kv_lease_duration``, ``push_timeout_s``,
+``handshake_timeout_s``, ``transfer_timeout_s``, ``nixl_progress_thread`` (default on: a peer
+that is not being polled still serves reads; off saves the ~20% of a core it spins when idle on
+a CPU-only host, at the price of transfers that wait for the peer's next engine step).
+
+The handshake runs on a background thread (a dead peer never stalls the engine); the backend is
+used only from the engine thread (NIXL is not thread-safe).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+from pagedkv.core.request import KVCacheRequest, RequestStatus
+from pagedkv.core.units import cdiv
+from pagedkv.kv_transfer.backends import get_transfer_backend
+from pagedkv.kv_transfer.backends.base import KVTransferBackend, MemoryRegion
+from pagedkv.kv_transfer.base import BlockIds, KVConnectorBase, KVConnectorMetadata, KVConnectorRole
+from pagedkv.kv_transfer.config import KVTransferConfig
+from pagedkv.kv_transfer.side_channel import (
+    DEFAULT_HANDSHAKE_TIMEOUT_S,
+    HandshakeError,
+    KVAgentMetadata,
+    SideChannelListener,
+    check_compatible,
+    fetch_agent_metadata,
+)
+from pagedkv.kv_transfer.stats import KVConnectorStats, KVTransferStats
+
+if TYPE_CHECKING:
+    from pagedkv.core.specs import KVCacheConfig
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_LEASE_S = 30.0
+DEFAULT_PUSH_TIMEOUT_S = 30.0
+DEFAULT_TRANSFER_TIMEOUT_S = 30.0
+# Notification prefixes (bytes on the backend's notification channel).
+DONE, HEARTBEAT, PUSH_REG, PUSHED = b"done:", b"HB:", b"PUSH_REG:", b"pushed:"
+_REQUIRED_PARAMS = ("remote_engine_id", "remote_host", "remote_port", "remote_request_id")
+
+
+@dataclass(slots=True)
+class RecvReq:
+    """A consumer request's KV to fetch: our blocks from ``first_block`` on, the producer's
+    matching blocks (None in push mode: the producer knows its own)."""
+
+    request_id: str
+    remote_request_id: str
+    engine_id: str
+    host: str
+    port: int
+    first_block: int
+    local_block_ids: list[int]
+    remote_block_ids: list[int] | None
+    mode: str = "pull"
+    handle: int | None = None  # the backend transfer in flight (pull)
+    deadline: float = 0.0  # give up (transfer or push) after this monotonic time
+    started: float = 0.0
+
+
+@dataclass(slots=True)
+class SendReq:
+    """A producer request whose blocks are held for a consumer until ``expiry``."""
+
+    request_id: str
+    block_ids: list[int]
+    expiry: float
+    push_handle: int | None = None
+    push_started: float = 0.0
+
+
+@dataclass(slots=True)
+class NixlConnectorMetadata(KVConnectorMetadata):
+    reqs_to_recv: dict[str, RecvReq] = field(default_factory=dict)
+    # Consumer requests that finished before fetching: tell their producers to free.
+    early_frees: list[RecvReq] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class _Peer:
+    name: str | None = None  # the backend's peer name once connected
+    future: Future | None = None  # the handshake in flight
+    error: str | None = None
+
+
+class NixlConnector(KVConnectorBase):
+    def __init__(self, config: KVTransferConfig, role: KVConnectorRole,
+                 kv_cache_config: KVCacheConfig | None = None, *, model_identity: str = "",
+                 hash_seed: str = "") -> None:
+        super().__init__(config, role, kv_cache_config, model_identity=model_identity, hash_seed=hash_seed)
+        if kv_cache_config is None:
+            raise ValueError("the NixlConnector needs the KV cache config")
+        self.check_kv_cache_groups(kv_cache_config.kv_cache_groups)
+        extra = config.get_from_extra_config
+        self.engine_id: str = config.engine_id  # type: ignore[assignment]
+        self.block_size = kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
+        self.host = config.kv_ip
+        self.port = int(extra("side_channel_port", config.kv_port))
+        self.transfer_mode = extra("transfer_mode", "pull")
+        if self.transfer_mode not in ("pull", "push"):
+            raise ValueError(f"invalid transfer_mode {self.transfer_mode!r}: use 'pull' or 'push'")
+        self.lease_s = float(extra("kv_lease_duration", DEFAULT_LEASE_S))
+        self.push_timeout_s = float(extra("push_timeout_s", DEFAULT_PUSH_TIMEOUT_S))
+        self.handshake_timeout_s = float(extra("handshake_timeout_s", DEFAULT_HANDSHAKE_TIMEOUT_S))
+        self.transfer_timeout_s = float(extra("transfer_timeout_s", DEFAULT_TRANSFER_TIMEOUT_S))
+        self._backend_name = extra("backend")
+        # scheduler side
+        self._pending_recv: dict[str, RecvReq] = {}
+        self._early_frees: list[RecvReq] = []
+        self._recv_started: set[str] = set()  # remote request ids already fetched (or given up)
+        # worker side
+        self.backend: KVTransferBackend | None = None
+        self.local_meta: KVAgentMetadata | None = None
+        self._listener: SideChannelListener | None = None
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-handshake")
+        self._peers: dict[tuple[str, str, int], _Peer] = {}
+        self._waiting_peer: dict[str, RecvReq] = {}  # handshake pending
+        self._recving: dict[str, RecvReq] = {}  # transfer in flight, or push awaited
+        self._sending: dict[str, SendReq] = {}  # producer: blocks held (by our request id)
+        # Push registrations by our request id, with when they arrived (one may come before the
+        # request finished; one for a request never seen is dropped after push_timeout_s).
+        self._push_regs: dict[str, tuple[dict[str, Any], float]] = {}
+        self._done_sending: set[str] = set()
+        self._done_recving: set[str] = set()
+        self._load_errors: set[int] = set()
+        self._bytes_per_block = 0
+        self._last_heartbeat = 0.0
+        self.xfer_stats = KVTransferStats(role=config.kv_role or "")
+
+    @classmethod
+    def check_kv_cache_groups(cls, kv_cache_groups: list[Any]) -> None:
+        if len(kv_cache_groups) != 1:
+            raise ValueError("the NixlConnector supports models with one KV cache group; this model has "
+                             f"{len(kv_cache_groups)} (hybrid full + sliding-window attention)")
+
+    # ---- scheduler side ---------------------------------------------------------------------------
+
+    def _remote(self, request: KVCacheRequest) -> dict[str, Any] | None:
+        """The request's consumer params, if it is to fetch its KV (and has not yet)."""
+        p = request.kv_transfer_params or {}
+        if (not self.config.is_kv_consumer or not p.get("do_remote_prefill")
+                or p.get("remote_request_id") in self._recv_started):
+            return None
+        missing = [k for k in _REQUIRED_PARAMS if p.get(k) is None]
+        if missing:
+            logger.warning("request %s: kv_transfer_params lack %s; computing its prompt locally",
+                           request.request_id, missing)
+            return None
+        if p.get("transfer_mode", "pull") == "pull" and not p.get("remote_block_ids"):
+            logger.warning("request %s: no remote_block_ids; computing its prompt locally", request.request_id)
+            return None
+        n = p.get("remote_num_tokens")
+        if n is not None and n != request.num_prompt_tokens:
+            logger.warning("request %s: the producer computed %s prompt tokens, this prompt has %d; "
+                           "computing it locally", request.request_id, n, request.num_prompt_tokens)
+            return None
+        return p
+
+    def get_num_new_matched_tokens(self, request: KVCacheRequest, num_computed_tokens: int) -> tuple[int | None, bool]:
+        if request.num_output_tokens or self._remote(request) is None:
+            return 0, False
+        ext = request.num_prompt_tokens - num_computed_tokens
+        return (ext, True) if ext > 0 else (0, False)
+
+    def update_state_after_alloc(self, request: KVCacheRequest, block_ids: BlockIds, num_external_tokens: int) -> None:
+        p = self._remote(request) if num_external_tokens > 0 else None
+        if p is None:
+            return
+        rrid = p["remote_request_id"]
+        self._recv_started.add(rrid)
+        first = request.num_computed_tokens // self.block_size
+        last = cdiv(request.num_prompt_tokens, self.block_size)
+        mode = p.get("transfer_mode", "pull")
+        remote = None
+        if mode == "pull":
+            remote = list(p["remote_block_ids"])[first:last]
+        self._pending_recv[request.request_id] = RecvReq(
+            request.request_id, rrid, p["remote_engine_id"], p["remote_host"], int(p["remote_port"]), first,
+            list(block_ids[0][first:last]), remote, mode)
+
+    def build_connector_meta(self, scheduler_output: Any) -> NixlConnectorMetadata:
+        meta = NixlConnectorMetadata(self._pending_recv, self._early_frees)
+        self._pending_recv, self._early_frees = {}, []
+        return meta
+
+    def request_finished(self, request: KVCacheRequest, block_ids: BlockIds) -> tuple[bool, dict[str, Any] | None]:
+        p = request.kv_transfer_params or {}
+        if p.get("do_remote_prefill") and p.get("remote_request_id") not in self._recv_started:
+            consumer = self._remote(request)
+            if consumer is not None:  # never fetched (aborted while queued): let the producer free
+                self._recv_started.add(consumer["remote_request_id"])
+                self._early_frees.append(RecvReq(
+                    request.request_id, consumer["remote_request_id"], consumer["remote_engine_id"],
+                    consumer["remote_host"], int(consumer["remote_port"]), 0, [], None))
+        # Only sample 0 of an n > 1 request hands its prompt over (the samples share its blocks).
+        if not self.config.is_kv_producer or not p.get("do_remote_decode") or getattr(request, "sample_index", 0):
+            return False, None
+        if request.status not in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED):
+            return False, None  # aborted or failed: nothing to hand over
+        blocks = list(block_ids[0][:cdiv(request.num_prompt_tokens, self.block_size)])
+        self._sending[request.request_id] = SendReq(request.request_id, blocks, time.monotonic() + self.lease_s)
+        return True, {
+            "do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": self.engine_id,
+            "remote_block_ids": blocks, "remote_host": self.host, "remote_port": self.port,
+            "remote_request_id": request.request_id, "remote_num_tokens": request.num_prompt_tokens,
+            "transfer_mode": self.transfer_mode}
+
+    def has_pending_work(self) -> bool:
+        return bool(self._sending or self._recving or self._waiting_peer)
+
+    # ---- worker side: setup -----------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, Any], kv_buffer: Any = None) -> None:
+        super().register_kv_caches(kv_caches, kv_buffer)
+        if kv_buffer is None:
+            raise ValueError("the NixlConnector needs the contiguous KV buffer")
+        layout = self.kv_cache_config.layout
+        regions = buffer_regions(kv_buffer, layout.name if hasattr(layout, "name") else str(layout))
+        self.backend = get_transfer_backend(
+            self.engine_id, self._backend_name,
+            nixl_progress_thread=bool(self.config.get_from_extra_config("nixl_progress_thread", True)))
+        self.backend.register_kv_memory(regions)
+        spec = self.kv_cache_config.kv_cache_groups[0].kv_cache_spec
+        self.local_meta = KVAgentMetadata(
+            engine_id=self.engine_id, backend=self.backend.kind, agent_metadata=self.backend.get_agent_metadata(),
+            model=self.model_identity, hash_seed=self.hash_seed, block_size=self.block_size,
+            kv_dtype=str(spec.dtype), kv_cache_layout=regions_layout_name(layout),
+            num_blocks=self.kv_cache_config.num_blocks, block_lens=tuple(r.block_len for r in regions))
+        self._bytes_per_block = sum(r.block_len for r in regions)
+        self._listener = SideChannelListener(self.host, self.port, self.local_meta.encode())
+        logger.info("NixlConnector %s (%s): side channel %s:%d, transfer backend %s", self.engine_id,
+                    self.config.kv_role, self.host, self.port, self.backend.kind)
+
+    # ---- worker side: per step --------------------------------------------------------------------
+
+    def start_load_kv(self) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, NixlConnectorMetadata)
+        for req in meta.reqs_to_recv.values():
+            self._waiting_peer[req.request_id] = req
+            self._connect(req)
+        for req in meta.early_frees:
+            self._waiting_peer[f"early:{req.remote_request_id}"] = req
+            self._connect(req)
+        self._progress()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        self._progress()
+        self._read_notifs()
+        self._expire_leases()
+        self._heartbeat()
+        sending, recving = self._done_sending, self._done_recving
+        self._done_sending, self._done_recving = set(), set()
+        return sending, recving
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    # ---- peers --------------------------------------------------------------------------------------
+
+    def _connect(self, req: RecvReq) -> None:
+        """Start the handshake with ``req``'s producer unless connected or connecting."""
+        key = (req.engine_id, req.host, req.port)
+        peer = self._peers.get(key)
+        if peer is None or peer.error is not None:
+            peer = self._peers[key] = _Peer(future=self._executor.submit(
+                self._handshake, req.host, req.port, req.engine_id))
+
+    def _handshake(self, host: str, port: int, engine_id: str) -> KVAgentMetadata:
+        """On the handshake thread: fetch and check the peer's metadata (no backend calls)."""
+        remote = fetch_agent_metadata(host, port, self.handshake_timeout_s)
+        check_compatible(self.local_meta, remote, expected_engine_id=engine_id)
+        return remote
+
+    def _peer_name(self, req: RecvReq) -> str | None:
+        """The connected peer of ``req``, None while connecting; raises HandshakeError if failed."""
+        peer = self._peers[(req.engine_id, req.host, req.port)]
+        if peer.name is not None:
+            return peer.name
+        if peer.error is not None:
+            raise HandshakeError(peer.error)
+        if not peer.future.done():
+            return None
+        try:
+            remote = peer.future.result()
+            peer.name = self.backend.add_remote_agent(remote.agent_metadata)
+        except Exception as e:  # noqa: BLE001 - any failure refuses the peer
+            peer.error = str(e)
+            logger.error("KV peer %s at %s:%d refused: %s", req.engine_id, req.host, req.port, e)
+            raise HandshakeError(peer.error) from None
+        return peer.name
+
+    # ---- transfers ----------------------------------------------------------------------------------
+
+    def _progress(self) -> None:
+        """Start the transfers whose peer is ready; poll the ones in flight."""
+        for key, req in list(self._waiting_peer.items()):
+            try:
+                name = self._peer_name(req)
+            except HandshakeError:
+                del self._waiting_peer[key]
+                if not key.startswith("early:"):
+                    self._fail(req)
+                continue
+            if name is None:
+                continue
+            del self._waiting_peer[key]
+            if key.startswith("early:"):
+                self.backend.send_notif(name, DONE + req.remote_request_id.encode())
+            else:
+                self._start_transfer(req, name)
+        now = time.monotonic()
+        for rid, req in list(self._recving.items()):
+            if req.handle is None:  # push: waiting for the producer's write
+                if now > req.deadline:
+                    logger.error("request %s: the producer's push did not arrive within %.0f s; recomputing",
+                                 rid, self.push_timeout_s)
+                    del self._recving[rid]
+                    self._fail(req)
+                continue
+            state = self.backend.check_xfer_state(req.handle)
+            if state == "PROC" and now <= req.deadline:
+                continue
+            self.backend.release_xfer(req.handle)
+            del self._recving[rid]
+            if state == "DONE":
+                self._done_recving.add(rid)
+                self._record(req, len(req.local_block_ids))
+            else:
+                self._fail(req)
+
+    def _record(self, req: RecvReq, num_blocks: int) -> None:
+        self.xfer_stats.record(num_blocks, num_blocks * self._bytes_per_block, time.monotonic() - req.started)
+
+    def _start_transfer(self, req: RecvReq, peer: str) -> None:
+        notif = DONE + req.remote_request_id.encode()
+        req.started = time.monotonic()
+        if req.mode == "push":
+            reg = {"rid": req.remote_request_id, "engine_id": self.engine_id, "host": self.host,
+                   "port": self.port, "first_block": req.first_block, "block_ids": req.local_block_ids}
+            self.backend.send_notif(peer, PUSH_REG + msgspec.msgpack.encode(reg))
+            req.deadline = time.monotonic() + self.push_timeout_s
+        else:
+            req.handle = self.backend.read_blocks(peer, req.local_block_ids, req.remote_block_ids or [], notif)
+            req.deadline = time.monotonic() + self.transfer_timeout_s
+        self._recving[req.request_id] = req
+
+    def _fail(self, req: RecvReq) -> None:
+        """The request's KV will not arrive: its blocks are reported invalid (recompute or fail
+        per policy) and the load is over."""
+        self.xfer_stats.num_failed += 1
+        self._load_errors.update(req.local_block_ids)
+        self._done_recving.add(req.request_id)
+
+    def _read_notifs(self) -> None:
+        now = time.monotonic()
+        by_remote = {r.remote_request_id: r for r in self._recving.values()}
+        for msgs in self.backend.get_new_notifs().values():
+            for msg in msgs:
+                if msg.startswith(DONE):
+                    self._release_send(msg[len(DONE):].decode())
+                elif msg.startswith(HEARTBEAT):
+                    for rid in msg[len(HEARTBEAT):].decode().split(","):
+                        send = self._sending.get(rid)
+                        if send is not None:
+                            send.expiry = max(send.expiry, now + self.lease_s * 2 / 3)
+                elif msg.startswith(PUSH_REG):
+                    self._on_push_registration(msgspec.msgpack.decode(msg[len(PUSH_REG):]))
+                elif msg.startswith(PUSHED):
+                    req = by_remote.get(msg[len(PUSHED):].decode())
+                    if req is not None and req.handle is None:
+                        del self._recving[req.request_id]
+                        self._done_recving.add(req.request_id)
+                        self._record(req, len(req.local_block_ids))
+                else:
+                    logger.warning("unknown KV notification %r", msg[:40])
+        self._progress_pushes()
+
+    def _release_send(self, rid: str) -> None:
+        if self._sending.pop(rid, None) is None:
+            logger.info("KV of request %s was already released (its lease may have expired)", rid)
+            return
+        self._done_sending.add(rid)
+
+    def _expire_leases(self) -> None:
+        now = time.monotonic()
+        for rid, send in list(self._sending.items()):
+            if now > send.expiry and send.push_handle is None:
+                logger.warning("Releasing expired KV blocks of request %s (no consumer within the lease)", rid)
+                self.xfer_stats.num_leases_expired += 1
+                self._release_send(rid)
+
+    def _heartbeat(self) -> None:
+        """Consumer: keep the producers' leases alive for transfers still pending."""
+        now = time.monotonic()
+        if now - self._last_heartbeat < self.lease_s / 6:
+            return
+        self._last_heartbeat = now
+        by_peer: dict[str, list[str]] = {}
+        for req in self._recving.values():
+            peer = self._peers[(req.engine_id, req.host, req.port)].name
+            if peer is not None:
+                by_peer.setdefault(peer, []).append(req.remote_request_id)
+        for peer, rids in by_peer.items():
+            self.backend.send_notif(peer, HEARTBEAT + ",".join(rids).encode())
+
+    # ---- push (producer side) -------------------------------------------------------------------------
+
+    def _on_push_registration(self, reg: dict[str, Any]) -> None:
+        """A consumer registered its blocks for one of our requests: connect back to it."""
+        self._push_regs[reg["rid"]] = (reg, time.monotonic())
+        self._connect(RecvReq("", reg["rid"], reg["engine_id"], reg["host"], int(reg["port"]), 0, [], None))
+
+    def _progress_pushes(self) -> None:
+        now = time.monotonic()
+        for rid, (reg, arrived) in list(self._push_regs.items()):
+            send = self._sending.get(rid)
+            if send is None:  # not finished yet, or already released
+                if now - arrived > self.push_timeout_s:
+                    logger.warning("push registration for unknown or released request %s dropped", rid)
+                    del self._push_regs[rid]
+                continue
+            if send.push_handle is None:
+                probe = RecvReq("", rid, reg["engine_id"], reg["host"], int(reg["port"]), 0, [], None)
+                try:
+                    peer = self._peer_name(probe)
+                except HandshakeError:
+                    del self._push_regs[rid]  # the consumer times out and recomputes
+                    continue
+                if peer is None:
+                    continue
+                first, dst = reg["first_block"], list(reg["block_ids"])
+                src = send.block_ids[first:first + len(dst)]
+                send.push_started = time.monotonic()
+                send.push_handle = self.backend.write_blocks(peer, src, dst[:len(src)], PUSHED + rid.encode())
+                continue
+            state = self.backend.check_xfer_state(send.push_handle)
+            if state == "PROC":
+                continue
+            self.backend.release_xfer(send.push_handle)
+            del self._push_regs[rid]
+            if state != "DONE":
+                logger.error("push of request %s failed; the consumer recomputes", rid)
+                self.xfer_stats.num_failed += 1
+            else:
+                n = len(send.block_ids)
+                self.xfer_stats.record(n, n * self._bytes_per_block, time.monotonic() - send.push_started)
+            self._release_send(rid)
+
+    # ---- introspection --------------------------------------------------------------------------------
+
+    @property
+    def num_transfers(self) -> int:
+        return self.xfer_stats.num_transfers
+
+    @property
+    def num_failed_transfers(self) -> int:
+        return self.xfer_stats.num_failed
+
+    @property
+    def num_expired_leases(self) -> int:
+        return self.xfer_stats.num_leases_expired
+
+    def get_kv_connector_stats(self) -> KVConnectorStats:
+        st = self.xfer_stats.copy()
+        st.transfers_in_flight = len(self._recving) + len(self._waiting_peer) + len(self._sending)
+        st.peers = sorted(f"{e}@{h}:{p}" for (e, h, p), peer in self._peers.items() if peer.name is not None)
+        return KVConnectorStats(transfer=st)
+
+    def shutdown(self) -> None:
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+        self._executor.shutdown(wait=False, cancel_futures=True)
+        if self.backend is not None:
+            self.backend.shutdown()
+            self.backend = None
+
+
+def buffer_regions(kv_buffer: Any, layout: str) -> list[MemoryRegion]:
+    """The KV buffer as `MemoryRegion`s: one per index of the dimensions outside the block
+    dimension ``B`` (``LBNHC``: one per layer), each holding ``num_blocks`` contiguous blocks."""
+    layout = layout.upper()
+    k = layout.index("B")
+    sizes = list(kv_buffer.shape)
+    num_regions = 1
+    for d in sizes[:k]:
+        num_regions *= d
+    block_len = kv_buffer.element_size()
+    for d in sizes[k + 1:]:
+        block_len *= d
+    num_blocks = sizes[k]
+    base = kv_buffer.data_ptr()
+    return [MemoryRegion(base + r * num_blocks * block_len, num_blocks, block_len, block_len)
+            for r in range(num_regions)]
+
+
+def regions_layout_name(layout: Any) -> str:
+    return layout if isinstance(layout, str) else getattr(layout, "name", str(layout))

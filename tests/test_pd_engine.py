@@ -1,0 +1,240 @@
+"""Prefill/decode disaggregation between two real engines in one process (`NixlConnector`), over
+both transfer backends (NIXL and the TCP fallback).
+
+The producer P (``kv_producer``) prefills with ``do_remote_decode`` and ``max_tokens=1``, holds
+its blocks and returns ``kv_transfer_params``; the consumer D (``kv_consumer``) fetches the
+blocks (pull: reads them; push: P writes them) and decodes. Every test checks D's greedy tokens
+against P run colocated, token by token, and that both pools end all free with their
+invariants holding. Faults: a dead producer, a handshake mismatch (block size, hash seed), an
+expired lease, a push that never comes, an abort while fetching.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from pagedkv import LLM, SamplingParams
+from pagedkv.kv_transfer.side_channel import HandshakeError, KVAgentMetadata, check_compatible
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [
+    "The capital of France is",
+    "Write a haiku about the sea. The sea is wide and",  # > 1 block
+    "def fibonacci(n):\n    # return the n-th Fibonacci number\n    if n < 2:\n        return n\n",
+]
+MAX_TOKENS = 8
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def backends() -> list[str]:
+    try:
+        import nixl_cu12  # noqa: F401
+    except Exception:  # noqa: BLE001
+        return ["tcp"]
+    return ["nixl", "tcp"]
+
+
+def make_llm(role: str, backend: str, **extra) -> LLM:
+    engine_kw = {k: extra.pop(k) for k in list(extra) if k in ("block_size", "prefix_caching_hash_algo")}
+    cfg = {"kv_connector": "NixlConnector", "kv_role": role, "kv_connector_extra_config": {
+        "side_channel_port": free_port(), "backend": backend, "handshake_timeout_s": 2.0, **extra}}
+    return LLM(num_kv_blocks=96, max_model_len=512, kv_transfer_config=cfg, **engine_kw)
+
+
+def greedy(max_tokens: int = MAX_TOKENS, **kw) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=max_tokens, **kw)
+
+
+def all_free(llm: LLM) -> bool:
+    e = llm.llm_engine
+    e.check_invariants()
+    return e.kv_cache_manager.num_free_blocks == e.kv_cache_config.num_blocks - 1
+
+
+def settle(*llms: LLM, timeout_s: float = 10.0) -> None:
+    """Step every engine until its pool is all free (notifications and leases settle)."""
+    deadline = time.monotonic() + timeout_s
+    while not all(all_free(x) for x in llms):
+        assert time.monotonic() < deadline, "blocks leaked: pools not free"
+        for x in llms:
+            x.llm_engine.step()
+        time.sleep(0.005)
+
+
+def prefill(p: LLM, prompts: list[str]) -> list[dict]:
+    outs = p.generate(prompts, greedy(1, kv_transfer_params={"do_remote_decode": True}), use_tqdm=False)
+    params = [o.kv_transfer_params for o in outs]
+    for prm, prompt in zip(params, prompts):
+        assert prm is not None and prm["do_remote_prefill"] and prm["remote_block_ids"], prm
+    return params
+
+
+def decode(d: LLM, prompts: list[str], params: list[dict], **kw) -> list[list[int]]:
+    outs = d.generate(prompts, [greedy(kv_transfer_params=prm, **kw) for prm in params], use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+@pytest.fixture(scope="module", params=backends())
+def backend(request) -> str:
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict[str, list[int]]:
+    llm = LLM(num_kv_blocks=96, max_model_len=512)
+    outs = llm.generate(PROMPTS, greedy(), use_tqdm=False)
+    return {p: list(o.outputs[0].token_ids) for p, o in zip(PROMPTS, outs)}
+
+
+@pytest.fixture(scope="module")
+def pair(backend: str) -> Iterator[tuple[LLM, LLM]]:
+    p = make_llm("kv_producer", backend)
+    d = make_llm("kv_consumer", backend)
+    try:
+        yield p, d
+    finally:
+        p.llm_engine.shutdown()
+        d.llm_engine.shutdown()
+
+
+def test_pull_is_exact_and_frees_both_pools(pair, reference):
+    p, d = pair
+    params = prefill(p, PROMPTS)
+    assert not all_free(p)  # held for the consumer
+    d_conn = d.llm_engine.connector
+    before = d_conn.num_transfers
+    assert decode(d, PROMPTS, params) == [reference[x] for x in PROMPTS]
+    assert d_conn.num_transfers - before == len(PROMPTS)
+    settle(p, d)
+    assert p.llm_engine.connector.num_expired_leases == 0  # freed by the consumer's notification
+
+
+def test_consumer_reads_only_the_tail_after_its_prefix_hit(pair, reference):
+    p, d = pair
+    prompt = PROMPTS[2]
+    d.generate([prompt[:60]], greedy(1), use_tqdm=False)  # D caches a prefix of it
+    stats = d.llm_engine.kv_cache_manager.total_prefix_cache_stats
+    hits0 = stats.hits
+    params = prefill(p, [prompt])
+    assert decode(d, [prompt], params) == [reference[prompt]]
+    assert stats.hits > hits0  # D used its own prefix; only the tail moved
+    settle(p, d)
+
+
+def test_consumer_n_greater_than_one(pair, reference):
+    p, d = pair
+    params = prefill(p, PROMPTS[:1])
+    outs = d.generate(PROMPTS[:1], greedy(n=2, kv_transfer_params=params[0]), use_tqdm=False)
+    assert [list(c.token_ids) for c in outs[0].outputs] == [reference[PROMPTS[0]]] * 2
+    settle(p, d)
+
+
+def test_abort_while_fetching_leaks_nothing(pair):
+    p, d = pair
+    params = prefill(p, PROMPTS[1:2])
+    engine = d.llm_engine
+    engine.add_request("abort-me", PROMPTS[1], greedy(kv_transfer_params=params[0]))
+    engine.step()  # admitted: its blocks wait for the remote KV
+    engine.abort_request("abort-me")
+    settle(p, d)
+
+
+def test_dead_producer_consumer_recomputes(backend, reference):
+    p = make_llm("kv_producer", backend)
+    d = make_llm("kv_consumer", backend)
+    try:
+        params = prefill(p, PROMPTS)
+        p.llm_engine.shutdown()  # gone after answering, before the read
+        assert decode(d, PROMPTS, params) == [reference[x] for x in PROMPTS]
+        assert d.llm_engine.connector.num_failed_transfers == len(PROMPTS)
+        settle(d)
+    finally:
+        d.llm_engine.shutdown()
+
+
+def test_lease_expiry_frees_the_producer(backend):
+    p = make_llm("kv_producer", backend, kv_lease_duration=0.3)
+    try:
+        prefill(p, PROMPTS[:1])
+        assert not all_free(p)
+        settle(p, timeout_s=5)
+        assert p.llm_engine.connector.num_expired_leases == 1
+    finally:
+        p.llm_engine.shutdown()
+
+
+@pytest.mark.parametrize("field,p_kw,d_kw", [
+    ("block_size", {}, {"block_size": 32}),
+    ("hash_seed", {}, {"prefix_caching_hash_algo": "sha256"}),
+])
+def test_handshake_mismatch_refused_with_the_field_named(backend, reference, caplog, field, p_kw, d_kw):
+    p = make_llm("kv_producer", backend, **p_kw)
+    d = make_llm("kv_consumer", backend, **d_kw)
+    try:
+        params = prefill(p, PROMPTS[:1])
+        with caplog.at_level("ERROR"):
+            assert decode(d, PROMPTS[:1], params) == [reference[PROMPTS[0]]]
+        assert any(f"{field} differs" in r.getMessage() for r in caplog.records), caplog.text
+        settle(d)
+    finally:
+        p.llm_engine.shutdown()
+        d.llm_engine.shutdown()
+
+
+def test_check_compatible_names_the_model():
+    base = KVAgentMetadata("e", "tcp", b"", "model-a", "s", 16, "float32", "LBNHC", 10, (64,))
+    other = KVAgentMetadata("e", "tcp", b"", "model-b", "s", 16, "float32", "LBNHC", 10, (64,))
+    with pytest.raises(HandshakeError, match="model differs"):
+        check_compatible(base, other)
+    with pytest.raises(HandshakeError, match="engine_id mismatch"):
+        check_compatible(base, base, expected_engine_id="someone-else")
+
+
+def test_push_is_exact(backend, reference):
+    p = make_llm("kv_producer", backend, transfer_mode="push")
+    d = make_llm("kv_consumer", backend)
+    try:
+        params = prefill(p, PROMPTS)
+        assert all(prm["transfer_mode"] == "push" for prm in params)
+        # The producer must step to serve the registrations: alternate the two engines.
+        engine = d.llm_engine
+        for i, (prompt, prm) in enumerate(zip(PROMPTS, params)):
+            engine.add_request(f"push-{i}", prompt, greedy(kv_transfer_params=prm))
+        done: dict[str, list[int]] = {}
+        deadline = time.monotonic() + 60
+        while len(done) < len(PROMPTS):
+            assert time.monotonic() < deadline
+            p.llm_engine.step()
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = list(out.outputs[0].token_ids)
+        assert [done[f"push-{i}"] for i in range(len(PROMPTS))] == [reference[x] for x in PROMPTS]
+        assert engine.connector.num_transfers >= len(PROMPTS)
+        settle(p, d)
+    finally:
+        p.llm_engine.shutdown()
+        d.llm_engine.shutdown()
+
+
+def test_push_that_never_arrives_fails_over_to_recompute(backend, reference):
+    p = make_llm("kv_producer", backend, transfer_mode="push")
+    d = make_llm("kv_consumer", backend, push_timeout_s=1.0)
+    try:
+        params = prefill(p, PROMPTS[:1])
+        # P never steps while D decodes: the registration is never served.
+        assert decode(d, PROMPTS[:1], params) == [reference[PROMPTS[0]]]
+        assert d.llm_engine.connector.num_failed_transfers == 1
+        settle(d)
+    finally:
+        p.llm_engine.shutdown()
+        d.llm_engine.shutdown()
