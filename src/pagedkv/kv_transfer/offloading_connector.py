@@ -182,7 +182,19 @@ class OffloadingConnector(KVConnectorBase):
             len(kvc.kv_cache_groups[0].layer_names), spec.num_kv_heads, spec.head_size)
         self.manager, self.worker = build_offloading(
             self.offload_config, fingerprint, kv_buffer, kvc.layout, cache_policy=self.cache_policy,
-            store_threshold=self.store_threshold)
+            store_threshold=self.store_threshold, extra_tiers=self._p2p_tier(fingerprint.hexdigest))
+
+    def _p2p_tier(self, fingerprint: str) -> list[Any]:
+        """The builder of the P2P tier, if the spec has one (``p2p:`` / ``p2p-listen:``)."""
+        p2p = self.offload_config.p2p
+        if p2p is None:
+            return []
+        from pagedkv.kv_transfer.p2p_tier import P2PTier
+
+        backend = self.config.get_from_extra_config("p2p_backend")
+        return [lambda chunk_bytes: P2PTier(
+            p2p.peers, fingerprint, self.hash_seed, chunk_bytes, listen_host=p2p.listen_host,
+            listen_port=p2p.listen_port, capacity_bytes=p2p.capacity_bytes, backend=backend)]
 
     # ---- scheduler side ---------------------------------------------------------------------------
 

@@ -6,6 +6,7 @@ only `base`, `tiering` imports `base` and `cpu_manager`, and this factory import
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from pagedkv.offload.base import OffloadingManager, SecondaryTier
@@ -22,15 +23,20 @@ if TYPE_CHECKING:
 
 def build_offloading(config: OffloadConfig, fingerprint: OffloadFingerprint, kv_buffer: torch.Tensor,
                      layout: Any, *, cache_policy: str = "lru", store_threshold: int = 0,
-                     enable_events: bool = True) -> tuple[OffloadingManager, OffloadingWorker]:
+                     enable_events: bool = True,
+                     extra_tiers: Sequence[Callable[[int], SecondaryTier]] = ()
+                     ) -> tuple[OffloadingManager, OffloadingWorker]:
     """The manager (scheduler side) and worker (device side) for a parsed ``--kv-offload``
-    spec. CPU only → a `CPUOffloadingManager`; with disk/Redis → a `TieringOffloadingManager`."""
+    spec. CPU only → a `CPUOffloadingManager`; with disk/Redis → a `TieringOffloadingManager`.
+    ``extra_tiers``: builders (given the chunk size) of tiers defined above this package (the
+    P2P tier, which needs the KV transfer backends), placed after disk and Redis."""
     host = HostChunkBuffer.for_kv_cache(kv_buffer, layout, config.cpu.capacity_bytes,
                                         fingerprint.blocks_per_chunk)
     primary = CPUOffloadingManager(host.num_chunks, cache_policy, chunk_bytes=host.chunk_bytes,
                                    enable_events=enable_events, store_threshold=store_threshold)
     worker = OffloadingWorker(kv_buffer, layout, host)
     tiers = _secondary_tiers(config, fingerprint, host.chunk_bytes)
+    tiers.extend(build(host.chunk_bytes) for build in extra_tiers)
     if not tiers:
         return primary, worker
     return TieringOffloadingManager(primary, host, tiers), worker

@@ -6,6 +6,8 @@ the CPU tier is the gateway every other tier goes through)::
     cpu:<size>
     disk:<directory>:<size>
     redis://[:<password>@]<host>:<port>[/<db>][?ttl=<seconds>]
+    p2p:<peer host>:<port>                 (a peer to read cached prefixes from; repeatable)
+    p2p-listen:[<host>:]<port>:<size>      (serve this instance's prefixes to peers; <size> of them)
 
 Sizes: an integer or decimal with an optional unit, ``B``, ``KB``/``MB``/``GB``/``TB`` (powers
 of 1000) or ``KiB``/``MiB``/``GiB``/``TiB`` (powers of 1024), case-insensitive. Example::
@@ -20,7 +22,7 @@ from urllib.parse import parse_qs, urlsplit
 
 from pagedkv.core.units import format_size, parse_size
 
-__all__ = ["CPUTierConfig", "DiskTierConfig", "OffloadConfig", "RedisTierConfig", "format_size",
+__all__ = ["CPUTierConfig", "DiskTierConfig", "OffloadConfig", "P2PTierConfig", "RedisTierConfig", "format_size",
            "parse_offload_spec", "parse_size"]
 
 
@@ -45,10 +47,22 @@ class RedisTierConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class P2PTierConfig:
+    """Peers to read from, and where (and how much) this instance serves (port 0: it serves
+    nothing, it only reads)."""
+
+    peers: tuple[tuple[str, int], ...] = ()
+    listen_host: str = "127.0.0.1"
+    listen_port: int = 0
+    capacity_bytes: int = 0
+
+
+@dataclass(frozen=True, slots=True)
 class OffloadConfig:
     cpu: CPUTierConfig
     disk: DiskTierConfig | None = None
     redis: RedisTierConfig | None = None
+    p2p: P2PTierConfig | None = None
 
     def to_spec(self) -> str:
         """The canonical option string (parses back to an equal config)."""
@@ -60,6 +74,11 @@ class OffloadConfig:
             auth = f":{r.password}@" if r.password else ""
             ttl = f"?ttl={r.ttl_s}" if r.ttl_s is not None else ""
             parts.append(f"redis://{auth}{r.host}:{r.port}/{r.db}{ttl}")
+        if self.p2p:
+            p = self.p2p
+            parts.extend(f"p2p:{h}:{port}" for h, port in p.peers)
+            if p.listen_port:
+                parts.append(f"p2p-listen:{p.listen_host}:{p.listen_port}:{format_size(p.capacity_bytes)}")
         return ",".join(parts)
 
 
@@ -80,14 +99,45 @@ def _parse_redis(text: str) -> RedisTierConfig:
     return RedisTierConfig(url.hostname, url.port or 6379, int(path or 0), ttl, url.password)
 
 
+def _port(text: str, raw: str) -> int:
+    if not text.isdigit() or not 0 < int(text) < 65536:
+        raise ValueError(f"bad port {text!r} in {raw!r}")
+    return int(text)
+
+
+def _parse_p2p_peer(rest: str, raw: str) -> tuple[str, int]:
+    host, sep, port = rest.rpartition(":")
+    if not sep or not host:
+        raise ValueError(f"bad p2p peer {raw!r}: expected p2p:<host>:<port>")
+    return host, _port(port, raw)
+
+
+def _parse_p2p_listen(rest: str, raw: str) -> tuple[str, int, int]:
+    hostport, sep, size = rest.rpartition(":")
+    if not sep or not hostport:
+        raise ValueError(f"bad p2p-listen {raw!r}: expected p2p-listen:[<host>:]<port>:<size>")
+    host, _, port = hostport.rpartition(":")
+    return host or "127.0.0.1", _port(port, raw), parse_size(size)
+
+
 def parse_offload_spec(spec: str) -> OffloadConfig:
     """Parse the option string (see the module docstring); ValueError says what is wrong."""
     tiers: dict[str, object] = {}
+    peers: list[tuple[str, int]] = []
+    listen: tuple[str, int, int] | None = None
     for raw in (p.strip() for p in spec.split(",")):
         if not raw:
             continue
         kind, _, rest = raw.partition(":")
         kind = kind.lower()
+        if kind == "p2p":
+            peers.append(_parse_p2p_peer(rest, raw))
+            continue
+        if kind == "p2p-listen":
+            if listen is not None:
+                raise ValueError(f"p2p-listen given twice in {spec!r}")
+            listen = _parse_p2p_listen(rest, raw)
+            continue
         if kind in tiers:
             raise ValueError(f"tier {kind!r} given twice in {spec!r}")
         if kind == "cpu":
@@ -100,7 +150,12 @@ def parse_offload_spec(spec: str) -> OffloadConfig:
         elif kind == "redis":
             tiers[kind] = _parse_redis(raw)
         else:
-            raise ValueError(f"unknown tier {kind!r} in {spec!r} (cpu, disk, redis)")
+            raise ValueError(f"unknown tier {kind!r} in {spec!r} (cpu, disk, redis, p2p, p2p-listen)")
     if "cpu" not in tiers:
         raise ValueError(f"{spec!r} has no cpu:<size> tier (the gateway of every other tier)")
+    if peers or listen:
+        host, port, size = listen or ("127.0.0.1", 0, 0)
+        if listen and size <= 0:
+            raise ValueError(f"p2p-listen needs a size above 0 in {spec!r}")
+        tiers["p2p"] = P2PTierConfig(tuple(peers), host, port, size)
     return OffloadConfig(**tiers)  # type: ignore[arg-type]

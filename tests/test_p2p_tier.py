@@ -1,0 +1,137 @@
+"""The P2P tier: instances serve each other's cached prefixes over the KV transfer backend.
+
+Unit level: the chunk store (LRU, leases, checksums); two tiers in one process over NIXL and the
+TCP backend (lookups, reads byte for byte, pins released, a refused handshake naming the field,
+a dead peer). Engine level: two real engines, each serving its CPU tier's chunks to the other:
+the second one loads the first one's prefix from it and generates the same tokens.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import time
+
+import pytest
+
+from pagedkv.kv_transfer.p2p_tier import ChunkStore, P2PTier, compat_error
+
+CHUNK = 4096
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def backends() -> list[str]:
+    try:
+        import nixl_cu12  # noqa: F401
+    except Exception:  # noqa: BLE001
+        return ["tcp"]
+    return ["nixl", "tcp"]
+
+
+def chunk(i: int) -> bytes:
+    return bytes((i * 7 + j) % 251 for j in range(CHUNK))
+
+
+def key(i: int) -> bytes:
+    return i.to_bytes(4, "little") * 8
+
+
+def test_chunk_store_lru_skips_leased_slots_and_checks_sums():
+    store = ChunkStore(2, CHUNK)
+    assert store.put(key(1), chunk(1)) and store.put(key(2), chunk(2))
+    (slot1, sum1), = store.lookup([key(1)], pin_s=60)  # leased: key 2 is now the LRU victim too
+    assert store.put(key(3), chunk(3))
+    assert key(1) in store and key(2) not in store and store.evicted == [key(2)]
+    assert store.verify(slot1, sum1) and not store.verify(slot1, sum1 ^ 1)
+    store.release([key(1)])
+    assert store.put(key(4), chunk(4)) and key(1) not in store  # released: evictable again
+    reserved = [store.reserve(key(9), 60), store.reserve(key(10), 60)]
+    assert None not in reserved and store.reserve(key(11), 60) is None  # every slot leased
+
+
+@pytest.fixture(params=backends())
+def backend(request) -> str:
+    return request.param
+
+
+def make_tier(backend: str, peers=(), listen: int = 0, fingerprint: str = "fp", seed: str = "seed") -> P2PTier:
+    return P2PTier(list(peers), fingerprint, seed, CHUNK, listen_port=listen, capacity_bytes=16 * CHUNK,
+                   backend=backend, timeout_s=1.0, cooldown_s=0.5)
+
+
+def test_two_tiers_share_chunks_byte_for_byte(backend):
+    port = free_port()
+    server = make_tier(backend, listen=port)
+    client = make_tier(backend, peers=[("127.0.0.1", port)])
+    try:
+        assert server.store_batch([(key(i), memoryview(chunk(i))) for i in range(4)]) == [True] * 4
+        assert client.exists_batch([key(0), key(9), key(3)]) == [True, False, True]
+        dst = [bytearray(CHUNK) for _ in range(3)]
+        ok = client.load_batch([(key(i), memoryview(d)) for i, d in zip((0, 9, 3), dst)])
+        assert ok == [True, False, True]
+        assert bytes(dst[0]) == chunk(0) and bytes(dst[2]) == chunk(3) and dst[1] == bytearray(CHUNK)
+        assert not server.store._pins  # the reader released its leases
+        assert key(3) in client.store  # read chunks are kept, to be served onward
+        st = client.get_stats()
+        assert st.loads == 2 and st.load_failures == 1 and st.bytes_read == 2 * CHUNK
+        assert [e.removed for e in server.take_events()] == [False]  # stored, medium P2P
+    finally:
+        client.shutdown()
+        server.shutdown()
+
+
+def test_a_mismatched_peer_is_refused_with_the_field_named(backend, caplog):
+    port = free_port()
+    server = make_tier(backend, listen=port, seed="seed-a")
+    client = make_tier(backend, peers=[("127.0.0.1", port)], seed="seed-b")
+    try:
+        server.store_batch([(key(1), memoryview(chunk(1)))])
+        with caplog.at_level(logging.WARNING):
+            assert client.exists_batch([key(1)]) == [False]
+        assert "hash_seed differs" in caplog.text and "PYTHONHASHSEED" in caplog.text
+    finally:
+        client.shutdown()
+        server.shutdown()
+    assert "fingerprint differs" in compat_error({"version": 1, "fingerprint": "a"}, {"version": 1, "fingerprint": "b"})
+
+
+def test_a_dead_peer_is_a_quick_miss_and_skipped(backend):
+    client = make_tier(backend, peers=[("127.0.0.1", free_port())])
+    try:
+        t0 = time.monotonic()
+        assert client.exists_batch([key(1)]) == [False]
+        assert time.monotonic() - t0 < 5
+        assert not client.healthy  # cooling down
+        t1 = time.monotonic()
+        assert client.load_batch([(key(1), memoryview(bytearray(CHUNK)))]) == [False]
+        assert time.monotonic() - t1 < 0.5  # skipped without a network round trip
+    finally:
+        client.shutdown()
+
+
+@pytest.mark.slow
+def test_an_engine_loads_its_prefix_from_a_peer_and_generates_the_same_tokens():
+    from pagedkv import LLM, SamplingParams
+
+    pa, pb = free_port(), free_port()
+    prompt = ("A peer-to-peer KV cache lets every instance reuse the prefixes that any other instance "
+              "has already computed, so a long shared system prompt is prefilled once per fleet. ") * 2
+    params = SamplingParams(temperature=0, max_tokens=8)
+    a = LLM(num_kv_blocks=64, max_model_len=512, kv_offload=f"cpu:32MiB,p2p-listen:{pa}:32MiB,p2p:127.0.0.1:{pb}")
+    b = LLM(num_kv_blocks=64, max_model_len=512, kv_offload=f"cpu:32MiB,p2p-listen:{pb}:32MiB,p2p:127.0.0.1:{pa}")
+    try:
+        ref = a.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+        assert a.llm_engine.connector.manager.drain(30)  # A's chunks cascaded into its P2P store
+        out = b.generate([prompt], params, use_tqdm=False)[0]
+        assert list(out.outputs[0].token_ids) == list(ref)
+        tiers = b.llm_engine.make_stats().kv_connector_stats.tier_dicts()
+        assert tiers["p2p"]["loads"] > 0 and tiers["p2p"]["bytes_read"] > 0
+        assert out.num_cached_tokens >= 16  # loaded from the peer, not computed
+    finally:
+        a.llm_engine.shutdown()
+        b.llm_engine.shutdown()
