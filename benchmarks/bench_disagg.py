@@ -433,18 +433,19 @@ def run_pd(args: argparse.Namespace, logs: Path, reqs: list[Req], prefill_cores:
 # ---- transfer bandwidth --------------------------------------------------------------------------
 
 
-def kv_buffer(num_blocks: int, seed: int) -> Any:
-    """A SmolLM2-shaped ``LBNHC`` KV buffer filled with a pattern unique to ``seed``."""
+def kv_buffer(num_blocks: int, seed: int, layout: str = "LBNHC") -> Any:
+    """A SmolLM2-shaped KV buffer in ``layout`` filled with a pattern unique to ``seed``."""
     import torch
 
     from pagedkv.ops.kv_cache import allocate_kv_cache
 
-    buf, _ = allocate_kv_cache("LBNHC", KV_LAYERS, num_blocks, KV_BLOCK_SIZE, KV_HEADS, HEAD_SIZE, torch.float32)
+    buf, _ = allocate_kv_cache(layout, KV_LAYERS, num_blocks, KV_BLOCK_SIZE, KV_HEADS, HEAD_SIZE, torch.float32)
     buf.view(-1).copy_(torch.arange(buf.numel(), dtype=torch.float32) + seed * 1e6)
     return buf
 
 
-def _remote_agent(backend: str, name: str, num_blocks: int, to_parent: Any, stop: Any) -> None:
+def _remote_agent(backend: str, name: str, num_blocks: int, to_parent: Any, stop: Any,
+                  layout: str = "LBNHC") -> None:
     """The remote engine (a spawned process): registers its KV (pattern 2), sends its metadata,
     then polls its agent until ``stop`` is set, as an engine does every step (UCX needs the
     target to make progress: connection wire-up, and the data itself on transports without
@@ -454,8 +455,8 @@ def _remote_agent(backend: str, name: str, num_blocks: int, to_parent: Any, stop
 
     be = get_transfer_backend(name, backend)
     try:
-        buf = kv_buffer(num_blocks, 2)
-        be.register_kv_memory(buffer_regions(buf, "LBNHC"))
+        buf = kv_buffer(num_blocks, 2, layout)
+        be.register_kv_memory(buffer_regions(buf, layout))
         to_parent.put(be.get_agent_metadata())
         deadline = time.monotonic() + 600
         while not stop.is_set() and time.monotonic() < deadline:
@@ -493,6 +494,8 @@ def run_bandwidth(args: argparse.Namespace) -> BandwidthResult:
     from pagedkv.kv_transfer.backends import get_transfer_backend
     from pagedkv.kv_transfer.nixl_connector import buffer_regions
 
+    layout = getattr(args, "kv_layout", "LBNHC")
+    bd = layout.index("B")  # the block dimension of the buffer
     block_bytes = KV_LAYERS * KV_BLOCK_SIZE * KV_HEADS * 2 * HEAD_SIZE * 4
     n = max(1, math.ceil(args.bandwidth_mib * 2**20 / block_bytes))
     num_blocks = 2 * n + 1
@@ -501,12 +504,13 @@ def run_bandwidth(args: argparse.Namespace) -> BandwidthResult:
     ctx = mp.get_context("spawn")
     to_parent, stop = ctx.Queue(), ctx.Event()
     child = ctx.Process(target=_remote_agent, daemon=True,
-                        args=(args.backend, f"bw-remote-{uuid.uuid4().hex[:8]}", num_blocks, to_parent, stop))
+                        args=(args.backend, f"bw-remote-{uuid.uuid4().hex[:8]}", num_blocks, to_parent, stop,
+                              layout))
     child.start()
     be = get_transfer_backend(f"bw-local-{uuid.uuid4().hex[:8]}", args.backend)
     try:
-        buf = kv_buffer(num_blocks, 1)
-        be.register_kv_memory(buffer_regions(buf, "LBNHC"))
+        buf = kv_buffer(num_blocks, 1, layout)
+        be.register_kv_memory(buffer_regions(buf, layout))
         peer = be.add_remote_agent(to_parent.get(timeout=300))
 
         def pull() -> None:
@@ -517,8 +521,9 @@ def run_bandwidth(args: argparse.Namespace) -> BandwidthResult:
                 raise RuntimeError(f"transfer ended {state}")
 
         t_xfer = _timed_copies(pull, args.bandwidth_repeats)
-        expected = kv_buffer(num_blocks, 2)
-        verified = torch.equal(buf[:, local_ids], expected[:, remote_ids])
+        expected = kv_buffer(num_blocks, 2, layout)
+        li, ri = torch.tensor(local_ids), torch.tensor(remote_ids)
+        verified = torch.equal(buf.index_select(bd, li), expected.index_select(bd, ri))
     finally:
         be.shutdown()
         stop.set()
@@ -526,10 +531,9 @@ def run_bandwidth(args: argparse.Namespace) -> BandwidthResult:
         if child.is_alive():
             child.kill()
             child.join(timeout=10)
-    src, dst = expected, kv_buffer(num_blocks, 3)
-    li, ri = torch.tensor(local_ids), torch.tensor(remote_ids)
-    t_memcpy = _timed_copies(lambda: dst[:, :n].copy_(src[:, n:2 * n]), args.bandwidth_repeats)
-    t_index = _timed_copies(lambda: dst.index_copy_(1, li, src.index_select(1, ri)), args.bandwidth_repeats)
+    src, dst = expected, kv_buffer(num_blocks, 3, layout)
+    t_memcpy = _timed_copies(lambda: dst.narrow(bd, 0, n).copy_(src.narrow(bd, n, n)), args.bandwidth_repeats)
+    t_index = _timed_copies(lambda: dst.index_copy_(bd, li, src.index_select(bd, ri)), args.bandwidth_repeats)
     moved = n * block_bytes
     gbps = [moved / t / 1e9 for t in (t_xfer, t_memcpy, t_index)]
     return BandwidthResult(backend=be.kind, agents="two processes", block_bytes=block_bytes, blocks=n,
@@ -727,6 +731,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("bandwidth and kill test")
     g.add_argument("--bandwidth-mib", type=positive_float, default=64.0, help="MiB of blocks to move (default 64)")
     g.add_argument("--bandwidth-repeats", type=int, default=5, help="timed transfers / copies (default 5)")
+    g.add_argument("--kv-layout", default="LBNHC",
+                   help="KV buffer layout of the bandwidth test (default LBNHC, the engine's default; "
+                        "BLNHC makes each block one contiguous range across layers)")
     g.add_argument("--kill-test", type=int, default=20, metavar="N", help="kill-test requests; 0 skips (default 20)")
     g.add_argument("--kill-rate", type=positive_float, default=1.0, help="kill-test arrival rate, req/s (default 1)")
     g.add_argument("--kill-interval", type=seconds_range, default=(2.0, 5.0),
