@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import socket
 import tempfile
 import threading
 import time
@@ -22,7 +21,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from redis_server import REDIS_SERVER, RedisServer
+from redis_server import REDIS_SERVER, RedisServer, free_port
 from server_utils import client as http_client
 from server_utils import running_server
 
@@ -414,12 +413,6 @@ def test_dashboard_page_updates_live_in_chromium(server, browser, tmp_path, redi
 
 
 # ---- a PD connector's transfers ----------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def nixl_config(role: str) -> dict:

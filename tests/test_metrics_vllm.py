@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import queue
 import re
-import socket
 import subprocess
 import sys
 import threading
@@ -24,7 +23,7 @@ import httpx
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
-from redis_server import RedisServer
+from redis_server import RedisServer, free_port
 from server_utils import client as http_client
 from server_utils import running_server
 
@@ -364,12 +363,6 @@ def test_kv_transfer_metrics_follow_the_vllm_prefix_and_labels():
 def test_no_kv_transfer_metrics_without_a_pd_connector(kcs):
     assert kv_transfer_metrics(SchedulerStats(kv_connector_stats=kcs), "pagedkv:", ["model_name"], ["m"]) == []
     assert "kv_transfer" not in render_snapshot(SchedulerStats(kv_connector_stats=kcs))
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def test_producer_engine_exports_its_kv_transfer_metrics_and_role():

@@ -9,28 +9,20 @@ the second one loads the first one's prefix from it and generates the same token
 from __future__ import annotations
 
 import logging
-import socket
 import time
 
 import pytest
+from redis_server import free_port
+
+from pagedkv.kv_transfer.backends import nixl_import_error
 
 from pagedkv.kv_transfer.p2p_tier import ChunkStore, P2PTier, compat_error
 
 CHUNK = 4096
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def backends() -> list[str]:
-    try:
-        import nixl_cu12  # noqa: F401
-    except Exception:  # noqa: BLE001
-        return ["tcp"]
-    return ["nixl", "tcp"]
+    return ["tcp"] if nixl_import_error() else ["nixl", "tcp"]
 
 
 def chunk(i: int) -> bytes:

@@ -11,11 +11,13 @@ expired lease, a push that never comes, an abort while fetching.
 
 from __future__ import annotations
 
-import socket
 import time
 from collections.abc import Iterator
 
 import pytest
+from redis_server import free_port
+
+from pagedkv.kv_transfer.backends import nixl_import_error
 
 from pagedkv import LLM, SamplingParams
 from pagedkv.kv_transfer.side_channel import HandshakeError, KVAgentMetadata, check_compatible
@@ -30,18 +32,8 @@ PROMPTS = [
 MAX_TOKENS = 8
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def backends() -> list[str]:
-    try:
-        import nixl_cu12  # noqa: F401
-    except Exception:  # noqa: BLE001
-        return ["tcp"]
-    return ["nixl", "tcp"]
+    return ["tcp"] if nixl_import_error() else ["nixl", "tcp"]
 
 
 def make_llm(role: str, backend: str, **extra) -> LLM:

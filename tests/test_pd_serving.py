@@ -24,7 +24,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -35,6 +34,9 @@ from typing import Any
 
 import httpx
 import pytest
+from redis_server import free_port
+
+from pagedkv.kv_transfer.backends import nixl_import_error
 
 pytestmark = pytest.mark.slow
 
@@ -75,18 +77,8 @@ REQUESTS: list[tuple[str, dict[str, Any]]] = (
 # ---- processes -----------------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def nixl_available() -> bool:
-    try:
-        import nixl_cu12  # noqa: F401
-    except Exception:  # noqa: BLE001 - any import failure means "no NIXL here"
-        return False
-    return True
+    return nixl_import_error() is None
 
 
 def serve_args(role: str, backend: str, *, block_size: int = 16, **extra: Any) -> list[str]:
