@@ -631,21 +631,27 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     logs = Path(tempfile.mkdtemp(prefix="bench_disagg-"))
     reqs = make_workload(args, args.num_requests, args.rate, args.seed)
     report: dict[str, Any] = dict(config=config(args, note, (colo_cores, p_cores, d_cores)))
+    parts = {"serving", "bandwidth", "kill"} if args.only == "all" else {args.only}
+    report.update(colocated=None, pd=None, ratios=None, bandwidth=None, kill_test=None)
     try:
-        colo = run_colocated(args, logs, reqs, colo_cores)
-        pd = run_pd(args, logs, reqs, p_cores, d_cores)
-        rat = ratios(pd, colo)
-        report.update(colocated=asdict(colo), pd=asdict(pd), ratios=rat)
-        log(args, "transfer bandwidth ...")
-        bw = run_bandwidth(args)
-        report["bandwidth"] = asdict(bw)
-        kill = run_kill_test(args, logs) if args.kill_test else None
-        report["kill_test"] = asdict(kill) if kill else None
+        rat = bw = kill = None
+        if "serving" in parts:
+            colo = run_colocated(args, logs, reqs, colo_cores)
+            pd = run_pd(args, logs, reqs, p_cores, d_cores)
+            rat = ratios(pd, colo)
+            report.update(colocated=asdict(colo), pd=asdict(pd), ratios=rat)
+        if "bandwidth" in parts:
+            log(args, "transfer bandwidth ...")
+            bw = run_bandwidth(args)
+            report["bandwidth"] = asdict(bw)
+        if "kill" in parts and args.kill_test:
+            kill = run_kill_test(args, logs)
+            report["kill_test"] = asdict(kill)
         report["targets"] = dict(itl_p99_ratio=TARGET_ITL_P99_RATIO, bandwidth_ratio=TARGET_BANDWIDTH_RATIO,
                                  kill_test_lost=0)
         report["meets_targets"] = dict(
-            itl_p99=rat["itl_p99"] is not None and rat["itl_p99"] <= TARGET_ITL_P99_RATIO,
-            bandwidth=bw.ratio_vs_memcpy >= TARGET_BANDWIDTH_RATIO,
+            itl_p99=None if rat is None else rat["itl_p99"] is not None and rat["itl_p99"] <= TARGET_ITL_P99_RATIO,
+            bandwidth=None if bw is None else bw.ratio_vs_memcpy >= TARGET_BANDWIDTH_RATIO,
             kill_test=None if kill is None else kill.lost == 0)
     finally:
         if args.keep_logs:
@@ -668,24 +674,26 @@ def table(report: dict[str, Any]) -> str:
              + (f" ({pin['note']})" if pin["note"] else ""), "",
              f"{'setup':<10} {'ok':>4} {'failed':>6} {'out tok/s':>9} {'TTFT p50':>9} {'TTFT p99':>9} "
              f"{'ITL p50':>8} {'ITL p99':>8}  (latencies in ms)"]
-    for key in ("colocated", "pd"):
+    met = report["meets_targets"]
+    for key in ("colocated", "pd") if report["pd"] is not None else ():
         r = report[key]
         lines.append(f"{key:<10} {r['completed']:>4} {r['failed']:>6} {r['output_tok_s']:>9.1f} "
                      f"{ms(r['ttft_s']['p50']):>9} {ms(r['ttft_s']['p99']):>9} {ms(r['itl_s']['p50']):>8} "
                      f"{ms(r['itl_s']['p99']):>8}")
     rat = report["ratios"]
-    lines.append(f"{'PD/colo':<10} {'':>4} {'':>6} " + " ".join(
-        f"{'-' if rat[k] is None else format(rat[k], '.2f'):>{w}}"
-        for k, w in (("output_tok_s", 9), ("ttft_p50", 9), ("ttft_p99", 9), ("itl_p50", 8), ("itl_p99", 8))))
-    lines.append(f"PD KV transfers: {report['pd']['kv_transfers']}, failures: {report['pd']['kv_transfer_failures']}")
-    met = report["meets_targets"]
-    lines.append(f"ITL p99 PD/colocated <= {TARGET_ITL_P99_RATIO}: {'met' if met['itl_p99'] else 'NOT met'}")
+    if rat is not None:
+        lines.append(f"{'PD/colo':<10} {'':>4} {'':>6} " + " ".join(
+            f"{'-' if rat[k] is None else format(rat[k], '.2f'):>{w}}"
+            for k, w in (("output_tok_s", 9), ("ttft_p50", 9), ("ttft_p99", 9), ("itl_p50", 8), ("itl_p99", 8))))
+        lines.append(f"PD KV transfers: {report['pd']['kv_transfers']}, failures: {report['pd']['kv_transfer_failures']}")
+        lines.append(f"ITL p99 PD/colocated <= {TARGET_ITL_P99_RATIO}: {'met' if met['itl_p99'] else 'NOT met'}")
     bw = report["bandwidth"]
-    lines += ["", f"transfer ({bw['backend']}, {bw['agents']}): {bw['bytes_moved'] / 2**20:.1f} MiB in "
-              f"{bw['blocks']} blocks: {bw['transfer_gbps']:.2f} GB/s; memcpy {bw['memcpy_gbps']:.2f} GB/s "
-              f"(ratio {bw['ratio_vs_memcpy']:.2f}, target >= {TARGET_BANDWIDTH_RATIO}: "
-              f"{'met' if met['bandwidth'] else 'NOT met'}); index_copy {bw['index_copy_gbps']:.2f} GB/s "
-              f"(ratio {bw['ratio_vs_index_copy']:.2f}); verified: {bw['verified']}"]
+    if bw is not None:
+        lines += ["", f"transfer ({bw['backend']}, {bw['agents']}): {bw['bytes_moved'] / 2**20:.1f} MiB in "
+                  f"{bw['blocks']} blocks: {bw['transfer_gbps']:.2f} GB/s; memcpy {bw['memcpy_gbps']:.2f} GB/s "
+                  f"(ratio {bw['ratio_vs_memcpy']:.2f}, target >= {TARGET_BANDWIDTH_RATIO}: "
+                  f"{'met' if met['bandwidth'] else 'NOT met'}); index_copy {bw['index_copy_gbps']:.2f} GB/s "
+                  f"(ratio {bw['ratio_vs_index_copy']:.2f}); verified: {bw['verified']}"]
     kill = report["kill_test"]
     if kill is not None:
         lines += ["", f"kill test: {kill['requests']} requests, {kill['lost']} lost, {len(kill['kills'])} kills "
@@ -738,6 +746,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kill-rate", type=positive_float, default=1.0, help="kill-test arrival rate, req/s (default 1)")
     g.add_argument("--kill-interval", type=seconds_range, default=(2.0, 5.0),
                    help="seconds between a restart and the next kill, MIN:MAX (default 2:5)")
+    p.add_argument("--only", choices=["all", "serving", "bandwidth", "kill"], default="all",
+                   help="run one part only (default all)")
     p.add_argument("--keep-logs", action="store_true", help="keep the instances' log files")
     add_output_args(p)
 
@@ -759,7 +769,8 @@ def check_args(args: argparse.Namespace) -> None:
 def exit_code(report: dict[str, Any]) -> int:
     """1 when a serving request failed or the kill test lost one (the report is still printed)."""
     kill = report.get("kill_test")
-    return 1 if report["colocated"]["failed"] or report["pd"]["failed"] or (kill and kill["lost"]) else 0
+    failed = any(report[k] is not None and report[k]["failed"] for k in ("colocated", "pd"))
+    return 1 if failed or (kill and kill["lost"]) else 0
 
 
 def _sigterm(signum: int, frame: Any) -> None:

@@ -165,3 +165,8 @@ def test_serve_prints_loading_progress_and_the_plan_summary() -> None:
         proc.wait(60)
     assert any(line.startswith("pagedkv serve: loading model ") and " ... done in " in line for line in lines), lines
     assert f"pagedkv serve: {summary}" in lines
+
+
+def test_a_bad_kv_cache_layout_is_one_line() -> None:
+    res = pagedkv("generate", "hi", "--kv-cache-layout", "LBNCH")
+    assert_one_line_error(res, "kv_cache_layout='LBNCH'", "C last")

@@ -215,3 +215,23 @@ def test_full_disk_drops_stores_and_serving_goes_on(reference, tmp_path, caplog)
         llm.llm_engine.shutdown()
     finally:
         subprocess.run(["umount", str(mnt)], capture_output=True)
+
+
+def test_tier_events_are_published_with_the_pools_and_drained_when_events_are_off(reference):
+    """`LLMEngine.take_kv_events` adds the tiers' events (medium CPU) to the device pool's;
+    with events off, the connector's events are dropped every step (they used to pile up)."""
+    from pagedkv.core.events import BlockStored
+
+    llm = LLM(**ENGINE, kv_offload="cpu:256MiB", enable_kv_cache_events=True)
+    assert outputs(llm) == reference
+    drain(llm)
+    llm.llm_engine.step()  # the stores' completions reach the tier manager
+    stored = [ev for ev in llm.llm_engine.take_kv_events() if isinstance(ev, BlockStored)]
+    assert any(ev.token_ids for ev in stored)  # the device pool's (medium CPU on this machine)
+    assert any(ev.medium == "CPU" and not ev.token_ids for ev in stored)  # the tier's: hashes only
+    quiet = LLM(**ENGINE, kv_offload="cpu:256MiB")
+    assert outputs(quiet) == reference
+    drain(quiet)
+    quiet.llm_engine.step()
+    quiet.llm_engine.step()
+    assert quiet.llm_engine.connector.take_events() == []

@@ -127,3 +127,48 @@ def test_an_engine_loads_its_prefix_from_a_peer_and_generates_the_same_tokens():
     finally:
         a.llm_engine.shutdown()
         b.llm_engine.shutdown()
+
+
+@pytest.mark.slow
+def test_two_serve_processes_share_a_prefix_over_p2p():
+    """Two ``pagedkv serve`` processes, each listening for the other: a prompt answered by A is
+    served to B from A's P2P store (B's /metrics count P2P bytes read; its usage reports the
+    prefix as cached) and B's greedy answer is token-identical to A's."""
+    import re
+
+    import httpx
+    from test_proxy import START_TIMEOUT, _start, _stop, _wait_url
+
+    pa, pb = free_port(), free_port()
+    prompt = ("A peer-to-peer KV cache lets every instance reuse the prefixes that any other instance "
+              "has already computed, so a long shared system prompt is prefilled once per fleet. ") * 2
+    body = {"prompt": prompt, "max_tokens": 8, "temperature": 0, "return_token_ids": True}
+    common = ["serve", "--port", "0", "--num-kv-blocks", "64", "--max-model-len", "512",
+              "--log-stats-interval", "0"]
+    procs = [_start([*common, "--kv-offload", f"cpu:32MiB,p2p-listen:{pa}:32MiB,p2p:127.0.0.1:{pb}"]),
+             _start([*common, "--kv-offload", f"cpu:32MiB,p2p-listen:{pb}:32MiB,p2p:127.0.0.1:{pa}"])]
+    try:
+        a, b = (_wait_url(p, q, START_TIMEOUT) for p, q in procs)
+        want = httpx.post(a + "/v1/completions", json=body, timeout=120).json()
+
+        def p2p_bytes_read(url: str) -> float:
+            text = httpx.get(url + "/metrics", timeout=30).text
+            m = re.search(r'^pagedkv:offload_bytes_read_total\{[^}]*tier="p2p"[^}]*\} (\S+)$', text, re.M)
+            return float(m.group(1)) if m else 0.0
+
+        def a_stored() -> float:  # A's P2P store has A's chunks once its CPU tier cascaded them
+            text = httpx.get(a + "/metrics", timeout=30).text
+            m = re.search(r'^pagedkv:offload_bytes_written_total\{[^}]*tier="p2p"[^}]*\} (\S+)$', text, re.M)
+            return float(m.group(1)) if m else 0.0
+
+        deadline = time.monotonic() + 60
+        while a_stored() == 0:
+            assert time.monotonic() < deadline, "A never stored its chunks in its P2P store"
+            time.sleep(0.2)
+        got = httpx.post(b + "/v1/completions", json=body, timeout=120).json()
+        assert got["choices"][0]["token_ids"] == want["choices"][0]["token_ids"]
+        assert got["usage"]["prompt_tokens_details"]["cached_tokens"] >= 16
+        assert p2p_bytes_read(b) > 0 and p2p_bytes_read(a) == 0
+    finally:
+        for p, _ in procs:
+            _stop(p)

@@ -37,7 +37,8 @@ def backends() -> list[str]:
 
 
 def make_llm(role: str, backend: str, **extra) -> LLM:
-    engine_kw = {k: extra.pop(k) for k in list(extra) if k in ("block_size", "prefix_caching_hash_algo")}
+    engine_kw = {k: extra.pop(k) for k in list(extra) if k in ("block_size", "prefix_caching_hash_algo",
+                                                                       "enable_kv_cache_events", "kv_cache_layout")}
     cfg = {"kv_connector": "NixlConnector", "kv_role": role, "kv_connector_extra_config": {
         "side_channel_port": free_port(), "backend": backend, "handshake_timeout_s": 2.0, **extra}}
     return LLM(num_kv_blocks=96, max_model_len=512, kv_transfer_config=cfg, **engine_kw)
@@ -109,6 +110,55 @@ def test_pull_is_exact_and_frees_both_pools(pair, reference):
     assert d_conn.num_transfers - before == len(PROMPTS)
     settle(p, d)
     assert p.llm_engine.connector.num_expired_leases == 0  # freed by the consumer's notification
+
+
+def test_a_completed_read_is_a_remote_kv_event_with_the_producers_hashes(reference):
+    """The consumer reports each completed read as BlockStored(medium REMOTE): the full blocks
+    that moved, hashed as the producer's pool hashed them, with their tokens."""
+    from pagedkv.core.events import BlockStored
+
+    be = backends()[0]
+    p = make_llm("kv_producer", be, enable_kv_cache_events=True)
+    d = make_llm("kv_consumer", be, enable_kv_cache_events=True)
+    try:
+        prompt = PROMPTS[2]
+        params = prefill(p, [prompt])
+        p_stored = [ev for ev in p.llm_engine.take_kv_events() if isinstance(ev, BlockStored)]
+        d.llm_engine.take_kv_events()
+        assert decode(d, [prompt], params) == [reference[prompt]]
+        remote = [ev for ev in d.llm_engine.take_kv_events()
+                  if isinstance(ev, BlockStored) and ev.medium == "REMOTE"]
+        assert len(remote) == 1
+        ev = remote[0]
+        p_hashes = [h for e in p_stored for h in e.block_hashes]
+        assert ev.block_hashes and ev.block_hashes == p_hashes[:len(ev.block_hashes)]
+        n = len(ev.block_hashes) * ev.block_size
+        assert ev.token_ids == [t for e in p_stored for t in e.token_ids][:n] and ev.parent_block_hash is None
+        settle(p, d)
+    finally:
+        p.llm_engine.shutdown()
+        d.llm_engine.shutdown()
+
+
+def test_block_contiguous_layout_transfers_exactly_and_a_layout_mismatch_is_refused(reference, caplog):
+    """BLNHC (each block one range across layers: one large descriptor per block) moves the
+    same KV; a peer with another layout is refused naming the field, and D recomputes."""
+    be = backends()[0]
+    p = make_llm("kv_producer", be, kv_cache_layout="BLNHC")
+    d = make_llm("kv_consumer", be, kv_cache_layout="BLNHC")
+    other = make_llm("kv_consumer", be)
+    try:
+        params = prefill(p, PROMPTS)
+        assert decode(d, PROMPTS, params) == [reference[x] for x in PROMPTS]
+        assert d.llm_engine.connector.num_failed_transfers == 0
+        params = prefill(p, PROMPTS[:1])
+        with caplog.at_level("WARNING"):
+            assert decode(other, PROMPTS[:1], params) == [reference[PROMPTS[0]]]
+        assert "kv_cache_layout" in caplog.text
+        settle(p, d, other, timeout_s=45.0)
+    finally:
+        for x in (p, d, other):
+            x.llm_engine.shutdown()
 
 
 def test_consumer_reads_only_the_tail_after_its_prefix_hit(pair, reference):

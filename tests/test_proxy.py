@@ -242,3 +242,79 @@ def test_every_decode_dead_is_a_503_and_client_errors_pass_through(instances):
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "temperature"
         prefill = srv.app.state.proxy.prefill.instances[0]
         assert prefill.healthy(time.monotonic())  # a 400 does not make an instance unhealthy
+
+
+# ---- return_token_ids and mid-stream resumption -------------------------------------------------
+
+
+def test_return_token_ids_match_the_text_streamed_and_not(instances):
+    """vLLM's ``return_token_ids``: completions put ``prompt_token_ids`` on the choice, chat on
+    the response; streamed token ids concatenate to the non-streamed ones."""
+    a, _ = instances
+    body = {**COMPLETION, "max_tokens": 12, "return_token_ids": True}
+    full = _post(a, "/v1/completions", body).json()["choices"][0]
+    assert len(full["token_ids"]) == 12 and full["prompt_token_ids"]
+    chunks = _stream(a, "/v1/completions", body)
+    streamed = [t for c in chunks for ch in c["choices"] for t in ch.get("token_ids", [])]
+    assert streamed == full["token_ids"]
+    assert chunks[0]["choices"][0]["prompt_token_ids"] == full["prompt_token_ids"]
+    assert "prompt_token_ids" not in chunks[1]["choices"][0]
+    chat = _post(a, "/v1/chat/completions", {**CHAT, "return_token_ids": True}).json()
+    assert chat["prompt_token_ids"] and len(chat["choices"][0]["token_ids"]) == 8
+    plain = _post(a, "/v1/completions", COMPLETION).json()["choices"][0]
+    assert "token_ids" not in plain and "prompt_token_ids" not in plain
+
+
+def _serve_victim() -> tuple[subprocess.Popen, str]:
+    proc, q = _start(["serve", "--port", "0", "--num-kv-blocks", "64", "--max-model-len", "512",
+                      "--max-num-seqs", "2", "--log-stats-interval", "0"])
+    try:
+        return proc, _wait_url(proc, q, START_TIMEOUT)
+    except BaseException:
+        _stop(proc)
+        raise
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_a_decode_instance_killed_mid_stream_is_resumed_token_exact(instances, path):
+    """The decode instance is SIGKILLed after the client got a few chunks: the proxy continues
+    the choice on the other decode instance from the tokens already sent, and the client's one
+    stream is token-identical (text and token ids) to an unbroken greedy answer."""
+    a, b = instances
+    base = COMPLETION if path == "/v1/completions" else CHAT
+    body = {**base, "max_tokens": 40, "ignore_eos": True, "return_token_ids": True,
+            "stream_options": {"include_usage": True}}
+    want = _post(a, path, {k: v for k, v in body.items() if k != "stream_options"}).json()
+    want_ids = want["choices"][0]["token_ids"]
+    victim, victim_url = _serve_victim()
+    try:
+        with _proxy([a], [victim_url, b]) as srv:
+            got_ids: list[int] = []
+            text, chunks = "", []
+            with httpx.stream("POST", srv.url + path, json={**body, "stream": True}, timeout=120) as r:
+                assert r.status_code == 200
+                for line in r.iter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    chunk = json.loads(line[6:])
+                    assert "error" not in chunk, chunk
+                    chunks.append(chunk)
+                    for ch in chunk["choices"]:
+                        got_ids += ch.get("token_ids", [])
+                        text += ch.get("text", "") or (ch.get("delta") or {}).get("content") or ""
+                    if len(got_ids) >= 5 and victim.poll() is None:
+                        victim.kill()  # mid-answer, after the client has part of it
+                        victim.wait(10)
+            assert victim.returncode is not None, "the victim was never killed: nothing tested"
+            assert got_ids == want_ids
+            want_text = want["choices"][0].get("text") or want["choices"][0]["message"]["content"]
+            assert text == want_text
+            assert len({c["id"] for c in chunks}) == 1  # one stream, one id
+            assert chunks[-1]["usage"]["completion_tokens"] == 40
+            finishes = [ch["finish_reason"] for c in chunks for ch in c["choices"] if ch["finish_reason"]]
+            assert finishes == ["length"]
+            served = srv.app.state.proxy.served[-1]
+            assert served[2] == victim_url  # the stream did start on the victim
+    finally:
+        _stop(victim)

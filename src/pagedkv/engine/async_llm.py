@@ -399,7 +399,7 @@ class AsyncLLM:
         engine = self.engine
         now = time.monotonic()
         if engine.config.enable_kv_cache_events:  # drained even without a publisher: no backlog
-            events = engine.kv_cache_manager.take_events()
+            events = engine.take_kv_events()
             if events and self.event_publisher is not None:
                 try:
                     self.event_publisher.publish(events)

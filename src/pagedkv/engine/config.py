@@ -81,10 +81,20 @@ class EngineConfig:
             raise bad("kv_offload_cache_policy", "choose 'lru' or 'arc'")
         if self.preemption_mode not in ("recompute", "swap"):
             raise bad("preemption_mode", "choose 'recompute' or 'swap'")
+        self._check_layout(bad)
         self._resolve_kv_transfer_config()
         if self.dtype not in ("float32", "bfloat16", "float16", "auto"):
             raise bad("dtype", "choose float32, bfloat16, float16 or auto")
 
+
+    def _check_layout(self, bad: Any) -> None:
+        """The layout is a kernel-usable permutation of L, B, H, N, C (C innermost)."""
+        from pagedkv.core.layout import KERNEL_USABLE_LAYOUTS
+
+        names = sorted(m.value for m in KERNEL_USABLE_LAYOUTS)
+        if str(getattr(self.kv_cache_layout, "value", self.kv_cache_layout)) not in names:
+            raise bad("kv_cache_layout", "use a permutation of L, B, H, N with C last, e.g. LBNHC (the "
+                                         "default), LBHNC, or BLNHC / BLHNC (each block one range)")
 
     def _resolve_kv_transfer_config(self) -> None:
         """``kv_offload`` / ``kv_transfer_config`` → one typed `KVTransferConfig` (or None)."""

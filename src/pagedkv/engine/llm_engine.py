@@ -239,6 +239,8 @@ class LLMEngine:
         engine's state is then unknown). A non-``Exception`` (KeyboardInterrupt) fails the
         batch the same way and is re-raised.
         """
+        if self.connector is not None and not self.config.enable_kv_cache_events:
+            self.connector.take_events()  # nobody reads them: drained so they cannot pile up
         so = self.scheduler.schedule()
         if so.finished_req_ids:
             self.sampler.remove_requests(so.finished_req_ids)
@@ -317,6 +319,14 @@ class LLMEngine:
 
     def check_invariants(self) -> None:
         self.kv_cache_manager.check_invariants()
+
+    def take_kv_events(self) -> list[Any]:
+        """KV events since the last call: the device pool's, then the connector's own media
+        (offload tiers: CPU, STORAGE, REMOTE, P2P; PD transfer records: REMOTE)."""
+        events = self.kv_cache_manager.take_events()
+        if self.connector is not None:
+            events.extend(self.connector.take_events())
+        return events
 
     def make_stats(self) -> SchedulerStats:
         """A snapshot of the engine's counters (vLLM's ``Scheduler.make_stats``); it shares no

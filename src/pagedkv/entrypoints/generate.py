@@ -58,6 +58,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
                    help="exact KV pool size in blocks, the null block included (default: from memory)")
     g.add_argument("--kv-cache-memory", type=size_arg, default=None,
                    help="KV pool size, e.g. 512MiB (default 1GiB on CPU)")
+    g.add_argument("--kv-cache-layout", default="LBNHC", metavar="LAYOUT",
+                   help="stride order of the KV buffer over L(ayer) B(lock) H(ead) N(token) C(ontent), C "
+                        "last: LBNHC (default), LBHNC, or BLNHC / BLHNC, which make each block one "
+                        "contiguous range across layers (larger KV transfer descriptors)")
     g.add_argument("--no-prefix-caching", "--no-enable-prefix-caching", dest="no_prefix_caching",
                    action="store_true", help="disable prefix caching")
     g.add_argument("--kv-offload", default=None, metavar="SPEC",
@@ -144,7 +148,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
               kv_cache_memory=args.kv_cache_memory, enable_prefix_caching=not args.no_prefix_caching,
               dtype=args.dtype, seed=args.seed if args.seed is not None else 0,
               kv_offload=args.kv_offload, preemption_mode=args.preemption_mode,
-              kv_transfer_config=kv_transfer_config_arg(args))
+              kv_transfer_config=kv_transfer_config_arg(args), kv_cache_layout=args.kv_cache_layout)
     try:
         EngineConfig(model=args.model, **kw)
     except ValueError as e:

@@ -88,6 +88,11 @@ class _SamplingRequest(_Request):
     # vLLM: per-request KV connector params (PD disaggregation, offload policy); SamplingParams
     # checks the keys, so an unknown one is a 400 naming this field.
     kv_transfer_params: dict[str, Any] | None = None
+    # vLLM: each choice carries its ``token_ids`` (per chunk when streaming: the new ones) and
+    # the prompt's ``prompt_token_ids`` (completions: on the choice, in its first chunk; chat: on
+    # the response / the chunk that first carries tokens). `pagedkv proxy` resumes a broken
+    # stream from them.
+    return_token_ids: bool = False
     # Not implemented: refused unless unused (see UNSUPPORTED_FIELDS).
     tools: Any = None
     tool_choice: Any = None

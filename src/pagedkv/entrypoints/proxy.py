@@ -24,8 +24,10 @@ Faults: an instance that fails (connection error, timeout, 5xx) is marked unheal
 is retried on the next instance of the role. If every prefill instance fails, the client's body
 goes straight to a decode instance (colocated fallback: it computes the prompt). If every decode
 instance fails, the client gets a 503 with OpenAI's error JSON. A 4xx is the client's fault: it
-is returned as it is, never retried. A decode stream that breaks after its first byte cannot be
-retried (the client has part of the answer); it ends where it broke.
+is returned as it is, never retried. A decode stream that breaks (the instance dies mid-answer) is
+resumed: each unfinished choice continues on another instance from the tokens the client already
+has (stream_resume.py), so the client sees one unbroken stream. A retried decode request goes
+without ``kv_transfer_params`` (the next instance computes the prompt itself).
 
 ``/health`` is 200 when at least one decode instance answers its own ``/health``, else 503;
 ``/v1/models`` is forwarded to a decode instance. At DEBUG level the proxy logs which instances
@@ -218,9 +220,14 @@ async def run_prefill(state: ProxyState, path: str, body: dict[str, Any],
 async def run_decode(state: ProxyState, method: str, path: str, body: dict[str, Any] | None,
                      headers: dict[str, str], stream: bool) -> tuple[Instance | None, Any]:
     """The client's response from the first decode instance that does not fail (SSE passed
-    through chunk by chunk when ``stream``), or a 503 when every one failed."""
+    through chunk by chunk when ``stream``, resumed elsewhere if it breaks: `_relay`), or a 503
+    when every one failed. After a failure the body goes on without ``kv_transfer_params``: the
+    failed instance may have read the producer's blocks and released them (reading them again
+    could read reused blocks), so the next instance computes the prompt itself."""
     from fastapi.responses import StreamingResponse
 
+    if stream and body is not None:
+        body = dict(body, return_token_ids=True)  # what `_relay` resumes from
     for inst in state.decode.candidates():
         try:
             resp = await _send(state, inst, method, path, body, headers)
@@ -230,24 +237,97 @@ async def run_decode(state: ProxyState, method: str, path: str, body: dict[str, 
                 return inst, _passthrough(resp.status_code, content, resp.headers)
         except InstanceFailed as e:
             state.decode.mark_failed(inst, str(e))
+            if body is not None and body.get("kv_transfer_params") is not None:
+                body = {k: v for k, v in body.items() if k != "kv_transfer_params"}
             continue
         state.decode.mark_ok(inst)
-        return inst, StreamingResponse(_relay(resp, inst.url), status_code=resp.status_code,
+        assert body is not None
+        return inst, StreamingResponse(_relay(state, resp, inst, body, path, headers),
+                                       status_code=resp.status_code,
                                        media_type=resp.headers.get("content-type", "text/event-stream"),
                                        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     return None, _unavailable(f"no {state.decode.role} instance is available "
                               f"({len(state.decode.instances)} tried)")
 
 
-async def _relay(resp: Any, url: str) -> AsyncIterator[bytes]:
-    """The bytes of a streamed response as they come; a break mid-stream ends it (logged)."""
+async def _relay(state: ProxyState, resp: Any, inst: Instance, body: dict[str, Any], path: str,
+                 headers: dict[str, str]) -> AsyncIterator[bytes]:
+    """The client's SSE stream: ``resp``'s events as they come; if it breaks (transport error,
+    no ``[DONE]``, an error event), each unfinished choice is continued on another instance
+    (`_resume_choice`) until every choice finished, or the attempts (two per instance) ran out:
+    then the last error event, if any, and ``[DONE]`` end it."""
+    from pagedkv.entrypoints.stream_resume import StreamTracker
+
+    tracker = StreamTracker.for_request(body, chat=path.endswith("chat/completions"))
+    include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+    async for ev in _pump(tracker, resp, inst.url, None, False):
+        yield ev
+    if not tracker.done or tracker.broken:
+        state.decode.mark_failed(inst, "stream broke")
+        budget = [2 * (len(state.decode.instances) + len(state.prefill.instances))]
+        while tracker.unfinished() and budget[0] > 0:
+            idx = tracker.unfinished()[0]
+            async for ev in _resume_choice(state, tracker, idx, headers, budget):
+                yield ev
+            if not tracker.choices[idx].finished:
+                break
+    if tracker.unfinished():
+        logger.warning("a broken stream could not be resumed (%d choices unfinished)",
+                       len(tracker.unfinished()))
+        if tracker.error_event is not None:
+            yield tracker.error_event
+        yield b"data: [DONE]\n\n"
+        return
+    for ev in tracker.finish(include_usage):
+        yield ev
+
+
+async def _resume_choice(state: ProxyState, tracker: Any, idx: int, headers: dict[str, str],
+                         budget: list[int]) -> AsyncIterator[bytes]:
+    """Continue choice ``idx`` on the next instance that streams it to its end (decode
+    instances first, then prefill ones: any engine can continue); ``budget[0]`` counts down
+    the attempts. A continuation that breaks too is continued again from where it broke."""
+    from pagedkv.entrypoints.stream_resume import ChoiceState
+
+    for pool in (state.decode, state.prefill):
+        for nxt in pool.candidates():
+            if tracker.choices.setdefault(idx, ChoiceState()).finished or budget[0] <= 0:
+                return
+            cont = tracker.continuation(idx)
+            if cont is None:  # its token budget ran out exactly at the break
+                yield tracker.finish_choice(idx)
+                return
+            budget[0] -= 1
+            try:
+                r = await _send(state, nxt, "POST", cont[0], cont[1], headers)
+            except InstanceFailed as e:
+                pool.mark_failed(nxt, str(e))
+                continue
+            if r.status_code != 200:
+                await r.aclose()
+                logger.warning("resuming on %s: HTTP %s", nxt.url, r.status_code)
+                continue
+            logger.info("resuming choice %d of a broken stream on %s", idx, nxt.url)
+            async for ev in _pump(tracker, r, nxt.url, {0: idx}, cont[0] == "/v1/completions"):
+                yield ev
+            if not tracker.choices[idx].finished:
+                pool.mark_failed(nxt, "stream broke")
+
+
+async def _pump(tracker: Any, resp: Any, url: str, choice_map: dict[int, int] | None,
+                continuation: bool) -> AsyncIterator[bytes]:
+    """``resp``'s events through ``tracker`` until it ends, breaks or sends an error event."""
     import httpx
 
+    tracker.start_attempt()
     try:
         async for chunk in resp.aiter_raw():
-            yield chunk
+            for ev in tracker.feed(chunk, choice_map, continuation):
+                yield ev
+            if tracker.broken or tracker.done:
+                break
     except httpx.HTTPError as e:
-        logger.warning("decode instance %s broke mid-stream: %s", url, e)
+        logger.warning("instance %s broke mid-stream: %s", url, e)
     finally:
         await resp.aclose()
 

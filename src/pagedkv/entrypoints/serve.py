@@ -106,7 +106,7 @@ def engine_config(args: argparse.Namespace) -> Any:
                         enable_prefix_caching=not args.no_prefix_caching,
                         enable_kv_cache_events=args.enable_kv_cache_events, seed=args.seed,
                         kv_offload=args.kv_offload, preemption_mode=args.preemption_mode,
-                        kv_transfer_config=kv_transfer_config_arg(args))
+                        kv_transfer_config=kv_transfer_config_arg(args), kv_cache_layout=args.kv_cache_layout)
 
 
 def bind_socket(host: str, port: int) -> socket.socket:

@@ -46,7 +46,8 @@ async def create_chat_completion(request: Request) -> Response:
                             n=params.n, top_k=params.logprobs)
     streams = await add_all(state, renderer.request_id, [{"prompt_token_ids": token_ids, "prompt": text}],
                             params, "messages", req.cache_salt)
-    return await generate_response(request, renderer, streams, params, req.stream, req.stream_options)
+    return await generate_response(request, renderer, streams, params, req.stream, req.stream_options,
+                                   req.return_token_ids)
 
 
 async def _render(state: ServerState, conversation: list[dict[str, str]],
@@ -78,6 +79,7 @@ class ChatRenderer(ChoiceRenderer):
     n: int
     top_k: int | None  # top_logprobs when logprobs is true; None: no logprobs
     prompt_param: str = "messages"
+    prompt_ids_on_choice: bool = False
 
     def stream_prelude(self) -> list[P.ChatCompletionStreamResponse]:
         # The role first, for every choice (OpenAI sends it before any content).

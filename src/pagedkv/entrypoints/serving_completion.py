@@ -48,7 +48,8 @@ async def create_completion(request: Request) -> Response:
         echo_text=[p if isinstance(p, str) else state.async_llm.tokenizer.decode(p) for p in prompts]
         if req.echo else None)
     streams = await add_all(state, renderer.request_id, engine_prompts, params, "prompt", req.cache_salt)
-    return await generate_response(request, renderer, streams, params, req.stream, req.stream_options)
+    return await generate_response(request, renderer, streams, params, req.stream, req.stream_options,
+                                   req.return_token_ids)
 
 
 @dataclass

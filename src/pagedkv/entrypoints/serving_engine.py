@@ -164,6 +164,9 @@ class ChoiceRenderer(ABC):
 
     #: The request field holding the prompt, named by errors ("prompt", "messages").
     prompt_param: str
+    #: Where ``return_token_ids`` puts ``prompt_token_ids``: on each choice (completions, whose
+    #: choices may come from different prompts) or on the response (chat), as vLLM does.
+    prompt_ids_on_choice: bool = True
 
     def echo(self, pi: int) -> str:
         """Text that precedes prompt ``pi``'s choices (completions' ``echo``)."""
@@ -191,22 +194,31 @@ class ChoiceRenderer(ABC):
 
 async def generate_response(request: Request, renderer: ChoiceRenderer, streams: list[RequestStream],
                             params: SamplingParams, stream: bool,
-                            stream_options: P.StreamOptions | None) -> Response:
+                            stream_options: P.StreamOptions | None,
+                            return_token_ids: bool = False) -> Response:
     """The response to queued ``streams`` (one per prompt): SSE chunks then ``[DONE]`` when
     ``stream``, else one JSON response once every request finished (499, requests aborted,
-    if the client leaves first). Engine failures are OpenAI errors naming the prompt field."""
+    if the client leaves first). Engine failures are OpenAI errors naming the prompt field.
+    ``return_token_ids``: token ids ride along (see `_SamplingRequest.return_token_ids`)."""
     if stream:
-        return event_stream(_chunks(renderer, streams, params, stream_options), streams,
-                            renderer.prompt_param)
+        return event_stream(_chunks(renderer, streams, params, stream_options, return_token_ids),
+                            streams, renderer.prompt_param)
     try:
         finals = await unless_disconnected(request, _collect(streams), streams)
     except (EngineDeadError, EngineGenerateError) as e:
         raise engine_error(e, renderer.prompt_param) from None
     if finals is None:
         return Response(status_code=499)
-    choices = [renderer.final_choice(pi, c, renderer.echo(pi) + c.text)
-               for pi, out in enumerate(finals) for c in sorted(out.outputs, key=lambda c: c.index)]
+    choices = []
+    for pi, out in enumerate(finals):
+        for c in sorted(out.outputs, key=lambda c: c.index):
+            choice = renderer.final_choice(pi, c, renderer.echo(pi) + c.text)
+            if return_token_ids:
+                _add_token_ids(renderer, None, choice, out, list(c.token_ids), True)
+            choices.append(choice)
     body = renderer.response(choices, usage_info(finals), finals[0].kv_transfer_params)  # type: ignore[arg-type]
+    if return_token_ids and not renderer.prompt_ids_on_choice:
+        body.prompt_token_ids = list(finals[0].prompt_token_ids)  # type: ignore[attr-defined]
     return JSONResponse(body.model_dump())
 
 
@@ -218,8 +230,20 @@ async def _collect(streams: list[RequestStream]) -> list[RequestOutput]:
     return final  # type: ignore[return-value]
 
 
+def _add_token_ids(renderer: ChoiceRenderer, chunk: BaseModel | None, choice: BaseModel,
+                   out: RequestOutput, token_ids: list[int], first: bool) -> None:
+    """``return_token_ids``: ``token_ids`` on ``choice``; in a choice's first chunk (or the
+    final response) its prompt's ``prompt_token_ids``, on the choice or on ``chunk``."""
+    choice.token_ids = token_ids  # type: ignore[attr-defined]
+    if first and renderer.prompt_ids_on_choice:
+        choice.prompt_token_ids = list(out.prompt_token_ids)  # type: ignore[attr-defined]
+    elif first and chunk is not None:
+        chunk.prompt_token_ids = list(out.prompt_token_ids)  # type: ignore[attr-defined]
+
+
 async def _chunks(renderer: ChoiceRenderer, streams: list[RequestStream], params: SamplingParams,
-                  stream_options: P.StreamOptions | None) -> AsyncIterator[str]:
+                  stream_options: P.StreamOptions | None,
+                  return_token_ids: bool = False) -> AsyncIterator[str]:
     """SSE events of the streamed choices: one chunk per engine output that moved any choice
     (text, tokens or its finish), ``usage`` in each (``continuous_usage_stats``) and in a last
     chunk without choices (``include_usage``). The last chunk also has ``kv_transfer_params``."""
@@ -233,10 +257,17 @@ async def _chunks(renderer: ChoiceRenderer, streams: list[RequestStream], params
         yield sse(chunk)
     async for pi, out in merged(streams):
         last[pi] = out
-        choices = [choice for c in out.outputs
-                   if (choice := _stream_choice(renderer, pi, c, cursors[pi][c.index], holdback)) is not None]
+        moved = []  # (choice, its output, its first new token, whether it is the choice's first chunk)
+        for c in out.outputs:
+            cur = cursors[pi][c.index]
+            t0, first = cur.num_tokens, not cur.started
+            if (choice := _stream_choice(renderer, pi, c, cur, holdback)) is not None:
+                moved.append((choice, c, t0, first))
+        choices = [m[0] for m in moved]
         if choices:
             chunk = renderer.stream_chunk(choices, usage_info(last) if include_usage and continuous else None)
+            for choice, c, t0, first in moved if return_token_ids else ():
+                _add_token_ids(renderer, chunk, choice, out, list(c.token_ids[t0:]), first)
             # Without a usage chunk to come, the chunk in which every request finished is the last.
             if not include_usage and all(o is not None and o.finished for o in last):
                 chunk.kv_transfer_params = last[0].kv_transfer_params  # type: ignore[union-attr, attr-defined]

@@ -32,6 +32,12 @@ makes the consumer report the request's blocks invalid, and the scheduler recomp
 that is not being polled still serves reads; off saves the ~20% of a core it spins when idle on
 a CPU-only host, at the price of transfers that wait for the peer's next engine step).
 
+KV events (`take_events`): a consumer reports each completed read as one ``BlockStored`` with
+medium ``REMOTE`` (the full blocks that arrived: hashes, parent, tokens). It is a *transfer
+record*, not a residency claim: the blocks are in this engine's own pool from then on (and its
+pool reports them with its own medium when it caches them), so KV-aware routers skip
+``REMOTE`` (media not local to the replica).
+
 The handshake runs on a background thread (a dead peer never stalls the engine); the backend is
 used only from the engine thread (NIXL is not thread-safe).
 """
@@ -46,11 +52,19 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from pagedkv.core.events import MEDIUM_REMOTE, BlockStored
+from pagedkv.core.hashing import maybe_convert_block_hash
 from pagedkv.core.request import KVCacheRequest, RequestStatus
 from pagedkv.core.units import cdiv
 from pagedkv.kv_transfer.backends import get_transfer_backend
 from pagedkv.kv_transfer.backends.base import KVTransferBackend, MemoryRegion
-from pagedkv.kv_transfer.base import BlockIds, KVConnectorBase, KVConnectorMetadata, KVConnectorRole
+from pagedkv.kv_transfer.base import (
+    BlockIds,
+    KVConnectorBase,
+    KVConnectorMetadata,
+    KVConnectorOutput,
+    KVConnectorRole,
+)
 from pagedkv.kv_transfer.config import KVTransferConfig
 from pagedkv.kv_transfer.side_channel import (
     DEFAULT_HANDSHAKE_TIMEOUT_S,
@@ -144,6 +158,9 @@ class NixlConnector(KVConnectorBase):
         self._pending_recv: dict[str, RecvReq] = {}
         self._early_frees: list[RecvReq] = []
         self._recv_started: set[str] = set()  # remote request ids already fetched (or given up)
+        # KV events: a record per read in flight (its local blocks, its event), then the events.
+        self._recv_records: dict[str, tuple[list[int], BlockStored]] = {}
+        self._events: list[BlockStored] = []
         # worker side
         self.backend: KVTransferBackend | None = None
         self.local_meta: KVAgentMetadata | None = None
@@ -213,6 +230,31 @@ class NixlConnector(KVConnectorBase):
         self._pending_recv[request.request_id] = RecvReq(
             request.request_id, rrid, p["remote_engine_id"], p["remote_host"], int(p["remote_port"]), first,
             list(block_ids[0][first:last]), remote, mode)
+        self._record_recv(request, list(block_ids[0][first:last]), first)
+
+    def _record_recv(self, request: KVCacheRequest, local_ids: list[int], first: int) -> None:
+        """The KV event of this read, kept until it completes (`update_connector_output`)."""
+        full = min(request.num_prompt_tokens // self.block_size, len(request.block_hashes))
+        if full <= first:
+            return  # only a partial block moves: nothing content-addressed to report
+        hashes = request.block_hashes
+        bs = self.block_size
+        self._recv_records[request.request_id] = (local_ids, BlockStored(
+            block_hashes=[maybe_convert_block_hash(h) for h in hashes[first:full]],
+            parent_block_hash=maybe_convert_block_hash(hashes[first - 1]) if first > 0 else None,
+            token_ids=list(request.all_token_ids[first * bs:full * bs]), block_size=bs,
+            lora_id=None, medium=MEDIUM_REMOTE))
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        """Completed reads become KV events (failed ones, with invalid blocks, do not)."""
+        for rid in connector_output.finished_recving:
+            rec = self._recv_records.pop(rid, None)
+            if rec is not None and not connector_output.invalid_block_ids.intersection(rec[0]):
+                self._events.append(rec[1])
+
+    def take_events(self) -> list[Any]:
+        events, self._events = self._events, []
+        return events
 
     def build_connector_meta(self, scheduler_output: Any) -> NixlConnectorMetadata:
         meta = NixlConnectorMetadata(self._pending_recv, self._early_frees)
