@@ -191,6 +191,46 @@ def test_abort_while_fetching_leaks_nothing(pair):
     settle(p, d)
 
 
+def test_a_peer_that_never_answers_the_handshake_is_recomputed_after_the_timeout(pair, reference, caplog):
+    """The params name a side channel that accepts connections but never replies: the
+    handshake times out (2 s here), the read fails and the consumer recomputes, exactly."""
+    import socket
+
+    p, d = pair
+    params = prefill(p, PROMPTS[:1])[0]
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)  # connections complete in the kernel; nobody ever reads or answers
+        bad = {**params, "remote_port": silent.getsockname()[1], "remote_engine_id": "silent-engine"}
+        failed0 = d.llm_engine.connector.num_failed_transfers
+        with caplog.at_level("WARNING"):
+            assert decode(d, PROMPTS[:1], [bad]) == [reference[PROMPTS[0]]]
+    assert "did not answer the handshake within 2 s" in caplog.text  # bounded, not hung
+    assert d.llm_engine.connector.num_failed_transfers > failed0
+    settle(p, d, timeout_s=45.0)  # P's blocks for these params go by lease (nobody read them)
+
+
+def test_a_lost_done_notification_is_covered_by_the_lease(backend, reference):
+    """The consumer's done-notification is lost in transit (its reads are posted without it:
+    fault injection on the real backend): the consumer still decodes exactly from the KV it
+    read, and the producer frees the blocks when the lease (1 s) expires, counting it."""
+    p = make_llm("kv_producer", backend, kv_lease_duration=1.0)
+    d = make_llm("kv_consumer", backend)
+    try:
+        be = d.llm_engine.connector.backend
+        real_read = be.read_blocks
+        be.read_blocks = lambda peer, local, remote, notif=b"": real_read(peer, local, remote, b"")
+        params = prefill(p, PROMPTS[:1])
+        assert decode(d, PROMPTS[:1], params) == [reference[PROMPTS[0]]]
+        assert d.llm_engine.connector.num_failed_transfers == 0  # the KV did move
+        assert not all_free(p)  # no notification: still held
+        settle(p, d)
+        assert p.llm_engine.connector.num_expired_leases >= 1
+    finally:
+        p.llm_engine.shutdown()
+        d.llm_engine.shutdown()
+
+
 def test_dead_producer_consumer_recomputes(backend, reference):
     p = make_llm("kv_producer", backend)
     d = make_llm("kv_consumer", backend)

@@ -146,10 +146,12 @@ class Cluster:
             deadline = time.monotonic() + START_TIMEOUT_S
             for p in list(self.procs.values()):
                 p.wait_url(deadline)
-            if proxy:
+            if proxy:  # every "producer*" and "consumer*" process behind one proxy
+                urls = {role: [p.url for n, p in self.procs.items() if n.startswith(role)]
+                        for role in ("producer", "consumer")}
                 self.procs["proxy"] = self._start(f"{key}-proxy", [
-                    "proxy", "--prefill", self.procs["producer"].url, "--decode", self.procs["consumer"].url,
-                    "--port", "0"])
+                    "proxy", "--prefill", *urls["producer"], "--decode", *urls["consumer"],
+                    "--port", "0", "--log-level", "debug"])
                 self.procs["proxy"].wait_url(time.monotonic() + 60)
         except BaseException:
             self.close()
@@ -298,6 +300,28 @@ def test_proxy_pd_answers_equal_colocated(pd: dict[str, Proc]):
     assert_settled(producer, consumer)
 
 
+def test_two_producers_and_two_consumers_behind_one_proxy(cluster: Cluster):
+    """2 + 2 instances (pull, NIXL where it imports): the proxy round-robins over both of each
+    role, every answer is exact and moved its KV, and all four pools settle."""
+    backend = "nixl" if nixl_available() else "tcp"
+    procs = cluster.get("two-by-two", {
+        "producer0": serve_args("kv_producer", backend), "producer1": serve_args("kv_producer", backend),
+        "consumer0": serve_args("kv_consumer", backend), "consumer1": serve_args("kv_consumer", backend)},
+        proxy=True)
+    consumers = [procs["consumer0"].url, procs["consumer1"].url]
+    before = [transfer_counters(u) for u in consumers]
+    got = [answer(post(procs["proxy"].url, path, body)) for path, body in REQUESTS]
+    after = [transfer_counters(u) for u in consumers]
+    moved = [a[0] - b[0] for a, b in zip(after, before)]
+    assert sum(moved) == len(REQUESTS) and all(m > 0 for m in moved)  # both consumers served
+    assert all(a[1] == b[1] for a, b in zip(after, before))  # no failed transfer
+    expected = [answer(post(procs["producer0"].url, path, body)) for path, body in REQUESTS]
+    assert got == expected
+    log = procs["proxy"].output()
+    assert procs["producer0"].url in log and procs["producer1"].url in log  # both prefilled
+    assert_settled(*(p.url for n, p in procs.items() if n != "proxy"))
+
+
 # ---- faults --------------------------------------------------------------------------------------
 
 
@@ -316,6 +340,31 @@ def test_producer_killed_before_the_read_is_recomputed_exactly(cluster: Cluster)
     assert answer(post(consumer.url, path, {**body, "kv_transfer_params": params})) == expected
     assert transfer_counters(consumer.url)[1] > failed0  # it did try the dead producer
     assert_settled(consumer.url)
+
+
+def test_consumer_killed_mid_read_the_producer_frees_by_lease(cluster: Cluster):
+    """SIGKILL the consumer right after the request was sent to it (its read queued or in flight): the producer never hears from it and frees the blocks when the
+    lease expires (2 s); its pool settles all free."""
+    procs = cluster.get("kill-consumer", {
+        "producer": serve_args("kv_producer", "tcp", kv_lease_duration=2),
+        "consumer": serve_args("kv_consumer", "tcp")})
+    producer, consumer = procs["producer"], procs["consumer"]
+    path, body = REQUESTS[1]
+    params = prefill(producer.url, path, body)
+    assert kv_cache(producer.url)["num_free_blocks"] < kv_cache(producer.url)["num_blocks"] - 1
+    req = subprocess.Popen([sys.executable, "-c", (
+        "import httpx, json, sys; httpx.post(sys.argv[1], json=json.loads(sys.argv[2]), timeout=60)"),
+        consumer.url + path, json.dumps({**body, "kv_transfer_params": params})],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        time.sleep(0.05)  # the request is in flight
+        os.kill(consumer.proc.pid, signal.SIGKILL)
+        consumer.proc.wait(30)
+    finally:
+        req.kill()
+        req.wait(10)
+    assert_settled(producer.url)
+    cluster.close()  # the consumer is dead: this configuration is not reusable
 
 
 @pytest.fixture

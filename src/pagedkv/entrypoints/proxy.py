@@ -479,7 +479,7 @@ def _check_url(url: str) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pagedkv.entrypoints.serve import _uvicorn_server, bind_socket, fail
+    from pagedkv.entrypoints.serve import bind_socket, fail, serve_on_socket
 
     if not 0 <= args.port <= 65535:
         return fail("proxy", ValueError(f"invalid --port {args.port}"))
@@ -496,18 +496,8 @@ def run(args: argparse.Namespace) -> int:
     except OSError as e:
         return fail("proxy", OSError(f"cannot bind {args.host}:{args.port}: {e.strerror or e}"))
     app = create_proxy_app(prefill, decode, args.cooldown, args.timeout)
-    host, port = sock.getsockname()[:2]
-    shown = f"[{host}]" if ":" in host else host
     print(f"pagedkv proxy: prefill {' '.join(prefill)}; decode {' '.join(decode)}", flush=True)
-    print(f"pagedkv proxy: listening on http://{shown}:{port}", flush=True)
-    server = _uvicorn_server(app, args.log_level)
-    try:
-        server.run(sockets=[sock])
-    except KeyboardInterrupt:
-        pass
-    finally:
-        sock.close()
-    return 0
+    return serve_on_socket(app, sock, "proxy", args.log_level)
 
 
 if __name__ == "__main__":  # python -m pagedkv.entrypoints.proxy ...

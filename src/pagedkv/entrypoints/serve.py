@@ -132,6 +132,22 @@ def _uvicorn_server(app: Any, log_level: str) -> Any:
     return uvicorn.Server(config)
 
 
+def serve_on_socket(app: Any, sock: socket.socket, prog: str, log_level: str) -> int:
+    """Print ``pagedkv PROG: listening on http://HOST:PORT`` and serve ``app`` on the bound
+    ``sock`` until interrupted (the socket closed after); returns exit code 0."""
+    host, port = sock.getsockname()[:2]
+    shown = f"[{host}]" if ":" in host else host
+    print(f"pagedkv {prog}: listening on http://{shown}:{port}", flush=True)
+    server = _uvicorn_server(app, log_level)
+    try:
+        server.run(sockets=[sock])
+    except KeyboardInterrupt:
+        pass
+    finally:
+        sock.close()
+    return 0
+
+
 def fail(prog: str, err: Exception) -> int:
     print(f"pagedkv {prog}: error: {err}", file=sys.stderr)
     return 2
