@@ -28,7 +28,7 @@ from pagedkv.core.planning import blocks_per_request, make_kv_cache_config
 from pagedkv.core.request import RequestStatus, get_request_block_hasher
 from pagedkv.core.specs import KVCacheConfig, get_kv_cache_groups
 from pagedkv.engine.config import DEFAULT_CPU_KV_CACHE_MEMORY, EngineConfig, check_kv_cache_fits
-from pagedkv.engine.model_runner import ModelRunner
+from pagedkv.engine.model_runner import ModelRunner, PromptLogprobsOutput
 from pagedkv.engine.output_processor import OutputProcessor
 from pagedkv.engine.outputs import RequestOutput
 from pagedkv.engine.request import Request
@@ -191,12 +191,18 @@ class LLMEngine:
 
     def _new_request(self, rid: str, token_ids: list[int], text: str | None, params: SamplingParams,
                      max_tokens: int, arrival_time: float | None, cache_salt: str | None) -> Request:
-        """Sample 0 of a user request; the scheduler forks the others (`Request.make_child`)."""
+        """Sample 0 of a user request; the scheduler forks the others (`Request.make_child`).
+
+        A request with ``prompt_logprobs`` never reads the prefix cache (vLLM's rule, its
+        ``skip_reading_prefix_cache`` defaults to ``prompt_logprobs is not None``): a cached
+        position is not computed, so it would have no logits to score its prompt token. Its
+        blocks are still cached for later requests."""
         ktp = params.kv_transfer_params or {}
+        skip_cache = bool(ktp.get("skip_reading_prefix_cache")) or params.prompt_logprobs is not None
         req = Request(request_id=rid, prompt_token_ids=token_ids, block_hasher=self.block_hasher,
                       cache_salt=cache_salt, sampling_params=params, prompt=text,
                       kv_transfer_params=params.kv_transfer_params,
-                      skip_reading_prefix_cache=bool(ktp.get("skip_reading_prefix_cache")),
+                      skip_reading_prefix_cache=skip_cache,
                       eos_token_id=self.eos_token_id, parent_id=rid, sample_index=0,
                       max_tokens=max_tokens, seed=params.seed)
         if arrival_time is not None:
@@ -250,7 +256,8 @@ class LLMEngine:
             if self.connector is None:
                 return self._update(so, EMPTY_MODEL_RUNNER_OUTPUT)
         try:
-            return self._update(so, self._execute(so))
+            mro, prompt_lps = self._execute(so)
+            return self._update(so, mro, prompt_lps)
         except BaseException as e:
             logger.exception("engine step failed; failing the %d requests of its batch", len(so.scheduled))
             failed = self._fail_batch(so, e)
@@ -259,21 +266,21 @@ class LLMEngine:
             # Requests schedule() stopped (not in the failed batch) are still reported.
             return failed + self._update(so, EMPTY_MODEL_RUNNER_OUTPUT)
 
-    def _execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+    def _execute(self, so: SchedulerOutput) -> tuple[ModelRunnerOutput, PromptLogprobsOutput]:
         """Run the forward pass (the runner drives the KV connector around it) and sample one
         token per sampling request (and per child forked from it this step, from the parent's
-        logits row)."""
-        logits, kv_connector_output = self.runner.execute_model(so)
+        logits row). Also returns the prompt logprobs the runner scored this step."""
+        logits, kv_connector_output, prompt_lps = self.runner.execute_model(so)
         reqs = [s.request for s in so.scheduled if s.samples]
         if not reqs:  # only prefill chunks that do not reach the end of their prompts
             if kv_connector_output is None or kv_connector_output.is_empty:
-                return EMPTY_MODEL_RUNNER_OUTPUT
-            return ModelRunnerOutput(kv_connector_output=kv_connector_output)
+                return EMPTY_MODEL_RUNNER_OUTPUT, prompt_lps
+            return ModelRunnerOutput(kv_connector_output=kv_connector_output), prompt_lps
         if so.forks:
             logits, reqs = self._fork_rows(logits, reqs, so.forks)
         out = self.sampler(logits, reqs)
         return ModelRunnerOutput([r.request_id for r in reqs], out.token_ids, out.logprobs,
-                                 out.sampled_logprobs, kv_connector_output)
+                                 out.sampled_logprobs, kv_connector_output), prompt_lps
 
     @staticmethod
     def _fork_rows(logits: torch.Tensor, reqs: list[Request], forks: list[tuple[Request, Request]]
@@ -292,11 +299,15 @@ class LLMEngine:
                 rows_reqs.append(child)
         return logits[torch.tensor(rows)], rows_reqs
 
-    def _update(self, so: SchedulerOutput, mro: ModelRunnerOutput) -> list[RequestOutput]:
+    def _update(self, so: SchedulerOutput, mro: ModelRunnerOutput,
+                prompt_lps: PromptLogprobsOutput | None = None) -> list[RequestOutput]:
         """The scheduler applies the sampled tokens; the output processor turns them into
-        outputs, and requests it stopped on a stop string are finished in the scheduler."""
+        outputs (keeping the prompt logprobs scored this step, also of prefill chunks that
+        sample nothing), and requests it stopped on a stop string are finished in the scheduler."""
         eco = self.scheduler.update_from_output(so, mro)
         self.num_generated_tokens += len(mro.sampled_token_ids)
+        if prompt_lps:
+            self.output_processor.add_prompt_logprobs(prompt_lps)
         if not eco.outputs and not eco.forked:
             return []
         processed = self.output_processor.process_outputs(eco, time.monotonic())

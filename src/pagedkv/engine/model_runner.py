@@ -15,6 +15,12 @@ Per step it builds, for the flat batch of ``T`` tokens from ``S`` requests: ``in
 every request whose scheduled tokens reach the end of its known tokens (decodes, and prefills
 finishing this step). Before the pass it performs pending block copies (copy-on-write of a
 forked request's partial block).
+
+Prompt logprobs (``SamplingParams.prompt_logprobs``): for such a request (its first sample;
+forked samples share its prompt) the runner also computes the logits of every prompt
+position of every chunk, so that row ``p`` scores prompt token ``p + 1``; other requests pay
+nothing. It remembers per request how many positions it has scored, so a recompute after
+preemption scores nothing twice; it forgets a request once reported finished.
 """
 
 from __future__ import annotations
@@ -24,12 +30,20 @@ from typing import Any
 import torch
 
 from pagedkv.core.specs import KVCacheConfig
-from pagedkv.engine.scheduler_output import SchedulerOutput
+from pagedkv.engine.sampler import LogprobsTensors, compute_prompt_logprobs
+from pagedkv.engine.scheduler_output import ScheduledRequest, SchedulerOutput
 from pagedkv.kv_transfer.base import KVConnectorBase, KVConnectorOutput
 from pagedkv.ops.cache import compute_slot_mapping
 from pagedkv.ops.forward_context import set_forward_context
 from pagedkv.ops.kv_cache import allocate_kv_cache, copy_blocks
 from pagedkv.ops.metadata import AttentionMetadata
+
+# Prompt-logprob rows scored per model-head call: bounds the [rows, vocab] float32 temporaries.
+PROMPT_LOGPROBS_ROWS_PER_PASS = 512
+
+# request id -> (first prompt position scored this step, its logprobs): row ``i`` scores prompt
+# token ``first + i + 1``.
+PromptLogprobsOutput = dict[str, tuple[int, LogprobsTensors]]
 
 
 class ModelRunner:
@@ -54,6 +68,8 @@ class ModelRunner:
         self.block_size = 0
         self.layer_groups: list[int] = []
         self.distinct_kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        # request id -> prompt positions whose logits rows were scored (prompt_logprobs).
+        self.num_prompt_logprobs_done: dict[str, int] = {}
 
     def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
         """Allocate the KV cache ``kv_cache_config`` plans and hand it to the connector.
@@ -112,14 +128,18 @@ class ModelRunner:
         return input_ids, pos, mds, logits_indices
 
     @torch.inference_mode()
-    def execute_model(self, so: SchedulerOutput) -> tuple[torch.Tensor, KVConnectorOutput | None]:
+    def execute_model(self, so: SchedulerOutput
+                      ) -> tuple[torch.Tensor, KVConnectorOutput | None, PromptLogprobsOutput]:
         """Run one forward pass (none for an empty step) with the connector's worker side
         around it. Returns float32 logits ``[num_sampling_requests, vocab]`` in the order of
-        ``so.scheduled`` (requests that do not sample this step are skipped), and the
-        connector's report (None without a connector)."""
+        ``so.scheduled`` (requests that do not sample this step are skipped), the connector's
+        report (None without a connector), and the prompt logprobs scored this step."""
+        for rid in so.finished_req_ids:
+            self.num_prompt_logprobs_done.pop(rid, None)
+        prompt_lps: PromptLogprobsOutput = {}
         c = self.connector
         if c is None:
-            return self._forward(so), None
+            return self._forward(so, prompt_lps), None, prompt_lps
         c.bind_connector_metadata(so.kv_connector_metadata)
         try:
             c.start_load_kv()
@@ -127,23 +147,55 @@ class ModelRunner:
                 logits = torch.empty((0, 0), dtype=torch.float32)
             else:
                 with set_forward_context(c):
-                    logits = self._forward(so)
+                    logits = self._forward(so, prompt_lps)
             c.wait_for_save()
             sending, recving = c.get_finished(so.finished_req_ids)
             out = KVConnectorOutput(sending or set(), recving or set(), c.get_block_ids_with_load_errors())
         finally:
             c.clear_connector_metadata()
-        return logits, out
+        return logits, out, prompt_lps
 
-    def _forward(self, so: SchedulerOutput) -> torch.Tensor:
+    def _forward(self, so: SchedulerOutput, prompt_lps: PromptLogprobsOutput) -> torch.Tensor:
         if so.blocks_to_copy:
             copy_blocks(self.distinct_kv_caches, so.blocks_to_copy)
         input_ids, positions, mds, logits_indices = self.prepare_inputs(so)
         md = mds[0] if len(mds) == 1 else [mds[g] for g in self.layer_groups]
         hidden = self.model(input_ids, positions, self.kv_caches, md)
+        self._score_prompts(so, hidden, prompt_lps)
         if not logits_indices:
             return hidden.new_empty((0, 0), dtype=torch.float32)
         return self.model.compute_logits(hidden[torch.tensor(logits_indices, device=hidden.device)])
+
+    def _score_prompts(self, so: SchedulerOutput, hidden: torch.Tensor, out: PromptLogprobsOutput) -> None:
+        """Prompt logprobs of this step's prompt rows, for requests asking for them (into ``out``)."""
+        offset = 0
+        for s in so.scheduled:
+            span = self._prompt_logprobs_span(s)
+            if span is not None:
+                first, last = span
+                req = s.request
+                targets = torch.tensor(req.prompt_token_ids[first + 1:last + 1], dtype=torch.long,
+                                       device=hidden.device)
+                rows = hidden[offset + first - s.start:offset + last - s.start]
+                k, n = req.sampling_params.prompt_logprobs, PROMPT_LOGPROBS_ROWS_PER_PASS
+                parts = [compute_prompt_logprobs(self.model.compute_logits(rows[i:i + n]), targets[i:i + n], k)
+                         for i in range(0, last - first, n)]
+                out[req.request_id] = (first, LogprobsTensors(
+                    torch.cat([p.token_ids for p in parts]), torch.cat([p.logprobs for p in parts]),
+                    torch.cat([p.ranks for p in parts])))
+                self.num_prompt_logprobs_done[req.request_id] = last
+            offset += s.num_tokens
+
+    def _prompt_logprobs_span(self, s: ScheduledRequest) -> tuple[int, int] | None:
+        """``(first, last)``: the prompt positions ``[first, last)`` whose rows score prompt
+        tokens this step, or None. Row ``num_prompt - 1`` predicts the first output token (the
+        sampler's row), not a prompt token; positions scored before a preemption are skipped."""
+        req = s.request
+        if req.sampling_params.prompt_logprobs is None or req.sample_index != 0:
+            return None
+        first = max(s.start, self.num_prompt_logprobs_done.get(req.request_id, 0))
+        last = min(s.start + s.num_tokens, len(req.prompt_token_ids) - 1)
+        return (first, last) if first < last else None
 
 
 def layer_placement(model_config: Any, groups: list[Any]) -> tuple[list[int], list[int]]:

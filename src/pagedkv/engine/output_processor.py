@@ -6,6 +6,10 @@ strings (text-level stops, checked after the scheduler's token-level ones) and t
 request). A stop string found in a request the scheduler still runs is returned in
 ``reqs_to_abort``: the engine finishes it in the scheduler (vLLM's output processor aborts it
 in the engine core the same way).
+
+Prompt logprobs arrive per step from the runner (`add_prompt_logprobs`, also for prefill
+chunks that produce no output yet) and accumulate on the request's first sample; each
+`RequestOutput` carries the list so far (complete once the prompt is done).
 """
 
 from __future__ import annotations
@@ -13,11 +17,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagedkv.engine.outputs import CompletionOutput, RequestOutput, SampleLogprobs
+from pagedkv.engine.outputs import CompletionOutput, PromptLogprobs, RequestOutput, SampleLogprobs
 from pagedkv.engine.request import Request
+from pagedkv.engine.sampler import LogprobsTensors
 from pagedkv.engine.scheduler_output import EngineCoreOutput, EngineCoreOutputs
 from pagedkv.models.tokenizer import DetokenizeState
 
+
+# Decoded token texts kept for logprobs (one decode per distinct token id, up to this many).
+MAX_DECODED_TOKEN_CACHE = 200_000
 
 # `RequestOutput.error` of a request the scheduler failed (finish reason "error" from
 # ``kv_load_failure_policy="fail"``).
@@ -36,6 +44,8 @@ class RequestState:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     kv_transfer_params: dict[str, Any] | None = None  # from the KV connector, at finish
+    # First sample of a ``prompt_logprobs`` request: [None] + one dict per scored prompt token.
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 @dataclass(slots=True)
@@ -51,6 +61,7 @@ class OutputProcessor:
         # user request id -> the states of its samples, in sample order of forking
         self.parent_requests: dict[str, list[RequestState]] = {}
         self.request_states: dict[str, RequestState] = {}  # request (sample) id -> its state
+        self._decoded: dict[int, str] = {}  # token id -> text, for Logprob.decoded_token
 
     # ---- tracking ---------------------------------------------------------------------------
 
@@ -60,6 +71,8 @@ class OutputProcessor:
         if self.tokenizer is not None:
             detok = DetokenizeState(skip_special_tokens=request.sampling_params.skip_special_tokens)
         state = RequestState(request, detok)
+        if request.sampling_params.prompt_logprobs is not None and request.sample_index == 0:
+            state.prompt_logprobs = [None]  # the first prompt token has no logprob
         self.request_states[request.request_id] = state
         self.parent_requests.setdefault(request.parent_id, []).append(state)
 
@@ -83,6 +96,29 @@ class OutputProcessor:
         return ids
 
     # ---- one step ---------------------------------------------------------------------------
+
+    def add_prompt_logprobs(self, scored: dict[str, tuple[int, LogprobsTensors]]) -> None:
+        """Append this step's prompt logprobs: ``scored[rid] = (first, t)`` where row ``i`` of
+        ``t`` scores prompt token ``first + i + 1``. Rows already held (a recompute) are
+        dropped, so no position is ever reported twice. Positions never computed here (their KV
+        loaded by a KV connector: a PD decode instance's remote prefill) are None."""
+        for rid, (first, t) in scored.items():
+            state = self.request_states.get(rid)
+            if state is None or state.prompt_logprobs is None:
+                continue  # aborted meanwhile
+            held = len(state.prompt_logprobs) - 1  # prompt positions scored so far
+            state.prompt_logprobs.extend([None] * (first - held))
+            rows = t.to_dicts(self._decode if self.tokenizer is not None else None)
+            state.prompt_logprobs.extend(rows[max(held - first, 0):])
+
+    def _decode(self, token_id: int) -> str:
+        """The text of one token (special tokens included), as vLLM's ``decoded_token``."""
+        text = self._decoded.get(token_id)
+        if text is None:
+            text = self.tokenizer.decode([token_id], skip_special_tokens=False)
+            if len(self._decoded) < MAX_DECODED_TOKEN_CACHE:
+                self._decoded[token_id] = text
+        return text
 
     def process_outputs(self, engine_core_outputs: EngineCoreOutputs, now: float) -> OutputProcessorOutput:
         """Detokenize, apply stop strings, and return the cumulative output of every user
@@ -183,6 +219,12 @@ class OutputProcessor:
                 error = KV_LOAD_ERROR
         return RequestOutput(request_id=parent_id, prompt=first.prompt,
                              prompt_token_ids=first.prompt_token_ids, outputs=outputs,
+                             prompt_logprobs=_copy(states[0].prompt_logprobs),
                              finished=finished, num_cached_tokens=max(first.num_cached_tokens, 0),
                              metrics=first.metrics, error=error,
                              kv_transfer_params=states[0].kv_transfer_params)
+
+
+def _copy(prompt_logprobs: PromptLogprobs | None) -> PromptLogprobs | None:
+    """A snapshot: later steps extend the state's list, not the outputs already returned."""
+    return None if prompt_logprobs is None else list(prompt_logprobs)

@@ -17,6 +17,9 @@ class Logprob:
 
 # One dict per generated token: token id -> Logprob (the sampled token plus the top-k).
 SampleLogprobs = list[dict[int, Logprob]]
+# One entry per prompt token: None for the first (nothing precedes it), else token id ->
+# Logprob for the prompt token itself (always) plus the top-k at that position.
+PromptLogprobs = list[dict[int, Logprob] | None]
 
 
 @dataclass(slots=True)
@@ -65,7 +68,8 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
-    prompt_logprobs: list | None = field(default=None, repr=False)
+    # With ``SamplingParams.prompt_logprobs``: one entry per prompt token (see PromptLogprobs).
+    prompt_logprobs: PromptLogprobs | None = field(default=None, repr=False)
     # Set when the step running this request failed: the request finished with reason "error"
     # (its KV blocks freed); other requests and the engine go on.
     error: str | None = None

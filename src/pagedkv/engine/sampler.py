@@ -5,11 +5,14 @@ presence, frequency) → ``min_tokens`` (stop tokens masked) → greedy rows tak
 other rows: temperature → top-k → top-p → min-p → sample. A request with a ``seed`` samples
 with its own `torch.Generator` (built here at its first sample, kept by request id until
 `remove_requests`), so its tokens do not depend on what else is in the batch.
+
+`compute_prompt_logprobs` scores given tokens under logits rows (``prompt_logprobs=k``), in
+vLLM's `LogprobsTensors` shape, batched on the logits' device.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +27,44 @@ class SamplerOutput:
     # Per row: {token id: Logprob} for the sampled token and the top-k, or None.
     logprobs: list[dict[int, Logprob] | None]
     sampled_logprobs: list[float | None]
+
+
+@dataclass(slots=True)
+class LogprobsTensors:
+    """Logprobs of ``R`` rows (vLLM's shape), on the CPU: column 0 of ``token_ids`` /
+    ``logprobs`` is the scored token, columns ``1..k`` the top-k (best first); ``ranks`` is
+    the scored token's 1-based rank (1 + the number of strictly likelier tokens)."""
+
+    token_ids: torch.Tensor  # [R, k + 1] int64
+    logprobs: torch.Tensor  # [R, k + 1] float32
+    ranks: torch.Tensor  # [R] int64
+
+    def to_dicts(self, decode: Callable[[int], str] | None = None) -> list[dict[int, Logprob]]:
+        """One dict per row: the scored token first, then the top-k not already in it (each
+        top-k entry keeps its own rank, 1..k). ``decode`` fills ``decoded_token``."""
+        out: list[dict[int, Logprob]] = []
+        for ids, lps, rank in zip(self.token_ids.tolist(), self.logprobs.tolist(), self.ranks.tolist()):
+            d = {ids[0]: Logprob(lps[0], rank, decode(ids[0]) if decode else None)}
+            for r, (t, v) in enumerate(zip(ids[1:], lps[1:]), start=1):
+                if t not in d:
+                    d[t] = Logprob(v, r, decode(t) if decode else None)
+            out.append(d)
+        return out
+
+
+def compute_prompt_logprobs(logits: torch.Tensor, targets: torch.Tensor, k: int) -> LogprobsTensors:
+    """``targets[i]``'s raw logprob and rank under ``logits[i]`` (log-softmax in float32, before
+    any temperature or penalty: vLLM's ``raw_logprobs``) and the top ``k`` of each row."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    chosen = lp.gather(1, targets.unsqueeze(1))
+    ranks = (lp > chosen).sum(dim=-1) + 1
+    if k > 0:
+        top_v, top_i = lp.topk(k, dim=-1)
+        ids = torch.cat([targets.unsqueeze(1), top_i], dim=1)
+        vals = torch.cat([chosen, top_v], dim=1)
+    else:
+        ids, vals = targets.unsqueeze(1), chosen
+    return LogprobsTensors(ids.cpu(), vals.cpu(), ranks.cpu())
 
 
 class Sampler:

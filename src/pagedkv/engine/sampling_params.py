@@ -22,7 +22,10 @@ class SamplingParams:
     removed from the output text (unless ``include_stop_str_in_output``); ``stop_token_ids`` and
     EOS (unless ``ignore_eos``) end the request with reason ``"stop"``, ``max_tokens`` with
     ``"length"``. ``n`` completions share the prompt's KV blocks. ``logprobs=k`` returns the
-    sampled token's logprob and the top-k alternatives per step.
+    sampled token's logprob and the top-k alternatives per step. ``prompt_logprobs=k`` returns
+    (in ``RequestOutput.prompt_logprobs``) each prompt token's logprob and rank plus the top-k
+    at its position (None for the first token), from the raw model distribution; such a
+    request never reads the prefix cache (vLLM's rule: cached positions have no logits).
 
     Invalid values raise ValueError naming the parameter; every float field must be finite
     (NaN and ±inf are refused: NaN passes every range comparison and poisons the sampler).
@@ -44,6 +47,7 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     # KV connector options: max_offload_tokens, offload_policy ("BLOCK_LEVEL" |
     # "REQUEST_LEVEL"), skip_reading_prefix_cache (never read cached KV for this request).
@@ -89,6 +93,9 @@ class SamplingParams:
             raise bad("min_tokens", "must be <= max_tokens")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
             raise bad("logprobs", "must be an integer >= 0")
+        if self.prompt_logprobs is not None and (not isinstance(self.prompt_logprobs, int)
+                                                 or self.prompt_logprobs < 0):
+            raise bad("prompt_logprobs", "must be an integer >= 0")
         if self.seed is not None and not isinstance(self.seed, int):
             raise bad("seed", "must be an integer")
         if any(not isinstance(s, str) or not s for s in self._stop):

@@ -186,6 +186,9 @@ class CompletionRequest(_SamplingRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16
     logprobs: int | None = None
+    # vLLM extension: each choice's ``prompt_logprobs`` (None, then per prompt token
+    # {token id: {logprob, rank, decoded_token}}: the prompt token and the top k).
+    prompt_logprobs: int | None = None
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
@@ -200,8 +203,8 @@ class CompletionRequest(_SamplingRequest):
             raise RequestError("suffix", "suffix is not supported")
         if self.logprobs is not None and self.logprobs > MAX_LOGPROBS:
             raise RequestError("logprobs", f"logprobs must be <= {MAX_LOGPROBS}")
-        if self.echo and self.logprobs is not None:
-            raise RequestError("echo", "echo with logprobs (prompt logprobs) is not supported")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+            raise RequestError("prompt_logprobs", f"prompt_logprobs must be in [0, {MAX_LOGPROBS}]")
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt
@@ -213,8 +216,16 @@ class CompletionRequest(_SamplingRequest):
 
     def to_sampling_params(self) -> SamplingParams:
         kw = self._sampling_kwargs()
-        kw.update(max_tokens=self.max_tokens, logprobs=self.logprobs)
+        kw.update(max_tokens=self.max_tokens, logprobs=self.logprobs,
+                  prompt_logprobs=self.effective_prompt_logprobs())
         return make_sampling_params(kw)
+
+    def effective_prompt_logprobs(self) -> int | None:
+        """The engine's ``prompt_logprobs``: the field, or with ``echo`` and ``logprobs: k`` at
+        least ``k`` (vLLM: echoed prompt tokens get their logprobs first in ``logprobs``)."""
+        if self.echo and self.logprobs is not None:
+            return max(self.logprobs, self.prompt_logprobs or 0)
+        return self.prompt_logprobs
 
     def requested_max_tokens(self) -> tuple[str, int] | None:
         """``(field, value)`` of a completion length the client asked for, else None. OpenAI's
@@ -242,10 +253,20 @@ class UsageInfo(_Response):
     prompt_tokens_details: PromptTokensDetails | None = None
 
 
+class PromptLogprob(_Response):
+    """vLLM's serialized `Logprob`."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
 class CompletionResponseChoice(_Response):
     index: int
     text: str
     logprobs: CompletionLogProbs | None = None
+    # With ``prompt_logprobs`` (vLLM): None for the first prompt token, then token id -> logprob.
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
 

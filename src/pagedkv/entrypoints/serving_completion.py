@@ -1,20 +1,22 @@
 """``POST /v1/completions``: prompts (a string, token ids, or a list of either) to choices.
 
 Choice ``index = prompt_index * n + sample_index``; ``echo`` prefixes each choice with its
-prompt; ``logprobs: k`` gives the sampled token's logprob and the top ``k`` per token.
+prompt; ``logprobs: k`` gives the sampled token's logprob and the top ``k`` per token, and with
+``echo`` the prompt tokens' first (the first one null: OpenAI's and vLLM's shape). vLLM's
+``prompt_logprobs: k`` puts each choice's ``prompt_logprobs`` (also set by echo + logprobs).
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import Request
 from fastapi.responses import Response
 
-from pagedkv.engine.outputs import CompletionOutput
+from pagedkv.engine.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
 from pagedkv.entrypoints import protocol as P
 from pagedkv.entrypoints.errors import bad_request
 from pagedkv.entrypoints.serving_engine import (
@@ -46,7 +48,7 @@ async def create_completion(request: Request) -> Response:
         state, request_id=f"cmpl-{uuid.uuid4().hex}", model=req.model or state.served_model_name,
         created=int(time.time()), n=params.n, top_k=req.logprobs,
         echo_text=[p if isinstance(p, str) else state.async_llm.tokenizer.decode(p) for p in prompts]
-        if req.echo else None)
+        if req.echo else None, prompt_ids=token_ids)
     streams = await add_all(state, renderer.request_id, engine_prompts, params, "prompt", req.cache_salt)
     return await generate_response(request, renderer, streams, params, req.stream, req.stream_options,
                                    req.return_token_ids)
@@ -63,17 +65,33 @@ class CompletionRenderer(ChoiceRenderer):
     n: int
     top_k: int | None  # the request's ``logprobs``; None: no logprobs
     echo_text: list[str] | None  # per prompt, with ``echo``
+    prompt_ids: list[list[int]]  # per prompt, its token ids
     prompt_param: str = "prompt"
+    # Per prompt: its output's prompt logprobs (from `observe`); choices whose first chunk went.
+    prompt_lps: dict[int, PromptLogprobs] = field(default_factory=dict)
+    started: set[tuple[int, int]] = field(default_factory=set)
 
     def echo(self, pi: int) -> str:
         return self.echo_text[pi] if self.echo_text is not None else ""
 
+    def observe(self, pi: int, out: RequestOutput) -> None:
+        if out.prompt_logprobs is not None:
+            self.prompt_lps[pi] = out.prompt_logprobs
+
     def stream_choice(self, pi: int, c: CompletionOutput, text: str, t0: int, t1: int,
                       text_offset: int, finished: bool) -> P.CompletionResponseChoice:
+        first = (pi, c.index) not in self.started
+        self.started.add((pi, c.index))
+        # ``text_offset`` is where ``text`` starts in the generated text (negative in the first
+        # chunk, whose text starts with the echo); logprobs' offsets index the choice's text
+        # (echo + generated), so the generated token t0 starts at len(echo) + its position.
+        echo_len = len(self.echo(pi))
+        offset = echo_len + text_offset + (echo_len if first else 0)
         return P.CompletionResponseChoice(
-            index=pi * self.n + c.index, text=text, logprobs=self._logprobs(c, t0, t1, text_offset),
+            index=pi * self.n + c.index, text=text, logprobs=self._logprobs(pi, c, t0, t1, offset, first),
             finish_reason=c.finish_reason if finished else None,
-            stop_reason=c.stop_reason if finished else None)
+            stop_reason=c.stop_reason if finished else None,
+            prompt_logprobs=self._prompt_logprobs(pi) if first else None)
 
     def stream_chunk(self, choices: list, usage: P.UsageInfo | None = None) -> P.CompletionStreamResponse:
         return P.CompletionStreamResponse(id=self.request_id, created=self.created, model=self.model,
@@ -81,31 +99,55 @@ class CompletionRenderer(ChoiceRenderer):
 
     def final_choice(self, pi: int, c: CompletionOutput, text: str) -> P.CompletionResponseChoice:
         return P.CompletionResponseChoice(index=pi * self.n + c.index, text=text,
-                                          logprobs=self._logprobs(c, 0, len(c.token_ids), 0),
-                                          finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+                                          logprobs=self._logprobs(pi, c, 0, len(c.token_ids),
+                                                                  len(self.echo(pi)), True),
+                                          finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                                          prompt_logprobs=self._prompt_logprobs(pi))
 
     def response(self, choices: list, usage: P.UsageInfo,
                  kv_transfer_params: dict[str, Any] | None = None) -> P.CompletionResponse:
         return P.CompletionResponse(id=self.request_id, created=self.created, model=self.model,
                                     choices=choices, usage=usage, kv_transfer_params=kv_transfer_params)
 
-    def _logprobs(self, c: CompletionOutput, t0: int, t1: int, offset0: int) -> P.CompletionLogProbs | None:
+    def _prompt_logprobs(self, pi: int) -> list[dict[str, P.PromptLogprob] | None] | None:
+        """vLLM's choice ``prompt_logprobs``: token ids as JSON keys."""
+        plp = self.prompt_lps.get(pi)
+        if plp is None:
+            return None
+        return [None if d is None else {str(t): P.PromptLogprob(logprob=v.logprob, rank=v.rank,
+                                                                decoded_token=v.decoded_token)
+                                        for t, v in d.items()} for d in plp]
+
+    def _logprobs(self, pi: int, c: CompletionOutput, t0: int, t1: int, offset0: int,
+                  first: bool) -> P.CompletionLogProbs | None:
         """Tokens ``t0:t1`` of ``c`` in completions' logprobs shape; ``offset0``: the text
-        offset of token ``t0``."""
+        offset of token ``t0`` in the choice's text. In a choice's ``first`` part with
+        ``echo``, the prompt tokens come first (from offset 0; the first has no logprob)."""
         k = self.top_k
         if k is None:
             return None
         lp = P.CompletionLogProbs()
-        offset = offset0
-        for i in range(t0, t1):
-            tid = c.token_ids[i]
-            d = c.logprobs[i] if c.logprobs is not None and i < len(c.logprobs) else {}
+        if first and self.echo_text is not None:
+            plp = self.prompt_lps.get(pi) or []
+            ids = self.prompt_ids[pi]
+            self._add_tokens(lp, ids, [plp[i] if i < len(plp) else None for i in range(len(ids))], 0)
+        self._add_tokens(lp, c.token_ids[t0:t1], (c.logprobs or [])[t0:t1], offset0)
+        return lp
+
+    def _add_tokens(self, lp: P.CompletionLogProbs, token_ids: list[int],
+                    dicts: list[dict[int, Logprob] | None], offset: int) -> None:
+        """Append ``token_ids`` (``dicts[i]``: token ``i``'s logprobs, None or missing: null)."""
+        k = self.top_k or 0
+        for i, tid in enumerate(token_ids):
+            d = dicts[i] if i < len(dicts) else None
             text = self.state.token_text(tid)
-            chosen = d.get(tid)
+            chosen = d.get(tid) if d is not None else None
             lp.tokens.append(text)
             lp.token_logprobs.append(chosen.logprob if chosen is not None else None)
-            top = sorted((x for x in d.items() if x[1].rank <= max(k, 1)), key=lambda x: x[1].rank)[:k]
-            lp.top_logprobs.append({self.state.token_text(t): v.logprob for t, v in top} if k > 0 else None)
+            if d is None or k == 0:
+                lp.top_logprobs.append(None)
+            else:
+                top = sorted((x for x in d.items() if x[1].rank <= k), key=lambda x: x[1].rank)[:k]
+                lp.top_logprobs.append({self.state.token_text(t): v.logprob for t, v in top})
             lp.text_offset.append(offset)
             offset += len(text)
-        return lp

@@ -172,6 +172,10 @@ class ChoiceRenderer(ABC):
         """Text that precedes prompt ``pi``'s choices (completions' ``echo``)."""
         return ""
 
+    def observe(self, pi: int, out: RequestOutput) -> None:
+        """Called with prompt ``pi``'s latest output before its choices are rendered
+        (completions keep its ``prompt_logprobs``)."""
+
     def stream_prelude(self) -> list[BaseModel]:
         """Chunks sent before any output (chat: the role of every choice)."""
         return []
@@ -211,6 +215,7 @@ async def generate_response(request: Request, renderer: ChoiceRenderer, streams:
         return Response(status_code=499)
     choices = []
     for pi, out in enumerate(finals):
+        renderer.observe(pi, out)
         for c in sorted(out.outputs, key=lambda c: c.index):
             choice = renderer.final_choice(pi, c, renderer.echo(pi) + c.text)
             if return_token_ids:
@@ -257,6 +262,7 @@ async def _chunks(renderer: ChoiceRenderer, streams: list[RequestStream], params
         yield sse(chunk)
     async for pi, out in merged(streams):
         last[pi] = out
+        renderer.observe(pi, out)
         moved = []  # (choice, its output, its first new token, whether it is the choice's first chunk)
         for c in out.outputs:
             cur = cursors[pi][c.index]
