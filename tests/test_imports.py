@@ -21,7 +21,10 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 # "entrypoints > engine > models/offload/kv_transfer > ops > core"; the offloading connector in
 # kv_transfer builds the offload tiers, so kv_transfer sits just above offload).
 LAYERS = {"core": 0, "ops": 1, "models": 2, "offload": 2, "kv_transfer": 3, "engine": 4,
-          "bench": 5, "entrypoints": 6}
+          "bench": 5, "entrypoints": 6,
+          # The router and the fleet simulator sit beside the server: the router forwards with
+          # the proxy's code, `pagedkv router` / `pagedkv simulate` are entrypoints commands.
+          "router": 6, "sim": 6}
 
 
 def module_name(path: Path, root: Path) -> str:

@@ -62,9 +62,21 @@ def _add_proxy(subparsers: Any) -> None:
     proxy.add_parser(subparsers)
 
 
+def _add_router(subparsers: Any) -> None:
+    from pagedkv.entrypoints import router
+
+    router.add_parser(subparsers)
+
+
+def _add_simulate(subparsers: Any) -> None:
+    from pagedkv.sim import cli as sim_cli
+
+    sim_cli.add_parser(subparsers)
+
+
 # Registration order = order in ``pagedkv --help``.
 SUBCOMMANDS: list[Callable[[Any], None]] = [_add_plan, _add_generate, _add_chat, _add_bench]
-SUBCOMMANDS += [_add_serve, _add_proxy, _add_events]
+SUBCOMMANDS += [_add_serve, _add_proxy, _add_router, _add_events, _add_simulate]
 
 
 def _version() -> str:

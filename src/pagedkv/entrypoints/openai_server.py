@@ -11,6 +11,8 @@ Routes:
 * ``GET /v1/models``, ``GET /health`` (503 once the engine failed), ``GET /metrics``
   (Prometheus, see metrics.py), ``POST /reset_prefix_cache`` (409 while requests hold blocks),
   ``GET /debug/kv_cache`` (the pool's counts and an invariant check: `debug_kv_cache`),
+  ``GET /v1/kv_cache_config`` (block size, hash algorithm and seed, KV event endpoints: what
+  ``pagedkv router`` reads, see `kv_cache_config`),
   ``GET /dashboard`` and ``GET /dashboard/state`` (see dashboard.py).
 
 Errors have OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``: 400 for
@@ -42,6 +44,8 @@ Modules::
 from __future__ import annotations
 
 import asyncio
+import functools
+import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -130,6 +134,49 @@ async def debug_kv_cache(request: Request) -> Response:
         raise engine_error(e, "") from None
 
 
+@functools.lru_cache(maxsize=8)
+def _model_identity(path: str) -> str:
+    """`model_identity` once per path (it reads the weights' first MiBs; a router polls)."""
+    from pagedkv.models.loader import model_identity
+
+    return model_identity(path)
+
+
+async def kv_cache_config(request: Request) -> Response:
+    """What a KV-aware router needs to mirror this server's prefix cache (``pagedkv router``
+    refuses a replica whose answer differs from the others'): ``block_size``, ``hash_algo`` and
+    ``hash_seed`` (the NONE_HASH seed: with them a client recomputes the block hashes of the KV
+    events), ``model`` (the served name), ``model_path`` and ``model_identity`` (which weights),
+    ``tokenizer`` (a digest of vocab size, special ids and chat template), ``num_blocks``,
+    ``kv_cache_medium``, ``enable_prefix_caching``, ``started`` (the server's start time: a
+    router notices a restart) and ``kv_events`` (``{"endpoint",
+    "replay_endpoint", "topic"}``, or null without a publisher). Note: with xxhash the seed is the
+    per-process random one; this route is behind ``api_key`` like every non-open route."""
+    import hashlib
+
+    from pagedkv.core.hashing import get_hash_fn_by_name, resolve_none_hash_seed
+    from pagedkv.models.loader import resolve_model_path
+
+    state = server_state(request)
+    eng = state.async_llm.engine
+    cfg = eng.config
+    path = resolve_model_path(cfg.model)
+    tok = eng.tokenizer
+    tok_desc = None if tok is None else json.dumps(
+        [tok.vocab_size, tok.bos_token_id, tok.eos_token_id, tok.chat_template], default=str)
+    pub = state.kv_event_publisher
+    return JSONResponse({
+        "model": state.served_model_name, "model_path": str(path),
+        "model_identity": await asyncio.to_thread(_model_identity, str(path)),
+        "tokenizer": None if tok_desc is None else hashlib.sha256(tok_desc.encode()).hexdigest()[:16],
+        "block_size": cfg.block_size, "hash_algo": cfg.prefix_caching_hash_algo,
+        "hash_seed": resolve_none_hash_seed(get_hash_fn_by_name(cfg.prefix_caching_hash_algo)),
+        "num_blocks": eng.kv_cache_config.num_blocks, "enable_prefix_caching": cfg.enable_prefix_caching,
+        "kv_cache_medium": eng.kv_cache_manager.block_pool.medium, "started": state.started,
+        "kv_events": None if pub is None else {"endpoint": pub.endpoint, "replay_endpoint": pub.replay_endpoint,
+                                               "topic": pub.topic.decode()}})
+
+
 # ---- app -----------------------------------------------------------------------------------------
 
 
@@ -179,6 +226,7 @@ def build_app(async_llm: AsyncLLM, *, served_model_name: str | None = None,
     app.add_api_route("/metrics", metrics, methods=["GET"])
     app.add_api_route("/reset_prefix_cache", reset_prefix_cache, methods=["POST"])
     app.add_api_route("/debug/kv_cache", debug_kv_cache, methods=["GET"])
+    app.add_api_route("/v1/kv_cache_config", kv_cache_config, methods=["GET"])
     dashboard.add_routes(app)
     # The last added runs first: log everything, then authenticate, then read the body.
     if max_request_bytes is not None:
