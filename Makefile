@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 
-.PHONY: setup system-deps run test bench clean
+.PHONY: setup system-deps run test bench clean gpu-check
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -21,6 +21,10 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install -q numpy
 	$(PIP) install -q --no-deps nixl-cu12==1.5.1 || \
 	  echo "NOTE: nixl-cu12 not installed; KV transfer will use the TCP backend"
+	# Optional Triton (the CUDA kernels of ops/triton): on CPU only its interpreter runs, in the
+	# kernel tests. --no-deps for the same reason as NIXL; 3.7.1: older interpreters break on numpy 2.
+	$(PIP) install -q --no-deps triton==3.7.1 || \
+	  echo "NOTE: triton not installed; the Triton kernel tests will be skipped"
 	touch $(STAMP)
 
 # redis-server, chromium + chromedriver and gcc for the tests, via apt when root and missing.
@@ -45,3 +49,8 @@ bench: setup
 
 clean:
 	rm -rf $(VENV)
+
+# On a CUDA machine: the Triton kernel tests compiled, the offload worker's CUDA path, greedy
+# CUDA-vs-CPU exactness and benchmarks/bench_gpu.py, all written to gpu/results.json.
+gpu-check: setup
+	bash gpu/run_checks.sh

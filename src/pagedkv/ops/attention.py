@@ -40,6 +40,7 @@ from pagedkv.ops.dense_attention import attend
 from pagedkv.ops.kv_gather import PagedKV
 from pagedkv.ops.merge_attn_states import merge_attn_states, merge_attn_states_multi
 from pagedkv.ops.metadata import AttentionMetadata, StepRows
+from pagedkv.ops.triton import available as triton_available
 
 # Gathered K+V bytes of one decode chunk: enough rows to amortise per-chunk overhead, few
 # enough that the gather is still in cache when the kernel reads it.
@@ -74,6 +75,10 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     if num_heads % key_cache.shape[2]:
         raise ValueError(f"{num_heads} query heads is not a multiple of "
                          f"{key_cache.shape[2]} KV heads")
+    if query.device.type == "cuda" and triton_available():
+        from pagedkv.ops.triton.unified_attention import paged_attention_triton
+        return paged_attention_triton(query, key_cache, value_cache, attn_metadata, scale,
+                                      sliding_window, logits_soft_cap, num_kv_splits)
     md = attn_metadata
     paged = PagedKV.of(key_cache, value_cache)
     out = query.new_empty(num_tokens, num_heads, value_cache.shape[-1])

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from pagedkv.ops.triton import available as triton_available
+
 
 def compute_slot_mapping(block_table: torch.Tensor, req_indices: torch.Tensor,
                          positions: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -31,6 +33,10 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.T
     ``slot_mapping [T]``. A negative slot is skipped (padding). Slots must be distinct among
     the non-negative ones. Values are cast to the cache dtype.
     """
+    if key_cache.device.type == "cuda" and triton_available():
+        from pagedkv.ops.triton.reshape_and_cache import reshape_and_cache_triton
+        reshape_and_cache_triton(key, value, key_cache, value_cache, slot_mapping)
+        return
     block_size = key_cache.shape[1]
     slots = slot_mapping.to(device=key_cache.device, dtype=torch.int64)
     if slots.numel() and bool((slots < 0).any()):

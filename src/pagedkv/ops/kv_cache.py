@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+from pagedkv.ops.triton import available as triton_available
+
 LOGICAL_ORDER = "LBNHC"  # the order of the per-layer view dims: [L][B, N, H, C]
 _LETTERS = frozenset("LBHNC")
 
@@ -157,8 +159,25 @@ def copy_blocks(kv_caches: KVCacheViews,
     if not tensors or len(src_to_dst) == 0:
         return
     src, dst = _as_pairs(src_to_dst, tensors[0].device)
+    if (tensors[0].device.type == "cuda" and triton_available()
+            and all(_can_copy(t) for t in tensors) and not _overlap(src_to_dst)):
+        from pagedkv.ops.triton.copy_blocks import copy_blocks_triton
+        copy_blocks_triton(tensors, src, dst)
+        return
     for t in tensors:
         t[dst] = t[src]  # index_put_ on a (possibly strided) view writes the buffer
+
+
+def _can_copy(t: torch.Tensor) -> bool:
+    """Block tensors the Triton copy handles: 2 to 4 dims, unit innermost stride."""
+    return 2 <= t.dim() <= 4 and t.stride(-1) == 1
+
+
+def _overlap(src_to_dst: Sequence[tuple[int, int]] | torch.Tensor) -> bool:
+    """Some block is both a source and a destination: the concurrent Triton copy could read
+    it after it was overwritten, so the torch path (reads first, then writes) must run."""
+    pairs = torch.as_tensor(src_to_dst, dtype=torch.int64).reshape(-1, 2).cpu()
+    return bool(torch.isin(pairs[:, 1], pairs[:, 0]).any())
 
 
 def swap_blocks(src_views: torch.Tensor | Sequence[Any], dst_views: torch.Tensor | Sequence[Any],

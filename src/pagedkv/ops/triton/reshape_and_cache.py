@@ -1,0 +1,68 @@
+"""Cache writes in Triton (vLLM's ``triton_reshape_and_cache_flash``).
+
+One program per (token, KV head) copies the token's K and V rows of that head to slot
+``slot_mapping[t]`` (``block = slot // block_size``, ``offset = slot % block_size``) through
+the caches' strides, so every layout of ``allocate_kv_cache`` (and separate caches) works.
+Negative slots (padding) are skipped; values are cast to the cache dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from pagedkv.ops.triton.utils import pow2
+
+
+@triton.jit
+def _reshape_and_cache(
+    key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, slot_mapping_ptr,
+    stride_key_t, stride_key_h, stride_value_t, stride_value_h,
+    stride_kc_b, stride_kc_n, stride_kc_h, stride_vc_b, stride_vc_n, stride_vc_h,
+    BLOCK_SIZE: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_SIZE_V: tl.constexpr,
+    HEAD_PAD: tl.constexpr, HEAD_PAD_V: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    if slot < 0:
+        return  # padding token: nothing to write
+    blk = slot // BLOCK_SIZE
+    off = slot % BLOCK_SIZE
+    offs_d = tl.arange(0, HEAD_PAD)
+    offs_dv = tl.arange(0, HEAD_PAD_V)
+    d_mask = offs_d < HEAD_SIZE
+    dv_mask = offs_dv < HEAD_SIZE_V
+    k = tl.load(key_ptr + token * stride_key_t + head * stride_key_h + offs_d, mask=d_mask)
+    v = tl.load(value_ptr + token * stride_value_t + head * stride_value_h + offs_dv, mask=dv_mask)
+    tl.store(key_cache_ptr + blk * stride_kc_b + off * stride_kc_n + head * stride_kc_h + offs_d,
+             k.to(key_cache_ptr.dtype.element_ty), mask=d_mask)
+    tl.store(value_cache_ptr + blk * stride_vc_b + off * stride_vc_n + head * stride_vc_h + offs_dv,
+             v.to(value_cache_ptr.dtype.element_ty), mask=dv_mask)
+
+
+def reshape_and_cache_triton(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                             value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """``pagedkv.ops.cache.reshape_and_cache``'s contract: ``key [T, Hkv, D]``,
+    ``value [T, Hkv, Dv]`` (any strides), caches ``[NB, BS, Hkv, D|Dv]`` with a unit last
+    stride, ``slot_mapping [T]`` (negative = skip)."""
+    num_tokens, num_kv_heads, head_size = key.shape
+    head_size_v = value.shape[-1]
+    if num_tokens == 0:
+        return
+    if key.stride(-1) != 1:
+        key = key.contiguous()
+    if value.stride(-1) != 1:
+        value = value.contiguous()
+    if key_cache.stride(-1) != 1 or value_cache.stride(-1) != 1:
+        raise ValueError("K/V caches need a unit stride along the head dimension")
+    slots = slot_mapping.to(device=key_cache.device, dtype=torch.int64)
+    _reshape_and_cache[(num_tokens, num_kv_heads)](
+        key, value, key_cache, value_cache, slots,
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+        BLOCK_SIZE=key_cache.shape[1], HEAD_SIZE=head_size, HEAD_SIZE_V=head_size_v,
+        HEAD_PAD=pow2(head_size), HEAD_PAD_V=pow2(head_size_v),
+    )
