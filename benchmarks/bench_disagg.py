@@ -268,9 +268,11 @@ def server(args: argparse.Namespace, logs: Path, name: str, kv_role: str | None,
 
 
 def proxy(logs: Path, name: str, prefill: list[Instance], decode: list[Instance]) -> Instance:
-    """``pagedkv proxy`` (unpinned); a short cooldown so a restarted instance is used again soon."""
+    """``pagedkv proxy`` (unpinned); a short cooldown so a restarted instance is used again soon,
+    and a retry window longer than a restart on a loaded 2-core machine (up to ~2 min)."""
     port = free_port()
-    argv = [*CLI, "proxy", "--port", str(port), "--cooldown", "1", "--timeout", "300",
+    argv = [*CLI, "proxy", "--port", str(port), "--cooldown", "1", "--timeout", "300", "--retry-window", "180",
+            "--log-level", "info",
             "--prefill", *[p.url for p in prefill], "--decode", *[d.url for d in decode]]
     return Instance(name, argv, port, logs / f"{name}.log")
 

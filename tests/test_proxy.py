@@ -112,7 +112,7 @@ def proxy_url(instances) -> Iterator[str]:
 
 
 def _proxy(prefill: list[str], decode: list[str]) -> BackgroundServer:
-    return BackgroundServer(create_proxy_app(prefill, decode, cooldown=30.0, timeout=120.0))
+    return BackgroundServer(create_proxy_app(prefill, decode, cooldown=30.0, timeout=120.0, retry_window=1.0))
 
 
 def _post(url: str, path: str, body: dict[str, Any]) -> httpx.Response:

@@ -23,7 +23,8 @@ Faults: an instance that fails (connection error, timeout, 5xx) is marked unheal
 ``--cooldown`` seconds (skipped meanwhile, unless every instance of its role is) and the request
 is retried on the next instance of the role. If every prefill instance fails, the client's body
 goes straight to a decode instance (colocated fallback: it computes the prompt). If every decode
-instance fails, the client gets a 503 with OpenAI's error JSON. A 4xx is the client's fault: it
+instance keeps failing for ``retry_window`` seconds (rounds 0.5 s apart), the client gets a 503 with
+OpenAI's error JSON. A 4xx is the client's fault: it
 is returned as it is, never retried. A decode stream that breaks (the instance dies mid-answer) is
 resumed: each unfinished choice continues on another instance from the tokens the client already
 has (stream_resume.py), so the client sees one unbroken stream. A retried decode request goes
@@ -53,6 +54,8 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
+RETRY_PAUSE_S = 0.5  # between rounds over every instance of a role (one may be restarting)
+
 # What the prefill instance gets as kv_transfer_params (vLLM's toy proxy, pull mode).
 PREFILL_KV_TRANSFER_PARAMS: dict[str, Any] = {
     "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
@@ -67,8 +70,9 @@ to a --decode instance, whose answer (streamed or not) goes back to the client u
 
 Instances of a role are used round-robin. A failing instance (connection error, timeout, 5xx) is
 skipped for --cooldown seconds and the request retried on the next one; if every prefill
-instance fails the decode instance computes the prompt itself; if every decode instance fails
-the client gets 503. 4xx answers are returned as they are. /health is 200 while a decode
+instance fails the decode instance computes the prompt itself; if every decode instance keeps
+failing for --retry-window seconds (rounds 0.5 s apart) the client gets 503. A stream cut
+mid-answer is continued on another instance from the tokens already sent. 4xx answers are returned as they are. /health is 200 while a decode
 instance is healthy; /v1/models comes from a decode instance. Prints "pagedkv proxy: listening
 on http://HOST:PORT" once it accepts connections (--port 0 picks a free port).
 """
@@ -133,6 +137,8 @@ class ProxyState:
     decode: InstancePool
     client: Any
     health_timeout: float = 2.0
+    # How long a request waits for an instance (rounds RETRY_PAUSE_S apart) before giving up.
+    retry_window: float = 30.0
     # The last requests' (request id, prefill URL or None, decode URL or None), newest last.
     served: deque[tuple[str, str | None, str | None]] = field(default_factory=lambda: deque(maxlen=1000))
 
@@ -228,34 +234,40 @@ async def run_decode(state: ProxyState, method: str, path: str, body: dict[str, 
 
     if stream and body is not None:
         body = dict(body, return_token_ids=True)  # what `_relay` resumes from
-    for inst in state.decode.candidates():
-        try:
-            resp = await _send(state, inst, method, path, body, headers)
-            if not stream or resp.status_code != 200:
-                content = await _read(resp)
-                state.decode.mark_ok(inst)
-                return inst, _passthrough(resp.status_code, content, resp.headers)
-        except InstanceFailed as e:
-            state.decode.mark_failed(inst, str(e))
-            if body is not None and body.get("kv_transfer_params") is not None:
-                body = {k: v for k, v in body.items() if k != "kv_transfer_params"}
-            continue
-        state.decode.mark_ok(inst)
-        assert body is not None
-        return inst, StreamingResponse(_relay(state, resp, inst, body, path, headers),
-                                       status_code=resp.status_code,
-                                       media_type=resp.headers.get("content-type", "text/event-stream"),
-                                       headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    deadline = time.monotonic() + state.retry_window
+    while True:
+        for inst in state.decode.candidates():
+            try:
+                resp = await _send(state, inst, method, path, body, headers)
+                if not stream or resp.status_code != 200:
+                    content = await _read(resp)
+                    state.decode.mark_ok(inst)
+                    return inst, _passthrough(resp.status_code, content, resp.headers)
+            except InstanceFailed as e:
+                state.decode.mark_failed(inst, str(e))
+                if body is not None and body.get("kv_transfer_params") is not None:
+                    body = {k: v for k, v in body.items() if k != "kv_transfer_params"}
+                continue
+            state.decode.mark_ok(inst)
+            assert body is not None
+            return inst, StreamingResponse(_relay(state, resp, inst, body, path, headers),
+                                           status_code=resp.status_code,
+                                           media_type=resp.headers.get("content-type", "text/event-stream"),
+                                           headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        if time.monotonic() + RETRY_PAUSE_S >= deadline:
+            break
+        await asyncio.sleep(RETRY_PAUSE_S)  # every one failed: one may be restarting
     return None, _unavailable(f"no {state.decode.role} instance is available "
-                              f"({len(state.decode.instances)} tried)")
+                              f"({len(state.decode.instances)} tried for {state.retry_window:g} s)")
 
 
 async def _relay(state: ProxyState, resp: Any, inst: Instance, body: dict[str, Any], path: str,
                  headers: dict[str, str]) -> AsyncIterator[bytes]:
     """The client's SSE stream: ``resp``'s events as they come; if it breaks (transport error,
     no ``[DONE]``, an error event), each unfinished choice is continued on another instance
-    (`_resume_choice`) until every choice finished, or the attempts (two per instance) ran out:
-    then the last error event, if any, and ``[DONE]`` end it."""
+    (`_resume_choice`) until every choice finished, or ``state.retry_window`` seconds passed
+    without success (instances restarting are waited for, in rounds 0.5 s apart): then the
+    last error event, if any, and ``[DONE]`` end it."""
     from pagedkv.entrypoints.stream_resume import StreamTracker
 
     tracker = StreamTracker.for_request(body, chat=path.endswith("chat/completions"))
@@ -264,16 +276,16 @@ async def _relay(state: ProxyState, resp: Any, inst: Instance, body: dict[str, A
         yield ev
     if not tracker.done or tracker.broken:
         state.decode.mark_failed(inst, "stream broke")
-        budget = [2 * (len(state.decode.instances) + len(state.prefill.instances))]
-        while tracker.unfinished() and budget[0] > 0:
+        deadline = time.monotonic() + state.retry_window
+        while tracker.unfinished() and time.monotonic() < deadline:
             idx = tracker.unfinished()[0]
-            async for ev in _resume_choice(state, tracker, idx, headers, budget):
+            async for ev in _resume_choice(state, tracker, idx, headers):
                 yield ev
             if not tracker.choices[idx].finished:
-                break
+                await asyncio.sleep(RETRY_PAUSE_S)  # every instance failed: one may be restarting
     if tracker.unfinished():
-        logger.warning("a broken stream could not be resumed (%d choices unfinished)",
-                       len(tracker.unfinished()))
+        logger.warning("a broken stream could not be resumed within %.0f s (%d choices unfinished)",
+                       state.retry_window, len(tracker.unfinished()))
         if tracker.error_event is not None:
             yield tracker.error_event
         yield b"data: [DONE]\n\n"
@@ -282,22 +294,21 @@ async def _relay(state: ProxyState, resp: Any, inst: Instance, body: dict[str, A
         yield ev
 
 
-async def _resume_choice(state: ProxyState, tracker: Any, idx: int, headers: dict[str, str],
-                         budget: list[int]) -> AsyncIterator[bytes]:
-    """Continue choice ``idx`` on the next instance that streams it to its end (decode
-    instances first, then prefill ones: any engine can continue); ``budget[0]`` counts down
-    the attempts. A continuation that breaks too is continued again from where it broke."""
+async def _resume_choice(state: ProxyState, tracker: Any, idx: int,
+                         headers: dict[str, str]) -> AsyncIterator[bytes]:
+    """One round: continue choice ``idx`` on the instances in turn (decode ones first, then
+    prefill ones: any engine can continue) until one streams it to its end. A continuation
+    that breaks too is continued on the next from where it broke."""
     from pagedkv.entrypoints.stream_resume import ChoiceState
 
     for pool in (state.decode, state.prefill):
         for nxt in pool.candidates():
-            if tracker.choices.setdefault(idx, ChoiceState()).finished or budget[0] <= 0:
+            if tracker.choices.setdefault(idx, ChoiceState()).finished:
                 return
             cont = tracker.continuation(idx)
             if cont is None:  # its token budget ran out exactly at the break
                 yield tracker.finish_choice(idx)
                 return
-            budget[0] -= 1
             try:
                 r = await _send(state, nxt, "POST", cont[0], cont[1], headers)
             except InstanceFailed as e:
@@ -401,9 +412,10 @@ async def check_health(state: ProxyState) -> bool:
 
 
 def create_proxy_app(prefill: list[str], decode: list[str], cooldown: float = 5.0,
-                     timeout: float = 600.0) -> Any:
+                     timeout: float = 600.0, retry_window: float = 30.0) -> Any:
     """The proxy's FastAPI app over instance base URLs (``http://host:port``); ``timeout``
-    bounds each read from an instance (seconds), connecting is bounded by 10 s."""
+    bounds each read from an instance (seconds), connecting is bounded by 10 s;
+    ``retry_window``: how long a request keeps retrying when every instance fails."""
     import contextlib
 
     import httpx
@@ -417,7 +429,7 @@ def create_proxy_app(prefill: list[str], decode: list[str], cooldown: float = 5.
     state = ProxyState(
         prefill=InstancePool("prefill", [Instance(u.rstrip("/")) for u in prefill], cooldown),
         decode=InstancePool("decode", [Instance(u.rstrip("/")) for u in decode], cooldown),
-        client=client)
+        client=client, retry_window=retry_window)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -464,6 +476,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
     p.add_argument("--cooldown", metavar="SECONDS", type=float, default=5.0,
                    help="how long a failed instance is skipped (default 5)")
+    p.add_argument("--retry-window", metavar="SECONDS", type=float, default=30.0,
+                   help="how long a request keeps retrying (rounds 0.5 s apart) while every instance "
+                        "it could go to fails, e.g. restarting (default 30)")
     p.add_argument("--timeout", metavar="SECONDS", type=float, default=600.0,
                    help="longest wait for an instance's next bytes (default 600)")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"],
@@ -483,8 +498,8 @@ def run(args: argparse.Namespace) -> int:
 
     if not 0 <= args.port <= 65535:
         return fail("proxy", ValueError(f"invalid --port {args.port}"))
-    if not args.cooldown >= 0 or not args.timeout > 0:
-        return fail("proxy", ValueError("--cooldown must be >= 0 and --timeout > 0"))
+    if not args.cooldown >= 0 or not args.timeout > 0 or not args.retry_window >= 0:
+        return fail("proxy", ValueError("--cooldown and --retry-window must be >= 0 and --timeout > 0"))
     try:
         prefill = [_check_url(u) for u in args.prefill]
         decode = [_check_url(u) for u in args.decode]
@@ -495,7 +510,7 @@ def run(args: argparse.Namespace) -> int:
         sock = bind_socket(args.host, args.port)
     except OSError as e:
         return fail("proxy", OSError(f"cannot bind {args.host}:{args.port}: {e.strerror or e}"))
-    app = create_proxy_app(prefill, decode, args.cooldown, args.timeout)
+    app = create_proxy_app(prefill, decode, args.cooldown, args.timeout, args.retry_window)
     print(f"pagedkv proxy: prefill {' '.join(prefill)}; decode {' '.join(decode)}", flush=True)
     return serve_on_socket(app, sock, "proxy", args.log_level)
 
