@@ -42,6 +42,8 @@ SLIDING_ATTENTION = "sliding_attention"
 
 # Architectures whose q/k/v projections always carry a bias even when config.json is silent.
 _ARCHS_WITH_QKV_BIAS = frozenset({"qwen2", "qwen2_moe"})
+# Architectures that RMS-normalise every q/k head before RoPE.
+_ARCHS_WITH_QK_NORM = frozenset({"gemma3", "gemma3_text"})
 
 
 @dataclass(slots=True)
@@ -78,6 +80,15 @@ class ModelConfig:
     path: str | None = None
     # Weight dtype the checkpoint declares (HF torch_dtype); None for GGUF (quantized blocks).
     dtype: str | None = None
+    # Gemma 2: attention scale query_pre_attn_scalar**-0.5 (None: head_dim**-0.5) and tanh
+    # soft caps c·tanh(x/c) on attention scores and on the LM head's logits (None: no cap).
+    query_pre_attn_scalar: float | None = None
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+    # Gemma 3: RoPE theta of the sliding-window layers (None: ``rope_theta`` everywhere; their
+    # RoPE is unscaled) and RMSNorm on each q/k head before RoPE.
+    rope_local_theta: float | None = None
+    qk_norm: bool = False
 
     def __post_init__(self) -> None:
         if self.num_kv_heads <= 0 or self.num_attention_heads % self.num_kv_heads:
@@ -207,6 +218,7 @@ class ModelConfig:
         heads = d["num_attention_heads"]
         hidden = d["hidden_size"]
         rope_params = d.get("rope_parameters") or {}  # transformers v5 moves rope_theta here
+        local_theta = (rope_params.get(SLIDING_ATTENTION) or {}).get("rope_theta") or d.get("rope_local_base_freq")
         if FULL_ATTENTION in rope_params:  # per-layer-type RoPE (Gemma-3): keep the global one
             rope_params = rope_params[FULL_ATTENTION] or {}
         rope_theta = d.get("rope_theta") or rope_params.get("rope_theta") or 10000.0
@@ -217,7 +229,7 @@ class ModelConfig:
         sliding = d.get("sliding_window")
         if d.get("use_sliding_window") is False:
             sliding = None
-        layer_types = d.get("layer_types")
+        layer_types = d.get("layer_types") or _default_layer_types(arch, d)
         if layer_types is not None and SLIDING_ATTENTION not in layer_types:
             layer_types = None  # all full: keep the simple form
         if layer_types is not None and sliding is None:
@@ -244,6 +256,11 @@ class ModelConfig:
             eos_token_id=_first(d.get("eos_token_id")),
             name=d.get("_name_or_path") or d.get("name_or_path") or arch,
             dtype=d.get("torch_dtype") or d.get("dtype"),
+            query_pre_attn_scalar=d.get("query_pre_attn_scalar"),
+            attn_logit_softcapping=d.get("attn_logit_softcapping"),
+            final_logit_softcapping=d.get("final_logit_softcapping"),
+            rope_local_theta=float(local_theta) if local_theta else None,
+            qk_norm=arch in _ARCHS_WITH_QK_NORM,
         )
 
     @classmethod
@@ -256,6 +273,16 @@ class ModelConfig:
         st = p.stat()
         # deepcopy: the cached header dict must never be shared with a mutable config.
         return cls.from_dict(copy.deepcopy(_read_gguf_header(str(p), st.st_size, st.st_mtime_ns)))
+
+
+def _default_layer_types(arch: str, d: dict[str, Any]) -> list[str] | None:
+    """Layer types of configs written before transformers had ``layer_types`` (the released
+    Gemma 2/3 checkpoints): Gemma 2 alternates sliding/global from layer 0; Gemma 3 makes every
+    ``sliding_window_pattern``-th layer (default 6) global. None for other architectures."""
+    period = {"gemma2": 2, "gemma3_text": d.get("sliding_window_pattern") or 6}.get(arch)
+    if period is None or not d.get("sliding_window"):
+        return None
+    return [FULL_ATTENTION if (i + 1) % period == 0 else SLIDING_ATTENTION for i in range(d["num_hidden_layers"])]
 
 
 def _first(v: Any) -> int | None:

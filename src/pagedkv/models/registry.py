@@ -8,6 +8,7 @@ from typing import Protocol
 import torch
 
 from pagedkv.models.config import ModelConfig
+from pagedkv.models.gemma2 import Gemma2ForCausalLM
 from pagedkv.models.llama import LlamaForCausalLM
 from pagedkv.ops.metadata import AttentionMetadata
 
@@ -37,6 +38,8 @@ _MODELS: dict[str, type[LlamaForCausalLM]] = {
     "llama": LlamaForCausalLM,
     "mistral": LlamaForCausalLM,  # Llama + sliding window (from the config)
     "qwen2": LlamaForCausalLM,  # Llama + q/k/v bias (config.attention_bias)
+    "gemma2": Gemma2ForCausalLM,  # sliding/global layers, soft caps (its own layers, Llama loading)
+    "gemma3_text": Gemma2ForCausalLM,  # Gemma 2 + q/k norms, local rope theta (config.qk_norm)
 }
 
 
