@@ -16,6 +16,7 @@ import torch
 
 from pagedkv import LLM, SamplingParams
 from pagedkv.core.specs import SlidingWindowSpec
+from engine_utils import check_clean, random_prompts
 
 WINDOW = 16
 BLOCK = 4
@@ -76,15 +77,7 @@ def hf_greedy(hf: Any, prompt: list[int], n: int) -> list[int]:
 
 
 def prompts(seed: int, lens: list[int], shared: int = 0) -> list[list[int]]:
-    gen = torch.Generator().manual_seed(seed)
-    prefix = torch.randint(0, VOCAB, (shared,), generator=gen).tolist()
-    return [prefix + torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in lens]
-
-
-def check_clean(llm: LLM) -> None:
-    kv = llm.llm_engine.kv_cache_manager
-    kv.check_invariants()
-    assert kv.num_free_blocks == kv.block_pool.num_gpu_blocks - 1
+    return random_prompts(VOCAB, seed, lens, shared)
 
 
 def test_config_and_model_shape(gemma: tuple[Any, Path]) -> None:
