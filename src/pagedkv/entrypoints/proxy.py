@@ -107,6 +107,10 @@ class InstancePool:
     cooldown: float = 5.0
     _next: int = 0
 
+    @classmethod
+    def from_urls(cls, role: str, urls: list[str], cooldown: float = 5.0) -> "InstancePool":
+        return cls(role, [Instance(u.rstrip("/")) for u in urls], cooldown)
+
     def candidates(self) -> list[Instance]:
         """Every instance, in the order to try them for one request: round-robin from the next
         one, healthy first (unhealthy ones last: better a retry than a 503 when all are)."""
@@ -411,6 +415,15 @@ async def check_health(state: ProxyState) -> bool:
 # ---- the app ------------------------------------------------------------------------------------
 
 
+def instance_client(timeout: float) -> Any:
+    """The ``httpx.AsyncClient`` the proxy (and the router) forward with: ``timeout`` bounds
+    each read from an instance, connecting is bounded by 10 s, connections unbounded."""
+    import httpx
+
+    return httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=10.0),
+                             limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
+
+
 def create_proxy_app(prefill: list[str], decode: list[str], cooldown: float = 5.0,
                      timeout: float = 600.0, retry_window: float = 30.0) -> Any:
     """The proxy's FastAPI app over instance base URLs (``http://host:port``); ``timeout``
@@ -424,12 +437,10 @@ def create_proxy_app(prefill: list[str], decode: list[str], cooldown: float = 5.
 
     if not prefill or not decode:
         raise ValueError("the proxy needs at least one prefill and one decode instance")
-    client = httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=10.0),
-                               limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
-    state = ProxyState(
-        prefill=InstancePool("prefill", [Instance(u.rstrip("/")) for u in prefill], cooldown),
-        decode=InstancePool("decode", [Instance(u.rstrip("/")) for u in decode], cooldown),
-        client=client, retry_window=retry_window)
+    client = instance_client(timeout)
+    state = ProxyState(prefill=InstancePool.from_urls("prefill", prefill, cooldown),
+                       decode=InstancePool.from_urls("decode", decode, cooldown),
+                       client=client, retry_window=retry_window)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

@@ -308,20 +308,25 @@ def create_router_app(replicas: Sequence[str | ReplicaSpec], options: RouterOpti
     deployment. Raises `RouterConfigError` (see the module docstring) before serving."""
     import contextlib
 
-    import httpx
     from fastapi import FastAPI, Request
     from fastapi.responses import Response
 
-    from pagedkv.entrypoints.proxy import Instance, InstancePool, _forward_headers, _unavailable, run_decode
+    from pagedkv.entrypoints.proxy import (
+        Instance,
+        InstancePool,
+        _forward_headers,
+        _unavailable,
+        instance_client,
+        run_decode,
+    )
 
     options = options or RouterOptions()
     specs = [s if isinstance(s, ReplicaSpec) else ReplicaSpec.parse(s) for s in replicas]
     state = build_state(specs, options)
-    client = httpx.AsyncClient(timeout=httpx.Timeout(options.timeout, connect=10.0),
-                               limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
+    client = instance_client(options.timeout)
     state.client = client
     if decode:
-        state.decode = InstancePool("decode", [Instance(u.rstrip("/")) for u in decode], options.cooldown)
+        state.decode = InstancePool.from_urls("decode", list(decode), options.cooldown)
     start_replicas(state)
 
     @contextlib.asynccontextmanager
