@@ -148,6 +148,26 @@ def _around(rng: random.Random, mean: int) -> int:
     return max(1, int(rng.uniform(0.5, 1.5) * mean))
 
 
+def _session(rng: random.Random, ids: _Ids, session: str, step_tag: str, t: float, segs: list[Segment],
+             n: int, new_segment: Callable[[int], Segment | None], output_len: int,
+             gap: float) -> list[TraceRequest]:
+    """``n`` calls of one session from ``t``: call k re-sends ``segs`` plus ``new_segment(k)``
+    (None: nothing new), and its reply joins the context of call k+1; calls are ``gap``
+    (exponential mean; 0: none) apart."""
+    out = []
+    for k in range(n):
+        seg = new_segment(k)
+        if seg is not None:
+            segs = segs + [seg]
+        reply = ids.new()
+        olen = _around(rng, output_len)
+        out.append(TraceRequest(f"{session}-{step_tag}{k}", t, olen, segments=list(segs), reply=reply,
+                                session=session))
+        segs = segs + [(reply, olen)]
+        t += rng.expovariate(1.0 / gap) if gap > 0 else 0.0
+    return out
+
+
 def gen_chat(num_requests: int, rate: float, seed: int = 0, *, num_system_prompts: int = 4,
              system_len: int = 256, turns: int = 4, user_len: int = 64, output_len: int = 64,
              think_time: float = 5.0, zipf_s: float = 1.0) -> list[TraceRequest]:
@@ -164,16 +184,8 @@ def gen_chat(num_requests: int, rate: float, seed: int = 0, *, num_system_prompt
     session_rate = rate / turns
     while len(out) < num_requests:
         t += rng.expovariate(session_rate)
-        segs: list[Segment] = [systems[_pick(rng, cdf)]]
-        tt = t
-        for k in range(turns):
-            segs = segs + [(ids.new(), _around(rng, user_len))]
-            reply = ids.new()
-            olen = _around(rng, output_len)
-            out.append(TraceRequest(f"s{s}-t{k}", tt, olen, segments=list(segs), reply=reply,
-                                    session=f"s{s}"))
-            segs = segs + [(reply, olen)]
-            tt += rng.expovariate(1.0 / think_time) if think_time > 0 else 0.0
+        out += _session(rng, ids, f"s{s}", "t", t, [systems[_pick(rng, cdf)]], turns,
+                        lambda k: (ids.new(), _around(rng, user_len)), output_len, think_time)
         s += 1
     out.sort(key=lambda r: r.arrival)
     return out[:num_requests]
@@ -210,17 +222,9 @@ def gen_agentic(num_requests: int, rate: float, seed: int = 0, *, num_system_pro
     t, s = 0.0, 0
     while len(out) < num_requests:
         t += rng.expovariate(rate / steps)
-        segs: list[Segment] = [systems[_pick(rng, cdf)], (ids.new(), _around(rng, task_len))]
-        tt = t
-        for k in range(steps):
-            if k:
-                segs = segs + [(ids.new(), _around(rng, tool_len))]
-            reply = ids.new()
-            olen = _around(rng, output_len)
-            out.append(TraceRequest(f"a{s}-k{k}", tt, olen, segments=list(segs), reply=reply,
-                                    session=f"a{s}"))
-            segs = segs + [(reply, olen)]
-            tt += rng.expovariate(1.0 / tool_time) if tool_time > 0 else 0.0
+        first: list[Segment] = [systems[_pick(rng, cdf)], (ids.new(), _around(rng, task_len))]
+        out += _session(rng, ids, f"a{s}", "k", t, first, steps,
+                        lambda k: (ids.new(), _around(rng, tool_len)) if k else None, output_len, tool_time)
         s += 1
     out.sort(key=lambda r: r.arrival)
     return out[:num_requests]
