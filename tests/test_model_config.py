@@ -96,7 +96,7 @@ def test_kv_cache_specs_default_model(smol: ModelConfig) -> None:
     f32 = smol.kv_cache_specs(16, torch_dtype="torch.float32")["model.layers.0.self_attn"]
     assert f32.dtype == "float32" and f32.page_size_bytes == 2 * s.page_size_bytes
     q = smol.kv_cache_specs(16, "int4")["model.layers.0.self_attn"]
-    assert q.kv_quant_mode is KVQuantMode.INT4_PER_TOKEN_HEAD
+    assert q.kv_quant_mode is KVQuantMode.INT4_PER_TOKEN_GROUP and q.kv_rotation == "hadamard"
     assert q.page_size_bytes == 16 * 3 * (64 + 8)
     assert smol.kv_bytes_per_token("float16") == 30 * 2 * 3 * 64 * 2
 

@@ -63,12 +63,32 @@ def test_per_token_head_adds_two_fp32_scales_per_token_head(mode: KVQuantMode, d
     assert spec.page_size_bytes == 16 * 3 * (128 + 8)
 
 
-@pytest.mark.parametrize("hs,hs_v,content", [(64, 64, 64 + 8), (3, 2, 3 + 8), (5, 5, 5 + 8), (1, 0, 1 + 8)])
+@pytest.mark.parametrize("hs,hs_v,content", [(64, 64, 64 + 8), (3, 2, 3 + 8), (5, 5, 6 + 8), (1, 0, 1 + 8)])
 def test_int4_packs_two_values_per_byte_rounding_up(hs: int, hs_v: int, content: int) -> None:
+    """Each part (K, V) packs its own values and is byte-aligned: part = ceil(d/2) + 4."""
     spec = AttentionSpec(block_size=8, num_kv_heads=2, head_size=hs, head_size_v=hs_v, dtype="int4",
                          kv_quant_mode=KVQuantMode.INT4_PER_TOKEN_HEAD)
-    assert spec.content_bytes == content == math.ceil((hs + hs_v) / 2) + 8
+    assert spec.content_bytes == content == math.ceil(hs / 2) + math.ceil(hs_v / 2) + 8
+    assert (spec.k_part_bytes, spec.v_part_bytes) == (math.ceil(hs / 2) + 4, math.ceil(hs_v / 2) + 4)
     assert spec.page_size_bytes == 8 * 2 * content
+
+
+@pytest.mark.parametrize("hs,content", [(64, 2 * (32 + 2 * 2)), (128, 2 * (64 + 4 * 2)),
+                                        (80, 2 * (40 + 5 * 2)), (24, 2 * (12 + 2))])
+def test_int4_per_token_group_one_fp16_scale_per_group(hs: int, content: int) -> None:
+    """Groups of 32 (16 when 32 does not divide, else the whole head), one fp16 each."""
+    spec = AttentionSpec(block_size=16, num_kv_heads=3, head_size=hs, dtype="int4",
+                         kv_quant_mode=KVQuantMode.INT4_PER_TOKEN_GROUP)
+    assert spec.content_bytes == content
+    assert spec.page_size_bytes == 16 * 3 * content
+
+
+def test_kv_format_names_dtype_mode_and_rotation() -> None:
+    a = full(dtype="int4", kv_quant_mode=KVQuantMode.INT4_PER_TOKEN_GROUP, kv_rotation="hadamard")
+    assert a.kv_format == "int4:int4_per_token_group:hadamard"
+    assert full(dtype="bfloat16").kv_format == "bfloat16:none"
+    with pytest.raises(ValueError, match="kv_rotation"):
+        full(kv_rotation="fourier")
 
 
 def test_distinct_v_head_size() -> None:
@@ -113,8 +133,14 @@ def test_page_formula_property(bs: int, h: int, hs: int, mode: KVQuantMode) -> N
     dtype = mode.storage_dtype or "float16"
     spec = full(bs, h, hs, dtype, kv_quant_mode=mode)
     bits = {"float16": 16, "fp8": 8, "int8": 8, "int4": 4}[dtype]
-    scales = 8 if "per_token_head" in mode.value else 0
-    assert spec.page_size_bytes == bs * h * (-(-(2 * hs * bits) // 8) + scales)
+    if "per_token_head" in mode.value:
+        content = 2 * (-(-(hs * bits) // 8) + 4)
+    elif mode is KVQuantMode.INT4_PER_TOKEN_GROUP:
+        g = 32 if hs % 32 == 0 else 16 if hs % 16 == 0 else hs
+        content = 2 * (-(-hs // 2) + 2 * (hs // g))
+    else:
+        content = -(-(2 * hs * bits) // 8)
+    assert spec.page_size_bytes == bs * h * content
 
 
 # ---------------------------------------------------------------- memory bounds
@@ -280,7 +306,7 @@ def test_unify_grows_attention_blocks_for_large_mamba_state() -> None:
     ("fp8", None, ("fp8", KVQuantMode.FP8_PER_TENSOR)),
     ("fp8", "fp8_per_token_head", ("fp8", KVQuantMode.FP8_PER_TOKEN_HEAD)),
     ("int8", None, ("int8", KVQuantMode.INT8_PER_TOKEN_HEAD)),
-    ("int4", None, ("int4", KVQuantMode.INT4_PER_TOKEN_HEAD)),
+    ("int4", None, ("int4", KVQuantMode.INT4_PER_TOKEN_GROUP)),
     ("int8_per_token_head", None, ("int8", KVQuantMode.INT8_PER_TOKEN_HEAD)),
     ("auto", KVQuantMode.INT4_PER_TOKEN_HEAD, ("int4", KVQuantMode.INT4_PER_TOKEN_HEAD)),
 ])

@@ -12,11 +12,16 @@ Mamba) first get equal page sizes (``unify_kv_cache_spec_page_size``) and are th
 equally sized groups (``get_kv_cache_groups``).
 
 Storage dtypes are plain strings (stdlib only here): "float32", "float16", "bfloat16",
-"fp8" (aliases "fp8_e4m3", "fp8_e5m2"), "int8", "int4". Content bytes of one token-head:
+"fp8" (aliases "fp8_e4m3", "fp8_e5m2"), "int8", "int4". Content bytes of one token-head
+(the ``C`` run of the layout) are a K part then a V part:
 
-    ceil((head_size + head_size_v) * bits / 8) + (8 if per-token-head quantized else 0)
+    unquantized / fp8 per-tensor:  ceil((head_size + head_size_v) * bits / 8)
+    quantized with inline scales:  part(head_size) + part(head_size_v),
+                                   part(d) = ceil(d * bits / 8) + scale_bytes(d)
 
-i.e. K then V, then (per-token-head modes) an fp32 K scale and an fp32 V scale inline.
+``scale_bytes`` is 4 (one fp32 per token-head) for the ``*_per_token_head`` modes and 2 per
+group of :func:`int4_group_size` values (fp16) for ``int4_per_token_group``; so each part is
+``[values | scales]`` and the K part and the V part can be viewed (and moved) on their own.
 """
 
 from __future__ import annotations
@@ -51,6 +56,18 @@ DTYPE_BITS: dict[str, int] = {
 }
 
 SCALE_BYTES = 4  # one fp32 scale
+GROUP_SCALE_BYTES = 2  # one fp16 scale (with the 4-bit zero point in its low mantissa bits)
+INT4_GROUP = 32  # values per scale in int4_per_token_group when the head size allows it
+KV_ROTATIONS = ("hadamard",)
+
+
+def int4_group_size(d: int) -> int:
+    """Values per scale group of ``int4_per_token_group`` for a part of ``d`` values: 32 (or
+    16) when it divides ``d``, else the whole part (one group, like per-token-head)."""
+    for g in (INT4_GROUP, INT4_GROUP // 2):
+        if d % g == 0:
+            return g
+    return max(d, 1)
 
 
 def normalize_dtype(dtype: Any) -> str:
@@ -80,7 +97,11 @@ class KVQuantMode(enum.Enum):
     FP8_PER_TENSOR: fp8 values; one scale per tensor kept *outside* the cache (page unchanged).
     INT8_PER_TOKEN_HEAD / FP8_PER_TOKEN_HEAD: 1 byte per value plus fp32 K and V scales
         stored inline for every (token, head): +8 bytes per token-head.
-    INT4_PER_TOKEN_HEAD: two 4-bit values per byte plus the same inline fp32 scales.
+    INT4_PER_TOKEN_HEAD: two 4-bit values per byte plus the same inline fp32 scales (vLLM's:
+        asymmetric, the 4-bit zero point in the scale's low mantissa bits).
+    INT4_PER_TOKEN_GROUP: two 4-bit values per byte, asymmetric, one fp16 scale (zero point in
+        its low 4 mantissa bits) per group of ``int4_group_size(d)`` values: finer scales for the
+        same bytes at head size 64 (pagedkv's own mode; ``kv_cache_dtype="int4"`` picks it).
     """
 
     NONE = "none"
@@ -88,6 +109,7 @@ class KVQuantMode(enum.Enum):
     INT8_PER_TOKEN_HEAD = "int8_per_token_head"
     FP8_PER_TOKEN_HEAD = "fp8_per_token_head"
     INT4_PER_TOKEN_HEAD = "int4_per_token_head"
+    INT4_PER_TOKEN_GROUP = "int4_per_token_group"
 
     @property
     def storage_dtype(self) -> str | None:
@@ -100,9 +122,21 @@ class KVQuantMode(enum.Enum):
                         KVQuantMode.INT4_PER_TOKEN_HEAD)
 
     @property
-    def inline_scale_bytes(self) -> int:
-        """Bytes of scales stored next to each token-head's K and V content."""
-        return 2 * SCALE_BYTES if self.is_per_token_head else 0
+    def has_inline_scales(self) -> bool:
+        """Scales live in the page next to the values (every mode but NONE and per-tensor)."""
+        return self.is_per_token_head or self is KVQuantMode.INT4_PER_TOKEN_GROUP
+
+    def scale_bytes(self, d: int) -> int:
+        """Inline scale bytes of one part (K or V) of ``d`` values of one token-head."""
+        if self.is_per_token_head:
+            return SCALE_BYTES
+        if self is KVQuantMode.INT4_PER_TOKEN_GROUP:
+            return GROUP_SCALE_BYTES * cdiv(d, int4_group_size(d)) if d else 0
+        return 0
+
+    def part_bytes(self, d: int, bits: int) -> int:
+        """Bytes of one part (K or V): ``d`` values packed at ``bits``, then its scales."""
+        return cdiv(d * bits, 8) + self.scale_bytes(d)
 
     @classmethod
     def parse(cls, value: KVQuantMode | str | None) -> KVQuantMode:
@@ -123,6 +157,7 @@ _MODE_DTYPE: dict[KVQuantMode, str | None] = {
     KVQuantMode.INT8_PER_TOKEN_HEAD: "int8",
     KVQuantMode.FP8_PER_TOKEN_HEAD: "fp8",
     KVQuantMode.INT4_PER_TOKEN_HEAD: "int4",
+    KVQuantMode.INT4_PER_TOKEN_GROUP: "int4",
 }
 
 
@@ -131,7 +166,7 @@ _DEFAULT_MODE_FOR_DTYPE: dict[str, KVQuantMode] = {
     "fp8_e4m3": KVQuantMode.FP8_PER_TENSOR,
     "fp8_e5m2": KVQuantMode.FP8_PER_TENSOR,
     "int8": KVQuantMode.INT8_PER_TOKEN_HEAD,
-    "int4": KVQuantMode.INT4_PER_TOKEN_HEAD,
+    "int4": KVQuantMode.INT4_PER_TOKEN_GROUP,  # the best INT4 pagedkv ships (see README)
 }
 
 
@@ -142,7 +177,8 @@ def resolve_kv_cache_dtype(
 
     "auto" → the model dtype. A mode name ("int8_per_token_head", "fp8_per_tensor", ...) as
     the dtype selects that mode. Without a mode, "fp8" means FP8_PER_TENSOR (as in vLLM) and
-    "int8"/"int4" mean their per-token-head modes (integers need scales).
+    "int8" means int8_per_token_head and "int4" the best INT4 configuration
+    (int4_per_token_group; with a Hadamard rotation, see :func:`resolve_kv_rotation`).
     """
     mode = KVQuantMode.parse(kv_quant_mode)
     as_mode = None
@@ -161,6 +197,20 @@ def resolve_kv_cache_dtype(
     if mode.storage_dtype is not None and kv_cache_dtype == "auto":
         dtype = mode.storage_dtype
     return dtype, mode
+
+
+def resolve_kv_rotation(kv_cache_dtype: str | None, kv_rotation: str | None) -> str | None:
+    """The rotation applied to K/V (and Q) before quantization: an explicit ``kv_rotation``
+    ("hadamard", or "none"/None) wins; otherwise "int4" (the best-INT4 shortcut) implies
+    "hadamard" and everything else none."""
+    if kv_rotation is not None:
+        r = str(kv_rotation).lower()
+        if r == "none":
+            return None
+        if r not in KV_ROTATIONS:
+            raise ValueError(f"unknown kv_rotation {kv_rotation!r}; choose one of {KV_ROTATIONS} or 'none'")
+        return r
+    return "hadamard" if kv_cache_dtype == "int4" else None
 
 
 # ---------------------------------------------------------------- specs
@@ -209,8 +259,9 @@ class AttentionSpec(KVCacheSpec):
     """Paged K/V of ``num_kv_heads`` heads.
 
     ``page_size_bytes = page_size_padded or num_kv_heads * block_size * content_bytes`` where
-    ``content_bytes`` (one token-head: K, then V, then inline scales) is
-    ``ceil((head_size + head_size_v) * bits / 8) + kv_quant_mode.inline_scale_bytes``.
+    ``content_bytes`` (one token-head: the K part, then the V part) follows the module
+    docstring. ``kv_rotation`` ("hadamard" or None) changes what the bytes mean, not their
+    number: it is part of :attr:`kv_format`, which fingerprints and handshakes compare.
     """
 
     num_kv_heads: int
@@ -219,9 +270,12 @@ class AttentionSpec(KVCacheSpec):
     head_size_v: int | None = None  # None → head_size (0 for MLA: K only)
     kv_quant_mode: KVQuantMode = KVQuantMode.NONE
     page_size_padded: int | None = None
+    kv_rotation: str | None = None
 
     def __post_init__(self) -> None:
         KVCacheSpec.__post_init__(self)
+        if self.kv_rotation is not None and self.kv_rotation not in KV_ROTATIONS:
+            raise ValueError(f"unknown kv_rotation {self.kv_rotation!r}; known: {KV_ROTATIONS}")
         object.__setattr__(self, "dtype", normalize_dtype(self.dtype))
         object.__setattr__(self, "kv_quant_mode", KVQuantMode.parse(self.kv_quant_mode))
         if self.head_size_v is None:
@@ -234,9 +288,31 @@ class AttentionSpec(KVCacheSpec):
 
     @property
     def content_bytes(self) -> int:
-        """Bytes of one (token, head): K, V, then inline fp32 scales (C of the layout)."""
-        values = cdiv((self.head_size + self.head_size_v) * dtype_bits(self.dtype), 8)  # type: ignore[operator]
-        return values + self.kv_quant_mode.inline_scale_bytes
+        """Bytes of one (token, head): the K part then the V part (C of the layout)."""
+        return self.k_part_bytes + self.v_part_bytes
+
+    @property
+    def k_part_bytes(self) -> int:
+        """Bytes of one token-head's K (values, then inline scales). Without inline scales and
+        with sub-byte values the K/V split is not byte-aligned; ``content_bytes`` still is."""
+        mode, bits = self.kv_quant_mode, dtype_bits(self.dtype)
+        if mode.has_inline_scales:
+            return mode.part_bytes(self.head_size, bits)
+        return self.head_size * bits // 8
+
+    @property
+    def v_part_bytes(self) -> int:
+        mode, bits = self.kv_quant_mode, dtype_bits(self.dtype)
+        if mode.has_inline_scales:
+            return mode.part_bytes(self.head_size_v, bits)  # type: ignore[arg-type]
+        return cdiv((self.head_size + self.head_size_v) * bits, 8) - self.head_size * bits // 8  # type: ignore[operator]
+
+    @property
+    def kv_format(self) -> str:
+        """What one page's bytes mean, as a string: storage dtype, quant mode, rotation (e.g.
+        ``"int4:int4_per_token_group:hadamard"``). Tiers, disk files and transfers carry it in
+        their fingerprints, so a cache of another format is a miss, never a wrong read."""
+        return ":".join([self.dtype, self.kv_quant_mode.value] + ([self.kv_rotation] if self.kv_rotation else []))
 
     @property
     def bytes_per_token(self) -> int:

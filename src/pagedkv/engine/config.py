@@ -43,6 +43,16 @@ class EngineConfig:
     kv_cache_memory: int | None = None
     gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
     kv_cache_layout: str = "LBNHC"
+    # KV cache storage (vLLM's --kv-cache-dtype): "auto" (the model dtype), a float dtype,
+    # "fp8"/"fp8_e4m3"/"fp8_e5m2" (per-tensor scales), "int8_per_token_head",
+    # "fp8_per_token_head", "int4_per_token_head", "int4_per_token_group", or the shortcuts
+    # "int8" and "int4" (the best INT4: per group of 32 with a Hadamard rotation).
+    kv_cache_dtype: str = "auto"
+    kv_rotation: str | None = None  # "hadamard" / "none"; None: what kv_cache_dtype implies
+    # fp8 per-tensor scales: a JSON file to load them from (and to save calibrated ones to),
+    # and prompts to calibrate them with (a list, or a text file with one prompt per line).
+    kv_scales_path: str | None = None
+    kv_scales_calibration: str | list[str] | None = None
     max_model_len: int | None = None  # None: the model's context length
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
@@ -82,10 +92,25 @@ class EngineConfig:
         if self.preemption_mode not in ("recompute", "swap"):
             raise bad("preemption_mode", "choose 'recompute' or 'swap'")
         self._check_layout(bad)
+        self._check_kv_cache_dtype(bad)
         self._resolve_kv_transfer_config()
         if self.dtype not in ("float32", "bfloat16", "float16", "auto"):
             raise bad("dtype", "choose float32, bfloat16, float16 or auto")
 
+
+    def _check_kv_cache_dtype(self, bad: Any) -> None:
+        """``kv_cache_dtype``/``kv_rotation`` name a known storage format (clear error early)."""
+        from pagedkv.core.specs import resolve_kv_cache_dtype, resolve_kv_rotation
+
+        try:
+            resolve_kv_cache_dtype(self.kv_cache_dtype, "float32")
+        except ValueError as e:
+            raise bad("kv_cache_dtype", f"{e}; choose auto, float32, bfloat16, float16, fp8, fp8_e4m3, "
+                                        "fp8_e5m2, int8, int4 or a *_per_token_head/int4_per_token_group mode") from e
+        try:
+            resolve_kv_rotation(self.kv_cache_dtype, self.kv_rotation)
+        except ValueError as e:
+            raise bad("kv_rotation", str(e)) from e
 
     def _check_layout(self, bad: Any) -> None:
         """The layout is a kernel-usable permutation of L, B, H, N, C (C innermost)."""

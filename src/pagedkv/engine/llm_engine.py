@@ -37,6 +37,7 @@ from pagedkv.engine.sampling_params import SamplingParams
 from pagedkv.engine.scheduler import Scheduler
 from pagedkv.engine.scheduler_output import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput, SchedulerOutput
 from pagedkv.engine.stats import KVConnectorStats, SchedulerStats
+from pagedkv.engine.kv_scales import resolve_kv_scales
 from pagedkv.kv_transfer.base import KVConnectorBase, KVConnectorRole
 from pagedkv.kv_transfer.factory import KVConnectorFactory
 from pagedkv.models.loader import get_model, model_identity
@@ -65,6 +66,7 @@ class LLMEngine:
         self.connector = self._make_connector(model_identity(loaded.source))
         self.runner = ModelRunner(self.model, mc, self.dtype, self.device, self.connector)
         self.runner.initialize_kv_cache(self.kv_cache_config)
+        self.kv_scales, self.kv_scales_source = resolve_kv_scales(self, loaded.kv_scales)
         self.scheduler = Scheduler(
             self.kv_cache_config, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
             self.connector, enable_caching=config.enable_prefix_caching,
@@ -88,7 +90,9 @@ class LLMEngine:
         Refuses (ValueError) when one ``max_model_len`` request cannot fit (vLLM's rule, also
         with an explicit ``num_kv_blocks``, which would otherwise start and thrash later)."""
         config = self.config
-        specs = self.model_config.kv_cache_specs(config.block_size, torch_dtype=str(self.dtype).split(".")[-1])
+        specs = self.model_config.kv_cache_specs(config.block_size, config.kv_cache_dtype,
+                                                 torch_dtype=str(self.dtype).split(".")[-1],
+                                                 kv_rotation=config.kv_rotation)
         groups = get_kv_cache_groups(specs)
         if config.kv_transfer_config is not None:  # a connector's limits come before sizing
             KVConnectorFactory.get_connector_class(config.kv_transfer_config).check_kv_cache_groups(groups)

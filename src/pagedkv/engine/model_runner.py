@@ -25,17 +25,20 @@ preemption scores nothing twice; it forgets a request once reported finished.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from typing import Any
 
 import torch
 
-from pagedkv.core.specs import KVCacheConfig
+from pagedkv.core.specs import KVCacheConfig, KVQuantMode, iter_layer_specs
 from pagedkv.engine.sampler import LogprobsTensors, compute_prompt_logprobs
 from pagedkv.engine.scheduler_output import ScheduledRequest, SchedulerOutput
 from pagedkv.kv_transfer.base import KVConnectorBase, KVConnectorOutput
 from pagedkv.ops.cache import compute_slot_mapping
 from pagedkv.ops.forward_context import set_forward_context
 from pagedkv.ops.kv_cache import allocate_kv_cache, copy_blocks
+from pagedkv.ops.kv_quant import KVQuant
 from pagedkv.ops.metadata import AttentionMetadata
 
 # Prompt-logprob rows scored per model-head call: bounds the [rows, vocab] float32 temporaries.
@@ -68,6 +71,7 @@ class ModelRunner:
         self.block_size = 0
         self.layer_groups: list[int] = []
         self.distinct_kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.kv_quants: dict[str, KVQuant] = {}  # layer name → its quantized/rotated cache format
         # request id -> prompt positions whose logits rows were scored (prompt_logprobs).
         self.num_prompt_logprobs_done: dict[str, int] = {}
 
@@ -80,16 +84,80 @@ class ModelRunner:
         mc = self.model_config
         groups = kv_cache_config.kv_cache_groups
         self.layer_groups, layer_slots = layer_placement(mc, groups)
-        self.block_size = groups[0].kv_cache_spec.block_size
+        spec = groups[0].kv_cache_spec
+        self.block_size = spec.block_size
+        quantized = getattr(spec, "kv_quant_mode", KVQuantMode.NONE) is not KVQuantMode.NONE
+        # A quantized cache is raw bytes: each token-head's C run is [K part | V part].
+        head_sizes = (spec.k_part_bytes, spec.v_part_bytes) if quantized else (mc.head_dim, mc.head_dim)
         self.kv_buffer, tensors = allocate_kv_cache(
             kv_cache_config.layout, max(layer_slots) + 1, kv_cache_config.num_blocks, self.block_size,
-            mc.num_kv_heads, mc.head_dim, self.dtype, self.device)
+            mc.num_kv_heads, head_sizes[0], torch.uint8 if quantized else _torch_dtype(spec, self.dtype),
+            self.device,
+            head_size_v=head_sizes[1])
+        self.kv_quants = self._attach_kv_quant(groups)
         self.kv_caches = [tensors[j] for j in layer_slots]
         # copy_blocks must copy each distinct tensor once (aliased layers would copy twice).
         self.distinct_kv_caches = list({kv[0].data_ptr(): kv for kv in self.kv_caches}.values())
         if self.connector is not None:
             self.connector.register_kv_caches(
                 {mc.layer_name(i): kv for i, kv in enumerate(self.kv_caches)}, self.kv_buffer)
+
+    def _attach_kv_quant(self, groups: list[Any]) -> dict[str, KVQuant]:
+        """Give every attention layer of a quantized or rotated cache its :class:`KVQuant`
+        (``layer.kv_quant``; None otherwise). Returns them by layer name."""
+        specs = dict(iter_layer_specs(groups))
+        quants: dict[str, KVQuant] = {}
+        for module in self.model.modules():
+            name = getattr(module, "layer_name", None)
+            if name is None or not hasattr(module, "kv_quant") or name not in specs:
+                continue
+            spec = specs[name]
+            wanted = spec.kv_quant_mode is not KVQuantMode.NONE or spec.kv_rotation is not None
+            module.kv_quant = KVQuant.for_spec(spec, self.device) if wanted else None
+            if module.kv_quant is not None:
+                quants[name] = module.kv_quant
+        return quants
+
+    def set_kv_scales(self, scales: dict[str, tuple[float, float]]) -> None:
+        """Per-tensor fp8 scales by attention layer name (layers not named keep theirs)."""
+        for name, (k, v) in scales.items():
+            q = self.kv_quants.get(name)
+            if q is not None:
+                q.k_scale, q.v_scale = float(k), float(v)
+
+    @torch.inference_mode()
+    def observe_kv_amax(self, prompts: list[list[int]]) -> dict[str, tuple[float, float]]:
+        """Run ``prompts`` through the model over a temporary float32 cache (no quantization,
+        the real rotation) and return each layer's ``(max |K|, max |V|)`` as written."""
+        amax: dict[str, list[Any]] = {}
+        saved = dict(self.kv_quants)
+        mc = self.model_config
+        try:
+            for name, q in saved.items():
+                fmt = dataclasses.replace(q.fmt, mode=KVQuantMode.NONE)
+                probe = KVQuant(fmt, rotation=q.rotation)
+                probe.observe = functools.partial(_record_amax, amax.setdefault(name, [0.0, 0.0, 0.0, 0.0, 0]))
+                self._layer(name).kv_quant = probe
+            for ids in prompts:
+                n = len(ids)
+                _, caches = allocate_kv_cache("LBNHC", mc.num_layers, 2, n, mc.num_kv_heads, mc.head_dim,
+                                              torch.float32, self.device)
+                dev = self.device
+                md = AttentionMetadata(
+                    slot_mapping=torch.arange(n, 2 * n, device=dev), query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=dev),
+                    seq_lens=torch.tensor([n], dtype=torch.int32, device=dev),
+                    block_table=torch.tensor([[1]], dtype=torch.int32, device=dev), block_size=n,
+                    max_query_len=n, max_seq_len=n, query_start_loc_cpu=[0, n], seq_lens_cpu=[n])
+                self.model(torch.tensor(ids, device=dev), torch.arange(n, device=dev), caches, md)
+        finally:
+            for name, q in saved.items():
+                self._layer(name).kv_quant = q
+        self.kv_stats = {name: (a[2] / a[4], a[3] / a[4]) for name, a in amax.items()}
+        return {name: (a[0], a[1]) for name, a in amax.items()}
+
+    def _layer(self, name: str) -> Any:
+        return next(m for m in self.model.modules() if getattr(m, "layer_name", None) == name
+                    and hasattr(m, "kv_quant"))
 
     def prepare_inputs(self, so: SchedulerOutput
                        ) -> tuple[torch.Tensor, torch.Tensor, list[AttentionMetadata], list[int]]:
@@ -196,6 +264,21 @@ class ModelRunner:
         first = max(s.start, self.num_prompt_logprobs_done.get(req.request_id, 0))
         last = min(s.start + s.num_tokens, len(req.prompt_token_ids) - 1)
         return (first, last) if first < last else None
+
+
+def _torch_dtype(spec: Any, default: torch.dtype) -> torch.dtype:
+    """The torch dtype of an unquantized spec's storage (a bf16 cache under a float32 model)."""
+    name = getattr(spec, "dtype", None)
+    return getattr(torch, name) if name in ("float32", "bfloat16", "float16") else default
+
+
+def _record_amax(acc: list[Any], key: torch.Tensor, value: torch.Tensor) -> None:
+    """Accumulate ``[max|K|, max|V|, ΣK [H, D], ΣV [H, Dv], rows]`` over written rows."""
+    acc[0] = max(acc[0], float(key.abs().amax()))
+    acc[1] = max(acc[1], float(value.abs().amax()))
+    acc[2] = acc[2] + key.double().sum(0)
+    acc[3] = acc[3] + value.double().sum(0)
+    acc[4] += key.shape[0]
 
 
 def layer_placement(model_config: Any, groups: list[Any]) -> tuple[list[int], list[int]]:

@@ -62,6 +62,18 @@ def add_engine_args(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
                    help="stride order of the KV buffer over L(ayer) B(lock) H(ead) N(token) C(ontent), C "
                         "last: LBNHC (default), LBHNC, or BLNHC / BLHNC, which make each block one "
                         "contiguous range across layers (larger KV transfer descriptors)")
+    g.add_argument("--kv-cache-dtype", default="auto", metavar="DTYPE",
+                   help="KV cache storage (vLLM's names): auto (= --dtype), float32, bfloat16, float16, "
+                        "fp8 / fp8_e4m3 / fp8_e5m2 (per-tensor scales), int8 (per token-head), int4 (the "
+                        "best INT4: groups of 32 + Hadamard), or a mode: int8_per_token_head, "
+                        "fp8_per_token_head, int4_per_token_head, int4_per_token_group")
+    g.add_argument("--kv-rotation", default=None, choices=["hadamard", "none"],
+                   help="rotate K/V (and Q) before quantizing (default: hadamard for int4, else none)")
+    g.add_argument("--kv-scales-path", default=None, metavar="JSON",
+                   help="fp8 per-tensor KV scales: load from this file if it exists, else save calibrated "
+                        "ones to it")
+    g.add_argument("--kv-scales-calibration", default=None, metavar="PROMPTS.txt",
+                   help="calibrate fp8 per-tensor KV scales (amax/448) over these prompts, one per line")
     g.add_argument("--no-prefix-caching", "--no-enable-prefix-caching", dest="no_prefix_caching",
                    action="store_true", help="disable prefix caching")
     g.add_argument("--kv-offload", default=None, metavar="SPEC",
@@ -140,6 +152,12 @@ def kv_transfer_config_arg(args: argparse.Namespace) -> Any:
         raise CLIError(msg if named else f"invalid --kv-transfer-config: {msg}") from None
 
 
+def kv_cache_dtype_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The KV cache format flags as `EngineConfig` keywords."""
+    return dict(kv_cache_dtype=args.kv_cache_dtype, kv_rotation=args.kv_rotation,
+                kv_scales_path=args.kv_scales_path, kv_scales_calibration=args.kv_scales_calibration)
+
+
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """`LLM(...)` keywords from the flags, validated (CLIError) before any weight is read."""
     from pagedkv.engine.config import EngineConfig
@@ -148,7 +166,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
               kv_cache_memory=args.kv_cache_memory, enable_prefix_caching=not args.no_prefix_caching,
               dtype=args.dtype, seed=args.seed if args.seed is not None else 0,
               kv_offload=args.kv_offload, preemption_mode=args.preemption_mode,
-              kv_transfer_config=kv_transfer_config_arg(args), kv_cache_layout=args.kv_cache_layout)
+              kv_transfer_config=kv_transfer_config_arg(args), kv_cache_layout=args.kv_cache_layout,
+              **kv_cache_dtype_kwargs(args))
     try:
         EngineConfig(model=args.model, **kw)
     except ValueError as e:

@@ -38,6 +38,7 @@ KV_MODES: list[tuple[str, str, KVQuantMode]] = [
     ("fp8_per_token_head", "fp8", KVQuantMode.FP8_PER_TOKEN_HEAD),
     ("int8_per_token_head", "int8", KVQuantMode.INT8_PER_TOKEN_HEAD),
     ("int4_per_token_head", "int4", KVQuantMode.INT4_PER_TOKEN_HEAD),
+    ("int4_per_token_group", "int4", KVQuantMode.INT4_PER_TOKEN_GROUP),
 ]
 
 

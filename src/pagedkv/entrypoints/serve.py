@@ -97,7 +97,7 @@ def engine_config(args: argparse.Namespace) -> Any:
     """`EngineConfig` from the flags; raises ValueError (a `CLIError` for
     ``--kv-transfer-config``) naming the bad one."""
     from pagedkv.engine.config import EngineConfig
-    from pagedkv.entrypoints.generate import kv_transfer_config_arg
+    from pagedkv.entrypoints.generate import kv_cache_dtype_kwargs, kv_transfer_config_arg
 
     return EngineConfig(model=args.model, dtype=args.dtype, block_size=args.block_size,
                         num_kv_blocks=args.num_kv_blocks, kv_cache_memory=args.kv_cache_memory,
@@ -106,7 +106,8 @@ def engine_config(args: argparse.Namespace) -> Any:
                         enable_prefix_caching=not args.no_prefix_caching,
                         enable_kv_cache_events=args.enable_kv_cache_events, seed=args.seed,
                         kv_offload=args.kv_offload, preemption_mode=args.preemption_mode,
-                        kv_transfer_config=kv_transfer_config_arg(args), kv_cache_layout=args.kv_cache_layout)
+                        kv_transfer_config=kv_transfer_config_arg(args), kv_cache_layout=args.kv_cache_layout,
+                        **kv_cache_dtype_kwargs(args))
 
 
 def bind_socket(host: str, port: int) -> socket.socket:

@@ -302,7 +302,7 @@ class NixlConnector(KVConnectorBase):
         self.local_meta = KVAgentMetadata(
             engine_id=self.engine_id, backend=self.backend.kind, agent_metadata=self.backend.get_agent_metadata(),
             model=self.model_identity, hash_seed=self.hash_seed, block_size=self.block_size,
-            kv_dtype=str(spec.dtype), kv_cache_layout=regions_layout_name(layout),
+            kv_dtype=getattr(spec, "kv_format", str(spec.dtype)), kv_cache_layout=regions_layout_name(layout),
             num_blocks=self.kv_cache_config.num_blocks, block_lens=tuple(r.block_len for r in regions))
         self._bytes_per_block = sum(r.block_len for r in regions)
         self._listener = SideChannelListener(self.host, self.port, self.local_meta.encode())

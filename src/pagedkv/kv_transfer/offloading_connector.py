@@ -179,7 +179,8 @@ class OffloadingConnector(KVConnectorBase):
         spec = kvc.kv_cache_groups[0].kv_cache_spec
         fingerprint = OffloadFingerprint.create(
             self.model_identity, kv_buffer.dtype, self.block_size, kvc.layout,
-            len(kvc.kv_cache_groups[0].layer_names), spec.num_kv_heads, spec.head_size)
+            len(kvc.kv_cache_groups[0].layer_names), spec.num_kv_heads, spec.head_size,
+            kv_quant=getattr(spec, "kv_format", "none"))  # quantized pages never meet other formats
         self.manager, self.worker = build_offloading(
             self.offload_config, fingerprint, kv_buffer, kvc.layout, cache_policy=self.cache_policy,
             store_threshold=self.store_threshold, extra_tiers=self._p2p_tier(fingerprint.hexdigest))

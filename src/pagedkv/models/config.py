@@ -35,6 +35,7 @@ from pagedkv.core.specs import (
     KVQuantMode,
     SlidingWindowSpec,
     resolve_kv_cache_dtype,
+    resolve_kv_rotation,
 )
 
 FULL_ATTENTION = "full_attention"
@@ -153,6 +154,7 @@ class ModelConfig:
         kv_cache_dtype: str = "auto",
         kv_quant_mode: KVQuantMode | str | None = None,
         torch_dtype: Any = None,
+        kv_rotation: str | None = None,
     ) -> dict[str, KVCacheSpec]:
         """One KV-cache spec per attention layer, keyed ``model.layers.{i}.self_attn``.
 
@@ -160,12 +162,14 @@ class ModelConfig:
         checkpoint's ``dtype``, else "bfloat16"), a dtype name ("float16", "bfloat16",
         "float32", "fp8", "int8", "int4"), or a per-token-head mode name such as
         "int8_per_token_head" (which also fixes the quant mode). ``torch_dtype`` may be a
-        ``torch.dtype`` or its name; torch is never imported here.
+        ``torch.dtype`` or its name; torch is never imported here. ``kv_rotation``: see
+        :func:`~pagedkv.core.specs.resolve_kv_rotation` ("int4" implies "hadamard").
         """
         model_dtype = torch_dtype if torch_dtype is not None else (self.dtype or "bfloat16")
         dtype, mode = resolve_kv_cache_dtype(kv_cache_dtype, model_dtype, kv_quant_mode)
         common = dict(block_size=block_size, num_kv_heads=self.num_kv_heads, head_size=self.head_dim,
-                      dtype=dtype, kv_quant_mode=mode)
+                      dtype=dtype, kv_quant_mode=mode,
+                      kv_rotation=resolve_kv_rotation(kv_cache_dtype, kv_rotation))
         full = FullAttentionSpec(**common)
         swa = SlidingWindowSpec(**common, sliding_window=self.sliding_window) if self.sliding_window else None
         return {

@@ -30,6 +30,7 @@ from pagedkv.models.layers import (
 )
 from pagedkv.ops.attention import paged_attention
 from pagedkv.ops.cache import reshape_and_cache
+from pagedkv.ops.kv_quant import KVQuant
 from pagedkv.ops.forward_context import save_kv_layer, wait_for_kv_layer_load
 from pagedkv.ops.metadata import AttentionMetadata
 
@@ -49,6 +50,7 @@ class LlamaAttention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim**-0.5
         self.sliding_window = sliding_window
+        self.kv_quant: KVQuant | None = None  # set by the runner for a quantized/rotated cache
         self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
         self.o_proj = Linear(self.q_size, config.hidden_size)
 
@@ -63,8 +65,9 @@ class LlamaAttention(nn.Module):
         v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
         key_cache, value_cache = kv_cache
         wait_for_kv_layer_load(self.layer_name)
-        reshape_and_cache(k, v, key_cache, value_cache, md.slot_mapping)
-        out = paged_attention(q, key_cache, value_cache, md, self.scale, sliding_window=self.sliding_window)
+        reshape_and_cache(k, v, key_cache, value_cache, md.slot_mapping, self.kv_quant)
+        out = paged_attention(q, key_cache, value_cache, md, self.scale, sliding_window=self.sliding_window,
+                              kv_quant=self.kv_quant)
         save_kv_layer(self.layer_name, kv_cache, md)
         return self.o_proj(out.reshape(t, self.q_size))
 

@@ -11,6 +11,7 @@ import hashlib
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,6 +42,9 @@ class LoadedModel:
     dtype: torch.dtype
     source: Path  # the .gguf file or HF directory the weights came from
     load_seconds: float
+    # fp8 KV scales the checkpoint carries (``model.layers.N.self_attn.k_scale`` / ``v_scale``
+    # / a shared ``kv_scale``): attention layer name → (k_scale, v_scale).
+    kv_scales: dict[str, tuple[float, float]] = dataclasses.field(default_factory=dict)
 
 
 def model_identity(path: str | Path) -> str:
@@ -105,13 +109,14 @@ def get_model(
     config = load_model_config(path)
     torch_dtype = resolve_dtype(dtype, config)
     tokenizer: Tokenizer | None
+    kv_scales: dict[str, dict[str, float]] = {}
     if path.suffix.lower() == ".gguf":
         gguf = read_gguf(path)
         tokenizer = Tokenizer.from_gguf_metadata(gguf.metadata)
         weights = iter_gguf_weights(gguf)
     elif is_hf_dir(path):
         tokenizer = Tokenizer.from_hf_dir(path) if (path / "tokenizer.json").exists() else None
-        weights = iter_safetensors_weights(path)
+        weights = _split_kv_scales(iter_safetensors_weights(path), kv_scales := {})
     else:
         raise FileNotFoundError(f"{path}: no *.safetensors weights")
     with _default_dtype(torch_dtype), torch.device(device):
@@ -124,4 +129,21 @@ def get_model(
         # Small-batch steps stream the file's 4/8-bit blocks instead of the dense weights.
         net.load_quantized(iter_gguf_quantized(gguf, native.SUPPORTED_QTYPES))
     net.eval()
-    return LoadedModel(net, config, tokenizer, torch_dtype, path, time.perf_counter() - start)
+    scales = {name: (d.get("k_scale", d.get("kv_scale", 1.0)), d.get("v_scale", d.get("kv_scale", 1.0)))
+              for name, d in kv_scales.items()}
+    return LoadedModel(net, config, tokenizer, torch_dtype, path, time.perf_counter() - start, scales)
+
+
+KV_SCALE_NAMES = ("k_scale", "v_scale", "kv_scale")
+
+
+def _split_kv_scales(weights: Iterator[tuple[str, torch.Tensor]],
+                     into: dict[str, dict[str, float]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Pass weights through, collecting fp8 KV-cache scales (``<layer>.k_scale`` etc., also
+    under ``<layer>.attn.`` as some exporters write them) into ``into[layer][name]``."""
+    for name, t in weights:
+        head, _, leaf = name.rpartition(".")
+        if leaf in KV_SCALE_NAMES and t.numel() == 1:
+            into.setdefault(head.removesuffix(".attn"), {})[leaf] = float(t)
+        else:
+            yield name, t

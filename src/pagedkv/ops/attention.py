@@ -38,6 +38,7 @@ import torch
 from pagedkv.ops import native
 from pagedkv.ops.dense_attention import attend
 from pagedkv.ops.kv_gather import PagedKV
+from pagedkv.ops.kv_quant import KVQuant
 from pagedkv.ops.merge_attn_states import merge_attn_states, merge_attn_states_multi
 from pagedkv.ops.metadata import AttentionMetadata, StepRows
 from pagedkv.ops.triton import available as triton_available
@@ -57,7 +58,7 @@ PREFILL_TILE_BYTES = 16 << 20
 def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                     attn_metadata: AttentionMetadata, scale: float,
                     sliding_window: int | None = None, logits_soft_cap: float | None = None,
-                    num_kv_splits: int | None = None) -> torch.Tensor:
+                    num_kv_splits: int | None = None, kv_quant: KVQuant | None = None) -> torch.Tensor:
     """Causal attention of a flat batch of queries over their paged K/V.
 
     ``query [T, Hq, D]``; ``key_cache [NB, BS, Hkv, D]``, ``value_cache [NB, BS, Hkv, Dv]``
@@ -65,29 +66,44 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     ``reshape_and_cache`` first). ``Hq = G·Hkv``: query head ``h`` uses KV head ``h // G``.
     K/V are read through ``attn_metadata.block_table``. ``num_kv_splits`` forces the number of
     KV segments per decode row (``None`` or 0: automatic; 1: never split).
-    Returns ``[T, Hq, Dv]`` in ``query.dtype``.
+    ``kv_quant``: the layer's quantized/rotated cache format (the caches are then ``uint8``
+    parts, dequantized as they are read; a rotation is applied to the query and undone on
+    the output). Returns ``[T, Hq, Dv]`` in ``query.dtype``.
     """
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
     if num_kv_splits is not None and num_kv_splits < 0:
         raise ValueError(f"num_kv_splits must be >= 0, got {num_kv_splits}")
-    num_tokens, num_heads, _ = query.shape
-    if num_heads % key_cache.shape[2]:
-        raise ValueError(f"{num_heads} query heads is not a multiple of "
+    if query.shape[1] % key_cache.shape[2]:
+        raise ValueError(f"{query.shape[1]} query heads is not a multiple of "
                          f"{key_cache.shape[2]} KV heads")
+    if kv_quant is not None and (kv_quant.fmt.quantized or kv_quant.rotation is not None):
+        # Rotated keys: q·k = (Rq)·(Rk); the output Σp·Rv is rotated back.
+        out = _attention(kv_quant.rotate(query), PagedKV.of(key_cache, value_cache, kv_quant),
+                         attn_metadata, scale, sliding_window, logits_soft_cap, num_kv_splits)
+        if kv_quant.v_bias is not None:
+            g = out.shape[1] // kv_quant.v_bias.shape[0]
+            out = out + kv_quant.v_bias.repeat_interleave(g, 0).to(out.dtype)
+        return kv_quant.unrotate(out).to(query.dtype)
     if query.device.type == "cuda" and triton_available():
         from pagedkv.ops.triton.unified_attention import paged_attention_triton
         return paged_attention_triton(query, key_cache, value_cache, attn_metadata, scale,
                                       sliding_window, logits_soft_cap, num_kv_splits)
-    md = attn_metadata
-    paged = PagedKV.of(key_cache, value_cache)
-    out = query.new_empty(num_tokens, num_heads, value_cache.shape[-1])
+    return _attention(query, PagedKV.of(key_cache, value_cache), attn_metadata, scale,
+                      sliding_window, logits_soft_cap, num_kv_splits)
+
+
+def _attention(query: torch.Tensor, paged: PagedKV, md: AttentionMetadata, scale: float,
+               sliding_window: int | None, soft_cap: float | None,
+               num_kv_splits: int | None) -> torch.Tensor:
+    """The CPU/torch path of :func:`paged_attention` over ``paged`` (maybe quantized)."""
+    num_tokens, num_heads, _ = query.shape
+    out = query.new_empty(num_tokens, num_heads, paged.head_size_v)
     rows = md.rows()
     if rows.decode:
-        _decode(query, out, paged, md, rows.decode, scale, sliding_window, logits_soft_cap,
-                num_kv_splits)
+        _decode(query, out, paged, md, rows.decode, scale, sliding_window, soft_cap, num_kv_splits)
     for i in rows.prefill:
-        _prefill(query, out, paged, md, i, scale, sliding_window, logits_soft_cap)
+        _prefill(query, out, paged, md, i, scale, sliding_window, soft_cap)
     return out
 
 

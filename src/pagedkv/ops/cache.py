@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from pagedkv.ops.kv_quant import KVQuant
 from pagedkv.ops.triton import available as triton_available
 
 
@@ -25,15 +26,21 @@ def compute_slot_mapping(block_table: torch.Tensor, req_indices: torch.Tensor,
 
 
 def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
-                      value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+                      value_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                      kv_quant: KVQuant | None = None) -> None:
     """Write the rows ``key[t]``/``value[t]`` to slot ``slot_mapping[t]`` of the caches.
 
     Shapes: ``key [T, Hkv, D]``, ``value [T, Hkv, Dv]``, ``key_cache [NB, BS, Hkv, D]``,
     ``value_cache [NB, BS, Hkv, Dv]`` (any strides: views of a flat buffer in any layout),
     ``slot_mapping [T]``. A negative slot is skipped (padding). Slots must be distinct among
     the non-negative ones. Values are cast to the cache dtype.
+
+    ``kv_quant`` (a quantized or rotated cache): rows are rotated and/or quantized first, and a
+    quantized cache's ``uint8`` parts (``[NB, BS, Hkv, k_bytes]``) receive the packed bytes.
     """
-    if key_cache.device.type == "cuda" and triton_available():
+    if kv_quant is not None:
+        key, value = kv_quant.quantize(key, value)
+    elif key_cache.device.type == "cuda" and triton_available():
         from pagedkv.ops.triton.reshape_and_cache import reshape_and_cache_triton
         reshape_and_cache_triton(key, value, key_cache, value_cache, slot_mapping)
         return
