@@ -8,6 +8,7 @@ import json
 import pytest
 
 from pagedkv.entrypoints.cli import main
+from pagedkv.engine.sampling_params import SamplingParams
 from pagedkv.entrypoints.plan import engine_summary_line
 
 SMOL_FP32_BYTES_PER_BLOCK = 16 * 2 * 30 * 3 * 64 * 4  # block 16, K+V, 30 layers, 3 KV heads, head 64, fp32
@@ -59,3 +60,28 @@ def test_engine_refuses_a_cache_too_small_for_one_max_model_len_request():
     assert "--max-model-len" in msg and "--num-kv-blocks" in msg
     llm = LLM(num_kv_blocks=40, max_model_len=624)
     assert llm.llm_engine.max_model_len == 624 and llm.llm_engine.kv_cache_config.num_blocks == 40
+
+
+@pytest.mark.parametrize("kv_cache_dtype,content", [
+    ("bfloat16", 256), ("fp8", 128), ("fp8_e5m2", 128), ("int8", 136), ("fp8_per_token_head", 136),
+    ("int4_per_token_head", 72), ("int4", 74)])
+def test_plan_and_engine_agree_for_every_kv_cache_dtype(capsys, kv_cache_dtype, content):
+    """Quantized pages: the planner, the engine's allocation and the byte format agree (per
+    token-head: K|scale|V|scale, reference digest §1.2: 256 / 136 / 72 B at head size 64; int4
+    groups: 32 + 4·2 + 32 + 2)."""
+    from pagedkv import LLM
+
+    memory = 64 << 20
+    assert main(["plan", "--memory", str(memory), "--dtype", "float32", "--kv-cache-dtype", kv_cache_dtype,
+                 "--context", "1024", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)["selected"]
+    assert plan["bytes_per_block"] == 16 * 30 * 3 * content
+    llm = LLM(kv_cache_memory=memory, dtype="float32", max_model_len=1024, kv_cache_dtype=kv_cache_dtype)
+    engine = llm.llm_engine
+    cfg = engine.kv_cache_config
+    assert (cfg.num_blocks, cfg.bytes_per_block) == (plan["num_blocks"], plan["bytes_per_block"])
+    buf = engine.kv_buffer
+    assert buf.numel() * buf.element_size() == cfg.num_blocks * cfg.bytes_per_block
+    assert engine.num_usable_kv_tokens == plan["max_tokens"]
+    out = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4

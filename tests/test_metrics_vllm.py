@@ -159,6 +159,7 @@ def test_vllm_prefix_exports_vllm_names_labels_and_request_phases(server, http):
     assert labels["block_size"] == "16" and labels["num_gpu_blocks"] == str(NUM_BLOCKS)
     assert labels["cache_dtype"] == "float32" and labels["enable_prefix_caching"] == "True"
     assert labels["prefix_caching_hash_algo"] == "sha256_cbor" and labels["engine"] == "0"
+    assert labels["kv_format"] == "float32:none"
 
 
 def test_percentile_interpolates():

@@ -97,7 +97,7 @@ def test_kv_cache_specs_default_model(smol: ModelConfig) -> None:
     assert f32.dtype == "float32" and f32.page_size_bytes == 2 * s.page_size_bytes
     q = smol.kv_cache_specs(16, "int4")["model.layers.0.self_attn"]
     assert q.kv_quant_mode is KVQuantMode.INT4_PER_TOKEN_GROUP and q.kv_rotation == "hadamard"
-    assert q.page_size_bytes == 16 * 3 * (64 + 8)
+    assert q.page_size_bytes == 16 * 3 * (64 + 10)
     assert smol.kv_bytes_per_token("float16") == 30 * 2 * 3 * 64 * 2
 
 

@@ -73,10 +73,10 @@ def test_int4_packs_two_values_per_byte_rounding_up(hs: int, hs_v: int, content:
     assert spec.page_size_bytes == 8 * 2 * content
 
 
-@pytest.mark.parametrize("hs,content", [(64, 2 * (32 + 2 * 2)), (128, 2 * (64 + 4 * 2)),
-                                        (80, 2 * (40 + 5 * 2)), (24, 2 * (12 + 2))])
+@pytest.mark.parametrize("hs,content", [(64, 32 + 4 * 2 + 32 + 2), (128, 64 + 8 * 2 + 64 + 2),
+                                        (80, 40 + 5 * 2 + 40 + 2), (24, 12 + 2 + 12 + 2)])
 def test_int4_per_token_group_one_fp16_scale_per_group(hs: int, content: int) -> None:
-    """Groups of 32 (16 when 32 does not divide, else the whole head), one fp16 each."""
+    """K in groups of 16 (else the whole head), V in one group; one fp16 scale each."""
     spec = AttentionSpec(block_size=16, num_kv_heads=3, head_size=hs, dtype="int4",
                          kv_quant_mode=KVQuantMode.INT4_PER_TOKEN_GROUP)
     assert spec.content_bytes == content
@@ -136,8 +136,8 @@ def test_page_formula_property(bs: int, h: int, hs: int, mode: KVQuantMode) -> N
     if "per_token_head" in mode.value:
         content = 2 * (-(-(hs * bits) // 8) + 4)
     elif mode is KVQuantMode.INT4_PER_TOKEN_GROUP:
-        g = 32 if hs % 32 == 0 else 16 if hs % 16 == 0 else hs
-        content = 2 * (-(-hs // 2) + 2 * (hs // g))
+        g = 16 if hs % 16 == 0 else hs
+        content = 2 * -(-hs // 2) + 2 * (hs // g) + 2
     else:
         content = -(-(2 * hs * bits) // 8)
     assert spec.page_size_bytes == bs * h * content

@@ -43,12 +43,18 @@ TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 5e-3}
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _unset_interpret_after_module():
-    """Do not leak ``TRITON_INTERPRET`` into later test modules and their subprocesses (this
-    module's kernels were decorated at import and stay interpreted)."""
+def _interpret_during_module():
+    """Keep ``TRITON_INTERPRET`` set while this module's kernels run (triton reads it again at
+    every launch, and an earlier module may have unset it), and do not leak it into later
+    modules and their subprocesses."""
+    before = os.environ.get("TRITON_INTERPRET")
+    if INTERPRET:
+        os.environ["TRITON_INTERPRET"] = "1"
     yield
-    if _WE_SET_INTERPRET:
+    if _WE_SET_INTERPRET or before is None:
         os.environ.pop("TRITON_INTERPRET", None)
+    else:
+        os.environ["TRITON_INTERPRET"] = before
 
 
 def on_device(batch: PagedBatch, layout: str | None) -> PagedBatch:

@@ -129,14 +129,14 @@ class ModelRunner:
     def observe_kv_amax(self, prompts: list[list[int]]) -> dict[str, tuple[float, float]]:
         """Run ``prompts`` through the model over a temporary float32 cache (no quantization,
         the real rotation) and return each layer's ``(max |K|, max |V|)`` as written."""
-        amax: dict[str, list[Any]] = {}
+        amax: dict[str, list[float]] = {}
         saved = dict(self.kv_quants)
         mc = self.model_config
         try:
             for name, q in saved.items():
                 fmt = dataclasses.replace(q.fmt, mode=KVQuantMode.NONE)
                 probe = KVQuant(fmt, rotation=q.rotation)
-                probe.observe = functools.partial(_record_amax, amax.setdefault(name, [0.0, 0.0, 0.0, 0.0, 0]))
+                probe.observe = functools.partial(_record_amax, amax.setdefault(name, [0.0, 0.0]))
                 self._layer(name).kv_quant = probe
             for ids in prompts:
                 n = len(ids)
@@ -152,7 +152,6 @@ class ModelRunner:
         finally:
             for name, q in saved.items():
                 self._layer(name).kv_quant = q
-        self.kv_stats = {name: (a[2] / a[4], a[3] / a[4]) for name, a in amax.items()}
         return {name: (a[0], a[1]) for name, a in amax.items()}
 
     def _layer(self, name: str) -> Any:
@@ -272,13 +271,10 @@ def _torch_dtype(spec: Any, default: torch.dtype) -> torch.dtype:
     return getattr(torch, name) if name in ("float32", "bfloat16", "float16") else default
 
 
-def _record_amax(acc: list[Any], key: torch.Tensor, value: torch.Tensor) -> None:
-    """Accumulate ``[max|K|, max|V|, ΣK [H, D], ΣV [H, Dv], rows]`` over written rows."""
+def _record_amax(acc: list[float], key: torch.Tensor, value: torch.Tensor) -> None:
+    """Accumulate ``[max|K|, max|V|]`` over written rows."""
     acc[0] = max(acc[0], float(key.abs().amax()))
     acc[1] = max(acc[1], float(value.abs().amax()))
-    acc[2] = acc[2] + key.double().sum(0)
-    acc[3] = acc[3] + value.double().sum(0)
-    acc[4] += key.shape[0]
 
 
 def layer_placement(model_config: Any, groups: list[Any]) -> tuple[list[int], list[int]]:

@@ -318,11 +318,18 @@ class ServerMetrics:
         return generate_latest(self.registry)
 
 
+def _kv_format(engine: Any) -> str:
+    groups = getattr(getattr(engine, "kv_cache_config", None), "kv_cache_groups", None)
+    return str(getattr(groups[0].kv_cache_spec, "kv_format", "")) if groups else ""
+
+
 def cache_config_labels(engine: Any) -> dict[str, str]:
     """The labels of ``cache_config_info`` (vLLM's CacheConfig fields that pagedkv has)."""
     config = engine.config
     kv_buffer = getattr(engine, "kv_buffer", None)
     cache_dtype = str(kv_buffer.dtype).removeprefix("torch.") if kv_buffer is not None else str(config.dtype)
+    if getattr(config, "kv_cache_dtype", "auto") != "auto":
+        cache_dtype = str(config.kv_cache_dtype)  # vLLM reports the --kv-cache-dtype given
     num_blocks = getattr(getattr(engine, "kv_cache_config", None), "num_blocks", config.num_kv_blocks)
     return {
         "block_size": str(config.block_size),
@@ -332,6 +339,8 @@ def cache_config_labels(engine: Any) -> dict[str, str]:
         "num_gpu_blocks": str(num_blocks),
         "gpu_memory_utilization": str(config.gpu_memory_utilization),
         "kv_cache_layout": str(config.kv_cache_layout),
+        # what one page's bytes mean: storage dtype, quant mode, rotation (e.g. int8:int8_per_token_head)
+        "kv_format": _kv_format(engine),
         "kv_offload": str(config.kv_offload),
         # vLLM's KVTransferConfig.kv_connector ("None" without a connector; --kv-offload and
         # --kv-transfer-config both name it, only the first sets kv_offload).

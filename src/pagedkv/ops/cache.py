@@ -38,9 +38,15 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.T
     ``kv_quant`` (a quantized or rotated cache): rows are rotated and/or quantized first, and a
     quantized cache's ``uint8`` parts (``[NB, BS, Hkv, k_bytes]``) receive the packed bytes.
     """
+    on_gpu = key_cache.device.type == "cuda" and triton_available()
+    if kv_quant is not None and kv_quant.fmt.quantized and on_gpu:
+        from pagedkv.ops.triton.reshape_and_cache import reshape_and_cache_triton
+        key, value = kv_quant.prepare(key, value)  # the kernel quantizes, in the codec's bytes
+        reshape_and_cache_triton(key, value, key_cache, value_cache, slot_mapping, kv_quant)
+        return
     if kv_quant is not None:
         key, value = kv_quant.quantize(key, value)
-    elif key_cache.device.type == "cuda" and triton_available():
+    elif on_gpu:
         from pagedkv.ops.triton.reshape_and_cache import reshape_and_cache_triton
         reshape_and_cache_triton(key, value, key_cache, value_cache, slot_mapping)
         return

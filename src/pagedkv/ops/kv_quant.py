@@ -12,8 +12,9 @@ A quantized cache is a ``uint8`` buffer; each (token, KV head) ``C`` run is a K 
   ``2i`` in the low nibble, ``2i + 1`` in the high), then one fp32 scale whose low 4 mantissa
   bits hold the zero point ``z``: ``x ≈ (q - z) · s``.
 * ``int4_per_token_group``: the same codes, one fp16 scale (zero point in its low 4 mantissa
-  bits) per group of ``int4_group_size(d)`` values (32 at head size 64): four times finer than
-  per token-head at head size 64 for the same 8 bytes.
+  bits) per group of ``int4_group_size(d, part)`` values: K in groups of 16, V in one group
+  (at head size 64: 4 + 1 scales, 10 bytes, 74 per token-head). A part's group count follows
+  from its byte size: ``(part_bytes - ceil(d / 2)) / 2`` scales.
 
 INT4 ranges always include 0 (``min ≤ 0 ≤ max``), so the integer zero point is exact and a
 group of equal positive values is still representable. Scales are rounded *up* to their stored
@@ -67,14 +68,35 @@ class KVQuantFormat:
     def quantized(self) -> bool:
         return self.mode is not KVQuantMode.NONE
 
-    def group_size(self, d: int) -> int:
-        return int4_group_size(d) if self.mode is KVQuantMode.INT4_PER_TOKEN_GROUP else d
+    def group_size(self, d: int, part: str = "k") -> int:
+        """INT4 values per scale in part ``"k"`` or ``"v"`` of ``d`` values."""
+        return int4_group_size(d, part) if self.mode is KVQuantMode.INT4_PER_TOKEN_GROUP else d
+
+    @property
+    def k_group(self) -> int:
+        return self.group_size(self.head_size, "k")
+
+    @property
+    def v_group(self) -> int:
+        return self.group_size(self.head_size_v, "v")
+
+
+def _int4_group(fmt: KVQuantFormat, d: int, part_bytes: int) -> int:
+    """Values per scale of an INT4 part, from its byte size (K and V differ in group mode)."""
+    if fmt.mode is not KVQuantMode.INT4_PER_TOKEN_GROUP:
+        return d
+    groups = (part_bytes - (d + 1) // 2) // 2
+    if groups < 1 or d % groups:
+        raise ValueError(f"{part_bytes} bytes is not an int4_per_token_group part of {d} values")
+    return d // groups
 
 
 @dataclass(slots=True)
 class KVQuant:
     """One attention layer's quantization state: its format, the per-tensor fp8 scales
     (``k_scale``/``v_scale``: 1.0 unless loaded or calibrated) and the rotation matrix.
+    (Subtracting a calibrated per-channel K mean, exact under softmax, was measured too: it
+    lowered INT4's KL but not its top-1 disagreement, so it is not shipped.)
 
     ``observe`` (when set) is called with every ``(key, value)`` the layer writes, rotated but
     not yet quantized: the calibration pass records amax through it.
@@ -85,8 +107,6 @@ class KVQuant:
     v_scale: float = 1.0
     rotation: torch.Tensor | None = None  # [D, D] float32, orthonormal: x_rot = x @ R.T
     observe: object = field(default=None)
-    k_bias: torch.Tensor | None = None  # [H, D] float32 subtracted before quantization
-    v_bias: torch.Tensor | None = None
 
     @classmethod
     def for_spec(cls, spec: AttentionSpec, device: torch.device | str = "cpu") -> KVQuant:
@@ -110,18 +130,22 @@ class KVQuant:
 
     # ---- write / read ---------------------------------------------------------------------------
 
-    def quantize(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``key [T, H, D]``, ``value [T, H, Dv]`` → their parts ``uint8 [T, H, k_bytes]`` and
-        ``[T, H, v_bytes]`` (rotated first when the format says so). An unquantized format
-        with a rotation returns the rotated float32 rows."""
+    def prepare(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows as the codec sees them: rotated, and shown to ``observe``. Every writer (the
+        torch codec here, the Triton kernel) starts from this."""
         key, value = self.rotate(key), self.rotate(value)
         if self.observe is not None:
             self.observe(key, value)  # type: ignore[operator]
+        return key, value
+
+    def quantize(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``key [T, H, D]``, ``value [T, H, Dv]`` → their parts ``uint8 [T, H, k_bytes]`` and
+        ``[T, H, v_bytes]`` (after :meth:`prepare`). An unquantized format with a rotation
+        returns the rotated float32 rows."""
+        key, value = self.prepare(key, value)
         f = self.fmt
         if not f.quantized:
             return key, value
-        if self.k_bias is not None:
-            key, value = key - self.k_bias, value - self.v_bias
         return (quantize_part(key, f, self.k_scale, f.k_bytes), quantize_part(value, f, self.v_scale, f.v_bytes))
 
     def dequantize(self, k_raw: torch.Tensor, v_raw: torch.Tensor,
@@ -171,7 +195,7 @@ def quantize_part(x: torch.Tensor, fmt: KVQuantFormat, tensor_scale: float, part
         out[..., d:d + 4] = _bytes_of(s)
         return out
     # INT4, asymmetric over groups of g values (g = d: per token-head).
-    g = fmt.group_size(d)
+    g = _int4_group(fmt, d, part_bytes)
     xg = xf.reshape(*x.shape[:-1], d // g, g)
     lo = xg.amin(-1, keepdim=True).clamp_(max=0.0)
     hi = xg.amax(-1, keepdim=True).clamp_(min=0.0)
@@ -219,7 +243,7 @@ def dequantize_part(raw: torch.Tensor, fmt: KVQuantFormat, d: int, tensor_scale:
         vals = raw[..., :d].contiguous().view(torch.int8 if mode is KVQuantMode.INT8_PER_TOKEN_HEAD
                                               else torch.float8_e4m3fn)
         return (vals.float() * _scale_from(raw[..., d:d + 4], torch.float32)).to(dtype)
-    g = fmt.group_size(d)
+    g = _int4_group(fmt, d, raw.shape[-1])
     nv = (d + 1) // 2
     packed = raw[..., :nv]
     q = torch.stack([packed & 15, packed >> 4], dim=-1).reshape(*raw.shape[:-1], 2 * nv)[..., :d]

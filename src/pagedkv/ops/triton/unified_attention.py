@@ -17,6 +17,10 @@ Work split (vLLM §10.2):
   log-sum-exp. Chosen automatically for short-query batches whose 2D grid would leave the GPU
   idle (few long decodes), or forced by ``num_kv_splits``.
 
+Quantized caches (``kv_quant``, :func:`_unified_attention_kvq`): tiles are read as bytes and
+dequantized in registers (``ops/triton/kv_quant.py``); per-token scales multiply the scores
+(K) and the probabilities (V), so the dot operands stay exact integer/fp8 codes.
+
 Semantics match ``pagedkv.ops.attention.paged_attention``: a query at position ``p`` sees keys
 ``k <= p`` and, with window ``w``, ``p - k < w``; logits ``scale·q·k`` are soft-capped before
 masking.
@@ -28,7 +32,10 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedkv.ops.kv_quant import KVQuant
 from pagedkv.ops.metadata import AttentionMetadata
+from pagedkv.ops.triton.kv_quant import (KV_NONE, check_quantized_caches, dequant_tile,
+                                         kvq_constexprs, mode_code)
 from pagedkv.ops.triton.utils import apply_softcap, dot_dtype, find_seq_idx, pow2
 
 # Queries per sequence up to which split-KV may be used (vLLM's MAX_3D_QUERY_LEN).
@@ -53,6 +60,61 @@ def _unified_attention(
     BLOCK_M: tl.constexpr, SLIDING_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr,
     NUM_SEGMENTS: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
+    """Float caches (the cache dtype is read as is)."""
+    _attend(out_ptr, q_ptr, k_ptr, v_ptr, block_table_ptr, seq_lens_ptr, query_start_loc_ptr,
+            segm_out_ptr, segm_max_ptr, segm_expsum_ptr, scale, softcap, num_seqs,
+            stride_q_t, stride_q_h, stride_o_t, stride_o_h,
+            stride_k_b, stride_k_n, stride_k_h, stride_v_b, stride_v_n, stride_v_h, stride_bt,
+            1.0, 1.0, NUM_Q_HEADS, GROUP, HEAD_SIZE, HEAD_SIZE_V, HEAD_PAD, HEAD_PAD_V,
+            BLOCK_SIZE, TILE_SIZE, BLOCK_Q, BLOCK_M, SLIDING_WINDOW, USE_SOFTCAP, NUM_SEGMENTS,
+            DOT_DTYPE, DOT_PREC, KV_NONE, 1, 1, False)
+
+
+@triton.jit
+def _unified_attention_kvq(
+    out_ptr, q_ptr, k_ptr, v_ptr, block_table_ptr, seq_lens_ptr, query_start_loc_ptr,
+    segm_out_ptr, segm_max_ptr, segm_expsum_ptr,
+    scale, softcap, num_seqs,
+    stride_q_t, stride_q_h, stride_o_t, stride_o_h,
+    stride_k_b, stride_k_n, stride_k_h, stride_v_b, stride_v_n, stride_v_h, stride_bt,
+    k_scale, v_scale,
+    NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr,
+    HEAD_SIZE: tl.constexpr, HEAD_SIZE_V: tl.constexpr,
+    HEAD_PAD: tl.constexpr, HEAD_PAD_V: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, TILE_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr,
+    BLOCK_M: tl.constexpr, SLIDING_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr,
+    NUM_SEGMENTS: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr,
+    KV_MODE: tl.constexpr, K_GROUP: tl.constexpr, V_GROUP: tl.constexpr, E5M2: tl.constexpr,
+):
+    """Quantized caches: ``uint8`` parts (strides in bytes) in format ``KV_MODE``
+    (``ops/triton/kv_quant.py``); ``k_scale``/``v_scale`` the per-tensor fp8 scales."""
+    _attend(out_ptr, q_ptr, k_ptr, v_ptr, block_table_ptr, seq_lens_ptr, query_start_loc_ptr,
+            segm_out_ptr, segm_max_ptr, segm_expsum_ptr, scale, softcap, num_seqs,
+            stride_q_t, stride_q_h, stride_o_t, stride_o_h,
+            stride_k_b, stride_k_n, stride_k_h, stride_v_b, stride_v_n, stride_v_h, stride_bt,
+            k_scale, v_scale, NUM_Q_HEADS, GROUP, HEAD_SIZE, HEAD_SIZE_V, HEAD_PAD, HEAD_PAD_V,
+            BLOCK_SIZE, TILE_SIZE, BLOCK_Q, BLOCK_M, SLIDING_WINDOW, USE_SOFTCAP, NUM_SEGMENTS,
+            DOT_DTYPE, DOT_PREC, KV_MODE, K_GROUP, V_GROUP, E5M2)
+
+
+@triton.jit
+def _attend(
+    out_ptr, q_ptr, k_ptr, v_ptr, block_table_ptr, seq_lens_ptr, query_start_loc_ptr,
+    segm_out_ptr, segm_max_ptr, segm_expsum_ptr,
+    scale, softcap, num_seqs,
+    stride_q_t, stride_q_h, stride_o_t, stride_o_h,
+    stride_k_b, stride_k_n, stride_k_h, stride_v_b, stride_v_n, stride_v_h, stride_bt,
+    k_scale, v_scale,
+    NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr,
+    HEAD_SIZE: tl.constexpr, HEAD_SIZE_V: tl.constexpr,
+    HEAD_PAD: tl.constexpr, HEAD_PAD_V: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, TILE_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr,
+    BLOCK_M: tl.constexpr, SLIDING_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr,
+    NUM_SEGMENTS: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr,
+    KV_MODE: tl.constexpr, K_GROUP: tl.constexpr, V_GROUP: tl.constexpr, E5M2: tl.constexpr,
+):
+    """One program of :func:`_unified_attention` / :func:`_unified_attention_kvq` (the two
+    kernels keep the float kernel's signature apart from the quantized one's)."""
     q_block_global = tl.program_id(0)
     kv_head = tl.program_id(1)
     segm = tl.program_id(2)
@@ -107,11 +169,20 @@ def _unified_attention(
         in_blk = offs_n % BLOCK_SIZE
         k_off = blk * stride_k_b + in_blk * stride_k_n + kv_head * stride_k_h
         v_off = blk * stride_v_b + in_blk * stride_v_n + kv_head * stride_v_h
-        K = tl.load(k_ptr + k_off[None, :] + offs_d[:, None],
-                    mask=d_mask[:, None] & n_mask[None, :], other=0.0)
-        V = tl.load(v_ptr + v_off[:, None] + offs_dv[None, :],
-                    mask=n_mask[:, None] & dv_mask[None, :], other=0.0)
-        S = tl.dot(q, K.to(DOT_DTYPE), input_precision=DOT_PREC) * scale
+        if KV_MODE == KV_NONE:
+            K = tl.load(k_ptr + k_off[None, :] + offs_d[:, None],
+                        mask=d_mask[:, None] & n_mask[None, :], other=0.0)
+            V = tl.load(v_ptr + v_off[:, None] + offs_dv[None, :],
+                        mask=n_mask[:, None] & dv_mask[None, :], other=0.0)
+            S = tl.dot(q, K.to(DOT_DTYPE), input_precision=DOT_PREC) * scale
+        else:
+            # Tiles stay codes where the scale is per token (exact in DOT_DTYPE): the K scale
+            # multiplies the scores, the V scale the probabilities (vLLM's Triton backend).
+            K, k_tok = dequant_tile(k_ptr, k_off, n_mask, offs_d, d_mask, k_scale, 1, KV_MODE,
+                                    HEAD_SIZE, K_GROUP, E5M2)
+            V, v_tok = dequant_tile(v_ptr, v_off, n_mask, offs_dv, dv_mask, v_scale, 0,
+                                    KV_MODE, HEAD_SIZE_V, V_GROUP, E5M2)
+            S = tl.dot(q, K.to(DOT_DTYPE), input_precision=DOT_PREC) * (scale * k_tok)
         if USE_SOFTCAP:
             S = apply_softcap(S, softcap)
         visible = row_mask[:, None] & (offs_n[None, :] <= abs_pos[:, None])
@@ -124,6 +195,8 @@ def _unified_attention(
         P = tl.exp(S - shift[:, None])
         alpha = tl.exp(M - shift)
         L = L * alpha + tl.sum(P, 1)
+        if KV_MODE != KV_NONE:
+            P = P * v_tok  # after L: the V scale weighs values, not probabilities
         acc = acc * alpha[:, None] + tl.dot(P.to(DOT_DTYPE), V.to(DOT_DTYPE),
                                           input_precision=DOT_PREC)
         M = m_new
@@ -209,16 +282,28 @@ def unified_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache:
                       block_table: torch.Tensor, max_query_len: int, max_seq_len: int,
                       scale: float, sliding_window: int | None = None,
                       soft_cap: float | None = None, num_kv_splits: int | None = None,
-                      out: torch.Tensor | None = None) -> torch.Tensor:
+                      out: torch.Tensor | None = None,
+                      kv_quant: KVQuant | None = None) -> torch.Tensor:
     """Causal paged attention of ``query [T, Hq, D]`` over ``key_cache [NB, BS, Hkv, D]`` /
     ``value_cache [NB, BS, Hkv, Dv]`` (any strides with a unit last stride; the caches already
     hold this step's K/V). ``query_start_loc [S+1]`` (cu_seqlens_q), ``seq_lens [S]`` (context
     + new) and ``block_table [S, max_blocks]`` are vLLM's. ``num_kv_splits``: ``None``/0 auto,
     1 never split, ``n`` split into ``n`` segments (rounded up to a power of two).
     Returns (or fills) ``out [T, Hq, Dv]`` in ``query.dtype``.
+
+    ``kv_quant`` with a quantized format: the caches are its ``uint8`` parts
+    ``[NB, BS, Hkv, k_bytes|v_bytes]``, dequantized in registers as tiles are read. The
+    kernel attends over the stored (rotated) values as they are: the caller
+    rotates the query, and un-rotates the output (``KVQuant``).
     """
     num_tokens, num_heads, head_size = query.shape
     _, block_size, num_kv_heads, head_size_v = value_cache.shape
+    kv_mode = mode_code(kv_quant)
+    if kv_mode:
+        check_quantized_caches(kv_quant, key_cache, value_cache)
+        if head_size != kv_quant.fmt.head_size:
+            raise ValueError(f"query head size {head_size} != cache's {kv_quant.fmt.head_size}")
+        head_size_v = kv_quant.fmt.head_size_v
     if num_heads % num_kv_heads:
         raise ValueError(f"{num_heads} query heads is not a multiple of {num_kv_heads} KV heads")
     if sliding_window is not None and sliding_window < 1:
@@ -249,20 +334,25 @@ def unified_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache:
     else:
         segm_out = segm_max = segm_expsum = out  # unused: NUM_SEGMENTS == 1 never touches them
     grid = (num_tokens // block_q + num_seqs, num_kv_heads, segments)
-    _unified_attention[grid](
+    kernel, quant_args, quant_consts = _unified_attention, (), {}
+    if kv_mode:
+        kernel, quant_args = _unified_attention_kvq, (kv_quant.k_scale, kv_quant.v_scale)
+        quant_consts = kvq_constexprs(kv_quant)
+    kernel[grid](
         out, query, key_cache, value_cache, block_table, seq_lens, query_start_loc,
         segm_out, segm_max, segm_expsum,
         scale, soft_cap or 1.0, num_seqs,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), block_table.stride(0),
+        *quant_args,
         NUM_Q_HEADS=num_heads, GROUP=group, HEAD_SIZE=head_size, HEAD_SIZE_V=head_size_v,
         HEAD_PAD=head_pad, HEAD_PAD_V=head_pad_v, BLOCK_SIZE=block_size, TILE_SIZE=tile,
         BLOCK_Q=block_q, BLOCK_M=block_m, SLIDING_WINDOW=sliding_window or 0,
         USE_SOFTCAP=soft_cap is not None, NUM_SEGMENTS=segments,
         DOT_DTYPE=dot_dtype(query.dtype),
         # fp32 caches: exact fp32 products (tf32 would miss the engine's exactness bar).
-        DOT_PREC="ieee" if query.dtype == torch.float32 else "tf32",
+        DOT_PREC="ieee" if query.dtype == torch.float32 else "tf32", **quant_consts,
     )
     if segments > 1:
         _reduce_segments[(num_tokens, num_heads)](
@@ -278,9 +368,11 @@ def paged_attention_triton(query: torch.Tensor, key_cache: torch.Tensor,
                            value_cache: torch.Tensor, attn_metadata: AttentionMetadata,
                            scale: float, sliding_window: int | None = None,
                            logits_soft_cap: float | None = None,
-                           num_kv_splits: int | None = None) -> torch.Tensor:
-    """``pagedkv.ops.attention.paged_attention``'s contract on the Triton kernel."""
+                           num_kv_splits: int | None = None,
+                           kv_quant: KVQuant | None = None) -> torch.Tensor:
+    """``pagedkv.ops.attention.paged_attention``'s contract on the Triton kernel, except that
+    a ``kv_quant`` rotation is the caller's (see :func:`unified_attention`)."""
     md = attn_metadata
     return unified_attention(query, key_cache, value_cache, md.query_start_loc, md.seq_lens,
                              md.block_table, md.max_query_len, md.max_seq_len, scale,
-                             sliding_window, logits_soft_cap, num_kv_splits)
+                             sliding_window, logits_soft_cap, num_kv_splits, kv_quant=kv_quant)

@@ -1,0 +1,106 @@
+"""Quantized KV caches in the engine (issue 14): a stateful run with chunked prefill, preemption
+and prefix hits gives the same greedy tokens as one request at a time on a roomy cache; offload
+tiers move the raw quantized pages and give them back exactly; a tier or peer of another KV
+format is a miss or a refusal, never a wrong read; fp8 scales are calibrated, saved and loaded."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pagedkv import LLM, SamplingParams
+from pagedkv.kv_transfer.side_channel import HandshakeError, KVAgentMetadata, check_compatible
+
+PARAMS = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+SYSTEM = [(31 * j) % 30000 + 200 for j in range(70)]  # a shared 70-token prefix
+PROMPTS = [SYSTEM + [(97 * i + 13 * j) % 40000 + 100 for j in range(20 + 9 * i)] for i in range(6)]
+
+
+def run(llm: LLM, prompts=PROMPTS) -> list[list[int]]:
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], PARAMS, use_tqdm=False)
+    engine = llm.llm_engine
+    engine.check_invariants()
+    assert engine.kv_cache_manager.num_free_blocks == engine.kv_cache_config.num_blocks - 1
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "int4", "fp8_per_token_head"])
+def test_preemption_chunking_and_prefix_hits_on_a_quantized_cache(kv_cache_dtype):
+    serial = LLM(kv_cache_dtype=kv_cache_dtype, num_kv_blocks=40, max_model_len=256, max_num_seqs=1,
+                 enable_prefix_caching=False)
+    want = [run(serial, [p])[0] for p in PROMPTS]
+    # 13 usable blocks: one request (≤ 9 blocks) fits, the batch of 6 does not → preemption;
+    # a 32-token budget chunks every prefill; the shared prefix hits the cache.
+    busy = LLM(kv_cache_dtype=kv_cache_dtype, num_kv_blocks=14, max_model_len=144, max_num_seqs=6,
+               max_num_batched_tokens=32)
+    assert run(busy) == want
+    stats = busy.stats()
+    assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0
+    assert run(busy) == want  # whole prompts from the cache this time
+
+
+@pytest.mark.slow
+def test_cpu_and_disk_tiers_round_trip_quantized_pages(tmp_path):
+    """int4 pages evicted to CPU and disk come back byte-exact: outputs equal the tierless run,
+    and a restarted engine reads them from disk."""
+    engine = dict(kv_cache_dtype="int4", num_kv_blocks=14, max_model_len=144, max_num_seqs=2)
+    want = run(LLM(**engine))
+    spec = f"cpu:16MiB,disk:{tmp_path}:64MiB"
+    first = LLM(**engine, kv_offload=spec)
+    assert run(first) == want
+    assert run(first) == want
+    assert first.stats()["offload"]["loaded_tokens"] > 0
+    first.llm_engine.connector.manager.drain(20.0)
+    first.llm_engine.shutdown()
+    meta = [json.loads(p.read_text()) for p in tmp_path.rglob("config.json")]
+    assert meta and all(m["kv_quant"] == "int4:int4_per_token_group:hadamard" for m in meta)
+    second = LLM(**engine, kv_offload=spec)
+    assert run(second) == want
+    assert second.stats()["offload"]["disk"]["hits"] > 0
+    second.llm_engine.shutdown()
+    # The same directory under another KV format: a different namespace, so only misses.
+    other = LLM(**{**engine, "kv_cache_dtype": "int8"}, kv_offload=spec)
+    run(other)
+    assert other.stats()["offload"]["disk"]["hits"] == 0
+    other.llm_engine.shutdown()
+
+
+def test_transfer_peers_of_another_kv_format_are_refused():
+    base = dict(engine_id="a", backend="tcp", agent_metadata=b"", model="m", hash_seed="s", block_size=16,
+                kv_cache_layout="LBNHC", num_blocks=10, block_lens=(100,))
+    mine = KVAgentMetadata(kv_dtype="int4:int4_per_token_group:hadamard", **base)
+    theirs = KVAgentMetadata(kv_dtype="int4:int4_per_token_group", **{**base, "engine_id": "b"})
+    with pytest.raises(HandshakeError, match="kv_dtype differs"):
+        check_compatible(mine, theirs)
+    check_compatible(mine, KVAgentMetadata(kv_dtype=mine.kv_dtype, **{**base, "engine_id": "c"}))
+
+
+def test_fp8_scales_are_calibrated_saved_and_loaded(tmp_path):
+    path = tmp_path / "scales.json"
+    prompts = ["The history of the Roman empire spans", "def fibonacci(n):\n    return"]
+    llm = LLM(kv_cache_dtype="fp8", num_kv_blocks=20, max_model_len=128, kv_scales_path=str(path),
+              kv_scales_calibration=prompts)
+    engine = llm.llm_engine
+    assert engine.kv_scales_source.startswith("calibration")
+    saved = json.loads(path.read_text())
+    assert saved["kv_format"] == "fp8:fp8_per_tensor" and len(saved["layers"]) == 30
+    k0 = saved["layers"]["model.layers.0.self_attn"]["k_scale"]
+    assert 0 < k0 < 1 and k0 != 1.0
+    layer0 = engine.runner.kv_quants["model.layers.0.self_attn"]
+    assert (layer0.k_scale, layer0.v_scale) == (k0, saved["layers"]["model.layers.0.self_attn"]["v_scale"])
+    calibrated = run(llm, PROMPTS[:2])
+    again = LLM(kv_cache_dtype="fp8", num_kv_blocks=20, max_model_len=128, kv_scales_path=str(path))
+    assert again.llm_engine.kv_scales_source == f"file {path}"
+    assert run(again, PROMPTS[:2]) == calibrated
+    path.write_text("{not json")
+    with pytest.raises(ValueError, match="cannot read KV scales"):
+        LLM(kv_cache_dtype="fp8", num_kv_blocks=20, max_model_len=128, kv_scales_path=str(path))
+
+
+def test_bad_kv_cache_dtype_and_rotation_are_clear_errors():
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        LLM(kv_cache_dtype="int3")
+    with pytest.raises(ValueError, match="kv_rotation"):
+        LLM(kv_cache_dtype="int4", kv_rotation="fourier")
