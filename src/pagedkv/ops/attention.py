@@ -7,11 +7,12 @@ masking; softmax accumulates in float32 whatever the cache dtype.
 
 How it runs (CPU-first, vectorised; no per-token Python loop):
 
-* **Native decode** (float32/bf16/fp16 KV, no softcap, automatic splits): every decode row goes through
+* **Native decode** (float32/bf16/fp16 or quantized KV, no softcap, automatic splits): every decode row goes through
   ``ops/csrc/cpu_kernels.c`` (:func:`pagedkv.ops.native.paged_decode`), which walks each row's
   block table and reads K/V in place with an online softmax (a task per row, or per (row, KV
   head) when rows are few); the rows' tensors are built once per step (``md.rows()``).
-  Where it does not apply (other dtypes, softcap, forced splits, no compiler) the torch path
+  Quantized caches (``kv_quant``) are read as codes, their scales folded into the scores and
+  probabilities. Where it does not apply (softcap, forced splits, no compiler) the torch path
   below runs; tests check both.
 
 * **Decode tokens** (``query_len == 1``) of the step are batched. Rows are sorted by length and
@@ -79,11 +80,14 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
                          f"{key_cache.shape[2]} KV heads")
     if kv_quant is not None and (kv_quant.fmt.quantized or kv_quant.rotation is not None):
         # Rotated keys: q·k = (Rq)·(Rk); the output Σp·Rv is rotated back.
-        out = _attention(kv_quant.rotate(query), PagedKV.of(key_cache, value_cache, kv_quant),
-                         attn_metadata, scale, sliding_window, logits_soft_cap, num_kv_splits)
-        if kv_quant.v_bias is not None:
-            g = out.shape[1] // kv_quant.v_bias.shape[0]
-            out = out + kv_quant.v_bias.repeat_interleave(g, 0).to(out.dtype)
+        q = kv_quant.rotate(query)
+        if query.device.type == "cuda" and triton_available():
+            from pagedkv.ops.triton.unified_attention import paged_attention_triton
+            out = paged_attention_triton(q, key_cache, value_cache, attn_metadata, scale, sliding_window,
+                                         logits_soft_cap, num_kv_splits, kv_quant=kv_quant)
+        else:
+            out = _attention(q, PagedKV.of(key_cache, value_cache, kv_quant), attn_metadata, scale,
+                             sliding_window, logits_soft_cap, num_kv_splits)
         return kv_quant.unrotate(out).to(query.dtype)
     if query.device.type == "cuda" and triton_available():
         from pagedkv.ops.triton.unified_attention import paged_attention_triton
@@ -201,13 +205,15 @@ def _decode(query: torch.Tensor, out: torch.Tensor, paged: PagedKV, md: Attentio
 def _native_decode(query: torch.Tensor, out: torch.Tensor, paged: PagedKV, rows: StepRows,
                    scale: float, sliding_window: int | None) -> bool:
     """All decode rows through the native kernel (reads K/V in place: no gather, no padding,
-    online softmax in float32). Returns False, having done nothing, where it does not apply (no
-    library, a KV dtype other than float32/bfloat16/float16): the torch path below then runs."""
+    online softmax in float32; a quantized cache's codes are converted in registers, never
+    dequantized into a copy). ``query`` is already rotated for a rotated cache. Returns False,
+    having done nothing, where it does not apply (no library, a KV dtype or format the kernel
+    lacks): the torch path below then runs."""
     if native.lib() is None or query.device.type != "cpu":
         return False
     q = query if rows.all_decode else query[rows.tokens]
     res = native.paged_decode(q, paged.key_cache, paged.value_cache, rows.block_table, rows.seq_lens,
-                              scale, sliding_window)
+                              scale, sliding_window, kv_quant=paged.quant)
     if res is None:
         return False
     if rows.all_decode:

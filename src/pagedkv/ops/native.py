@@ -26,6 +26,9 @@ from pathlib import Path
 
 import torch
 
+from pagedkv.core.specs import KVQuantMode
+from pagedkv.ops.kv_quant import KVQuant
+
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.c"
@@ -80,7 +83,8 @@ def _bind(so: ctypes.CDLL) -> ctypes.CDLL:
         f.restype = ctypes.c_int
     so.pkv_paged_decode.argtypes = [_ptr, _i64, _i64, _i64, _i64, _i64, _i64,
                                     _ptr, _i64, _i64, _i64, _ptr, _i64, _i64, _i64, _i64,
-                                    _ptr, _i64, _ptr, _i64, _f32, _ptr, _i64, _ptr, ctypes.c_int]
+                                    _ptr, _i64, _ptr, _i64, _f32, _ptr, _i64, _ptr, ctypes.c_int,
+                                    _f32, _f32, _i64, _i64]
     so.pkv_paged_decode.restype = ctypes.c_int
     return so
 
@@ -186,11 +190,24 @@ def dequant(qweight: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
 
 # KV cache dtypes the decode kernel reads (converted exactly to float32 in registers).
 KV_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+# Quantized cache formats it reads in place (csrc enum KV_I8_TH ...); fp8 per-tensor by fp8 dtype.
+KV_QUANT_TYPES = {KVQuantMode.INT8_PER_TOKEN_HEAD: 3, KVQuantMode.FP8_PER_TOKEN_HEAD: 4,
+                  KVQuantMode.INT4_PER_TOKEN_HEAD: 7, KVQuantMode.INT4_PER_TOKEN_GROUP: 8}
+KV_FP8_TYPES = {torch.float8_e4m3fn: 5, torch.float8_e5m2: 6}
+
+
+def _quant_type(kv_quant: KVQuant) -> int | None:
+    """The kernel's kv_type code for a quantized format, or None if it has none."""
+    fmt = kv_quant.fmt
+    if fmt.mode is KVQuantMode.FP8_PER_TENSOR:
+        return KV_FP8_TYPES.get(fmt.fp8_dtype)  # type: ignore[arg-type]
+    return KV_QUANT_TYPES.get(fmt.mode)
 
 
 def paged_decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_table: torch.Tensor,
                  seq_lens: torch.Tensor, scale: float, sliding_window: int | None = None,
-                 return_lse: bool = False) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+                 return_lse: bool = False, kv_quant: KVQuant | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """Decode attention read straight from the paged cache, float32 math.
 
     ``q [R, Hq, D]`` (one query per row, at position ``seq_lens[r] - 1``; any float dtype),
@@ -199,15 +216,37 @@ def paged_decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Te
     max_blocks]`` int32, ``seq_lens [R]`` int32 (>= 1). Returns ``(out [R, Hq, Dv] float32,
     lse [R, Hq] or None)``, or ``None`` when the kernel does not cover the case (no library,
     another KV dtype, group or head size past its limits): the caller then uses its torch path.
+
+    ``kv_quant`` (a quantized format): the caches are its ``uint8`` parts ``[NB, BS, Hkv,
+    k_bytes]`` / ``[..., v_bytes]`` (:mod:`pagedkv.ops.kv_quant`'s byte format), read and
+    converted in registers with its per-tensor ``k_scale``/``v_scale``; ``D``/``Dv`` are the
+    format's head sizes. The kernel neither rotates nor adds biases: ``q`` must already be
+    rotated like the keys (``paged_attention`` does both around it).
     """
     so = lib()
-    kvt = KV_TYPES.get(key_cache.dtype)
-    if (so is None or kvt is None or value_cache.dtype != key_cache.dtype or key_cache.stride(-1) != 1
-            or value_cache.stride(-1) != 1 or q.device.type != "cpu"):
+    if so is None or q.device.type != "cpu" or key_cache.stride(-1) != 1 or value_cache.stride(-1) != 1:
+        return None
+    k_scale = v_scale = 1.0
+    if kv_quant is not None and kv_quant.fmt.quantized:
+        fmt = kv_quant.fmt
+        kvt = _quant_type(kv_quant)
+        if (kvt is None or key_cache.dtype != torch.uint8 or value_cache.dtype != torch.uint8
+                or key_cache.shape[3] != fmt.k_bytes or value_cache.shape[3] != fmt.v_bytes):
+            return None
+        d, dv = fmt.head_size, fmt.head_size_v
+        k_group, v_group = fmt.k_group, fmt.v_group
+        k_scale, v_scale = float(kv_quant.k_scale), float(kv_quant.v_scale)
+    else:
+        kvt = KV_TYPES.get(key_cache.dtype)
+        if kvt is None or value_cache.dtype != key_cache.dtype:
+            return None
+        d, dv = key_cache.shape[3], value_cache.shape[3]
+        k_group, v_group = d, dv
+    if q.shape[-1] != d:
         return None
     q = q.float().contiguous()
-    rows, hq, d = q.shape
-    hkv, dv = key_cache.shape[2], value_cache.shape[3]
+    rows, hq, _ = q.shape
+    hkv = key_cache.shape[2]
     table = block_table.to(torch.int32).contiguous()
     lens = seq_lens.to(torch.int32).contiguous()
     out = torch.empty(rows, hq, dv, dtype=torch.float32)
@@ -217,5 +256,6 @@ def paged_decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Te
                              key_cache.data_ptr(), ks[0], ks[1], ks[2],
                              value_cache.data_ptr(), vs[0], vs[1], vs[2], key_cache.shape[1],
                              table.data_ptr(), table.stride(0), lens.data_ptr(),
-                             sliding_window or 0, scale, out.data_ptr(), hq * dv, _addr(lse), kvt)
+                             sliding_window or 0, scale, out.data_ptr(), hq * dv, _addr(lse), kvt,
+                             k_scale, v_scale, k_group, v_group)
     return None if rc else (out, lse)

@@ -1,5 +1,6 @@
 /* pagedkv CPU kernels: fused GGUF dequant + GEMV, and paged decode attention (float32 math
- * over a float32, bfloat16 or float16 KV cache).
+ * over a float32, bfloat16 or float16 KV cache, or a quantized one read in place: int8, fp8,
+ * int4 with per-token-head or per-group scales).
  *
  * Built at first use by pagedkv/ops/native.py with
  *   cc -O3 -march=native -fopenmp -ffp-contract=off -shared -fPIC
@@ -21,7 +22,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 
@@ -340,6 +341,11 @@ static inline __m512 exp16(__m512 x) {
     return _mm512_mask_mov_ps(e, tiny, _mm512_setzero_ps());
 }
 
+/* Mask of the first n (clamped to 0..16) lanes. */
+static inline __mmask16 lanes(int64_t n) {
+    return n >= 16 ? (__mmask16)0xFFFF : n <= 0 ? 0 : (__mmask16)((1u << n) - 1);
+}
+
 static inline __m512 kv_load16(const char *p, int kvt) {
     if (kvt == KV_F32) return _mm512_loadu_ps((const float *)p);
     __m256i h = _mm256_loadu_si256((const __m256i *)p);
@@ -378,6 +384,12 @@ typedef struct {
     float scale, *out, *lse;
     int64_t out_stride;
     int kvt, esz;
+    /* Quantized caches only (esz = 1: strides count bytes). kmul/vmul: constant factors of
+     * every K/V value (per-tensor scales, x256 for e4m3 codes read as fp16); kgroup/vgroup:
+     * values per int4 scale group; kvals/vvals: bytes of a part's values (its inline scales
+     * follow); kpart/vpart: bytes of a whole part. */
+    float kmul, vmul;
+    int64_t kgroup, vgroup, kvals, vvals, kpart, vpart;
 } decode_args;
 
 #if PKV_ATTN_AVX512
@@ -454,6 +466,42 @@ static inline void accumulate_tile(float *acc, const float *p, const char *const
 }
 #endif
 
+/* Online-softmax step over one tile: logits s[i][0:n) of query heads i < nq become their
+ * probabilities relative to the new running max; running sums and accumulators are rescaled. */
+static void softmax_tile(float (*s)[TILE], int64_t nq, int64_t n, float *mx, float *sum, float *acc, int64_t Dv) {
+    for (int64_t i = 0; i < nq; i++) {
+#if PKV_ATTN_AVX512
+        /* Vector max and sum: 16 lanes wide instead of one serial chain of n adds. */
+        __m512 vm = _mm512_set1_ps(mx[i]), vs = _mm512_setzero_ps();
+        for (int64_t j = 0; j < n; j += 16) {
+            __mmask16 m = lanes(n - j);
+            vm = _mm512_mask_max_ps(vm, m, vm, _mm512_maskz_loadu_ps(m, s[i] + j));
+        }
+        float m_new = _mm512_reduce_max_ps(vm);
+        __m512 mn = _mm512_set1_ps(m_new);
+        for (int64_t j = 0; j < n; j += 16) {
+            __mmask16 m = lanes(n - j);
+            __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s[i] + j), mn));
+            _mm512_mask_storeu_ps(s[i] + j, m, e);
+            vs = _mm512_mask_add_ps(vs, m, vs, e);
+        }
+        float ps = _mm512_reduce_add_ps(vs);
+#else
+        float m_new = mx[i];
+        for (int64_t j = 0; j < n; j++) m_new = s[i][j] > m_new ? s[i][j] : m_new;
+        for (int64_t j = 0; j < n; j++) s[i][j] -= m_new;
+        exp_inplace(s[i], n);
+        float ps = 0.0f;
+        for (int64_t j = 0; j < n; j++) ps += s[i][j];
+#endif
+        float corr = expf(mx[i] - m_new);  /* 0 on the first tile (mx = -inf) */
+        sum[i] = sum[i] * corr + ps;
+        mx[i] = m_new;
+        if (corr != 1.0f)
+            for (int64_t c = 0; c < Dv; c++) acc[i * Dv + c] *= corr;
+    }
+}
+
 /* KV heads [h0, h1) of row r: every tile of keys is read once for all of them (a token's heads
  * share cache lines in the usual layouts), then one online-softmax update per query head. */
 static void decode_item(const decode_args *a, int64_t r, int64_t h0, int64_t h1) {
@@ -496,19 +544,7 @@ static void decode_item(const decode_args *a, int64_t r, int64_t h0, int64_t h1)
                 for (int64_t j = 0; j < n; j += 16) scores16(qr + i * D, kp + j, hk * a->kh * esz, D, a->kvt, (int)esz, s[i] + j);
                 for (int64_t j = 0; j < n; j++) s[i][j] *= a->scale;
             }
-        for (int64_t i = 0; i < nq; i++) {
-            float m_new = mx[i];
-            for (int64_t j = 0; j < n; j++) m_new = s[i][j] > m_new ? s[i][j] : m_new;
-            float corr = expf(mx[i] - m_new);  /* 0 on the first tile (mx = -inf) */
-            for (int64_t j = 0; j < n; j++) s[i][j] -= m_new;
-            exp_inplace(s[i], n);
-            float ps = 0.0f;
-            for (int64_t j = 0; j < n; j++) ps += s[i][j];
-            sum[i] = sum[i] * corr + ps;
-            mx[i] = m_new;
-            if (corr != 1.0f)
-                for (int64_t c = 0; c < Dv; c++) acc[i * Dv + c] *= corr;
-        }
+        softmax_tile(s, nq, n, mx, sum, acc, Dv);
         for (int64_t hk = h0; hk < h1; hk++)
             for (int64_t g = 0; g < a->G; g++) {
                 int64_t i = (hk - h0) * a->G + g;
@@ -523,6 +559,440 @@ static void decode_item(const decode_args *a, int64_t r, int64_t h0, int64_t h1)
     }
 }
 
+/* ------------------------------------------------------------ quantized KV caches
+ *
+ * The byte formats of pagedkv/ops/kv_quant.py, read in place: each (token, KV head) part is
+ * [values | inline scales], strides count bytes. Codes become float32 in registers (never a
+ * dequantized copy of the cache): int8 sign-extended; fp8 e4m3 rebuilt as the fp16 bits
+ * sign<<15 | (b&0x7f)<<7 (1/256 of its value, exactly: the x256 goes into kmul/vmul; the
+ * e4m3fn NaN code would read as 480, but the writer clamps to +-448); e5m2 is fp16's top byte;
+ * int4 nibbles (element 2i low, 2i+1 high) minus the zero point.
+ * Per-token-head scales fold into the logit (s = scale * k_scale[tok] * q.codes) and into the
+ * probability (acc += (p * v_scale[tok]) * codes), as vLLM does; int4 groups scale their
+ * chunk of 16 values in registers (x = q*s - z*s; the portable path (q - z)*s, as torch). */
+enum { KV_I8_TH = 3, KV_FP8_TH = 4, KV_FP8_E4M3 = 5, KV_FP8_E5M2 = 6, KV_I4_TH = 7, KV_I4_GROUP = 8 };
+
+enum { MAXG = 64 };  /* int4 scale groups per part the kernel reads (more: the torch path) */
+
+static inline int kv_is_int4(int kvt) { return kvt == KV_I4_TH || kvt == KV_I4_GROUP; }
+static inline int kv_token_scaled(int kvt) { return kvt == KV_I8_TH || kvt == KV_FP8_TH || kvt == KV_I4_TH; }
+
+/* The fp32 scale of a per-token-head part (its bytes at p); int4's zero point into *z. */
+static inline float part_scale(const uint8_t *p, int kvt, float *z) {
+    uint32_t b;
+    memcpy(&b, p, 4);
+    *z = kvt == KV_I4_TH ? (float)(b & 15u) : 0.0f;
+    if (kvt == KV_I4_TH) b &= ~15u;
+    float f;
+    memcpy(&f, &b, 4);
+    return f;
+}
+
+/* Scale of int4 group `grp` (fp16s at p, the zero point in each one's low 4 bits). */
+static inline float group_scale(const uint8_t *p, int64_t grp, float *z) {
+    uint16_t h = load_u16(p + 2 * grp);
+    *z = (float)(h & 15u);
+#if defined(__F16C__)
+    return _cvtsh_ss((uint16_t)(h & ~15u));
+#else
+    return fp16_to_fp32((uint16_t)(h & ~15u));
+#endif
+}
+
+/* Stored value i of a part: int8 code, fp8 e4m3 / 256, e5m2, or the int4 code 0..15. */
+static inline float code_at(const uint8_t *p, int64_t i, int kvt) {
+    switch (kvt) {
+        case KV_I8_TH: return (float)(int8_t)p[i];
+        case KV_FP8_TH:
+        case KV_FP8_E4M3: return fp16_to_fp32((uint16_t)(((p[i] & 0x80u) << 8) | ((p[i] & 0x7fu) << 7)));
+        case KV_FP8_E5M2: return fp16_to_fp32((uint16_t)(p[i] << 8));
+        default: return (float)((p[i >> 1] >> (4 * (i & 1))) & 15u);
+    }
+}
+
+/* Value i of a part as the attention multiplies it: the code, less the int4 zero point z
+ * (per-token-head) or times its group's scale (int4 groups of g at the part's `vals` bytes). */
+static inline float qval(const uint8_t *p, int64_t i, int kvt, float z, int64_t vals, int64_t g) {
+    float c = code_at(p, i, kvt);
+    if (kvt == KV_I4_TH) return c - z;
+    if (kvt == KV_I4_GROUP) {
+        float zz, sc = group_scale(p + vals, i / g, &zz);
+        return (c - zz) * sc;
+    }
+    return c;
+}
+
+#if PKV_ATTN_AVX512
+#define PKV_INLINE static inline __attribute__((always_inline))
+
+/* 16 stored values from p as float32, like code_at; `full`: all 16 there (plain loads, which
+ * fold into the conversions), else only the bytes in mb are read. */
+PKV_INLINE __m512 codes16(const int kvt, const int full, const uint8_t *p, __mmask16 mb) {
+    __m128i b = full ? (kv_is_int4(kvt) ? _mm_loadl_epi64((const __m128i *)p) : _mm_loadu_si128((const __m128i *)p))
+                     : _mm_maskz_loadu_epi8(mb, p);
+    if (kvt == KV_I8_TH) return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
+    if (kvt == KV_FP8_E5M2) return _mm512_cvtph_ps(_mm256_slli_epi16(_mm256_cvtepu8_epi16(b), 8));
+    if (kvt == KV_FP8_TH || kvt == KV_FP8_E4M3)  /* sign-extend, shift: bit 15 = sign, clear bit 14 */
+        return _mm512_cvtph_ps(_mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(b), 7),
+                                                _mm256_set1_epi16((short)0xBF80)));
+    const __m128i low = _mm_set1_epi8(0x0F);
+    __m128i lo = _mm_and_si128(b, low), hi = _mm_and_si128(_mm_srli_epi16(b, 4), low);
+    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(lo, hi)));
+}
+
+/* 64 int4 codes (32 bytes at p) as four 16-lane float32 chunks: one load and one nibble split
+ * for all four (in-lane unpacks give elements 0-15 | 32-47 and 16-31 | 48-63). */
+PKV_INLINE void int4_codes64(const uint8_t *p, __m512 *w) {
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    __m256i b = _mm256_loadu_si256((const __m256i *)p);
+    __m256i lo = _mm256_and_si256(b, low), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), low);
+    __m256i u0 = _mm256_unpacklo_epi8(lo, hi), u1 = _mm256_unpackhi_epi8(lo, hi);
+    w[0] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(u0)));
+    w[1] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(u1)));
+    w[2] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(u0, 1)));
+    w[3] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(u1, 1)));
+}
+
+/* Bytes holding values [d, d + 16) of a part with `rem` = D - d values left. */
+PKV_INLINE __mmask16 code_bytes(const int kvt, int64_t rem) {
+    return kv_is_int4(kvt) ? lanes(rem >= 16 ? 8 : (rem + 1) / 2) : lanes(rem);
+}
+
+/* Scales and -z*s of eight fp16 group scales h into gs[0:8) / gz[0:8). */
+static inline void group_scales8(__m128i h, float *gs, float *gz) {
+    const __m128i low = _mm_set1_epi16(15);
+    __m256 sc = _mm256_cvtph_ps(_mm_andnot_si128(low, h));
+    __m256 zp = _mm256_cvtepi32_ps(_mm256_cvtepu16_epi32(_mm_and_si128(h, low)));
+    _mm256_storeu_ps(gs, sc);
+    _mm256_storeu_ps(gz, _mm256_mul_ps(_mm256_sub_ps(_mm256_setzero_ps(), zp), sc));
+}
+
+/* 8/NG tokens' NG scales each (at ps[i] + at) into gs/gz[0:8): one conversion for all. */
+PKV_INLINE void group_scales_batch(const int ng, const uint8_t *const *ps, int64_t at, float *gs, float *gz) {
+    uint16_t h[8];
+    for (int i = 0; i < 8 / ng; i++) memcpy(h + i * ng, ps[i] + at, 2 * ng);
+    group_scales8(_mm_loadu_si128((const __m128i *)h), gs, gz);
+}
+
+/* gs[j*ng + grp] = scale s, gz[j*ng + grp] = -z*s of int4 group grp (of ng) of the parts at
+ * ps[j] + at, j < n: converted once per tile, then broadcast from memory by the dot products.
+ * Writes up to 8 floats past the last group (the buffers have room). */
+static inline void group_scales(const uint8_t *const *ps, int64_t at, int64_t n, int64_t ng, float *gs, float *gz) {
+    int64_t j = 0;
+    if (ng == 1)  /* several tokens a conversion (V parts; K of head sizes 16 and 64) */
+        for (; j + 8 <= n; j += 8) group_scales_batch(1, ps + j, at, gs + j, gz + j);
+    else if (ng == 2)
+        for (; j + 4 <= n; j += 4) group_scales_batch(2, ps + j, at, gs + 2 * j, gz + 2 * j);
+    else if (ng == 4)
+        for (; j + 2 <= n; j += 2) group_scales_batch(4, ps + j, at, gs + 4 * j, gz + 4 * j);
+    for (; j < n; j++)
+        for (int64_t grp = 0; grp < ng; grp += 8) {
+            __mmask8 m = (__mmask8)(ng - grp >= 8 ? 0xFF : (1u << (ng - grp)) - 1);
+            group_scales8(_mm_maskz_loadu_epi16(m, ps[j] + at + 2 * grp), gs + j * ng + grp, gz + j * ng + grp);
+        }
+}
+
+/* A chunk's codes as the dot product multiplies them: less the int4 zero point z (per token-
+ * head), or q*s + (-z*s) with its group's scale (one FMA: (q - z)*s to within an ulp of z*s). */
+PKV_INLINE __m512 adjust(const int kvt, __m512 w, const float *z, const float *gs, const float *gz) {
+    if (kvt == KV_I4_TH) return _mm512_sub_ps(w, _mm512_set1_ps(*z));
+    if (kvt == KV_I4_GROUP) return _mm512_fmadd_ps(w, _mm512_set1_ps(*gs), _mm512_set1_ps(*gz));
+    return w;
+}
+
+/* s[h*TILE + j] = q_h . k_j (raw: per-token scales are the caller's) for nh (<= 3) query
+ * heads and the 8 keys at ks[j] + off: each chunk of a key is converted once for all heads.
+ * full: D is a multiple of 16 (plain loads; int4 parts then take qk16_int4 when D % 64 == 0). */
+PKV_INLINE void qk8(const int kvt, const int nh, const int full, const float *q, int64_t D, const uint8_t *const *ks,
+                    int64_t off, const int64_t *cg, int64_t ng, const float *z, const float *gs, const float *gz,
+                    float *s) {
+    __m512 t[3][8];
+    for (int h = 0; h < nh; h++)
+        for (int j = 0; j < 8; j++) t[h][j] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D; d += 16) {
+        __mmask16 m = lanes(D - d), mb = code_bytes(kvt, D - d);
+        __m512 qv[3];
+        for (int h = 0; h < nh; h++) qv[h] = _mm512_maskz_loadu_ps(m, q + h * D + d);
+        for (int j = 0; j < 8; j++) {
+            __m512 k = codes16(kvt, full, ks[j] + off + (kv_is_int4(kvt) ? d / 2 : d), mb);
+            k = adjust(kvt, k, z + j, gs + j * ng + cg[d / 16], gz + j * ng + cg[d / 16]);
+            for (int h = 0; h < nh; h++) t[h][j] = _mm512_fmadd_ps(qv[h], k, t[h][j]);
+        }
+    }
+    for (int h = 0; h < nh; h += 2) {  /* two heads' 8 sums per transposing reduction */
+        __m512 v[16];
+        for (int j = 0; j < 8; j++) {
+            v[j] = t[h][j];
+            v[8 + j] = h + 1 < nh ? t[h + 1][j] : _mm512_setzero_ps();
+        }
+        __m512 r = hsum16(v);
+        _mm256_storeu_ps(s + h * TILE, _mm512_castps512_ps256(r));
+        if (h + 1 < nh)
+            _mm256_storeu_ps(s + (h + 1) * TILE, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(r), 1)));
+    }
+}
+
+/* qk8 for int4 parts with D a multiple of 64, 16 keys a call, key by key: a key's sums stay
+ * in registers over all of D (64 values a load), and each head's 16 sums take one whole
+ * transposing reduction (8 keys of 3 heads would leave half of one idle). */
+PKV_INLINE void qk16_int4(const int kvt, const int nh, const float *q, int64_t D, const uint8_t *const *ks,
+                          int64_t off, const int64_t *cg, int64_t ng, const float *z, const float *gs,
+                          const float *gz, float *s) {
+    __m512 t[3][16];
+    for (int j = 0; j < 16; j++) {
+        __m512 th[3];
+        for (int h = 0; h < nh; h++) th[h] = _mm512_setzero_ps();
+        for (int64_t d = 0; d < D; d += 64) {
+            __m512 w[4];
+            int4_codes64(ks[j] + off + d / 2, w);
+            for (int c = 0; c < 4; c++) {
+                int64_t grp = cg[d / 16 + c];
+                w[c] = adjust(kvt, w[c], z + j, gs + j * ng + grp, gz + j * ng + grp);
+                for (int h = 0; h < nh; h++)
+                    th[h] = _mm512_fmadd_ps(_mm512_loadu_ps(q + h * D + d + 16 * c), w[c], th[h]);
+            }
+        }
+        for (int h = 0; h < nh; h++) t[h][j] = th[h];
+    }
+    for (int h = 0; h < nh; h++) _mm512_storeu_ps(s + h * TILE, hsum16(t[h]));
+}
+
+/* acc[h*Dv + c] += sum_j p[h*TILE + j] * v_j[c] for nh (<= 4) query heads, 64 columns a pass:
+ * each value chunk is converted once for all heads. full: Dv is a multiple of 64. */
+PKV_INLINE void qv64(const int kvt, const int nh, const int full, float *acc, int64_t Dv, const float *p,
+                     const uint8_t *const *vs, int64_t off, int64_t n, int64_t g, const float *z, const float *gs,
+                     const float *gz) {
+    const int64_t ng = Dv / g;  /* int4 groups of a part: the stride of gs/gz */
+    for (int64_t c0 = 0; c0 < Dv; c0 += 64) {
+        __mmask16 m[4], mb[4];
+        int64_t grp[4];
+        for (int k = 0; k < 4; k++) {
+            int64_t c = c0 + 16 * k;
+            m[k] = full ? (__mmask16)0xFFFF : lanes(Dv - c);
+            mb[k] = code_bytes(kvt, Dv - c);
+            grp[k] = (c < Dv ? c : Dv - 1) / g;  /* a masked-off chunk reads a real scale */
+        }
+        __m512 a[4][4];
+        for (int h = 0; h < nh; h++)
+            for (int k = 0; k < 4; k++) a[h][k] = _mm512_maskz_loadu_ps(m[k], acc + h * Dv + c0 + 16 * k);
+        for (int64_t j = 0; j < n; j++) {
+            const uint8_t *pv = vs[j] + off;
+            __m512 w[4];
+            if (full && kv_is_int4(kvt)) {
+                int4_codes64(pv + c0 / 2, w);
+            } else {
+                for (int k = 0; k < 4; k++)
+                    w[k] = codes16(kvt, full, pv + (kv_is_int4(kvt) ? (c0 + 16 * k) / 2 : c0 + 16 * k), mb[k]);
+            }
+            for (int k = 0; k < 4; k++) w[k] = adjust(kvt, w[k], z + j, gs + j * ng + grp[k], gz + j * ng + grp[k]);
+            for (int h = 0; h < nh; h++) {
+                __m512 pj = _mm512_set1_ps(p[h * TILE + j]);
+                for (int k = 0; k < 4; k++) a[h][k] = _mm512_fmadd_ps(pj, w[k], a[h][k]);
+            }
+        }
+        for (int h = 0; h < nh; h++)
+            for (int k = 0; k < 4; k++) _mm512_mask_storeu_ps(acc + h * Dv + c0 + 16 * k, m[k], a[h][k]);
+    }
+}
+
+#define PKV_QK8(KVT, NH) \
+    (full ? qk8(KVT, NH, 1, qg, D, ks + j0, off, cg, ng, z + j0, gs + j0 * ng, gz + j0 * ng, sg) \
+          : qk8(KVT, NH, 0, qg, D, ks + j0, off, cg, ng, z + j0, gs + j0 * ng, gz + j0 * ng, sg))
+#define PKV_QK16(KVT, NH) qk16_int4(KVT, NH, qg, D, ks + j0, off, cg, ng, z + j0, gs + j0 * ng, gz + j0 * ng, sg)
+#define PKV_QK(KVT)                                                    \
+    if (kv_is_int4(KVT) && full)                                      \
+        for (int64_t j0 = 0; j0 < n; j0 += 16)                        \
+            for (int64_t g0 = 0; g0 < G; g0 += 3) {                    \
+                const float *qg = q + g0 * D;                          \
+                float *sg = s[g0] + j0;                                \
+                if (G - g0 >= 3) PKV_QK16(KVT, 3);                     \
+                else if (G - g0 == 2) PKV_QK16(KVT, 2);                \
+                else PKV_QK16(KVT, 1);                                 \
+            }                                                          \
+    else                                                               \
+        for (int64_t j0 = 0; j0 < n; j0 += 8)                         \
+            for (int64_t g0 = 0; g0 < G; g0 += 3) {                    \
+                const float *qg = q + g0 * D;                          \
+                float *sg = s[g0] + j0;                                \
+                if (G - g0 >= 3) PKV_QK8(KVT, 3);                      \
+                else if (G - g0 == 2) PKV_QK8(KVT, 2);                 \
+                else PKV_QK8(KVT, 1);                                  \
+            }
+#define PKV_QV64(KVT, NH) \
+    (full ? qv64(KVT, NH, 1, ag, Dv, pg, vs, off, n, a->vgroup, z, gs, gz) \
+          : qv64(KVT, NH, 0, ag, Dv, pg, vs, off, n, a->vgroup, z, gs, gz))
+#define PKV_QV(KVT)                                          \
+    for (int64_t g0 = 0; g0 < G; g0 += 4) {                  \
+        float *ag = acc + g0 * Dv;                           \
+        const float *pg = s[g0];                             \
+        switch (G - g0 >= 4 ? 4 : G - g0) {                  \
+            case 4: PKV_QV64(KVT, 4); break;                 \
+            case 3: PKV_QV64(KVT, 3); break;                 \
+            case 2: PKV_QV64(KVT, 2); break;                 \
+            default: PKV_QV64(KVT, 1); break;                \
+        }                                                    \
+    }
+#define PKV_DISPATCH(M)                          \
+    switch (a->kvt) {                            \
+        case KV_I8_TH: M(KV_I8_TH) break;        \
+        case KV_FP8_TH: M(KV_FP8_TH) break;      \
+        case KV_FP8_E4M3: M(KV_FP8_E4M3) break;  \
+        case KV_FP8_E5M2: M(KV_FP8_E5M2) break;  \
+        case KV_I4_TH: M(KV_I4_TH) break;        \
+        default: M(KV_I4_GROUP) break;           \
+    }
+
+/* Raw logits s[g][0:n) of the G query heads q (G rows of D) against keys ks[j] + off (ks
+ * padded to a multiple of 16 keys); z: per-key int4 zero points; gs/gz: int4 group scales. */
+static void qk_tile(const decode_args *a, const float *q, const uint8_t *const *ks, int64_t off, int64_t n,
+                    const float *z, const float *gs, const float *gz, float (*s)[TILE]) {
+    const int64_t G = a->G, D = a->D;
+    const int full = kv_is_int4(a->kvt) ? D % 64 == 0 : D % 16 == 0;
+    int64_t cg[MAXG], ng = D / a->kgroup;  /* int4 group of each 16-value chunk (no division in the loops) */
+    if (a->kvt == KV_I4_GROUP)
+        for (int64_t c = 0; 16 * c < D; c++) cg[c] = 16 * c / a->kgroup;
+    PKV_DISPATCH(PKV_QK)
+}
+
+/* acc (G rows of Dv) += p (G rows of TILE) times the values vs[j] + off, j < n. */
+static void qv_tile(const decode_args *a, float *acc, float (*s)[TILE], const uint8_t *const *vs, int64_t off,
+                    int64_t n, const float *z, const float *gs, const float *gz) {
+    const int64_t G = a->G, Dv = a->Dv;
+    const int full = Dv % 64 == 0;
+    PKV_DISPATCH(PKV_QV)
+}
+#else
+static void qk_tile(const decode_args *a, const float *q, const uint8_t *const *ks, int64_t off, int64_t n,
+                    const float *z, const float *gs, const float *gz, float (*s)[TILE]) {
+    (void)gs, (void)gz;
+    for (int64_t j = 0; j < n; j++)
+        for (int64_t g = 0; g < a->G; g++) {
+            float t = 0.0f;
+            for (int64_t d = 0; d < a->D; d++)
+                t += q[g * a->D + d] * qval(ks[j] + off, d, a->kvt, z[j], a->kvals, a->kgroup);
+            s[g][j] = t;
+        }
+}
+
+static void qv_tile(const decode_args *a, float *acc, float (*s)[TILE], const uint8_t *const *vs, int64_t off,
+                    int64_t n, const float *z, const float *gs, const float *gz) {
+    (void)gs, (void)gz;
+    for (int64_t j = 0; j < n; j++)
+        for (int64_t c = 0; c < a->Dv; c++) {
+            float w = qval(vs[j] + off, c, a->kvt, z[j], a->vvals, a->vgroup);
+            for (int64_t g = 0; g < a->G; g++) acc[g * a->Dv + c] += s[g][j] * w;
+        }
+}
+#endif
+
+/* Per-token-head scales (times `mul`) and int4 zero points of the parts at ps[j] + at. */
+static inline void token_scales(const uint8_t *const *ps, int64_t at, int64_t n, int kvt, float mul, float *sc,
+                                float *z) {
+    for (int64_t j = 0; j < n; j++) sc[j] = mul * part_scale(ps[j] + at, kvt, &z[j]);
+}
+
+/* Prefetch (into L2: a few % faster than L1 here, the lines are used once) the K and V parts
+ * of heads [h0, h1) of tokens [pos, pos + count) of a row. When a token's parts lie close
+ * together (every layout but LBHNC) its span is fetched line by line, each line once (*last:
+ * the highest line issued); otherwise part by part. */
+static void prefetch_tokens(const decode_args *a, const int32_t *table, int64_t pos, int64_t count, int64_t h0,
+                            int64_t h1, uintptr_t *last) {
+    const uint8_t *kc = (const uint8_t *)a->k, *vc = (const uint8_t *)a->v;
+    const int64_t bs = a->block_size, need = (h1 - h0) * (a->kpart + a->vpart);
+    for (int64_t j = 0, bi = pos / bs, tok = pos % bs; j < count; j++) {
+        const uint8_t *k = kc + table[bi] * a->kb + tok * a->kt, *v = vc + table[bi] * a->vb + tok * a->vt;
+        uintptr_t k0 = (uintptr_t)(k + h0 * a->kh), k1 = (uintptr_t)(k + (h1 - 1) * a->kh + a->kpart);
+        uintptr_t v0 = (uintptr_t)(v + h0 * a->vh), v1 = (uintptr_t)(v + (h1 - 1) * a->vh + a->vpart);
+        uintptr_t lo = k0 < v0 ? k0 : v0, hi = k1 > v1 ? k1 : v1;
+        if (hi - lo <= (uintptr_t)(2 * need)) {
+            for (uintptr_t line = lo >> 6; line <= (hi - 1) >> 6; line++)
+                if (line > *last || line + 64 < *last) {  /* not just issued (tokens ascend in a block) */
+                    __builtin_prefetch((const void *)(line << 6), 0, 2);
+                    *last = line;
+                }
+        } else {
+            for (int64_t hk = h0; hk < h1; hk++) {
+                const uint8_t *pk = k + hk * a->kh, *pv = v + hk * a->vh;
+                for (int64_t b = 0; b < a->kpart; b += 64) __builtin_prefetch(pk + b, 0, 2);
+                __builtin_prefetch(pk + a->kpart - 1, 0, 2);  /* a part need not start on a cache line */
+                for (int64_t b = 0; b < a->vpart; b += 64) __builtin_prefetch(pv + b, 0, 2);
+                __builtin_prefetch(pv + a->vpart - 1, 0, 2);
+            }
+        }
+        if (++tok == bs) { tok = 0; bi++; }
+    }
+}
+
+/* decode_item over a quantized cache (same tiles, split and online softmax). */
+static void decode_item_q(const decode_args *a, int64_t r, int64_t h0, int64_t h1) {
+    float acc[MAX_ACC], s[256][TILE], mx[256], sum[256], sc[TILE], z[TILE] = {0};
+#if PKV_ATTN_AVX512
+    float gs[TILE * MAXG], gz[TILE * MAXG];  /* int4 group scales of the tile's parts */
+#else
+    float *gs = NULL, *gz = NULL;  /* the portable path reads them per value */
+#endif
+    const uint8_t *kp[TILE], *vp[TILE];
+    const uint8_t *kc = (const uint8_t *)a->k, *vc = (const uint8_t *)a->v;
+    const int kvt = a->kvt, scaled = kv_token_scaled(kvt);
+    int64_t G = a->G, nq = (h1 - h0) * G, Dv = a->Dv, D = a->D, bs = a->block_size;
+    int64_t len = a->seq_lens[r], first = (a->window > 0 && len > a->window) ? len - a->window : 0;
+    const int32_t *table = a->block_table + r * a->bt_stride;
+    const float *qr = a->q + r * a->q_stride + h0 * G * D;
+    for (int64_t i = 0; i < nq; i++) {
+        mx[i] = -INFINITY;
+        sum[i] = 0.0f;
+    }
+    memset(acc, 0, nq * Dv * sizeof(float));
+    for (int64_t t0 = first; t0 < len; t0 += TILE) {
+        int64_t n = len - t0 < TILE ? len - t0 : TILE;
+        for (int64_t j = 0, bi = t0 / bs, tok = t0 % bs; j < n; j++) {
+            const int64_t blk = table[bi];
+            kp[j] = kc + blk * a->kb + tok * a->kt;
+            vp[j] = vc + blk * a->vb + tok * a->vt;
+            if (++tok == bs) { tok = 0; bi++; }
+        }
+        for (int64_t j = n; j < TILE; j++) kp[j] = kp[0];  /* padding keys: computed, never used */
+        /* The next tile's parts are prefetched in 2*(h1-h0) slices, one before each head's
+         * pass below: a whole tile at once would fill the line-fill buffers and stall. */
+        int64_t n2 = len - (t0 + TILE) < TILE ? len - (t0 + TILE) : TILE, phases = 2 * (h1 - h0), phase = 0;
+        uintptr_t last_line = 0;
+        for (int64_t hk = h0; hk < h1; hk++, phase++) {
+            prefetch_tokens(a, table, t0 + TILE + n2 * phase / phases, n2 * (phase + 1) / phases - n2 * phase / phases,
+                            h0, h1, &last_line);
+            float (*sh)[TILE] = s + (hk - h0) * G, f = a->scale * a->kmul;
+            if (scaled) token_scales(kp, hk * a->kh + a->kvals, n, kvt, f, sc, z);
+#if PKV_ATTN_AVX512
+            if (kvt == KV_I4_GROUP)  /* padding keys (up to a multiple of 16) too */
+                group_scales(kp, hk * a->kh + a->kvals, (n + 15) / 16 * 16, D / a->kgroup, gs, gz);
+#endif
+            qk_tile(a, qr + (hk - h0) * G * D, kp, hk * a->kh, n, z, gs, gz, sh);
+            for (int64_t g = 0; g < G; g++)
+                for (int64_t j = 0; j < n; j++) sh[g][j] *= scaled ? sc[j] : f;
+        }
+        softmax_tile(s, nq, n, mx, sum, acc, Dv);
+        for (int64_t hk = h0; hk < h1; hk++, phase++) {
+            prefetch_tokens(a, table, t0 + TILE + n2 * phase / phases, n2 * (phase + 1) / phases - n2 * phase / phases,
+                            h0, h1, &last_line);
+            float (*sh)[TILE] = s + (hk - h0) * G;
+            if (scaled) {
+                token_scales(vp, hk * a->vh + a->vvals, n, kvt, 1.0f, sc, z);
+                for (int64_t g = 0; g < G; g++)
+                    for (int64_t j = 0; j < n; j++) sh[g][j] *= sc[j];
+            }
+#if PKV_ATTN_AVX512
+            if (kvt == KV_I4_GROUP) group_scales(vp, hk * a->vh + a->vvals, n, Dv / a->vgroup, gs, gz);
+#endif
+            qv_tile(a, acc + (hk - h0) * G * Dv, sh, vp, hk * a->vh, n, z, gs, gz);
+        }
+    }
+    for (int64_t i = 0; i < nq; i++) {
+        int64_t h = h0 * G + i;
+        float *o = a->out + r * a->out_stride + h * Dv, inv = a->vmul / sum[i];
+        for (int64_t c = 0; c < Dv; c++) o[c] = acc[i * Dv + c] * inv;
+        if (a->lse) a->lse[r * a->Hq + h] = mx[i] + logf(sum[i]);
+    }
+}
+
 /* Decode attention straight from the paged cache (no gather copy), online softmax per query
  * head. Row r has one query q[r] ([Hq, D] at q + r*q_stride) at position seq_lens[r]-1 and
  * reads its keys through block_table[r] (bt_stride int32s apart): keys max(0, len - window) ..
@@ -532,29 +1002,58 @@ static void decode_item(const decode_args *a, int64_t r, int64_t h0, int64_t h1)
  * h / (Hq/Hkv). Writes out[r] ([Hq, Dv] at out + r*out_stride) and, if lse is not NULL,
  * lse[r*Hq + h] (natural log-sum-exp of the scaled logits).
  *
+ * Quantized caches (kv_type KV_I8_TH .. KV_I4_GROUP): k/v are bytes and the strides count
+ * bytes; the (block, token, head) part starts at k + block*kb + token*kt + head*kh, laid out
+ * as pagedkv/ops/kv_quant.py says. k_scale/v_scale: the per-tensor fp8 scales (ignored by
+ * the per-token-head modes); k_group/v_group: values per int4 scale group of a K/V part
+ * (KV_I4_GROUP: a multiple of 16 or the whole part).
+ *
  * Work split: with enough rows, one task per row covering all its KV heads (each K/V cache line
  * is fetched once); with few rows (batch-1 decode), one task per (row, KV head) so every thread
- * has work. Returns -1 (nothing written) when even one KV head's query group does not fit the
- * accumulators (G*Dv > MAX_ACC or G > 256), else 0. */
+ * has work. Returns -1 (nothing written) for an unknown kv_type or group size, or when even one
+ * KV head's query group does not fit the accumulators (G*Dv > MAX_ACC or G > 256), else 0. */
 int pkv_paged_decode(const float *q, int64_t q_stride, int64_t num_rows, int64_t Hq, int64_t Hkv,
                      int64_t D, int64_t Dv, const void *k, int64_t kb, int64_t kt, int64_t kh,
                      const void *v, int64_t vb, int64_t vt, int64_t vh, int64_t block_size,
                      const int32_t *block_table, int64_t bt_stride, const int32_t *seq_lens,
-                     int64_t window, float scale, float *out, int64_t out_stride, float *lse, int kv_type) {
-    if (Hkv <= 0 || Hq % Hkv || kv_type < KV_F32 || kv_type > KV_F16) return -1;
+                     int64_t window, float scale, float *out, int64_t out_stride, float *lse, int kv_type,
+                     float k_scale, float v_scale, int64_t k_group, int64_t v_group) {
+    if (Hkv <= 0 || Hq % Hkv || kv_type < KV_F32 || kv_type > KV_I4_GROUP || D <= 0 || Dv <= 0) return -1;
     int64_t G = Hq / Hkv;
     if (G * Dv > MAX_ACC || G > 256) return -1;
+    int quant = kv_type >= KV_I8_TH;
     decode_args a = {q, (const char *)k, (const char *)v, q_stride, Hq, Hkv, G, D, Dv, kb, kt, kh, vb, vt, vh,
                      block_size, bt_stride, window, block_table, seq_lens, scale, out, lse, out_stride,
-                     kv_type, kv_type == KV_F32 ? 4 : 2};
+                     kv_type, kv_type == KV_F32 ? 4 : kv_type <= KV_F16 ? 2 : 1,
+                     1.0f, 1.0f, D, Dv, D, Dv, 0, 0};
+    if (quant) {
+        int e4m3 = kv_type == KV_FP8_TH || kv_type == KV_FP8_E4M3;
+        int tensor = kv_type == KV_FP8_E4M3 || kv_type == KV_FP8_E5M2;
+        a.kmul = (tensor ? k_scale : 1.0f) * (e4m3 ? 256.0f : 1.0f);
+        a.vmul = (tensor ? v_scale : 1.0f) * (e4m3 ? 256.0f : 1.0f);
+        if (kv_type == KV_I4_GROUP) {
+            if (k_group <= 0 || v_group <= 0 || D % k_group || Dv % v_group || (k_group % 16 && k_group != D) ||
+                (v_group % 16 && v_group != Dv) || (D + 15) / 16 > MAXG || (Dv + 15) / 16 > MAXG)
+                return -1;
+            a.kgroup = k_group;
+            a.vgroup = v_group;
+        }
+        a.kvals = kv_is_int4(kv_type) ? (D + 1) / 2 : D;
+        a.vvals = kv_is_int4(kv_type) ? (Dv + 1) / 2 : Dv;
+        int64_t ks = kv_type == KV_I4_GROUP ? 2 * (D / a.kgroup) : kv_token_scaled(kv_type) ? 4 : 0;
+        int64_t vs = kv_type == KV_I4_GROUP ? 2 * (Dv / a.vgroup) : kv_token_scaled(kv_type) ? 4 : 0;
+        a.kpart = a.kvals + ks;
+        a.vpart = a.vvals + vs;
+    }
+    void (*item)(const decode_args *, int64_t, int64_t, int64_t) = quant ? decode_item_q : decode_item;
     int threads = omp_get_max_threads();
     if (num_rows >= 2 * threads && Hq * Dv <= MAX_ACC && Hq <= 256) {
 #pragma omp parallel for schedule(dynamic, 1)
-        for (int64_t r = 0; r < num_rows; r++) decode_item(&a, r, 0, Hkv);
+        for (int64_t r = 0; r < num_rows; r++) item(&a, r, 0, Hkv);
     } else {
 #pragma omp parallel for collapse(2) schedule(dynamic, 1)
         for (int64_t r = 0; r < num_rows; r++)
-            for (int64_t hk = 0; hk < Hkv; hk++) decode_item(&a, r, hk, hk + 1);
+            for (int64_t hk = 0; hk < Hkv; hk++) item(&a, r, hk, hk + 1);
     }
     return 0;
 }
