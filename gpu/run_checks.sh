@@ -2,8 +2,9 @@
 # GPU checks for the Triton kernels (issue 16), on a CUDA machine:
 #   1. installs what is missing: a CUDA build of the pinned torch (if the current one sees no
 #      GPU), triton (--no-deps: it must not pull another torch), pagedkv itself;
-#   2. runs the Triton kernel tests compiled (TRITON_INTERPRET=0), the cache ops tests and the
-#      offload worker's CUDA path;
+#   2. runs the Triton kernel tests compiled (TRITON_INTERPRET=0; the KV-quant variants too),
+#      the engine's exactness tests on CUDA (greedy equal to HF on the same device and dtype,
+#      tie-aware), the cache ops tests and the offload worker's CUDA path;
 #   3. runs benchmarks/bench_gpu.py: copy bandwidth, decode bandwidth, prefill TFLOP/s vs SDPA,
 #      engine exactness CUDA vs CPU, end-to-end throughput at batch 64.
 # All results go to ONE JSON file: $GPU_RESULTS (default gpu/results.json). Exit status: 0 when
@@ -44,6 +45,8 @@ run() {  # run NAME CMD...: record NAME=exit status
 }
 failed=0
 run triton_kernels "${PYTEST[@]}" tests/test_triton_kernels.py
+run triton_kv_quant "${PYTEST[@]}" tests/test_triton_kv_quant.py
+run exactness_cuda_vs_hf env PAGEDKV_TEST_DEVICE=cuda "${PYTEST[@]}" tests/test_exactness.py
 run ops_cache "${PYTEST[@]}" tests/test_ops_cache.py
 run offload_worker_cuda "${PYTEST[@]}" tests/test_offload_worker.py -k cuda
 "$PY" benchmarks/bench_gpu.py --out "$OUT" "${checks[@]}" || failed=1

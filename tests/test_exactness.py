@@ -4,9 +4,14 @@ The reference is a plain greedy loop over transformers' own KV cache, one prompt
 padding). The only forgiven difference is a float near-tie: at the first differing position the
 reference's logit gap between its token and ours is below 1e-3; each such case is reported.
 Every engine run must end with the pool all free and the invariants holding.
+
+``PAGEDKV_TEST_DEVICE=cuda`` runs both the engine and the reference on the GPU (same device,
+same dtype: ``gpu/run_checks.sh`` does this with the Triton kernels in every layer).
 """
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
@@ -15,6 +20,9 @@ from pagedkv import LLM, SamplingParams
 
 MAX_TOKENS = 24
 NEAR_TIE = 1e-3
+DEVICE = os.environ.get("PAGEDKV_TEST_DEVICE", "cpu")
+if DEVICE != "cpu" and not torch.cuda.is_available():
+    pytest.skip(f"PAGEDKV_TEST_DEVICE={DEVICE} but no CUDA device", allow_module_level=True)
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -49,6 +57,7 @@ def chat_ids(tok, question: str, system: str | None = None) -> list[int]:
 
 @pytest.fixture(scope="module")
 def hf_greedy(hf_model):
+    hf_model = hf_model.to(DEVICE)
     cache: dict[tuple[int, ...], tuple[list[int], list[torch.Tensor]]] = {}
 
     def run(ids: list[int], n: int = MAX_TOKENS) -> tuple[list[int], list[torch.Tensor]]:
@@ -57,14 +66,14 @@ def hf_greedy(hf_model):
             from transformers import DynamicCache
             past = DynamicCache()
             out_tokens, rows = [], []
-            inp = torch.tensor([ids])
+            inp = torch.tensor([ids], device=DEVICE)
             with torch.inference_mode():
                 for _ in range(n):
-                    logits = hf_model(inp, cache=past, use_cache=True).logits[0, -1].float()
+                    logits = hf_model(inp, cache=past, use_cache=True).logits[0, -1].float().cpu()
                     nxt = int(logits.argmax())
                     out_tokens.append(nxt)
                     rows.append(logits)
-                    inp = torch.tensor([[nxt]])
+                    inp = torch.tensor([[nxt]], device=DEVICE)
             cache[key] = (out_tokens, rows)
         return cache[key]
 
@@ -86,7 +95,7 @@ def assert_same(prompts: list[list[int]], outputs, hf_greedy, report: list[str])
 
 
 def run_engine(prompts, **kwargs):
-    llm = LLM(**kwargs)
+    llm = LLM(device=DEVICE, **kwargs)
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     engine = llm.llm_engine

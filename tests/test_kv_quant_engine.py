@@ -17,28 +17,66 @@ SYSTEM = [(31 * j) % 30000 + 200 for j in range(70)]  # a shared 70-token prefix
 PROMPTS = [SYSTEM + [(97 * i + 13 * j) % 40000 + 100 for j in range(20 + 9 * i)] for i in range(6)]
 
 
-def run(llm: LLM, prompts=PROMPTS) -> list[list[int]]:
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], PARAMS, use_tqdm=False)
+def run(llm: LLM, prompts=PROMPTS, params: SamplingParams = PARAMS) -> list[list[int]]:
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     engine = llm.llm_engine
     engine.check_invariants()
     assert engine.kv_cache_manager.num_free_blocks == engine.kv_cache_config.num_blocks - 1
     return [o.outputs[0].token_ids for o in outs]
 
 
+QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.",
+             "Explain why the sky is blue.", "Name three prime numbers.",
+             "How do bees make honey?", "Give me a tip for learning Python."]
+LIBRARY = ("You are a meticulous assistant for a library. " * 6
+           + "Answer briefly and precisely, citing the catalogue when you can.")
+# Batch shape changes the last float bits of K/V (BLAS blocks differently for a 32-token chunk
+# than for a whole prompt, a preempted request recomputes its decode tokens as a prefill), and
+# a code that sits on a rounding boundary flips; with INT4's coarse steps a flip cascades
+# through the layers. So a busy run is not bit-identical to a serial one. What must hold: every
+# token it emits is (within quantization noise) the greedy choice of an unbusy engine scoring
+# the same text. A stale block, a wrong scale or another request's page would give tokens
+# several nats away. Tolerances: log-prob gap to the scorer's best token at each position, and
+# the mean gap over all positions (noise keeps it small; a wrong read moves every position).
+NEAR_BEST = {"int8": 0.05, "fp8_per_token_head": 0.15, "int4": 3.0}
+MEAN_GAP = {"int8": 0.01, "fp8_per_token_head": 0.03, "int4": 0.15}
+
+
+def chat_prompts(llm: LLM) -> list[list[int]]:
+    tok = llm.llm_engine.tokenizer
+    return [tok.encode(tok.apply_chat_template([{"role": "system", "content": LIBRARY},
+                                                {"role": "user", "content": q}], add_generation_prompt=True),
+                       add_special_tokens=False) for q in QUESTIONS]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("kv_cache_dtype", ["int8", "int4", "fp8_per_token_head"])
 def test_preemption_chunking_and_prefix_hits_on_a_quantized_cache(kv_cache_dtype):
-    serial = LLM(kv_cache_dtype=kv_cache_dtype, num_kv_blocks=40, max_model_len=256, max_num_seqs=1,
+    """A cache too small for the batch preempts, a 32-token budget chunks every prefill, the
+    system prompt hits the cache; an engine with a roomy cache, one request at a time, scores
+    what the busy one wrote (teacher-forced prompt logprobs)."""
+    scorer = LLM(kv_cache_dtype=kv_cache_dtype, num_kv_blocks=40, max_model_len=256, max_num_seqs=1,
                  enable_prefix_caching=False)
-    want = [run(serial, [p])[0] for p in PROMPTS]
-    # 13 usable blocks: one request (≤ 9 blocks) fits, the batch of 6 does not → preemption;
-    # a 32-token budget chunks every prefill; the shared prefix hits the cache.
-    busy = LLM(kv_cache_dtype=kv_cache_dtype, num_kv_blocks=14, max_model_len=144, max_num_seqs=6,
-               max_num_batched_tokens=32)
-    assert run(busy) == want
-    stats = busy.stats()
-    assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0
-    assert run(busy) == want  # whole prompts from the cache this time
+    prompts = chat_prompts(scorer)
+    longest = max(len(p) for p in prompts) + 24
+    busy = LLM(kv_cache_dtype=kv_cache_dtype, num_kv_blocks=-(-longest // 16) + 3, max_model_len=longest,
+               max_num_seqs=6, max_num_batched_tokens=32)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    first = run(busy, prompts, params)
+    assert busy.stats()["num_preemptions"] > 0
+    second = run(busy, prompts, params)  # over what the cache kept
+    assert busy.stats()["prefix_cache_hits"] > 0
+    for outs in (first, second):
+        texts = [{"prompt_token_ids": p + o} for p, o in zip(prompts, outs)]
+        scored = scorer.generate(texts, SamplingParams(max_tokens=1, prompt_logprobs=20), use_tqdm=False)
+        gaps = []
+        for p, o, s in zip(prompts, outs, scored):
+            for i, tok in enumerate(o):
+                row = s.prompt_logprobs[len(p) + i]  # predicts output token i
+                gaps.append(max(lp.logprob for lp in row.values()) - row[tok].logprob)
+        print(f"{kv_cache_dtype}: max gap {max(gaps):.3f}, mean {sum(gaps) / len(gaps):.4f}")
+        assert max(gaps) < NEAR_BEST[kv_cache_dtype], f"a token {max(gaps):.3f} below the best"
+        assert sum(gaps) / len(gaps) < MEAN_GAP[kv_cache_dtype], f"mean gap {sum(gaps) / len(gaps):.4f}"
 
 
 @pytest.mark.slow

@@ -324,3 +324,13 @@ def test_core_imports_nothing_heavy() -> None:
             "bad = [m for m in ('torch', 'numpy', 'gguf') if m in sys.modules]; "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("kv_cache_dtype,kv_rotation,want", [
+    ("int4", None, "hadamard"), ("int8", None, "hadamard"), ("int4", "none", None),
+    ("int8_per_token_head", None, None), ("int4_per_token_group", None, None),
+    ("fp8", "hadamard", "hadamard"), ("auto", None, None)])
+def test_shortcuts_imply_the_rotation_explicit_modes_do_not(kv_cache_dtype, kv_rotation, want) -> None:
+    from pagedkv.core.specs import resolve_kv_rotation
+
+    assert resolve_kv_rotation(kv_cache_dtype, kv_rotation) == want

@@ -46,7 +46,7 @@ class EngineConfig:
     # KV cache storage (vLLM's --kv-cache-dtype): "auto" (the model dtype), a float dtype,
     # "fp8"/"fp8_e4m3"/"fp8_e5m2" (per-tensor scales), "int8_per_token_head",
     # "fp8_per_token_head", "int4_per_token_head", "int4_per_token_group", or the shortcuts
-    # "int8" and "int4" (the best INT4: per group of 32 with a Hadamard rotation).
+    # "int8" and "int4" (the best INT8 / INT4: with a Hadamard rotation; int4 in groups).
     kv_cache_dtype: str = "auto"
     kv_rotation: str | None = None  # "hadamard" / "none"; None: what kv_cache_dtype implies
     # fp8 per-tensor scales: a JSON file to load them from (and to save calibrated ones to),
