@@ -8,14 +8,23 @@
 * Decode attention: one step of 30 layers (each its own cold KV cache, LBNHC, block 16, fp32,
   Hq=9, Hkv=3, D=64) for 1, 8 and 64 sequences: ``native.paged_decode`` vs the torch path
   (gather + fused flash kernel), best of interleaved rounds.
+* Batch-1 GEMV against this run's ceilings: every SmolLM2 projection shape (q/o 576x576, k/v
+  192x576, up/gate 1536x576, down 576x1536, the 49152x576 LM head) at M = 1, with enough weight
+  copies rotating that ~96 MB stream between reuses (as in a decode step), reported as GFLOP/s
+  and GB/s of weight bytes beside the fp32 FMA peak (``torch.mm`` of cached 256x256 matrices)
+  and the memory bandwidth over the same 96 MB (the better of a copy, read + write bytes, and a
+  read), both measured in the same run;
+  ``ceiling_frac`` is the time the binding ceiling allows over the measured (CPU-time) median.
+  On a loaded machine run it with ``OMP_NUM_THREADS=1 taskset -c 0`` for steady figures.
 
-Usage: python benchmarks/bench_native.py [--rounds N] [--json-only] [--json-out FILE]
+Usage: python benchmarks/bench_native.py [--rounds N] [--m1-only] [--json-only] [--json-out FILE]
 """
 
 from __future__ import annotations
 
 import argparse
 import random
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -35,6 +44,9 @@ from pagedkv.ops.kv_cache import allocate_kv_cache  # noqa: E402
 
 GEMV_ROWS = (1, 4, 8, 16, 32, 48, 64)
 TENSORS = ("blk.0.attn_q.weight", "blk.0.ffn_up.weight", "blk.0.ffn_down.weight", "token_embd.weight")
+M1_TENSORS = ("blk.0.attn_q.weight", "blk.0.attn_k.weight", "blk.0.ffn_up.weight", "blk.0.ffn_down.weight",
+              "token_embd.weight")
+STREAM_BYTES = 96 << 20  # weight bytes rotating through the batch-1 GEMV (a decode step streams ~80 MB)
 
 
 def best_ms(fn: Callable[[int], object], rounds: int, copies: int = 8) -> float:
@@ -66,6 +78,67 @@ def bench_gemv(rounds: int) -> list[dict[str, Any]]:
             blas = best_ms(lambda i, x=x: F.linear(x, ws[i]), rounds)
             rows.append({"tensor": name, "qtype": t.qtype.name, "shape": list(w.shape), "rows": m,
                          "native_ms": nat, "blas_ms": blas, "speedup": blas / nat})
+    return rows
+
+
+def median_ms(fn: Callable[[int], object], copies: int, rounds: int) -> tuple[float, float]:
+    """(wall, CPU) median ms per call over ``rounds`` passes through ``copies`` inputs, after a
+    warm-up pass. CPU is the process's CPU time over the thread count: on a shared machine a
+    descheduled thread adds wall time but no CPU time, so CPU is the steadier figure (a thread
+    spinning at a barrier still counts, which only makes it conservative)."""
+    for i in range(copies):
+        fn(i)
+    wall, cpu = [], []
+    for _ in range(rounds):
+        t, c = time.perf_counter(), time.process_time()
+        for i in range(copies):
+            fn(i)
+        wall.append((time.perf_counter() - t) / copies * 1e3)
+        cpu.append((time.process_time() - c) / copies * 1e3 / torch.get_num_threads())
+    return statistics.median(wall), statistics.median(cpu)
+
+
+def ceilings(rounds: int) -> dict[str, float]:
+    """This run's fp32 FMA peak (GFLOP/s: ``torch.mm`` on 256x256 matrices that stay in cache)
+    and memory bandwidth (GB/s over a ``STREAM_BYTES`` working set: the better of a copy, bytes
+    read + written, and a read, ``dot(x, x)``), from CPU-time medians."""
+    a, b, c = torch.randn(256, 256), torch.randn(256, 256), torch.empty(256, 256)
+    reps = 200
+    _, mm = median_ms(lambda i: [torch.mm(a, b, out=c) for _ in range(reps)], 1, rounds)
+    # The same working set as the GEMV's rotation: a decode step's ~80 MB of weights may sit in a
+    # large L3, and the ceiling must be the one those weights stream from.
+    big = torch.randn(STREAM_BYTES // 4)
+    src, dst = big[: big.numel() // 2], big[big.numel() // 2:]
+    _, cp = median_ms(lambda i: dst.copy_(src), 1, rounds)
+    _, rd = median_ms(lambda i: torch.dot(big, big), 1, rounds)  # BLAS sdot: each byte read once
+    # What every call pays before the kernel runs (the wrapper's checks and ctypes): one block.
+    tiny, x1, y1 = torch.zeros(1, 20, dtype=torch.uint8), torch.randn(1, 32), torch.empty(1, 1)
+    _, call = median_ms(lambda i: [native.gemv_q(x1, tiny, native.GGML_Q4_1, out=y1) for _ in range(reps)], 1, rounds)
+    return {"call_overhead_us": call / reps * 1e3,
+            "fma_peak_GFLOPs": 2 * 256**3 * reps / mm / 1e6, "copy_GBps": STREAM_BYTES / cp / 1e6,
+            "read_GBps": STREAM_BYTES / rd / 1e6, "bandwidth_GBps": STREAM_BYTES / min(cp, rd) / 1e6}
+
+
+def bench_gemv_m1(rounds: int, ceil: dict[str, float]) -> list[dict[str, Any]]:
+    """Batch-1 GEMV of each projection shape against the same-run ceilings (see the docstring)."""
+    from pagedkv.models.gguf_loader import read_gguf
+    from pagedkv.models.loader import resolve_model_path
+
+    g = read_gguf(resolve_model_path(None))
+    rows = []
+    for name in M1_TENSORS:
+        t = g.tensors[name]
+        k, n = (int(d) for d in t.shape)
+        q = torch.from_numpy(t.raw).view(n, -1).contiguous()
+        qs = [q.clone() for _ in range(max(2, -(-STREAM_BYTES // q.numel())))]
+        x, out = torch.randn(1, k), torch.empty(1, n)
+        wall, med = median_ms(lambda i: native.gemv_q(x, qs[i], int(t.qtype), out=out), len(qs), max(rounds, 7))
+        flops, nbytes = 2 * n * k, q.numel()
+        bound = max(flops / ceil["fma_peak_GFLOPs"], nbytes / ceil["bandwidth_GBps"]) / 1e6  # ms
+        rows.append({"tensor": name, "qtype": t.qtype.name, "shape": [n, k], "cpu_ms": med, "wall_ms": wall,
+                     "GFLOPs": flops / med / 1e6, "weight_GBps": nbytes / med / 1e6,
+                     "binds": "FMA" if flops / ceil["fma_peak_GFLOPs"] > nbytes / ceil["bandwidth_GBps"] else "memory",
+                     "ceiling_frac": bound / med})
     return rows
 
 
@@ -129,17 +202,40 @@ def bench_decode(rounds: int) -> list[dict[str, Any]]:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     if not native.available():
         raise SystemExit("native kernels unavailable (no C compiler?): nothing to compare")
+    ceil = ceilings(args.rounds)
+    m1 = {"benchmark": "native", "torch_threads": torch.get_num_threads(), "ceilings": ceil,
+          "gemv_m1": bench_gemv_m1(args.rounds, ceil)}
+    if args.m1_only:
+        return m1
     gemv = bench_gemv(args.rounds)
     layer_rows = [r for r in gemv if r["tensor"] != "token_embd.weight"]
     crossover = max((m for m in GEMV_ROWS if all(r["speedup"] > 1.0 for r in layer_rows if r["rows"] == m)),
                     default=0)
-    return {"benchmark": "native", "torch_threads": torch.get_num_threads(), "gemv": gemv,
+    return {**m1, "gemv": gemv,
             "gemv_kquants": bench_kquants(args.rounds),
             "gemv_native_wins_up_to_rows": crossover, "decode_attention": bench_decode(args.rounds)}
 
 
+def m1_table(r: dict[str, Any]) -> list[str]:
+    c = r["ceilings"]
+    lines = [f"batch-1 GEMV, {r['torch_threads']} threads; same-run ceilings: fp32 FMA peak "
+             f"{c['fma_peak_GFLOPs']:.0f} GFLOP/s, memory {c['bandwidth_GBps']:.1f} GB/s "
+             f"(copy {c['copy_GBps']:.1f}, read {c['read_GBps']:.1f}); each call pays "
+             f"{c['call_overhead_us']:.1f} us before the kernel (wrapper + ctypes), included below",
+             f"{'tensor':24s}{'type':>6s}{'N x K':>12s}{'CPU ms':>8s}{'wall ms':>8s}{'GFLOP/s':>8s}"
+             f"{'GB/s':>6s}{'binds':>7s}{'of ceil':>8s}"]
+    for g in r["gemv_m1"]:
+        lines.append(f"{g['tensor']:24s}{g['qtype']:>6s}{g['shape'][0]:>6d}x{g['shape'][1]:<5d}{g['cpu_ms']:8.3f}"
+                     f"{g['wall_ms']:8.3f}{g['GFLOPs']:8.1f}{g['weight_GBps']:6.1f}{g['binds']:>7s}"
+                     f"{g['ceiling_frac']:7.0%}")
+    return lines
+
+
 def table(r: dict[str, Any]) -> str:
-    lines = [f"{'GEMV tensor':24s}{'type':>6s}{'M':>4s}{'native ms':>11s}{'BLAS ms':>9s}{'speedup':>9s}"]
+    if "gemv" not in r:
+        return "\n".join(m1_table(r))
+    lines = [*m1_table(r), ""]
+    lines += [f"{'GEMV tensor':24s}{'type':>6s}{'M':>4s}{'native ms':>11s}{'BLAS ms':>9s}{'speedup':>9s}"]
     for g in r["gemv"]:
         lines.append(f"{g['tensor']:24s}{g['qtype']:>6s}{g['rows']:4d}{g['native_ms']:11.3f}"
                      f"{g['blas_ms']:9.3f}{g['speedup']:8.2f}x")
@@ -158,6 +254,7 @@ def table(r: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--m1-only", action="store_true", help="only the batch-1 GEMV against the ceilings")
     add_output_args(p)
     return run_and_emit(run, table, p.parse_args(argv))
 

@@ -171,36 +171,117 @@ static inline void dequant_block(int qtype, const uint8_t *b, float *w) {
     }
 }
 
-/* One output column n of y = x @ W^T for up to MAX_M rows of x. */
-static void gemv_row(int qtype, const float *x, int64_t m_rows, int64_t ldx, int64_t nblocks,
-                     const uint8_t *row, int bb, float *out /* [m_rows] */) {
+/* float16 -> float32, exact (F16C where the build has it: one instruction, same value). */
+static inline float half_at(const uint8_t *p) {
+#if defined(__F16C__)
+    return _cvtsh_ss(load_u16(p));
+#else
+    return fp16_to_fp32(load_u16(p));
+#endif
+}
+
 #if defined(__AVX512F__)
-    __m512 acc[MAX_M];
-    for (int i = 0; i < m_rows; i++) acc[i] = _mm512_setzero_ps();
-    const __m128i low = _mm_set1_epi8(0x0F);
-    for (int64_t k = 0; k < nblocks; k++) {
-        const uint8_t *b = row + k * bb;
-        __m512 d = _mm512_set1_ps(fp16_to_fp32(load_u16(b)));
-        __m512 w0, w1;
-        if (qtype == Q8_0) {
-            __m128i q0 = _mm_loadu_si128((const __m128i *)(b + 2));
-            __m128i q1 = _mm_loadu_si128((const __m128i *)(b + 18));
-            w0 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q0)));
-            w1 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q1)));
-        } else {
-            __m128i q = _mm_loadu_si128((const __m128i *)(b + (qtype == Q4_0 ? 2 : 4)));
-            __m512i lo = _mm512_cvtepu8_epi32(_mm_and_si128(q, low));
-            __m512i hi = _mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(q, 4), low));
-            if (qtype == Q4_0) {
-                const __m512i eight = _mm512_set1_epi32(8);
-                w0 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_sub_epi32(lo, eight)));
-                w1 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_sub_epi32(hi, eight)));
-            } else {
-                __m512 m = _mm512_set1_ps(fp16_to_fp32(load_u16(b + 2)));
-                w0 = _mm512_add_ps(_mm512_mul_ps(d, _mm512_cvtepi32_ps(lo)), m);
-                w1 = _mm512_add_ps(_mm512_mul_ps(d, _mm512_cvtepi32_ps(hi)), m);
+#define ALWAYS_INLINE static inline __attribute__((always_inline))
+
+/* One 32-weight block (Q4_0, Q4_1 or Q8_0) as two registers of float32 weights, bit-identical
+ * to dequant_block, given its scale d (and Q4_1's m) already in float32. The 4-bit types build
+ * the block's 16 possible weights once (d*j + m, or d*(j-8): the same rounded product and sum as
+ * the scalar path) and look each nibble up with vpermps, which reads only an index's low 4 bits:
+ * so the zero-extended bytes index the low nibbles as they are and, shifted right by 4, the
+ * high ones. */
+ALWAYS_INLINE void dequant32_dm(int qtype, const uint8_t *b, __m512 d, __m512 m, __m512 *w0, __m512 *w1) {
+    if (qtype == Q8_0) {
+        __m128i q0 = _mm_loadu_si128((const __m128i *)(b + 2));
+        __m128i q1 = _mm_loadu_si128((const __m128i *)(b + 18));
+        *w0 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q0)));
+        *w1 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q1)));
+        return;
+    }
+    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    __m512 table;
+    if (qtype == Q4_0)
+        table = _mm512_mul_ps(d, _mm512_sub_ps(iota, _mm512_set1_ps(8.0f)));
+    else
+        table = _mm512_add_ps(_mm512_mul_ps(d, iota), m);
+    __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + (qtype == Q4_0 ? 2 : 4))));
+    *w0 = _mm512_permutexvar_ps(q, table);
+    *w1 = _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), table);
+}
+
+ALWAYS_INLINE void dequant32(int qtype, const uint8_t *b, __m512 *w0, __m512 *w1) {
+    __m512 d = _mm512_set1_ps(half_at(b)), m = qtype == Q4_1 ? _mm512_set1_ps(half_at(b + 2)) : d;
+    dequant32_dm(qtype, b, d, m, w0, w1);
+}
+
+/* float32 scales of up to n <= 16 consecutive blocks at `b`, in one gather of the 4 bytes that
+ * open each block (d, then Q4_1's m or the first quants) and two conversions of 16 halves:
+ * dm[2j] = d of block j, dm[2j+1] = m (meaningless for the other types). Lanes past n are
+ * masked off, so nothing past the last block is read. */
+ALWAYS_INLINE void block_scales16(const uint8_t *b, int bb, int64_t n, float *dm /* [32] */) {
+    const __m512i idx = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                           _mm512_set1_epi32(bb));
+    __mmask16 k = n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1);
+    __m512i h = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), k, idx, b, 1);
+    _mm512_storeu_ps(dm, _mm512_cvtph_ps(_mm512_castsi512_si256(h)));
+    _mm512_storeu_ps(dm + 16, _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1)));
+}
+
+/* M = 1: R consecutive output columns (weight rows `stride` bytes apart) against one x, two
+ * accumulators a row, so the x loads are shared and R*2 FMA chains hide the FMA latency. The
+ * blocks go 16 at a time: their float16 scales first (one gather and conversion for 16), then
+ * the FMAs. Each row prefetches 4 KB ahead (the next row groups: at batch 1 the weights stream
+ * from memory, and the hardware prefetcher alone left the loop waiting on it ~40% of the time). */
+ALWAYS_INLINE void gemv_rows_m1(int qtype, int R, const float *x, int64_t nblocks, const uint8_t *row,
+                                int64_t stride, int bb, float *out /* [R] */) {
+    __m512 a0[4], a1[4];
+    for (int r = 0; r < R; r++) a0[r] = a1[r] = _mm512_setzero_ps();
+    for (int64_t k0 = 0; k0 < nblocks; k0 += 16) {
+        int64_t kn = nblocks - k0 < 16 ? nblocks - k0 : 16;
+        float dm[4][32];
+        for (int r = 0; r < R; r++) block_scales16(row + r * stride + k0 * bb, bb, kn, dm[r]);
+        for (int64_t j = 0; j < kn; j++) {
+            int64_t k = k0 + j;
+            __m512 x0 = _mm512_loadu_ps(x + k * QK), x1 = _mm512_loadu_ps(x + k * QK + 16);
+            for (int r = 0; r < R; r++) {
+                const uint8_t *b = row + r * stride + k * bb;
+                _mm_prefetch((const char *)b + 4096, _MM_HINT_T0);
+                __m512 w0, w1, d = _mm512_set1_ps(dm[r][2 * j]);
+                dequant32_dm(qtype, b, d, qtype == Q4_1 ? _mm512_set1_ps(dm[r][2 * j + 1]) : d, &w0, &w1);
+                a0[r] = _mm512_fmadd_ps(w0, x0, a0[r]);
+                a1[r] = _mm512_fmadd_ps(w1, x1, a1[r]);
             }
         }
+    }
+    for (int r = 0; r < R; r++) out[r] = _mm512_reduce_add_ps(_mm512_add_ps(a0[r], a1[r]));
+}
+
+static void gemv4_m1(int qtype, const float *x, int64_t nblocks, const uint8_t *row, int64_t stride, int bb,
+                     float *out) {
+    switch (qtype) {  /* constant qtype: each case compiles to its own branch-free loop */
+        case Q4_0: gemv_rows_m1(Q4_0, 4, x, nblocks, row, stride, bb, out); break;
+        case Q4_1: gemv_rows_m1(Q4_1, 4, x, nblocks, row, stride, bb, out); break;
+        default: gemv_rows_m1(Q8_0, 4, x, nblocks, row, stride, bb, out); break;
+    }
+}
+
+static void gemv1_m1(int qtype, const float *x, int64_t nblocks, const uint8_t *row, int bb, float *out) {
+    switch (qtype) {
+        case Q4_0: gemv_rows_m1(Q4_0, 1, x, nblocks, row, 0, bb, out); break;
+        case Q4_1: gemv_rows_m1(Q4_1, 1, x, nblocks, row, 0, bb, out); break;
+        default: gemv_rows_m1(Q8_0, 1, x, nblocks, row, 0, bb, out); break;
+    }
+}
+#endif
+
+#if defined(__AVX512F__)
+/* gemv_row's loop for one (constant, once inlined) qtype. */
+ALWAYS_INLINE void gemv_row_q(int qtype, const float *x, int64_t m_rows, int64_t ldx, int64_t nblocks,
+                              const uint8_t *row, int bb, float *out) {
+    __m512 acc[MAX_M];
+    for (int i = 0; i < m_rows; i++) acc[i] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < nblocks; k++) {
+        __m512 w0, w1;
+        dequant32(qtype, row + k * bb, &w0, &w1);
         const float *xk = x + k * QK;
         for (int i = 0; i < m_rows; i++) {
             acc[i] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xk + i * ldx), acc[i]);
@@ -208,6 +289,18 @@ static void gemv_row(int qtype, const float *x, int64_t m_rows, int64_t ldx, int
         }
     }
     for (int i = 0; i < m_rows; i++) out[i] = _mm512_reduce_add_ps(acc[i]);
+}
+#endif
+
+/* One output column n of y = x @ W^T for up to MAX_M rows of x. */
+static void gemv_row(int qtype, const float *x, int64_t m_rows, int64_t ldx, int64_t nblocks,
+                     const uint8_t *row, int bb, float *out /* [m_rows] */) {
+#if defined(__AVX512F__)
+    switch (qtype) {  /* one loop per type: no type tests inside it */
+        case Q4_0: gemv_row_q(Q4_0, x, m_rows, ldx, nblocks, row, bb, out); break;
+        case Q4_1: gemv_row_q(Q4_1, x, m_rows, ldx, nblocks, row, bb, out); break;
+        default: gemv_row_q(Q8_0, x, m_rows, ldx, nblocks, row, bb, out); break;
+    }
 #else
     float acc[MAX_M][QK], w[QK];
     memset(acc, 0, sizeof(acc));
@@ -229,6 +322,55 @@ static void gemv_row_k(int qtype, const float *x, int64_t m_rows, int64_t ldx, i
                        const uint8_t *row, int bb, float *out) {
     float w[QK_K];
 #if defined(__AVX512F__)
+    if (m_rows == 1 && qtype == Q4_K) {
+        /* Q4_K at batch 1 in registers: per 32-weight sub-block the 16 possible weights
+         * (d*sc)*j - dmin*m (gguf.quants' rounded product, then the difference) are built once
+         * and the nibbles looked up with vpermps, as for Q4_1; four FMA chains. */
+        const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+        __m512 a[4];
+        for (int i = 0; i < 4; i++) a[i] = _mm512_setzero_ps();
+        for (int64_t k = 0; k < nblocks; k++) {
+            const uint8_t *b = row + k * bb;
+            _mm_prefetch((const char *)b + 1024, _MM_HINT_T0);
+            _mm_prefetch((const char *)b + 1024 + 64, _MM_HINT_T0);
+            _mm_prefetch((const char *)b + 1024 + 128, _MM_HINT_T0);
+            float d = half_at(b), dmin = half_at(b + 2);
+            const float *xk = x + k * QK_K;
+            for (int c = 0; c < 4; c++) {  /* 32 quant bytes: sub-block 2c low nibbles, 2c+1 high */
+                __m512i ia = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + 16 + 32 * c)));
+                __m512i ib = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + 32 + 32 * c)));
+                for (int h = 0; h < 2; h++) {
+                    int j = 2 * c + h, sc, m;
+                    q4k_scale_min(b + 4, j, &sc, &m);
+                    __m512 table = _mm512_sub_ps(_mm512_mul_ps(_mm512_set1_ps(d * (float)sc), iota),
+                                                 _mm512_set1_ps(dmin * (float)m));
+                    __m512i i0 = h ? _mm512_srli_epi32(ia, 4) : ia, i1 = h ? _mm512_srli_epi32(ib, 4) : ib;
+                    a[2 * h] = _mm512_fmadd_ps(_mm512_permutexvar_ps(i0, table), _mm512_loadu_ps(xk + 32 * j),
+                                               a[2 * h]);
+                    a[2 * h + 1] = _mm512_fmadd_ps(_mm512_permutexvar_ps(i1, table), _mm512_loadu_ps(xk + 32 * j + 16),
+                                                   a[2 * h + 1]);
+                }
+            }
+        }
+        for (int i = 1; i < 4; i++) a[0] = _mm512_add_ps(a[0], a[i]);
+        out[0] = _mm512_reduce_add_ps(a[0]);
+        return;
+    }
+    if (m_rows == 1) {  /* four accumulators: one chain would wait on the FMA latency */
+        __m512 a[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+        for (int64_t k = 0; k < nblocks; k++) {
+            _mm_prefetch((const char *)row + (k + 1) * bb, _MM_HINT_T0);
+            _mm_prefetch((const char *)row + (k + 1) * bb + 64, _MM_HINT_T0);
+            _mm_prefetch((const char *)row + (k + 1) * bb + 128, _MM_HINT_T0);
+            dequant_superblock(qtype, row + k * bb, w);
+            for (int v = 0; v < QK_K; v += 16) {
+                __m512 *acc = &a[(v / 16) % 4];
+                *acc = _mm512_fmadd_ps(_mm512_loadu_ps(w + v), _mm512_loadu_ps(x + k * QK_K + v), *acc);
+            }
+        }
+        out[0] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a[0], a[1]), _mm512_add_ps(a[2], a[3])));
+        return;
+    }
     __m512 acc[MAX_M];
     for (int i = 0; i < m_rows; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t k = 0; k < nblocks; k++) {
@@ -265,6 +407,24 @@ int pkv_gemv_q(int qtype, const float *x, int64_t M, int64_t K, const uint8_t *w
     int bb = pkv_block_bytes(qtype), bw = pkv_block_weights(qtype);
     if (bb == 0 || K % bw) return -1;
     int64_t nblocks = K / bw;
+#if defined(__AVX512F__)
+    if (M == 1 && bw == QK) {
+        /* Batch 1: four weight rows per step; static scheduling gives each thread one contiguous
+         * range of row groups (one forward stream through the weights). */
+        int64_t groups = N / 4;
+#pragma omp parallel for schedule(static)
+        for (int64_t g = 0; g <= groups; g++) {
+            float out[4];
+            int64_t n0 = g * 4, nr = g < groups ? 4 : N - n0;
+            if (nr == 4)
+                gemv4_m1(qtype, x, nblocks, w + n0 * row_stride, row_stride, bb, out);
+            else
+                for (int64_t r = 0; r < nr; r++) gemv1_m1(qtype, x, nblocks, w + (n0 + r) * row_stride, bb, out + r);
+            for (int64_t r = 0; r < nr; r++) y[n0 + r] = out[r] + (bias ? bias[n0 + r] : 0.0f);
+        }
+        return 0;
+    }
+#endif
 #pragma omp parallel for schedule(static)
     for (int64_t n = 0; n < N; n++) {
         float out[MAX_M];
