@@ -15,22 +15,13 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as np_dequantize
-from test_native import QTYPES, random_rows
+from test_native import QTYPES, kernels, random_rows  # noqa: F401 (kernels: a fixture)
 
 from pagedkv.ops import native
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="no C compiler: native kernels unavailable")
 
 SIMPLE = [GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0]
-
-
-@pytest.fixture(params=["native", "portable"])
-def kernels(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """This machine's build, and the portable C path (``-mno-avx512f``)."""
-    if request.param == "portable":
-        so = native.build(("-mno-avx512f",))
-        monkeypatch.setattr(native, "lib", lambda: so)
-    return request.param
 
 
 def k_for(qtype: GGMLQuantizationType, blocks: int) -> int:

@@ -13,6 +13,7 @@ import random
 import pytest
 import torch
 from ref_attention import ref_attention
+from test_native import kernels  # noqa: F401 (a fixture: this build and the portable C path)
 
 from pagedkv.core.specs import AttentionSpec, KVQuantMode
 from pagedkv.ops import native
@@ -28,15 +29,6 @@ FORMATS = [(KVQuantMode.INT8_PER_TOKEN_HEAD, "int8"), (KVQuantMode.FP8_PER_TOKEN
            (KVQuantMode.FP8_PER_TENSOR, "fp8"), (KVQuantMode.FP8_PER_TENSOR, "fp8_e5m2"),
            (KVQuantMode.INT4_PER_TOKEN_HEAD, "int4"), (KVQuantMode.INT4_PER_TOKEN_GROUP, "int4")]
 FORMAT_IDS = [f"{m.value}-{d}" for m, d in FORMATS]
-
-
-@pytest.fixture(params=["native", "portable"])
-def kernels(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """This machine's build and the portable C path (``-mno-avx512f``), as in test_native.py."""
-    if request.param == "portable":
-        so = native.build(("-mno-avx512f",))
-        monkeypatch.setattr(native, "lib", lambda: so)
-    return request.param
 
 
 def quant_batch(mode: KVQuantMode, dtype: str, lens: list[int], *, bs: int, hkv: int, group: int, d: int,

@@ -24,6 +24,7 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton")
 
+from triton_env import interpret_during_module  # noqa: E402
 from ref_attention import PagedBatch, make_paged_batch  # noqa: E402
 
 from pagedkv.ops.cache import reshape_and_cache  # noqa: E402
@@ -42,19 +43,7 @@ LAYOUTS = [None, "LBNHC", "BLNHC", "LBHNC"]
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 5e-3}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _interpret_during_module():
-    """Keep ``TRITON_INTERPRET`` set while this module's kernels run (triton reads it again at
-    every launch, and an earlier module may have unset it), and do not leak it into later
-    modules and their subprocesses."""
-    before = os.environ.get("TRITON_INTERPRET")
-    if INTERPRET:
-        os.environ["TRITON_INTERPRET"] = "1"
-    yield
-    if _WE_SET_INTERPRET or before is None:
-        os.environ.pop("TRITON_INTERPRET", None)
-    else:
-        os.environ["TRITON_INTERPRET"] = before
+_interpret_during_module = interpret_during_module(_WE_SET_INTERPRET, INTERPRET)
 
 
 def on_device(batch: PagedBatch, layout: str | None) -> PagedBatch:

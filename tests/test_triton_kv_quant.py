@@ -28,6 +28,7 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton")
 
+from triton_env import interpret_during_module  # noqa: E402
 from ref_attention import PagedBatch, make_paged_batch  # noqa: E402
 
 from pagedkv.core.specs import AttentionSpec  # noqa: E402
@@ -52,19 +53,7 @@ FORMAT_IDS = ["fp8", "fp8_e5m2", "int8_pth", "fp8_pth", "int4_pth", "int4_group"
 TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 5e-3}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _interpret_during_module():
-    """Keep ``TRITON_INTERPRET`` set while this module's kernels (decorated as interpreted at
-    import) run — triton reads it again at launch, and an earlier module may have unset it —
-    and do not leak it into later modules and their subprocesses."""
-    before = os.environ.get("TRITON_INTERPRET")
-    if INTERPRET:
-        os.environ["TRITON_INTERPRET"] = "1"
-    yield
-    if _WE_SET_INTERPRET or before is None:
-        os.environ.pop("TRITON_INTERPRET", None)
-    else:
-        os.environ["TRITON_INTERPRET"] = before
+_interpret_during_module = interpret_during_module(_WE_SET_INTERPRET, INTERPRET)
 
 
 def make_quant(dtype: str, mode: str, head_size: int, head_size_v: int | None = None,
