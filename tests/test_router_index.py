@@ -128,17 +128,18 @@ def test_index_cpu_engine_pool_is_device() -> None:
 
 
 _ops = st.lists(st.tuples(st.sampled_from(["store", "tier", "remove_dev", "remove_tier", "clear"]),
-                          st.sampled_from(["a", "b"]), st.lists(st.integers(0, 5), min_size=1, max_size=3)),
-                max_size=40)
+                          st.sampled_from(["a", "b", "c"]), st.lists(st.integers(0, 5), min_size=1, max_size=3)),
+                max_size=60)
 
 
 @settings(max_examples=200, deadline=None)
 @given(_ops, st.lists(st.integers(0, 5), max_size=6))
 def test_index_agrees_with_a_set_model(ops: list, query: list[int]) -> None:
-    """Model: per replica, a set of device hashes and a set of tier hashes (one tier, "STORAGE")."""
+    """Model: per replica, a set of device hashes and a set of tier hashes (one tier, "STORAGE").
+    Also checks the index's device sets (what `match` intersects) against the model."""
     idx = PrefixIndex()
-    dev: dict[str, set[int]] = {"a": set(), "b": set()}
-    tier: dict[str, set[int]] = {"a": set(), "b": set()}
+    dev: dict[str, set[int]] = {"a": set(), "b": set(), "c": set()}
+    tier: dict[str, set[int]] = {"a": set(), "b": set(), "c": set()}
     for op, r, hs in ops:
         if op == "store":
             idx.apply(r, stored(hs))
@@ -157,8 +158,10 @@ def test_index_agrees_with_a_set_model(ops: list, query: list[int]) -> None:
             dev[r].clear()
             tier[r].clear()
     assert len(idx) == len(set().union(*dev.values(), *tier.values()))
+    on_device = {h: {r for r in dev if h in dev[r]} for h in set().union(*dev.values())}
+    assert idx._device_of == on_device
     want = {}
-    for r in ("a", "b"):
+    for r in ("a", "b", "c"):
         d = 0
         while d < len(query) and query[d] in dev[r]:
             d += 1
@@ -168,6 +171,14 @@ def test_index_agrees_with_a_set_model(ops: list, query: list[int]) -> None:
         if t > 0:
             want[r] = PrefixMatch(d, t - d)
     assert idx.match(query) == want
+    # The simulator's power-of-K path: exact matches for chosen replicas, and the deepest holders.
+    assert idx.match_replicas(query, ["a", "b", "c"]) == want
+    assert idx.match_replicas(query, ["b"]) == {k: v for k, v in want.items() if k == "b"}
+    held = {r: {i for i, h in enumerate(query) if h in dev[r] or h in tier[r]} for r in dev}
+    deepest = idx.deepest_holders(query, 2, exclude={"c"})
+    ranked = sorted((r for r in ("a", "b") if held[r]), key=lambda r: -max(held[r]))
+    assert len(deepest) == min(2, len(ranked)) and "c" not in deepest
+    assert sorted(max(held[r]) for r in deepest) == sorted(max(held[r]) for r in ranked[:2])
 
 
 # ---- scoring ------------------------------------------------------------------------------------

@@ -18,8 +18,11 @@ Fed by the replicas' KV events (`pagedkv.core.events`), one replica at a time (`
 Hashes are keyed by their 64-bit external int (`hashing.to_external`). Hybrid models (several
 KV cache groups) count a block as held on the device while any group holds it.
 
-Invariant: ``_replicas_of[h]`` contains ``r`` iff ``h in _blocks_of[r]``, and every holding in
-the index holds at least one copy (empty holdings are deleted at once).
+Invariants: ``_replicas_of[h]`` contains ``r`` iff ``h in _blocks_of[r]``; every holding in the
+index holds at least one copy (empty holdings are deleted at once); ``_device_of[h]`` is exactly
+the replicas whose holding of ``h`` has a device group (no empty sets are kept). The device sets
+let `match` run as C-level set intersections, one per prompt block, instead of a Python loop
+over replicas per block (a shared system prompt is held by every replica of a large fleet).
 """
 
 from __future__ import annotations
@@ -65,6 +68,7 @@ class PrefixIndex:
         self.device_media = device_media
         self._replicas_of: dict[int, dict[str, _Holding]] = {}
         self._blocks_of: dict[str, set[int]] = {}
+        self._device_of: dict[int, set[str]] = {}
 
     # ---- events ------------------------------------------------------------------------------------
 
@@ -77,9 +81,11 @@ class PrefixIndex:
             device = bool(event.token_ids) and medium in self.device_media
             group = event.group_idx or 0
             for h in event.block_hashes:
-                holding = self._holding(replica, to_external(h))
+                key = to_external(h)
+                holding = self._holding(replica, key)
                 if device:
                     holding.device_groups.add(group)
+                    self._device_of.setdefault(key, set()).add(replica)
                 else:
                     holding.tier_media.add(medium)
         elif isinstance(event, BlockRemoved):
@@ -99,6 +105,7 @@ class PrefixIndex:
     def remove_replica(self, replica: str) -> None:
         """Forget everything ``replica`` holds (it died, or cleared its cache)."""
         for h in self._blocks_of.pop(replica, ()):
+            self._drop_device(replica, h)
             holders = self._replicas_of.get(h)
             if holders is not None:
                 holders.pop(replica, None)
@@ -120,6 +127,8 @@ class PrefixIndex:
             return
         if medium in self.device_media and holding.device_groups:
             holding.device_groups.discard(group)
+            if not holding.device_groups:
+                self._drop_device(replica, h)
         else:
             holding.tier_media.discard(medium)
         if holding.empty:
@@ -128,38 +137,85 @@ class PrefixIndex:
             if not holders:
                 del self._replicas_of[h]
 
+    def _drop_device(self, replica: str, h: int) -> None:
+        on_device = self._device_of.get(h)
+        if on_device is not None:
+            on_device.discard(replica)
+            if not on_device:
+                del self._device_of[h]
+
     # ---- queries -----------------------------------------------------------------------------------
 
     def match(self, block_hashes: Sequence[int]) -> dict[str, PrefixMatch]:
         """For every replica holding block 0 of ``block_hashes`` (anywhere): its longest device
         prefix, then how many further consecutive blocks it holds (device or tier; counted as
-        tier blocks, since the device prefix ended). O(len(block_hashes) * replicas)."""
-        out: dict[str, PrefixMatch] = {}
-        if not block_hashes:
-            return out
-        first = self._replicas_of.get(block_hashes[0])
-        if not first:
-            return out
-        active: dict[str, PrefixMatch] = {r: PrefixMatch(0, 0) for r in first}
-        on_device = {r for r, hold in first.items() if hold.device_groups}
-        out.update(active)
-        for h in block_hashes:
-            holders = self._replicas_of.get(h)
+        tier blocks, since the device prefix ended).
+
+        One set intersection per block over the replicas still matching (C speed), and each
+        replica is recorded once, when its run ends: O(blocks * matching replicas) in C plus
+        O(matching replicas) in Python."""
+        first = self._replicas_of.get(block_hashes[0]) if block_hashes else None
+        return self._match_from(block_hashes, set(first)) if first else {}
+
+    def match_replicas(self, block_hashes: Sequence[int], replicas: Iterable[str]) -> dict[str, PrefixMatch]:
+        """`match` restricted to ``replicas``: the same PrefixMatch for each of them that holds
+        block 0 (the others are absent), at a cost in the number of ``replicas``, not of all the
+        replicas holding the prompt's first blocks."""
+        first = self._replicas_of.get(block_hashes[0]) if block_hashes else None
+        return self._match_from(block_hashes, first.keys() & set(replicas)) if first else {}
+
+    def _match_from(self, block_hashes: Sequence[int], alive: set[str]) -> dict[str, PrefixMatch]:
+        """The drop-out walk behind `match`: ``alive`` (a subset of block 0's holders) shrinks
+        block by block; a replica's total/device run length is recorded when it leaves."""
+        total: dict[str, int] = {}  # replica -> consecutive blocks held anywhere
+        device: dict[str, int] = {}  # replica -> consecutive blocks held on its device
+        empty: frozenset[str] = frozenset()
+        get, get_device = self._replicas_of.get, self._device_of.get
+        dev = alive & get_device(block_hashes[0], empty)  # ... held on the device
+        i = 0
+        for i, h in enumerate(block_hashes):
+            if i:
+                holders = get(h)
+                nxt = holders.keys() & alive if holders else set()  # iterates the smaller side
+                if len(nxt) != len(alive):
+                    for r in alive - nxt:
+                        total[r] = i
+                    alive = nxt
+                if dev:
+                    dnxt = dev & get_device(h, empty)
+                    if len(dnxt) != len(dev):
+                        for r in dev - dnxt:
+                            device[r] = i
+                        dev = dnxt
+            if not alive:
+                break
+        else:
+            i = len(block_hashes)
+        for r in alive:
+            total[r] = i
+        for r in dev:
+            device[r] = i
+        return {r: PrefixMatch(device.get(r, 0), n - device.get(r, 0)) for r, n in total.items()}
+
+    def deepest_holders(self, block_hashes: Sequence[int], k: int,
+                        exclude: frozenset[str] | set[str] = frozenset()) -> list[str]:
+        """Up to ``k`` replicas (not in ``exclude``) holding the deepest blocks of the prompt,
+        deepest first: the candidates for the longest prefix match, found without touching the
+        replicas that only hold a short common prefix (a shared system prompt held by the whole
+        fleet). A replica's block at depth i does not prove blocks 0..i-1: `match_replicas`
+        gives the exact prefix. O(blocks + k) dict lookups."""
+        out: list[str] = []
+        seen: set[str] = set()
+        for i in range(len(block_hashes) - 1, -1, -1):
+            holders = self._replicas_of.get(block_hashes[i])
             if not holders:
-                break
-            for r in list(active):
-                hold = holders.get(r)
-                if hold is None:
-                    del active[r]
-                    continue
-                m = active[r]
-                if r in on_device and hold.device_groups:
-                    m.device_blocks += 1
-                else:
-                    on_device.discard(r)
-                    m.tier_blocks += 1
-            if not active:
-                break
+                continue
+            for r in holders:
+                if r not in seen and r not in exclude:
+                    seen.add(r)
+                    out.append(r)
+                    if len(out) >= k:
+                        return out
         return out
 
     def num_blocks(self, replica: str) -> int:

@@ -102,8 +102,8 @@ def _fleet_args(p: argparse.ArgumentParser) -> None:
     r.add_argument("--load-weight", type=float, default=1.0)
     r.add_argument("--temperature", type=float, default=0.0)
     r.add_argument("--route-candidates", type=int, default=None,
-                   help="score matched replicas + K sampled ones (default: all up to 128 replicas, "
-                        "else 16); 0 = all")
+                   help="score the K replicas holding the deepest prompt blocks + K sampled ones (default: all "
+                        "up to 128 replicas, else 16); 0 = all")
     r.add_argument("--exact-active-blocks", action="store_true",
                    help="give the kv policy each replica's exact blocks in use (default: what "
                         "`pagedkv router` sees; the policy estimates them from running requests)")

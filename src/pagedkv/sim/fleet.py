@@ -8,9 +8,11 @@ an idle replica schedules a step at once, a replica in a decode run is cut after
 flight. A step end whose version is stale (the run was cut) is skipped.
 
 Routing at scale: `RoutingPolicy.choose` scores every replica it is given, O(replicas) Python
-work per request. ``route_candidates = K > 0`` gives it the replicas holding a prefix of the
-prompt plus K replicas sampled at random (power-of-K choices) instead of all of them; 0 gives it
-all (exact, the `pagedkv router` behaviour). Round-robin always gets all.
+work per request. ``route_candidates = K > 0`` gives it the K replicas holding the deepest blocks
+of the prompt (`PrefixIndex.deepest_holders`) plus K replicas sampled at random (power-of-K
+choices), each matched exactly (`PrefixIndex.match_replicas`), instead of all of them: a prefix
+every replica holds (a shared system prompt) then costs O(K) per request, not O(replicas); 0
+gives it all (exact, the `pagedkv router` behaviour). Round-robin always gets all.
 """
 
 from __future__ import annotations
@@ -97,16 +99,23 @@ class Fleet:
 
     def route(self, req: SimRequest) -> Replica:
         cfg = self.cfg
-        matches = self.index.match(req.ext_hashes) if self.index is not None else {}
         names = self.names
-        if self.decode_names and matches:  # PD: only prefill replicas are candidates
-            matches = {n: m for n, m in matches.items() if n not in self._decode_set}
         k = cfg.route_candidates
-        if k > 0 and cfg.policy != "round-robin" and len(names) > k + len(matches):
-            picked = set(matches)
-            picked.update(self._rng.sample(names, k))
+        if k > 0 and cfg.policy != "round-robin" and len(names) > 2 * k:
+            # Power-of-K: K replicas at random + the K holding the deepest blocks, matched exactly.
+            picked = set(self._rng.sample(names, k))
+            matches = {}
+            if self.index is not None:
+                picked.update(self.index.deepest_holders(req.ext_hashes, k, self._decode_set))
+                matches = self.index.match_replicas(req.ext_hashes, picked)
             names = [n for n in names if n in picked] if len(picked) > 64 else sorted(
                 picked, key=lambda n: int(n[1:]))
+        elif self.index is None:
+            matches = {}
+        else:
+            matches = self.index.match(req.ext_hashes)
+            if self.decode_names and matches:  # PD: only prefill replicas are candidates
+                matches = {n: m for n, m in matches.items() if n not in self._decode_set}
         d = self.policy.choose(names, len(req.ext_hashes), matches, self.loads, cfg.replica.block_size)
         req.predicted_hit_blocks = d.predicted_hit_blocks
         req.route_reason = d.reason
