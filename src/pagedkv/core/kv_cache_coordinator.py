@@ -27,7 +27,7 @@ from pagedkv.core.single_type_kv_cache_manager import (
     SingleTypeKVCacheManager,
     get_manager_class,
 )
-from pagedkv.core.specs import KVCacheGroupSpec, KVCacheSpec
+from pagedkv.core.specs import KVCacheGroupSpec, KVCacheSpec, MambaSpec, scheduler_kv_cache_groups
 
 
 class BlockHashListWithBlockSize(Sequence[BlockHash]):
@@ -76,14 +76,17 @@ class KVCacheCoordinator:
         enable_kv_cache_events: bool,
         hash_block_size: int,
         medium: str = MEDIUM_GPU,
+        prefix_cache_retention_interval: int | None = None,
     ) -> None:
-        self.kv_cache_groups = list(kv_cache_groups)
+        self.kv_cache_groups = scheduler_kv_cache_groups(kv_cache_groups)  # uniform-type → one layer's spec
         self.hash_block_size = hash_block_size
         self.block_pool = BlockPool(num_blocks, enable_caching, enable_kv_cache_events, medium)
         # Hits (and so cached blocks) end on multiples of the lcm of the group block sizes.
         self.lcm_block_size = math.lcm(*(g.kv_cache_spec.block_size for g in self.kv_cache_groups))
         self.single_type_managers: tuple[SingleTypeKVCacheManager, ...] = tuple(
-            get_manager_class(g.kv_cache_spec)(g.kv_cache_spec, self.block_pool, i, self.lcm_block_size)
+            get_manager_class(g.kv_cache_spec)(g.kv_cache_spec, self.block_pool, i, self.lcm_block_size,
+                                               **({"prefix_cache_retention_interval": prefix_cache_retention_interval}
+                                                  if isinstance(g.kv_cache_spec, MambaSpec) else {}))
             for i, g in enumerate(self.kv_cache_groups)
         )
 
@@ -218,7 +221,8 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
 
 def get_kv_cache_coordinator(kv_cache_groups: Sequence[KVCacheGroupSpec], num_blocks: int,
                              enable_caching: bool, enable_kv_cache_events: bool,
-                             hash_block_size: int, medium: str = MEDIUM_GPU) -> KVCacheCoordinator:
+                             hash_block_size: int, medium: str = MEDIUM_GPU,
+                             prefix_cache_retention_interval: int | None = None) -> KVCacheCoordinator:
     if not enable_caching:
         cls: type[KVCacheCoordinator] = KVCacheCoordinatorNoPrefixCache
     elif len(kv_cache_groups) == 1:
@@ -226,4 +230,4 @@ def get_kv_cache_coordinator(kv_cache_groups: Sequence[KVCacheGroupSpec], num_bl
     else:
         cls = HybridKVCacheCoordinator
     return cls(kv_cache_groups, num_blocks, enable_caching, enable_kv_cache_events, hash_block_size,
-               medium)
+               medium, prefix_cache_retention_interval)

@@ -123,7 +123,8 @@ class KVCacheManager:
             hash_block_size = sizes[0] if len(set(sizes)) == 1 else math.gcd(*sizes)
         self.hash_block_size = hash_block_size
         self.coordinator = get_kv_cache_coordinator(groups, kv_cache_config.num_blocks, enable_caching,
-                                                    enable_kv_cache_events, hash_block_size, medium)
+                                                    enable_kv_cache_events, hash_block_size, medium,
+                                                    kv_cache_config.prefix_cache_retention_interval)
         self.block_pool: BlockPool = self.coordinator.block_pool
         self.kv_cache_groups = groups
         self.num_kv_cache_groups = len(groups)

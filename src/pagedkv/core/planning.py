@@ -22,7 +22,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pagedkv.core.layout import DEFAULT_KV_CACHE_LAYOUT, KVCacheLayout
 from pagedkv.core.specs import (
-    AttentionSpec,
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
@@ -40,15 +39,15 @@ def as_groups(x: GroupsOrSpecs) -> list[KVCacheGroupSpec]:
 
 
 def bytes_per_block(groups: GroupsOrSpecs) -> int:
-    """Bytes of one pool block: the largest group's ``layers × page`` (groups alias bytes)."""
+    """Bytes of one pool block: the largest group's ``layers × page`` (groups alias bytes; a
+    uniform-type group's page is already the sum over its layers)."""
     gs = as_groups(groups)
-    return max((len(g.layer_names) * g.kv_cache_spec.page_size_bytes for g in gs), default=0)
+    return max((g.page_size_bytes for g in gs), default=0)
 
 
 def kv_bytes_per_token(groups: GroupsOrSpecs) -> int:
     """KV bytes one token writes, summed over all attention layers (unpadded, no window)."""
-    return sum(len(g.layer_names) * g.kv_cache_spec.bytes_per_token
-               for g in as_groups(groups) if isinstance(g.kv_cache_spec, AttentionSpec))
+    return sum(g.bytes_per_token for g in as_groups(groups))
 
 
 def num_blocks_from_memory(available_bytes: int, groups: GroupsOrSpecs) -> int:

@@ -16,6 +16,8 @@ SlidingWindowManager    max(0, n - window + 1)         right→left: the last ru
                                                        run that starts at block 0)
 ChunkedLocal...Manager  (n // chunk) * chunk           blocks before the current chunk are null;
                                                        then left→right inside the chunk
+MambaManager            ((n - 1) // bs) * bs (only     right→left: the last cached block at an
+                        the block of the last token)   aligned boundary: ``[null]*i + [block]``
 ======================  =============================  ===========================================
 
 Invariant: a request's block table only grows, except that blocks that fell out of the window
@@ -41,6 +43,7 @@ from pagedkv.core.specs import (
     ChunkedLocalAttentionSpec,
     FullAttentionSpec,
     KVCacheSpec,
+    MambaSpec,
     SlidingWindowSpec,
 )
 from pagedkv.core.units import cdiv
@@ -344,8 +347,112 @@ class ChunkedLocalAttentionManager(SingleTypeKVCacheManager):
         return hits
 
 
+class MambaManager(SingleTypeKVCacheManager):
+    """Mamba (recurrent) state with prefix caching through checkpoints (vLLM's align mode).
+
+    The block table is position-indexed: block ``i`` holds the conv + SSM state after the last
+    computed token of ``[i·bs, (i+1)·bs)``; once full, that is the checkpoint at boundary
+    ``(i+1)·bs``, cached under block ``i``'s hash. A step over ``[s, e)`` reads the state of
+    the block of position ``s - 1`` and needs a page for the block of ``e - 1`` (the live
+    state); blocks before the live one are released after the step (cached ones stay in the
+    free queue, evictable), so between steps a request holds the live block, and at a block
+    boundary also the previous checkpoint it reads from. Which full blocks in between get a
+    page of their own (a checkpoint the runner writes) is ``prefix_cache_retention_interval``:
+
+    * ``None`` (dense): every block boundary the request crosses is checkpointed and cached;
+    * ``0``: only the state at the end of each step (vLLM's align mode: the scheduler ends
+      prefill chunks on block boundaries, up to the last one before the prompt end, the
+      "replay boundary"), and it is cached when that block is full;
+    * ``k`` (a multiple of the block size): boundaries at multiples of ``k`` tokens only (an
+      end-of-step state elsewhere is kept while live, never cached).
+
+    Other boundaries get the null block: their state is never stored. A prefix hit needs only
+    the last checkpoint (``find_longest_cache_hit`` scans right to left); without prefix
+    caching nothing but the live block is allocated.
+    """
+
+    keeps_all_tokens = False
+
+    def __init__(self, kv_cache_spec: MambaSpec, block_pool: BlockPool, kv_cache_group_id: int,
+                 alignment_tokens: int | None = None, prefix_cache_retention_interval: int | None = None) -> None:
+        super().__init__(kv_cache_spec, block_pool, kv_cache_group_id, alignment_tokens)
+        r = prefix_cache_retention_interval
+        if r is not None and (not isinstance(r, int) or r < 0 or r % self.alignment_tokens):
+            raise ValueError(f"prefix_cache_retention_interval must be None, 0 or a multiple of the block "
+                             f"size {self.alignment_tokens}, got {r!r}")
+        self.prefix_cache_retention_interval = r
+        self.caching = block_pool.enable_caching
+
+    def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
+        return max(0, (num_computed_tokens - 1) // self.block_size * self.block_size)
+
+    def _checkpoint(self, i: int) -> bool:
+        """Whether full block ``i`` gets a page of its own when a step crosses its end."""
+        end = (i + 1) * self.block_size
+        r = self.prefix_cache_retention_interval
+        return self.caching and end % self.alignment_tokens == 0 and (r is None or (r > 0 and end % r == 0))
+
+    def _pages(self, first: int, num_blocks: int) -> list[bool]:
+        """For positions ``first..num_blocks-1``: whether each gets a page (else null)."""
+        return [i == num_blocks - 1 or self._checkpoint(i) for i in range(first, num_blocks)]
+
+    def reachable_block_mask(self, start: int, end: int) -> list[bool] | None:
+        r = self.prefix_cache_retention_interval
+        if not r:
+            return None
+        return [((i + 1) * self.block_size) % r == 0 for i in range(start, end)]
+
+    def get_num_blocks_to_allocate(self, request_id, num_tokens, new_computed_blocks, total_computed_tokens):
+        held = len(self.req_to_blocks.get(request_id, ()))
+        evictable = 0
+        if request_id not in self.num_cached_block:  # a new request: adopts its hit
+            held = max(held, len(new_computed_blocks))
+            evictable = sum(1 for b in new_computed_blocks if b.ref_cnt == 0 and not b.is_null)
+        return sum(self._pages(held, cdiv(num_tokens, self.block_size))) + evictable
+
+    def allocate_new_blocks(self, request_id: str, num_tokens: int) -> list[KVCacheBlock]:
+        req_blocks = self.req_to_blocks[request_id]
+        pages = self._pages(len(req_blocks), cdiv(num_tokens, self.block_size))
+        if not pages:
+            return []
+        new_blocks = self.block_pool.get_new_blocks(sum(pages))
+        fresh = iter(new_blocks)
+        req_blocks.extend(next(fresh) if page else self._null_block for page in pages)
+        return new_blocks
+
+    def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
+        """Release every block before the live one (null positions sit between pages, so
+        the base class's stop at the first null would miss older checkpoints)."""
+        blocks = self.req_to_blocks.get(request_id)
+        if not blocks:
+            return
+        n = min(self.get_num_skipped_tokens(num_computed_tokens) // self.block_size, len(blocks))
+        removed = []
+        for i in range(n - 1, -1, -1):
+            if not blocks[i].is_null:
+                removed.append(blocks[i])
+                blocks[i] = self._null_block
+        self.block_pool.free_blocks(removed)
+
+    @classmethod
+    def find_longest_cache_hit(cls, block_hashes, max_length, kv_cache_group_ids, block_pool,
+                               kv_cache_spec, alignment_tokens):
+        bs = kv_cache_spec.block_size
+        ratio = alignment_tokens // bs
+        null = block_pool.null_block
+        for i in range(min(max_length // bs, len(block_hashes)) - 1, -1, -1):
+            if (i + 1) % ratio:
+                continue
+            cached = block_pool.get_cached_block(block_hashes[i], kv_cache_group_ids)
+            if cached is not None:  # only the last state is needed: nulls before it
+                return tuple([null] * i + [block] for block in cached)
+        return tuple([] for _ in kv_cache_group_ids)
+
+
 def get_manager_class(spec: KVCacheSpec) -> type[SingleTypeKVCacheManager]:
     """The manager for a spec type (MLA is full attention)."""
+    if isinstance(spec, MambaSpec):
+        return MambaManager
     if isinstance(spec, SlidingWindowSpec):
         return SlidingWindowManager
     if isinstance(spec, ChunkedLocalAttentionSpec):

@@ -7,9 +7,11 @@ one max-length request can pin in that layer).
 
 Layers with equal specs form one ``KVCacheGroupSpec``; all groups share ONE block pool whose
 block holds ``max(len(group) * page)`` bytes (groups alias the same bytes, which is safe because
-a block id belongs to one group at a time). Hybrid models (full + sliding window, attention +
-Mamba) first get equal page sizes (``unify_kv_cache_spec_page_size``) and are then split into
-equally sized groups (``get_kv_cache_groups``).
+a block id belongs to one group at a time). Layers of one attention type whose head geometry
+differs still form one group, whose spec is a ``UniformTypeKVCacheSpecs`` (page = the sum of
+the layers' pages). Hybrid models (full + sliding window, attention + Mamba) first get equal
+page sizes (``unify_kv_cache_spec_page_size``) and are then split into equally sized groups
+(``get_kv_cache_groups``).
 
 Storage dtypes are plain strings (stdlib only here): "float32", "float16", "bfloat16",
 "fp8" (aliases "fp8_e4m3", "fp8_e5m2"), "int8", "int4". Content bytes of one token-head
@@ -471,7 +473,78 @@ class MambaSpec(KVCacheSpec):
 
     def max_memory_usage_bytes(self, max_model_len: int, max_num_batched_tokens: int = 0) -> int:
         extra = 2 if self.mamba_cache_mode == "align" else 1
+        if self.mamba_cache_mode == "align":
+            # vLLM's prefill checkpoint blocks: one step of max_num_batched_tokens tokens may
+            # checkpoint every block boundary it crosses (MambaManager, dense retention).
+            extra += cdiv(min(max_num_batched_tokens, max_model_len), self.block_size)
         return (extra + self.num_speculative_blocks) * self.page_size_bytes
+
+
+@dataclass(frozen=True, slots=True)
+class UniformTypeKVCacheSpecs(KVCacheSpec):
+    """Layers of ONE attention type and block size whose head geometry (heads, head size,
+    dtype) differs, as one KV cache group (vLLM's name): one block id holds a block of every
+    layer, so ``page_size_bytes`` is the **sum** of the layers' pages, and a request needs
+    ``max_i cdiv(mem_i, page_i)`` blocks. The allocation rules (type, window or chunk, block
+    size) are shared, so the scheduler side works on :attr:`representative` alone; the runner
+    reads each layer's own spec from ``kv_cache_specs``.
+    """
+
+    kv_cache_specs: dict[str, KVCacheSpec] = dataclasses.field(default_factory=dict, hash=False)
+
+    def __post_init__(self) -> None:
+        KVCacheSpec.__post_init__(self)
+        if not self.kv_cache_specs:
+            raise ValueError("UniformTypeKVCacheSpecs needs at least one layer spec")
+        if not self.is_uniform_type(self.kv_cache_specs):
+            raise ValueError("UniformTypeKVCacheSpecs layers must share one attention type (and its window, "
+                             f"chunk or Mamba mode): {sorted({s.kind for s in self.kv_cache_specs.values()})}")
+        sizes = {s.block_size for s in self.kv_cache_specs.values()}
+        if sizes != {self.block_size}:
+            raise ValueError(f"UniformTypeKVCacheSpecs block_size {self.block_size} != layer block sizes {sorted(sizes)}")
+
+    @property
+    def representative(self) -> KVCacheSpec:
+        """One layer's spec: what the block managers need (type, window, block size)."""
+        return next(iter(self.kv_cache_specs.values()))
+
+    @property
+    def kind(self) -> str:  # type: ignore[override]
+        return self.representative.kind
+
+    @property
+    def page_size_bytes(self) -> int:
+        return sum(s.page_size_bytes for s in self.kv_cache_specs.values())
+
+    @property
+    def bytes_per_token(self) -> int:
+        """KV bytes one token writes across the layers (0 for recurrent state)."""
+        return sum(s.bytes_per_token for s in self.kv_cache_specs.values() if isinstance(s, AttentionSpec))
+
+    def max_memory_usage_bytes(self, max_model_len: int, max_num_batched_tokens: int = 0) -> int:
+        blocks = max(cdiv(s.max_memory_usage_bytes(max_model_len, max_num_batched_tokens), s.page_size_bytes)
+                     for s in self.kv_cache_specs.values())
+        return blocks * self.page_size_bytes
+
+    @classmethod
+    def is_uniform_type(cls, kv_cache_specs: dict[str, KVCacheSpec]) -> bool:
+        """Same spec class and the same allocation parameters (window, chunk, Mamba mode)."""
+        specs = list(kv_cache_specs.values())
+        if not specs or any(type(s) is not type(specs[0]) for s in specs):
+            return False
+        rule = ("sliding_window", "attention_chunk_size", "mamba_cache_mode", "num_speculative_blocks",
+                "max_num_encoder_input_tokens")
+        return all(getattr(s, a, None) == getattr(specs[0], a, None) for s in specs for a in rule)
+
+    @classmethod
+    def from_specs(cls, kv_cache_specs: dict[str, KVCacheSpec]) -> UniformTypeKVCacheSpecs | None:
+        """One spec for all layers if they are of one type and block size, else None."""
+        if not cls.is_uniform_type(kv_cache_specs):
+            return None
+        sizes = {s.block_size for s in kv_cache_specs.values()}
+        if len(sizes) != 1:
+            return None
+        return cls(block_size=sizes.pop(), kv_cache_specs=dict(kv_cache_specs))
 
 
 # ---------------------------------------------------------------- groups and configs
@@ -484,6 +557,20 @@ class KVCacheGroupSpec:
     layer_names: list[str]
     kv_cache_spec: KVCacheSpec
 
+    @property
+    def page_size_bytes(self) -> int:
+        """Bytes one block id takes across the group's layers (the sum of their pages)."""
+        spec = self.kv_cache_spec
+        return spec.page_size_bytes * (1 if isinstance(spec, UniformTypeKVCacheSpecs) else len(self.layer_names))
+
+    @property
+    def bytes_per_token(self) -> int:
+        """KV bytes one token writes in the group's attention layers (unpadded; 0 for Mamba)."""
+        spec = self.kv_cache_spec
+        if isinstance(spec, UniformTypeKVCacheSpecs):
+            return spec.bytes_per_token
+        return len(self.layer_names) * spec.bytes_per_token if isinstance(spec, AttentionSpec) else 0
+
 
 @dataclass(slots=True)
 class KVCacheConfig:
@@ -495,6 +582,9 @@ class KVCacheConfig:
     kv_cache_groups: list[KVCacheGroupSpec]
     bytes_per_block: int
     layout: KVCacheLayout = DEFAULT_KV_CACHE_LAYOUT
+    # Which Mamba checkpoints are kept (None: every block boundary; 0: end of step; k: every
+    # k tokens): see ``MambaManager``.
+    prefix_cache_retention_interval: int | None = None
 
     @property
     def num_usable_blocks(self) -> int:
@@ -538,11 +628,31 @@ def unify_kv_cache_spec_page_size(layer_specs: dict[str, KVCacheSpec]) -> dict[s
     return out
 
 
+HYBRID_BLOCK_ALIGNMENT = 16  # attention block sizes of a Mamba hybrid are multiples of this
+
+
+def align_hybrid_block_size(layer_specs: dict[str, KVCacheSpec], block_size: int,
+                            alignment: int = HYBRID_BLOCK_ALIGNMENT) -> int:
+    """The block size of a hybrid attention + Mamba model (vLLM's ``_align_hybrid_block_size``):
+    an attention page must hold the largest Mamba state, so the attention block grows to
+    ``alignment·cdiv(mamba_page, alignment·attn_bytes_per_token)`` tokens when ``block_size``
+    is smaller (the Mamba page is then padded to the attention page). ``layer_specs`` are the
+    model's specs at any block size; without Mamba or attention layers ``block_size`` is kept."""
+    mamba = [s.real_page_size_bytes for s in layer_specs.values() if isinstance(s, MambaSpec)]
+    attn = [s.bytes_per_token for s in layer_specs.values() if isinstance(s, AttentionSpec)]
+    if not mamba or not attn:
+        return block_size
+    per_token = min(attn)  # the smallest attention page must hold the state
+    return max(block_size, alignment * cdiv(max(mamba), alignment * per_token))
+
+
 def get_kv_cache_groups(layer_specs: dict[str, KVCacheSpec]) -> list[KVCacheGroupSpec]:
     """Split layers into KV cache groups sharing one pool.
 
     * no layers → ``[]`` (attention-free model);
     * all specs merge (equal) → one group with every layer;
+    * one attention type and block size, different head geometry → one group whose spec is a
+      ``UniformTypeKVCacheSpecs`` (vLLM's rule: not the hybrid path, no padding);
     * otherwise (hybrid) → unify page sizes, bucket layers by spec, and deal each bucket
       round-robin into groups of ``group_size`` layers (``layers[i::num_groups]``), so every
       group has (about) the same number of layers and one block costs the same in each.
@@ -556,6 +666,9 @@ def get_kv_cache_groups(layer_specs: dict[str, KVCacheSpec]) -> list[KVCacheGrou
             return [KVCacheGroupSpec(list(layer_specs), merged)]
     except ValueError:
         pass
+    uniform = UniformTypeKVCacheSpecs.from_specs(layer_specs)
+    if uniform is not None:
+        return [KVCacheGroupSpec(list(layer_specs), uniform)]
     return _groups_uniform_page_size(unify_kv_cache_spec_page_size(layer_specs))
 
 
@@ -575,6 +688,16 @@ def _groups_uniform_page_size(layer_specs: dict[str, KVCacheSpec]) -> list[KVCac
 
 
 def iter_layer_specs(groups: Iterable[KVCacheGroupSpec]) -> Iterable[tuple[str, KVCacheSpec]]:
+    """``(layer name, its own spec)`` over all groups (a uniform-type group's layer specs)."""
     for g in groups:
+        spec = g.kv_cache_spec
         for name in g.layer_names:
-            yield name, g.kv_cache_spec
+            yield name, spec.kv_cache_specs[name] if isinstance(spec, UniformTypeKVCacheSpecs) else spec
+
+
+def scheduler_kv_cache_groups(groups: Iterable[KVCacheGroupSpec]) -> list[KVCacheGroupSpec]:
+    """The groups as the block managers see them: a ``UniformTypeKVCacheSpecs`` replaced by its
+    representative layer spec (vLLM's ``generate_scheduler_kv_cache_config``); the pool's
+    block size in bytes is not their concern."""
+    return [KVCacheGroupSpec(g.layer_names, g.kv_cache_spec.representative)
+            if isinstance(g.kv_cache_spec, UniformTypeKVCacheSpecs) else g for g in groups]

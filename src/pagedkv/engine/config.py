@@ -57,6 +57,9 @@ class EngineConfig:
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
     enable_prefix_caching: bool = True
+    # Mamba checkpoints kept for prefix caching (vLLM's name): None every block boundary, 0 the
+    # end of each step only (vLLM's align mode), k every k tokens (a multiple of the block size).
+    prefix_cache_retention_interval: int | None = None
     prefix_caching_hash_algo: str = "sha256_cbor"
     enable_kv_cache_events: bool = False
     seed: int = 0
@@ -85,6 +88,9 @@ class EngineConfig:
             raise bad("max_num_seqs", "must be a positive integer")
         if not isinstance(self.max_num_batched_tokens, int) or self.max_num_batched_tokens < 1:
             raise bad("max_num_batched_tokens", "must be a positive integer")
+        r = self.prefix_cache_retention_interval
+        if r is not None and (not isinstance(r, int) or isinstance(r, bool) or r < 0):
+            raise bad("prefix_cache_retention_interval", "must be None, 0 or a positive number of tokens")
         if self.prefix_caching_hash_algo not in HASH_FUNCTIONS:
             raise bad("prefix_caching_hash_algo", f"choose one of {sorted(HASH_FUNCTIONS)}")
         if self.kv_offload_cache_policy not in ("lru", "arc"):

@@ -14,6 +14,7 @@ the engine untouched.
 
 from __future__ import annotations
 
+import copy
 import logging
 import time
 from collections.abc import Iterable
@@ -26,7 +27,7 @@ from pagedkv.core.hashing import get_hash_fn_by_name, resolve_none_hash_seed
 from pagedkv.core.kv_cache_manager import KVCacheManager
 from pagedkv.core.planning import blocks_per_request, make_kv_cache_config
 from pagedkv.core.request import RequestStatus, get_request_block_hasher
-from pagedkv.core.specs import KVCacheConfig, get_kv_cache_groups
+from pagedkv.core.specs import KVCacheConfig, align_hybrid_block_size, get_kv_cache_groups
 from pagedkv.engine.config import DEFAULT_CPU_KV_CACHE_MEMORY, EngineConfig, check_kv_cache_fits
 from pagedkv.engine.model_runner import ModelRunner, PromptLogprobsOutput
 from pagedkv.engine.output_processor import OutputProcessor
@@ -61,6 +62,7 @@ class LLMEngine:
         self.dtype = loaded.dtype
         self.device = torch.device(config.device)
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
+        self.config = config = self._align_hybrid_block_size(config)
         self.block_size = config.block_size
         self.kv_cache_config = self._plan_kv_cache()
         self.connector = self._make_connector(model_identity(loaded.source))
@@ -85,6 +87,21 @@ class LLMEngine:
                     self.kv_cache_config.num_blocks, config.block_size,
                     kv_buffer.numel() * kv_buffer.element_size() / 2**30, self.max_model_len)
 
+    def _align_hybrid_block_size(self, config: EngineConfig) -> EngineConfig:
+        """A Mamba hybrid needs attention pages that hold a Mamba state: raise the block size
+        as vLLM does (`align_hybrid_block_size`), and say so."""
+        specs = self.model_config.kv_cache_specs(1, config.kv_cache_dtype,
+                                                 torch_dtype=str(self.dtype).split(".")[-1])
+        block_size = align_hybrid_block_size(specs, config.block_size)
+        if block_size == config.block_size:
+            return config
+        logger.info("hybrid Mamba model: block size %d -> %d tokens, so that one attention page holds "
+                    "one Mamba state (prefix hits and Mamba checkpoints fall on multiples of it)",
+                    config.block_size, block_size)
+        config = copy.copy(config)  # not replace(): that would validate (and resolve) it twice
+        config.block_size = block_size
+        return config
+
     def _plan_kv_cache(self) -> KVCacheConfig:
         """The model's KV cache specs → groups → a pool sized from the configured memory.
         Refuses (ValueError) when one ``max_model_len`` request cannot fit (vLLM's rule, also
@@ -98,8 +115,11 @@ class LLMEngine:
             KVConnectorFactory.get_connector_class(config.kv_transfer_config).check_kv_cache_groups(groups)
         kv_memory = self._kv_cache_memory()
         check_kv_cache_fits(config, groups, self.max_model_len, kv_memory)
-        return make_kv_cache_config(groups, kv_memory, self.max_model_len, config.max_num_batched_tokens,
-                                    num_blocks_override=config.num_kv_blocks, layout=config.kv_cache_layout)
+        kv_cache_config = make_kv_cache_config(groups, kv_memory, self.max_model_len, config.max_num_batched_tokens,
+                                               num_blocks_override=config.num_kv_blocks,
+                                               layout=config.kv_cache_layout)
+        kv_cache_config.prefix_cache_retention_interval = config.prefix_cache_retention_interval
+        return kv_cache_config
 
     def _make_connector(self, identity: str) -> KVConnectorBase | None:
         kvt = self.config.kv_transfer_config

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from pagedkv.core.specs import KVCacheConfig, KVQuantMode, iter_layer_specs
+from pagedkv.core.specs import KVCacheConfig, KVQuantMode, MambaSpec, iter_layer_specs
 from pagedkv.engine.sampler import LogprobsTensors, compute_prompt_logprobs
 from pagedkv.engine.scheduler_output import ScheduledRequest, SchedulerOutput
 from pagedkv.kv_transfer.base import KVConnectorBase, KVConnectorOutput
@@ -39,6 +39,7 @@ from pagedkv.ops.cache import compute_slot_mapping
 from pagedkv.ops.forward_context import set_forward_context
 from pagedkv.ops.kv_cache import allocate_kv_cache, copy_blocks
 from pagedkv.ops.kv_quant import KVQuant
+from pagedkv.ops.mamba import mamba_state_views, slot_pages
 from pagedkv.ops.metadata import AttentionMetadata
 
 # Prompt-logprob rows scored per model-head call: bounds the [rows, vocab] float32 temporaries.
@@ -84,11 +85,15 @@ class ModelRunner:
         mc = self.model_config
         groups = kv_cache_config.kv_cache_groups
         self.layer_groups, layer_slots = layer_placement(mc, groups)
-        spec = groups[0].kv_cache_spec
+        # The attention spec fixes the page geometry (Mamba states live inside its pages).
+        spec = next((g.kv_cache_spec for g in groups if not isinstance(g.kv_cache_spec, MambaSpec)),
+                    groups[0].kv_cache_spec)
         self.block_size = spec.block_size
         quantized = getattr(spec, "kv_quant_mode", KVQuantMode.NONE) is not KVQuantMode.NONE
         # A quantized cache is raw bytes: each token-head's C run is [K part | V part].
-        head_sizes = (spec.k_part_bytes, spec.v_part_bytes) if quantized else (mc.head_dim, mc.head_dim)
+        # MLA (mc.mla): one latent row per token as the only "head", no separate V (head_size_v 0).
+        head_sizes = ((spec.k_part_bytes, spec.v_part_bytes) if quantized
+                      else (mc.head_dim, 0 if getattr(mc, "mla", None) else mc.head_dim))
         self.kv_buffer, tensors = allocate_kv_cache(
             kv_cache_config.layout, max(layer_slots) + 1, kv_cache_config.num_blocks, self.block_size,
             mc.num_kv_heads, head_sizes[0], torch.uint8 if quantized else _torch_dtype(spec, self.dtype),
@@ -96,11 +101,28 @@ class ModelRunner:
             head_size_v=head_sizes[1])
         self.kv_quants = self._attach_kv_quant(groups)
         self.kv_caches = [tensors[j] for j in layer_slots]
-        # copy_blocks must copy each distinct tensor once (aliased layers would copy twice).
-        self.distinct_kv_caches = list({kv[0].data_ptr(): kv for kv in self.kv_caches}.values())
+        mamba = self._attach_mamba_states(kv_cache_config, layer_slots)
+        # copy_blocks must copy each distinct tensor once (aliased layers would copy twice); an
+        # attention layer's view covers its whole page, so it wins over a Mamba layer's states.
+        order = sorted(range(len(self.kv_caches)), key=lambda i: i not in mamba)
+        self.distinct_kv_caches = list({self.kv_caches[i][0].data_ptr(): self.kv_caches[i] for i in order}.values())
         if self.connector is not None:
             self.connector.register_kv_caches(
                 {mc.layer_name(i): kv for i, kv in enumerate(self.kv_caches)}, self.kv_buffer)
+
+    def _attach_mamba_states(self, kv_cache_config: KVCacheConfig, layer_slots: list[int]) -> set[int]:
+        """Mamba layers get ``(conv_states, ssm_states)`` views of their layer slot's raw pages
+        instead of (K, V): one state per block id, vLLM's sharing of one page per block.
+        Returns the indices of those layers."""
+        specs = dict(iter_layer_specs(kv_cache_config.kv_cache_groups))
+        mamba: set[int] = set()
+        for i, slot in enumerate(layer_slots):
+            spec = specs[self.model_config.layer_name(i)]
+            if isinstance(spec, MambaSpec):
+                pages = slot_pages(self.kv_buffer, kv_cache_config.layout, slot)
+                self.kv_caches[i] = mamba_state_views(pages, spec.shapes, spec.dtypes)
+                mamba.add(i)
+        return mamba
 
     def _attach_kv_quant(self, groups: list[Any]) -> dict[str, KVQuant]:
         """Give every attention layer of a quantized or rotated cache its :class:`KVQuant`

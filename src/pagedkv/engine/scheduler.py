@@ -49,7 +49,7 @@ from collections.abc import Iterable
 
 from pagedkv.core.kv_cache_manager import KVCacheManager
 from pagedkv.core.request import RequestStatus
-from pagedkv.core.specs import KVCacheConfig
+from pagedkv.core.specs import KVCacheConfig, MambaSpec
 from pagedkv.engine.request import FINISHED_REASONS, Request
 from pagedkv.kv_transfer.base import KVConnectorBase, KVConnectorOutput
 from pagedkv.engine.scheduler_output import (
@@ -98,6 +98,10 @@ class Scheduler:
         # Finished since the last schedule(): handed to the workers in the next SchedulerOutput.
         self.finished_req_ids: set[str] = set()
         self.num_preemptions = 0
+        # Block size of a Mamba group that caches checkpoints: prefill chunks end on its
+        # boundaries (vLLM's align mode), so a step's last state is a checkpoint.
+        self.mamba_block_size = next((g.kv_cache_spec.block_size for g in kv_cache_config.kv_cache_groups
+                                      if isinstance(g.kv_cache_spec, MambaSpec)), None) if enable_caching else None
 
     # ---- queues -----------------------------------------------------------------------------
 
@@ -150,7 +154,8 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             start = req.num_computed_tokens
-            n = min(req.num_tokens - start, budget, self.max_model_len - start)
+            n = self._mamba_block_aligned_split(req, start, min(req.num_tokens - start, budget,
+                                                                self.max_model_len - start))
             if n <= 0:
                 i += 1
                 continue
@@ -258,7 +263,8 @@ class Scheduler:
         load_async = load_async and num_ext > 0
         if not load_async:  # compute at least the last token: its logits give the next one
             num_ext = max(min(num_ext, req.num_tokens - 1 - num_hit), 0)
-        n = 0 if load_async else min(req.num_tokens - num_hit - num_ext, budget)
+        n = 0 if load_async else self._mamba_block_aligned_split(
+            req, num_hit + num_ext, min(req.num_tokens - num_hit - num_ext, budget))
         if kv.allocate_slots(req, n, num_hit, hits, num_external_computed_tokens=num_ext,
                              delay_cache_blocks=load_async, full_sequence_must_fit=True) is None:
             return None
@@ -270,6 +276,26 @@ class Scheduler:
             req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
             return False
         return num_hit + num_ext, n
+
+    def _mamba_block_aligned_split(self, req: Request, num_computed: int, n: int) -> int:
+        """vLLM's ``_mamba_block_aligned_split``: with a Mamba group caching checkpoints, a
+        prefill chunk is cut to end on a block boundary, or on the last boundary before the
+        prompt end (``last_cache_position``) when it would cross it. A chunk that would become
+        empty (a budget below one block) is left as it is: that costs at most the checkpoint
+        of this step's end under ``prefix_cache_retention_interval=0`` (with the dense default
+        the mixer checkpoints every boundary a step crosses), never correctness."""
+        bs = self.mamba_block_size
+        if bs is None or n <= 0 or req.output_token_ids:
+            return n
+        last = req.num_tokens // bs * bs
+        end = num_computed + n
+        if end < last:
+            aligned = end // bs * bs
+        elif num_computed < last < end:
+            aligned = last
+        else:
+            return n
+        return aligned - num_computed if aligned > num_computed else n
 
     def _promote_remote_kv(self, req: Request) -> None:
         """``req``'s asynchronous load ended (failed blocks were already cut off by

@@ -15,7 +15,7 @@ import sys
 from typing import Any
 
 from pagedkv.core import planning
-from pagedkv.core.specs import KVQuantMode, resolve_kv_cache_dtype
+from pagedkv.core.specs import KVQuantMode, align_hybrid_block_size, resolve_kv_cache_dtype
 from pagedkv.core.units import parse_size
 from pagedkv.engine.config import DEFAULT_CPU_KV_CACHE_MEMORY, EngineConfig, resolve_dtype_name
 from pagedkv.entrypoints.cli_common import CLIError, read_model_config
@@ -199,9 +199,11 @@ def build_model_config(args: argparse.Namespace) -> Any:
 def plan_row(cfg: Any, kv_budget: int, block_size: int, context: int, kv_cache_dtype: str,
              kv_quant_mode: KVQuantMode | str | None, model_dtype: str, mnbt: int) -> dict[str, Any]:
     """Every capacity number for one KV dtype/mode (usable blocks exclude the null block)."""
+    # A Mamba hybrid runs with the block size the engine picks (an attention page holds a state).
+    block_size = align_hybrid_block_size(cfg.kv_cache_specs(1, kv_cache_dtype, kv_quant_mode, model_dtype), block_size)
     specs = cfg.kv_cache_specs(block_size, kv_cache_dtype, kv_quant_mode, model_dtype)
     groups = planning.as_groups(specs)
-    first = groups[0].kv_cache_spec
+    first = next((g.kv_cache_spec for g in groups if hasattr(g.kv_cache_spec, "dtype")), groups[0].kv_cache_spec)
     num_blocks = planning.num_blocks_from_memory(kv_budget, groups)
     return dict(
         kv_cache_dtype=first.dtype,
@@ -217,6 +219,23 @@ def plan_row(cfg: Any, kv_budget: int, block_size: int, context: int, kv_cache_d
         max_model_len_that_fits=planning.estimate_max_model_len(groups, kv_budget, context, mnbt)
         if kv_budget > 0 else 0,
     )
+
+
+def group_rows(groups: Any, context: int, mnbt: int) -> list[dict[str, Any]]:
+    """Per KV cache group: its type and window/chunk, its layers, the KV bytes one token
+    writes in it, and the pool blocks (and bytes: blocks × bytes per pool block) one request
+    of ``context`` tokens holds in it."""
+    bpb = planning.bytes_per_block(groups)
+    rows = []
+    for g in planning.as_groups(groups):
+        s = g.kv_cache_spec
+        blocks = -(-s.max_memory_usage_bytes(context, mnbt) // s.page_size_bytes)
+        rows.append(dict(kind=s.kind, num_layers=len(g.layer_names), block_size=s.block_size,
+                         sliding_window=getattr(s, "sliding_window", None),
+                         attention_chunk_size=getattr(s, "attention_chunk_size", None),
+                         bytes_per_token=g.bytes_per_token, page_size_bytes=g.page_size_bytes,
+                         blocks_per_request=blocks, bytes_per_request=blocks * bpb))
+    return rows
 
 
 def weight_dtype_bytes(name: str) -> float:
@@ -282,7 +301,9 @@ def make_plan(args: argparse.Namespace) -> dict[str, Any]:
         raise PlanError(str(e)) from None
     if "device_memory" in memory:
         memory["c_tokens"] = max(kv_budget, 0) // selected["bytes_per_token"] if selected["bytes_per_token"] else 0
-    specs = cfg.kv_cache_specs(args.block_size, args.kv_cache_dtype, args.kv_quant_mode, model_dtype)
+    block_size = align_hybrid_block_size(cfg.kv_cache_specs(1, args.kv_cache_dtype, args.kv_quant_mode, model_dtype),
+                                         args.block_size)  # what the engine runs a Mamba hybrid with
+    specs = cfg.kv_cache_specs(block_size, args.kv_cache_dtype, args.kv_quant_mode, model_dtype)
     try:
         planning.check_enough_kv_cache_memory(specs, kv_budget, context, args.max_num_batched_tokens)
     except ValueError as e:
@@ -297,7 +318,8 @@ def make_plan(args: argparse.Namespace) -> dict[str, Any]:
                       "head_dim", "hidden_size", "num_params", "max_position_embeddings",
                       "sliding_window", "path")}
     summary = summary_line(selected["num_blocks"], planning.as_groups(specs), context, args.max_num_batched_tokens)
-    return dict(model=model, summary=summary, block_size=args.block_size, context=context, dtype=model_dtype,
+    selected["groups"] = group_rows(planning.as_groups(specs), context, args.max_num_batched_tokens)
+    return dict(model=model, summary=summary, block_size=block_size, context=context, dtype=model_dtype,
                 max_num_batched_tokens=args.max_num_batched_tokens, memory=memory,
                 null_block="num_blocks includes the null block; usable = num_blocks - 1; "
                            "max_tokens and max_concurrency count usable blocks only",
@@ -336,9 +358,14 @@ def format_plan(plan: dict[str, Any]) -> str:
         f"  max tokens          {sel['max_tokens']:,}",
         f"  max concurrent requests @ {plan['context']}: {sel['max_concurrency']:.2f}"
         f" ({sel['blocks_per_request']} blocks each)",
-        "",
-        "all KV quantization modes:",
     ]
+    if len(sel.get("groups", [])) > 1:
+        for i, g in enumerate(sel["groups"]):
+            limit = (f" {g['sliding_window']}" if g["sliding_window"] else
+                     f" {g['attention_chunk_size']}" if g["attention_chunk_size"] else "")
+            lines.append(f"  group {i}: {g['kind']}{limit} x {g['num_layers']} layers, {g['bytes_per_token']:,} B/token,"
+                         f" {g['blocks_per_request']:,} blocks per request")
+    lines += ["", "all KV quantization modes:"]
     header = f"  {'mode':<21}{'dtype':<10}{'B/token':>9}{'B/block':>11}{'blocks':>11}{'max tokens':>13}{'max conc':>10}"
     lines.append(header)
     for r in plan["modes"]:

@@ -30,21 +30,211 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagedkv.core.specs import (
+    ChunkedLocalAttentionSpec,
     FullAttentionSpec,
     KVCacheSpec,
     KVQuantMode,
+    MambaSpec,
+    MLAAttentionSpec,
     SlidingWindowSpec,
     resolve_kv_cache_dtype,
     resolve_kv_rotation,
 )
 
+from pagedkv.models.mla_config import MLA_ARCHITECTURES, MLAParams
+
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
+CHUNKED_ATTENTION = "chunked_attention"  # Llama 4: attention within chunks of attention_chunk_size
 
 # Architectures whose q/k/v projections always carry a bias even when config.json is silent.
+# Mamba-2 hybrids: mixer layers are the layers that are not attention (ModelConfig.mamba).
+_MAMBA_HYBRID_ARCHS = frozenset({"bamba", "granitemoehybrid"})
 _ARCHS_WITH_QKV_BIAS = frozenset({"qwen2", "qwen2_moe"})
 # Architectures that RMS-normalise every q/k head before RoPE.
 _ARCHS_WITH_QK_NORM = frozenset({"gemma3", "gemma3_text"})
+# transformers' defaults for keys released config.json files leave out (Gemma 3's multimodal
+# checkpoints, e.g. gemma-3-27b-it, write a sparse text_config: no vocabulary size or theta).
+_HF_DEFAULTS: dict[str, dict[str, Any]] = {
+    "gemma3_text": dict(vocab_size=262208, max_position_embeddings=131072, rms_norm_eps=1e-6,
+                        tie_word_embeddings=True),
+}
+_HF_ROPE_DEFAULTS: dict[str, dict[str, Any]] = {
+    "gemma3_text": dict(rope_theta=1_000_000.0, rope_local_base_freq=10_000.0),
+}
+
+
+@dataclass(slots=True)
+class Llama4Params:
+    """Llama 4 text decoder facts beyond the Llama shape (transformers' ``Llama4TextConfig``).
+
+    ``no_rope_layers[i]`` is 1 for a RoPE layer (chunked local attention when the model has an
+    ``attention_chunk_size``; L2 q/k norm when ``use_qk_norm``) and 0 for a NoPE global layer
+    (full attention; with ``attn_temperature_tuning`` q is scaled by
+    ``log1p(floor((pos + 1) / floor_scale)) * attn_scale + 1``). ``moe_layers`` run a routed
+    MoE of ``num_local_experts`` experts (top ``num_experts_per_tok``, sigmoid router, experts
+    of ``intermediate_size``) plus a shared expert; other layers a dense SwiGLU MLP of
+    ``intermediate_size_mlp``.
+    """
+
+    no_rope_layers: list[int]
+    moe_layers: list[int]
+    num_local_experts: int = 16
+    num_experts_per_tok: int = 1
+    intermediate_size_mlp: int = 16384
+    use_qk_norm: bool = True
+    attn_temperature_tuning: bool = True
+    floor_scale: float = 8192.0
+    attn_scale: float = 0.1
+
+    @classmethod
+    def from_hf_dict(cls, d: dict[str, Any]) -> Llama4Params:
+        """transformers' defaults: an empty/absent ``no_rope_layers`` means every
+        ``no_rope_layer_interval``-th layer (default 4) is NoPE; absent ``moe_layers`` every
+        ``interleave_moe_layer_step``-th layer (default 1: all) is MoE."""
+        n = d["num_hidden_layers"]
+        interval = d.get("no_rope_layer_interval") or 4
+        no_rope = list(d.get("no_rope_layers") or [int((i + 1) % interval != 0) for i in range(n)])
+        if len(no_rope) != n:
+            raise ValueError(f"no_rope_layers has {len(no_rope)} entries, expected {n}")
+        step = d.get("interleave_moe_layer_step") or 1
+        moe = d.get("moe_layers")
+        return cls(no_rope_layers=[int(x) for x in no_rope],
+                   moe_layers=list(range(step - 1, n, step)) if moe is None else list(moe),
+                   num_local_experts=d.get("num_local_experts", 16), num_experts_per_tok=d.get("num_experts_per_tok", 1),
+                   intermediate_size_mlp=d.get("intermediate_size_mlp", 16384),
+                   use_qk_norm=bool(d.get("use_qk_norm", True)),
+                   attn_temperature_tuning=bool(d.get("attn_temperature_tuning", True)),
+                   floor_scale=float(d.get("floor_scale", 8192)), attn_scale=float(d.get("attn_scale", 0.1)))
+
+    def layer_types(self, attention_chunk_size: int | None) -> list[str]:
+        """RoPE layers are chunked when there is a chunk size; NoPE layers are global."""
+        chunked = CHUNKED_ATTENTION if attention_chunk_size else FULL_ATTENTION
+        return [chunked if r else FULL_ATTENTION for r in self.no_rope_layers]
+
+    def mlp_params(self, hidden: int, intermediate: int) -> int:
+        """Feed-forward weights of all layers: MoE layers (router, experts, shared expert) and
+        dense ones."""
+        moe = hidden * self.num_local_experts + (self.num_local_experts + 1) * 3 * hidden * intermediate
+        dense = 3 * hidden * self.intermediate_size_mlp
+        n_moe = len(self.moe_layers)
+        return n_moe * moe + (len(self.no_rope_layers) - n_moe) * dense
+
+
+@dataclass(slots=True)
+class MambaParams:
+    """Mamba-2 mixer facts of a hybrid model (transformers' ``BambaConfig`` ``mamba_*`` keys).
+
+    Layers not in ``attn_layer_indices`` are Mamba-2 mixers of ``n_heads`` heads of ``d_head``
+    channels (``intermediate = n_heads·d_head = expand·hidden``), ``n_groups`` B/C groups of
+    ``d_state``, a depthwise conv of ``d_conv`` taps over ``conv_dim = intermediate +
+    2·n_groups·d_state`` channels, SSD chunks of ``chunk_size``; ``time_step_limit`` clamps dt.
+    Their cache is a :class:`MambaSpec`: conv state ``(conv_dim, d_conv - 1)`` and SSM state
+    ``(n_heads, d_head, d_state)``, float32 (``state_dtype``). ``partial_rotary_factor``: the
+    fraction of each attention head that RoPE rotates (Bamba: 0.5).
+    """
+
+    attn_layer_indices: list[int]
+    n_heads: int = 128
+    d_head: int = 64
+    n_groups: int = 1
+    d_state: int = 256
+    d_conv: int = 4
+    expand: int = 2
+    chunk_size: int = 256
+    conv_bias: bool = True
+    proj_bias: bool = False
+    time_step_limit: tuple[float, float] = (0.0, float("inf"))
+    partial_rotary_factor: float = 0.5
+    state_dtype: str = "float32"
+
+    @property
+    def intermediate_size(self) -> int:
+        return self.n_heads * self.d_head
+
+    @property
+    def conv_dim(self) -> int:
+        return self.intermediate_size + 2 * self.n_groups * self.d_state
+
+    def is_mamba_layer(self, i: int) -> bool:
+        return i not in self.attn_layer_indices
+
+    def kv_cache_spec(self, block_size: int, mamba_cache_mode: str = "align") -> MambaSpec:
+        return MambaSpec(block_size=block_size, shapes=((self.conv_dim, self.d_conv - 1),
+                                                        (self.n_heads, self.d_head, self.d_state)),
+                         dtypes=(self.state_dtype, self.state_dtype), mamba_cache_mode=mamba_cache_mode)
+
+    def layer_params(self, hidden: int) -> int:
+        """Weights of one mixer: in_proj, conv, dt_bias/A_log/D, gated norm, out_proj."""
+        inter, conv = self.intermediate_size, self.conv_dim
+        proj = hidden * (inter + conv + self.n_heads) + inter * hidden
+        if self.proj_bias:
+            proj += inter + conv + self.n_heads + hidden
+        return proj + conv * (self.d_conv + int(self.conv_bias)) + 3 * self.n_heads + inter
+
+    @classmethod
+    def from_hf_dict(cls, d: dict[str, Any]) -> MambaParams:
+        """transformers' Bamba / GraniteMoeHybrid keys and defaults (``mamba_d_head`` "auto" =
+        expand·hidden/heads). Attention layers: Bamba's ``attn_layer_indices``, or the
+        "attention" / "full_attention" entries of GraniteMoeHybrid's ``layer_types``."""
+        arch = d.get("model_type")
+        if arch == "granitemoehybrid":
+            types = d.get("layer_types") or d.get("layers_block_type") or ["mamba"] * d["num_hidden_layers"]
+            attn = [i for i, t in enumerate(types) if t in ("attention", "full_attention")]
+        else:
+            attn = list(d.get("attn_layer_indices") or [])
+        n_heads, expand, hidden = d.get("mamba_n_heads", 128), d.get("mamba_expand", 2), d["hidden_size"]
+        d_head = d.get("mamba_d_head", "auto")
+        if d_head in (None, "auto"):
+            d_head = expand * hidden // n_heads
+        if n_heads * d_head != expand * hidden:
+            raise ValueError(f"mamba_n_heads·mamba_d_head = {n_heads * d_head} != mamba_expand·hidden_size "
+                             f"= {expand * hidden}")
+        limit = d.get("time_step_limit") or (0.0, float("inf"))
+        rope = d.get("rope_parameters") or {}
+        return cls(attn_layer_indices=attn, n_heads=n_heads, d_head=d_head,
+                   n_groups=d.get("mamba_n_groups", 1), d_state=d.get("mamba_d_state", 256),
+                   d_conv=d.get("mamba_d_conv", 4), expand=expand, chunk_size=d.get("mamba_chunk_size", 256),
+                   conv_bias=bool(d.get("mamba_conv_bias", True)), proj_bias=bool(d.get("mamba_proj_bias", False)),
+                   time_step_limit=(_json_float(limit[0]), _json_float(limit[1])),
+                   partial_rotary_factor=float(rope.get("partial_rotary_factor", d.get(
+                       "partial_rotary_factor", 0.5 if arch == "bamba" else 1.0))))
+
+
+@dataclass(slots=True)
+class GraniteParams:
+    """GraniteMoeHybrid decoder facts beyond the Mamba hybrid (transformers'
+    ``GraniteMoeHybridConfig``): embeddings × ``embedding_multiplier``; every residual branch ×
+    ``residual_multiplier``; attention scale ``attention_multiplier`` (not head_dim^-0.5);
+    logits ÷ ``logits_scaling``; RoPE only when ``rope`` (``position_embedding_type ==
+    "rope"``, else NoPE); after each mixer a shared SwiGLU MLP of ``shared_intermediate_size``
+    plus, when ``num_local_experts > 0``, a top-``num_experts_per_tok`` softmax-routed MoE of
+    experts of ``intermediate_size``."""
+
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    attention_multiplier: float = 1.0
+    logits_scaling: float = 1.0
+    shared_intermediate_size: int = 1024
+    num_local_experts: int = 0
+    num_experts_per_tok: int = 2
+    rope: bool = False
+
+    @classmethod
+    def from_hf_dict(cls, d: dict[str, Any]) -> GraniteParams:
+        return cls(embedding_multiplier=float(d.get("embedding_multiplier", 1.0)),
+                   residual_multiplier=float(d.get("residual_multiplier", 1.0)),
+                   attention_multiplier=float(d.get("attention_multiplier", 1.0)),
+                   logits_scaling=float(d.get("logits_scaling", 1.0)),
+                   shared_intermediate_size=int(d.get("shared_intermediate_size", 1024)),
+                   num_local_experts=int(d.get("num_local_experts") or 0),
+                   num_experts_per_tok=int(d.get("num_experts_per_tok") or 2),
+                   rope=d.get("position_embedding_type") == "rope")
+
+    def mlp_params(self, hidden: int, intermediate: int) -> int:
+        """Feed-forward weights of one layer: shared MLP, experts and router."""
+        experts = self.num_local_experts * (3 * hidden * intermediate + hidden)
+        return 3 * hidden * self.shared_intermediate_size + experts
 
 
 @dataclass(slots=True)
@@ -52,8 +242,9 @@ class ModelConfig:
     """Architecture facts of one model (no weights).
 
     Invariants: ``num_attention_heads % num_kv_heads == 0`` (GQA groups are whole);
-    ``layer_types`` is None or has exactly ``num_layers`` entries, each "full_attention" or
-    "sliding_attention"; a "sliding_attention" layer implies ``sliding_window`` is set.
+    ``layer_types`` is None or has exactly ``num_layers`` entries, each "full_attention",
+    "sliding_attention" or "chunked_attention"; a "sliding_attention" layer implies
+    ``sliding_window`` is set, a "chunked_attention" one ``attention_chunk_size``.
     ``num_params`` counts every weight element (tied embeddings counted once).
     """
 
@@ -90,6 +281,16 @@ class ModelConfig:
     # RoPE is unscaled) and RMSNorm on each q/k head before RoPE.
     rope_local_theta: float | None = None
     qk_norm: bool = False
+    # Llama 4: chunked local attention on "chunked_attention" layers, and its other facts.
+    attention_chunk_size: int | None = None
+    llama4: Llama4Params | None = None
+    # Mamba-2 hybrids (Bamba): the mixer of the layers that are not attention layers.
+    mamba: MambaParams | None = None
+    # GraniteMoeHybrid: multipliers, NoPE/RoPE, shared MLP and MoE (with ``mamba``).
+    granite: GraniteParams | None = None
+    # DeepSeek-V2/V3: multi-head latent attention and DeepSeekMoE (then num_kv_heads is 1 and
+    # head_dim the latent row, kv_lora_rank + qk_rope_head_dim: see models/mla_config.py).
+    mla: MLAParams | None = None
 
     def __post_init__(self) -> None:
         if self.num_kv_heads <= 0 or self.num_attention_heads % self.num_kv_heads:
@@ -100,11 +301,15 @@ class ModelConfig:
         if self.layer_types is not None:
             if len(self.layer_types) != self.num_layers:
                 raise ValueError(f"layer_types has {len(self.layer_types)} entries, expected {self.num_layers}")
-            bad = set(self.layer_types) - {FULL_ATTENTION, SLIDING_ATTENTION}
+            bad = set(self.layer_types) - {FULL_ATTENTION, SLIDING_ATTENTION, CHUNKED_ATTENTION}
             if bad:
                 raise ValueError(f"unknown layer types {sorted(bad)}")
             if SLIDING_ATTENTION in self.layer_types and not self.sliding_window:
                 raise ValueError("sliding_attention layers need sliding_window")
+            if CHUNKED_ATTENTION in self.layer_types and not self.attention_chunk_size:
+                raise ValueError("chunked_attention layers need attention_chunk_size")
+        if self.attention_chunk_size is not None and self.attention_chunk_size < 1:
+            raise ValueError(f"attention_chunk_size must be >= 1, got {self.attention_chunk_size}")
         if self.num_params == 0:
             self.num_params = self.estimate_num_params()
 
@@ -133,6 +338,9 @@ class ModelConfig:
         embed + per layer (q, k, v, o [+ biases], gate/up/down, 2 norms) + final norm
         (+ lm_head unless tied). Equals the GGUF tensor element count for Llama/Qwen2 files.
         """
+        if self.mla is not None:
+            return self.mla.num_params(self.hidden_size, self.num_attention_heads, self.intermediate_size,
+                                       self.vocab_size, self.num_layers, self.tie_word_embeddings, self.attention_bias)
         h, hd = self.hidden_size, self.head_dim
         q, kv = self.num_attention_heads * hd, self.num_kv_heads * hd
         attn = h * q + 2 * h * kv + q * h + ((q + 2 * kv) if self.attention_bias else 0)
@@ -140,13 +348,22 @@ class ModelConfig:
         per_layer = attn + mlp + 2 * h
         embed = self.vocab_size * h
         lm_head = 0 if self.tie_word_embeddings else self.vocab_size * h
+        if self.llama4 is not None:  # MoE and dense layers instead of one MLP size
+            per_layer -= mlp
+            embed += self.llama4.mlp_params(h, self.intermediate_size)
+        if self.mamba is not None:  # mixer layers: a Mamba-2 mixer instead of attention
+            n_mamba = sum(map(self.mamba.is_mamba_layer, range(self.num_layers)))
+            embed += n_mamba * (self.mamba.layer_params(h) - attn)
+        if self.granite is not None:  # shared MLP + experts instead of one MLP
+            embed += self.num_layers * (self.granite.mlp_params(h, self.intermediate_size) - mlp)
         return embed + self.num_layers * per_layer + h + lm_head
 
     def kv_bytes_per_token(self, kv_cache_dtype: str = "auto", kv_quant_mode: KVQuantMode | str | None = None,
                            torch_dtype: Any = None) -> int:
-        """KV bytes one token occupies summed over all layers (block_size 1, no window)."""
+        """KV bytes one token occupies summed over all layers (block_size 1, no window; a Mamba
+        layer's state is per request, not per token, and counts 0)."""
         specs = self.kv_cache_specs(1, kv_cache_dtype, kv_quant_mode, torch_dtype)
-        return sum(s.page_size_bytes for s in specs.values())
+        return sum(s.page_size_bytes for s in specs.values() if not isinstance(s, MambaSpec))
 
     def kv_cache_specs(
         self,
@@ -170,12 +387,18 @@ class ModelConfig:
         common = dict(block_size=block_size, num_kv_heads=self.num_kv_heads, head_size=self.head_dim,
                       dtype=dtype, kv_quant_mode=mode,
                       kv_rotation=resolve_kv_rotation(kv_cache_dtype, kv_rotation))
-        full = FullAttentionSpec(**common)
-        swa = SlidingWindowSpec(**common, sliding_window=self.sliding_window) if self.sliding_window else None
-        return {
-            self.layer_name(i): (swa if self.layer_type(i) == SLIDING_ATTENTION else full)
-            for i in range(self.num_layers)
-        }
+        full = MLAAttentionSpec if self.mla is not None else FullAttentionSpec  # MLA: one latent row per token
+        by_type: dict[str, KVCacheSpec] = {FULL_ATTENTION: full(**common)}
+        if self.sliding_window:
+            by_type[SLIDING_ATTENTION] = SlidingWindowSpec(**common, sliding_window=self.sliding_window)
+        if self.attention_chunk_size:
+            by_type[CHUNKED_ATTENTION] = ChunkedLocalAttentionSpec(
+                **common, attention_chunk_size=self.attention_chunk_size)
+        specs = {self.layer_name(i): by_type[self.layer_type(i)] for i in range(self.num_layers)}
+        if self.mamba is not None:  # recurrent state pages for the mixer layers
+            mamba = self.mamba.kv_cache_spec(block_size)
+            specs.update({self.layer_name(i): mamba for i in range(self.num_layers) if self.mamba.is_mamba_layer(i)})
+        return specs
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -200,6 +423,14 @@ class ModelConfig:
             d["head_dim"] = d["hidden_size"] // d["num_attention_heads"]
         if d.get("layer_types") is not None:
             d["layer_types"] = list(d["layer_types"])
+        if isinstance(d.get("llama4"), dict):
+            d["llama4"] = Llama4Params(**d["llama4"])
+        if isinstance(d.get("mla"), dict):
+            d["mla"] = MLAParams(**d["mla"])
+        if isinstance(d.get("granite"), dict):
+            d["granite"] = GraniteParams(**d["granite"])
+        if isinstance(d.get("mamba"), dict):
+            d["mamba"] = MambaParams(**{**d["mamba"], "time_step_limit": tuple(d["mamba"].get("time_step_limit", (0.0, float("inf"))))})
         return cls(**d)
 
     @classmethod
@@ -217,8 +448,14 @@ class ModelConfig:
     def from_hf_dict(cls, d: dict[str, Any]) -> ModelConfig:
         """Translate transformers config keys (v4 and v5 spellings) into a ModelConfig."""
         if "text_config" in d and "num_hidden_layers" not in d:  # multimodal wrapper: the LM's config
-            d = {"_name_or_path": d.get("_name_or_path"), **d["text_config"]}
+            d = {"_name_or_path": d.get("_name_or_path"), "torch_dtype": d.get("torch_dtype"),
+                 **d["text_config"]}
         arch = d.get("model_type", "llama")
+        mamba = MambaParams.from_hf_dict(d) if arch in _MAMBA_HYBRID_ARCHS else None
+        if mamba is not None:  # their layer_types name mixer/attention layers (config.mamba)
+            d = {k: v for k, v in d.items() if k not in ("layer_types", "layers_block_type")}
+        rope_defaults = {} if "rope_parameters" in d else _HF_ROPE_DEFAULTS.get(arch, {})
+        d = {**_HF_DEFAULTS.get(arch, {}), **rope_defaults, **d}
         heads = d["num_attention_heads"]
         hidden = d["hidden_size"]
         rope_params = d.get("rope_parameters") or {}  # transformers v5 moves rope_theta here
@@ -233,8 +470,13 @@ class ModelConfig:
         sliding = d.get("sliding_window")
         if d.get("use_sliding_window") is False:
             sliding = None
+        llama4 = Llama4Params.from_hf_dict(d) if arch == "llama4_text" else None
+        mla = MLAParams.from_hf_dict(d) if arch in MLA_ARCHITECTURES else None
+        chunk = d.get("attention_chunk_size") if llama4 is not None else None
         layer_types = d.get("layer_types") or _default_layer_types(arch, d)
-        if layer_types is not None and SLIDING_ATTENTION not in layer_types:
+        if llama4 is not None and not d.get("layer_types"):
+            layer_types = llama4.layer_types(chunk)
+        if layer_types is not None and not {SLIDING_ATTENTION, CHUNKED_ATTENTION} & set(layer_types):
             layer_types = None  # all full: keep the simple form
         if layer_types is not None and sliding is None:
             sliding = d.get("sliding_window")
@@ -243,8 +485,8 @@ class ModelConfig:
             num_layers=d["num_hidden_layers"],
             hidden_size=hidden,
             num_attention_heads=heads,
-            num_kv_heads=d.get("num_key_value_heads") or heads,
-            head_dim=d.get("head_dim") or hidden // heads,
+            num_kv_heads=1 if mla else d.get("num_key_value_heads") or heads,
+            head_dim=mla.latent_size if mla else d.get("head_dim") or hidden // heads,
             intermediate_size=d["intermediate_size"],
             vocab_size=d["vocab_size"],
             max_position_embeddings=d.get("max_position_embeddings", 2048),
@@ -265,6 +507,11 @@ class ModelConfig:
             final_logit_softcapping=d.get("final_logit_softcapping"),
             rope_local_theta=float(local_theta) if local_theta else None,
             qk_norm=arch in _ARCHS_WITH_QK_NORM,
+            attention_chunk_size=chunk,
+            llama4=llama4,
+            mamba=mamba,
+            granite=GraniteParams.from_hf_dict(d) if arch == "granitemoehybrid" else None,
+            mla=mla,
         )
 
     @classmethod
@@ -287,6 +534,11 @@ def _default_layer_types(arch: str, d: dict[str, Any]) -> list[str] | None:
     if period is None or not d.get("sliding_window"):
         return None
     return [FULL_ATTENTION if (i + 1) % period == 0 else SLIDING_ATTENTION for i in range(d["num_hidden_layers"])]
+
+
+def _json_float(v: Any) -> float:
+    """A float from config.json; transformers 5 writes infinities as ``{"__float__": "Infinity"}``."""
+    return float(v["__float__"] if isinstance(v, dict) else v)
 
 
 def _first(v: Any) -> int | None:

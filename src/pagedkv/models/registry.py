@@ -8,8 +8,12 @@ from typing import Protocol
 import torch
 
 from pagedkv.models.config import ModelConfig
+from pagedkv.models.bamba import BambaForCausalLM
+from pagedkv.models.deepseek_v2 import DeepseekV2ForCausalLM
 from pagedkv.models.gemma2 import Gemma2ForCausalLM
+from pagedkv.models.granitemoehybrid import GraniteMoeHybridForCausalLM
 from pagedkv.models.llama import LlamaForCausalLM
+from pagedkv.models.llama4 import Llama4ForCausalLM
 from pagedkv.ops.metadata import AttentionMetadata
 
 
@@ -38,8 +42,13 @@ _MODELS: dict[str, type[LlamaForCausalLM]] = {
     "llama": LlamaForCausalLM,
     "mistral": LlamaForCausalLM,  # Llama + sliding window (from the config)
     "qwen2": LlamaForCausalLM,  # Llama + q/k/v bias (config.attention_bias)
+    "deepseek_v2": DeepseekV2ForCausalLM,  # MLA latent cache, DeepSeekMoE (config.mla)
+    "deepseek_v3": DeepseekV2ForCausalLM,  # V2 + sigmoid grouped router, interleaved-pair RoPE
     "gemma2": Gemma2ForCausalLM,  # sliding/global layers, soft caps (its own layers, Llama loading)
     "gemma3_text": Gemma2ForCausalLM,  # Gemma 2 + q/k norms, local rope theta (config.qk_norm)
+    "bamba": BambaForCausalLM,  # Mamba-2 mixers + attention layers, states in MambaSpec pages (config.mamba)
+    "granitemoehybrid": GraniteMoeHybridForCausalLM,  # Bamba's mixer in a Granite decoder (config.granite)
+    "llama4_text": Llama4ForCausalLM,  # chunked local + NoPE global layers, MoE (config.llama4)
 }
 
 
