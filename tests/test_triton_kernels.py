@@ -360,3 +360,24 @@ def test_gpu_benchmark_and_checks_skip_cleanly_without_cuda(tmp_path) -> None:
     syntax = subprocess.run(["bash", "-n", str(root / "gpu" / "run_checks.sh")],
                             capture_output=True, text=True, timeout=30)
     assert syntax.returncode == 0, syntax.stderr
+
+
+@pytest.mark.parametrize("query_lens", [[1, 1, 1], [5, 1, 9]])
+def test_mla_latent_cache_value_is_a_view_of_the_key(query_lens: list[int]) -> None:
+    """MLA's absorbed decode (models/deepseek_v2.py): one KV head holding ``[kv_c | k_pe]``
+    (48 values here), value = a view of its first 32 columns (same strides as K). The kernel
+    must read V through that view: equal to the torch path over the same caches."""
+    from pagedkv.ops.attention import _attention
+    from pagedkv.ops.kv_gather import PagedKV
+
+    spec = dict(seq_lens=[23, 40, 17], query_lens=query_lens, block_size=16, num_kv_heads=1, group=4,
+                head_size=48, layout="LBNHC", shared_prefix=False, seed=11)
+    cpu_batch = make_paged_batch(dtype=torch.float32, head_size_v=0, **spec)
+    key_cache = cpu_batch.key_cache
+    value_view = key_cache[..., :32]
+    want = _attention(cpu_batch.query, PagedKV.of(key_cache, value_view), cpu_batch.md, 0.125, None, None, None)
+    kc = key_cache.to(DEVICE)
+    batch = on_device(cpu_batch, None)
+    out = paged_attention_triton(batch.query, kc, kc[..., :32], batch.md, 0.125)
+    assert out.shape == (sum(query_lens), 4, 32)
+    torch.testing.assert_close(out.cpu(), want, atol=1e-5, rtol=1e-5)
