@@ -27,7 +27,7 @@ from pagedkv.core.block_pool import BlockPool, KVCacheBlock
 from pagedkv.core.events import MEDIUM_GPU, KVCacheEvent
 from pagedkv.core.kv_cache_coordinator import get_kv_cache_coordinator
 from pagedkv.core.request import KVCacheRequest, RequestStatus
-from pagedkv.core.specs import KVCacheConfig
+from pagedkv.core.specs import KVCacheConfig, get_kv_cache_spec_sliding_window
 
 _EMPTY: tuple = ()
 
@@ -272,7 +272,7 @@ class KVCacheManager:
             if gid is not None and hasattr(event, "kv_cache_spec_kind") and 0 <= gid < self.num_kv_cache_groups:
                 spec = self.kv_cache_groups[gid].kv_cache_spec
                 event.kv_cache_spec_kind = spec.kind
-                event.kv_cache_spec_sliding_window = getattr(spec, "sliding_window", None)
+                event.kv_cache_spec_sliding_window = get_kv_cache_spec_sliding_window(spec)
         return events
 
     def make_prefix_cache_stats(self) -> PrefixCacheStats | None:

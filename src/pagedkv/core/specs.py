@@ -547,6 +547,16 @@ class UniformTypeKVCacheSpecs(KVCacheSpec):
         return cls(block_size=sizes.pop(), kv_cache_specs=dict(kv_cache_specs))
 
 
+def get_kv_cache_spec_sliding_window(spec: KVCacheSpec) -> int | None:
+    """The window KV events annotate a group with (vLLM's rule): a `SlidingWindowSpec`'s, a
+    `UniformTypeKVCacheSpecs`' when its layers share one, else None (chunked local attention
+    and a full-attention spec that merged windowed layers included)."""
+    if isinstance(spec, UniformTypeKVCacheSpecs):
+        windows = {get_kv_cache_spec_sliding_window(s) for s in spec.kv_cache_specs.values()}
+        return next(iter(windows)) if len(windows) == 1 else None
+    return spec.sliding_window if isinstance(spec, SlidingWindowSpec) else None
+
+
 # ---------------------------------------------------------------- groups and configs
 
 

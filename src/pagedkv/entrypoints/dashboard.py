@@ -20,6 +20,14 @@ compactly beside the map:
 * ``"owner_ids"`` (running requests' ids) and ``"owners"``: block id -> indexes into
   ``owner_ids`` of the requests whose block tables hold it (blocks held only by a finished
   request whose tier stores are still in flight have ``ref_cnt > 0`` and no owner).
+* ``"block_groups"``: block id -> index of the KV cache group the block serves (the group of
+  the block tables holding it, else of its hash), for blocks that are held or cached.
+
+The pool is shared by every KV cache group (one per layer type or window of a hybrid model);
+``"groups"`` lists them in group order: ``kind`` (vLLM's spec kind: ``full_attention``,
+``sliding_window``, ``chunked_local_attention``, ``mla_attention``, ``mamba``, ...),
+``num_layers``, ``block_size``, ``sliding_window`` / ``attention_chunk_size`` (null when not
+windowed), ``page_size_bytes`` and ``num_blocks`` (blocks of the map attributed to it).
 
 The page also shows, over time (a time axis on every chart): KV usage and prefix-cache hit
 rate (per polling interval and cumulative), prompt and generation throughput, TTFT and
@@ -41,7 +49,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
 
-from pagedkv.core.hashing import get_block_hash
+from pagedkv.core.hashing import get_block_hash, get_group_id
 
 if TYPE_CHECKING:
     from pagedkv.engine.llm_engine import LLMEngine
@@ -76,6 +84,7 @@ def block_details(engine: LLMEngine) -> dict[str, Any]:
     ref_cnt = [b.ref_cnt for b in pool.blocks]
     hashes = {str(b.block_id): get_block_hash(b.block_hash).hex()[:HASH_HEX_DIGITS]
               for b in pool.blocks if b.block_hash is not None}
+    block_groups = {str(b.block_id): get_group_id(b.block_hash) for b in pool.blocks if b.block_hash is not None}
     owner_ids: list[str] = []
     owners: dict[str, list[int]] = {}
     kv = engine.kv_cache_manager
@@ -86,9 +95,39 @@ def block_details(engine: LLMEngine) -> dict[str, Any]:
             continue
         index = len(owner_ids)
         owner_ids.append(req.request_id)
-        for block_id in {b for group in groups for b in group if b}:  # block 0 is the null block
+        for gid, group in enumerate(groups):
+            for block_id in group:
+                if block_id:  # block 0 is the null block
+                    block_groups[str(block_id)] = gid
+        for block_id in {b for group in groups for b in group if b}:
             owners.setdefault(str(block_id), []).append(index)
-    return dict(ref_cnt=ref_cnt, hashes=hashes, owner_ids=owner_ids, owners=owners)
+    return dict(ref_cnt=ref_cnt, hashes=hashes, owner_ids=owner_ids, owners=owners, block_groups=block_groups)
+
+
+def kv_cache_groups_info(engine: LLMEngine) -> list[dict[str, Any]]:
+    """The KV cache groups in group order: ``kind``, ``num_layers``, ``block_size``,
+    ``sliding_window``, ``attention_chunk_size`` (null when not windowed) and
+    ``page_size_bytes`` (also served by ``/v1/kv_cache_config``)."""
+    out = []
+    for g in engine.kv_cache_config.kv_cache_groups:
+        spec = g.kv_cache_spec
+        rep = getattr(spec, "representative", spec)  # a UniformTypeKVCacheSpecs' rules are its layers'
+        out.append(dict(kind=spec.kind, num_layers=len(g.layer_names), block_size=spec.block_size,
+                        sliding_window=getattr(rep, "sliding_window", None),
+                        attention_chunk_size=getattr(rep, "attention_chunk_size", None),
+                        page_size_bytes=spec.page_size_bytes))
+    return out
+
+
+def group_states(engine: LLMEngine, block_groups: dict[str, int]) -> list[dict[str, Any]]:
+    """``"groups"`` of the state: `kv_cache_groups_info` plus ``num_blocks``, the blocks of
+    ``block_groups`` (from `block_details`) attributed to each."""
+    out = kv_cache_groups_info(engine)
+    for g in out:
+        g["num_blocks"] = 0
+    for gid in block_groups.values():
+        out[gid]["num_blocks"] += 1
+    return out
 
 
 def kv_transfer_state(stats: SchedulerStats) -> dict[str, Any] | None:
@@ -137,6 +176,7 @@ def dashboard_state(engine: LLMEngine, extra: dict[str, Any] | None = None) -> d
         kv_transfer=kv_transfer_state(stats),
         **block_details(engine),
     )
+    state["groups"] = group_states(engine, state["block_groups"])
     if extra:
         state.update(extra)
     return state

@@ -181,7 +181,7 @@ def preflight(config: Any) -> Any:
     A missing or malformed model, and a KV cache that cannot hold one ``max_model_len``
     request (vLLM's start-up rule, `check_kv_cache_fits`), raise CLIError here, before the
     slow load, so the error is the only line printed."""
-    from pagedkv.core.specs import get_kv_cache_groups
+    from pagedkv.core.specs import align_hybrid_block_size, get_kv_cache_groups
     from pagedkv.engine.config import check_kv_cache_fits, default_kv_cache_memory, resolve_dtype_name
     from pagedkv.models.loader import resolve_model_path
 
@@ -192,7 +192,11 @@ def preflight(config: Any) -> Any:
     mc = read_model_config(str(path))
     memory = default_kv_cache_memory(config)
     try:
-        specs = mc.kv_cache_specs(config.block_size, torch_dtype=resolve_dtype_name(config.dtype, mc.dtype))
+        dtype = resolve_dtype_name(config.dtype, mc.dtype)
+        # A Mamba hybrid's engine raises the block size (LLMEngine._align_hybrid_block_size):
+        # check the cache it will really allocate.
+        block_size = align_hybrid_block_size(mc.kv_cache_specs(1, torch_dtype=dtype), config.block_size)
+        specs = mc.kv_cache_specs(block_size, torch_dtype=dtype)
         if memory is not None:
             check_kv_cache_fits(config, get_kv_cache_groups(specs), config.max_model_len or mc.max_position_embeddings,
                                 memory)

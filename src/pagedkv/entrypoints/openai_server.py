@@ -148,13 +148,16 @@ async def kv_cache_config(request: Request) -> Response:
     ``hash_seed`` (the NONE_HASH seed: with them a client recomputes the block hashes of the KV
     events), ``model`` (the served name), ``model_path`` and ``model_identity`` (which weights),
     ``tokenizer`` (a digest of vocab size, special ids and chat template), ``num_blocks``,
-    ``kv_cache_medium``, ``enable_prefix_caching``, ``started`` (the server's start time: a
+    ``kv_cache_medium``, ``enable_prefix_caching``, ``kv_cache_groups`` (each KV cache group's
+    kind, layers, block size, window or chunk and page size: `dashboard.kv_cache_groups_info`),
+    ``started`` (the server's start time: a
     router notices a restart) and ``kv_events`` (``{"endpoint",
     "replay_endpoint", "topic"}``, or null without a publisher). Note: with xxhash the seed is the
     per-process random one; this route is behind ``api_key`` like every non-open route."""
     import hashlib
 
     from pagedkv.core.hashing import get_hash_fn_by_name, resolve_none_hash_seed
+    from pagedkv.entrypoints.dashboard import kv_cache_groups_info
     from pagedkv.models.loader import resolve_model_path
 
     state = server_state(request)
@@ -173,6 +176,7 @@ async def kv_cache_config(request: Request) -> Response:
         "hash_seed": resolve_none_hash_seed(get_hash_fn_by_name(cfg.prefix_caching_hash_algo)),
         "num_blocks": eng.kv_cache_config.num_blocks, "enable_prefix_caching": cfg.enable_prefix_caching,
         "kv_cache_medium": eng.kv_cache_manager.block_pool.medium, "started": state.started,
+        "kv_cache_groups": kv_cache_groups_info(eng),
         "kv_events": None if pub is None else {"endpoint": pub.endpoint, "replay_endpoint": pub.replay_endpoint,
                                                "topic": pub.topic.decode()}})
 

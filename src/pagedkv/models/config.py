@@ -554,6 +554,7 @@ def _read_gguf_header(path: str, size: int, mtime_ns: int) -> dict[str, Any]:
 
     Callers deep-copy the cached dict before building a ModelConfig from it.
     """
+    from pagedkv.models.gguf_config import hf_config_from_gguf, is_hf_mapped_arch
     from pagedkv.models.gguf_reader import read_gguf
 
     gguf = read_gguf(path)  # tensor bytes are memory-mapped, never read here
@@ -565,6 +566,11 @@ def _read_gguf_header(path: str, size: int, mtime_ns: int) -> dict[str, Any]:
     arch = get("general.architecture")
     if arch is None:
         raise ValueError(f"{path}: not a model GGUF (no general.architecture)")
+    if is_hf_mapped_arch(arch):  # Gemma 2/3, DeepSeek2, ...: through the HF translation
+        cfg = ModelConfig.from_hf_dict(
+            hf_config_from_gguf(meta, {n: t.shape for n, t in gguf.tensors.items()}, path))
+        return cfg.to_dict() | dict(num_params=sum(math.prod(t.shape) for t in gguf.tensors.values()),
+                                    name=str(get("general.name", pathlib.Path(path).stem)), path=path, dtype=None)
     a = arch
     heads = int(get(f"{a}.attention.head_count"))
     hidden = int(get(f"{a}.embedding_length"))

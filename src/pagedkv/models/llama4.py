@@ -47,8 +47,12 @@ class Llama4Rotary(nn.Module):
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        inv = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
-        self.register_buffer("inv_freq", inv, persistent=False)
+        self.head_dim, self.theta = config.head_dim, config.rope_theta
+        self.set_inv_freq(rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling))
+
+    def set_inv_freq(self, inv_freq: torch.Tensor) -> None:
+        """New inverse frequencies (a GGUF's ``rope_freqs`` divisors, see ``load_weights``)."""
+        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
 
     def freqs_cis(self, positions: torch.Tensor) -> torch.Tensor:
         """Complex ``[T, D/2]`` for int64 ``positions [T]`` (transformers' float32 order)."""

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from pagedkv.models.config import ModelConfig, default_model_path, load_model_config
-from pagedkv.models.gguf_loader import iter_gguf_quantized, iter_gguf_weights, read_gguf
+from pagedkv.models.gguf_loader import gguf_tokenizer, iter_gguf_quantized, iter_gguf_weights, read_gguf
 from pagedkv.models.hf_loader import is_hf_dir, iter_safetensors_weights
 from pagedkv.models.registry import CausalLM, get_model_class
 from pagedkv.models.tokenizer import Tokenizer
@@ -112,7 +112,7 @@ def get_model(
     kv_scales: dict[str, dict[str, float]] = {}
     if path.suffix.lower() == ".gguf":
         gguf = read_gguf(path)
-        tokenizer = Tokenizer.from_gguf_metadata(gguf.metadata)
+        tokenizer = gguf_tokenizer(gguf)
         weights = iter_gguf_weights(gguf)
     elif is_hf_dir(path):
         tokenizer = Tokenizer.from_hf_dir(path) if (path / "tokenizer.json").exists() else None

@@ -165,7 +165,7 @@ class Tokenizer:
     # ---- construction ---------------------------------------------------------------------
     @classmethod
     def from_gguf_metadata(cls, meta: Mapping[str, Any]) -> Tokenizer:
-        """Build from GGUF key/value metadata (see ``gguf_loader.read_gguf``)."""
+        """Build from GGUF key/value metadata (see ``gguf_reader.read_gguf``)."""
         return cls(
             build_gguf_backend(meta),
             bos_token_id=_opt_int(meta.get("tokenizer.ggml.bos_token_id")),
@@ -176,7 +176,7 @@ class Tokenizer:
 
     @classmethod
     def from_gguf(cls, path: str | Path) -> Tokenizer:
-        from pagedkv.models.gguf_loader import read_gguf
+        from pagedkv.models.gguf_reader import read_gguf
 
         return cls.from_gguf_metadata(read_gguf(path).metadata)
 
