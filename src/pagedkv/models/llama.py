@@ -17,6 +17,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from pagedkv.models import layers as _layers
 from pagedkv.models.config import SLIDING_ATTENTION, ModelConfig
 from pagedkv.models.layers import (
     Embedding,
@@ -28,6 +29,7 @@ from pagedkv.models.layers import (
     SiluAndMul,
     rope_inv_freq,
 )
+from pagedkv.ops import native_step
 from pagedkv.ops.attention import paged_attention
 from pagedkv.ops.cache import reshape_and_cache
 from pagedkv.ops.kv_quant import KVQuant
@@ -127,6 +129,12 @@ class LlamaModel(nn.Module):
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
         md: AttentionMetadata | list[AttentionMetadata],
     ) -> torch.Tensor:
+        if input_ids.shape[0] <= native_step.MAX_ROWS and type(self) is LlamaModel:
+            # A small decode-only step: every layer in one native call where it applies.
+            hidden = native_step.decode_step(self, input_ids, positions, kv_caches, md, _layers.NATIVE_GEMV_MAX_ROWS,
+                                             _layers.NATIVE_GEMV_MAX_ROWS_KQUANT)
+            if hidden is not None:
+                return hidden
         x = self.embed_tokens(input_ids)
         rope = self.rotary_emb.cos_sin(positions)
         residual = None

@@ -86,6 +86,11 @@ def _bind(so: ctypes.CDLL) -> ctypes.CDLL:
                                     _ptr, _i64, _ptr, _i64, _f32, _ptr, _i64, _ptr, ctypes.c_int,
                                     _f32, _f32, _i64, _i64]
     so.pkv_paged_decode.restype = ctypes.c_int
+    # The whole-layer decode step (ops/native_step.py builds its pkv_model tables).
+    so.pkv_decode_layers.argtypes = [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr]
+    so.pkv_decode_layers.restype = ctypes.c_int
+    so.pkv_step_struct_size.argtypes = [ctypes.c_int]
+    so.pkv_step_struct_size.restype = _i64
     return so
 
 
@@ -259,3 +264,17 @@ def paged_decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Te
                              sliding_window or 0, scale, out.data_ptr(), hq * dv, _addr(lse), kvt,
                              k_scale, v_scale, k_group, v_group)
     return None if rc else (out, lse)
+
+
+def decode_layers(so: ctypes.CDLL, model_addr: int, input_ids: torch.Tensor, out: torch.Tensor,
+                  positions: torch.Tensor, slot_mapping: torch.Tensor, block_table: torch.Tensor,
+                  seq_lens: torch.Tensor, profile_addr: int | None = None) -> int:
+    """One call of ``pkv_decode_layers`` (see the C file) on the ``pkv_model`` at ``model_addr``:
+    ``input_ids``/``positions``/``slot_mapping [M]`` int64, ``out [M, hidden]`` float32 (the
+    final-normed hidden states), ``block_table [M, max_blocks]`` int32 with unit column stride,
+    ``seq_lens [M]`` int32, all contiguous CPU tensors (the caller checks); ``profile_addr``:
+    None or the address of the kernel's per-section seconds (6 doubles, added to). Returns the
+    kernel's code: 0, or -1/-2 (nothing done: shape not covered / argument out of range)."""
+    return so.pkv_decode_layers(model_addr, out.shape[0], input_ids.data_ptr(), out.data_ptr(), positions.data_ptr(),
+                                slot_mapping.data_ptr(), block_table.data_ptr(), block_table.stride(0),
+                                seq_lens.data_ptr(), profile_addr)

@@ -20,6 +20,7 @@
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #if defined(__AVX512F__) || defined(__F16C__)
@@ -1215,5 +1216,423 @@ int pkv_paged_decode(const float *q, int64_t q_stride, int64_t num_rows, int64_t
         for (int64_t r = 0; r < num_rows; r++)
             for (int64_t hk = 0; hk < Hkv; hk++) item(&a, r, hk, hk + 1);
     }
+    return 0;
+}
+
+/* ------------------------------------------------------------ whole-layer decode step
+ *
+ * pkv_decode_layers runs every decoder layer of a plain Llama-family model (Llama, Mistral,
+ * Qwen2) for the M <= 16 rows of one decode step in ONE call, then the final RMSNorm: per layer
+ * RMSNorm -> fused qkv GEMV (+ bias) -> RoPE (rotate-half, cos/sin rows of a precomputed table)
+ * -> K/V written to the paged cache at the slot mapping -> paged decode attention (decode_item
+ * above) -> o_proj -> residual -> RMSNorm -> gate_up GEMV fused with SiLU*mul -> down ->
+ * residual. Why: at batch 1 the ~300 small torch ops and ctypes calls of a step cost as much as
+ * its GEMVs; here they are a few microseconds of C.
+ *
+ * One OpenMP team for the whole step. GEMV output columns and (row, KV head) attention items
+ * are shared out with `omp for` (items that do not share evenly among the threads are cut
+ * along long rows' keys and merged by log-sum-exp); the cheap row-wise glue (residual adds,
+ * norms) is done by every thread on its own copy of the residual stream, which saves a
+ * barrier per op and gives identical values on every thread (same code, same order).
+ *
+ * Float32 math. The GEMVs are exactly pkv_gemv_q's (bit-identical results for the ggml rows),
+ * RoPE rounds its products and sums separately like RotaryEmbedding.apply (bit-identical), the
+ * K/V writes round like torch's .to(bfloat16/float16) (bit-identical cache contents); norms
+ * and SiLU differ from torch's only in summation order / exp ulps. */
+
+enum { STEP_F32 = 0, STEP_MAX_SEGS = 8, STEP_MAX_M = 16, STEP_COLS = 16, STEP_SECTIONS = 6 };
+
+typedef struct {
+    int64_t start, end;    /* output rows [start, end) of the layer held by this segment */
+    const uint8_t *w;      /* its (end - start) rows of ggml blocks, row_stride bytes apart */
+    int64_t row_stride;
+    int32_t qtype, pad_;
+} pkv_segment;
+
+typedef struct {
+    int64_t N, K;
+    const float *dense;    /* float32 [N, K] (ldw floats a row): used without segments or above max_rows */
+    int64_t ldw;
+    const float *bias;     /* [N] or NULL */
+    int32_t nseg, max_rows;
+    pkv_segment seg[STEP_MAX_SEGS];
+} pkv_linear;
+
+typedef struct {
+    const float *input_norm, *post_norm;   /* [H] */
+    pkv_linear qkv, o, gate_up, down;      /* qkv: [q | k | v] rows; gate_up: [gate | up] */
+    void *k_cache, *v_cache;               /* [NB, BS, Hkv, D] of kv_type; strides in elements */
+    int64_t kb, kt, kh, vb, vt, vh;
+    int64_t window;                        /* sliding window (0: none) */
+} pkv_layer;
+
+typedef struct {
+    int64_t num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate;
+    int64_t block_size, num_slots;         /* num_slots = NB * BS: every slot must lie below */
+    int64_t max_pos;                       /* rows of the rope table */
+    const float *rope;                     /* [max_pos, head_dim]: cos | sin (head_dim / 2 each) */
+    int64_t vocab;
+    const float *embed;                    /* [vocab, H] token embeddings */
+    const float *final_norm;               /* [H] */
+    const pkv_layer *layers;
+    float eps, scale;
+    int32_t kv_type, pad_;
+} pkv_model;
+
+/* sizeof of the structs above (which = 0..3), so the ctypes mirrors can check their layout. */
+int64_t pkv_step_struct_size(int which) {
+    switch (which) {
+        case 0: return (int64_t)sizeof(pkv_segment);
+        case 1: return (int64_t)sizeof(pkv_linear);
+        case 2: return (int64_t)sizeof(pkv_layer);
+        case 3: return (int64_t)sizeof(pkv_model);
+        default: return -1;
+    }
+}
+
+/* Float32 rows: y[m*ldy + c] = x[m] . w[c] for c < nc, m < M (w: nc rows, ldw floats apart). */
+static void dense_cols(const float *w, int64_t ldw, int64_t K, const float *x, int64_t M, int64_t nc, float *y,
+                       int64_t ldy) {
+#if defined(__AVX512F__)
+    if (M == 1) {  /* four rows a pass, two chains each: the x loads are shared */
+        for (int64_t c = 0; c < nc; c += 4) {
+            int R = nc - c >= 4 ? 4 : (int)(nc - c);
+            __m512 a0[4], a1[4];
+            for (int r = 0; r < R; r++) a0[r] = a1[r] = _mm512_setzero_ps();
+            int64_t k = 0;
+            for (; k + 32 <= K; k += 32) {
+                __m512 x0 = _mm512_loadu_ps(x + k), x1 = _mm512_loadu_ps(x + k + 16);
+                for (int r = 0; r < R; r++) {
+                    const float *wr = w + (c + r) * ldw + k;
+                    a0[r] = _mm512_fmadd_ps(_mm512_loadu_ps(wr), x0, a0[r]);
+                    a1[r] = _mm512_fmadd_ps(_mm512_loadu_ps(wr + 16), x1, a1[r]);
+                }
+            }
+            for (; k < K; k += 16) {
+                __mmask16 mk = K - k >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (K - k)) - 1);
+                __m512 x0 = _mm512_maskz_loadu_ps(mk, x + k);
+                for (int r = 0; r < R; r++)
+                    a0[r] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mk, w + (c + r) * ldw + k), x0, a0[r]);
+            }
+            for (int r = 0; r < R; r++) y[c + r] = _mm512_reduce_add_ps(_mm512_add_ps(a0[r], a1[r]));
+        }
+        return;
+    }
+    for (int64_t c = 0; c < nc; c++) {
+        __m512 acc[STEP_MAX_M];
+        for (int64_t m = 0; m < M; m++) acc[m] = _mm512_setzero_ps();
+        for (int64_t k = 0; k < K; k += 16) {
+            __mmask16 mk = K - k >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (K - k)) - 1);
+            __m512 wv = _mm512_maskz_loadu_ps(mk, w + c * ldw + k);
+            for (int64_t m = 0; m < M; m++)
+                acc[m] = _mm512_fmadd_ps(wv, _mm512_maskz_loadu_ps(mk, x + m * K + k), acc[m]);
+        }
+        for (int64_t m = 0; m < M; m++) y[m * ldy + c] = _mm512_reduce_add_ps(acc[m]);
+    }
+#else
+    for (int64_t c = 0; c < nc; c++)
+        for (int64_t m = 0; m < M; m++) {
+            float acc[16] = {0};  /* 16 independent lanes: the compiler vectorises them */
+            const float *wr = w + c * ldw, *xm = x + m * K;
+            int64_t k = 0;
+            for (; k + 16 <= K; k += 16)
+                for (int l = 0; l < 16; l++) acc[l] += wr[k + l] * xm[k + l];
+            float s = 0.0f;
+            for (int l = 0; l < 16; l++) s += acc[l];
+            for (; k < K; k++) s += wr[k] * xm[k];
+            y[m * ldy + c] = s;
+        }
+#endif
+}
+
+/* ggml rows of one type: y[m*ldy + c] for c < nc, as pkv_gemv_q computes them. */
+static void quant_cols(int qtype, const uint8_t *rows, int64_t stride, int64_t K, const float *x, int64_t M,
+                       int64_t nc, float *y, int64_t ldy) {
+    int bb = pkv_block_bytes(qtype), bw = pkv_block_weights(qtype);
+    int64_t nblocks = K / bw, c = 0;
+#if defined(__AVX512F__)
+    if (M == 1 && bw == QK) {
+        for (; c + 4 <= nc; c += 4) gemv4_m1(qtype, x, nblocks, rows + c * stride, stride, bb, y + c);
+        for (; c < nc; c++) gemv1_m1(qtype, x, nblocks, rows + c * stride, bb, y + c);
+        return;
+    }
+#endif
+    float out[MAX_M];
+    for (; c < nc; c++) {
+        if (bw == QK_K)
+            gemv_row_k(qtype, x, M, K, nblocks, rows + c * stride, bb, out);
+        else
+            gemv_row(qtype, x, M, K, nblocks, rows + c * stride, bb, out);
+        for (int64_t m = 0; m < M; m++) y[m * ldy + c] = out[m];
+    }
+}
+
+/* Output columns [n0, n1) of x [M, K] @ W^T (+ bias): y[m*ldy + (n - n0)]. */
+static void linear_cols(const pkv_linear *L, const float *x, int64_t M, int64_t n0, int64_t n1, float *y,
+                        int64_t ldy) {
+    if (L->nseg == 0 || M > L->max_rows) {
+        dense_cols(L->dense + n0 * L->ldw, L->ldw, L->K, x, M, n1 - n0, y, ldy);
+    } else {
+        for (int s = 0; s < L->nseg; s++) {
+            const pkv_segment *g = &L->seg[s];
+            int64_t a = n0 > g->start ? n0 : g->start, b = n1 < g->end ? n1 : g->end;
+            if (a < b) quant_cols(g->qtype, g->w + (a - g->start) * g->row_stride, g->row_stride, L->K, x, M, b - a,
+                                  y + (a - n0), ldy);
+        }
+    }
+    if (L->bias)
+        for (int64_t m = 0; m < M; m++)
+            for (int64_t n = n0; n < n1; n++) y[m * ldy + n - n0] += L->bias[n];
+}
+
+/* y = x @ W^T for all N columns, columns shared out among the team (ends with a barrier). */
+static void linear_team(const pkv_linear *L, const float *x, int64_t M, float *y) {
+    int64_t groups = (L->N + 3) / 4;
+#pragma omp for schedule(static)
+    for (int64_t g = 0; g < groups; g++) {
+        int64_t n0 = 4 * g, n1 = n0 + 4 < L->N ? n0 + 4 : L->N;
+        linear_cols(L, x, M, n0, n1, y + n0, L->N);
+    }
+}
+
+/* HF RMSNorm of M rows: y = (x * (1 / sqrt(mean(x^2) + eps))) * w. */
+static void rms_norm_rows(const float *x, const float *w, int64_t M, int64_t H, float eps, float *y) {
+    for (int64_t m = 0; m < M; m++) {
+        const float *xm = x + m * H;
+        float *ym = y + m * H, acc[16] = {0}, s = 0.0f;
+        int64_t i = 0;
+        for (; i + 16 <= H; i += 16)
+            for (int l = 0; l < 16; l++) acc[l] += xm[i + l] * xm[i + l];
+        for (int l = 0; l < 16; l++) s += acc[l];
+        for (; i < H; i++) s += xm[i] * xm[i];
+        float r = 1.0f / sqrtf(s / (float)H + eps);
+        for (i = 0; i < H; i++) ym[i] = (xm[i] * r) * w[i];
+    }
+}
+
+/* out[j] = silu(g[j]) * u[j] = g / (1 + exp(-g)) * u, j < n (torch's formula). */
+static void silu_mul(const float *g, const float *u, int64_t n, float *out) {
+    int64_t j = 0;
+#if PKV_ATTN_AVX512
+    const __m512 one = _mm512_set1_ps(1.0f);
+    for (; j < n; j += 16) {
+        __mmask16 mk = lanes(n - j);
+        __m512 gv = _mm512_maskz_loadu_ps(mk, g + j);
+        __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv));
+        __m512 s = _mm512_div_ps(gv, _mm512_add_ps(one, e));
+        _mm512_mask_storeu_ps(out + j, mk, _mm512_mul_ps(s, _mm512_maskz_loadu_ps(mk, u + j)));
+    }
+#endif
+    for (; j < n; j++) out[j] = g[j] / (1.0f + expf(-g[j])) * u[j];
+}
+
+/* float32 -> float16 bits, round to nearest even, exactly as torch converts (F16C-free, so
+ * every build gives the same bits): M. Dukhan's float arithmetic trick (FP16 library). */
+static inline uint16_t fp32_to_fp16(float f) {
+    uint32_t w, bits;
+    memcpy(&w, &f, 4);
+    float base = (fabsf(f) * 0x1.0p+112f) * 0x1.0p-110f;
+    uint32_t shl1_w = w + w, sign = w & 0x80000000u, bias = shl1_w & 0xFF000000u;
+    if (bias < 0x71000000u) bias = 0x71000000u;
+    uint32_t bb = (bias >> 1) + 0x07800000u;
+    float fb;
+    memcpy(&fb, &bb, 4);
+    base = fb + base;
+    memcpy(&bits, &base, 4);
+    uint32_t nonsign = ((bits >> 13) & 0x00007C00u) + (bits & 0x00000FFFu);
+    return (uint16_t)((sign >> 16) | (shl1_w > 0xFF000000u ? 0x7E00u : nonsign));
+}
+
+/* float32 -> bfloat16 bits, round to nearest even (c10::BFloat16's rounding; NaN -> 0x7FC0). */
+static inline uint16_t fp32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if (f != f) return 0x7FC0;
+    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* n float32 values into the cache element type at dst. */
+static void store_kv(const float *src, int64_t n, int kvt, void *dst) {
+    if (kvt == KV_F32) {
+        memcpy(dst, src, n * sizeof(float));
+        return;
+    }
+    uint16_t *d = (uint16_t *)dst;
+    for (int64_t i = 0; i < n; i++) d[i] = kvt == KV_BF16 ? fp32_to_bf16(src[i]) : fp32_to_fp16(src[i]);
+}
+
+/* Rotate-half RoPE of one head x[D] in place with cos cs[0:D/2], sin cs[D/2:D]. */
+static inline void rope_head(float *x, const float *cs, int64_t D) {
+    int64_t h = D / 2;
+    for (int64_t i = 0; i < h; i++) {
+        float a = x[i], b = x[i + h], c = cs[i], s = cs[h + i];
+        x[i] = a * c - b * s;
+        x[i + h] = b * c + a * s;
+    }
+}
+
+/* Row r, KV heads [h0, h1): rotate the q heads they serve and their k heads, and write k/v at
+ * the row's slot. q/k/v of the row sit at qkv + r * ld. */
+static void rope_and_cache(const pkv_model *m, const pkv_layer *L, const decode_args *a, float *qkv, int64_t ld,
+                           const int64_t *positions, const int64_t *slots, int64_t r, int64_t h0, int64_t h1) {
+    const int64_t D = m->head_dim, Hq = m->num_heads, Hkv = m->num_kv_heads, G = Hq / Hkv;
+    float *row = qkv + r * ld;
+    const float *cs = m->rope + positions[r] * D;
+    for (int64_t h = h0 * G; h < h1 * G; h++) rope_head(row + h * D, cs, D);
+    int64_t slot = slots[r], esz = a->esz;
+    for (int64_t hk = h0; hk < h1; hk++) {
+        float *k = row + (Hq + hk) * D, *v = row + (Hq + Hkv + hk) * D;
+        rope_head(k, cs, D);
+        if (slot >= 0) {
+            int64_t blk = slot / m->block_size, tok = slot % m->block_size;
+            store_kv(k, D, m->kv_type, (char *)L->k_cache + (blk * L->kb + tok * L->kt + hk * L->kh) * esz);
+            store_kv(v, D, m->kv_type, (char *)L->v_cache + (blk * L->vb + tok * L->vt + hk * L->vh) * esz);
+        }
+    }
+}
+
+/* KV splits per (row, KV head) item: 1, or, when those items do not share evenly among the
+ * threads (batch 1 of 3 KV heads on 2 threads leaves one idle a third of the time), the fewest
+ * that make them share evenly, each split keeping >= STEP_SPLIT_MIN keys of every row. */
+enum { STEP_SPLIT_MIN = 128, STEP_MAX_SPLITS = 4 };
+static int64_t kv_splits(int64_t items, int threads, int64_t M, const int32_t *seq_lens, int64_t window) {
+    int64_t S = 1;
+    while (S <= STEP_MAX_SPLITS && (items * S) % threads) S++;
+    if (S == 1 || S > STEP_MAX_SPLITS) return 1;
+    for (int64_t r = 0; r < M; r++) {
+        int64_t len = seq_lens[r], keys = window > 0 && len > window ? window : len;
+        if (keys < S * STEP_SPLIT_MIN) return 1;
+    }
+    return S;
+}
+
+/* Split s of S of row r's keys, KV heads [h0, h1), into part_out/part_lse (slot s): the same
+ * decode_item over a sub-range, expressed as a row of length t1 with a window of t1 - t0. */
+static void attend_split(const decode_args *a, int64_t r, int64_t h0, int64_t h1, int64_t s, int64_t S,
+                         int64_t M, float *part_out, float *part_lse) {
+    int64_t len = a->seq_lens[r], first = (a->window > 0 && len > a->window) ? len - a->window : 0;
+    int64_t t0 = first + (len - first) * s / S, t1 = first + (len - first) * (s + 1) / S;
+    int32_t lens[STEP_MAX_M];
+    decode_args b = *a;
+    lens[r] = (int32_t)t1;
+    b.seq_lens = lens;
+    b.window = t1 - t0;
+    b.out = part_out + s * M * a->out_stride;
+    b.lse = part_lse + s * M * a->Hq;
+    decode_item(&b, r, h0, h1);
+}
+
+/* attn[r, h] from the S splits' normalised outputs and log-sum-exps (flash-decoding's merge). */
+static void merge_splits(const decode_args *a, int64_t r, int64_t h, int64_t S, int64_t M, const float *part_out,
+                         const float *part_lse) {
+    const int64_t Dv = a->Dv, o_at = r * a->out_stride + h * Dv, l_at = r * a->Hq + h;
+    float mx = -INFINITY, w[STEP_MAX_SPLITS], total = 0.0f;
+    for (int64_t s = 0; s < S; s++) mx = fmaxf(mx, part_lse[s * M * a->Hq + l_at]);
+    for (int64_t s = 0; s < S; s++) total += w[s] = expf(part_lse[s * M * a->Hq + l_at] - mx);
+    float *o = a->out + o_at;
+    for (int64_t c = 0; c < Dv; c++) {
+        float acc = 0.0f;
+        for (int64_t s = 0; s < S; s++) acc += w[s] * part_out[s * M * a->out_stride + o_at + c];
+        o[c] = acc / total;
+    }
+}
+
+/* The whole layer stack for M (1..16) decode rows of token ids[M] (int64, < vocab): writes x
+ * [M, hidden] float32, the final RMSNorm of the last residual stream (LlamaModel.forward's
+ * result). positions [M] int64 (each < max_pos), slots [M] int64 (< num_slots; negative: not
+ * written), block_table [M, bt_stride] int32, seq_lens [M] int32 (>= 1, = position + 1 in a
+ * decode step): the layers' shared attention metadata. prof: NULL, or STEP_SECTIONS doubles
+ * to which thread 0 adds the seconds it spent in each section (barrier waits included):
+ * norms and residual adds, qkv GEMV, RoPE + cache write + attention, o_proj GEMV, gate_up GEMV
+ * + SiLU*mul, down GEMV. Returns 0; or, having touched nothing, -1 for a shape the kernel does
+ * not cover and -2 for an argument out of range. */
+int pkv_decode_layers(const pkv_model *m, int64_t M, const int64_t *ids, float *x, const int64_t *positions,
+                      const int64_t *slots, const int32_t *block_table, int64_t bt_stride, const int32_t *seq_lens,
+                      double *prof) {
+    const int64_t H = m->hidden, Hq = m->num_heads, Hkv = m->num_kv_heads, D = m->head_dim, I = m->intermediate;
+    if (M < 1 || M > STEP_MAX_M || Hkv <= 0 || Hq % Hkv || D <= 0 || D % 2 || m->kv_type < KV_F32 ||
+        m->kv_type > KV_F16 || (Hq / Hkv) * D > MAX_ACC || Hq / Hkv > 256)
+        return -1;
+    for (int64_t r = 0; r < M; r++)
+        if (ids[r] < 0 || ids[r] >= m->vocab || positions[r] < 0 || positions[r] >= m->max_pos ||
+            slots[r] >= m->num_slots || seq_lens[r] < 1)
+            return -2;
+    const int64_t G = Hq / Hkv, ld = (Hq + 2 * Hkv) * D;
+    const int threads = omp_get_max_threads();
+    /* Per row items (all KV heads) once rows are plenty, as pkv_paged_decode splits its work. */
+    const int by_row = M >= 2 * threads && Hq * D <= MAX_ACC && Hq <= 256;
+    const int64_t items = by_row ? M : M * Hkv;
+    size_t split_out = (size_t)(STEP_MAX_SPLITS * M * Hq * D), split_lse = (size_t)(STEP_MAX_SPLITS * M * Hq);
+    size_t shared = (size_t)(M * ld + M * Hq * D + M * H + M * I) + split_out + split_lse, own = (size_t)(2 * M * H);
+    float *buf = (float *)malloc((shared + own * threads) * sizeof(float));
+    if (!buf) return -1;
+    float *qkv = buf, *attn = qkv + M * ld, *proj = attn + M * Hq * D, *act = proj + M * H;
+    float *part_out = act + M * I, *part_lse = part_out + split_out;
+#pragma omp parallel num_threads(threads)
+    {
+        float *res = buf + shared + own * omp_get_thread_num(), *hn = res + M * H;
+        for (int64_t r = 0; r < M; r++) memcpy(res + r * H, m->embed + ids[r] * H, H * sizeof(float));
+        double *clock = omp_get_thread_num() == 0 ? prof : NULL, mark = clock ? omp_get_wtime() : 0.0;
+#define STEP_MARK(i) if (clock) { double t_ = omp_get_wtime(); clock[i] += t_ - mark; mark = t_; }
+        for (int64_t l = 0; l < m->num_layers; l++) {
+            const pkv_layer *L = &m->layers[l];
+            decode_args a = {.q = qkv, .k = (const char *)L->k_cache, .v = (const char *)L->v_cache,
+                             .q_stride = ld, .Hq = Hq, .Hkv = Hkv, .G = G, .D = D, .Dv = D,
+                             .kb = L->kb, .kt = L->kt, .kh = L->kh, .vb = L->vb, .vt = L->vt, .vh = L->vh,
+                             .block_size = m->block_size, .bt_stride = bt_stride, .window = L->window,
+                             .block_table = block_table, .seq_lens = seq_lens, .scale = m->scale, .out = attn,
+                             .lse = NULL, .out_stride = Hq * D, .kvt = m->kv_type,
+                             .esz = m->kv_type == KV_F32 ? 4 : 2, .kmul = 1.0f, .vmul = 1.0f,
+                             .kgroup = D, .vgroup = D, .kvals = D, .vvals = D, .kpart = D, .vpart = D};
+            rms_norm_rows(res, L->input_norm, M, H, m->eps, hn);
+            STEP_MARK(0)
+            linear_team(&L->qkv, hn, M, qkv);
+            STEP_MARK(1)
+            const int64_t S = by_row ? 1 : kv_splits(items, threads, M, seq_lens, L->window);
+            if (S == 1) {
+#pragma omp for schedule(dynamic, 1)
+                for (int64_t it = 0; it < items; it++) {
+                    int64_t r = by_row ? it : it / Hkv, h0 = by_row ? 0 : it % Hkv, h1 = by_row ? Hkv : h0 + 1;
+                    rope_and_cache(m, L, &a, qkv, ld, positions, slots, r, h0, h1);
+                    decode_item(&a, r, h0, h1);  /* reads the new key back from the cache, as torch does */
+                }
+            } else {  /* q rotated and k/v written before any split reads them; then merged */
+#pragma omp for schedule(static)
+                for (int64_t it = 0; it < items; it++)
+                    rope_and_cache(m, L, &a, qkv, ld, positions, slots, it / Hkv, it % Hkv, it % Hkv + 1);
+#pragma omp for schedule(dynamic, 1)
+                for (int64_t it = 0; it < items * S; it++) {
+                    int64_t hk = it / S % Hkv;
+                    attend_split(&a, it / S / Hkv, hk, hk + 1, it % S, S, M, part_out, part_lse);
+                }
+#pragma omp for schedule(static)
+                for (int64_t it = 0; it < M * Hq; it++) merge_splits(&a, it / Hq, it % Hq, S, M, part_out, part_lse);
+            }
+            STEP_MARK(2)
+            linear_team(&L->o, attn, M, proj);
+            STEP_MARK(3)
+            for (int64_t i = 0; i < M * H; i++) res[i] += proj[i];
+            rms_norm_rows(res, L->post_norm, M, H, m->eps, hn);
+            STEP_MARK(0)
+            /* gate_up and SiLU*mul: each item computes matching gate and up columns. */
+#pragma omp for schedule(static)
+            for (int64_t j0 = 0; j0 < I; j0 += STEP_COLS) {
+                int64_t j1 = j0 + STEP_COLS < I ? j0 + STEP_COLS : I;
+                float g[STEP_MAX_M * STEP_COLS], u[STEP_MAX_M * STEP_COLS];
+                linear_cols(&L->gate_up, hn, M, j0, j1, g, STEP_COLS);
+                linear_cols(&L->gate_up, hn, M, I + j0, I + j1, u, STEP_COLS);
+                for (int64_t r = 0; r < M; r++) silu_mul(g + r * STEP_COLS, u + r * STEP_COLS, j1 - j0, act + r * I + j0);
+            }
+            STEP_MARK(4)
+            linear_team(&L->down, act, M, proj);
+            STEP_MARK(5)
+            for (int64_t i = 0; i < M * H; i++) res[i] += proj[i];
+        }
+#pragma omp barrier
+        if (omp_get_thread_num() == 0) rms_norm_rows(res, m->final_norm, M, H, m->eps, x);
+        STEP_MARK(0)
+#undef STEP_MARK
+    }
+    free(buf);
     return 0;
 }
