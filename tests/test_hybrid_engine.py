@@ -127,7 +127,16 @@ def test_parallel_samples_fork_in_every_group(hybrid: tuple[Any, Path]) -> None:
     check_clean(llm)
 
 
-def test_offloading_a_hybrid_model_is_refused_clearly(hybrid: tuple[Any, Path]) -> None:
-    _, path = hybrid
-    with pytest.raises(ValueError, match="kv_offload supports models with one KV cache group"):
-        LLM(model=str(path), block_size=4, max_model_len=128, num_kv_blocks=64, kv_offload="cpu:16MiB")
+def test_offloading_a_hybrid_model_round_trips_exactly(hybrid: tuple[Any, Path]) -> None:
+    """Offloading serves hybrid models (tests/test_offload_hybrid.py covers the rules): a
+    prompt evicted from the device comes back from the CPU tier, output unchanged."""
+    hf, path = hybrid
+    llm = LLM(model=str(path), block_size=4, max_model_len=64, num_kv_blocks=80, kv_offload="cpu:16MiB")
+    (prompt,) = prompts(6, [30])
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    ref = hf_greedy(hf, prompt, 5)
+    for expect_cached in (0, 28):
+        assert llm.reset_prefix_cache()
+        (out,) = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)
+        assert (out.outputs[0].token_ids, out.num_cached_tokens) == (ref, expect_cached)
+    check_clean(llm)

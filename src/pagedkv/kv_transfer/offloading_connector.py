@@ -28,6 +28,16 @@ Per-request ``kv_transfer_params`` (`SamplingParams.kv_transfer_params`): ``max_
 block past this many tokens), ``offload_policy`` (``"BLOCK_LEVEL"``: store blocks as they fill;
 ``"REQUEST_LEVEL"``: store once, when the request finishes) and ``skip_reading_prefix_cache``
 (never load for this request). One chunk is one device block.
+
+Models with several KV cache groups (full + sliding window, chunked local, Mamba): each group's
+blocks are stored under its own keys (block hash, group index); a load happens only when every
+group has the blocks it needs for the hit (the hit is the minimum over groups, aligned to the
+lcm of their block sizes); each request stores only the range it has not offered yet (its saved
+offset); rules in `offload.kv_groups`. A stored chunk is one whole device block, every layer
+slot of it: the layers of group ``g`` live in the slots of the block ids group ``g`` owns (see
+`engine.model_runner.layer_placement`), so a block of group ``g`` holds exactly its layers
+(plus unused slots when groups differ in size). Mamba checkpoint pages are blocks like the
+others.
 """
 
 from __future__ import annotations
@@ -45,13 +55,12 @@ from pagedkv.kv_transfer.config import KVTransferConfig, offloading_transfer_con
 from pagedkv.kv_transfer.stats import KVConnectorStats
 from pagedkv.offload.base import (
     GPULoadStoreSpec,
-    LookupResult,
     OffloadingManager,
     TierStats,
-    make_offload_key,
 )
 from pagedkv.offload.fingerprint import OffloadFingerprint
 from pagedkv.offload.factory import build_offloading
+from pagedkv.offload.kv_groups import OffloadGroupLayout
 from pagedkv.offload.spec import CPUTierConfig, OffloadConfig
 from pagedkv.offload.worker import OffloadingWorker
 
@@ -60,6 +69,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+NULL_BLOCK_ID = 0  # `BlockPool`'s null block: a position whose group holds no block
 BLOCK_LEVEL = "BLOCK_LEVEL"
 REQUEST_LEVEL = "REQUEST_LEVEL"
 # A request whose tier answer stays pending this long is admitted without external hits, so a
@@ -79,7 +89,7 @@ MAX_DEFERRAL_EPISODES = 8
 @dataclass(slots=True)
 class _LoadJob:
     keys: list[bytes]
-    dst_block_ids: list[int]
+    dst_block_ids: list[int]  # one per key (groups concatenated in key order)
     spec: Any
 
 
@@ -101,7 +111,7 @@ class OffloadingConnectorMetadata(KVConnectorMetadata):
 
 @dataclass(slots=True)
 class _ReqState:
-    offered_blocks: int = 0  # blocks [0, offered) were offered to the tiers
+    offered_tokens: int = 0  # the saved offset: blocks of tokens [0, offered) were offered
     deferred_s: float = 0.0  # time blocked on a tier answer while being considered
     deferral_episodes: int = 0  # runs of consecutive blocked steps (see MAX_DEFERRAL_EPISODES)
     blocked_at: float = 0.0  # when the last blocked answer was given ...
@@ -125,6 +135,8 @@ class OffloadingConnector(KVConnectorBase):
         if kv_cache_config is None:
             raise ValueError("the OffloadingConnector needs the KV cache config")
         self.check_kv_cache_groups(kv_cache_config.kv_cache_groups)
+        self.layout = OffloadGroupLayout.from_kv_cache_groups(
+            kv_cache_config.kv_cache_groups, kv_cache_config.prefix_cache_retention_interval)
         self.offload_config = resolve_offload_config(config)
         self.cache_policy = config.get_from_extra_config("cache_policy", "lru")
         self.store_threshold = int(config.get_from_extra_config("store_threshold", 0))
@@ -149,10 +161,9 @@ class OffloadingConnector(KVConnectorBase):
 
     @classmethod
     def check_kv_cache_groups(cls, kv_cache_groups: list[Any]) -> None:
-        if len(kv_cache_groups) > 1:
-            raise ValueError("kv_offload supports models with one KV cache group; this model's "
-                             f"{len(kv_cache_groups)} groups (hybrid full + sliding-window "
-                             "attention) are not offloaded yet")
+        """Full, MLA, sliding-window, chunked-local and Mamba groups, in any mix; ValueError
+        naming the spec for anything else (cross attention)."""
+        OffloadGroupLayout.from_kv_cache_groups(kv_cache_groups)
 
     @classmethod
     def from_parts(cls, manager: OffloadingManager, worker: OffloadingWorker, block_size: int,
@@ -175,15 +186,29 @@ class OffloadingConnector(KVConnectorBase):
         super().register_kv_caches(kv_caches, kv_buffer)
         if kv_buffer is None:
             raise ValueError("the OffloadingConnector needs the contiguous KV buffer")
-        kvc = self.kv_cache_config
-        spec = kvc.kv_cache_groups[0].kv_cache_spec
-        fingerprint = OffloadFingerprint.create(
-            self.model_identity, kv_buffer.dtype, self.block_size, kvc.layout,
-            len(kvc.kv_cache_groups[0].layer_names), spec.num_kv_heads, spec.head_size,
-            kv_quant=getattr(spec, "kv_format", "none"))  # quantized pages never meet other formats
+        fingerprint = self.fingerprint(kv_buffer)
         self.manager, self.worker = build_offloading(
-            self.offload_config, fingerprint, kv_buffer, kvc.layout, cache_policy=self.cache_policy,
-            store_threshold=self.store_threshold, extra_tiers=self._p2p_tier(fingerprint.hexdigest))
+            self.offload_config, fingerprint, kv_buffer, self.kv_cache_config.layout,
+            cache_policy=self.cache_policy, store_threshold=self.store_threshold,
+            extra_tiers=self._p2p_tier(fingerprint.hexdigest))
+        # Blocks of windowed groups are freed while their requests run: a CUDA store must be
+        # done before the next forward pass may reuse them (`OffloadingWorker.fence_stores`).
+        self.worker.fence_stores = any(g.kind != "full" for g in self.layout.groups)
+
+    def fingerprint(self, kv_buffer: Any) -> OffloadFingerprint:
+        """Everything that changes a stored chunk's bytes, the group layout included (a tier
+        written by a single-group model is a miss for a hybrid one, and vice versa)."""
+        kvc = self.kv_cache_config
+        groups = kvc.kv_cache_groups
+        # The attention spec fixes the page geometry (Mamba states live inside its pages).
+        spec = next((g.kv_cache_spec for g in groups if hasattr(g.kv_cache_spec, "num_kv_heads")),
+                    groups[0].kv_cache_spec)
+        spec = getattr(spec, "representative", spec)
+        return OffloadFingerprint.create(
+            self.model_identity, kv_buffer.dtype, self.block_size, kvc.layout,
+            max(len(g.layer_names) for g in groups), spec.num_kv_heads, spec.head_size,
+            kv_quant=getattr(spec, "kv_format", "none"),  # quantized pages never meet other formats
+            kv_cache_groups=self.layout.describe())
 
     def _p2p_tier(self, fingerprint: str) -> list[Any]:
         """The builder of the P2P tier, if the spec has one (``p2p:`` / ``p2p-listen:``)."""
@@ -205,8 +230,8 @@ class OffloadingConnector(KVConnectorBase):
             st = self._reqs[req.request_id] = _ReqState()
         return st
 
-    def _keys(self, req: Request, start_block: int, end_block: int) -> list[bytes]:
-        return [make_offload_key(h) for h in req.block_hashes[start_block:end_block]]
+    def _keys(self, req: Request, group_idx: int, blocks: Sequence[int]) -> list[bytes]:
+        return self.layout.keys(req.block_hashes, group_idx, blocks)
 
     @staticmethod
     def _params(req: Request) -> dict[str, Any]:
@@ -225,24 +250,17 @@ class OffloadingConnector(KVConnectorBase):
         `MAX_DEFERRAL_S`) or ``max_deferral_episodes`` episodes; then the hits known so far."""
         if req.skip_reading_prefix_cache:
             return 0, False
-        bs = self.block_size
-        start = num_computed_tokens // bs
-        end = (req.num_tokens - 1) // bs  # always compute at least the last token
-        if end <= start:
-            return 0, False
-        results = self.manager.lookup_many(self._keys(req, start, end))
-        n = 0
-        for r in results:
-            if r is not LookupResult.HIT:
-                break
-            n += 1
-        blocked = n < len(results) and results[n] in (LookupResult.RETRY, LookupResult.HIT_PENDING)
+        # Always compute at least the last token; a hit ends where every group hits.
+        max_tokens = min(req.num_tokens - 1, len(req.block_hashes) * self.layout.hash_block_size)
+        n, blocked = self.layout.find_hit(
+            num_computed_tokens, max_tokens,
+            lambda gid, blocks: self.manager.lookup_many(self._keys(req, gid, blocks)))
         if blocked and self._defer(self._state(req)):
             return None, False
         st = self._reqs.get(req.request_id)
         if st is not None:
             st.reset_deferral()
-        return n * bs, False
+        return n, False
 
     def _defer(self, st: _ReqState) -> bool:
         """Charge one blocked answer to the request's deferral clock; True: keep waiting."""
@@ -256,14 +274,21 @@ class OffloadingConnector(KVConnectorBase):
                 and st.deferral_episodes <= self.max_deferral_episodes)
 
     def update_state_after_alloc(self, req: Request, block_ids: BlockIds, num_external_tokens: int) -> None:
+        """Pin every group's hit chunks and queue one load into the blocks just allocated."""
         if num_external_tokens <= 0:
             return
-        bs = self.block_size
         num_computed = req.num_computed_tokens
-        start, end = num_computed // bs, (num_computed + num_external_tokens) // bs
-        keys = self._keys(req, start, end)
+        keys: list[bytes] = []
+        dst: list[int] = []
+        for gid in range(len(self.layout.groups)):
+            blocks = self.layout.required_blocks(gid, num_computed, num_computed + num_external_tokens)
+            ids = [block_ids[gid][i] for i in blocks]
+            if NULL_BLOCK_ID in ids:  # the scheduler allocates every required block: a broken contract
+                raise RuntimeError(f"group {gid} has no device block for a loaded position")
+            keys += self._keys(req, gid, blocks)
+            dst += ids
         spec = self.manager.prepare_load(keys)
-        self._pending_loads[next(self._jobs)] = _LoadJob(keys, list(block_ids[0][start:end]), spec)
+        self._pending_loads[next(self._jobs)] = _LoadJob(keys, dst, spec)
         self.num_loaded_tokens += num_external_tokens
 
     def build_connector_meta(self, scheduler_output: Any) -> OffloadingConnectorMetadata:
@@ -274,7 +299,7 @@ class OffloadingConnector(KVConnectorBase):
         for s in scheduler_output.scheduled:
             req = s.request
             if self._params(req).get("offload_policy", BLOCK_LEVEL) == BLOCK_LEVEL:
-                job = self._prepare_store(req, s.block_ids[0], s.start + s.num_tokens)
+                job = self._prepare_store(req, s.block_ids, s.start + s.num_tokens)
                 if job is not None:
                     meta.stores[next(self._jobs)] = job
         return meta
@@ -283,7 +308,7 @@ class OffloadingConnector(KVConnectorBase):
         """Before the request's blocks are freed: settle what it owes the tiers (synchronously,
         so the free is never delayed)."""
         if self._params(req).get("offload_policy", BLOCK_LEVEL) == REQUEST_LEVEL:
-            self._store_now(req, block_ids[0])
+            self._store_now(req, block_ids)
         self._wait_stores(req)
         self._reqs.pop(req.request_id, None)
         return False, None
@@ -292,7 +317,7 @@ class OffloadingConnector(KVConnectorBase):
         """Swap mode: make sure the victim's full blocks are in the CPU tier, so re-admission
         loads them instead of recomputing."""
         if self.preemption_mode == "swap":
-            self._store_now(req, block_ids[0])
+            self._store_now(req, block_ids)
         self._wait_stores(req)
 
     # ---- worker side --------------------------------------------------------------------------------
@@ -334,26 +359,36 @@ class OffloadingConnector(KVConnectorBase):
 
     # ---- stores -------------------------------------------------------------------------------------
 
-    def _prepare_store(self, req: Request, block_ids: Sequence[int], num_computed: int,
+    def _prepare_store(self, req: Request, block_ids: BlockIds, num_computed: int,
                        force: bool = False) -> _StoreJob | None:
-        """Reserve CPU chunks for the blocks of ``req`` full after ``num_computed`` tokens that
-        were not offered yet (all of them with ``force``); None if nothing is to store."""
+        """Reserve CPU chunks for every group's blocks of ``req`` full after ``num_computed``
+        tokens (aligned down to the lcm of the block sizes) that were not offered yet (all of
+        them with ``force``); positions a group holds no block for (released, or a Mamba
+        position without a checkpoint) store nothing. None if nothing is to store."""
         st = self._state(req)
         limit = self._params(req).get("max_offload_tokens")
         num_tokens = min(num_computed, req.num_tokens)
         if limit is not None:
             num_tokens = min(num_tokens, int(limit))
-        end = min(num_tokens // self.block_size, len(req.block_hashes), len(block_ids))
-        start = 0 if force else st.offered_blocks
+        layout = self.layout
+        end = min(layout.store_range(num_tokens), layout.store_range(len(req.block_hashes) * layout.hash_block_size))
+        start = 0 if force else st.offered_tokens
         if end <= start:
             return None
-        keys = self._keys(req, start, end)
-        st.offered_blocks = max(st.offered_blocks, end)
+        st.offered_tokens = max(st.offered_tokens, end)
+        keys: list[bytes] = []
+        src: dict[bytes, int] = {}
+        for gid, ids in enumerate(block_ids):
+            blocks = [i for i in layout.store_blocks(gid, start, end) if i < len(ids) and ids[i] != NULL_BLOCK_ID]
+            for key, i in zip(self._keys(req, gid, blocks), blocks):
+                keys.append(key)
+                src[key] = ids[i]
+        if not keys:
+            return None
         out = self.manager.prepare_store(keys)
         if out is None or not out.keys_to_store:
             return None
-        index = {k: i for i, k in enumerate(keys)}
-        dev = tuple(block_ids[start + index[k]] for k in out.keys_to_store)
+        dev = tuple(src[k] for k in out.keys_to_store)
         return _StoreJob(req.request_id, list(out.keys_to_store), GPULoadStoreSpec(dev), out.store_spec)
 
     def _submit_store(self, job_id: int, job: _StoreJob) -> None:
@@ -363,7 +398,7 @@ class OffloadingConnector(KVConnectorBase):
             st.pending_stores.add(job_id)
         self.worker.submit_store(job_id, job.src, job.spec)
 
-    def _store_now(self, req: Request, block_ids: Sequence[int]) -> None:
+    def _store_now(self, req: Request, block_ids: BlockIds) -> None:
         """Store every full block of ``req`` at once (outside a step: finish, swap-out)."""
         job = self._prepare_store(req, block_ids, req.num_computed_tokens, force=True)
         if job is not None:
@@ -397,8 +432,9 @@ class OffloadingConnector(KVConnectorBase):
 
     def take_events(self) -> list:
         out = []
+        sizes = [g.block_size for g in self.layout.groups]
         for ev in self.manager.take_events():
-            out.extend(ev.to_kv_events(self.block_size))
+            out.extend(ev.to_kv_events(sizes))
         return out
 
     def get_stats(self) -> dict[str, TierStats]:

@@ -3,7 +3,8 @@
 Vocabulary (vLLM v1 ``kv_offload`` names):
 
 * **chunk**: ``blocks_per_chunk`` consecutive device blocks of one request; the unit a tier
-  stores. Its bytes are every layer of those blocks.
+  stores. Its bytes are every layer slot of those blocks (with several KV cache groups, the
+  layers of the group owning the block: see `kv_groups`).
 * **OffloadKey**: ``chunk_hash + group_idx.to_bytes(4, "big")`` where ``chunk_hash`` is the
   chained block hash at the chunk's last block (so the key fingerprints the whole prefix).
   Keys say nothing about the model; tiers that outlive the process (disk, Redis) namespace
@@ -126,16 +127,19 @@ class OffloadingEvent:
     medium: str
     removed: bool
 
-    def to_kv_events(self, block_size: int = 0) -> list[BlockStored | BlockRemoved]:
-        """One event per KV cache group present in ``keys`` (order kept within a group)."""
+    def to_kv_events(self, block_size: int | Sequence[int] = 0) -> list[BlockStored | BlockRemoved]:
+        """One event per KV cache group present in ``keys`` (order kept within a group);
+        ``block_size``: one for every group, or each group's."""
         groups: dict[int, list[bytes]] = {}
         for key in self.keys:
             groups.setdefault(get_offload_group_idx(key), []).append(get_offload_block_hash(key))
         if self.removed:
             return [BlockRemoved(block_hashes=h, medium=self.medium, group_idx=g)
                     for g, h in groups.items()]
+        sizes = block_size if isinstance(block_size, Sequence) else None
         return [BlockStored(block_hashes=h, parent_block_hash=None, token_ids=[],
-                            block_size=block_size, lora_id=None, medium=self.medium, group_idx=g)
+                            block_size=sizes[g] if sizes is not None else block_size, lora_id=None,
+                            medium=self.medium, group_idx=g)
                 for g, h in groups.items()]
 
 

@@ -48,6 +48,11 @@ class OffloadFingerprint:
     tp_size: int = 1
     pp_rank: int = 0
     pp_size: int = 1
+    # The KV cache group layout (`offload.kv_groups.OffloadGroupLayout.describe`): kind, block
+    # size, window and layer count of each group. Empty for one full-attention group (the
+    # fields above describe it), and then left out of the JSON, so single-group digests are
+    # those of before groups were covered.
+    kv_cache_groups: str = ""
     format_version: int = FORMAT_VERSION
 
     @classmethod
@@ -60,7 +65,10 @@ class OffloadFingerprint:
                    head_size=head_size, **kw)
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), sort_keys=True, separators=(",", ":"))
+        fields = asdict(self)
+        if not fields["kv_cache_groups"]:
+            del fields["kv_cache_groups"]
+        return json.dumps(fields, sort_keys=True, separators=(",", ":"))
 
     @property
     def hexdigest(self) -> str:

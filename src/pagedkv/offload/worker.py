@@ -144,6 +144,10 @@ class OffloadingWorker:
             self._host_np = _byte_array(host.tensor)
         self.bytes_stored = 0
         self.bytes_loaded = 0
+        # CUDA: the compute stream waits for each store. Needed when blocks are freed while
+        # their request runs (sliding-window and chunked groups): the next forward pass may
+        # write a freed block before an asynchronous copy has read it.
+        self.fence_stores = False
 
     # ---------------------------------------------------------------------------- submit
     def submit_store(self, job_id: int, src: GPULoadStoreSpec, dst: CPULoadStoreSpec) -> None:
@@ -200,6 +204,8 @@ class OffloadingWorker:
             event = torch.cuda.Event()
             event.record(stream)
         self._last_event = event
+        if direction == "store" and self.fence_stores:
+            torch.cuda.current_stream(self.device_blocks.device).wait_event(event)
         self._count(direction, size)
         self._cuda_jobs.append(_CudaJob(job_id, size, start, event))
 
