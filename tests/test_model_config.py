@@ -228,3 +228,26 @@ def test_gguf_copy_is_found_by_suffix(gguf_path, tmp_path) -> None:
     except OSError:
         shutil.copy(gguf_path, link)
     assert load_model_config(str(link)).num_layers == 30
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "qwen2"])
+def test_explicit_all_full_layer_types_keep_no_window(arch: str) -> None:
+    """A config whose ``layer_types`` are all full attention uses no window even when it carries
+    a ``sliding_window`` value (transformers masks by layer type): every layer is full. Before
+    the fix the all-full list collapsed to None and the stray window made every layer sliding."""
+    from transformers import AutoConfig
+
+    hf = AutoConfig.for_model(arch, vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                              num_attention_heads=2, num_key_value_heads=1, head_dim=16, sliding_window=16,
+                              layer_types=["full_attention"] * 4).to_dict()
+    hf["model_type"] = arch
+    mc = ModelConfig.from_hf_dict(hf)
+    assert [mc.layer_type(i) for i in range(4)] == ["full_attention"] * 4
+    assert all(type(s) is FullAttentionSpec for s in mc.kv_cache_specs(4).values())
+
+
+def test_mistral_window_without_layer_types_is_every_layer() -> None:
+    mc = ModelConfig.from_hf_dict(dict(model_type="mistral", vocab_size=64, hidden_size=32, intermediate_size=64,
+                                       num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                                       sliding_window=16, max_position_embeddings=128))
+    assert all(isinstance(s, SlidingWindowSpec) and s.sliding_window == 16 for s in mc.kv_cache_specs(4).values())

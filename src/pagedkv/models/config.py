@@ -478,6 +478,8 @@ class ModelConfig:
             layer_types = llama4.layer_types(chunk)
         if layer_types is not None and not {SLIDING_ATTENTION, CHUNKED_ATTENTION} & set(layer_types):
             layer_types = None  # all full: keep the simple form
+            if d.get("layer_types") and arch != "mistral":
+                sliding = None  # layer types rule (transformers masks by them); Mistral ignores them
         if layer_types is not None and sliding is None:
             sliding = d.get("sliding_window")
         return cls(
