@@ -36,12 +36,22 @@ def test_timers_time_calls_and_restore_the_originals() -> None:
 
 
 @pytest.mark.slow
-def test_latency_script_pagedkv_side_and_timeline(tmp_path: Path) -> None:
+@pytest.mark.parametrize("native_step", ["0", "1"])
+def test_latency_script_pagedkv_side_and_timeline(tmp_path: Path, native_step: str) -> None:
+    """The Python path's timeline counts every op; the native step's splits its one call into the
+    kernel's sections. Either way the overhead is the step minus matmuls and attention."""
+    import os
+
+    from pagedkv.ops import native
+
+    if native_step == "1" and native.lib() is None:
+        pytest.skip("native kernels not built here")
     out = tmp_path / "r.json"
     p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_latency.py"), "--skip-llamacpp",
                         "--repeats", "1", "--prompt-lens", "8,24", "--max-tokens", "6", "--sequential", "2",
                         "--sequential-max-tokens", "3", "--json-only", "--json-out", str(out)],
-                       capture_output=True, text=True, timeout=600)
+                       capture_output=True, text=True, timeout=600,
+                       env=dict(os.environ, PAGEDKV_NATIVE_STEP=native_step))
     assert p.returncode == 0, p.stderr
     r = json.loads(out.read_text())
     assert set(r["pagedkv"]["batch1"]) == {"8", "24"}
@@ -51,9 +61,16 @@ def test_latency_script_pagedkv_side_and_timeline(tmp_path: Path) -> None:
     tl = r["timeline"]
     assert tl["steps"] == 6
     ops = tl["ops"]
-    # 30 layers x (qkv, o, gate_up, down) linear calls and one attention per layer per step.
-    assert ops["linear (GEMV/GEMM)"]["calls_per_step"] == 120 and ops["attention"]["calls_per_step"] == 30
-    compute = sum(ops[k]["ms_per_step"] for k in ("linear (GEMV/GEMM)", "lm_head", "attention"))
+    if native_step == "0":
+        assert not tl["native_step"]
+        # 30 layers x (qkv, o, gate_up, down) linear calls and one attention per layer per step.
+        assert ops["linear (GEMV/GEMM)"]["calls_per_step"] == 120 and ops["attention"]["calls_per_step"] == 30
+        compute = sum(ops[k]["ms_per_step"] for k in ("linear (GEMV/GEMM)", "lm_head", "attention"))
+    else:
+        assert tl["native_step"] and "linear (GEMV/GEMM)" not in ops and "attention" not in ops
+        assert ops["native: qkv_proj"]["calls_per_step"] == 1 and ops["native: qkv_proj"]["ms_per_step"] > 0
+        compute = ops["lm_head"]["ms_per_step"] + sum(
+            ops[f"native: {k}"]["ms_per_step"] for k in latency.NATIVE_COMPUTE)
     assert tl["overhead_outside_matmul_attention_ms"] == pytest.approx(tl["step_ms"] - compute)
     assert r["meets_targets"]["decode_vs_llamacpp"] is None
 

@@ -181,8 +181,10 @@ def _timer_targets() -> list[tuple[str, Any, str]]:
     modules imported by name are patched in those modules' namespaces."""
     from pagedkv.engine import llm_engine as eng
     from pagedkv.models import gemma2, layers, llama
+    from pagedkv.ops import native_step
 
     t: list[tuple[str, Any, str]] = [
+        ("native decode step", native_step, "decode_step"),
         ("linear (GEMV/GEMM)", layers.Linear, "forward"),
         ("lm_head", llama.LlamaForCausalLM, "compute_logits"),
         ("embedding", layers.Embedding, "forward"),
@@ -249,16 +251,29 @@ def _timer_cost_s() -> float:
     return max(best, 0.0)
 
 
+# Sections of the native decode step (ops/native_step.SECTIONS) that are matmuls / attention;
+# the rest ("norm+residual") is glue, like the Python path's norms and adds.
+NATIVE_COMPUTE = {"qkv_proj": "linear", "o_proj": "linear", "gate_up+silu": "linear", "down_proj": "linear",
+                  "rope+cache+attention": "attention"}
+
+
 def decode_timeline(llm: Any, prompt: list[int], steps: int) -> dict[str, Any]:
     """Run one batch-1 request (prefill, then ``steps`` decode steps, each one engine step) with
-    timers on; returns per-step milliseconds per op and the overhead outside matmuls and attention."""
+    timers on; returns per-step milliseconds per op and the overhead outside matmuls and attention.
+
+    When the native decode step runs (`ops/native_step`), the whole layer stack is one call: its
+    own section clocks (`native_step.StepProfile`) split it into projections, attention (with
+    RoPE and cache writes) and norms/residuals, and the rest of the call's time is its Python and
+    ctypes cost."""
     from pagedkv import SamplingParams
+    from pagedkv.ops import native_step
 
     eng = llm.llm_engine
     eng.add_request("timeline", {"prompt_token_ids": prompt},
                     SamplingParams(temperature=0, max_tokens=steps + 1, ignore_eos=True))
     eng.step()  # prefill (not timed)
     timers = _Timers()
+    prof = native_step.profile = native_step.StepProfile()
     try:
         n = 0
         t = time.perf_counter()
@@ -268,18 +283,32 @@ def decode_timeline(llm: Any, prompt: list[int], steps: int) -> dict[str, Any]:
         wall = time.perf_counter() - t
     finally:
         timers.restore()
+        native_step.profile = None
     while eng.has_unfinished_requests():
         eng.step()
     per_call = _timer_cost_s()
     calls = sum(timers.calls.values())
     step_ms = (wall - calls * per_call) / n * 1e3
-    ops = {k: dict(ms_per_step=v / n * 1e3, calls_per_step=timers.calls[k] / n)
-           for k, v in sorted(timers.total.items(), key=lambda kv: -kv[1])}
-    compute = sum(ops.get(k, {}).get("ms_per_step", 0.0) for k in ("linear (GEMV/GEMM)", "lm_head", "attention"))
+    totals = dict(timers.total)
+    call_counts = dict(timers.calls)
+    compute_ms = 0.0
+    if prof.steps:  # split the native call into its sections
+        sections = prof.as_dict()
+        call_s = totals.pop("native decode step", 0.0)
+        call_n = call_counts.pop("native decode step", 0)
+        for name, sec in sections.items():
+            totals[f"native: {name}"] = sec
+            call_counts[f"native: {name}"] = prof.steps
+            compute_ms += sec / n * 1e3 if name in NATIVE_COMPUTE else 0.0
+        totals["native: Python + ctypes"] = max(call_s - sum(sections.values()), 0.0)
+        call_counts["native: Python + ctypes"] = call_n
+    ops = {k: dict(ms_per_step=v / n * 1e3, calls_per_step=call_counts.get(k, 0) / n)
+           for k, v in sorted(totals.items(), key=lambda kv: -kv[1])}
+    compute_ms += sum(ops.get(k, {}).get("ms_per_step", 0.0) for k in ("linear (GEMV/GEMM)", "lm_head", "attention"))
     accounted = sum(o["ms_per_step"] for o in ops.values())
     return dict(steps=n, step_ms=step_ms, ops=ops, timer_cost_us_per_call=per_call * 1e6,
-                calls_per_step=calls / n, unaccounted_ms=step_ms - accounted,
-                overhead_outside_matmul_attention_ms=step_ms - compute)
+                calls_per_step=calls / n, native_step=bool(prof.steps), unaccounted_ms=step_ms - accounted,
+                overhead_outside_matmul_attention_ms=step_ms - compute_ms)
 
 
 # ---------------------------------------------------------------- run
