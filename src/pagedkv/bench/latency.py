@@ -403,10 +403,10 @@ def table(r: dict[str, Any]) -> str:
     if tl:
         lines += ["", f"one batch-1 decode step: {tl['step_ms']:.2f} ms ({tl['calls_per_step']:.0f} timed calls, "
                       f"timer cost {tl['timer_cost_us_per_call']:.2f} us/call subtracted)",
-                  f"{'op':22s}{'ms/step':>9s}{'calls':>7s}"]
+                  f"{'op':32s}{'ms/step':>9s}{'calls':>7s}"]
         for k, v in tl["ops"].items():
-            lines.append(f"{k:22s}{v['ms_per_step']:9.3f}{v['calls_per_step']:7.0f}")
-        lines += [f"{'(untimed glue)':22s}{tl['unaccounted_ms']:9.3f}",
+            lines.append(f"{k:32s}{v['ms_per_step']:9.3f}{v['calls_per_step']:7.0f}")
+        lines += [f"{'(untimed glue)':32s}{tl['unaccounted_ms']:9.3f}",
                   f"overhead outside matmuls + attention: {tl['overhead_outside_matmul_attention_ms']:.2f} ms/step "
                   f"(target <= {TARGETS['step_overhead_ms']:.0f} ms)"]
     lines.append("meets targets: " + ", ".join(f"{k}={v}" for k, v in r["meets_targets"].items()))
