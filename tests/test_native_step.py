@@ -310,3 +310,40 @@ def test_native_step_cache_writes_round_like_torch(kv_dtype: torch.dtype, build:
     blocks, offs = s32.md.slot_mapping // c32.block_size, s32.md.slot_mapping % c32.block_size
     for got, want in zip(s16.caches[0], s32.caches[0]):
         assert torch.equal(got[blocks, offs], want[blocks, offs].to(kv_dtype))
+
+
+@pytest.mark.parametrize("fmt,rows", [(Q4_1, 1), (Q8_0, 5), ("mixed", 2)])
+def test_native_step_half_model_computes_in_float32(fmt: int | str, rows: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bfloat16 model whose projections are all ggml rows (a GGUF loaded with dtype=bfloat16)
+    takes the native step: float32 math on the same file weights, the hidden states rounded once
+    to bf16. It equals the float32 model holding the bf16-rounded dense parts (up to that final
+    rounding), so it is closer to float32 than the per-op bf16 path, which rounds after every op."""
+    c = Case(fmt=fmt, rows=rows, kv_dtype=torch.bfloat16, seed=3)
+    model16 = make_model(c).to(torch.bfloat16)
+    model32 = make_model(c).to(torch.bfloat16).float()  # same weights, widened back exactly
+    s = make_step(c, [9 + 7 * i for i in range(rows)])
+    codes: list[int] = []
+    real = native.decode_layers
+    monkeypatch.setattr(native, "decode_layers", lambda *a: codes.append(real(*a)) or codes[-1])
+    with torch.inference_mode():
+        monkeypatch.setenv("PAGEDKV_NATIVE_STEP", "0")
+        per_op16 = model16(s.ids, s.positions, clone_caches(s, c)[1], s.md)
+        ref32 = model32(s.ids, s.positions, clone_caches(s, c)[1], s.md)
+        monkeypatch.setenv("PAGEDKV_NATIVE_STEP", "1")
+        out = model16(s.ids, s.positions, s.caches, s.md)
+    assert codes == [0] and out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), ref32, rtol=2 ** -7, atol=2 ** -7)
+    assert per_op16.dtype == torch.bfloat16 and per_op16.shape == out.shape
+    assert (out.float() - ref32).abs().max() <= (per_op16.float() - ref32).abs().max()
+
+
+def test_native_step_half_model_declines_above_a_kquant_row_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without float32 rows, a step above the K-quant row limit is left to the per-op path."""
+    c = Case(fmt=Q4_K, rows=12, kv_dtype=torch.bfloat16)
+    model = make_model(c).to(torch.bfloat16)
+    s = make_step(c, [5 + i for i in range(12)])
+    called: list[int] = []
+    monkeypatch.setattr(native, "decode_layers", lambda *a: called.append(1) or 0)
+    with torch.inference_mode():
+        out = model(s.ids, s.positions, s.caches, s.md)
+    assert not called and out.dtype == torch.bfloat16 and out.shape == (12, c.hidden)

@@ -22,9 +22,15 @@ runs a model's forward passes (as the forward context assumes).
 the native library is loaded, ``PAGEDKV_NATIVE_STEP`` is not ``0``, every token of the step is
 a decode row and there are at most ``max_rows`` of them, no KV connector is active (its
 per-layer hooks need the torch path), every layer's cache is an unquantized, unrotated
-float32/bfloat16/float16 cache, and the model is float32 with weights the kernel reads (float32
-rows, or ggml rows of the GEMV's types). It reads the model's modules by attribute (``layers``,
-``self_attn.qkv_proj``, ...) and imports nothing from ``models``.
+float32/bfloat16/float16 cache, and the model's weights are ones the kernel reads: a float32
+model (float32 rows, or ggml rows of the GEMV's types), or a bfloat16/float16 model whose every
+projection is held in ggml rows (a GGUF model loaded with ``dtype=bfloat16``). For the latter the
+step computes in float32 (the GEMVs already do: float32 math on the exact file weights) and
+keeps float32 copies of the small dense parts (embedding, norms, biases, the RoPE table); its
+hidden states are rounded once to the model dtype at the end, where the per-op path rounds
+after every op. Steps above a K-quant projection's row limit (where the per-op path would use
+the dense rows) are left to the per-op path. It reads the model's modules by attribute
+(``layers``, ``self_attn.qkv_proj``, ...) and imports nothing from ``models``.
 """
 
 from __future__ import annotations
@@ -88,6 +94,8 @@ class NativeStep:
     addr: int = 0  # ctypes.addressof(table)
     kv_list: Any = None  # the kv_caches list the cache pointers came from
     kv_ok: bool = False  # the kernel can run over it
+    row_cap: int = MAX_ROWS  # most rows a step may have (a half-precision model has no float32 rows)
+    out_dtype: torch.dtype = torch.float32  # the model dtype the hidden states are returned in
 
 
 # The kernel's sections (prof[i] in pkv_decode_layers), in its order.
@@ -123,19 +131,37 @@ def _f32(t: torch.Tensor | None) -> bool:
     return t is not None and t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous()
 
 
+_HALF = (torch.bfloat16, torch.float16)
+
+
+def _as_f32(t: torch.Tensor | None, keep: list[torch.Tensor]) -> torch.Tensor | None:
+    """``t`` itself when float32, else a float32 copy of a bf16/fp16 CPU tensor (kept alive in
+    ``keep``; exact: both half formats widen to float32 without rounding); None otherwise."""
+    if t is None or t.device.type != "cpu":
+        return None
+    if t.dtype == torch.float32:
+        out = t if t.is_contiguous() else None
+    else:
+        out = t.detach().float().contiguous() if t.dtype in _HALF else None
+    if out is not None:
+        keep.append(out)
+    return out
+
+
 def _linear(mod: Any, max_rows: int, kquant_rows: int, keep: list[torch.Tensor]) -> _Linear | None:
     """The kernel's view of a Linear (float32 rows, plus its ggml segments when it has them)."""
     w = mod.weight
-    if w.dim() != 2 or w.dtype != torch.float32 or w.device.type != "cpu" or w.stride(1) != 1:
+    half = w.dtype in _HALF  # no float32 rows: every row must be in ggml segments
+    if w.dim() != 2 or not (half or w.dtype == torch.float32) or w.device.type != "cpu" or w.stride(1) != 1:
         return None
-    lin = _Linear(N=w.shape[0], K=w.shape[1], dense=w.data_ptr(), ldw=w.stride(0))
+    lin = _Linear(N=w.shape[0], K=w.shape[1], dense=0 if half else w.data_ptr(), ldw=w.stride(0))
     keep.append(w)
     bias = getattr(mod, "bias", None)
     if bias is not None:
-        if not _f32(bias) or bias.shape != (w.shape[0],):
+        bias = _as_f32(bias, keep)
+        if bias is None or bias.shape != (w.shape[0],):
             return None
         lin.bias = bias.data_ptr()
-        keep.append(bias)
     segs = getattr(mod, "qsegments", None) or []
     if len(segs) > MAX_SEGS:
         segs = []  # more type runs than the table holds: the float32 rows
@@ -148,7 +174,7 @@ def _linear(mod: Any, max_rows: int, kquant_rows: int, keep: list[torch.Tensor])
         lin.seg[i] = _Segment(start=start, end=stop, w=rows.data_ptr(), row_stride=rb, qtype=qtype)
         keep.append(rows)
         end = stop
-    if segs and end != w.shape[0]:
+    if (segs and end != w.shape[0]) or (half and not segs):
         return None
     lin.nseg = len(segs)
     lin.max_rows = kquant_rows if getattr(mod, "qkquant", False) else max_rows
@@ -162,10 +188,13 @@ def _build(so: ctypes.CDLL, model: Any, limits: tuple[int, int]) -> NativeStep |
         log.warning("native step disabled: struct layout mismatch %s", sizes)
         return None
     layers = list(model.layers)
-    embed, rope, norm = model.embed_tokens.weight, model.rotary_emb.cos_sin_cache, model.norm
-    if not layers or not _f32(embed) or not _f32(rope) or not _f32(norm.weight):
+    norm = model.norm
+    out_dtype = model.embed_tokens.weight.dtype
+    keep: list[torch.Tensor] = []
+    embed, rope = _as_f32(model.embed_tokens.weight, keep), _as_f32(model.rotary_emb.cos_sin_cache, keep)
+    final_norm = _as_f32(norm.weight, keep)
+    if not layers or embed is None or rope is None or final_norm is None or out_dtype not in (torch.float32, *_HALF):
         return None
-    keep = [embed, rope, norm.weight]
     a0 = layers[0].self_attn
     hq, hkv, d = a0.num_heads, a0.num_kv_heads, a0.head_dim
     if d % 2 or rope.shape[1] != d or hkv <= 0 or hq % hkv:
@@ -173,28 +202,31 @@ def _build(so: ctypes.CDLL, model: Any, limits: tuple[int, int]) -> NativeStep |
     arr = (_Layer * len(layers))()
     for i, layer in enumerate(layers):
         attn, mlp, n1, n2 = layer.self_attn, layer.mlp, layer.input_layernorm, layer.post_attention_layernorm
+        w1, w2 = _as_f32(n1.weight, keep), _as_f32(n2.weight, keep)
         if ((attn.num_heads, attn.num_kv_heads, attn.head_dim) != (hq, hkv, d) or attn.scale != a0.scale
-                or {n1.eps, n2.eps} != {norm.eps} or not _f32(n1.weight) or not _f32(n2.weight)):
+                or {n1.eps, n2.eps} != {norm.eps} or w1 is None or w2 is None):
             return None
         lins = [_linear(m, *limits, keep) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
         if any(x is None for x in lins):
             return None
         e = arr[i]
-        e.input_norm, e.post_norm = n1.weight.data_ptr(), n2.weight.data_ptr()
-        keep += [n1.weight, n2.weight]
+        e.input_norm, e.post_norm = w1.data_ptr(), w2.data_ptr()
         e.qkv, e.o, e.gate_up, e.down = lins
         e.window = attn.sliding_window or 0
     qkv, gu = arr[0].qkv, arr[0].gate_up
     hidden, inter = embed.shape[1], gu.N // 2
-    if qkv.N != (hq + 2 * hkv) * d or qkv.K != hidden or gu.K != hidden or gu.N % 2 or norm.weight.shape[0] != hidden:
+    if qkv.N != (hq + 2 * hkv) * d or qkv.K != hidden or gu.K != hidden or gu.N % 2 or final_norm.shape[0] != hidden:
         return None
     if any((e.o.N, e.o.K, e.down.N, e.down.K, e.gate_up.N) != (hidden, hq * d, hidden, inter, 2 * inter) for e in arr):
         return None
     table = _Model(num_layers=len(layers), hidden=hidden, num_heads=hq, num_kv_heads=hkv, head_dim=d,
                    intermediate=inter, max_pos=rope.shape[0], rope=rope.data_ptr(), vocab=embed.shape[0],
-                   embed=embed.data_ptr(), final_norm=norm.weight.data_ptr(), layers=ctypes.addressof(arr),
+                   embed=embed.data_ptr(), final_norm=final_norm.data_ptr(), layers=ctypes.addressof(arr),
                    eps=norm.eps, scale=a0.scale)
-    return NativeStep(so, table, arr, [layer.self_attn for layer in layers], limits, keep, ctypes.addressof(table))
+    # Without float32 rows a projection must stay on its segments: no step above its row limit.
+    row_cap = min([MAX_ROWS] + [lin.max_rows for e in arr for lin in (e.qkv, e.o, e.gate_up, e.down) if not lin.dense])
+    return NativeStep(so, table, arr, [layer.self_attn for layer in layers], limits, keep, ctypes.addressof(table),
+                      row_cap=row_cap, out_dtype=out_dtype)
 
 
 def _point_at_caches(plan: NativeStep, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
@@ -278,6 +310,8 @@ def decode_step(model: Any, input_ids: torch.Tensor, positions: torch.Tensor,
         plan = plan_for(model, kv_caches, max_rows, kquant_rows)
         if plan is None:
             return None
+    if n > plan.row_cap:
+        return None
     table = md.block_table
     if table.dtype is not torch.int32 or table.stride(1) != 1:
         table = table.to(torch.int32).contiguous()
@@ -290,4 +324,4 @@ def decode_step(model: Any, input_ids: torch.Tensor, positions: torch.Tensor,
         return None
     if prof is not None:
         prof.steps += 1
-    return out
+    return out if plan.out_dtype is torch.float32 else out.to(plan.out_dtype)
