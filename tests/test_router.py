@@ -282,7 +282,8 @@ def test_killed_replica_is_dropped_refused_when_changed_and_reindexed(replicas, 
     _, cached, rep, predicted = chat(srv.url, conv)
     assert rep != victim["url"] and cached == predicted == 0
     wait_until(lambda: not replica_state(srv.url, victim["url"])["up"], 10, "the victim down")
-    assert replica_state(srv.url, victim["url"])["indexed_blocks"] == 0
+    # take_down marks it down first (no more routing), then stops its feed, then forgets its blocks.
+    wait_until(lambda: replica_state(srv.url, victim["url"])["indexed_blocks"] == 0, 10, "the victim forgotten")
 
     # Back with another block size: answering, but refused (its hashes would not match ours).
     victim["proc"] = start_replica(victim["port"], block_size=32)
