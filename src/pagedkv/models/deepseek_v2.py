@@ -39,8 +39,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedkv.models.config import ModelConfig
-from pagedkv.models.layers import Embedding, Linear, RMSNorm, SiluAndMul, _param
-from pagedkv.models.llama import KVCache, LlamaForCausalLM, _copy
+from pagedkv.models.layers import Embedding, Linear, RMSNorm, _param
+from pagedkv.models.llama import KVCache, LlamaForCausalLM, SwiGLUMLP, _copy
 from pagedkv.models.mla_config import MLAParams
 from pagedkv.ops.forward_context import save_kv_layer, wait_for_kv_layer_load
 from pagedkv.ops.metadata import AttentionMetadata
@@ -85,6 +85,10 @@ def yarn_inv_freq(dim: int, theta: float, rs: dict[str, Any], max_positions: int
     extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
     keep = 1 - torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
     return interpolation * (1 - keep) + extrapolation * keep, attention_factor
+
+
+class DeepseekMLP(SwiGLUMLP):
+    """The dense layers and shared experts: a SwiGLU MLP with fused gate/up."""
 
 
 class DeepseekRotary(nn.Module):
@@ -177,19 +181,6 @@ class DeepseekMLAAttention(nn.Module):
         out = mla_attention(q_nope, qk_pe[:, :h], latent_cache, md, self.kv_b_proj.weight, self.scale, decode_md)
         save_kv_layer(self.layer_name, kv_cache, md)
         return self.o_proj(out.reshape(t, h * p.v_head_dim))
-
-
-class DeepseekMLP(nn.Module):
-    """SwiGLU MLP with fused gate/up (dense layers and the shared experts)."""
-
-    def __init__(self, hidden: int, intermediate: int) -> None:
-        super().__init__()
-        self.gate_up_proj = Linear(hidden, 2 * intermediate)
-        self.down_proj = Linear(intermediate, hidden)
-        self.act = SiluAndMul()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
 class DeepseekRouter(nn.Module):

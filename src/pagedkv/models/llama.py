@@ -74,17 +74,25 @@ class LlamaAttention(nn.Module):
         return self.o_proj(out.reshape(t, self.q_size))
 
 
-class LlamaMLP(nn.Module):
-    """SwiGLU MLP with fused gate/up: ``down(silu(gate(x)) * up(x))``."""
+class SwiGLUMLP(nn.Module):
+    """SwiGLU MLP with fused gate/up: ``down(silu(gate(x)) * up(x))`` (Llama's MLP; also the
+    dense layers and shared experts of DeepSeek and Llama 4)."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, hidden: int, intermediate: int) -> None:
         super().__init__()
-        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size)
+        self.gate_up_proj = Linear(hidden, 2 * intermediate)
+        self.down_proj = Linear(intermediate, hidden)
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class LlamaMLP(SwiGLUMLP):
+    """The MLP of a Llama-family layer, sized by the config."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__(config.hidden_size, config.intermediate_size)
 
 
 class LlamaDecoderLayer(nn.Module):

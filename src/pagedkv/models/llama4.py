@@ -26,8 +26,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedkv.models.config import CHUNKED_ATTENTION, Llama4Params, ModelConfig
-from pagedkv.models.layers import Embedding, Linear, RMSNorm, SiluAndMul, _param, rope_inv_freq
-from pagedkv.models.llama import KVCache, LlamaForCausalLM
+from pagedkv.models.layers import Embedding, Linear, RMSNorm, _param, rope_inv_freq
+from pagedkv.models.llama import KVCache, LlamaForCausalLM, SwiGLUMLP
 from pagedkv.ops.attention import paged_attention
 from pagedkv.ops.cache import reshape_and_cache
 from pagedkv.ops.forward_context import save_kv_layer, wait_for_kv_layer_load
@@ -39,6 +39,10 @@ def llama4_params(config: ModelConfig) -> Llama4Params:
     if config.llama4 is None:
         raise ValueError(f"{config.name or config.architecture}: a Llama 4 model needs ModelConfig.llama4")
     return config.llama4
+
+
+class Llama4MLP(SwiGLUMLP):
+    """The dense layers and the shared expert: a SwiGLU MLP with fused gate/up."""
 
 
 class Llama4Rotary(nn.Module):
@@ -118,20 +122,6 @@ class Llama4Attention(nn.Module):
                               attention_chunk_size=self.attention_chunk_size)
         save_kv_layer(self.layer_name, kv_cache, md)
         return self.o_proj(out.reshape(t, self.q_size))
-
-
-class Llama4MLP(nn.Module):
-    """SwiGLU MLP with fused gate/up: ``down(silu(gate(x)) * up(x))`` (dense layers and the
-    shared expert)."""
-
-    def __init__(self, hidden: int, intermediate: int) -> None:
-        super().__init__()
-        self.gate_up_proj = Linear(hidden, 2 * intermediate)
-        self.down_proj = Linear(intermediate, hidden)
-        self.act = SiluAndMul()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
 class Llama4Experts(nn.Module):
