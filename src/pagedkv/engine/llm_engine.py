@@ -76,8 +76,9 @@ class LLMEngine:
             # KV events report where the blocks live: host memory on a CPU engine, not "GPU".
             kv_cache_medium="CPU" if self.device.type == "cpu" else "GPU")
         self.sampler = Sampler(config.seed)
+        # Groups of different block sizes hash at the gcd of them (vLLM's hash_block_size).
         self.block_hasher = get_request_block_hasher(
-            config.block_size, get_hash_fn_by_name(config.prefix_caching_hash_algo))
+            self.scheduler.kv_cache_manager.hash_block_size, get_hash_fn_by_name(config.prefix_caching_hash_algo))
         self.eos_token_id = self.tokenizer.eos_token_id if self.tokenizer else mc.eos_token_id
         self.output_processor = OutputProcessor(self.tokenizer)
         self.num_generated_tokens = 0

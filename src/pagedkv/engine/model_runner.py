@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from pagedkv.core.specs import KVCacheConfig, KVQuantMode, MambaSpec, iter_layer_specs
+from pagedkv.engine.kv_cache_binding import bind_kv_cache
 from pagedkv.engine.sampler import LogprobsTensors, compute_prompt_logprobs
 from pagedkv.engine.scheduler_output import ScheduledRequest, SchedulerOutput
 from pagedkv.kv_transfer.base import KVConnectorBase, KVConnectorOutput
@@ -39,7 +40,6 @@ from pagedkv.ops.cache import compute_slot_mapping
 from pagedkv.ops.forward_context import set_forward_context
 from pagedkv.ops.kv_cache import allocate_kv_cache, copy_blocks
 from pagedkv.ops.kv_quant import KVQuant
-from pagedkv.ops.mamba import mamba_state_views, slot_pages
 from pagedkv.ops.metadata import AttentionMetadata
 
 # Prompt-logprob rows scored per model-head call: bounds the [rows, vocab] float32 temporaries.
@@ -70,6 +70,7 @@ class ModelRunner:
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.kv_buffer: torch.Tensor | None = None
         self.block_size = 0
+        self.group_block_sizes: list[int] = []
         self.layer_groups: list[int] = []
         self.distinct_kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.kv_quants: dict[str, KVQuant] = {}  # layer name → its quantized/rotated cache format
@@ -77,52 +78,22 @@ class ModelRunner:
         self.num_prompt_logprobs_done: dict[str, int] = {}
 
     def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
-        """Allocate the KV cache ``kv_cache_config`` plans and hand it to the connector.
-
-        One tensor per layer slot of the largest group: layer ``j`` of every group uses tensor
-        ``j`` (vLLM's sharing: a block id belongs to one group at a time, so groups never
-        collide). Raises ValueError if a layer belongs to no group."""
+        """Allocate the KV cache ``kv_cache_config`` plans, bind every layer to its views
+        (`bind_kv_cache`) and hand them to the connector. Raises ValueError if a layer with
+        attention belongs to no group."""
         mc = self.model_config
         groups = kv_cache_config.kv_cache_groups
-        self.layer_groups, layer_slots = layer_placement(mc, groups)
-        # The attention spec fixes the page geometry (Mamba states live inside its pages).
-        spec = next((g.kv_cache_spec for g in groups if not isinstance(g.kv_cache_spec, MambaSpec)),
-                    groups[0].kv_cache_spec)
-        self.block_size = spec.block_size
-        quantized = getattr(spec, "kv_quant_mode", KVQuantMode.NONE) is not KVQuantMode.NONE
-        # A quantized cache is raw bytes: each token-head's C run is [K part | V part].
-        # MLA (mc.mla): one latent row per token as the only "head", no separate V (head_size_v 0).
-        head_sizes = ((spec.k_part_bytes, spec.v_part_bytes) if quantized
-                      else (mc.head_dim, 0 if getattr(mc, "mla", None) else mc.head_dim))
-        self.kv_buffer, tensors = allocate_kv_cache(
-            kv_cache_config.layout, max(layer_slots) + 1, kv_cache_config.num_blocks, self.block_size,
-            mc.num_kv_heads, head_sizes[0], torch.uint8 if quantized else _torch_dtype(spec, self.dtype),
-            self.device,
-            head_size_v=head_sizes[1])
+        b = bind_kv_cache(kv_cache_config, mc, self.dtype, self.device)
+        self.kv_buffer, self.kv_caches, self.layer_groups = b.buffer, b.kv_caches, b.layer_groups
+        self.distinct_kv_caches = b.distinct
+        self.group_block_sizes = [g.kv_cache_spec.block_size for g in groups]
+        # The attention groups' block size (the pool's tokens per block where they agree).
+        self.block_size = next((g.kv_cache_spec.block_size for g in groups if not isinstance(g.kv_cache_spec, MambaSpec)),
+                               self.group_block_sizes[0])
         self.kv_quants = self._attach_kv_quant(groups)
-        self.kv_caches = [tensors[j] for j in layer_slots]
-        mamba = self._attach_mamba_states(kv_cache_config, layer_slots)
-        # copy_blocks must copy each distinct tensor once (aliased layers would copy twice); an
-        # attention layer's view covers its whole page, so it wins over a Mamba layer's states.
-        order = sorted(range(len(self.kv_caches)), key=lambda i: i not in mamba)
-        self.distinct_kv_caches = list({self.kv_caches[i][0].data_ptr(): self.kv_caches[i] for i in order}.values())
         if self.connector is not None:
-            self.connector.register_kv_caches(
-                {mc.layer_name(i): kv for i, kv in enumerate(self.kv_caches)}, self.kv_buffer)
-
-    def _attach_mamba_states(self, kv_cache_config: KVCacheConfig, layer_slots: list[int]) -> set[int]:
-        """Mamba layers get ``(conv_states, ssm_states)`` views of their layer slot's raw pages
-        instead of (K, V): one state per block id, vLLM's sharing of one page per block.
-        Returns the indices of those layers."""
-        specs = dict(iter_layer_specs(kv_cache_config.kv_cache_groups))
-        mamba: set[int] = set()
-        for i, slot in enumerate(layer_slots):
-            spec = specs[self.model_config.layer_name(i)]
-            if isinstance(spec, MambaSpec):
-                pages = slot_pages(self.kv_buffer, kv_cache_config.layout, slot)
-                self.kv_caches[i] = mamba_state_views(pages, spec.shapes, spec.dtypes)
-                mamba.add(i)
-        return mamba
+            owned = (i for i in range(mc.num_layers) if _owns_kv_cache(mc, i))
+            self.connector.register_kv_caches({mc.layer_name(i): self.kv_caches[i] for i in owned}, self.kv_buffer)
 
     def _attach_kv_quant(self, groups: list[Any]) -> dict[str, KVQuant]:
         """Give every attention layer of a quantized or rotated cache its :class:`KVQuant`
@@ -138,6 +109,13 @@ class ModelRunner:
             module.kv_quant = KVQuant.for_spec(spec, self.device) if wanted else None
             if module.kv_quant is not None:
                 quants[name] = module.kv_quant
+        # A layer reading another layer's cache (KV sharing) reads it in that layer's format.
+        mc = self.model_config
+        for module in self.model.modules():
+            name = getattr(module, "layer_name", None)
+            target = _kv_sharing_target(mc, name)
+            if target is not None and hasattr(module, "kv_quant"):
+                module.kv_quant = quants.get(mc.layer_name(target))
         return quants
 
     def set_kv_scales(self, scales: dict[str, tuple[float, float]]) -> None:
@@ -162,8 +140,8 @@ class ModelRunner:
                 self._layer(name).kv_quant = probe
             for ids in prompts:
                 n = len(ids)
-                _, caches = allocate_kv_cache("LBNHC", mc.num_layers, 2, n, mc.num_kv_heads, mc.head_dim,
-                                              torch.float32, self.device)
+                caches = [allocate_kv_cache("LBNHC", 1, 2, n, max(_layer_kv_heads(mc, i), 1), _layer_head_dim(mc, i),
+                                            torch.float32, self.device)[1][0] for i in range(mc.num_layers)]
                 dev = self.device
                 md = AttentionMetadata(
                     slot_mapping=torch.arange(n, 2 * n, device=dev), query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=dev),
@@ -205,13 +183,14 @@ class ModelRunner:
         lens = torch.tensor(seq_lens, dtype=torch.int32, device=dev)
         max_query_len = max(s.num_tokens for s in so.scheduled)
         mds = []
-        for g in range(max(self.layer_groups) + 1):
+        for g in range(len(self.group_block_sizes)):
             max_blocks = max(len(s.block_ids[g]) for s in so.scheduled)
             block_table = torch.tensor([s.block_ids[g] + [0] * (max_blocks - len(s.block_ids[g]))
                                         for s in so.scheduled], dtype=torch.int32, device=dev)
+            bs = self.group_block_sizes[g]
             mds.append(AttentionMetadata(
-                slot_mapping=compute_slot_mapping(block_table, req_indices, pos, self.block_size),
-                query_start_loc=qsl, seq_lens=lens, block_table=block_table, block_size=self.block_size,
+                slot_mapping=compute_slot_mapping(block_table, req_indices, pos, bs),
+                query_start_loc=qsl, seq_lens=lens, block_table=block_table, block_size=bs,
                 max_query_len=max_query_len, max_seq_len=max(seq_lens),
                 query_start_loc_cpu=query_start_loc, seq_lens_cpu=seq_lens))
         return input_ids, pos, mds, logits_indices
@@ -287,27 +266,26 @@ class ModelRunner:
         return (first, last) if first < last else None
 
 
-def _torch_dtype(spec: Any, default: torch.dtype) -> torch.dtype:
-    """The torch dtype of an unquantized spec's storage (a bf16 cache under a float32 model)."""
-    name = getattr(spec, "dtype", None)
-    return getattr(torch, name) if name in ("float32", "bfloat16", "float16") else default
-
-
 def _record_amax(acc: list[float], key: torch.Tensor, value: torch.Tensor) -> None:
     """Accumulate ``[max|K|, max|V|]`` over written rows."""
     acc[0] = max(acc[0], float(key.abs().amax()))
     acc[1] = max(acc[1], float(value.abs().amax()))
 
 
-def layer_placement(model_config: Any, groups: list[Any]) -> tuple[list[int], list[int]]:
-    """``(group of each layer, its slot in that group)``; the slot picks the KV tensor."""
-    mc = model_config
-    where = {name: (g, j) for g, grp in enumerate(groups) for j, name in enumerate(grp.layer_names)}
-    missing = [mc.layer_name(i) for i in range(mc.num_layers) if mc.layer_name(i) not in where]
-    if missing:
-        raise ValueError(f"layers {missing[:4]} belong to no KV cache group")
-    if len({g.kv_cache_spec.block_size for g in groups}) > 1:
-        raise NotImplementedError("KV cache groups with different block sizes are not served yet: "
-                                  f"{[g.kv_cache_spec.block_size for g in groups]}")
-    placement = [where[mc.layer_name(i)] for i in range(mc.num_layers)]
-    return [g for g, _ in placement], [j for _, j in placement]
+def _owns_kv_cache(mc: Any, i: int) -> bool:
+    return mc.owns_kv_cache(i) if hasattr(mc, "owns_kv_cache") else True
+
+
+def _kv_sharing_target(mc: Any, name: str | None) -> int | None:
+    if name is None or not hasattr(mc, "kv_sharing_target"):
+        return None
+    i = next((i for i in range(mc.num_layers) if mc.layer_name(i) == name), None)
+    return None if i is None else mc.kv_sharing_target(i)
+
+
+def _layer_kv_heads(mc: Any, i: int) -> int:
+    return mc.layer_kv_heads(i) if hasattr(mc, "layer_kv_heads") else mc.num_kv_heads
+
+
+def _layer_head_dim(mc: Any, i: int) -> int:
+    return mc.layer_head_dim(i) if hasattr(mc, "layer_head_dim") else mc.head_dim

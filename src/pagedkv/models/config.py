@@ -41,6 +41,14 @@ from pagedkv.core.specs import (
     resolve_kv_rotation,
 )
 
+from pagedkv.models.gemma4_config import (
+    GEMMA4_ARCHITECTURES,
+    Gemma4Params,
+    gemma4_hf_dict,
+    gemma4_layer_fields,
+    gemma4_num_params,
+)
+from pagedkv.models.deci_config import DECI_ARCHITECTURES, DeciParams, deci_hf_dict, deci_layer_fields, deci_num_params
 from pagedkv.models.mla_config import MLA_ARCHITECTURES, MLAParams
 
 FULL_ATTENTION = "full_attention"
@@ -291,6 +299,20 @@ class ModelConfig:
     # DeepSeek-V2/V3: multi-head latent attention and DeepSeekMoE (then num_kv_heads is 1 and
     # head_dim the latent row, kv_lora_rank + qk_rope_head_dim: see models/mla_config.py).
     mla: MLAParams | None = None
+    # Per-layer attention geometry where layers differ (None: every layer has ``num_kv_heads``
+    # heads of ``head_dim``). DeciLM / Nemotron-NAS give each layer its own KV head count, 0
+    # meaning the layer has no attention and so no KV cache; Gemma 4's global layers have a
+    # larger head than its sliding ones. Layers of one type with different geometry form one
+    # ``UniformTypeKVCacheSpecs`` group; types whose pages differ get different block sizes.
+    layer_num_kv_heads: list[int] | None = None
+    layer_head_dims: list[int] | None = None
+    # Cross-layer KV sharing (vLLM's ``kv_sharing_target_layer_name``; Gemma 3n/4): entry ``i``
+    # is the earlier layer whose KV cache layer ``i`` reads instead of owning one, or None.
+    kv_sharing_targets: list[int | None] | None = None
+    # Gemma 4: k=v full layers, partial RoPE, PLE, double-wide MLP, MoE (models/gemma4_config.py).
+    gemma4: Gemma4Params | None = None
+    # DeciLM / Nemotron-NAS: each layer's attention / FFN kind and MLP width (models/deci_config.py).
+    deci: DeciParams | None = None
 
     def __post_init__(self) -> None:
         if self.num_kv_heads <= 0 or self.num_attention_heads % self.num_kv_heads:
@@ -310,10 +332,42 @@ class ModelConfig:
                 raise ValueError("chunked_attention layers need attention_chunk_size")
         if self.attention_chunk_size is not None and self.attention_chunk_size < 1:
             raise ValueError(f"attention_chunk_size must be >= 1, got {self.attention_chunk_size}")
+        for field in ("layer_num_kv_heads", "layer_head_dims", "kv_sharing_targets"):
+            per_layer = getattr(self, field)
+            if per_layer is not None and len(per_layer) != self.num_layers:
+                raise ValueError(f"{field} has {len(per_layer)} entries, expected {self.num_layers}")
+        for i in range(self.num_layers):
+            heads = self.layer_kv_heads(i)
+            if heads < 0 or (heads and self.num_attention_heads % heads):
+                raise ValueError(f"layer {i}: num_attention_heads={self.num_attention_heads} is not a "
+                                 f"multiple of its {heads} KV heads")
+            target = self.kv_sharing_target(i)
+            if target is not None and not (0 <= target < i and self.kv_sharing_target(target) is None
+                                           and self.layer_kv_heads(target)):
+                raise ValueError(f"layer {i} shares the KV cache of layer {target}, which must be an "
+                                 "earlier layer owning one")
+        if self.deci is not None:
+            self.deci.validate(self.num_layers, [self.layer_kv_heads(i) for i in range(self.num_layers)])
         if self.num_params == 0:
             self.num_params = self.estimate_num_params()
 
     # ---------------------------------------------------------------- derived facts
+
+    def layer_kv_heads(self, i: int) -> int:
+        """KV heads of layer ``i`` (0: no attention in that layer, so no KV cache)."""
+        return self.num_kv_heads if self.layer_num_kv_heads is None else self.layer_num_kv_heads[i]
+
+    def layer_head_dim(self, i: int) -> int:
+        """Head size of layer ``i``'s attention."""
+        return self.head_dim if self.layer_head_dims is None else self.layer_head_dims[i]
+
+    def kv_sharing_target(self, i: int) -> int | None:
+        """The earlier layer whose KV cache layer ``i`` reads, or None when it owns its own."""
+        return None if self.kv_sharing_targets is None else self.kv_sharing_targets[i]
+
+    def owns_kv_cache(self, i: int) -> bool:
+        """Layer ``i`` has a KV cache spec of its own (attention or Mamba, not shared)."""
+        return self.layer_kv_heads(i) > 0 and self.kv_sharing_target(i) is None
 
     @property
     def num_queries_per_kv(self) -> int:
@@ -338,6 +392,10 @@ class ModelConfig:
         embed + per layer (q, k, v, o [+ biases], gate/up/down, 2 norms) + final norm
         (+ lm_head unless tied). Equals the GGUF tensor element count for Llama/Qwen2 files.
         """
+        if self.gemma4 is not None:
+            return gemma4_num_params(self)
+        if self.deci is not None:
+            return deci_num_params(self)
         if self.mla is not None:
             return self.mla.num_params(self.hidden_size, self.num_attention_heads, self.intermediate_size,
                                        self.vocab_size, self.num_layers, self.tie_word_embeddings, self.attention_bias)
@@ -394,11 +452,19 @@ class ModelConfig:
         if self.attention_chunk_size:
             by_type[CHUNKED_ATTENTION] = ChunkedLocalAttentionSpec(
                 **common, attention_chunk_size=self.attention_chunk_size)
-        specs = {self.layer_name(i): by_type[self.layer_type(i)] for i in range(self.num_layers)}
+        specs = {self.layer_name(i): self._layer_spec(by_type[self.layer_type(i)], i)
+                 for i in range(self.num_layers) if self.owns_kv_cache(i)}
         if self.mamba is not None:  # recurrent state pages for the mixer layers
             mamba = self.mamba.kv_cache_spec(block_size)
             specs.update({self.layer_name(i): mamba for i in range(self.num_layers) if self.mamba.is_mamba_layer(i)})
         return specs
+
+    def _layer_spec(self, spec: KVCacheSpec, i: int) -> KVCacheSpec:
+        """``spec`` (built for the model-wide geometry) with layer ``i``'s own heads and head size."""
+        heads, head_size = self.layer_kv_heads(i), self.layer_head_dim(i)
+        if (heads, head_size) == (self.num_kv_heads, self.head_dim) or self.mla is not None:
+            return spec
+        return dataclasses.replace(spec, num_kv_heads=heads, head_size=head_size, head_size_v=head_size)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -427,6 +493,10 @@ class ModelConfig:
             d["llama4"] = Llama4Params(**d["llama4"])
         if isinstance(d.get("mla"), dict):
             d["mla"] = MLAParams(**d["mla"])
+        if isinstance(d.get("deci"), dict):
+            d["deci"] = DeciParams(**d["deci"])
+        if isinstance(d.get("gemma4"), dict):
+            d["gemma4"] = Gemma4Params(**d["gemma4"])
         if isinstance(d.get("granite"), dict):
             d["granite"] = GraniteParams(**d["granite"])
         if isinstance(d.get("mamba"), dict):
@@ -451,6 +521,11 @@ class ModelConfig:
             d = {"_name_or_path": d.get("_name_or_path"), "torch_dtype": d.get("torch_dtype"),
                  **d["text_config"]}
         arch = d.get("model_type", "llama")
+        if arch in DECI_ARCHITECTURES:  # fills the null model-wide sizes; per-layer fields below
+            d = deci_hf_dict(d)
+        if arch in GEMMA4_ARCHITECTURES:  # defaults, checks; its per-layer fields are added below
+            d = gemma4_hf_dict(d)
+            arch = d["model_type"]
         mamba = MambaParams.from_hf_dict(d) if arch in _MAMBA_HYBRID_ARCHS else None
         if mamba is not None:  # their layer_types name mixer/attention layers (config.mamba)
             d = {k: v for k, v in d.items() if k not in ("layer_types", "layers_block_type")}
@@ -514,6 +589,8 @@ class ModelConfig:
             mamba=mamba,
             granite=GraniteParams.from_hf_dict(d) if arch == "granitemoehybrid" else None,
             mla=mla,
+            **(gemma4_layer_fields(d) if arch == "gemma4_text" else {}),
+            **(deci_layer_fields(d) if arch in DECI_ARCHITECTURES else {}),
         )
 
     @classmethod

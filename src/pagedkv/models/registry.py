@@ -11,9 +11,11 @@ from pagedkv.models.config import ModelConfig
 from pagedkv.models.bamba import BambaForCausalLM
 from pagedkv.models.deepseek_v2 import DeepseekV2ForCausalLM
 from pagedkv.models.gemma2 import Gemma2ForCausalLM
+from pagedkv.models.gemma4 import Gemma4ForCausalLM
 from pagedkv.models.granitemoehybrid import GraniteMoeHybridForCausalLM
 from pagedkv.models.llama import LlamaForCausalLM
 from pagedkv.models.llama4 import Llama4ForCausalLM
+from pagedkv.models.nemotron_nas import DeciLMForCausalLM
 from pagedkv.ops.metadata import AttentionMetadata
 
 
@@ -46,9 +48,11 @@ _MODELS: dict[str, type[LlamaForCausalLM]] = {
     "deepseek_v3": DeepseekV2ForCausalLM,  # V2 + sigmoid grouped router, interleaved-pair RoPE
     "gemma2": Gemma2ForCausalLM,  # sliding/global layers, soft caps (its own layers, Llama loading)
     "gemma3_text": Gemma2ForCausalLM,  # Gemma 2 + q/k norms, local rope theta (config.qk_norm)
+    "gemma4_text": Gemma4ForCausalLM,  # per-layer head geometry, k=v, partial RoPE, PLE, KV sharing (config.gemma4)
     "bamba": BambaForCausalLM,  # Mamba-2 mixers + attention layers, states in MambaSpec pages (config.mamba)
     "granitemoehybrid": GraniteMoeHybridForCausalLM,  # Bamba's mixer in a Granite decoder (config.granite)
     "llama4_text": Llama4ForCausalLM,  # chunked local + NoPE global layers, MoE (config.llama4)
+    "nemotron-nas": DeciLMForCausalLM,  # per-layer KV heads / MLP width, no-op and linear blocks (config.deci)
 }
 
 

@@ -105,6 +105,26 @@ def allocate_kv_cache(
     return buffer, views
 
 
+def page_kv_views(pages: torch.Tensor, block_size: int, num_kv_heads: int, head_size: int,
+                  head_size_v: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(K, V) views of one layer whose pages are ``pages [num_blocks, page_elems]`` (unit stride
+    on the last dim, in the cache's element dtype): each page read as ``[N, H, C]`` (the NHC
+    order ``LBNHC`` uses inside a page), so ``key_cache`` is ``[num_blocks, block_size,
+    num_kv_heads, head_size]`` and ``value_cache`` ``[..., head_size_v]`` as from
+    `allocate_kv_cache`. How a layer whose geometry differs from the buffer's reads its slot
+    (a Gemma 4 global layer, a group with a scaled block size, a UniformTypeKVCacheSpecs
+    layer): only whole pages move between blocks, tiers and peers, so any reading of a page is
+    fine as long as one layer always uses the same one. ValueError if the page is too small."""
+    c = head_size + head_size_v
+    need = block_size * num_kv_heads * c
+    if pages.dim() != 2 or pages.stride(1) != 1 or need > pages.shape[1]:
+        raise ValueError(f"a page of {tuple(pages.shape[1:])} elements cannot hold {block_size} tokens x "
+                         f"{num_kv_heads} heads x {c}")
+    base = pages.as_strided((pages.shape[0], block_size, num_kv_heads, c),
+                            (pages.stride(0), num_kv_heads * c, c, 1), pages.storage_offset())
+    return base[..., :head_size], base[..., head_size:]
+
+
 def kv_combined_view(key_cache: torch.Tensor, value_cache: torch.Tensor) -> torch.Tensor | None:
     """The ``[B, N, H, D + Dv]`` view holding both K and V, if they interleave in one buffer.
 

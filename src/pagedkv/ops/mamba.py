@@ -191,10 +191,14 @@ def mamba_state_views(pages: torch.Tensor, shapes: tuple[tuple[int, ...], ...],
 def slot_pages(buffer: torch.Tensor, layout: str, slot: int) -> torch.Tensor:
     """The raw pages of KV-cache layer slot ``slot``: ``[num_blocks, page_bytes]`` uint8, a view
     of ``buffer`` (dims in ``layout`` order). Needs a layout where one block of one layer is
-    contiguous (``L`` then ``B`` outermost: LBNHC, LBHNC); NotImplementedError otherwise."""
+    contiguous (``L`` and ``B`` outermost: LBNHC, LBHNC, BLNHC, BLHNC); NotImplementedError
+    otherwise."""
     name = str(getattr(layout, "name", layout)).upper()
-    if not name.startswith("LB"):
-        raise NotImplementedError(f"Mamba states need a KV cache layout with a contiguous block per layer "
-                                  f"(LBNHC or LBHNC), not {name}")
-    layer = buffer[slot]
+    if name.startswith("LB"):
+        layer = buffer[slot]
+    elif name.startswith("BL"):
+        layer = buffer[:, slot]
+    else:
+        raise NotImplementedError(f"this model needs a KV cache layout with a contiguous page per layer and "
+                                  f"block (LBNHC, LBHNC, BLNHC or BLHNC), not {name}")
     return layer.reshape(layer.shape[0], -1).view(torch.uint8)
