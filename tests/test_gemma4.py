@@ -353,14 +353,20 @@ def test_plan_kv_bytes_per_group_equal_the_formula(tmp_path: Path) -> None:
         assert r["page_size_bytes"] == r["block_size"] * r["bytes_per_token"]
 
 
-@pytest.mark.xfail(strict=True, reason="pagedkv plan also tabulates the quantized KV modes, whose pages "
-                   "(K/V codes + per-token-head scales) of the two layer geometries are no integer "
-                   "multiples of each other, so unify_kv_cache_spec_page_size refuses the whole plan")
 def test_plan_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from pagedkv.entrypoints.cli import main
 
     (tmp_path / "config.json").write_text(json.dumps(gemma4_31b_shaped()))
     assert main(["plan", "--model", str(tmp_path / "config.json"), "--memory", "8GiB", "--context", "8192",
-                 "--json"]) == 0
+                 "--dtype", "bfloat16", "--json"]) == 0  # "auto" is float32 on CPU
     plan = json.loads(capsys.readouterr().out)
     assert plan["selected"]["bytes_per_token"] == 50 * 2 * 16 * 256 * 2 + 10 * 2 * 4 * 512 * 2
+    # Per-token-head modes cannot put both geometries in one pool: listed as unsupported, with
+    # the reason, while the modes that can are still planned.
+    modes = {m["mode"]: m for m in plan["modes"]}
+    assert modes["auto"]["supported"] and modes["auto"]["bytes_per_token"] == plan["selected"]["bytes_per_token"]
+    bad = [m for m in modes.values() if not m["supported"]]
+    assert bad and all("per_token_head" in m["mode"] or "int4" in m["mode"] for m in bad), modes.keys()
+    assert all(m["reason"] for m in bad)
+    assert main(["plan", "--model", str(tmp_path / "config.json"), "--memory", "8GiB", "--context", "8192"]) == 0
+    assert "unsupported:" in capsys.readouterr().out

@@ -3,8 +3,9 @@ KV cache group (vLLM's rule) instead of the hybrid path, with a page that is the
 layers' pages; the planner sizes the pool from that sum and the block managers run the type's
 own rules on it (pure Python, no torch).
 
-The engine allocates one K/V tensor shape for all layers today, so it does not yet run a model
-whose layers differ in head size; these tests cover the core and the planner."""
+These tests cover the core and the planner; the engine runs such a group on a real
+architecture in ``tests/test_nemotron_nas.py`` (and its byte layout in
+``tests/test_kv_cache_binding.py``)."""
 
 from __future__ import annotations
 

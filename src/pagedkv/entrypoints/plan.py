@@ -221,6 +221,19 @@ def plan_row(cfg: Any, kv_budget: int, block_size: int, context: int, kv_cache_d
     )
 
 
+def mode_row(cfg: Any, kv_budget: int, block_size: int, context: int, label: str, kv_cache_dtype: str,
+             kv_quant_mode: KVQuantMode | str | None, model_dtype: str, mnbt: int) -> dict[str, Any]:
+    """One row of the all-modes table. A mode the model cannot use (e.g. per-token-head scales
+    on layers of two geometries, whose pages are then no integer multiples of each other and
+    cannot share one pool) is listed with ``supported: False`` and the reason, instead of
+    refusing the whole plan: only the selected mode must be plannable."""
+    try:
+        return dict(mode=label, supported=True, **plan_row(cfg, kv_budget, block_size, context, kv_cache_dtype,
+                                                           kv_quant_mode, model_dtype, mnbt))
+    except (ValueError, NotImplementedError) as e:
+        return dict(mode=label, supported=False, reason=str(e))
+
+
 def group_rows(groups: Any, context: int, mnbt: int) -> list[dict[str, Any]]:
     """Per KV cache group: its type and window/chunk, its layers, the KV bytes one token
     writes in it, and the pool blocks (and bytes: blocks × bytes per pool block) one request
@@ -294,11 +307,10 @@ def make_plan(args: argparse.Namespace) -> dict[str, Any]:
     try:
         selected = plan_row(cfg, max(kv_budget, 0), args.block_size, context, args.kv_cache_dtype,
                             args.kv_quant_mode, model_dtype, args.max_num_batched_tokens)
-        modes = [dict(mode=label, **plan_row(cfg, max(kv_budget, 0), args.block_size, context, dt, mode,
-                                              model_dtype, args.max_num_batched_tokens))
-                 for label, dt, mode in KV_MODES]
     except (ValueError, NotImplementedError) as e:
         raise PlanError(str(e)) from None
+    modes = [mode_row(cfg, max(kv_budget, 0), args.block_size, context, label, dt, mode, model_dtype,
+                      args.max_num_batched_tokens) for label, dt, mode in KV_MODES]
     if "device_memory" in memory:
         memory["c_tokens"] = max(kv_budget, 0) // selected["bytes_per_token"] if selected["bytes_per_token"] else 0
     block_size = align_hybrid_block_size(cfg.kv_cache_specs(1, args.kv_cache_dtype, args.kv_quant_mode, model_dtype),
@@ -369,6 +381,9 @@ def format_plan(plan: dict[str, Any]) -> str:
     header = f"  {'mode':<21}{'dtype':<10}{'B/token':>9}{'B/block':>11}{'blocks':>11}{'max tokens':>13}{'max conc':>10}"
     lines.append(header)
     for r in plan["modes"]:
+        if not r["supported"]:
+            lines.append(f"  {r['mode']:<21}unsupported: {r['reason']}")
+            continue
         lines.append(f"  {r['mode']:<21}{r['kv_cache_dtype']:<10}{r['bytes_per_token']:>9,}"
                      f"{r['bytes_per_block']:>11,}{r['num_blocks']:>11,}{r['max_tokens']:>13,}"
                      f"{r['max_concurrency']:>10.2f}")
