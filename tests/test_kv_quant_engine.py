@@ -49,6 +49,11 @@ def chat_prompts(llm: LLM) -> list[list[int]]:
                        add_special_tokens=False) for q in QUESTIONS]
 
 
+def gap_to_best(row: dict, tok: int) -> float:
+    """Log-prob gap from the best of a prompt_logprobs row to ``tok`` (inf when not in it)."""
+    return max(lp.logprob for lp in row.values()) - row[tok].logprob if tok in row else float("inf")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("kv_cache_dtype", ["int8", "int4", "fp8_per_token_head"])
 def test_preemption_chunking_and_prefix_hits_on_a_quantized_cache(kv_cache_dtype):
@@ -57,6 +62,7 @@ def test_preemption_chunking_and_prefix_hits_on_a_quantized_cache(kv_cache_dtype
     what the busy one wrote (teacher-forced prompt logprobs)."""
     scorer = LLM(kv_cache_dtype=kv_cache_dtype, num_kv_blocks=40, max_model_len=256, max_num_seqs=1,
                  enable_prefix_caching=False)
+    exact = LLM(num_kv_blocks=40, max_model_len=256, max_num_seqs=1, enable_prefix_caching=False)
     prompts = chat_prompts(scorer)
     longest = max(len(p) for p in prompts) + 24
     busy = LLM(kv_cache_dtype=kv_cache_dtype, num_kv_blocks=-(-longest // 16) + 3, max_model_len=longest,
@@ -68,14 +74,21 @@ def test_preemption_chunking_and_prefix_hits_on_a_quantized_cache(kv_cache_dtype
     assert busy.stats()["prefix_cache_hits"] > 0
     for outs in (first, second):
         texts = [{"prompt_token_ids": p + o} for p, o in zip(prompts, outs)]
-        scored = scorer.generate(texts, SamplingParams(max_tokens=1, prompt_logprobs=20), use_tqdm=False)
-        gaps = []
-        for p, o, s in zip(prompts, outs, scored):
+        scoring = SamplingParams(max_tokens=1, prompt_logprobs=20)
+        scored = scorer.generate(texts, scoring, use_tqdm=False)
+        unquantized = exact.generate(texts, scoring, use_tqdm=False)
+        gaps, near = [], []
+        for p, o, s, u in zip(prompts, outs, scored, unquantized):
             for i, tok in enumerate(o):
-                row = s.prompt_logprobs[len(p) + i]  # predicts output token i
-                gaps.append(max(lp.logprob for lp in row.values()) - row[tok].logprob)
-        print(f"{kv_cache_dtype}: max gap {max(gaps):.3f}, mean {sum(gaps) / len(gaps):.4f}")
-        assert max(gaps) < NEAR_BEST[kv_cache_dtype], f"a token {max(gaps):.3f} below the best"
+                gaps.append(gap_to_best(s.prompt_logprobs[len(p) + i], tok))  # predicts output token i
+                # At a near-tie the noise of the busy run's batch shape can pick the other token
+                # (measured: fp8 per token-head, a 0.16-nat tie in float32 that the serial
+                # quantized run breaks the other way by 0.22): that token is the float32 cache's
+                # own choice, so it is judged against that as well. A wrong read is far from both.
+                near.append(min(gaps[-1], gap_to_best(u.prompt_logprobs[len(p) + i], tok)))
+        print(f"{kv_cache_dtype}: max gap {max(gaps):.3f} ({max(near):.3f} to the nearer reference), "
+              f"mean {sum(gaps) / len(gaps):.4f}")
+        assert max(near) < NEAR_BEST[kv_cache_dtype], f"a token {max(near):.3f} below the best"
         assert sum(gaps) / len(gaps) < MEAN_GAP[kv_cache_dtype], f"mean gap {sum(gaps) / len(gaps):.4f}"
 
 
