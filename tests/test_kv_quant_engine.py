@@ -94,13 +94,21 @@ def test_preemption_chunking_and_prefix_hits_on_a_quantized_cache(kv_cache_dtype
 
 @pytest.mark.slow
 def test_cpu_and_disk_tiers_round_trip_quantized_pages(tmp_path):
-    """int4 pages evicted to CPU and disk come back byte-exact: outputs equal the tierless run,
-    and a restarted engine reads them from disk."""
+    """int4 pages evicted to CPU and disk come back byte-exact: outputs equal a tierless engine
+    whose device cache is roomy enough to keep every prefix, and a restarted engine reads them
+    from disk.
+
+    The reference must hit the same prefixes: a prefix hit changes the shape of the suffix's
+    matmuls, which changes the last float bits of its K/V, and on a quantized cache a value on a
+    rounding boundary then flips a code (measured: a tierless cold run differs from a tier-hit
+    run at a 0.02-nat near-tie, int4, int8 and fp8 alike). With the same hits the computation
+    is the same, so any difference is a page that did not come back exactly."""
     engine = dict(kv_cache_dtype="int4", num_kv_blocks=14, max_model_len=144, max_num_seqs=2)
-    want = run(LLM(**engine))
+    roomy = LLM(**{**engine, "num_kv_blocks": 200})
+    cold, want = run(roomy), run(roomy)  # second run: every full block of every prompt is a hit
     spec = f"cpu:16MiB,disk:{tmp_path}:64MiB"
     first = LLM(**engine, kv_offload=spec)
-    assert run(first) == want
+    assert run(first) == cold
     assert run(first) == want
     assert first.stats()["offload"]["loaded_tokens"] > 0
     first.llm_engine.connector.manager.drain(20.0)

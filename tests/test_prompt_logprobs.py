@@ -35,6 +35,12 @@ def prompt(llm) -> list[int]:
     return ids
 
 
+def rank_band(row: torch.Tensor, t: int) -> tuple[int, int]:
+    """The ranks token ``t`` may have given HF's ``row`` and TOL of noise: tokens more than TOL
+    above it are always ahead; those within TOL may be on either side."""
+    return int((row > row[t] + TOL).sum()) + 1, int((row >= row[t] - TOL).sum())
+
+
 def check_against_hf(plp, ids: list[int], hf_logits, k: int, tok) -> None:
     """``plp`` is vLLM's list: None, then per token its logprob/rank (exact rank) plus the top-k
     (exact ids, in rank order) of the raw distribution, within TOL of HF's."""
@@ -43,7 +49,11 @@ def check_against_hf(plp, ids: list[int], hf_logits, k: int, tok) -> None:
     for i in range(1, len(ids)):
         row, t, d = ref[i - 1], ids[i], plp[i]
         assert abs(d[t].logprob - float(row[t])) < TOL, i
-        assert d[t].rank == int((row > row[t]).sum()) + 1, i
+        # Exact rank, except that tokens within TOL of this one (a near-tie deep in the tail,
+        # e.g. rank 13,695 of 49k, where float noise of 1e-6 reorders neighbours) may fall on
+        # either side; where no token is that close the band is one rank wide, so an off-by-one fails.
+        lo, hi = rank_band(row, t)
+        assert lo <= d[t].rank <= hi, (i, d[t].rank, lo, hi)
         top = row.topk(k).indices.tolist() if k else []
         assert [t for t, v in sorted(d.items(), key=lambda x: x[1].rank) if v.rank <= k] == top, i
         assert set(d) == {t, *top}
@@ -146,7 +156,7 @@ def test_completions_prompt_logprobs_and_echo_with_logprobs(hf_logits):
         for i in range(1, len(ids)):
             d = plp[i][str(ids[i])]
             assert abs(d["logprob"] - float(ref[i - 1, ids[i]])) < TOL
-            assert d["rank"] == int((ref[i - 1] > ref[i - 1, ids[i]]).sum()) + 1
+            assert rank_band(ref[i - 1], ids[i])[0] <= d["rank"] <= rank_band(ref[i - 1], ids[i])[1]
             assert d["decoded_token"] == tok.decode([ids[i]], skip_special_tokens=False)
         assert r.json()["choices"][0]["logprobs"] is None
         r = http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1, "prompt_logprobs": 21})
