@@ -318,3 +318,34 @@ def test_a_decode_instance_killed_mid_stream_is_resumed_token_exact(instances, p
             assert served[2] == victim_url  # the stream did start on the victim
     finally:
         _stop(victim)
+
+
+@pytest.mark.slow
+def test_a_stream_that_cannot_be_resumed_ends_with_an_error_event():
+    """The only engine is SIGKILLed mid-answer and nothing can continue the choice: the client's
+    stream must end with an error event before ``[DONE]``, never a silently short answer (the
+    kill benchmark counted such streams as "N of 32 tokens": a client saw a normal end)."""
+    victim, victim_url = _serve_victim()
+    try:
+        with _proxy([_dead_url()], [victim_url]) as srv:  # prefill dead: the victim runs it colocated
+            body = {**COMPLETION, "max_tokens": 200, "ignore_eos": True, "stream": True}
+            events: list[str] = []
+            with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=120) as r:
+                assert r.status_code == 200
+                for line in r.iter_lines():
+                    if not line.startswith("data: "):
+                        continue
+                    events.append(line[6:])
+                    if len(events) >= 3 and victim.poll() is None:
+                        victim.kill()
+                        victim.wait(10)
+            assert victim.returncode is not None, "the victim was never killed: nothing tested"
+            assert events[-1] == "[DONE]"
+            chunks = [json.loads(e) for e in events[:-1]]
+            errors = [c["error"] for c in chunks if "error" in c]
+            assert len(errors) == 1 and "error" in chunks[-1], chunks[-3:]
+            assert errors[0]["type"] == "server_error" and "resume" in errors[0]["message"], errors[0]
+            tokens = sum(1 for c in chunks for ch in c.get("choices", []) if ch.get("text"))
+            assert tokens < 200
+    finally:
+        _stop(victim)

@@ -270,8 +270,9 @@ async def _relay(state: ProxyState, resp: Any, inst: Instance, body: dict[str, A
     """The client's SSE stream: ``resp``'s events as they come; if it breaks (transport error,
     no ``[DONE]``, an error event), each unfinished choice is continued on another instance
     (`_resume_choice`) until every choice finished, or ``state.retry_window`` seconds passed
-    without success (instances restarting are waited for, in rounds 0.5 s apart): then the
-    last error event, if any, and ``[DONE]`` end it."""
+    without success (instances restarting are waited for, in rounds 0.5 s apart): then an
+    error event (the engine's last, else the proxy's own ``server_error``) and ``[DONE]`` end
+    it, so a client never takes a cut stream for a complete answer."""
     from pagedkv.entrypoints.stream_resume import StreamTracker
 
     tracker = StreamTracker.for_request(body, chat=path.endswith("chat/completions"))
@@ -290,8 +291,13 @@ async def _relay(state: ProxyState, resp: Any, inst: Instance, body: dict[str, A
     if tracker.unfinished():
         logger.warning("a broken stream could not be resumed within %.0f s (%d choices unfinished)",
                        state.retry_window, len(tracker.unfinished()))
-        if tracker.error_event is not None:
-            yield tracker.error_event
+        # Always an error event before [DONE]: a stream that just stopped would read as a
+        # complete (short) answer to an OpenAI client.
+        yield tracker.error_event or (
+            "data: " + json.dumps({"error": {
+                "message": f"the engine serving this stream failed and no instance could resume it "
+                           f"within {state.retry_window:g} s", "type": "server_error", "param": None,
+                "code": 503}}) + "\n\n").encode()
         yield b"data: [DONE]\n\n"
         return
     for ev in tracker.finish(include_usage):
