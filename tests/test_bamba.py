@@ -27,7 +27,7 @@ from pagedkv.core.specs import (
     align_hybrid_block_size,
     get_kv_cache_groups,
 )
-from engine_utils import check_clean, random_prompts
+from engine_utils import check_clean, greedy_by_forward, random_prompts
 
 VOCAB = 256
 BLOCK = 48  # what the engine picks: 16 · cdiv(10112 B of Mamba state, 16 · 256 B per token)
@@ -79,14 +79,7 @@ def hf_logits(hf: Any, ids: list[int]) -> torch.Tensor:
 def hf_greedy(hf: Any, prompt: list[int], n: int) -> list[int]:
     """Greedy by transformers' full forward at every step (no HF cache: the oracle never runs
     its own recurrent step). Memoised on the model."""
-    memo = hf.__dict__.setdefault("_greedy_memo", {})
-    key = (tuple(prompt), n)
-    if key not in memo:
-        ids = list(prompt)
-        for _ in range(n):
-            ids.append(int(hf_logits(hf, ids)[-1].argmax()))
-        memo[key] = ids[len(prompt):]
-    return memo[key]
+    return greedy_by_forward(hf, hf_logits, prompt, n)
 
 
 def logprob_error(hf: Any, prompt: list[int], out: Any) -> float:

@@ -16,7 +16,7 @@ import torch
 
 from pagedkv import LLM, SamplingParams
 from pagedkv.core.specs import SlidingWindowSpec
-from engine_utils import check_clean, random_prompts
+from engine_utils import check_clean, greedy_by_forward, random_prompts
 
 WINDOW = 16
 BLOCK = 4
@@ -66,14 +66,7 @@ def hf_greedy(hf: Any, prompt: list[int], n: int) -> list[int]:
     """Greedy by transformers' full forward at every step (as in test_hybrid_engine: its
     ``generate`` is not the oracle for mixed sliding/full layers past the window). Memoised:
     the parametrised engine cases share their reference."""
-    memo = hf.__dict__.setdefault("_greedy_memo", {})  # lives and dies with the model
-    key = (tuple(prompt), n)
-    if key not in memo:
-        ids = list(prompt)
-        for _ in range(n):
-            ids.append(int(hf_logits(hf, ids)[-1].argmax()))
-        memo[key] = ids[len(prompt):]
-    return memo[key]
+    return greedy_by_forward(hf, hf_logits, prompt, n)
 
 
 def prompts(seed: int, lens: list[int], shared: int = 0) -> list[list[int]]:

@@ -22,7 +22,7 @@ from pagedkv.core.specs import SlidingWindowSpec
 from pagedkv.models.config import ModelConfig
 from pagedkv.models.loader import get_model
 from pagedkv.ops.metadata import AttentionMetadata
-from engine_utils import check_clean, random_prompts
+from engine_utils import check_clean, greedy_by_forward, random_prompts
 
 WINDOW = 16
 BLOCK = 4
@@ -81,14 +81,7 @@ def hf_logits(hf: Any, ids: list[int]) -> torch.Tensor:
 
 def hf_greedy(hf: Any, prompt: list[int], n: int) -> list[int]:
     """Greedy by transformers' full forward at every step (memoised per model)."""
-    memo = hf.__dict__.setdefault("_greedy_memo", {})
-    key = (tuple(prompt), n)
-    if key not in memo:
-        ids = list(prompt)
-        for _ in range(n):
-            ids.append(int(hf_logits(hf, ids)[-1].argmax()))
-        memo[key] = ids[len(prompt):]
-    return memo[key]
+    return greedy_by_forward(hf, hf_logits, prompt, n)
 
 
 def prompts(seed: int, lens: list[int], shared: int = 0) -> list[list[int]]:

@@ -21,7 +21,7 @@ from pagedkv import LLM, SamplingParams
 from pagedkv.core.specs import ChunkedLocalAttentionSpec, FullAttentionSpec
 from pagedkv.ops import native
 from pagedkv.ops.attention import paged_attention
-from engine_utils import check_clean, random_prompts
+from engine_utils import check_clean, greedy_by_forward, random_prompts
 
 CHUNK = 16
 BLOCK = 4
@@ -132,14 +132,7 @@ def hf_logits(hf: Any, ids: list[int]) -> torch.Tensor:
 def hf_greedy(hf: Any, prompt: list[int], n: int) -> list[int]:
     """Greedy by transformers' full forward at every step (its chunked mask applies to the
     whole sequence; memoised: the parametrised engine cases share their reference)."""
-    memo = hf.__dict__.setdefault("_greedy_memo", {})
-    key = (tuple(prompt), n)
-    if key not in memo:
-        ids = list(prompt)
-        for _ in range(n):
-            ids.append(int(hf_logits(hf, ids)[-1].argmax()))
-        memo[key] = ids[len(prompt):]
-    return memo[key]
+    return greedy_by_forward(hf, hf_logits, prompt, n)
 
 
 def prompts(seed: int, lens: list[int], shared: int = 0) -> list[list[int]]:

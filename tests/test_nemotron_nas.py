@@ -30,7 +30,7 @@ from pagedkv.core.specs import FullAttentionSpec, UniformTypeKVCacheSpecs
 from pagedkv.entrypoints.cli import main
 from pagedkv.models.config import ModelConfig
 from pagedkv.models.deci_config import ffn_mult_to_intermediate_size
-from engine_utils import check_clean, random_prompts
+from engine_utils import check_clean, greedy_by_forward, random_prompts
 
 VOCAB, HIDDEN, HEADS = 256, 64, 4
 HEAD_DIM = HIDDEN // HEADS
@@ -143,14 +143,7 @@ def hf_logits(hf: Any, ids: list[int]) -> torch.Tensor:
 
 def hf_greedy(hf: Any, prompt: list[int], n: int) -> list[int]:
     """Greedy by the full forward at every step (no cache), memoised per model."""
-    memo = hf.__dict__.setdefault("_greedy_memo", {})
-    key = (tuple(prompt), n)
-    if key not in memo:
-        ids = list(prompt)
-        for _ in range(n):
-            ids.append(int(hf_logits(hf, ids)[-1].argmax()))
-        memo[key] = ids[len(prompt):]
-    return memo[key]
+    return greedy_by_forward(hf, hf_logits, prompt, n)
 
 
 # ---- config ------------------------------------------------------------------------------
