@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedkv.models.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
-from pagedkv.models.gemma2 import Gemma2ForCausalLM, soft_cap
+from pagedkv.models.gemma2 import Gemma2ForCausalLM
 from pagedkv.models.layers import Embedding, Linear, RotaryEmbedding, _param
 from pagedkv.models.llama import KVCache
 from pagedkv.ops.attention import paged_attention
@@ -289,9 +289,7 @@ class Gemma4ForCausalLM(Gemma2ForCausalLM):
         tied = config.tie_word_embeddings
         self.lm_head = self.model.embed_tokens if tied else Embedding(config.vocab_size, config.hidden_size)
 
-    @torch.inference_mode()
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return soft_cap(self.lm_head.project(hidden), self.config.final_logit_softcapping).float()
+    # compute_logits: Gemma 2's (final soft cap), inherited.
 
     def _target(self, name: str, rows: int) -> tuple[str, int]:
         """Like Llama's, but q/k/v offsets are those of the tensor's own layer (layers differ)."""
