@@ -68,7 +68,7 @@ def bind_kv_cache(kv_cache_config: KVCacheConfig, model_config: Any, model_dtype
     groups = kv_cache_config.kv_cache_groups
     where = {name: (g, j) for g, grp in enumerate(groups) for j, name in enumerate(grp.layer_names)}
     missing = [mc.layer_name(i) for i in range(mc.num_layers)
-               if _owns(mc, i) and mc.layer_name(i) not in where]
+               if mc.owns_kv_cache(i) and mc.layer_name(i) not in where]
     if missing:
         raise ValueError(f"layers {missing[:4]} belong to no KV cache group")
     specs = dict(iter_layer_specs(groups))
@@ -92,16 +92,12 @@ def bind_kv_cache(kv_cache_config: KVCacheConfig, model_config: Any, model_dtype
     return KVCacheBinding(buffer, kv_caches, layer_groups, distinct, mamba)
 
 
-def _owns(mc: Any, i: int) -> bool:
-    return mc.owns_kv_cache(i) if hasattr(mc, "owns_kv_cache") else True
-
-
 def _kv_source(mc: Any, i: int) -> int | None:
     """The layer whose cache layer ``i`` uses: itself, its KV-sharing target, or None."""
-    target = mc.kv_sharing_target(i) if hasattr(mc, "kv_sharing_target") else None
+    target = mc.kv_sharing_target(i)
     if target is not None:
         return target
-    return i if _owns(mc, i) else None
+    return i if mc.owns_kv_cache(i) else None
 
 
 def _bind_layer_slots(kv_cache_config: KVCacheConfig, specs: dict[str, KVCacheSpec],

@@ -92,7 +92,7 @@ class ModelRunner:
                                self.group_block_sizes[0])
         self.kv_quants = self._attach_kv_quant(groups)
         if self.connector is not None:
-            owned = (i for i in range(mc.num_layers) if _owns_kv_cache(mc, i))
+            owned = (i for i in range(mc.num_layers) if mc.owns_kv_cache(i))
             self.connector.register_kv_caches({mc.layer_name(i): self.kv_caches[i] for i in owned}, self.kv_buffer)
 
     def _attach_kv_quant(self, groups: list[Any]) -> dict[str, KVQuant]:
@@ -140,7 +140,7 @@ class ModelRunner:
                 self._layer(name).kv_quant = probe
             for ids in prompts:
                 n = len(ids)
-                caches = [allocate_kv_cache("LBNHC", 1, 2, n, max(_layer_kv_heads(mc, i), 1), _layer_head_dim(mc, i),
+                caches = [allocate_kv_cache("LBNHC", 1, 2, n, max(mc.layer_kv_heads(i), 1), mc.layer_head_dim(i),
                                             torch.float32, self.device)[1][0] for i in range(mc.num_layers)]
                 dev = self.device
                 md = AttentionMetadata(
@@ -272,20 +272,7 @@ def _record_amax(acc: list[float], key: torch.Tensor, value: torch.Tensor) -> No
     acc[1] = max(acc[1], float(value.abs().amax()))
 
 
-def _owns_kv_cache(mc: Any, i: int) -> bool:
-    return mc.owns_kv_cache(i) if hasattr(mc, "owns_kv_cache") else True
-
-
 def _kv_sharing_target(mc: Any, name: str | None) -> int | None:
-    if name is None or not hasattr(mc, "kv_sharing_target"):
-        return None
-    i = next((i for i in range(mc.num_layers) if mc.layer_name(i) == name), None)
+    """The layer whose cache the layer named ``name`` reads instead of its own, if any."""
+    i = next((i for i in range(mc.num_layers) if mc.layer_name(i) == name), None) if name else None
     return None if i is None else mc.kv_sharing_target(i)
-
-
-def _layer_kv_heads(mc: Any, i: int) -> int:
-    return mc.layer_kv_heads(i) if hasattr(mc, "layer_kv_heads") else mc.num_kv_heads
-
-
-def _layer_head_dim(mc: Any, i: int) -> int:
-    return mc.layer_head_dim(i) if hasattr(mc, "layer_head_dim") else mc.head_dim
