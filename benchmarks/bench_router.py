@@ -13,9 +13,15 @@
    mean ``--think-s``); conversations start at random in the first ``--stagger-s`` x
    conversations seconds (irregular arrivals: a round-robin cursor must not line up with the
    conversations, which would make it sticky by accident). Streamed
-   completions, greedy, ``ignore_eos``, ``--max-tokens`` new tokens.
-3. Per policy: a fresh router process (unpinned), every replica's prefix cache reset first,
-   then the trace. Measured: prefix hit rate (the replicas' reported
+   completions, greedy, ``ignore_eos``, ``--max-tokens`` new tokens. Each replica's pool
+   (``--num-kv-blocks``, 96 by default) is smaller than the conversations' working set but
+   larger than its share of it: the fleet's caches hold every conversation only when each
+   stays on one replica, which is what a KV-aware router buys a fleet beyond lucky hits.
+3. ``--repeats`` traces (seed, seed + 1, ...), the policies interleaved within each repeat so
+   machine drift hits them alike. Per policy and repeat: a fresh router process (unpinned),
+   every replica's prefix cache reset first, then the trace. Figures pool every repeat's
+   requests (one run of a trace this short moves TTFT p50 by 1.5x on 2 cores); the JSON keeps
+   each repeat's hit rate and p50. Measured: prefix hit rate (the replicas' reported
    ``usage.prompt_tokens_details.cached_tokens`` over prompt tokens), TTFT p50/p99, the
    router's decisions by reason and how many of its hit predictions equal the reported ones.
    Ratios against round-robin. Targets: kv's hit rate >= 2x round-robin's, and kv's TTFT p50
@@ -25,8 +31,8 @@ Every process is started on free ports and stopped by PID at the end (also on Ct
 SIGTERM); logs go to a temporary directory (kept with ``--keep-logs``). Progress goes to
 standard error; standard output holds the table and the JSON.
 
-Usage: python benchmarks/bench_router.py [--conversations 6] [--turns 5] [--policies kv,round-robin,load]
-       [--json-only] [--json-out FILE]
+Usage: python benchmarks/bench_router.py [--conversations 12] [--turns 5] [--repeats 3]
+       [--policies kv,round-robin,load] [--json-only] [--json-out FILE]
 """
 
 from __future__ import annotations
@@ -91,14 +97,15 @@ class PolicyResult:
     decisions: dict[str, float]  # by reason (the router's metric)
     predictions: dict[str, float]  # exact / over / under (the router's metric)
     requests_per_replica: dict[str, int]
+    repeats: list[dict[str, float]]  # per repeat: hit rate, TTFT p50, duration
 
 
 # ---- trace --------------------------------------------------------------------------------------
 
 
-def make_trace(args: argparse.Namespace) -> list[list[Turn]]:
+def make_trace(args: argparse.Namespace, seed: int) -> list[list[Turn]]:
     """One list of turns per conversation (see the module docstring)."""
-    rng = random.Random(args.seed)
+    rng = random.Random(seed)
 
     def toks(n: int) -> list[int]:
         return [rng.randrange(*TOKEN_RANGE) for _ in range(n)]
@@ -197,14 +204,14 @@ def parse_policy(spec: str) -> tuple[str, dict[str, float]]:
     return policy, weights
 
 
-def router(logs: Path, spec: str, replicas: list[Instance]) -> Instance:
+def router(logs: Path, spec: str, replicas: list[Instance], rep: int) -> Instance:
     policy, weights = parse_policy(spec)
     port = free_port()
     flags = {"overlap": "--overlap-weight", "load": "--load-weight", "tier_credit": "--tier-credit",
              "temperature": "--temperature"}
     argv = [*CLI, "router", "--port", str(port), "--policy", policy, "--health-interval", "0.5",
             *[x for k, v in weights.items() for x in (flags[k], str(v))], "--replica", *[r.url for r in replicas]]
-    name = re.sub(r"[^A-Za-z0-9_.-]", "_", spec)
+    name = re.sub(r"[^A-Za-z0-9_.-]", "_", spec) + f"-{rep}"
     return Instance(f"router-{name}", argv, port, logs / f"router-{name}.log")
 
 
@@ -251,10 +258,21 @@ def router_metrics(url: str) -> tuple[dict[str, float], dict[str, float]]:
     return decisions, predictions
 
 
+@dataclass(slots=True)
+class PolicyRun:
+    """One policy over one trace: every turn's result (trace order) and the router's metrics."""
+
+    results: list[TurnResult]
+    later: list[bool]  # per result: turn >= 2 (a prefix can hit)
+    duration_s: float
+    decisions: dict[str, float]
+    predictions: dict[str, float]
+
+
 def run_policy(policy: str, args: argparse.Namespace, logs: Path, replicas: list[Instance],
-               convs: list[list[Turn]]) -> PolicyResult:
+               convs: list[list[Turn]], rep: int) -> PolicyRun:
     reset_caches(replicas)
-    rt = router(logs, policy, replicas)
+    rt = router(logs, policy, replicas, rep)
     with Cluster([rt]):
         results, duration = asyncio.run(drive(rt.url, convs, args.max_tokens))
         decisions, predictions = router_metrics(rt.url)
@@ -262,17 +280,42 @@ def run_policy(policy: str, args: argparse.Namespace, logs: Path, replicas: list
             import httpx
 
             rt.log_path.with_suffix(".state.json").write_text(httpx.get(rt.url + "/router/state", timeout=10).text)
+    return PolicyRun(results, [t.turn > 0 for c in convs for t in c], duration, decisions, predictions)
+
+
+def summarize(policy: str, runs: list[PolicyRun]) -> PolicyResult:
+    """Pool every repeat's requests: one hit rate and one TTFT distribution per policy."""
+    results = [r for run in runs for r in run.results]
+    later_flags = [f for run in runs for f in run.later]
     ok = [r for r in results if r.ok]
-    later = [r for r, t in zip(results, [t for c in convs for t in c]) if r.ok and t.turn > 0]
+    later = [r for r, f in zip(results, later_flags) if r.ok and f]
     prompt_tokens = sum(r.prompt_tokens for r in ok)
     cached = sum(r.cached_tokens for r in ok)
     per_replica: dict[str, int] = {}
     for r in ok:
         per_replica[r.replica or "?"] = per_replica.get(r.replica or "?", 0) + 1
-    return PolicyResult(policy, len(ok), len(results) - len(ok), [r.error for r in results if r.error][:5],
-                        duration, prompt_tokens, cached, cached / prompt_tokens if prompt_tokens else 0.0,
+
+    def total(key: str) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for run in runs:
+            for k, v in getattr(run, key).items():
+                out[k] = out.get(k, 0.0) + v
+        return out
+
+    return PolicyResult(policy, len(ok), len(results) - len(ok), sorted({r.error for r in results if r.error})[:5],
+                        sum(run.duration_s for run in runs), prompt_tokens, cached,
+                        cached / prompt_tokens if prompt_tokens else 0.0,
                         dist([r.ttft for r in ok if r.ttft is not None]),
-                        dist([r.ttft for r in later if r.ttft is not None]), decisions, predictions, per_replica)
+                        dist([r.ttft for r in later if r.ttft is not None]), total("decisions"), total("predictions"),
+                        per_replica, [per_run(run) for run in runs])
+
+
+def per_run(run: PolicyRun) -> dict[str, float]:
+    """One repeat's hit rate and TTFT p50 (to show the spread between repeats)."""
+    ok = [r for r in run.results if r.ok]
+    prompt = sum(r.prompt_tokens for r in ok)
+    return dict(hit_rate=sum(r.cached_tokens for r in ok) / prompt if prompt else 0.0,
+                ttft_p50=dist([r.ttft for r in ok if r.ttft is not None])["p50"], duration_s=run.duration_s)
 
 
 # ---- report -------------------------------------------------------------------------------------
@@ -280,13 +323,12 @@ def run_policy(policy: str, args: argparse.Namespace, logs: Path, replicas: list
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     check_args(args)
-    convs = make_trace(args)
     cores, note = pin_cores(3)
     logs = Path(tempfile.mkdtemp(prefix="bench_router-"))
     report: dict[str, Any] = {
         "config": dict(conversations=args.conversations, turns=args.turns, system_len=args.system_len,
                        user_len=args.user_len, reply_len=args.reply_len, max_tokens=args.max_tokens,
-                       think_s=args.think_s, stagger_s=args.stagger_s, seed=args.seed,
+                       think_s=args.think_s, stagger_s=args.stagger_s, seed=args.seed, repeats=args.repeats,
                        num_kv_blocks=args.num_kv_blocks, replicas=3, pinning=dict(cores=cores, note=note),
                        cpu_count=os.cpu_count()),
         "policies": {}}
@@ -295,9 +337,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         log(args, "starting 3 replicas ...")
         with Cluster(replicas):
             warm_up(replicas, args)
-            for policy in args.policies:
-                log(args, f"policy {policy} ...")
-                report["policies"][policy] = asdict(run_policy(policy, args, logs, replicas, convs))
+            runs: dict[str, list[PolicyRun]] = {p: [] for p in args.policies}
+            for rep in range(args.repeats):  # policies interleaved: drift hits every policy alike
+                convs = make_trace(args, args.seed + rep)
+                for policy in args.policies:
+                    log(args, f"repeat {rep + 1}/{args.repeats}: policy {policy} ...")
+                    runs[policy].append(run_policy(policy, args, logs, replicas, convs, rep))
+            for policy, rs in runs.items():
+                report["policies"][policy] = asdict(summarize(policy, rs))
     finally:
         if args.keep_logs:
             log(args, f"logs kept in {logs}")
@@ -325,19 +372,21 @@ def table(report: dict[str, Any]) -> str:
         return "-" if x is None else format(x, fmt)
 
     c = report["config"]
-    lines = [f"bench_router: {c['conversations']} conversations x {c['turns']} turns over {c['replicas']} replicas "
+    lines = [f"bench_router: {c['repeats']} x {c['conversations']} conversations x {c['turns']} turns over "
+             f"{c['replicas']} replicas ({c['num_kv_blocks']} KV blocks each) "
              f"(system {c['system_len']}, user {c['user_len']}, reply {c['reply_len']} tokens; "
              f"{c['max_tokens']} output tokens), {c['cpu_count']} CPUs, pinning {c['pinning']['cores']}"
              + (f" ({c['pinning']['note']})" if c["pinning"]["note"] else ""), "",
              f"{'policy':<12} {'ok':>3} {'fail':>4} {'hit rate':>8} {'TTFT p50':>8} {'TTFT p99':>8} "
-             f"{'hit x RR':>8} {'p50 RR/x':>8} {'p99 RR/x':>8} {'pred exact':>10}  (ms)"]
+             f"{'hit x RR':>8} {'p50 RR/x':>8} {'p99 RR/x':>8} {'pred exact':>10}  per repeat: hit / p50 ms"]
     for p, r in report["policies"].items():
         rat = report["ratios_vs_round_robin"][p]
         n_pred = sum(r["predictions"].values())
         exact = f"{r['predictions'].get('exact', 0):.0f}/{n_pred:.0f}" if n_pred else "-"
         lines.append(f"{p:<12} {r['completed']:>3} {r['failed']:>4} {r['hit_rate']:>8.1%} {ms(r['ttft_s']['p50']):>8} "
                      f"{ms(r['ttft_s']['p99']):>8} {num(rat['hit_rate']):>8} {num(rat['ttft_p50_speedup']):>8} "
-                     f"{num(rat['ttft_p99_speedup']):>8} {exact:>10}")
+                     f"{num(rat['ttft_p99_speedup']):>8} {exact:>10}  "
+                     + ", ".join(f"{x['hit_rate']:.0%}/{ms(x['ttft_p50'])}" for x in r["repeats"]))
     met = report["meets_targets"]
     if met is not None:
         lines += ["", f"kv hit rate >= {TARGET_HIT_RATIO:g}x round-robin: {'met' if met['hit_rate'] else 'NOT met'}; "
@@ -349,21 +398,25 @@ def table(report: dict[str, Any]) -> str:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--conversations", type=int, default=6, help="concurrent conversations (default 6)")
+    p.add_argument("--conversations", type=int, default=12, help="concurrent conversations (default 12)")
     p.add_argument("--turns", type=int, default=5, help="turns per conversation (default 5)")
     p.add_argument("--system-len", type=int, default=32, help="system prompt tokens (default 32)")
     p.add_argument("--user-len", type=int, default=32, help="tokens per user message (default 32)")
     p.add_argument("--reply-len", type=int, default=48, help="tokens per earlier reply in the prompt (default 48)")
     p.add_argument("--max-tokens", type=int, default=8, help="output tokens per turn (default 8)")
-    p.add_argument("--think-s", type=float, default=1.0, help="mean think time between turns, s (default 1)")
+    p.add_argument("--think-s", type=float, default=2.0, help="mean think time between turns, s (default 2)")
     p.add_argument("--stagger-s", type=float, default=0.5,
                    help="conversation starts spread over this many seconds per conversation (default 0.5)")
-    p.add_argument("--seed", type=int, default=0, help="trace seed (default 0)")
+    p.add_argument("--seed", type=int, default=0, help="trace seed of the first repeat (repeat r uses seed + r; default 0)")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="traces per policy, policies interleaved; figures pool every repeat's requests (default 3)")
     p.add_argument("--policies", type=lambda s: s.split(","), default=["kv", "round-robin", "load"],
                    help="policies to run, comma-separated (default kv,round-robin,load); a kv variant "
                         "with router weights: kv:overlap=2+load=0.5")
     g = p.add_argument_group("engine (every replica)")
-    g.add_argument("--num-kv-blocks", type=int, default=256, help="KV pool per replica in blocks (default 256)")
+    g.add_argument("--num-kv-blocks", type=int, default=96,
+                   help="KV pool per replica in blocks (default 96: the conversations' working set fits in the "
+                        "fleet's caches only when each conversation stays on one replica)")
     g.add_argument("--max-model-len", type=int, default=1024, help="context length cap (default 1024)")
     g.add_argument("--max-num-seqs", type=int, default=8, help="max running sequences (default 8)")
     p.add_argument("--keep-logs", action="store_true",
@@ -374,8 +427,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def check_args(args: argparse.Namespace) -> None:
     from pagedkv.router.scoring import POLICIES
 
-    if min(args.conversations, args.turns, args.max_tokens, args.user_len) < 1 or args.system_len < 0:
-        raise BenchOptionError("--conversations, --turns, --max-tokens and --user-len must be >= 1")
+    if min(args.conversations, args.turns, args.max_tokens, args.user_len, args.repeats) < 1 or args.system_len < 0:
+        raise BenchOptionError("--conversations, --turns, --max-tokens, --user-len and --repeats must be >= 1")
     if args.reply_len < 0 or args.think_s < 0 or args.stagger_s < 0:
         raise BenchOptionError("--reply-len, --think-s and --stagger-s must be >= 0")
     bad = [p for p in args.policies if parse_policy(p)[0] not in POLICIES]

@@ -152,3 +152,29 @@ def test_disagg_script_tiny_loses_no_request() -> None:
     assert r["kill_test"] is None and r["meets_targets"]["kill_test"] is None
     pin = r["config"]["pinning"]
     assert (pin["note"] is None) == (pin["colocated"] is not None)
+
+
+# ---------------------------------------------------------------- KV-aware routing
+
+
+@pytest.mark.slow
+def test_router_script_tiny_pools_repeats() -> None:
+    """Two repeats of a 2 x 2 trace through kv and round-robin routers: every request served,
+    the pooled figures are the repeats' requests, every predicted hit is the reported one."""
+    script = ROOT / "benchmarks" / "bench_router.py"
+    res = subprocess.run([sys.executable, str(script), "--conversations", "2", "--turns", "2", "--repeats", "2",
+                          "--max-tokens", "2", "--think-s", "0", "--num-kv-blocks", "64", "--max-model-len", "256",
+                          "--policies", "kv,round-robin", "--json-only"],
+                         capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert res.returncode == 0, res.stderr[-3000:]
+    r = json.loads(res.stdout)
+    assert r["config"]["repeats"] == 2
+    for policy in ("kv", "round-robin"):
+        p = r["policies"][policy]
+        assert p["completed"] == 8 and p["failed"] == 0 and p["errors"] == []
+        assert len(p["repeats"]) == 2 and all(0.0 <= x["hit_rate"] < 1.0 for x in p["repeats"])
+        assert p["prompt_tokens"] == 2 * (2 * 64 + 2 * 144)  # turn 0: 32 + 32, turn 1: + 48 + 32
+        assert p["predictions"] == {"exact": 8.0}  # no cache pressure: the index is exact
+        assert sum(p["decisions"].values()) == 8
+    assert set(r["policies"]["kv"]["decisions"]) <= {"load", "kv_hit", "load_over_prefix"}
+    assert r["policies"]["round-robin"]["decisions"] == {"round_robin": 8.0}
