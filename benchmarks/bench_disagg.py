@@ -53,6 +53,7 @@ import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -138,6 +139,7 @@ class KillTestResult:
     completed: int
     lost: int
     errors: list[str]
+    error_counts: dict[str, int]  # lost requests by kind (digits masked), to see what loses them
     duration_s: float
     kills: list[KillEvent]
 
@@ -602,8 +604,18 @@ def run_kill_test(args: argparse.Namespace, logs: Path) -> KillTestResult:
     ok = sum(r.ok for r in results)
     log(args, f"kill test: {ok} ok, {len(results) - ok} lost, {len(killer.events)} kills")
     return KillTestResult(requests=len(results), completed=ok, lost=len(results) - ok,
-                          errors=sorted({r.error for r in results if r.error})[:5], duration_s=duration,
+                          errors=sorted({r.error for r in results if r.error})[:5],
+                          error_counts=error_kinds(r.error for r in results if not r.ok), duration_s=duration,
                           kills=list(killer.events))
+
+
+def error_kinds(errors: Iterable[str | None]) -> dict[str, int]:
+    """Count errors by kind: the message's first 80 characters with every number masked."""
+    counts: dict[str, int] = {}
+    for e in errors:
+        kind = re.sub(r"\d+", "N", e or "no error recorded")[:80]
+        counts[kind] = counts.get(kind, 0) + 1
+    return dict(sorted(counts.items(), key=lambda kv: -kv[1]))
 
 
 # ---- report --------------------------------------------------------------------------------------
@@ -700,6 +712,10 @@ def table(report: dict[str, Any]) -> str:
     if kill is not None:
         lines += ["", f"kill test: {kill['requests']} requests, {kill['lost']} lost, {len(kill['kills'])} kills "
                   f"({', '.join(k['instance'] for k in kill['kills']) or 'none'}) in {kill['duration_s']:.1f} s"]
+        restarts = sorted(k["restart_s"] for k in kill["kills"] if k["restart_s"] is not None)
+        if restarts:
+            lines.append(f"  restarts {restarts[0]:.1f}-{restarts[-1]:.1f} s (median {restarts[len(restarts) // 2]:.1f} s)")
+        lines += [f"  lost {n}: {kind}" for kind, n in kill["error_counts"].items()]
     return "\n".join(lines)
 
 
