@@ -23,7 +23,8 @@ vs memcpy, and a kill test, all in one run on this machine.
 5. Kill test (``--kill-test N``, 0 skips): 2 producers + 2 consumers behind the proxy; N
    requests at ``--kill-rate`` req/s while a background thread SIGKILLs one random instance and
    restarts it (same ports), one at a time, so both decode instances are never down together.
-   A request is lost when it gets no 200, an error chunk, no ``[DONE]`` or fewer tokens than
+   Instance i is pinned to CPU i mod n with one compute thread (on 2 CPUs one producer and one
+   consumer per core). A request is lost when it gets no 200, an error chunk, no ``[DONE]`` or fewer tokens than
    asked. Target: 0 lost.
 
 Every process is started with fixed ports and stopped by PID at the end (also on Ctrl-C or
@@ -142,6 +143,7 @@ class KillTestResult:
     error_counts: dict[str, int]  # lost requests by kind (digits masked), to see what loses them
     duration_s: float
     kills: list[KillEvent]
+    pinning: dict[str, Any]  # cores per instance [prefill0, prefill1, decode0, decode1], and a note
 
 
 # ---- processes -----------------------------------------------------------------------------------
@@ -585,9 +587,22 @@ class Killer(threading.Thread):
             pass
 
 
+def kill_test_cores(n: int) -> tuple[list[list[int] | None], str | None]:
+    """Instance i on CPU i mod (usable CPUs), one compute thread each: ``[prefill0, prefill1,
+    decode0, decode1]`` on 2 CPUs puts one producer and one consumer on each. Unpinned, every
+    instance would run one OpenMP thread per core, and four instances' spinning thread teams on
+    two cores slow each other (and every restart's model load) by an order of magnitude."""
+    if shutil.which("taskset") is None:
+        return [None] * n, "taskset not found: instances unpinned"
+    cpus = sorted(os.sched_getaffinity(0))
+    note = None if len(cpus) >= n else f"{len(cpus)} CPUs for {n} instances: some share a core"
+    return [[cpus[i % len(cpus)]] for i in range(n)], note
+
+
 def run_kill_test(args: argparse.Namespace, logs: Path) -> KillTestResult:
-    servers = [server(args, logs, f"kill-prefill{i}", "kv_producer", None) for i in range(2)]
-    servers += [server(args, logs, f"kill-decode{i}", "kv_consumer", None) for i in range(2)]
+    cores, note = kill_test_cores(4)
+    servers = [server(args, logs, f"kill-prefill{i}", "kv_producer", cores[i]) for i in range(2)]
+    servers += [server(args, logs, f"kill-decode{i}", "kv_consumer", cores[2 + i]) for i in range(2)]
     front = proxy(logs, "kill-proxy", servers[:2], servers[2:])
     reqs = make_workload(args, args.kill_test, args.kill_rate, args.seed + 1)
     log(args, "kill test: starting 2 prefill + 2 decode instances and the proxy ...")
@@ -606,7 +621,7 @@ def run_kill_test(args: argparse.Namespace, logs: Path) -> KillTestResult:
     return KillTestResult(requests=len(results), completed=ok, lost=len(results) - ok,
                           errors=sorted({r.error for r in results if r.error})[:5],
                           error_counts=error_kinds(r.error for r in results if not r.ok), duration_s=duration,
-                          kills=list(killer.events))
+                          kills=list(killer.events), pinning=dict(cores=cores, note=note))
 
 
 def error_kinds(errors: Iterable[str | None]) -> dict[str, int]:
@@ -712,6 +727,9 @@ def table(report: dict[str, Any]) -> str:
     if kill is not None:
         lines += ["", f"kill test: {kill['requests']} requests, {kill['lost']} lost, {len(kill['kills'])} kills "
                   f"({', '.join(k['instance'] for k in kill['kills']) or 'none'}) in {kill['duration_s']:.1f} s"]
+        pin = kill.get("pinning")  # absent from reports written before instances were pinned
+        if pin:
+            lines.append(f"  instances pinned to CPUs {pin['cores']}" + (f" ({pin['note']})" if pin["note"] else ""))
         restarts = sorted(k["restart_s"] for k in kill["kills"] if k["restart_s"] is not None)
         if restarts:
             lines.append(f"  restarts {restarts[0]:.1f}-{restarts[-1]:.1f} s (median {restarts[len(restarts) // 2]:.1f} s)")

@@ -167,12 +167,13 @@ def test_disagg_kill_report_counts_lost_requests_by_kind() -> None:
     assert kinds == {"could not resume it within N s": 2, "ReadTimeout: ": 1, "no error recorded": 1}
     assert list(kinds)[0] == "could not resume it within N s"  # most frequent first
     report = json.loads((ROOT / "benchmarks" / "results" / "disagg_kill_0.3rps.json").read_text())
-    report["kill_test"].update(error_counts=kinds, kills=[
+    report["kill_test"].update(error_counts=kinds, pinning=dict(cores=[[0], [1], [0], [1]], note=None), kills=[
         dict(at_s=1.0, instance="kill-decode0", restart_s=20.0),
         dict(at_s=5.0, instance="kill-prefill1", restart_s=None)])
     text = bench_disagg.table(report)
     assert "500 requests, 426 lost, 2 kills" in text and "restarts 20.0-20.0 s (median 20.0 s)" in text
     assert "lost 2: could not resume it within N s" in text and "lost 1: ReadTimeout" in text
+    assert "instances pinned to CPUs [[0], [1], [0], [1]]" in text
 
 
 # ---------------------------------------------------------------- KV-aware routing
