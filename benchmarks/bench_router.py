@@ -263,7 +263,7 @@ class PolicyRun:
     """One policy over one trace: every turn's result (trace order) and the router's metrics."""
 
     results: list[TurnResult]
-    later: list[bool]  # per result: turn >= 2 (a prefix can hit)
+    later: list[bool]  # per result: not its conversation's first turn (a prefix can hit)
     duration_s: float
     decisions: dict[str, float]
     predictions: dict[str, float]
