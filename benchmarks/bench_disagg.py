@@ -24,8 +24,8 @@ vs memcpy, and a kill test, all in one run on this machine.
    requests at ``--kill-rate`` req/s while a background thread SIGKILLs one random instance and
    restarts it (same ports), one at a time, so both decode instances are never down together.
    Instance i is pinned to CPU i mod n with one compute thread (on 2 CPUs one producer and one
-   consumer per core). A request is lost when it gets no 200, an error chunk, no ``[DONE]`` or fewer tokens than
-   asked. Target: 0 lost.
+   consumer per core). A request is lost when it gets no 200, an error chunk, no ``[DONE]`` or
+   fewer tokens than asked. Target: 0 lost.
 
 Every process is started with fixed ports and stopped by PID at the end (also on Ctrl-C or
 SIGTERM); each one's output goes to a log file under a temporary directory (kept with
@@ -54,6 +54,7 @@ import tempfile
 import threading
 import time
 import uuid
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -587,20 +588,21 @@ class Killer(threading.Thread):
             pass
 
 
-def kill_test_cores(n: int) -> tuple[list[list[int] | None], str | None]:
-    """Instance i on CPU i mod (usable CPUs), one compute thread each: ``[prefill0, prefill1,
-    decode0, decode1]`` on 2 CPUs puts one producer and one consumer on each. Unpinned, every
-    instance would run one OpenMP thread per core, and four instances' spinning thread teams on
-    two cores slow each other (and every restart's model load) by an order of magnitude."""
+def pin_cores(n: int, what: str = "instances") -> tuple[list[list[int] | None], str | None]:
+    """Process i on CPU i mod (usable CPUs), one compute thread each (`Instance.start`), and a
+    note when that is impossible or some share a core. For the kill test's ``[prefill0,
+    prefill1, decode0, decode1]`` on 2 CPUs: one producer and one consumer per core. Unpinned,
+    every instance would run one OpenMP thread per core, and several instances' spinning thread
+    teams on two cores slow each other (and every restart's model load) several times over."""
     if shutil.which("taskset") is None:
-        return [None] * n, "taskset not found: instances unpinned"
+        return [None] * n, f"taskset not found: {what} unpinned"
     cpus = sorted(os.sched_getaffinity(0))
-    note = None if len(cpus) >= n else f"{len(cpus)} CPUs for {n} instances: some share a core"
+    note = None if len(cpus) >= n else f"{len(cpus)} CPUs for {n} {what}: some share a core"
     return [[cpus[i % len(cpus)]] for i in range(n)], note
 
 
 def run_kill_test(args: argparse.Namespace, logs: Path) -> KillTestResult:
-    cores, note = kill_test_cores(4)
+    cores, note = pin_cores(4)
     servers = [server(args, logs, f"kill-prefill{i}", "kv_producer", cores[i]) for i in range(2)]
     servers += [server(args, logs, f"kill-decode{i}", "kv_consumer", cores[2 + i]) for i in range(2)]
     front = proxy(logs, "kill-proxy", servers[:2], servers[2:])
@@ -625,12 +627,9 @@ def run_kill_test(args: argparse.Namespace, logs: Path) -> KillTestResult:
 
 
 def error_kinds(errors: Iterable[str | None]) -> dict[str, int]:
-    """Count errors by kind: the message's first 80 characters with every number masked."""
-    counts: dict[str, int] = {}
-    for e in errors:
-        kind = re.sub(r"\d+", "N", e or "no error recorded")[:80]
-        counts[kind] = counts.get(kind, 0) + 1
-    return dict(sorted(counts.items(), key=lambda kv: -kv[1]))
+    """Count errors by kind (the message's first 80 characters with every number masked), most
+    frequent first."""
+    return dict(Counter(re.sub(r"\d+", "N", e or "no error recorded")[:80] for e in errors).most_common())
 
 
 # ---- report --------------------------------------------------------------------------------------

@@ -53,7 +53,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from bench_disagg import CLI, TOKEN_RANGE, Cluster, Instance, free_port
+from bench_disagg import CLI, TOKEN_RANGE, Cluster, Instance, free_port, pin_cores
 
 from pagedkv.bench.common import BenchOptionError, add_output_args, log, ratio, run_and_emit
 from pagedkv.bench.serving import dist
@@ -215,14 +215,6 @@ def router(logs: Path, spec: str, replicas: list[Instance], rep: int) -> Instanc
     return Instance(f"router-{name}", argv, port, logs / f"router-{name}.log")
 
 
-def pin_cores(n: int) -> tuple[list[list[int]] | list[None], str | None]:
-    if shutil.which("taskset") is None:
-        return [None] * n, "taskset not found: replicas unpinned"
-    cpus = sorted(os.sched_getaffinity(0))
-    note = None if len(cpus) >= n else f"{len(cpus)} CPUs for {n} replicas: some share a core"
-    return [[cpus[i % len(cpus)]] for i in range(n)], note
-
-
 def reset_caches(replicas: list[Instance]) -> None:
     import httpx
 
@@ -323,7 +315,7 @@ def per_run(run: PolicyRun) -> dict[str, float]:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     check_args(args)
-    cores, note = pin_cores(3)
+    cores, note = pin_cores(3, "replicas")
     logs = Path(tempfile.mkdtemp(prefix="bench_router-"))
     report: dict[str, Any] = {
         "config": dict(conversations=args.conversations, turns=args.turns, system_len=args.system_len,
