@@ -6,6 +6,8 @@ never buffer a streamed response. Refusals are OpenAI's error JSON (`errors.APIE
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hmac
 import logging
 import time
@@ -16,6 +18,13 @@ from pagedkv.entrypoints.errors import APIError
 access_logger = logging.getLogger("pagedkv.access")
 
 ASGIApp = Any  # (scope, receive, send) -> Awaitable[None]
+
+# A refused body is read and dropped (never held) before the 413 goes out, up to this many
+# bytes and this long: closing a socket with unread bytes makes the kernel answer RST, and a
+# client that sent its whole body before reading then gets "connection reset" instead of the
+# 413 (nginx's lingering close, for the same reason). Bigger or slower bodies are cut off.
+DRAIN_MAX_BYTES = 64 * 2**20
+DRAIN_TIMEOUT_S = 5.0
 
 # Routes that stay open when an API key is set (as in vLLM: health, metrics; the read-only
 # dashboard and API docs too). Everything else (/v1/*, /reset_prefix_cache, unknown paths)
@@ -79,10 +88,22 @@ class APIKeyMiddleware:
         await self.app(scope, receive, send)
 
 
+async def discard_body(receive: Any, budget: int) -> None:
+    """Receive and drop the rest of a request body; stop at its end, at a disconnect, or once
+    more than ``budget`` bytes came."""
+    while budget >= 0:
+        message = await receive()
+        if message["type"] != "http.request" or not message.get("more_body", False):
+            return
+        budget -= len(message.get("body", b""))
+
+
 class MaxBodySizeMiddleware:
-    """413 (OpenAI's error JSON) for a request body over ``max_bytes``: at once when its
-    ``Content-Length`` says so; a chunked body (no length) is read up to the limit first and
-    refused as soon as it passes it, so that no body bigger than the limit is ever held."""
+    """413 (OpenAI's error JSON) for a request body over ``max_bytes``: without reading it into
+    memory when its ``Content-Length`` says so; a chunked body (no length) is read up to the
+    limit first and refused as soon as it passes it, so that no body bigger than the limit is
+    ever held. Before answering, the rest of the body is drained (`DRAIN_MAX_BYTES`,
+    `DRAIN_TIMEOUT_S`) so that the client can read the answer."""
 
     def __init__(self, app: ASGIApp, max_bytes: int) -> None:
         self.app = app
@@ -93,15 +114,21 @@ class MaxBodySizeMiddleware:
                         "bytes (pagedkv serve --max-request-bytes)", "invalid_request_error", None,
                         "request_too_large", headers={"Connection": "close"})
 
+    async def refuse(self, scope: dict[str, Any], receive: Any, send: Any, remaining: int) -> None:
+        """Drain up to ``remaining`` bytes of the body (none when over `DRAIN_MAX_BYTES`), then 413."""
+        if remaining <= DRAIN_MAX_BYTES:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(discard_body(receive, remaining), DRAIN_TIMEOUT_S)
+        await self.too_large().response()(scope, receive, send)
+
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         length = next((v for k, v in scope["headers"] if k.lower() == b"content-length"), None)
         if length is not None:
-            # The server (h11/httptools) already holds the body to its declared length.
             if length.strip().isdigit() and int(length) > self.max_bytes:
-                await self.too_large().response()(scope, receive, send)
+                await self.refuse(scope, receive, send, int(length))
                 return
             await self.app(scope, receive, send)
             return
@@ -114,7 +141,9 @@ class MaxBodySizeMiddleware:
                 break
             size += len(message.get("body", b""))
             if size > self.max_bytes:
-                await self.too_large().response()(scope, receive, send)
+                buffered.clear()
+                more = message.get("more_body", False)
+                await self.refuse(scope, receive, send, DRAIN_MAX_BYTES if more else -1)
                 return
             if not message.get("more_body", False):
                 break
