@@ -54,7 +54,7 @@ TARGETS = {  # family -> (min top-1 agreement, max |ΔPPL| in %), issue 14
     "fp8_per_token_head": (0.98, 1.0),
     "int4": (0.95, 3.0),
 }
-CAPACITY_TARGETS = {"int8_per_token_head": 1.9, "fp8_per_token_head": 1.9,
+CAPACITY_TARGETS = {"int8_per_token_head": 1.9, "fp8_per_token_head": 1.9, "fp8": 1.9,
                     "int4_per_token_head": 3.4, "int4": 3.4}
 REFERENCE = "float32"
 KV_TOKENS_PER_REQUEST = 2048  # a "2k-token request" holds this many token slots
@@ -100,7 +100,8 @@ MODES: tuple[KVMode, ...] = (
     KVMode("int4", "int4", None, family="int4"),  # the shortcut: the best shipped INT4
 )
 MODES_BY_NAME = {m.name: m for m in MODES}
-CAPACITY_MODES = ("bfloat16", "int8_per_token_head", "fp8_per_token_head", "int4_per_token_head", "int4")
+# fp8 per tensor too: the FP8 format whose page (1 byte a value, no inline scales) reaches 2x.
+CAPACITY_MODES = ("bfloat16", "fp8", "int8_per_token_head", "fp8_per_token_head", "int4_per_token_head", "int4")
 
 # ---- corpus and prompts (fixed lists: the corpus is generated, never downloaded) ------------
 
