@@ -16,14 +16,22 @@
   read), both measured in the same run;
   ``ceiling_frac`` is the time the binding ceiling allows over the measured (CPU-time) median.
   On a loaded machine run it with ``OMP_NUM_THREADS=1 taskset -c 0`` for steady figures.
+* The same GEMVs inside the native decode step (``step_gemv``): a batch-1 greedy decode of the
+  default model (float32), timed by the kernel's own section clocks (`native_step.StepProfile`:
+  the QKV, O, gate/up (+ SiLU) and down sections, thread 0's clock, each including its closing
+  barrier). All 30 layers' projections run in one call, without the per-call wrapper, and their
+  66 MB stream from memory every token (with the 28 MB LM head, more than the L3). Reported:
+  GB/s of projection weight bytes and the fraction of the same-run bandwidth ceiling.
 
-Usage: python benchmarks/bench_native.py [--rounds N] [--m1-only] [--json-only] [--json-out FILE]
+Usage: python benchmarks/bench_native.py [--rounds N] [--m1-only] [--step-tokens 64] [--json-only]
+       [--json-out FILE]
 """
 
 from __future__ import annotations
 
 import argparse
 import random
+import re
 import statistics
 import sys
 import time
@@ -199,12 +207,47 @@ def bench_decode(rounds: int) -> list[dict[str, Any]]:
     return out
 
 
+PROJ_SECTIONS = ("qkv_proj", "o_proj", "gate_up+silu", "down_proj")
+PROJ_TENSORS = re.compile(r"blk\.\d+\.(attn_q|attn_k|attn_v|attn_output|ffn_gate|ffn_up|ffn_down)\.weight")
+
+
+def bench_step_gemv(ceil: dict[str, float], steps: int) -> dict[str, Any] | None:
+    """Projection GB/s inside ``steps`` native batch-1 decode steps (see the docstring); None when
+    the native decode step does not run here (``PAGEDKV_NATIVE_STEP=0``, no compiler)."""
+    from pagedkv import LLM, SamplingParams
+    from pagedkv.models.gguf_loader import read_gguf
+    from pagedkv.models.loader import resolve_model_path
+    from pagedkv.ops import native_step
+
+    g = read_gguf(resolve_model_path(None))
+    nbytes = sum(int(t.raw.nbytes) for name, t in g.tensors.items() if PROJ_TENSORS.fullmatch(name))
+    llm = LLM(max_model_len=256)
+    eng = llm.llm_engine
+    eng.add_request("step_gemv", {"prompt_token_ids": list(range(100, 132))},
+                    SamplingParams(temperature=0, max_tokens=steps + 1, ignore_eos=True))
+    eng.step()  # prefill
+    prof = native_step.profile = native_step.StepProfile()
+    try:
+        while eng.has_unfinished_requests():
+            eng.step()
+    finally:
+        native_step.profile = None
+    if not prof.steps:
+        return None
+    sec = prof.as_dict()
+    per_step = sum(sec[k] for k in PROJ_SECTIONS) / prof.steps
+    gbps = nbytes / per_step / 1e9
+    return {"steps": prof.steps, "weight_bytes": nbytes, "proj_ms_per_step": per_step * 1e3,
+            "sections_ms": {k: sec[k] / prof.steps * 1e3 for k in PROJ_SECTIONS},
+            "weight_GBps": gbps, "bandwidth_frac": gbps / ceil["bandwidth_GBps"]}
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     if not native.available():
         raise SystemExit("native kernels unavailable (no C compiler?): nothing to compare")
     ceil = ceilings(args.rounds)
     m1 = {"benchmark": "native", "torch_threads": torch.get_num_threads(), "ceilings": ceil,
-          "gemv_m1": bench_gemv_m1(args.rounds, ceil)}
+          "gemv_m1": bench_gemv_m1(args.rounds, ceil), "step_gemv": bench_step_gemv(ceil, args.step_tokens)}
     if args.m1_only:
         return m1
     gemv = bench_gemv(args.rounds)
@@ -228,6 +271,11 @@ def m1_table(r: dict[str, Any]) -> list[str]:
         lines.append(f"{g['tensor']:24s}{g['qtype']:>6s}{g['shape'][0]:>6d}x{g['shape'][1]:<5d}{g['cpu_ms']:8.3f}"
                      f"{g['wall_ms']:8.3f}{g['GFLOPs']:8.1f}{g['weight_GBps']:6.1f}{g['binds']:>7s}"
                      f"{g['ceiling_frac']:7.0%}")
+    sg = r.get("step_gemv")
+    if sg:
+        lines.append(f"inside the native decode step (batch 1, {sg['steps']} steps): projections "
+                     f"{sg['proj_ms_per_step']:.2f} ms a step for {sg['weight_bytes'] / 1e6:.1f} MB of weights, "
+                     f"{sg['weight_GBps']:.1f} GB/s, {sg['bandwidth_frac']:.0%} of the memory ceiling")
     return lines
 
 
@@ -255,6 +303,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--m1-only", action="store_true", help="only the batch-1 GEMV against the ceilings")
+    p.add_argument("--step-tokens", type=int, default=64, help="decode steps timed inside the native step")
     add_output_args(p)
     return run_and_emit(run, table, p.parse_args(argv))
 

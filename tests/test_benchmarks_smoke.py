@@ -113,11 +113,16 @@ def test_native_script_reports_every_case() -> None:
     if not native.available():
         pytest.skip("no C compiler: native kernels unavailable")
     script = ROOT / "benchmarks" / "bench_native.py"
-    res = subprocess.run([sys.executable, str(script), "--rounds", "1", "--json-only"],
+    res = subprocess.run([sys.executable, str(script), "--rounds", "1", "--step-tokens", "4", "--json-only"],
                          capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert res.returncode == 0, res.stderr
     r = json.loads(res.stdout)
     assert {g["tensor"] for g in r["gemv"]} >= {"blk.0.ffn_up.weight", "token_embd.weight"}
+    # The in-step GEMV figure: 4 native decode steps timed, 30 layers x 7 Q4_1 projections of
+    # SmolLM2-135M (3,538,944 weights a layer, 20 bytes per 32).
+    sg = r["step_gemv"]
+    assert sg["steps"] == 4 and sg["weight_bytes"] == 30 * 3_538_944 * 20 // 32
+    assert sg["proj_ms_per_step"] > 0 and 0 < sg["bandwidth_frac"]
     assert all(g["native_ms"] > 0 and g["blas_ms"] > 0 for g in r["gemv"])
     assert [d["sequences"] for d in r["decode_attention"]] == [1, 8, 64]
     assert all(d["native_ms_per_step"] > 0 and d["speedup"] > 0 for d in r["decode_attention"])
