@@ -9,6 +9,7 @@ One real server (uvicorn on 127.0.0.1, the default model) with a key and a 64 Ki
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import logging
 import socket
@@ -22,6 +23,7 @@ from server_utils import running_server
 from pagedkv.engine.config import EngineConfig
 from pagedkv.entrypoints import serve
 from pagedkv.entrypoints.kv_events import DEFAULT_ENDPOINT, ZmqEventPublisher
+from pagedkv.entrypoints.middleware import MaxBodySizeMiddleware
 from pagedkv.entrypoints.openai_server import KVEventsOptions
 
 KEY = "sk-test-4f1c9a"
@@ -233,10 +235,6 @@ def test_whole_oversized_body_sent_by_a_client_gets_the_413(http):
 @pytest.mark.parametrize("chunked", [False, True])
 def test_refused_body_is_drained_before_the_413_is_sent(chunked):
     """ASGI-level order: every body message is received (and dropped) before the response starts."""
-    import asyncio
-
-    from pagedkv.entrypoints.middleware import MaxBodySizeMiddleware
-
     parts = [b"x" * 1000] * 10
     events: list[str] = []
 

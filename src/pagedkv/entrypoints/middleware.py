@@ -90,8 +90,8 @@ class APIKeyMiddleware:
 
 async def discard_body(receive: Any, budget: int) -> None:
     """Receive and drop the rest of a request body; stop at its end, at a disconnect, or once
-    more than ``budget`` bytes came."""
-    while budget >= 0:
+    ``budget`` bytes came (nothing is received when ``budget`` <= 0)."""
+    while budget > 0:
         message = await receive()
         if message["type"] != "http.request" or not message.get("more_body", False):
             return
@@ -115,8 +115,9 @@ class MaxBodySizeMiddleware:
                         "request_too_large", headers={"Connection": "close"})
 
     async def refuse(self, scope: dict[str, Any], receive: Any, send: Any, remaining: int) -> None:
-        """Drain up to ``remaining`` bytes of the body (none when over `DRAIN_MAX_BYTES`), then 413."""
-        if remaining <= DRAIN_MAX_BYTES:
+        """Drain the ``remaining`` bytes still to come (0: the body is all in; none are read when
+        over `DRAIN_MAX_BYTES`), then 413."""
+        if 0 < remaining <= DRAIN_MAX_BYTES:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(discard_body(receive, remaining), DRAIN_TIMEOUT_S)
         await self.too_large().response()(scope, receive, send)
@@ -141,9 +142,8 @@ class MaxBodySizeMiddleware:
                 break
             size += len(message.get("body", b""))
             if size > self.max_bytes:
-                buffered.clear()
-                more = message.get("more_body", False)
-                await self.refuse(scope, receive, send, DRAIN_MAX_BYTES if more else -1)
+                buffered.clear()  # not held during the drain
+                await self.refuse(scope, receive, send, DRAIN_MAX_BYTES if message.get("more_body", False) else 0)
                 return
             if not message.get("more_body", False):
                 break
