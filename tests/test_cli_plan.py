@@ -38,6 +38,7 @@ def test_every_quant_mode_side_by_side(capsys) -> None:
     rows = {r["mode"]: r for r in plan["modes"]}
     per_layer_head = {"float32": 2 * 64 * 4, "auto": 2 * 64 * 2, "fp8_per_tensor": 2 * 64,
                       "fp8_per_token_head": 2 * 64 + 8, "int8_per_token_head": 2 * 64 + 8,
+                      "fp8_per_token_head_f16": 2 * 64 + 4, "int8_per_token_head_f16": 2 * 64 + 4,
                       "int4_per_token_head": 64 + 8,
                       "int4_per_token_group": 32 + 4 * 2 + 32 + 2}  # K: 4 groups of 16, V: 1
     assert set(rows) == set(per_layer_head)

@@ -63,12 +63,12 @@ def test_engine_refuses_a_cache_too_small_for_one_max_model_len_request():
 
 
 @pytest.mark.parametrize("kv_cache_dtype,content", [
-    ("bfloat16", 256), ("fp8", 128), ("fp8_e5m2", 128), ("int8", 136), ("fp8_per_token_head", 136),
-    ("int4_per_token_head", 72), ("int4", 74)])
+    ("bfloat16", 256), ("fp8", 128), ("fp8_e5m2", 128), ("int8", 132), ("int8_per_token_head", 136),
+    ("fp8_per_token_head", 136), ("fp8_per_token_head_f16", 132), ("int4_per_token_head", 72), ("int4", 74)])
 def test_plan_and_engine_agree_for_every_kv_cache_dtype(capsys, kv_cache_dtype, content):
     """Quantized pages: the planner, the engine's allocation and the byte format agree (per
-    token-head: K|scale|V|scale, reference digest §1.2: 256 / 136 / 72 B at head size 64; int4
-    groups: 32 + 4·2 + 32 + 2)."""
+    token-head: K|scale|V|scale, reference digest §1.2: 256 / 136 / 72 B at head size 64; fp16
+    scales ("int8" = int8_per_token_head_f16): 132; int4 groups: 32 + 4·2 + 32 + 2)."""
     from pagedkv import LLM
 
     memory = 64 << 20

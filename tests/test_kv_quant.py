@@ -17,7 +17,8 @@ from pagedkv.ops.kv_quant import KVQuant, dequantize_part, hadamard_rotation, ro
 from pagedkv.ops.metadata import AttentionMetadata
 
 MODES = [("fp8", "fp8_per_tensor"), ("fp8_e5m2", "fp8_per_tensor"), ("int8", "int8_per_token_head"),
-         ("fp8", "fp8_per_token_head"), ("int4", "int4_per_token_head"), ("int4", "int4_per_token_group")]
+         ("fp8", "fp8_per_token_head"), ("int4", "int4_per_token_head"), ("int4", "int4_per_token_group"),
+         ("int8", "int8_per_token_head_f16"), ("fp8", "fp8_per_token_head_f16")]
 
 
 def spec_for(dtype: str, mode: str, hs: int = 64, heads: int = 3, bs: int = 16,
@@ -67,12 +68,14 @@ def test_round_trip_within_the_format_error_bound(dtype, mode):
     deq = dequantize_part(raw, q.fmt, 64, q.k_scale).double()
     err = (deq - x.double()).abs()
     xd = x.double()
-    if mode == "int8_per_token_head":
-        bound = xd.abs().amax(-1, keepdim=True) / 127 / 2
-    elif mode in ("fp8_per_token_head", "fp8_per_tensor"):
+    half = mode.endswith("_f16")  # the scale rounded up to fp16: at most 2^-10 larger (normal range)
+    if mode.startswith("int8_per_token_head"):
+        bound = xd.abs().amax(-1, keepdim=True) / 127 / 2 * (1 + 2.0**-10 if half else 1)
+    elif mode.startswith("fp8_per"):
         e4m3 = dtype != "fp8_e5m2"
         rel, sub = (2.0**-4, 2.0**-10) if e4m3 else (2.0**-3, 2.0**-17)
-        s = (xd.abs().amax(-1, keepdim=True) / 448).clamp(min=1e-6) if mode == "fp8_per_token_head" else 0.05
+        s = ((xd.abs().amax(-1, keepdim=True) / 448).clamp(min=1e-6) * (1 + 2.0**-10 if half else 1)
+             if mode != "fp8_per_tensor" else 0.05)
         lim = 448.0 if e4m3 else 57344.0
         clipped = (xd.abs() - lim * s).clamp(min=0)  # per-tensor: saturation past ±max·scale
         bound = xd.abs() * rel + sub * s + clipped
@@ -216,3 +219,27 @@ def test_attention_over_quantized_pages_equals_dense_over_dequantized_values(dty
         err = float((out[at:at + ql].double() - ref.double()).abs().max())
         assert err < 1e-5 * max(1.0, float(ref.abs().max())), (i, mode, err)  # float32 rounding
         at += ql
+
+
+@pytest.mark.parametrize("mode,qmax", [("int8_per_token_head_f16", 127.0), ("fp8_per_token_head_f16", 448.0)])
+def test_f16_scale_is_amax_over_qmax_rounded_up_to_fp16_and_two_bytes_inline(mode, qmax):
+    """The *_f16 formats: the part is [d codes | fp16 scale], the scale the smallest fp16 >=
+    max(amax / qmax, 1e-6) (so no code clips), and the page 4 bytes a token-head smaller than
+    vLLM's fp32-scale format."""
+    dtype = mode.split("_")[0]
+    q = KVQuant.for_spec(spec_for(dtype, mode))
+    f32 = spec_for(dtype, mode.removesuffix("_f16"))
+    assert spec_for(dtype, mode).page_size_bytes == f32.page_size_bytes - 16 * 3 * 4
+    x = sample(11, 3, 64, seed=3)
+    x[2, 1] *= 1e-9  # tiny amax: the scale floor, a subnormal fp16
+    raw, _ = q.quantize(x, x)
+    assert raw.shape[-1] == 66
+    s = raw[..., 64:66].contiguous().view(torch.float16)
+    want = (x.double().abs().amax(-1, keepdim=True) / qmax).clamp(min=1e-6)
+    s64 = s.double()
+    below = torch.nextafter(s, torch.tensor(0.0, dtype=torch.float16)).double()
+    assert bool((s64 >= want).all()) and bool((below < want).all())  # the smallest fp16 >= want
+    codes = raw[..., :64].contiguous().view(torch.int8 if dtype == "int8" else torch.float8_e4m3fn).double()
+    assert float(codes.abs().max()) <= qmax
+    if dtype == "int8":
+        assert torch.equal(codes, round_half_away(x.double() / s64).clamp(-128, 127))

@@ -27,7 +27,8 @@ pytestmark = pytest.mark.skipif(not native.available(), reason="no C compiler: n
 # (mode, storage dtype) of every format the kernel reads.
 FORMATS = [(KVQuantMode.INT8_PER_TOKEN_HEAD, "int8"), (KVQuantMode.FP8_PER_TOKEN_HEAD, "fp8"),
            (KVQuantMode.FP8_PER_TENSOR, "fp8"), (KVQuantMode.FP8_PER_TENSOR, "fp8_e5m2"),
-           (KVQuantMode.INT4_PER_TOKEN_HEAD, "int4"), (KVQuantMode.INT4_PER_TOKEN_GROUP, "int4")]
+           (KVQuantMode.INT4_PER_TOKEN_HEAD, "int4"), (KVQuantMode.INT4_PER_TOKEN_GROUP, "int4"),
+           (KVQuantMode.INT8_PER_TOKEN_HEAD_F16, "int8"), (KVQuantMode.FP8_PER_TOKEN_HEAD_F16, "fp8")]
 FORMAT_IDS = [f"{m.value}-{d}" for m, d in FORMATS]
 
 

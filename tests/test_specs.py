@@ -63,6 +63,17 @@ def test_per_token_head_adds_two_fp32_scales_per_token_head(mode: KVQuantMode, d
     assert spec.page_size_bytes == 16 * 3 * (128 + 8)
 
 
+@pytest.mark.parametrize("mode,dtype", [(KVQuantMode.INT8_PER_TOKEN_HEAD_F16, "int8"),
+                                        (KVQuantMode.FP8_PER_TOKEN_HEAD_F16, "fp8")])
+def test_per_token_head_f16_adds_two_fp16_scales_per_token_head(mode: KVQuantMode, dtype: str) -> None:
+    """pagedkv's *_f16 formats: 132 bytes a token-head at head size 64, 1.94x fewer than bf16's
+    256 (vLLM's fp32 scales: 136, 1.88x)."""
+    spec = full(bs=16, h=3, hs=64, dtype=dtype, kv_quant_mode=mode)
+    assert spec.content_bytes == 64 + 64 + 4
+    assert spec.page_size_bytes == 16 * 3 * 132
+    assert full(bs=16, h=3, hs=64, dtype="bfloat16").page_size_bytes / spec.page_size_bytes > 1.93
+
+
 @pytest.mark.parametrize("hs,hs_v,content", [(64, 64, 64 + 8), (3, 2, 3 + 8), (5, 5, 6 + 8), (1, 0, 1 + 8)])
 def test_int4_packs_two_values_per_byte_rounding_up(hs: int, hs_v: int, content: int) -> None:
     """Each part (K, V) packs its own values and is byte-aligned: part = ceil(d/2) + 4."""
@@ -134,7 +145,7 @@ def test_page_formula_property(bs: int, h: int, hs: int, mode: KVQuantMode) -> N
     spec = full(bs, h, hs, dtype, kv_quant_mode=mode)
     bits = {"float16": 16, "fp8": 8, "int8": 8, "int4": 4}[dtype]
     if "per_token_head" in mode.value:
-        content = 2 * (-(-(hs * bits) // 8) + 4)
+        content = 2 * (-(-(hs * bits) // 8) + (2 if mode.value.endswith("_f16") else 4))
     elif mode is KVQuantMode.INT4_PER_TOKEN_GROUP:
         g = 16 if hs % 16 == 0 else hs
         content = 2 * -(-hs // 2) + 2 * (hs // g) + 2
@@ -305,7 +316,9 @@ def test_unify_grows_attention_blocks_for_large_mamba_state() -> None:
     ("float32", None, ("float32", KVQuantMode.NONE)),
     ("fp8", None, ("fp8", KVQuantMode.FP8_PER_TENSOR)),
     ("fp8", "fp8_per_token_head", ("fp8", KVQuantMode.FP8_PER_TOKEN_HEAD)),
-    ("int8", None, ("int8", KVQuantMode.INT8_PER_TOKEN_HEAD)),
+    ("int8", None, ("int8", KVQuantMode.INT8_PER_TOKEN_HEAD_F16)),
+    ("int8_per_token_head_f16", None, ("int8", KVQuantMode.INT8_PER_TOKEN_HEAD_F16)),
+    ("fp8_per_token_head_f16", None, ("fp8", KVQuantMode.FP8_PER_TOKEN_HEAD_F16)),
     ("int4", None, ("int4", KVQuantMode.INT4_PER_TOKEN_GROUP)),
     ("int8_per_token_head", None, ("int8", KVQuantMode.INT8_PER_TOKEN_HEAD)),
     ("auto", KVQuantMode.INT4_PER_TOKEN_HEAD, ("int4", KVQuantMode.INT4_PER_TOKEN_HEAD)),

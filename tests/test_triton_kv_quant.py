@@ -48,8 +48,9 @@ DEVICE = torch.device("cpu" if INTERPRET else "cuda")
 # (kv_cache_dtype, mode): every quantized format.
 FORMATS = [("fp8", "fp8_per_tensor"), ("fp8_e5m2", "fp8_per_tensor"),
            ("int8", "int8_per_token_head"), ("fp8", "fp8_per_token_head"),
-           ("int4", "int4_per_token_head"), ("int4", "int4_per_token_group")]
-FORMAT_IDS = ["fp8", "fp8_e5m2", "int8_pth", "fp8_pth", "int4_pth", "int4_group"]
+           ("int4", "int4_per_token_head"), ("int4", "int4_per_token_group"),
+           ("int8", "int8_per_token_head_f16"), ("fp8", "fp8_per_token_head_f16")]
+FORMAT_IDS = ["fp8", "fp8_e5m2", "int8_pth", "fp8_pth", "int4_pth", "int4_group", "int8_pth16", "fp8_pth16"]
 TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 5e-3}
 
 
@@ -353,7 +354,8 @@ from pagedkv.ops.triton.reshape_and_cache import _reshape_and_cache_kvq
 from pagedkv.ops.triton.unified_attention import _unified_attention_kvq, tiling
 fails = []
 for arch, mode, g, e5 in [(90, 1, 128, False), (80, 1, 128, True), (90, 2, 128, False),
-                          (80, 3, 128, False), (90, 4, 128, False), (80, 5, 32, False)]:
+                          (80, 3, 128, False), (90, 4, 128, False), (80, 5, 32, False),
+                          (90, 6, 128, False), (80, 7, 128, False)]:
     dt, dot, segs, qlen = [("bf16", tl.bfloat16, 1, 512), ("fp16", tl.float16, 16, 1)][mode % 2]
     types = dict(out_ptr=f"*{dt}", q_ptr=f"*{dt}", k_ptr="*u8", v_ptr="*u8",
                  block_table_ptr="*i32", seq_lens_ptr="*i32", query_start_loc_ptr="*i32",

@@ -21,7 +21,8 @@ Storage dtypes are plain strings (stdlib only here): "float32", "float16", "bflo
     quantized with inline scales:  part(head_size) + part(head_size_v),
                                    part(d) = ceil(d * bits / 8) + scale_bytes(d)
 
-``scale_bytes`` is 4 (one fp32 per token-head) for the ``*_per_token_head`` modes and 2 per
+``scale_bytes`` is 4 (one fp32 per token-head) for vLLM's ``*_per_token_head`` modes, 2 (one
+fp16) for pagedkv's ``*_per_token_head_f16`` modes, and 2 per
 group of :func:`int4_group_size` values (fp16) for ``int4_per_token_group`` (K: groups of 16,
 V: one group); so each part is ``[values | scales]`` and the K part and the V part can be
 viewed (and moved) on their own.
@@ -59,6 +60,7 @@ DTYPE_BITS: dict[str, int] = {
 }
 
 SCALE_BYTES = 4  # one fp32 scale
+HALF_SCALE_BYTES = 2  # one fp16 scale (the *_per_token_head_f16 modes)
 GROUP_SCALE_BYTES = 2  # one fp16 scale (with the 4-bit zero point in its low mantissa bits)
 INT4_K_GROUP = 16  # K values per scale in int4_per_token_group when the head size allows it
 KV_ROTATIONS = ("hadamard",)
@@ -106,6 +108,10 @@ class KVQuantMode(enum.Enum):
     FP8_PER_TENSOR: fp8 values; one scale per tensor kept *outside* the cache (page unchanged).
     INT8_PER_TOKEN_HEAD / FP8_PER_TOKEN_HEAD: 1 byte per value plus fp32 K and V scales
         stored inline for every (token, head): +8 bytes per token-head.
+    INT8_PER_TOKEN_HEAD_F16 / FP8_PER_TOKEN_HEAD_F16: the same codes with each scale stored as
+        fp16 (rounded up, so no code clips): +4 bytes per token-head instead of +8, which at head
+        size 64 takes the page from 1.88x to 1.94x fewer bytes than bf16 (pagedkv's own modes,
+        like llama.cpp's q8_0 scale; ``kv_cache_dtype="int8"`` picks the int8 one).
     INT4_PER_TOKEN_HEAD: two 4-bit values per byte plus the same inline fp32 scales (vLLM's:
         asymmetric, the 4-bit zero point in the scale's low mantissa bits).
     INT4_PER_TOKEN_GROUP: two 4-bit values per byte, asymmetric, one fp16 scale (zero point in
@@ -118,6 +124,8 @@ class KVQuantMode(enum.Enum):
     FP8_PER_TENSOR = "fp8_per_tensor"
     INT8_PER_TOKEN_HEAD = "int8_per_token_head"
     FP8_PER_TOKEN_HEAD = "fp8_per_token_head"
+    INT8_PER_TOKEN_HEAD_F16 = "int8_per_token_head_f16"
+    FP8_PER_TOKEN_HEAD_F16 = "fp8_per_token_head_f16"
     INT4_PER_TOKEN_HEAD = "int4_per_token_head"
     INT4_PER_TOKEN_GROUP = "int4_per_token_group"
 
@@ -129,7 +137,20 @@ class KVQuantMode(enum.Enum):
     @property
     def is_per_token_head(self) -> bool:
         return self in (KVQuantMode.INT8_PER_TOKEN_HEAD, KVQuantMode.FP8_PER_TOKEN_HEAD,
-                        KVQuantMode.INT4_PER_TOKEN_HEAD)
+                        KVQuantMode.INT4_PER_TOKEN_HEAD) or self.has_half_scales
+
+    @property
+    def has_half_scales(self) -> bool:
+        """One fp16 scale per part instead of vLLM's fp32 (the ``*_per_token_head_f16`` modes)."""
+        return self in (KVQuantMode.INT8_PER_TOKEN_HEAD_F16, KVQuantMode.FP8_PER_TOKEN_HEAD_F16)
+
+    @property
+    def is_fp8_per_token_head(self) -> bool:
+        return self in (KVQuantMode.FP8_PER_TOKEN_HEAD, KVQuantMode.FP8_PER_TOKEN_HEAD_F16)
+
+    @property
+    def is_int8_per_token_head(self) -> bool:
+        return self in (KVQuantMode.INT8_PER_TOKEN_HEAD, KVQuantMode.INT8_PER_TOKEN_HEAD_F16)
 
     @property
     def has_inline_scales(self) -> bool:
@@ -138,6 +159,8 @@ class KVQuantMode(enum.Enum):
 
     def scale_bytes(self, d: int, part: str = "k") -> int:
         """Inline scale bytes of one part (``"k"`` or ``"v"``) of ``d`` values of one token-head."""
+        if self.has_half_scales:
+            return HALF_SCALE_BYTES
         if self.is_per_token_head:
             return SCALE_BYTES
         if self is KVQuantMode.INT4_PER_TOKEN_GROUP:
@@ -166,6 +189,8 @@ _MODE_DTYPE: dict[KVQuantMode, str | None] = {
     KVQuantMode.FP8_PER_TENSOR: "fp8",
     KVQuantMode.INT8_PER_TOKEN_HEAD: "int8",
     KVQuantMode.FP8_PER_TOKEN_HEAD: "fp8",
+    KVQuantMode.INT8_PER_TOKEN_HEAD_F16: "int8",
+    KVQuantMode.FP8_PER_TOKEN_HEAD_F16: "fp8",
     KVQuantMode.INT4_PER_TOKEN_HEAD: "int4",
     KVQuantMode.INT4_PER_TOKEN_GROUP: "int4",
 }
@@ -175,7 +200,7 @@ _DEFAULT_MODE_FOR_DTYPE: dict[str, KVQuantMode] = {
     "fp8": KVQuantMode.FP8_PER_TENSOR,
     "fp8_e4m3": KVQuantMode.FP8_PER_TENSOR,
     "fp8_e5m2": KVQuantMode.FP8_PER_TENSOR,
-    "int8": KVQuantMode.INT8_PER_TOKEN_HEAD,
+    "int8": KVQuantMode.INT8_PER_TOKEN_HEAD_F16,  # the best INT8 pagedkv ships (see README)
     "int4": KVQuantMode.INT4_PER_TOKEN_GROUP,  # the best INT4 pagedkv ships (see README)
 }
 
@@ -187,8 +212,10 @@ def resolve_kv_cache_dtype(
 
     "auto" → the model dtype. A mode name ("int8_per_token_head", "fp8_per_tensor", ...) as
     the dtype selects that mode. Without a mode, "fp8" means FP8_PER_TENSOR (as in vLLM),
-    "int8" int8_per_token_head and "int4" the best INT4 configuration, int4_per_token_group
-    (both shortcuts with a Hadamard rotation, see :func:`resolve_kv_rotation`).
+    "int8" the best INT8 configuration, int8_per_token_head_f16 (1.94x bf16's capacity at head
+    size 64, where vLLM's fp32 scales cap int8_per_token_head at 1.88x), and "int4" the best
+    INT4 configuration, int4_per_token_group (both shortcuts with a Hadamard rotation, see
+    :func:`resolve_kv_rotation`).
     """
     mode = KVQuantMode.parse(kv_quant_mode)
     as_mode = None

@@ -45,8 +45,10 @@ class EngineConfig:
     kv_cache_layout: str = "LBNHC"
     # KV cache storage (vLLM's --kv-cache-dtype): "auto" (the model dtype), a float dtype,
     # "fp8"/"fp8_e4m3"/"fp8_e5m2" (per-tensor scales), "int8_per_token_head",
-    # "fp8_per_token_head", "int4_per_token_head", "int4_per_token_group", or the shortcuts
-    # "int8" and "int4" (the best INT8 / INT4: with a Hadamard rotation; int4 in groups).
+    # "fp8_per_token_head" (vLLM's: fp32 scales), "int8_per_token_head_f16",
+    # "fp8_per_token_head_f16" (fp16 scales), "int4_per_token_head", "int4_per_token_group", or
+    # the shortcuts "int8" and "int4" (the best INT8 / INT4: with a Hadamard rotation;
+    # int8 with fp16 scales, int4 in groups).
     kv_cache_dtype: str = "auto"
     kv_rotation: str | None = None  # "hadamard" / "none"; None: what kv_cache_dtype implies
     # fp8 per-tensor scales: a JSON file to load them from (and to save calibrated ones to),

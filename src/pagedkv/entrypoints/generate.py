@@ -64,9 +64,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
                         "contiguous range across layers (larger KV transfer descriptors)")
     g.add_argument("--kv-cache-dtype", default="auto", metavar="DTYPE",
                    help="KV cache storage (vLLM's names): auto (= --dtype), float32, bfloat16, float16, "
-                        "fp8 / fp8_e4m3 / fp8_e5m2 (per-tensor scales), int8 (per token-head + Hadamard), int4 "
-                        "(the best INT4: K groups of 16 + Hadamard), or a mode: int8_per_token_head, "
-                        "fp8_per_token_head, int4_per_token_head, int4_per_token_group")
+                        "fp8 / fp8_e4m3 / fp8_e5m2 (per-tensor scales), int8 (the best INT8: per token-head, "
+                        "fp16 scales + Hadamard), int4 (the best INT4: K groups of 16 + Hadamard), or a "
+                        "mode: int8_per_token_head, fp8_per_token_head (vLLM's: fp32 scales), "
+                        "int8_per_token_head_f16, fp8_per_token_head_f16, int4_per_token_head, "
+                        "int4_per_token_group")
     g.add_argument("--kv-rotation", default=None, choices=["hadamard", "none"],
                    help="rotate K/V (and Q) before quantizing (default: hadamard for int8 and int4, else none)")
     g.add_argument("--kv-scales-path", default=None, metavar="JSON",

@@ -37,6 +37,8 @@ KV_MODES: list[tuple[str, str, KVQuantMode]] = [
     ("fp8_per_tensor", "fp8", KVQuantMode.FP8_PER_TENSOR),
     ("fp8_per_token_head", "fp8", KVQuantMode.FP8_PER_TOKEN_HEAD),
     ("int8_per_token_head", "int8", KVQuantMode.INT8_PER_TOKEN_HEAD),
+    ("fp8_per_token_head_f16", "fp8", KVQuantMode.FP8_PER_TOKEN_HEAD_F16),
+    ("int8_per_token_head_f16", "int8", KVQuantMode.INT8_PER_TOKEN_HEAD_F16),
     ("int4_per_token_head", "int4", KVQuantMode.INT4_PER_TOKEN_HEAD),
     ("int4_per_token_group", "int4", KVQuantMode.INT4_PER_TOKEN_GROUP),
 ]
@@ -378,13 +380,13 @@ def format_plan(plan: dict[str, Any]) -> str:
             lines.append(f"  group {i}: {g['kind']}{limit} x {g['num_layers']} layers, {g['bytes_per_token']:,} B/token,"
                          f" {g['blocks_per_request']:,} blocks per request")
     lines += ["", "all KV quantization modes:"]
-    header = f"  {'mode':<21}{'dtype':<10}{'B/token':>9}{'B/block':>11}{'blocks':>11}{'max tokens':>13}{'max conc':>10}"
+    header = f"  {'mode':<25}{'dtype':<10}{'B/token':>9}{'B/block':>11}{'blocks':>11}{'max tokens':>13}{'max conc':>10}"
     lines.append(header)
     for r in plan["modes"]:
         if not r["supported"]:
-            lines.append(f"  {r['mode']:<21}unsupported: {r['reason']}")
+            lines.append(f"  {r['mode']:<25}unsupported: {r['reason']}")
             continue
-        lines.append(f"  {r['mode']:<21}{r['kv_cache_dtype']:<10}{r['bytes_per_token']:>9,}"
+        lines.append(f"  {r['mode']:<25}{r['kv_cache_dtype']:<10}{r['bytes_per_token']:>9,}"
                      f"{r['bytes_per_block']:>11,}{r['num_blocks']:>11,}{r['max_tokens']:>13,}"
                      f"{r['max_concurrency']:>10.2f}")
     return "\n".join(lines)

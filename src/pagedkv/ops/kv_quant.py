@@ -8,6 +8,8 @@ A quantized cache is a ``uint8`` buffer; each (token, KV head) ``C`` run is a K 
 * ``int8_per_token_head``: ``d`` int8 codes ``q = round_half_away(x / s)`` clamped to
   [-128, 127], ``s = max(amax / 127, 1e-6)``, then ``s`` as fp32 (4 bytes).
 * ``fp8_per_token_head``: ``d`` fp8 e4m3 bytes of ``x / s``, ``s = max(amax / 448, 1e-6)``, fp32.
+* ``int8_per_token_head_f16`` / ``fp8_per_token_head_f16``: the same, with ``s`` first rounded
+  *up* to fp16 (at most 65504) and stored as fp16 (2 bytes), so ``|x / s|`` still fits the range.
 * ``int4_per_token_head`` (vLLM's layout): ``d / 2`` bytes of asymmetric 4-bit codes (element
   ``2i`` in the low nibble, ``2i + 1`` in the high), then one fp32 scale whose low 4 mantissa
   bits hold the zero point ``z``: ``x ≈ (q - z) · s``.
@@ -40,6 +42,7 @@ from pagedkv.core.specs import AttentionSpec, KVQuantMode, int4_group_size
 FP8_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 MIN_SCALE = 1e-6
+FP16_MAX = 65504.0
 RHT_SEED = 0x9E3779B9  # vLLM's seed for the random signs
 
 
@@ -57,9 +60,8 @@ class KVQuantFormat:
 
     @classmethod
     def from_spec(cls, spec: AttentionSpec) -> KVQuantFormat:
-        fp8 = FP8_DTYPES.get(spec.dtype) if spec.kv_quant_mode in (
-            KVQuantMode.FP8_PER_TENSOR, KVQuantMode.FP8_PER_TOKEN_HEAD) else None
-        if spec.kv_quant_mode is KVQuantMode.FP8_PER_TOKEN_HEAD:
+        fp8 = FP8_DTYPES.get(spec.dtype) if spec.kv_quant_mode is KVQuantMode.FP8_PER_TENSOR else None
+        if spec.kv_quant_mode.is_fp8_per_token_head:
             fp8 = torch.float8_e4m3fn  # per-token-head fp8 is e4m3 (vLLM)
         return cls(spec.kv_quant_mode, spec.head_size, spec.head_size_v, spec.k_part_bytes,  # type: ignore[arg-type]
                    spec.v_part_bytes, fp8, spec.kv_rotation)
@@ -183,16 +185,18 @@ def quantize_part(x: torch.Tensor, fmt: KVQuantFormat, tensor_scale: float, part
         lim = FP8_MAX[fmt.fp8_dtype]  # type: ignore[index]
         return (xf / tensor_scale).clamp_(-lim, lim).to(fmt.fp8_dtype).view(torch.uint8)
     out = torch.empty(*x.shape[:-1], part_bytes, dtype=torch.uint8, device=x.device)
-    if mode in (KVQuantMode.INT8_PER_TOKEN_HEAD, KVQuantMode.FP8_PER_TOKEN_HEAD):
+    if mode.is_int8_per_token_head or mode.is_fp8_per_token_head:
         amax = xf.abs().amax(-1, keepdim=True)
-        if mode is KVQuantMode.INT8_PER_TOKEN_HEAD:
-            s = (amax / 127.0).clamp_(min=MIN_SCALE)
+        qmax = 127.0 if mode.is_int8_per_token_head else 448.0
+        s = (amax / qmax).clamp_(min=MIN_SCALE)
+        if mode.has_half_scales:
+            s = _round_up_f16(s.clamp_(max=FP16_MAX))
+        if mode.is_int8_per_token_head:
             q = round_half_away(xf / s).clamp_(-128, 127).to(torch.int8).view(torch.uint8)
         else:
-            s = (amax / 448.0).clamp_(min=MIN_SCALE)
             q = (xf / s).clamp_(-448.0, 448.0).to(torch.float8_e4m3fn).view(torch.uint8)
         out[..., :d] = q
-        out[..., d:d + 4] = _bytes_of(s)
+        out[..., d:] = _bytes_of(s.to(torch.float16) if mode.has_half_scales else s)
         return out
     # INT4, asymmetric over groups of g values (g = d: per token-head).
     g = _int4_group(fmt, d, part_bytes)
@@ -223,10 +227,15 @@ def _pack_scale_f32(s: torch.Tensor):
     return s, lambda z: (bits.squeeze(-1) | z).view(torch.float32)
 
 
+def _round_up_f16(s: torch.Tensor) -> torch.Tensor:
+    """float32 ``s`` (at most 65504) rounded up to the nearest fp16, as float32."""
+    h = s.to(torch.float16)
+    return torch.where(h.float() < s, torch.nextafter(h, torch.tensor(float("inf"), dtype=torch.float16)), h).float()
+
+
 def _pack_scale_f16(s: torch.Tensor):
     """fp16 scales (rounded up to 6 mantissa bits), the zero point in the low 4 bits."""
-    h = s.to(torch.float16)
-    h = torch.where(h.float() < s, torch.nextafter(h, torch.tensor(float("inf"), dtype=torch.float16)), h)
+    h = _round_up_f16(s).to(torch.float16)
     bits = h.view(torch.int16).to(torch.int32)
     bits = (bits + 15) & ~15
     s = bits.to(torch.int16).view(torch.float16).float()
@@ -239,10 +248,11 @@ def dequantize_part(raw: torch.Tensor, fmt: KVQuantFormat, d: int, tensor_scale:
     mode = fmt.mode
     if mode is KVQuantMode.FP8_PER_TENSOR:
         return (raw[..., :d].contiguous().view(fmt.fp8_dtype).float() * tensor_scale).to(dtype)
-    if mode in (KVQuantMode.INT8_PER_TOKEN_HEAD, KVQuantMode.FP8_PER_TOKEN_HEAD):
-        vals = raw[..., :d].contiguous().view(torch.int8 if mode is KVQuantMode.INT8_PER_TOKEN_HEAD
-                                              else torch.float8_e4m3fn)
-        return (vals.float() * _scale_from(raw[..., d:d + 4], torch.float32)).to(dtype)
+    if mode.is_int8_per_token_head or mode.is_fp8_per_token_head:
+        vals = raw[..., :d].contiguous().view(torch.int8 if mode.is_int8_per_token_head else torch.float8_e4m3fn)
+        scale = (_scale_from(raw[..., d:d + 2], torch.float16).float() if mode.has_half_scales
+                 else _scale_from(raw[..., d:d + 4], torch.float32))
+        return (vals.float() * scale).to(dtype)
     g = _int4_group(fmt, d, raw.shape[-1])
     nv = (d + 1) // 2
     packed = raw[..., :nv]

@@ -197,7 +197,8 @@ def dequant(qweight: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
 KV_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 # Quantized cache formats it reads in place (csrc enum KV_I8_TH ...); fp8 per-tensor by fp8 dtype.
 KV_QUANT_TYPES = {KVQuantMode.INT8_PER_TOKEN_HEAD: 3, KVQuantMode.FP8_PER_TOKEN_HEAD: 4,
-                  KVQuantMode.INT4_PER_TOKEN_HEAD: 7, KVQuantMode.INT4_PER_TOKEN_GROUP: 8}
+                  KVQuantMode.INT4_PER_TOKEN_HEAD: 7, KVQuantMode.INT4_PER_TOKEN_GROUP: 8,
+                  KVQuantMode.INT8_PER_TOKEN_HEAD_F16: 9, KVQuantMode.FP8_PER_TOKEN_HEAD_F16: 10}
 KV_FP8_TYPES = {torch.float8_e4m3fn: 5, torch.float8_e5m2: 6}
 
 

@@ -551,6 +551,7 @@ typedef struct {
      * follow); kpart/vpart: bytes of a whole part. */
     float kmul, vmul;
     int64_t kgroup, vgroup, kvals, vvals, kpart, vpart;
+    int s16; /* per-token-head scales stored as fp16 (the *_per_token_head_f16 formats) */
 } decode_args;
 
 #if PKV_ATTN_AVX512
@@ -730,16 +731,24 @@ static void decode_item(const decode_args *a, int64_t r, int64_t h0, int64_t h1)
  * int4 nibbles (element 2i low, 2i+1 high) minus the zero point.
  * Per-token-head scales fold into the logit (s = scale * k_scale[tok] * q.codes) and into the
  * probability (acc += (p * v_scale[tok]) * codes), as vLLM does; int4 groups scale their
- * chunk of 16 values in registers (x = q*s - z*s; the portable path (q - z)*s, as torch). */
-enum { KV_I8_TH = 3, KV_FP8_TH = 4, KV_FP8_E4M3 = 5, KV_FP8_E5M2 = 6, KV_I4_TH = 7, KV_I4_GROUP = 8 };
+ * chunk of 16 values in registers (x = q*s - z*s; the portable path (q - z)*s, as torch).
+ * KV_I8_TH16/KV_FP8_TH16 (the *_per_token_head_f16 formats: one fp16 scale a part) exist only at
+ * the API: pkv_paged_decode runs them as KV_I8_TH/KV_FP8_TH with decode_args.s16 set. */
+enum { KV_I8_TH = 3, KV_FP8_TH = 4, KV_FP8_E4M3 = 5, KV_FP8_E5M2 = 6, KV_I4_TH = 7, KV_I4_GROUP = 8,
+       KV_I8_TH16 = 9, KV_FP8_TH16 = 10 };
 
 enum { MAXG = 64 };  /* int4 scale groups per part the kernel reads (more: the torch path) */
 
 static inline int kv_is_int4(int kvt) { return kvt == KV_I4_TH || kvt == KV_I4_GROUP; }
 static inline int kv_token_scaled(int kvt) { return kvt == KV_I8_TH || kvt == KV_FP8_TH || kvt == KV_I4_TH; }
 
-/* The fp32 scale of a per-token-head part (its bytes at p); int4's zero point into *z. */
-static inline float part_scale(const uint8_t *p, int kvt, float *z) {
+/* The scale of a per-token-head part (its bytes at p: fp32, or fp16 if s16); int4's zero point
+ * into *z. */
+static inline float part_scale(const uint8_t *p, int kvt, int s16, float *z) {
+    if (s16) {
+        *z = 0.0f;
+        return fp16_to_fp32(load_u16(p));
+    }
     uint32_t b;
     memcpy(&b, p, 4);
     *z = kvt == KV_I4_TH ? (float)(b & 15u) : 0.0f;
@@ -1047,9 +1056,9 @@ static void qv_tile(const decode_args *a, float *acc, float (*s)[TILE], const ui
 #endif
 
 /* Per-token-head scales (times `mul`) and int4 zero points of the parts at ps[j] + at. */
-static inline void token_scales(const uint8_t *const *ps, int64_t at, int64_t n, int kvt, float mul, float *sc,
-                                float *z) {
-    for (int64_t j = 0; j < n; j++) sc[j] = mul * part_scale(ps[j] + at, kvt, &z[j]);
+static inline void token_scales(const uint8_t *const *ps, int64_t at, int64_t n, int kvt, int s16, float mul,
+                                float *sc, float *z) {
+    for (int64_t j = 0; j < n; j++) sc[j] = mul * part_scale(ps[j] + at, kvt, s16, &z[j]);
 }
 
 /* Prefetch (into L2: a few % faster than L1 here, the lines are used once) the K and V parts
@@ -1121,7 +1130,7 @@ static void decode_item_q(const decode_args *a, int64_t r, int64_t h0, int64_t h
             prefetch_tokens(a, table, t0 + TILE + n2 * phase / phases, n2 * (phase + 1) / phases - n2 * phase / phases,
                             h0, h1, &last_line);
             float (*sh)[TILE] = s + (hk - h0) * G, f = a->scale * a->kmul;
-            if (scaled) token_scales(kp, hk * a->kh + a->kvals, n, kvt, f, sc, z);
+            if (scaled) token_scales(kp, hk * a->kh + a->kvals, n, kvt, a->s16, f, sc, z);
 #if PKV_ATTN_AVX512
             if (kvt == KV_I4_GROUP)  /* padding keys (up to a multiple of 16) too */
                 group_scales(kp, hk * a->kh + a->kvals, (n + 15) / 16 * 16, D / a->kgroup, gs, gz);
@@ -1136,7 +1145,7 @@ static void decode_item_q(const decode_args *a, int64_t r, int64_t h0, int64_t h
                             h0, h1, &last_line);
             float (*sh)[TILE] = s + (hk - h0) * G;
             if (scaled) {
-                token_scales(vp, hk * a->vh + a->vvals, n, kvt, 1.0f, sc, z);
+                token_scales(vp, hk * a->vh + a->vvals, n, kvt, a->s16, 1.0f, sc, z);
                 for (int64_t g = 0; g < G; g++)
                     for (int64_t j = 0; j < n; j++) sh[g][j] *= sc[j];
             }
@@ -1163,7 +1172,7 @@ static void decode_item_q(const decode_args *a, int64_t r, int64_t h0, int64_t h
  * h / (Hq/Hkv). Writes out[r] ([Hq, Dv] at out + r*out_stride) and, if lse is not NULL,
  * lse[r*Hq + h] (natural log-sum-exp of the scaled logits).
  *
- * Quantized caches (kv_type KV_I8_TH .. KV_I4_GROUP): k/v are bytes and the strides count
+ * Quantized caches (kv_type KV_I8_TH .. KV_FP8_TH16): k/v are bytes and the strides count
  * bytes; the (block, token, head) part starts at k + block*kb + token*kt + head*kh, laid out
  * as pagedkv/ops/kv_quant.py says. k_scale/v_scale: the per-tensor fp8 scales (ignored by
  * the per-token-head modes); k_group/v_group: values per int4 scale group of a K/V part
@@ -1179,14 +1188,16 @@ int pkv_paged_decode(const float *q, int64_t q_stride, int64_t num_rows, int64_t
                      const int32_t *block_table, int64_t bt_stride, const int32_t *seq_lens,
                      int64_t window, float scale, float *out, int64_t out_stride, float *lse, int kv_type,
                      float k_scale, float v_scale, int64_t k_group, int64_t v_group) {
-    if (Hkv <= 0 || Hq % Hkv || kv_type < KV_F32 || kv_type > KV_I4_GROUP || D <= 0 || Dv <= 0) return -1;
+    if (Hkv <= 0 || Hq % Hkv || kv_type < KV_F32 || kv_type > KV_FP8_TH16 || D <= 0 || Dv <= 0) return -1;
+    int s16 = kv_type == KV_I8_TH16 || kv_type == KV_FP8_TH16;
+    if (s16) kv_type = kv_type == KV_I8_TH16 ? KV_I8_TH : KV_FP8_TH;
     int64_t G = Hq / Hkv;
     if (G * Dv > MAX_ACC || G > 256) return -1;
     int quant = kv_type >= KV_I8_TH;
     decode_args a = {q, (const char *)k, (const char *)v, q_stride, Hq, Hkv, G, D, Dv, kb, kt, kh, vb, vt, vh,
                      block_size, bt_stride, window, block_table, seq_lens, scale, out, lse, out_stride,
                      kv_type, kv_type == KV_F32 ? 4 : kv_type <= KV_F16 ? 2 : 1,
-                     1.0f, 1.0f, D, Dv, D, Dv, 0, 0};
+                     1.0f, 1.0f, D, Dv, D, Dv, 0, 0, s16};
     if (quant) {
         int e4m3 = kv_type == KV_FP8_TH || kv_type == KV_FP8_E4M3;
         int tensor = kv_type == KV_FP8_E4M3 || kv_type == KV_FP8_E5M2;
@@ -1201,8 +1212,8 @@ int pkv_paged_decode(const float *q, int64_t q_stride, int64_t num_rows, int64_t
         }
         a.kvals = kv_is_int4(kv_type) ? (D + 1) / 2 : D;
         a.vvals = kv_is_int4(kv_type) ? (Dv + 1) / 2 : Dv;
-        int64_t ks = kv_type == KV_I4_GROUP ? 2 * (D / a.kgroup) : kv_token_scaled(kv_type) ? 4 : 0;
-        int64_t vs = kv_type == KV_I4_GROUP ? 2 * (Dv / a.vgroup) : kv_token_scaled(kv_type) ? 4 : 0;
+        int64_t ks = kv_type == KV_I4_GROUP ? 2 * (D / a.kgroup) : kv_token_scaled(kv_type) ? (s16 ? 2 : 4) : 0;
+        int64_t vs = kv_type == KV_I4_GROUP ? 2 * (Dv / a.vgroup) : kv_token_scaled(kv_type) ? (s16 ? 2 : 4) : 0;
         a.kpart = a.kvals + ks;
         a.vpart = a.vvals + vs;
     }

@@ -33,9 +33,12 @@ KV_INT8_PTH = tl.constexpr(2)
 KV_FP8_PTH = tl.constexpr(3)
 KV_INT4_PTH = tl.constexpr(4)
 KV_INT4_GROUP = tl.constexpr(5)
+KV_INT8_PTH16 = tl.constexpr(6)  # int8_per_token_head_f16: the scale an fp16
+KV_FP8_PTH16 = tl.constexpr(7)
 _MODE_CODE = {KVQuantMode.NONE: 0, KVQuantMode.FP8_PER_TENSOR: 1,
               KVQuantMode.INT8_PER_TOKEN_HEAD: 2, KVQuantMode.FP8_PER_TOKEN_HEAD: 3,
-              KVQuantMode.INT4_PER_TOKEN_HEAD: 4, KVQuantMode.INT4_PER_TOKEN_GROUP: 5}
+              KVQuantMode.INT4_PER_TOKEN_HEAD: 4, KVQuantMode.INT4_PER_TOKEN_GROUP: 5,
+              KVQuantMode.INT8_PER_TOKEN_HEAD_F16: 6, KVQuantMode.FP8_PER_TOKEN_HEAD_F16: 7}
 # (x + RINT) - RINT rounds float32 x half to even (torch.round) for |x| < 2²²: the ulp of
 # 1.5·2²³ is 1. Written inline: a nested jit call costs the interpreter milliseconds.
 RINT = tl.constexpr(12582912.0)
@@ -70,7 +73,7 @@ def check_quantized_caches(kv_quant: KVQuant, key_cache: torch.Tensor,
     if key_cache.shape[-1] != fmt.k_bytes or value_cache.shape[-1] != fmt.v_bytes:
         raise ValueError(f"{fmt.mode.value} parts are {fmt.k_bytes}/{fmt.v_bytes} bytes, caches "
                          f"have {key_cache.shape[-1]}/{value_cache.shape[-1]}")
-    if mode_code(kv_quant) >= 4 and (fmt.head_size % 2 or fmt.head_size_v % 2):
+    if mode_code(kv_quant) in (4, 5) and (fmt.head_size % 2 or fmt.head_size_v % 2):
         raise ValueError("the Triton INT4 kernels need even head sizes")
 
 
@@ -127,6 +130,21 @@ def store_le(ptr, bits, mask, NBYTES: tl.constexpr):
              mask=mask[:, None])
 
 
+@triton.jit
+def round_up_f16(s):
+    """float32 ``s`` (finite, at most 65504) → the fp16 bits (int32) of the nearest fp16 at or
+    above it: nearest-even, then one ulp up if that fell below (torch's ``_round_up_f16``)."""
+    h = s.to(tl.float16, fp_downcast_rounding="rtne")
+    bits = h.to(tl.uint16, bitcast=True).to(tl.int32)
+    return tl.where(h.to(tl.float32) < s, bits + 1, bits)
+
+
+@triton.jit
+def f16_bits_to_f32(bits):
+    """fp16 bits (the low 16 of an int32) → float32, exactly."""
+    return bits.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
 # ---------------------------------------------------------------- write: one part of a token-head
 
 
@@ -154,11 +172,8 @@ def quantize_part(src, dst, tensor_scale, MODE: tl.constexpr, D: tl.constexpr,
             bits = (s.to(tl.int32, bitcast=True) + 15) & -16
             s = bits.to(tl.float32, bitcast=True)
         else:  # fp16 rounded up (nearest, then one ulp up if below), then the same
-            h = s.to(tl.float16, fp_downcast_rounding="rtne")
-            bits = h.to(tl.uint16, bitcast=True).to(tl.int32)
-            bits = tl.where(h.to(tl.float32) < s, bits + 1, bits)
-            bits = (bits + 15) & -16
-            s = bits.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+            bits = (round_up_f16(s) + 15) & -16
+            s = f16_bits_to_f32(bits)
         z = tl.minimum(tl.maximum((tl.math.div_rn(-lo, s) + RINT) - RINT, 0.0), 15.0)
         qe = ((tl.math.div_rn(xe, s[:, None]) + z[:, None]) + RINT) - RINT
         qo = ((tl.math.div_rn(xo, s[:, None]) + z[:, None]) + RINT) - RINT
@@ -180,18 +195,24 @@ def quantize_part(src, dst, tensor_scale, MODE: tl.constexpr, D: tl.constexpr,
             code = encode_fp8(tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX), E5M2)
         else:
             amax = tl.max(tl.abs(x), 0)
-            if MODE == KV_INT8_PTH:
-                s = tl.maximum(tl.math.div_rn(amax, 127.0), SCALE_FLOOR)
-                y = tl.math.div_rn(x, s)
+            HALF: tl.constexpr = MODE == KV_INT8_PTH16 or MODE == KV_FP8_PTH16
+            QMAX: tl.constexpr = 127.0 if MODE == KV_INT8_PTH or MODE == KV_INT8_PTH16 else 448.0
+            s = tl.maximum(tl.math.div_rn(amax, QMAX), SCALE_FLOOR)
+            if HALF:
+                sbits = round_up_f16(tl.minimum(s, 65504.0))
+                s = f16_bits_to_f32(sbits)
+            else:
+                sbits = s.to(tl.int32, bitcast=True)
+            y = tl.math.div_rn(x, s)
+            if QMAX == 127.0:
                 r = tl.floor(tl.abs(y) + 0.5)  # round half away from zero (vLLM's int8)
                 q = tl.minimum(tl.maximum(tl.where(y < 0.0, -r, r), -128.0), 127.0)
                 code = q.to(tl.int32) & 0xFF
-            else:  # fp8_per_token_head: e4m3
-                s = tl.maximum(tl.math.div_rn(amax, 448.0), SCALE_FLOOR)
-                y = tl.math.div_rn(x, s)
+            else:  # fp8_per_token_head(_f16): e4m3
                 code = encode_fp8(tl.minimum(tl.maximum(y, -448.0), 448.0), False)
-            i = tl.arange(0, 4)
-            tl.store(dst + D + i, ((s.to(tl.int32, bitcast=True) >> (8 * i)) & 0xFF).to(tl.uint8))
+            NS: tl.constexpr = 2 if HALF else 4
+            i = tl.arange(0, NS)
+            tl.store(dst + D + i, ((sbits >> (8 * i)) & 0xFF).to(tl.uint8))
         tl.store(dst + offs, code.to(tl.uint8), mask=m)
 
 
@@ -236,12 +257,14 @@ def dequant_tile(ptr, tok_off, tok_mask, d, d_mask, tensor_scale, TOKEN_AXIS: tl
             s = ones
     else:
         b = tl.load(ptr + tok2 + d2, mask=m, other=0)
-        if MODE == KV_INT8_PTH:
+        if MODE == KV_INT8_PTH or MODE == KV_INT8_PTH16:
             x = b.to(tl.int8, bitcast=True).to(tl.float32)
         else:
             x = decode_fp8(b, E5M2)
         if MODE == KV_FP8:
             s = ones * tensor_scale
+        elif MODE == KV_INT8_PTH16 or MODE == KV_FP8_PTH16:
+            s = f16_bits_to_f32(load_le(ptr + tok_off + D, tok_mask, 2))[None, :]
         else:
             s = load_le(ptr + tok_off + D, tok_mask, 4).to(tl.float32, bitcast=True)[None, :]
     return x, s
