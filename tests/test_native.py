@@ -22,13 +22,31 @@ from pagedkv.ops.attention import paged_attention
 pytestmark = pytest.mark.skipif(not native.available(), reason="no C compiler: native kernels unavailable")
 
 
-@pytest.fixture(params=["native", "portable"])
+def use_build(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make ``native.lib()`` this machine's build (``"native"``) or the one of its SIMD paths
+    that a smaller machine runs: ``"avx2"`` (AVX2 + FMA + F16C, no AVX-512: Zen 2/3, Haswell ..
+    Alder Lake) or ``"portable"`` (plain C). Skips a build this machine cannot make, or one that
+    is this machine's own (the native case already covers it)."""
+    if name == "native":
+        return
+    so = native.build(native.BUILD_FLAGS[name])
+    got = native.isa(so)
+    if name == "avx2" and got != "avx2":
+        pytest.skip(f"this CPU cannot build the AVX2 path (it gets {got})")
+    assert got == name
+    monkeypatch.setattr(native, "lib", lambda: so)
+
+
+# This machine's build, then each smaller path it is not already (an AVX2 machine's native build
+# is the avx2 path: testing it twice would add nothing).
+BUILDS = ["native"] + [b for b in native.BUILD_FLAGS if native.available() and native.isa() != b]
+
+
+@pytest.fixture(params=BUILDS)
 def kernels(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Run a test against this machine's build and against the portable C path (built with
-    ``-mno-avx512f``: what a machine without AVX-512 runs)."""
-    if request.param == "portable":
-        so = native.build(("-mno-avx512f",))
-        monkeypatch.setattr(native, "lib", lambda: so)
+    """Run a test against this machine's build and against each smaller SIMD path (see
+    :func:`use_build`)."""
+    use_build(request.param, monkeypatch)
     return request.param
 
 QTYPES = [GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0,

@@ -52,3 +52,21 @@ def test_build_lands_in_the_cache_dir_once(fresh: None, tmp_path: Path, monkeypa
     native.lib.cache_clear()
     assert native.lib() is not None  # reuses the cached library, no rebuild
     assert built[0].stat().st_mtime_ns == mtime
+
+
+def _cpu_flags() -> set[str]:
+    line = native._cpu_flags()
+    return set(line.split(":", 1)[1].split()) if ":" in line else set()
+
+
+@pytest.mark.skipif(native.lib() is None, reason="no C compiler")
+def test_native_build_runs_the_widest_simd_path_this_cpu_has() -> None:
+    """An AVX2 machine without AVX-512 (AMD Zen 2/3, Intel before Sapphire Rapids) must get the
+    AVX2 kernels, not the portable C loops: on such a 2-core EPYC the portable path decoded the
+    default model at 18 tok/s, a quarter of llama.cpp's speed (bench_latency.py)."""
+    flags = _cpu_flags()
+    has_avx2 = {"avx2", "fma", "f16c"} <= flags
+    want = "avx512" if {"avx512f", "avx512bw", "avx512vl"} <= flags else "avx2" if has_avx2 else "portable"
+    assert native.isa() == want
+    for name, extra in native.BUILD_FLAGS.items():  # the smaller paths the tests build (tests/test_native.py)
+        assert native.isa(native.build(extra)) == (name if has_avx2 else "portable")

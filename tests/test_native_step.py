@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from test_native import BUILDS, use_build
 
 from pagedkv.models import layers
 from pagedkv.models.config import ModelConfig
@@ -206,11 +207,11 @@ def test_native_step_splits_long_rows_across_threads(name: str, monkeypatch: pyt
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("build", [b for b in BUILDS if b != "native"])
 @pytest.mark.parametrize("name", ["f32-m1", "q4_1-m3-f16-lbhnc", "q4_k-m1", "mixed-m2-bias", "q8_0-m16-bs1-bf16"])
-def test_native_step_portable_build(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The C path a machine without AVX-512 runs (built with ``-mno-avx512f``)."""
-    so = native.build(("-mno-avx512f",))
-    monkeypatch.setattr(native, "lib", lambda: so)
+def test_native_step_smaller_builds(name: str, build: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The C paths of machines with less SIMD than this one (AVX2 without AVX-512, plain C)."""
+    use_build(build, monkeypatch)
     c = CASES[name]
     run_both(c, [3, 40, 17][: c.rows] + [20] * max(0, c.rows - 3), monkeypatch)
 
@@ -292,15 +293,13 @@ def test_native_step_follows_a_new_kv_cache(monkeypatch: pytest.MonkeyPatch) -> 
     torch.testing.assert_close(out_b, ref_b, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("build", ["native", "portable"])
+@pytest.mark.parametrize("build", BUILDS)
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float16])
 def test_native_step_cache_writes_round_like_torch(kv_dtype: torch.dtype, build: str,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """Layer 0's new K/V do not depend on the cache, so a bf16/fp16 cache must receive exactly
     ``.to(kv_dtype)`` of what a float32 cache receives (round to nearest even), bit for bit."""
-    if build == "portable":
-        so = native.build(("-mno-avx512f",))
-        monkeypatch.setattr(native, "lib", lambda: so)
+    use_build(build, monkeypatch)
     c16, c32 = Case(rows=3, fmt=Q4_1, kv_dtype=kv_dtype), Case(rows=3, fmt=Q4_1)
     model = make_model(c32)
     s16, s32 = make_step(c16, [4, 21, 40]), make_step(c32, [4, 21, 40])

@@ -2,7 +2,8 @@
 # Build llama-cpp-python (llama.cpp's Python binding) from its PyPI sdist into a venv of its own,
 # beside the project (ignored by git): bench_latency.py compares pagedkv with it on the same
 # GGUF. A separate venv because it is a benchmark baseline, not a pagedkv dependency.
-# CPU build with AVX-512 (VNNI, VBMI, BF16) and no BLAS: llama.cpp's own kernels. Not
+# CPU build with the SIMD extensions this CPU has (AVX2, and AVX-512 VNNI/VBMI/BF16 where present)
+# and no BLAS: llama.cpp's own kernels. Not
 # GGML_NATIVE: on a Sapphire Rapids VM -march=native turns on ggml's AMX path, which crashed
 # (SIGSEGV in llama_decode) on these machines; the explicit flags run on Intel and AMD Zen 4 alike.
 # --no-cache-dir: pip would otherwise reuse a wheel built earlier with other CMAKE_ARGS.
@@ -18,7 +19,12 @@ python3 -m venv "$VENV"
 # Its runtime deps (none pulls torch); the build needs cmake + scikit-build-core from PyPI.
 "$VENV/bin/pip" install -q numpy typing-extensions diskcache jinja2
 FLAGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON"
-FLAGS="$FLAGS -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON"
+# The AVX-512 kernels only where this CPU has them (an AVX2-only EPYC, Zen 2/3, would die of
+# SIGILL in a build that enables them): each ggml flag follows its /proc/cpuinfo flag.
+CPU_FLAGS=" $(grep -m1 '^flags' /proc/cpuinfo 2>/dev/null | cut -d: -f2) "
+has() { [[ "$CPU_FLAGS" == *" $1 "* ]] && echo ON || echo OFF; }
+FLAGS="$FLAGS -DGGML_AVX512=$(has avx512f) -DGGML_AVX512_VBMI=$(has avx512vbmi)"
+FLAGS="$FLAGS -DGGML_AVX512_VNNI=$(has avx512_vnni) -DGGML_AVX512_BF16=$(has avx512_bf16) -DGGML_AVX_VNNI=$(has avx_vnni)"
 FLAGS="$FLAGS -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF"
 CMAKE_ARGS="${CMAKE_ARGS:-$FLAGS -DGGML_BLAS=OFF -DLLAMA_CURL=OFF}" \
 CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-2}" \

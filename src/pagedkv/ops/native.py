@@ -39,6 +39,8 @@ GGML_Q4_0, GGML_Q4_1, GGML_Q8_0, GGML_Q4_K, GGML_Q6_K = 2, 3, 8, 12, 14
 SUPPORTED_QTYPES = frozenset({GGML_Q4_0, GGML_Q4_1, GGML_Q8_0, GGML_Q4_K, GGML_Q6_K})
 
 _i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+# Extra flags that build each SIMD path of the kernels on a machine that has more (tests).
+BUILD_FLAGS = {"avx2": ("-mno-avx512f",), "portable": ("-mno-avx512f", "-mno-avx2")}
 
 
 def cache_dir() -> Path:
@@ -91,13 +93,16 @@ def _bind(so: ctypes.CDLL) -> ctypes.CDLL:
     so.pkv_decode_layers.restype = ctypes.c_int
     so.pkv_step_struct_size.argtypes = [ctypes.c_int]
     so.pkv_step_struct_size.restype = _i64
+    so.pkv_isa.argtypes = []
+    so.pkv_isa.restype = ctypes.c_int
     return so
 
 
 def build(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
     """Compile (or reuse the cached build) and load the library; raises ``OSError`` /
     ``subprocess.SubprocessError`` on failure. ``extra_flags`` append to :data:`FLAGS` (tests
-    build the portable C path with ``-mno-avx512f`` to check it on AVX-512 machines)."""
+    build the AVX2 path with ``-mno-avx512f`` and the portable C one with ``-mno-avx512f
+    -mno-avx2``, see :data:`BUILD_FLAGS`, to check them on machines that have more)."""
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         raise FileNotFoundError("no C compiler (cc/gcc) on PATH")
@@ -122,6 +127,16 @@ def lib() -> ctypes.CDLL | None:
 
 def available() -> bool:
     return lib() is not None
+
+
+ISA_NAMES = {2: "avx512", 1: "avx2", 0: "portable"}
+
+
+def isa(so: ctypes.CDLL | None = None) -> str | None:
+    """Which SIMD build of the kernels ``so`` (default: :func:`lib`) holds: ``"avx512"``,
+    ``"avx2"`` (AVX2 + FMA + F16C without AVX-512) or ``"portable"``; None without kernels."""
+    so = so or lib()
+    return None if so is None else ISA_NAMES[so.pkv_isa()]
 
 
 def _addr(t: torch.Tensor | None) -> int | None:

@@ -23,9 +23,33 @@
 #include <stdlib.h>
 #include <string.h>
 
-#if defined(__AVX512F__) || defined(__F16C__)
+#if defined(__AVX512F__) || defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
+
+/* Three builds of every hot loop, chosen by what -march=native offers: AVX-512 (F, and BW/VL
+ * for the attention), AVX2 + FMA + F16C without AVX-512 (AMD Zen 2/3, Intel Haswell to Alder
+ * Lake: PKV_AVX2, the same loops 8 lanes wide), and portable C. All three compute the same
+ * float32 products of the same values; only the order of additions differs. pkv_isa() says
+ * which one this library holds. */
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define PKV_AVX2 1
+#else
+#define PKV_AVX2 0
+#endif
+#define ALWAYS_INLINE static inline __attribute__((always_inline))
+
+/* 2: AVX-512, 1: AVX2, 0: portable C (the GEMV paths; the attention's AVX-512 path also needs
+ * BW/VL, which every AVX-512 CPU this runs on has). */
+int pkv_isa(void) {
+#if defined(__AVX512F__)
+    return 2;
+#elif PKV_AVX2
+    return 1;
+#else
+    return 0;
+#endif
+}
 
 enum { QK = 32, QK_K = 256, Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q6_K = 14 };  /* ggml type ids */
 enum { MAX_M = 16 };                            /* rows of x per pass over the weights */
@@ -121,6 +145,48 @@ static void dequant_superblock(int qtype, const uint8_t *b, float *w) {
         }
         return;
     }
+#elif PKV_AVX2
+    /* The AVX-512 loops above, 8 weights a register (the same products and differences). */
+    if (qtype == Q4_K) {
+        float d = fp16_to_fp32(load_u16(b)), dmin = fp16_to_fp32(load_u16(b + 2));
+        const uint8_t *scales = b + 4, *qs = b + 16;
+        const __m128i low = _mm_set1_epi8(0x0F);
+        for (int j = 0; j < 8; j++) {
+            int sc, m;
+            q4k_scale_min(scales, j, &sc, &m);
+            __m256 ds = _mm256_set1_ps(d * (float)sc), dm = _mm256_set1_ps(dmin * (float)m);
+            const uint8_t *q = qs + (j / 2) * 32;
+            for (int h = 0; h < 4; h++) {
+                __m128i v = _mm_loadl_epi64((const __m128i *)(q + 8 * h));
+                if (j % 2) v = _mm_srli_epi16(v, 4);
+                __m256 qf = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(v, low)));
+                _mm256_storeu_ps(w + j * 32 + 8 * h, _mm256_sub_ps(_mm256_mul_ps(ds, qf), dm));
+            }
+        }
+        return;
+    }
+    if (qtype == Q6_K) {
+        const uint8_t *ql = b, *qh = b + 128;
+        const int8_t *scales = (const int8_t *)(b + 192);
+        float d = fp16_to_fp32(load_u16(b + 208));
+        const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(0x03), off = _mm256_set1_epi32(32);
+        for (int c = 0; c < 8; c++) {
+            int h = c / 4, r = c % 4;
+            __m256i l = _mm256_loadu_si256((const __m256i *)(ql + h * 64 + (r % 2) * 32));
+            __m256i hb = _mm256_loadu_si256((const __m256i *)(qh + h * 32));
+            l = _mm256_and_si256(_mm256_srl_epi16(l, _mm_cvtsi32_si128((r / 2) * 4)), m4);
+            hb = _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(hb, _mm_cvtsi32_si128(2 * r)), m2), 4);
+            __m256i q = _mm256_or_si256(l, hb);
+            __m128i half[2] = {_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1)};
+            for (int p = 0; p < 4; p++) {  /* 8 weights; 16 share a scale */
+                __m128i q8 = p % 2 ? _mm_unpackhi_epi64(half[p / 2], half[p / 2]) : half[p / 2];
+                __m256 qf = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_cvtepu8_epi32(q8), off));
+                __m256 dj = _mm256_set1_ps(d * (float)scales[c * 2 + p / 2]);
+                _mm256_storeu_ps(w + c * 32 + 8 * p, _mm256_mul_ps(dj, qf));
+            }
+        }
+        return;
+    }
 #endif
     if (qtype == Q4_K) {
         float d = fp16_to_fp32(load_u16(b)), dmin = fp16_to_fp32(load_u16(b + 2));
@@ -182,7 +248,6 @@ static inline float half_at(const uint8_t *p) {
 }
 
 #if defined(__AVX512F__)
-#define ALWAYS_INLINE static inline __attribute__((always_inline))
 
 /* One 32-weight block (Q4_0, Q4_1 or Q8_0) as two registers of float32 weights, bit-identical
  * to dequant_block, given its scale d (and Q4_1's m) already in float32. The 4-bit types build
@@ -270,6 +335,133 @@ static void gemv1_m1(int qtype, const float *x, int64_t nblocks, const uint8_t *
         case Q4_0: gemv_rows_m1(Q4_0, 1, x, nblocks, row, 0, bb, out); break;
         case Q4_1: gemv_rows_m1(Q4_1, 1, x, nblocks, row, 0, bb, out); break;
         default: gemv_rows_m1(Q8_0, 1, x, nblocks, row, 0, bb, out); break;
+    }
+}
+#elif PKV_AVX2
+/* Sum of the 8 lanes. */
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+/* One 32-weight block (Q4_0, Q4_1 or Q8_0) as four registers of 8 float32 weights (elements
+ * 8i..8i+7), bit-identical to dequant_block given its d (and Q4_1's m) in float32. Q4_1 takes
+ * one FMA, d*q + m: d has 11 significant bits and q 4, so the product is exact in float32 and
+ * the FMA's single rounding is the reference's rounding of the sum. Q4_0 d*(q-8), Q8_0 d*q
+ * (both exact products). A 4-bit block's 16 bytes zero-extend to two registers of 8 lanes:
+ * masked, they are the low nibbles (elements 0-15); shifted right by 4, the high ones. */
+ALWAYS_INLINE void dequant32_avx2(int qtype, const uint8_t *b, __m256 d, __m256 m, __m256 *w) {
+    if (qtype == Q8_0) {
+        for (int i = 0; i < 4; i++)
+            w[i] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(b + 2 + 8 * i)))));
+        return;
+    }
+    const uint8_t *q = b + (qtype == Q4_0 ? 2 : 4);
+    const __m256i low = _mm256_set1_epi32(15);
+    __m256i b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)q));
+    __m256i b1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(q + 8)));
+    __m256i n[4] = {_mm256_and_si256(b0, low), _mm256_and_si256(b1, low), _mm256_srli_epi32(b0, 4),
+                    _mm256_srli_epi32(b1, 4)};
+    for (int i = 0; i < 4; i++) {
+        if (qtype == Q4_0)
+            w[i] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_sub_epi32(n[i], _mm256_set1_epi32(8))));
+        else
+            w[i] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(n[i]), m);
+    }
+}
+
+/* dm[2j] = d, dm[2j+1] = m (Q4_1; else the first quants, unused) of the n <= 8 blocks at b,
+ * bb bytes apart: eight 4-byte loads into one register (not through memory: eight narrow
+ * stores read back as one wide load would stall store forwarding) and two float16
+ * conversions, instead of two conversions and broadcasts per block in the FMA loop. */
+static inline uint32_t load_u32(const uint8_t *p) { uint32_t v; memcpy(&v, p, 4); return v; }
+ALWAYS_INLINE void block_scales8(const uint8_t *b, int bb, int64_t n, float *dm /* [16] */) {
+    uint32_t h[8];
+    for (int64_t j = 0; j < 8; j++) h[j] = j < n ? load_u32(b + j * bb) : 0u;
+    __m256i v = _mm256_setr_epi32((int)h[0], (int)h[1], (int)h[2], (int)h[3], (int)h[4], (int)h[5], (int)h[6], (int)h[7]);
+    _mm256_storeu_ps(dm, _mm256_cvtph_ps(_mm256_castsi256_si128(v)));
+    _mm256_storeu_ps(dm + 8, _mm256_cvtph_ps(_mm256_extracti128_si256(v, 1)));
+}
+
+/* M = 1: R (<= 2) consecutive output columns (weight rows `stride` bytes apart) against one x,
+ * two accumulators a row. Two rows, not four: with four, the eight accumulators, a block's
+ * four weight registers and its scales overflow the 16 registers (measured: no faster). The
+ * blocks go 8 at a time: their scales first, then the FMAs. Each row prefetches the lines of
+ * its next blocks 4 KB ahead, once a line (one prefetch per block cost ~30% in cache). */
+ALWAYS_INLINE void gemv_rows_m1(int qtype, int R, const float *x, int64_t nblocks, const uint8_t *row,
+                                int64_t stride, int bb, float *out /* [R] */) {
+    __m256 a0[2], a1[2];
+    for (int r = 0; r < R; r++) a0[r] = a1[r] = _mm256_setzero_ps();
+    for (int64_t k0 = 0; k0 < nblocks; k0 += 8) {
+        int64_t kn = nblocks - k0 < 8 ? nblocks - k0 : 8;
+        float dm[2][16];
+        for (int r = 0; r < R; r++) {
+            const uint8_t *b = row + r * stride + k0 * bb;
+            block_scales8(b, bb, kn, dm[r]);
+            for (int64_t l = 0; l < kn * bb; l += 64) _mm_prefetch((const char *)b + 4096 + l, _MM_HINT_T0);
+        }
+        for (int64_t j = 0; j < kn; j++) {
+            const float *xk = x + (k0 + j) * QK;
+            for (int r = 0; r < R; r++) {
+                const uint8_t *b = row + r * stride + (k0 + j) * bb;
+                __m256 d = _mm256_broadcast_ss(&dm[r][2 * j]), w[4];
+                dequant32_avx2(qtype, b, d, qtype == Q4_1 ? _mm256_broadcast_ss(&dm[r][2 * j + 1]) : d, w);
+                a0[r] = _mm256_fmadd_ps(w[0], _mm256_loadu_ps(xk), a0[r]);
+                a1[r] = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xk + 8), a1[r]);
+                a0[r] = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xk + 16), a0[r]);
+                a1[r] = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xk + 24), a1[r]);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++) out[r] = hsum8(_mm256_add_ps(a0[r], a1[r]));
+}
+
+static void gemv4_m1(int qtype, const float *x, int64_t nblocks, const uint8_t *row, int64_t stride, int bb,
+                     float *out) {
+    for (int h = 0; h < 4; h += 2) {
+        const uint8_t *rh = row + h * stride;
+        switch (qtype) {
+            case Q4_0: gemv_rows_m1(Q4_0, 2, x, nblocks, rh, stride, bb, out + h); break;
+            case Q4_1: gemv_rows_m1(Q4_1, 2, x, nblocks, rh, stride, bb, out + h); break;
+            default: gemv_rows_m1(Q8_0, 2, x, nblocks, rh, stride, bb, out + h); break;
+        }
+    }
+}
+
+static void gemv1_m1(int qtype, const float *x, int64_t nblocks, const uint8_t *row, int bb, float *out) {
+    switch (qtype) {
+        case Q4_0: gemv_rows_m1(Q4_0, 1, x, nblocks, row, 0, bb, out); break;
+        case Q4_1: gemv_rows_m1(Q4_1, 1, x, nblocks, row, 0, bb, out); break;
+        default: gemv_rows_m1(Q8_0, 1, x, nblocks, row, 0, bb, out); break;
+    }
+}
+
+/* dot_rows_avx2 for R (constant once inlined: the accumulators then stay in registers) rows. */
+ALWAYS_INLINE void dot_rows_r(const int R, const float *w, int64_t n, const float *x, int64_t ldx, __m256 *acc) {
+    __m256 a[4][2];
+    for (int r = 0; r < R; r++) a[r][0] = acc[2 * r], a[r][1] = acc[2 * r + 1];
+    for (int64_t c = 0; c < n; c += 16) {
+        __m256 w0 = _mm256_loadu_ps(w + c), w1 = _mm256_loadu_ps(w + c + 8);
+        for (int r = 0; r < R; r++) {
+            const float *xr = x + r * ldx + c;
+            a[r][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xr), a[r][0]);
+            a[r][1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xr + 8), a[r][1]);
+        }
+    }
+    for (int r = 0; r < R; r++) acc[2 * r] = a[r][0], acc[2 * r + 1] = a[r][1];
+}
+
+/* acc[2i], acc[2i+1] += w[0:n) * x_i[0:n) for m_rows rows x_i (ldx floats apart), n a multiple
+ * of 16: w is dequantized weights in L1, loaded once per four rows; two chains a row. */
+static void dot_rows_avx2(const float *w, int64_t n, const float *x, int64_t m_rows, int64_t ldx, __m256 *acc) {
+    int64_t m0 = 0;
+    for (; m0 + 4 <= m_rows; m0 += 4) dot_rows_r(4, w, n, x + m0 * ldx, ldx, acc + 2 * m0);
+    switch (m_rows - m0) {
+        case 3: dot_rows_r(3, w, n, x + m0 * ldx, ldx, acc + 2 * m0); break;
+        case 2: dot_rows_r(2, w, n, x + m0 * ldx, ldx, acc + 2 * m0); break;
+        case 1: dot_rows_r(1, w, n, x + m0 * ldx, ldx, acc + 2 * m0); break;
+        default: break;
     }
 }
 #endif
@@ -383,6 +575,16 @@ static void gemv_row_k(int qtype, const float *x, int64_t m_rows, int64_t ldx, i
         }
     }
     for (int i = 0; i < m_rows; i++) out[i] = _mm512_reduce_add_ps(acc[i]);
+#elif PKV_AVX2
+    __m256 acc[2 * MAX_M];
+    for (int64_t i = 0; i < 2 * m_rows; i++) acc[i] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < nblocks; k++) {
+        if (m_rows == 1)  /* one pass: the next super-block streams in while this one computes */
+            for (int l = 0; l < bb; l += 64) _mm_prefetch((const char *)row + (k + 1) * bb + l, _MM_HINT_T0);
+        dequant_superblock(qtype, row + k * bb, w);
+        dot_rows_avx2(w, QK_K, x + k * QK_K, m_rows, ldx, acc);
+    }
+    for (int64_t i = 0; i < m_rows; i++) out[i] = hsum8(_mm256_add_ps(acc[2 * i], acc[2 * i + 1]));
 #else
     float acc[MAX_M][16];
     memset(acc, 0, sizeof(acc));
@@ -399,6 +601,98 @@ static void gemv_row_k(int qtype, const float *x, int64_t m_rows, int64_t ldx, i
 #endif
 }
 
+#if PKV_AVX2
+enum { GEMV_COLS = 2 };  /* output columns a many-row pass computes (see gemv_cols2) */
+
+/* gemv_cols2's FMAs for R rows of x and NC columns (constants once inlined, so the R*NC
+ * accumulators stay in registers): acc[r][c] += w[c][0:n) * x_r[0:n). */
+ALWAYS_INLINE void dot_cols_r(const int R, const int NC, float (*w)[8 * QK], int64_t n, const float *x, int64_t ldx,
+                              __m256 (*acc)[2]) {
+    __m256 a[4][2];
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < NC; c++) a[r][c] = acc[r][c];
+    for (int64_t k = 0; k < n; k += 8) {
+        __m256 w0 = _mm256_loadu_ps(w[0] + k), w1 = NC == 2 ? _mm256_loadu_ps(w[1] + k) : w0;
+        for (int r = 0; r < R; r++) {
+            __m256 xv = _mm256_loadu_ps(x + r * ldx + k);
+            a[r][0] = _mm256_fmadd_ps(w0, xv, a[r][0]);
+            if (NC == 2) a[r][1] = _mm256_fmadd_ps(w1, xv, a[r][1]);
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < NC; c++) acc[r][c] = a[r][c];
+}
+
+/* out[i*2 + c] = x_i . row_c for nc (1 or 2) weight rows `stride` bytes apart and m_rows
+ * (2..MAX_M) rows of x: both rows' weights are dequantized a chunk at a time (8 blocks, or one
+ * K-quant super-block) into L1 once for all rows of x, then every load of x feeds both
+ * columns (four rows of x a pass: 8 FMA chains in registers; one column a pass would load x
+ * once per FMA and run at half the speed). */
+static void gemv_cols2(int qtype, const float *x, int64_t m_rows, int64_t ldx, int64_t nblocks, const uint8_t *row,
+                       int64_t stride, int bb, int nc, float *out) {
+    const int kq = qtype == Q4_K || qtype == Q6_K;
+    const int64_t per = kq ? 1 : 8, wpb = kq ? QK_K : QK;  /* blocks a chunk, weights a block */
+    float w[2][8 * QK];
+    __m256 acc[MAX_M][2];
+    for (int64_t i = 0; i < m_rows; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+    for (int64_t k0 = 0; k0 < nblocks; k0 += per) {
+        int64_t kn = nblocks - k0 < per ? nblocks - k0 : per;
+        for (int c = 0; c < nc; c++) {
+            const uint8_t *b = row + c * stride + k0 * bb;
+            if (kq) {
+                dequant_superblock(qtype, b, w[c]);
+                continue;
+            }
+            for (int64_t j = 0; j < kn; j++) {
+                const uint8_t *bj = b + j * bb;
+                __m256 d = _mm256_set1_ps(half_at(bj)), m = qtype == Q4_1 ? _mm256_set1_ps(half_at(bj + 2)) : d, v[4];
+                dequant32_avx2(qtype, bj, d, m, v);
+                for (int i = 0; i < 4; i++) _mm256_storeu_ps(w[c] + j * QK + 8 * i, v[i]);
+            }
+        }
+        const float *xk = x + k0 * wpb;
+        const int64_t nw = kn * wpb;
+        for (int64_t m0 = 0; m0 < m_rows; m0 += 4) {
+            const float *xm = xk + m0 * ldx;
+            switch ((m_rows - m0 >= 4 ? 4 : (int)(m_rows - m0)) * 2 + (nc == 2)) {
+                case 9: dot_cols_r(4, 2, w, nw, xm, ldx, acc + m0); break;
+                case 8: dot_cols_r(4, 1, w, nw, xm, ldx, acc + m0); break;
+                case 7: dot_cols_r(3, 2, w, nw, xm, ldx, acc + m0); break;
+                case 6: dot_cols_r(3, 1, w, nw, xm, ldx, acc + m0); break;
+                case 5: dot_cols_r(2, 2, w, nw, xm, ldx, acc + m0); break;
+                case 4: dot_cols_r(2, 1, w, nw, xm, ldx, acc + m0); break;
+                case 3: dot_cols_r(1, 2, w, nw, xm, ldx, acc + m0); break;
+                default: dot_cols_r(1, 1, w, nw, xm, ldx, acc + m0); break;
+            }
+        }
+    }
+    for (int64_t i = 0; i < m_rows; i++)
+        for (int c = 0; c < nc; c++) out[i * 2 + c] = hsum8(acc[i][c]);
+}
+#else
+enum { GEMV_COLS = 1 };
+#endif
+
+/* out[i*GEMV_COLS + c] = x_i . row_c for nc (<= GEMV_COLS) weight rows `stride` bytes apart and
+ * m_rows (<= MAX_M) rows of x (ldx floats apart). */
+static void gemv_block(int qtype, const float *x, int64_t m_rows, int64_t ldx, int64_t nblocks, const uint8_t *row,
+                       int64_t stride, int bb, int nc, float *out) {
+#if PKV_AVX2
+    if (m_rows > 1) {
+        gemv_cols2(qtype, x, m_rows, ldx, nblocks, row, stride, bb, nc, out);
+        return;
+    }
+#endif
+    float col[MAX_M];
+    for (int c = 0; c < nc; c++) {
+        if (pkv_block_weights(qtype) == QK_K)
+            gemv_row_k(qtype, x, m_rows, ldx, nblocks, row + c * stride, bb, col);
+        else
+            gemv_row(qtype, x, m_rows, ldx, nblocks, row + c * stride, bb, col);
+        for (int64_t i = 0; i < m_rows; i++) out[i * GEMV_COLS + c] = col[i];
+    }
+}
+
 /* y[m, n] (at y + m*ldy + n) = x[M, K] @ W^T (+ bias[N]), W given as N rows of ggml blocks of
  * `qtype`, `row_stride` bytes apart; x is row-major and contiguous. `ldy` lets a fused layer
  * whose row ranges come in different types write each range into its columns of one output.
@@ -408,7 +702,7 @@ int pkv_gemv_q(int qtype, const float *x, int64_t M, int64_t K, const uint8_t *w
     int bb = pkv_block_bytes(qtype), bw = pkv_block_weights(qtype);
     if (bb == 0 || K % bw) return -1;
     int64_t nblocks = K / bw;
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || PKV_AVX2
     if (M == 1 && bw == QK) {
         /* Batch 1: four weight rows per step; static scheduling gives each thread one contiguous
          * range of row groups (one forward stream through the weights). */
@@ -426,16 +720,18 @@ int pkv_gemv_q(int qtype, const float *x, int64_t M, int64_t K, const uint8_t *w
         return 0;
     }
 #endif
+    int64_t groups = (N + GEMV_COLS - 1) / GEMV_COLS;
 #pragma omp parallel for schedule(static)
-    for (int64_t n = 0; n < N; n++) {
-        float out[MAX_M];
+    for (int64_t g = 0; g < groups; g++) {
+        int64_t n0 = g * GEMV_COLS;
+        int nc = N - n0 < GEMV_COLS ? (int)(N - n0) : GEMV_COLS;
+        float out[MAX_M * GEMV_COLS];
         for (int64_t m0 = 0; m0 < M; m0 += MAX_M) {
             int64_t mr = M - m0 < MAX_M ? M - m0 : MAX_M;
-            if (bw == QK_K)
-                gemv_row_k(qtype, x + m0 * K, mr, K, nblocks, w + n * row_stride, bb, out);
-            else
-                gemv_row(qtype, x + m0 * K, mr, K, nblocks, w + n * row_stride, bb, out);
-            for (int64_t i = 0; i < mr; i++) y[(m0 + i) * ldy + n] = out[i] + (bias ? bias[n] : 0.0f);
+            gemv_block(qtype, x + m0 * K, mr, K, nblocks, w + n0 * row_stride, row_stride, bb, nc, out);
+            for (int64_t i = 0; i < mr; i++)
+                for (int c = 0; c < nc; c++)
+                    y[(m0 + i) * ldy + n0 + c] = out[i * GEMV_COLS + c] + (bias ? bias[n0 + c] : 0.0f);
         }
     }
     return 0;
@@ -529,6 +825,43 @@ static inline void exp_inplace(float *s, int64_t n) {
         _mm512_mask_storeu_ps(s + i, k, exp16(_mm512_maskz_loadu_ps(k, s + i)));
     }
 }
+#elif PKV_AVX2
+/* exp16's method on 8 lanes: the same reduction and polynomial; 2^n is built in the exponent
+ * bits (x is clamped to [-87, 88], where n stays a normal exponent; x < -87 gives 0, x > 88
+ * gives +inf, as expf would just above 88.72). */
+static inline __m256 exp8(__m256 x) {
+    const __m256 lo = _mm256_set1_ps(-87.0f), hi = _mm256_set1_ps(88.0f);
+    __m256 tiny = _mm256_cmp_ps(x, lo, _CMP_LT_OQ), big = _mm256_cmp_ps(x, hi, _CMP_GT_OQ);
+    x = _mm256_min_ps(_mm256_max_ps(x, lo), hi);
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    __m256 v = _mm256_andnot_ps(tiny, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+    return _mm256_blendv_ps(v, _mm256_set1_ps(INFINITY), big);
+}
+
+static inline float hmax8(__m256 v) {
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
+}
+
+/* 8 K/V elements at p as float32 (bfloat16: the bits shifted up; float16: F16C, exact). */
+static inline __m256 kv_load8(const char *p, int kvt) {
+    if (kvt == KV_F32) return _mm256_loadu_ps((const float *)p);
+    __m128i h = _mm_loadu_si128((const __m128i *)p);
+    if (kvt == KV_F16) return _mm256_cvtph_ps(h);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
 #else
 static inline void exp_inplace(float *s, int64_t n) {
     for (int64_t i = 0; i < n; i++) s[i] = expf(s[i]);
@@ -609,6 +942,56 @@ static inline void scores16(const float *q, const char *const *ks, int64_t off, 
     }
     _mm512_storeu_ps(out, hsum16(t));
 }
+#elif PKV_AVX2
+/* acc[0:n) += sum_j p[j] * x_j[0:n): 64 columns a pass in 8 accumulators (8 FMA chains), then
+ * 8 at a time, then the scalar tail of an n that is not a multiple of 8. */
+static inline void accumulate_tile(float *acc, const float *p, const char *const *xs, int64_t off,
+                                   int64_t ntok, int64_t n, int kvt, int esz) {
+    int64_t c = 0;
+    for (; c + 64 <= n; c += 64) {
+        __m256 a[8];
+        for (int i = 0; i < 8; i++) a[i] = _mm256_loadu_ps(acc + c + 8 * i);
+        for (int64_t j = 0; j < ntok; j++) {
+            __m256 pj = _mm256_set1_ps(p[j]);
+            for (int i = 0; i < 8; i++) a[i] = _mm256_fmadd_ps(pj, kv_load8(xs[j] + off + (c + 8 * i) * esz, kvt), a[i]);
+        }
+        for (int i = 0; i < 8; i++) _mm256_storeu_ps(acc + c + 8 * i, a[i]);
+    }
+    for (; c + 8 <= n; c += 8) {
+        __m256 a = _mm256_loadu_ps(acc + c);
+        for (int64_t j = 0; j < ntok; j++) a = _mm256_fmadd_ps(_mm256_set1_ps(p[j]), kv_load8(xs[j] + off + c * esz, kvt), a);
+        _mm256_storeu_ps(acc + c, a);
+    }
+    for (; c < n; c++)
+        for (int64_t j = 0; j < ntok; j++) acc[c] += p[j] * kv_scalar(xs[j] + off, c, kvt);
+}
+
+/* r[j] = sum of the 8 lanes of v[j] (a transposing reduction: 6 horizontal adds, 2 lane swaps). */
+static inline __m256 hsum8x8(const __m256 *v) {
+    __m256 s01 = _mm256_hadd_ps(v[0], v[1]), s23 = _mm256_hadd_ps(v[2], v[3]);
+    __m256 s45 = _mm256_hadd_ps(v[4], v[5]), s67 = _mm256_hadd_ps(v[6], v[7]);
+    __m256 a = _mm256_hadd_ps(s01, s23), b = _mm256_hadd_ps(s45, s67);  /* per half: 4 sums each */
+    return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+}
+
+/* out[0:16) = q . k_j for the 16 keys at ks[j] + off bytes (D elements each): 8 keys a pass, so
+ * their 8 accumulators and q fit the 16 registers. */
+static inline void scores16(const float *q, const char *const *ks, int64_t off, int64_t D, int kvt, int esz,
+                            float *out) {
+    for (int h = 0; h < 16; h += 8) {
+        const char *const *kk = ks + h;
+        __m256 t[8];
+        for (int j = 0; j < 8; j++) t[j] = _mm256_setzero_ps();
+        int64_t d = 0;
+        for (; d + 8 <= D; d += 8) {
+            __m256 qd = _mm256_loadu_ps(q + d);
+            for (int j = 0; j < 8; j++) t[j] = _mm256_fmadd_ps(qd, kv_load8(kk[j] + off + d * esz, kvt), t[j]);
+        }
+        _mm256_storeu_ps(out + h, hsum8x8(t));
+        for (; d < D; d++)
+            for (int j = 0; j < 8; j++) out[h + j] += q[d] * kv_scalar(kk[j] + off, d, kvt);
+    }
+}
 #else
 static inline void scores16(const float *q, const char *const *ks, int64_t off, int64_t D, int kvt, int esz,
                             float *out) {
@@ -648,6 +1031,20 @@ static void softmax_tile(float (*s)[TILE], int64_t nq, int64_t n, float *mx, flo
             vs = _mm512_mask_add_ps(vs, m, vs, e);
         }
         float ps = _mm512_reduce_add_ps(vs);
+#elif PKV_AVX2
+        __m256 vm = _mm256_set1_ps(mx[i]), vs = _mm256_setzero_ps();
+        int64_t j = 0;
+        for (; j + 8 <= n; j += 8) vm = _mm256_max_ps(vm, _mm256_loadu_ps(s[i] + j));
+        float m_new = hmax8(vm);
+        for (int64_t t = j; t < n; t++) m_new = s[i][t] > m_new ? s[i][t] : m_new;
+        __m256 mn = _mm256_set1_ps(m_new);
+        for (j = 0; j + 8 <= n; j += 8) {
+            __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s[i] + j), mn));
+            _mm256_storeu_ps(s[i] + j, e);
+            vs = _mm256_add_ps(vs, e);
+        }
+        float ps = hsum8(vs);
+        for (; j < n; j++) ps += s[i][j] = expf(s[i][j] - m_new);
 #else
         float m_new = mx[i];
         for (int64_t j = 0; j < n; j++) m_new = s[i][j] > m_new ? s[i][j] : m_new;
@@ -790,6 +1187,28 @@ static inline float qval(const uint8_t *p, int64_t i, int kvt, float z, int64_t 
         return (c - zz) * sc;
     }
     return c;
+}
+
+/* The quantized dot products value by value (the portable build, and head sizes the AVX2
+ * tile buffer does not take): s[g][j] = q_g . k_j and acc[g] += s[g][j] * v_j. */
+__attribute__((unused)) static void qk_tile_scalar(const decode_args *a, const float *q, const uint8_t *const *ks,
+                                                   int64_t off, int64_t n, const float *z, float (*s)[TILE]) {
+    for (int64_t j = 0; j < n; j++)
+        for (int64_t g = 0; g < a->G; g++) {
+            float t = 0.0f;
+            for (int64_t d = 0; d < a->D; d++)
+                t += q[g * a->D + d] * qval(ks[j] + off, d, a->kvt, z[j], a->kvals, a->kgroup);
+            s[g][j] = t;
+        }
+}
+
+__attribute__((unused)) static void qv_tile_scalar(const decode_args *a, float *acc, float (*s)[TILE],
+                                                   const uint8_t *const *vs, int64_t off, int64_t n, const float *z) {
+    for (int64_t j = 0; j < n; j++)
+        for (int64_t c = 0; c < a->Dv; c++) {
+            float w = qval(vs[j] + off, c, a->kvt, z[j], a->vvals, a->vgroup);
+            for (int64_t g = 0; g < a->G; g++) acc[g * a->Dv + c] += s[g][j] * w;
+        }
 }
 
 #if PKV_ATTN_AVX512
@@ -1031,27 +1450,98 @@ static void qv_tile(const decode_args *a, float *acc, float (*s)[TILE], const ui
     const int full = Dv % 64 == 0;
     PKV_DISPATCH(PKV_QV)
 }
-#else
+#elif PKV_AVX2
+/* AVX2: a tile's quantized parts are converted once into an L1 buffer of float32 values (16 KB
+ * at head size 64: one tile, never a copy of the cache), shared by every query head of the KV
+ * head, and the float32 kernels above (scores16, accumulate_tile) run on it. AVX2's 16
+ * registers cannot hold the AVX-512 path's per-head accumulators beside the converted codes. */
+enum { QBUF_D = 256 };  /* largest head size this path converts (more: the portable loops) */
+
+/* 8 stored values from p (int4: 4 bytes, elements 2i low and 2i+1 high nibble) as code_at
+ * reads them: int8 sign-extended, fp8 e4m3 rebuilt as fp16 bits (1/256 of its value), e5m2
+ * as fp16's top byte, int4 codes 0..15. */
+ALWAYS_INLINE __m256 codes8(const int kvt, const uint8_t *p) {
+    if (kvt == KV_I8_TH) return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+    if (kvt == KV_FP8_E5M2) return _mm256_cvtph_ps(_mm_slli_epi16(_mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)p)), 8));
+    if (kvt == KV_FP8_TH || kvt == KV_FP8_E4M3)
+        return _mm256_cvtph_ps(_mm_and_si128(_mm_slli_epi16(_mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)p)), 7),
+                                             _mm_set1_epi16((short)0xBF80)));
+    uint32_t w;
+    memcpy(&w, p, 4);
+    const __m128i low = _mm_set1_epi8(0x0F);
+    __m128i b = _mm_cvtsi32_si128((int)w), lo = _mm_and_si128(b, low), hi = _mm_and_si128(_mm_srli_epi16(b, 4), low);
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpacklo_epi8(lo, hi)));
+}
+
+/* out[0:D) = the D values of the part at p as the attention multiplies them (qval's values:
+ * codes, less int4's zero point z, or q*s + (-z*s) with the int4 group's scale, as the
+ * AVX-512 path computes them). Int4 groups are multiples of 16 values or the whole part
+ * (pkv_paged_decode checks), so an aligned chunk of 8 lies in one group. */
+static void part_floats(const int kvt, const uint8_t *p, int64_t D, float z, int64_t vals, int64_t g, float *out) {
+    int64_t d = 0;
+    for (; d + 8 <= D; d += 8) {
+        __m256 c = codes8(kvt, p + (kv_is_int4(kvt) ? d / 2 : d));
+        if (kvt == KV_I4_TH) {
+            c = _mm256_sub_ps(c, _mm256_set1_ps(z));
+        } else if (kvt == KV_I4_GROUP) {
+            float zz, sc = group_scale(p + vals, d / g, &zz);
+            c = _mm256_fmadd_ps(c, _mm256_set1_ps(sc), _mm256_set1_ps(-zz * sc));
+        }
+        _mm256_storeu_ps(out + d, c);
+    }
+    for (; d < D; d++) out[d] = qval(p, d, kvt, z, vals, g);
+}
+
+/* The parts ks[j] + off (j < n) as float32 rows of D at buf; bp[j] points at row j, padded to a
+ * multiple of 16 keys with row 0 (computed, never used). */
+static void tile_floats(const int kvt, const uint8_t *const *ks, int64_t off, int64_t n, int64_t D, const float *z,
+                        int64_t vals, int64_t g, float *buf, const char **bp) {
+    for (int64_t j = 0; j < n; j++) {
+        part_floats(kvt, ks[j] + off, D, z[j], vals, g, buf + j * D);
+        bp[j] = (const char *)(buf + j * D);
+    }
+    for (int64_t j = n; j < (n + 15) / 16 * 16; j++) bp[j] = bp[0];
+}
+
 static void qk_tile(const decode_args *a, const float *q, const uint8_t *const *ks, int64_t off, int64_t n,
                     const float *z, const float *gs, const float *gz, float (*s)[TILE]) {
     (void)gs, (void)gz;
-    for (int64_t j = 0; j < n; j++)
-        for (int64_t g = 0; g < a->G; g++) {
-            float t = 0.0f;
-            for (int64_t d = 0; d < a->D; d++)
-                t += q[g * a->D + d] * qval(ks[j] + off, d, a->kvt, z[j], a->kvals, a->kgroup);
-            s[g][j] = t;
-        }
+    const int64_t D = a->D;
+    if (D > QBUF_D) {
+        qk_tile_scalar(a, q, ks, off, n, z, s);
+        return;
+    }
+    float buf[TILE * QBUF_D];
+    const char *bp[TILE];
+    tile_floats(a->kvt, ks, off, n, D, z, a->kvals, a->kgroup, buf, bp);
+    for (int64_t g = 0; g < a->G; g++)
+        for (int64_t j = 0; j < n; j += 16) scores16(q + g * D, bp + j, 0, D, KV_F32, 4, s[g] + j);
 }
 
 static void qv_tile(const decode_args *a, float *acc, float (*s)[TILE], const uint8_t *const *vs, int64_t off,
                     int64_t n, const float *z, const float *gs, const float *gz) {
     (void)gs, (void)gz;
-    for (int64_t j = 0; j < n; j++)
-        for (int64_t c = 0; c < a->Dv; c++) {
-            float w = qval(vs[j] + off, c, a->kvt, z[j], a->vvals, a->vgroup);
-            for (int64_t g = 0; g < a->G; g++) acc[g * a->Dv + c] += s[g][j] * w;
-        }
+    const int64_t Dv = a->Dv;
+    if (Dv > QBUF_D) {
+        qv_tile_scalar(a, acc, s, vs, off, n, z);
+        return;
+    }
+    float buf[TILE * QBUF_D];
+    const char *bp[TILE];
+    tile_floats(a->kvt, vs, off, n, Dv, z, a->vvals, a->vgroup, buf, bp);
+    for (int64_t g = 0; g < a->G; g++) accumulate_tile(acc + g * Dv, s[g], bp, 0, n, Dv, KV_F32, 4);
+}
+#else
+static void qk_tile(const decode_args *a, const float *q, const uint8_t *const *ks, int64_t off, int64_t n,
+                    const float *z, const float *gs, const float *gz, float (*s)[TILE]) {
+    (void)gs, (void)gz;
+    qk_tile_scalar(a, q, ks, off, n, z, s);
+}
+
+static void qv_tile(const decode_args *a, float *acc, float (*s)[TILE], const uint8_t *const *vs, int64_t off,
+                    int64_t n, const float *z, const float *gs, const float *gz) {
+    (void)gs, (void)gz;
+    qv_tile_scalar(a, acc, s, vs, off, n, z);
 }
 #endif
 
@@ -1340,6 +1830,19 @@ static void dense_cols(const float *w, int64_t ldw, int64_t K, const float *x, i
         }
         for (int64_t m = 0; m < M; m++) y[m * ldy + c] = _mm512_reduce_add_ps(acc[m]);
     }
+#elif PKV_AVX2
+    const int64_t K16 = K / 16 * 16;
+    __m256 acc[2 * STEP_MAX_M];
+    for (int64_t c = 0; c < nc; c++) {
+        const float *wc = w + c * ldw;
+        for (int64_t i = 0; i < 2 * M; i++) acc[i] = _mm256_setzero_ps();
+        dot_rows_avx2(wc, K16, x, M, K, acc);  /* four rows of x a pass over the weight row */
+        for (int64_t m = 0; m < M; m++) {
+            float t = hsum8(_mm256_add_ps(acc[2 * m], acc[2 * m + 1]));
+            for (int64_t k = K16; k < K; k++) t += wc[k] * x[m * K + k];
+            y[m * ldy + c] = t;
+        }
+    }
 #else
     for (int64_t c = 0; c < nc; c++)
         for (int64_t m = 0; m < M; m++) {
@@ -1361,20 +1864,19 @@ static void quant_cols(int qtype, const uint8_t *rows, int64_t stride, int64_t K
                        int64_t nc, float *y, int64_t ldy) {
     int bb = pkv_block_bytes(qtype), bw = pkv_block_weights(qtype);
     int64_t nblocks = K / bw, c = 0;
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || PKV_AVX2
     if (M == 1 && bw == QK) {
         for (; c + 4 <= nc; c += 4) gemv4_m1(qtype, x, nblocks, rows + c * stride, stride, bb, y + c);
         for (; c < nc; c++) gemv1_m1(qtype, x, nblocks, rows + c * stride, bb, y + c);
         return;
     }
 #endif
-    float out[MAX_M];
-    for (; c < nc; c++) {
-        if (bw == QK_K)
-            gemv_row_k(qtype, x, M, K, nblocks, rows + c * stride, bb, out);
-        else
-            gemv_row(qtype, x, M, K, nblocks, rows + c * stride, bb, out);
-        for (int64_t m = 0; m < M; m++) y[m * ldy + c] = out[m];
+    float out[MAX_M * GEMV_COLS];
+    for (; c < nc; c += GEMV_COLS) {
+        int n = nc - c < GEMV_COLS ? (int)(nc - c) : GEMV_COLS;
+        gemv_block(qtype, x, M, K, nblocks, rows + c * stride, stride, bb, n, out);
+        for (int64_t m = 0; m < M; m++)
+            for (int j = 0; j < n; j++) y[m * ldy + c + j] = out[m * GEMV_COLS + j];
     }
 }
 
@@ -1432,6 +1934,13 @@ static void silu_mul(const float *g, const float *u, int64_t n, float *out) {
         __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv));
         __m512 s = _mm512_div_ps(gv, _mm512_add_ps(one, e));
         _mm512_mask_storeu_ps(out + j, mk, _mm512_mul_ps(s, _mm512_maskz_loadu_ps(mk, u + j)));
+    }
+#elif PKV_AVX2
+    const __m256 one = _mm256_set1_ps(1.0f);
+    for (; j + 8 <= n; j += 8) {
+        __m256 gv = _mm256_loadu_ps(g + j);
+        __m256 sv = _mm256_div_ps(gv, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv))));
+        _mm256_storeu_ps(out + j, _mm256_mul_ps(sv, _mm256_loadu_ps(u + j)));
     }
 #endif
     for (; j < n; j++) out[j] = g[j] / (1.0f + expf(-g[j])) * u[j];
