@@ -259,3 +259,22 @@ def test_bf16_model_uses_the_file_blocks_in_float32(pagedkv_model_bf16, pagedkv_
         assert (native_out.float() - ref).abs().mean() < (dense.float() - ref).abs().mean()
         big = x.repeat(NATIVE_GEMV_MAX_ROWS, 1)  # above the row limit: the dense bf16 path
         assert torch.equal(layer16(big), torch.nn.functional.linear(big, layer16.weight))
+
+
+@pytest.mark.parametrize("n", [1, 7, 8, 9, 49152])
+def test_argmax_rows_equals_torch_argmax(n: int, kernels: str) -> None:
+    """The greedy sampler's argmax: the first maximum, ties, -inf rows, a NaN counting as the
+    largest (the first NaN wins), rows of a wider tensor."""
+    gen = torch.Generator().manual_seed(n)
+    x = torch.randn(6, n + 5, generator=gen)[:, :n]  # row stride n + 5
+    x[1] = torch.randint(0, 3, (n,), generator=gen).float()  # many ties
+    x[2] = float("-inf")
+    if n > 2:
+        x[3, n // 2] = x[3, n - 1] = float("nan")
+        x[4, n - 1] = x[4].max() + 1  # the last lane
+    x[5] = 0.0
+    x[5, n - 1] = -0.0
+    got = native.argmax_rows(x)
+    assert torch.equal(got, x.argmax(dim=-1)), (got, x.argmax(dim=-1))
+    with pytest.raises(ValueError, match="float32"):
+        native.argmax_rows(x.double())

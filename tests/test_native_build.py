@@ -70,3 +70,24 @@ def test_native_build_runs_the_widest_simd_path_this_cpu_has() -> None:
     assert native.isa() == want
     for name, extra in native.BUILD_FLAGS.items():  # the smaller paths the tests build (tests/test_native.py)
         assert native.isa(native.build(extra)) == (name if has_avx2 else "portable")
+
+
+def test_bf16_matmul_support_is_read_from_the_cpu_flags(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bfloat16 model on a CPU without bf16 matmuls gets a warning naming float32 (torch
+    emulates bf16 there); the flag is read from /proc/cpuinfo's x86 or Arm feature line."""
+    for line, native_bf16 in [("flags\t: fpu avx2 fma f16c", False), ("flags\t: avx512f avx512_bf16", True),
+                              ("flags\t: avx2 amx_bf16 amx_tile", True), ("Features\t: fp asimd bf16", True),
+                              ("Features\t: fp asimd", False), ("", True)]:
+        monkeypatch.setattr(native, "_cpu_flags", lambda line=line: line)
+        assert native.cpu_has_bf16_matmul() is native_bf16, line
+
+
+@pytest.mark.parametrize("has_bf16", [False, True])
+def test_bf16_engine_on_a_cpu_without_bf16_matmuls_warns(has_bf16: bool, monkeypatch: pytest.MonkeyPatch,
+                                                         caplog: pytest.LogCaptureFixture) -> None:
+    from pagedkv import LLM
+
+    monkeypatch.setattr(native, "cpu_has_bf16_matmul", lambda: has_bf16)
+    with caplog.at_level(logging.WARNING, logger="pagedkv.engine.llm_engine"):
+        LLM(dtype="bfloat16", max_model_len=64, num_kv_blocks=8)
+    assert ("dtype='float32' is faster" in caplog.text) is not has_bf16

@@ -42,6 +42,7 @@ from pagedkv.engine.kv_scales import resolve_kv_scales
 from pagedkv.kv_transfer.base import KVConnectorBase, KVConnectorRole
 from pagedkv.kv_transfer.factory import KVConnectorFactory
 from pagedkv.models.loader import get_model, model_identity
+from pagedkv.ops import native
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +62,10 @@ class LLMEngine:
         self.tokenizer = loaded.tokenizer
         self.dtype = loaded.dtype
         self.device = torch.device(config.device)
+        if self.device.type == "cpu" and self.dtype == torch.bfloat16 and not native.cpu_has_bf16_matmul():
+            logger.warning("dtype bfloat16 on a CPU without bf16 matmuls (no AVX512_BF16/AMX): torch emulates "
+                           "them, so prefill and large batches run several times slower than float32 here "
+                           "(batch-1 decode runs the native float32 step either way); dtype='float32' is faster")
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
         self.config = config = self._align_hybrid_block_size(config)
         self.block_size = config.block_size

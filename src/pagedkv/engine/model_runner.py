@@ -177,8 +177,12 @@ class ModelRunner:
         dev = self.device
         input_ids = torch.tensor(token_ids, dtype=torch.long, device=dev)
         pos = torch.tensor(positions, dtype=torch.long, device=dev)
-        counts = torch.tensor([s.num_tokens for s in so.scheduled], device=dev)
-        req_indices = torch.repeat_interleave(torch.arange(len(so.scheduled), device=dev), counts)
+        # A decode-only step (one token a request) computes its few slots in Python: cheaper
+        # than the tensor ops below, which pay off for prefill chunks (measured at batch 1).
+        decode_only = len(token_ids) == len(so.scheduled)
+        if not decode_only:
+            counts = torch.tensor([s.num_tokens for s in so.scheduled], device=dev)
+            req_indices = torch.repeat_interleave(torch.arange(len(so.scheduled), device=dev), counts)
         qsl = torch.tensor(query_start_loc, dtype=torch.int32, device=dev)
         lens = torch.tensor(seq_lens, dtype=torch.int32, device=dev)
         max_query_len = max(s.num_tokens for s in so.scheduled)
@@ -188,8 +192,13 @@ class ModelRunner:
             block_table = torch.tensor([s.block_ids[g] + [0] * (max_blocks - len(s.block_ids[g]))
                                         for s in so.scheduled], dtype=torch.int32, device=dev)
             bs = self.group_block_sizes[g]
+            if decode_only:
+                slots = torch.tensor([s.block_ids[g][s.start // bs] * bs + s.start % bs for s in so.scheduled],
+                                     dtype=torch.int64, device=dev)
+            else:
+                slots = compute_slot_mapping(block_table, req_indices, pos, bs)
             mds.append(AttentionMetadata(
-                slot_mapping=compute_slot_mapping(block_table, req_indices, pos, bs),
+                slot_mapping=slots,
                 query_start_loc=qsl, seq_lens=lens, block_table=block_table, block_size=bs,
                 max_query_len=max_query_len, max_seq_len=max(seq_lens),
                 query_start_loc_cpu=query_start_loc, seq_lens_cpu=seq_lens))
@@ -232,7 +241,9 @@ class ModelRunner:
         self._score_prompts(so, hidden, prompt_lps)
         if not logits_indices:
             return hidden.new_empty((0, 0), dtype=torch.float32)
-        return self.model.compute_logits(hidden[torch.tensor(logits_indices, device=hidden.device)])
+        if len(logits_indices) < hidden.shape[0]:  # else every row samples (a decode step): no gather
+            hidden = hidden[torch.tensor(logits_indices, device=hidden.device)]
+        return self.model.compute_logits(hidden)
 
     def _score_prompts(self, so: SchedulerOutput, hidden: torch.Tensor, out: PromptLogprobsOutput) -> None:
         """Prompt logprobs of this step's prompt rows, for requests asking for them (into ``out``)."""

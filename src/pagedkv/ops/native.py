@@ -48,13 +48,24 @@ def cache_dir() -> Path:
 
 
 def _cpu_flags() -> str:
+    """The CPU feature line of /proc/cpuinfo (x86 ``flags``, Arm ``Features``), or ""."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
+            if line.startswith(("flags", "Features")):
                 return line
     except OSError:
         pass
     return ""
+
+
+def cpu_has_bf16_matmul() -> bool:
+    """Whether this CPU multiplies bfloat16 natively (x86 AVX512_BF16 or AMX-BF16, Arm's BF16):
+    without it torch emulates bf16 matmuls, ~7x slower than float32 on an AVX2 EPYC (a
+    576x1536 linear of 512 rows: 59 vs 8 ms), so a bfloat16 model prefills slower there."""
+    words = set(_cpu_flags().split(":", 1)[-1].split())
+    if not words:  # not Linux / no /proc/cpuinfo: assume nothing to warn about
+        return True
+    return bool(words & {"avx512_bf16", "amx_bf16", "bf16"})
 
 
 def _build(cc: str, flags: list[str]) -> Path:
@@ -95,6 +106,8 @@ def _bind(so: ctypes.CDLL) -> ctypes.CDLL:
     so.pkv_step_struct_size.restype = _i64
     so.pkv_isa.argtypes = []
     so.pkv_isa.restype = ctypes.c_int
+    so.pkv_argmax_rows.argtypes = [_ptr, _i64, _i64, _i64, _ptr]
+    so.pkv_argmax_rows.restype = None
     return so
 
 
@@ -196,6 +209,18 @@ def gemv_q(x: torch.Tensor, qweight: torch.Tensor, qtype: int, bias: torch.Tenso
     elif out.shape != (m, n) or out.dtype != torch.float32 or out.stride(1) != 1:
         raise ValueError(f"out must be float32 [{m}, {n}] with unit column stride")
     so.pkv_gemv_q(qtype, x.data_ptr(), m, k, qweight.data_ptr(), n, expect, _addr(bias), out.data_ptr(), out.stride(0))
+    return out
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x.argmax(dim=-1)`` of a 2-D float32 CPU tensor with unit column stride (int64, one per
+    row; the first maximum, a NaN counting as the largest, as torch): ~10x faster than torch's
+    on a vocabulary-wide row."""
+    so = _require()
+    if x.dtype != torch.float32 or x.dim() != 2 or x.device.type != "cpu" or x.stride(1) != 1:
+        raise ValueError("argmax_rows takes a 2-D float32 CPU tensor with unit column stride")
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    so.pkv_argmax_rows(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), out.data_ptr())
     return out
 
 
