@@ -17,7 +17,7 @@ nothing depends on a tokenizer round trip), greedy, EOS not stopping a request:
   cost, measured on a no-op in the same run, is subtracted.
 
 llama.cpp is llama-cpp-python built from its sdist by ``benchmarks/llamacpp/setup.sh`` into
-``.bench/llamacpp-venv`` (``--setup`` runs it; a native AVX-512 build, no BLAS), run as a
+``.bench/llamacpp-venv`` (``--setup`` runs it; built for this CPU's SIMD, no BLAS), run as a
 separate process (``benchmarks/llamacpp/worker.py``) with ``n_threads`` = ``--threads``; pagedkv
 runs here with ``torch.set_num_threads(--threads)``. The two run one after the other, never at the
 same time, and both are pinned to the same cores (``--cores``, via ``os.sched_setaffinity``, which
