@@ -62,10 +62,11 @@ class LLMEngine:
         self.tokenizer = loaded.tokenizer
         self.dtype = loaded.dtype
         self.device = torch.device(config.device)
-        if self.device.type == "cpu" and self.dtype == torch.bfloat16 and not native.cpu_has_bf16_matmul():
-            logger.warning("dtype bfloat16 on a CPU without bf16 matmuls (no AVX512_BF16/AMX): torch emulates "
-                           "them, so prefill and large batches run several times slower than float32 here "
-                           "(batch-1 decode runs the native float32 step either way); dtype='float32' is faster")
+        if self.device.type == "cpu" and not native.cpu_has_half_matmul(self.dtype):
+            logger.warning("dtype %s on a CPU without %s matmuls (no AVX-512 or AMX for it): linear layers "
+                           "compute in float32 and round to %s (torch would emulate the %s matmul, several "
+                           "times slower); other ops stay %s, so dtype='float32' is as fast and exact",
+                           *[str(self.dtype).split(".")[-1]] * 5)
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
         self.config = config = self._align_hybrid_block_size(config)
         self.block_size = config.block_size

@@ -6,6 +6,7 @@ default dtype/device the loader sets. Every ``forward`` takes flat token batches
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -20,6 +21,12 @@ from pagedkv.ops import native
 # K-quants' dearer dequantization moves the crossover down.
 NATIVE_GEMV_MAX_ROWS = 16
 NATIVE_GEMV_MAX_ROWS_KQUANT = 8
+
+
+@functools.cache
+def _emulated_half_dtypes() -> frozenset[torch.dtype]:
+    """The 16-bit dtypes whose matmuls this CPU lacks (see ``native.cpu_has_half_matmul``)."""
+    return frozenset(d for d in (torch.bfloat16, torch.float16) if not native.cpu_has_half_matmul(d))
 
 
 def _param(*shape: int) -> nn.Parameter:
@@ -52,6 +59,12 @@ class QuantizedRows:
         segs = self.qsegments
         limit = NATIVE_GEMV_MAX_ROWS_KQUANT if self.qkquant else NATIVE_GEMV_MAX_ROWS
         if segs is None or x.dim() != 2 or x.shape[0] > limit:
+            if x.dtype in _emulated_half_dtypes() and x.device.type == "cpu":
+                # torch emulates this dtype's matmul on this CPU: the float32 product of the same
+                # values (casts included) is 1.4x (17 rows) to 5.6x (512 rows) faster, and rounds
+                # once, as a native bf16 matmul with float32 accumulation does.
+                b = None if bias is None else bias.float()
+                return F.linear(x.float(), self.weight.float(), b).to(x.dtype)
             return F.linear(x, self.weight, bias)
         xf = x.float()
         bf = None if bias is None else bias.float()
