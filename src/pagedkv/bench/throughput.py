@@ -24,8 +24,9 @@ Compute ceiling: the fp32 (``--dtype``) matmul rate of this machine, measured in
 (best of a 1024x1024 @ 1024x1024 ``torch.matmul`` loop), divided by 2 x parameters FLOPs per
 token (0.27 GFLOP for SmolLM2-135M). The pagedkv total tok/s is reported as a fraction of it.
 
-Targets (printed beside the figures): pagedkv >= 5x HF total tok/s; >= 60% of the compute
-ceiling in float32; batch-1 decode >= 40 tok/s (HF ~15).
+Targets (printed beside the figures): pagedkv >= 5x HF total tok/s; >= 75% of the compute
+ceiling of the run's dtype (issue 13; the ceiling is measured in that dtype); batch-1 decode
+>= 40 tok/s (HF ~15).
 
 Usage: python benchmarks/bench_throughput.py [--num-requests N] [--dtype D] [--skip-hf]
        [--json-out FILE] [--json-only]        (same as ``pagedkv bench throughput``)
@@ -53,7 +54,8 @@ from pagedkv.bench.common import (
     user_help,
 )
 
-TARGETS = {"vs_hf_total": 5.0, "fraction_of_ceiling_fp32": 0.60,
+# fraction_of_ceiling: issue 13's bar (75% of the same-run matmul ceiling, float32 and bfloat16 alike).
+TARGETS = {"vs_hf_total": 5.0, "fraction_of_ceiling": 0.75,
            "batch1_decode_tok_s": 40.0}
 HF_BATCH1_REFERENCE_TOK_S = 15.0
 WARMUP_PROMPT_LEN, WARMUP_OUTPUT_LEN = 32, 8  # one untimed request first (lazy init, allocator)
@@ -258,8 +260,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
               for k in ("total_tok_s", "output_tok_s", "batch1_decode_tok_s")}
     meets = {
         "vs_hf_total": None if hf is None else ratios["total_tok_s"] >= TARGETS["vs_hf_total"],
-        "fraction_of_ceiling_fp32": (ours["fraction_of_ceiling"] >= TARGETS["fraction_of_ceiling_fp32"]
-                                     if args.dtype == "float32" else None),
+        "fraction_of_ceiling": ours["fraction_of_ceiling"] >= TARGETS["fraction_of_ceiling"],
         "batch1_decode_tok_s": (ours["batch1_decode_tok_s"] or 0) >= TARGETS["batch1_decode_tok_s"],
     }
     return dict(
@@ -310,7 +311,7 @@ def table(r: dict[str, Any]) -> str:
             f">= {TARGETS['batch1_decode_tok_s']:.0f} (HF ~{HF_BATCH1_REFERENCE_TOK_S:.0f})"),
         row("elapsed s", "elapsed_s"),
         f"{'fraction of ceiling':24s}{ours['fraction_of_ceiling']:10.1%}{'':19s}   "
-        f">= {TARGETS['fraction_of_ceiling_fp32']:.0%} (float32)",
+        f">= {TARGETS['fraction_of_ceiling']:.0%} (of the {r['dtype']} ceiling)",
         f"pagedkv preemptions: {ours['num_preemptions']}; KV blocks: {ours['num_kv_blocks']}",
     ]
     if hf:
