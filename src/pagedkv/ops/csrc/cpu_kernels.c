@@ -101,10 +101,41 @@ static inline void q4k_scale_min(const uint8_t *sc, int j, int *scale, int *min)
     }
 }
 
+#if defined(__AVX512F__) || PKV_AVX2
+/* dequant_superblock's vector loops, written once for both widths: VW float lanes a register,
+ * each from one byte (a 16-byte load for AVX-512, 8 bytes for AVX2). */
+#if defined(__AVX512F__)
+enum { VW = 16 };
+typedef __m512 vfloat;
+#define V_SET1 _mm512_set1_ps
+#define V_STORE _mm512_storeu_ps
+#define V_MUL _mm512_mul_ps
+#define V_SUB _mm512_sub_ps
+#define V_LOAD_BYTES(p) _mm_loadu_si128((const __m128i *)(p))
+/* VW bytes (the low ones of x) as float lanes, each less `off`. */
+#define V_BYTES_F(x, off) _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepu8_epi32(x), _mm512_set1_epi32(off)))
+#else
+enum { VW = 8 };
+typedef __m256 vfloat;
+#define V_SET1 _mm256_set1_ps
+#define V_STORE _mm256_storeu_ps
+#define V_MUL _mm256_mul_ps
+#define V_SUB _mm256_sub_ps
+#define V_LOAD_BYTES(p) _mm_loadl_epi64((const __m128i *)(p))
+#define V_BYTES_F(x, off) _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_cvtepu8_epi32(x), _mm256_set1_epi32(off)))
+#endif
+
+/* Bytes [VW*i, VW*i + VW) of q, at the bottom of a register. */
+static inline __m128i bytes_chunk(__m256i q, int i) {
+    __m128i half = (VW * i) & 16 ? _mm256_extracti128_si256(q, 1) : _mm256_castsi256_si128(q);
+    return (VW * i) & 8 ? _mm_unpackhi_epi64(half, half) : half;
+}
+#endif
+
 /* Dequantize one K-quant super-block into w[256], with gguf.quants' float32 operations:
  * Q4_K w = (d*sc)*q - dmin*m per 32-weight sub-block; Q6_K w = (d*scale)*(q-32) per 16. */
 static void dequant_superblock(int qtype, const uint8_t *b, float *w) {
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || PKV_AVX2
     if (qtype == Q4_K) {
         float d = fp16_to_fp32(load_u16(b)), dmin = fp16_to_fp32(load_u16(b + 2));
         const uint8_t *scales = b + 4, *qs = b + 16;
@@ -112,13 +143,12 @@ static void dequant_superblock(int qtype, const uint8_t *b, float *w) {
         for (int j = 0; j < 8; j++) {
             int sc, m;
             q4k_scale_min(scales, j, &sc, &m);
-            __m512 ds = _mm512_set1_ps(d * (float)sc), dm = _mm512_set1_ps(dmin * (float)m);
+            vfloat ds = V_SET1(d * (float)sc), dm = V_SET1(dmin * (float)m);
             const uint8_t *q = qs + (j / 2) * 32;
-            for (int h = 0; h < 2; h++) {
-                __m128i v = _mm_loadu_si128((const __m128i *)(q + 16 * h));
+            for (int h = 0; h < 32 / VW; h++) {
+                __m128i v = V_LOAD_BYTES(q + VW * h);
                 if (j % 2) v = _mm_srli_epi16(v, 4);
-                __m512 qf = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(v, low)));
-                _mm512_storeu_ps(w + j * 32 + 16 * h, _mm512_sub_ps(_mm512_mul_ps(ds, qf), dm));
+                V_STORE(w + j * 32 + VW * h, V_SUB(V_MUL(ds, V_BYTES_F(_mm_and_si128(v, low), 0)), dm));
             }
         }
         return;
@@ -128,48 +158,6 @@ static void dequant_superblock(int qtype, const uint8_t *b, float *w) {
         const int8_t *scales = (const int8_t *)(b + 192);
         float d = fp16_to_fp32(load_u16(b + 208));
         const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(0x03);
-        const __m512i off = _mm512_set1_epi32(32);
-        for (int c = 0; c < 8; c++) {
-            int h = c / 4, r = c % 4;
-            __m256i l = _mm256_loadu_si256((const __m256i *)(ql + h * 64 + (r % 2) * 32));
-            __m256i hb = _mm256_loadu_si256((const __m256i *)(qh + h * 32));
-            l = _mm256_and_si256(_mm256_srli_epi16(l, (r / 2) * 4), m4);
-            hb = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2 * r), m2), 4);
-            __m256i q = _mm256_or_si256(l, hb);
-            for (int half = 0; half < 2; half++) {
-                __m128i q16 = half ? _mm256_extracti128_si256(q, 1) : _mm256_castsi256_si128(q);
-                __m512 qf = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepu8_epi32(q16), off));
-                __m512 dj = _mm512_set1_ps(d * (float)scales[c * 2 + half]);
-                _mm512_storeu_ps(w + c * 32 + 16 * half, _mm512_mul_ps(dj, qf));
-            }
-        }
-        return;
-    }
-#elif PKV_AVX2
-    /* The AVX-512 loops above, 8 weights a register (the same products and differences). */
-    if (qtype == Q4_K) {
-        float d = fp16_to_fp32(load_u16(b)), dmin = fp16_to_fp32(load_u16(b + 2));
-        const uint8_t *scales = b + 4, *qs = b + 16;
-        const __m128i low = _mm_set1_epi8(0x0F);
-        for (int j = 0; j < 8; j++) {
-            int sc, m;
-            q4k_scale_min(scales, j, &sc, &m);
-            __m256 ds = _mm256_set1_ps(d * (float)sc), dm = _mm256_set1_ps(dmin * (float)m);
-            const uint8_t *q = qs + (j / 2) * 32;
-            for (int h = 0; h < 4; h++) {
-                __m128i v = _mm_loadl_epi64((const __m128i *)(q + 8 * h));
-                if (j % 2) v = _mm_srli_epi16(v, 4);
-                __m256 qf = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(v, low)));
-                _mm256_storeu_ps(w + j * 32 + 8 * h, _mm256_sub_ps(_mm256_mul_ps(ds, qf), dm));
-            }
-        }
-        return;
-    }
-    if (qtype == Q6_K) {
-        const uint8_t *ql = b, *qh = b + 128;
-        const int8_t *scales = (const int8_t *)(b + 192);
-        float d = fp16_to_fp32(load_u16(b + 208));
-        const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(0x03), off = _mm256_set1_epi32(32);
         for (int c = 0; c < 8; c++) {
             int h = c / 4, r = c % 4;
             __m256i l = _mm256_loadu_si256((const __m256i *)(ql + h * 64 + (r % 2) * 32));
@@ -177,12 +165,9 @@ static void dequant_superblock(int qtype, const uint8_t *b, float *w) {
             l = _mm256_and_si256(_mm256_srl_epi16(l, _mm_cvtsi32_si128((r / 2) * 4)), m4);
             hb = _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(hb, _mm_cvtsi32_si128(2 * r)), m2), 4);
             __m256i q = _mm256_or_si256(l, hb);
-            __m128i half[2] = {_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1)};
-            for (int p = 0; p < 4; p++) {  /* 8 weights; 16 share a scale */
-                __m128i q8 = p % 2 ? _mm_unpackhi_epi64(half[p / 2], half[p / 2]) : half[p / 2];
-                __m256 qf = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_cvtepu8_epi32(q8), off));
-                __m256 dj = _mm256_set1_ps(d * (float)scales[c * 2 + p / 2]);
-                _mm256_storeu_ps(w + c * 32 + 8 * p, _mm256_mul_ps(dj, qf));
+            for (int p = 0; p < 32 / VW; p++) {  /* 16 weights share a scale */
+                vfloat dj = V_SET1(d * (float)scales[c * 2 + VW * p / 16]);
+                V_STORE(w + c * 32 + VW * p, V_MUL(dj, V_BYTES_F(bytes_chunk(q, p), 32)));
             }
         }
         return;
