@@ -238,11 +238,18 @@ def test_fused_layer_with_rows_in_several_types() -> None:
     assert LlamaForCausalLM.load_quantized(Fake(), missing) == 0 and layer.qsegments is None
 
 
-def test_bf16_model_uses_the_file_blocks_in_float32(pagedkv_model_bf16, pagedkv_model) -> None:
+@pytest.mark.parametrize("emulated", [False, True])
+def test_bf16_model_uses_the_file_blocks_in_float32(pagedkv_model_bf16, pagedkv_model, emulated: bool,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """A bfloat16 model carries the same ggml rows; a small-batch projection computes from the
     exact file weights in float32 and rounds once, so it is closer to the float32 model than
-    the dense bf16 product is."""
+    the dense bf16 product is. Above the row limit the dense path runs: torch's bf16 matmul on a
+    CPU that has one, the float32 product of the same bf16 values rounded once where torch
+    would emulate it (both branches run on every CPU)."""
+    from pagedkv.models import layers
     from pagedkv.models.layers import NATIVE_GEMV_MAX_ROWS
+
+    monkeypatch.setattr(layers, "_emulated_half_dtypes", lambda: frozenset({torch.bfloat16} if emulated else ()))
 
     layer16 = pagedkv_model_bf16.model.model.layers[3].mlp.gate_up_proj
     layer32 = pagedkv_model.model.model.layers[3].mlp.gate_up_proj
@@ -257,8 +264,12 @@ def test_bf16_model_uses_the_file_blocks_in_float32(pagedkv_model_bf16, pagedkv_
         # Both end with one bf16 rounding of the output (the same worst case); on average the
         # exact weights are closer.
         assert (native_out.float() - ref).abs().mean() < (dense.float() - ref).abs().mean()
-        big = x.repeat(NATIVE_GEMV_MAX_ROWS, 1)  # above the row limit: the dense bf16 path
-        assert torch.equal(layer16(big), torch.nn.functional.linear(big, layer16.weight))
+        big = x.repeat(NATIVE_GEMV_MAX_ROWS, 1)  # above the row limit: the dense path
+        if emulated:
+            want = torch.nn.functional.linear(big.float(), layer16.weight.float()).to(torch.bfloat16)
+        else:
+            want = torch.nn.functional.linear(big, layer16.weight)
+        assert torch.equal(layer16(big), want)
 
 
 @pytest.mark.parametrize("n", [1, 7, 8, 9, 49152])

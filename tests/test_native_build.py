@@ -72,6 +72,25 @@ def test_native_build_runs_the_widest_simd_path_this_cpu_has() -> None:
         assert native.isa(native.build(extra)) == (name if has_avx2 else "portable")
 
 
+@pytest.mark.skipif(native.lib() is None, reason="no C compiler")
+@pytest.mark.parametrize("name", [*native.BUILD_FLAGS, "bogus"])
+def test_native_isa_env_picks_a_narrower_build(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """PAGEDKV_NATIVE_ISA=avx2 / portable loads that path (on a CPU that has AVX2); an unknown
+    name is an error that names the choices, never a silent fallback."""
+    has_avx2 = {"avx2", "fma", "f16c"} <= _cpu_flags()
+    monkeypatch.setenv("PAGEDKV_NATIVE_ISA", name)
+    native.lib.cache_clear()
+    try:
+        if name == "bogus":
+            with pytest.raises(ValueError, match="expected one of native, avx2, portable"):
+                native.lib()
+        else:
+            assert native.isa() == (name if has_avx2 else "portable")
+    finally:
+        monkeypatch.delenv("PAGEDKV_NATIVE_ISA")
+        native.lib.cache_clear()
+
+
 def test_half_matmul_support_is_read_from_the_cpu_flags(monkeypatch: pytest.MonkeyPatch) -> None:
     """bf16/fp16 matmuls count as native where /proc/cpuinfo's x86 or Arm feature line says so;
     float32 always is, and an unreadable feature line assumes so (nothing to work around)."""

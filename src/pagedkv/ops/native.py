@@ -130,12 +130,17 @@ def build(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
 
 @functools.cache
 def lib() -> ctypes.CDLL | None:
-    """The loaded kernel library, or ``None`` when native kernels are off or cannot be built."""
+    """The loaded kernel library, or ``None`` when native kernels are off or cannot be built.
+    ``PAGEDKV_NATIVE_ISA=avx2`` / ``portable`` builds a narrower SIMD path than the CPU has (to
+    compare paths, or to sidestep one); the default ``native`` takes the widest."""
     mode = os.environ.get("PAGEDKV_NATIVE", "auto").lower()
     if mode in ("0", "off", "false", "no"):
         return None
+    isa_env = os.environ.get("PAGEDKV_NATIVE_ISA", "").lower()
+    if isa_env and isa_env not in (*BUILD_FLAGS, "native"):
+        raise ValueError(f"PAGEDKV_NATIVE_ISA={isa_env!r}: expected one of native, {', '.join(BUILD_FLAGS)}")
     try:
-        return build()
+        return build(BUILD_FLAGS.get(isa_env, ()))
     except (OSError, subprocess.SubprocessError, AttributeError) as e:
         detail = getattr(e, "stderr", "") or e
         if mode in ("1", "on", "true", "yes"):

@@ -1232,6 +1232,17 @@ static inline float qval(const uint8_t *p, int64_t i, int kvt, float z, int64_t 
     return c;
 }
 
+/* M(kvt) with a->kvt as a constant: each quantized format gets its own branch-free loops. */
+#define PKV_DISPATCH(M)                          \
+    switch (a->kvt) {                            \
+        case KV_I8_TH: M(KV_I8_TH) break;        \
+        case KV_FP8_TH: M(KV_FP8_TH) break;      \
+        case KV_FP8_E4M3: M(KV_FP8_E4M3) break;  \
+        case KV_FP8_E5M2: M(KV_FP8_E5M2) break;  \
+        case KV_I4_TH: M(KV_I4_TH) break;        \
+        default: M(KV_I4_GROUP) break;           \
+    }
+
 /* The quantized dot products value by value (the portable build, and head sizes the AVX2
  * tile buffer does not take): s[g][j] = q_g . k_j and acc[g] += s[g][j] * v_j. */
 __attribute__((unused)) static void qk_tile_scalar(const decode_args *a, const float *q, const uint8_t *const *ks,
@@ -1464,15 +1475,6 @@ PKV_INLINE void qv64(const int kvt, const int nh, const int full, float *acc, in
             default: PKV_QV64(KVT, 1); break;                \
         }                                                    \
     }
-#define PKV_DISPATCH(M)                          \
-    switch (a->kvt) {                            \
-        case KV_I8_TH: M(KV_I8_TH) break;        \
-        case KV_FP8_TH: M(KV_FP8_TH) break;      \
-        case KV_FP8_E4M3: M(KV_FP8_E4M3) break;  \
-        case KV_FP8_E5M2: M(KV_FP8_E5M2) break;  \
-        case KV_I4_TH: M(KV_I4_TH) break;        \
-        default: M(KV_I4_GROUP) break;           \
-    }
 
 /* Raw logits s[g][0:n) of the G query heads q (G rows of D) against keys ks[j] + off (ks
  * padded to a multiple of 16 keys); z: per-key int4 zero points; gs/gz: int4 group scales. */
@@ -1520,20 +1522,87 @@ ALWAYS_INLINE __m256 codes8(const int kvt, const uint8_t *p) {
  * codes, less int4's zero point z, or q*s + (-z*s) with the int4 group's scale, as the
  * AVX-512 path computes them). Int4 groups are multiples of 16 values or the whole part
  * (pkv_paged_decode checks), so an aligned chunk of 8 lies in one group. */
+/* Values [d, d + 8) of the part at p as the attention multiplies them (see part_floats). */
+ALWAYS_INLINE __m256 chunk8(const int kvt, const uint8_t *p, int64_t d, float z, int64_t vals, int64_t g) {
+    __m256 c = codes8(kvt, p + (kv_is_int4(kvt) ? d / 2 : d));
+    if (kvt == KV_I4_TH) return _mm256_sub_ps(c, _mm256_set1_ps(z));
+    if (kvt == KV_I4_GROUP) {
+        float zz, sc = group_scale(p + vals, d / g, &zz);
+        return _mm256_fmadd_ps(c, _mm256_set1_ps(sc), _mm256_set1_ps(-zz * sc));
+    }
+    return c;
+}
+
 static void part_floats(const int kvt, const uint8_t *p, int64_t D, float z, int64_t vals, int64_t g, float *out) {
     int64_t d = 0;
-    for (; d + 8 <= D; d += 8) {
-        __m256 c = codes8(kvt, p + (kv_is_int4(kvt) ? d / 2 : d));
-        if (kvt == KV_I4_TH) {
-            c = _mm256_sub_ps(c, _mm256_set1_ps(z));
-        } else if (kvt == KV_I4_GROUP) {
-            float zz, sc = group_scale(p + vals, d / g, &zz);
-            c = _mm256_fmadd_ps(c, _mm256_set1_ps(sc), _mm256_set1_ps(-zz * sc));
-        }
-        _mm256_storeu_ps(out + d, c);
-    }
+    for (; d + 8 <= D; d += 8) _mm256_storeu_ps(out + d, chunk8(kvt, p, d, z, vals, g));
     for (; d < D; d++) out[d] = qval(p, d, kvt, z, vals, g);
 }
+
+/* In registers, for head sizes that are multiples of 8 (the tile buffer below takes the rest,
+ * and int4 groups: their scale decode per 8-value chunk and head pair made this path 1.2x
+ * slower than converting each part once into the buffer).
+ * s[h*TILE + j] = q_h . k_j (raw) for nh (<= 3) query heads and the 4 keys ks[j] + off: each
+ * 8-value chunk of a key is converted once for all heads (12 accumulators), then two heads'
+ * 4 sums take one transposing reduction. */
+ALWAYS_INLINE void qk4_avx2(const int kvt, const int nh, const float *q, int64_t D, const uint8_t *const *ks,
+                            int64_t off, const float *z, int64_t vals, int64_t g, float *s) {
+    __m256 t[3][4];
+    for (int h = 0; h < nh; h++)
+        for (int j = 0; j < 4; j++) t[h][j] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D; d += 8)
+        for (int j = 0; j < 4; j++) {
+            __m256 k = chunk8(kvt, ks[j] + off, d, z[j], vals, g);
+            for (int h = 0; h < nh; h++) t[h][j] = _mm256_fmadd_ps(_mm256_loadu_ps(q + h * D + d), k, t[h][j]);
+        }
+    for (int h = 0; h < nh; h += 2) {
+        __m256 v[8];
+        for (int j = 0; j < 4; j++) {
+            v[j] = t[h][j];
+            v[4 + j] = h + 1 < nh ? t[h + 1][j] : _mm256_setzero_ps();
+        }
+        __m256 r = hsum8x8(v);  /* lanes 0-3: head h's 4 keys, 4-7: head h+1's */
+        _mm_storeu_ps(s + h * TILE, _mm256_castps256_ps128(r));
+        if (h + 1 < nh) _mm_storeu_ps(s + (h + 1) * TILE, _mm256_extractf128_ps(r, 1));
+    }
+}
+
+/* acc[h*Dv + c] += sum_j p[h*TILE + j] * v_j[c] for nh (<= 2) query heads, 32 columns a pass
+ * (Dv a multiple of 8): each chunk of a value converted once for the heads. */
+ALWAYS_INLINE void qv32_avx2(const int kvt, const int nh, float *acc, int64_t Dv, const float *p,
+                             const uint8_t *const *vs, int64_t off, int64_t n, const float *z, int64_t vals, int64_t g) {
+    for (int64_t c0 = 0; c0 < Dv; c0 += 32) {
+        const int nc = Dv - c0 >= 32 ? 4 : (int)((Dv - c0) / 8);
+        __m256 a[2][4];
+        for (int h = 0; h < nh; h++)
+            for (int k = 0; k < nc; k++) a[h][k] = _mm256_loadu_ps(acc + h * Dv + c0 + 8 * k);
+        for (int64_t j = 0; j < n; j++) {
+            __m256 pj[2];
+            for (int h = 0; h < nh; h++) pj[h] = _mm256_set1_ps(p[h * TILE + j]);
+            for (int k = 0; k < nc; k++) {
+                __m256 w = chunk8(kvt, vs[j] + off, c0 + 8 * k, z[j], vals, g);
+                for (int h = 0; h < nh; h++) a[h][k] = _mm256_fmadd_ps(pj[h], w, a[h][k]);
+            }
+        }
+        for (int h = 0; h < nh; h++)
+            for (int k = 0; k < nc; k++) _mm256_storeu_ps(acc + h * Dv + c0 + 8 * k, a[h][k]);
+    }
+}
+
+#define PKV2_QK(KVT)                                                                                \
+    for (int64_t j0 = 0; j0 < n; j0 += 4)                                                           \
+        for (int64_t g0 = 0; g0 < G; g0 += 3) {                                                     \
+            const float *qg = q + g0 * D;                                                           \
+            float *sg = s[g0] + j0;                                                                 \
+            if (G - g0 >= 3) qk4_avx2(KVT, 3, qg, D, ks + j0, off, z + j0, a->kvals, a->kgroup, sg); \
+            else if (G - g0 == 2) qk4_avx2(KVT, 2, qg, D, ks + j0, off, z + j0, a->kvals, a->kgroup, sg); \
+            else qk4_avx2(KVT, 1, qg, D, ks + j0, off, z + j0, a->kvals, a->kgroup, sg);            \
+        }
+#define PKV2_QV(KVT)                                                                                       \
+    for (int64_t g0 = 0; g0 < G; g0 += 2) {                                                                \
+        if (G - g0 >= 2) qv32_avx2(KVT, 2, acc + g0 * Dv, Dv, s[g0], vs, off, n, z, a->vvals, a->vgroup);   \
+        else qv32_avx2(KVT, 1, acc + g0 * Dv, Dv, s[g0], vs, off, n, z, a->vvals, a->vgroup);               \
+    }
 
 /* The parts ks[j] + off (j < n) as float32 rows of D at buf; bp[j] points at row j, padded to a
  * multiple of 16 keys with row 0 (computed, never used). */
@@ -1549,7 +1618,11 @@ static void tile_floats(const int kvt, const uint8_t *const *ks, int64_t off, in
 static void qk_tile(const decode_args *a, const float *q, const uint8_t *const *ks, int64_t off, int64_t n,
                     const float *z, const float *gs, const float *gz, float (*s)[TILE]) {
     (void)gs, (void)gz;
-    const int64_t D = a->D;
+    const int64_t D = a->D, G = a->G;
+    if (D % 8 == 0 && a->kvt != KV_I4_GROUP) {  /* keys padded to a multiple of 16 (z too): the last group of 4 is whole */
+        PKV_DISPATCH(PKV2_QK)
+        return;
+    }
     if (D > QBUF_D) {
         qk_tile_scalar(a, q, ks, off, n, z, s);
         return;
@@ -1564,7 +1637,11 @@ static void qk_tile(const decode_args *a, const float *q, const uint8_t *const *
 static void qv_tile(const decode_args *a, float *acc, float (*s)[TILE], const uint8_t *const *vs, int64_t off,
                     int64_t n, const float *z, const float *gs, const float *gz) {
     (void)gs, (void)gz;
-    const int64_t Dv = a->Dv;
+    const int64_t Dv = a->Dv, G = a->G;
+    if (Dv % 8 == 0 && a->kvt != KV_I4_GROUP) {
+        PKV_DISPATCH(PKV2_QV)
+        return;
+    }
     if (Dv > QBUF_D) {
         qv_tile_scalar(a, acc, s, vs, off, n, z);
         return;
