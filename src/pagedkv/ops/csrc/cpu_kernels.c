@@ -1265,6 +1265,45 @@ __attribute__((unused)) static void qv_tile_scalar(const decode_args *a, float *
         }
 }
 
+#if PKV_ATTN_AVX512 || PKV_AVX2
+/* Int4 group scales, converted once per tile (F16C: both SIMD paths). */
+/* Scales and -z*s of eight fp16 group scales h into gs[0:8) / gz[0:8). */
+static inline void group_scales8(__m128i h, float *gs, float *gz) {
+    const __m128i low = _mm_set1_epi16(15);
+    __m256 sc = _mm256_cvtph_ps(_mm_andnot_si128(low, h));
+    __m256 zp = _mm256_cvtepi32_ps(_mm256_cvtepu16_epi32(_mm_and_si128(h, low)));
+    _mm256_storeu_ps(gs, sc);
+    _mm256_storeu_ps(gz, _mm256_mul_ps(_mm256_sub_ps(_mm256_setzero_ps(), zp), sc));
+}
+
+/* 8/NG tokens' NG scales each (at ps[i] + at) into gs/gz[0:8): one conversion for all. */
+static inline __attribute__((always_inline)) void group_scales_batch(const int ng, const uint8_t *const *ps, int64_t at, float *gs, float *gz) {
+    uint16_t h[8];
+    for (int i = 0; i < 8 / ng; i++) memcpy(h + i * ng, ps[i] + at, 2 * ng);
+    group_scales8(_mm_loadu_si128((const __m128i *)h), gs, gz);
+}
+
+/* gs[j*ng + grp] = scale s, gz[j*ng + grp] = -z*s of int4 group grp (of ng) of the parts at
+ * ps[j] + at, j < n: converted once per tile, then broadcast from memory by the dot products.
+ * Writes up to 8 floats past the last group (the buffers have room). */
+static inline void group_scales(const uint8_t *const *ps, int64_t at, int64_t n, int64_t ng, float *gs, float *gz) {
+    int64_t j = 0;
+    if (ng == 1)  /* several tokens a conversion (V parts; K of head sizes 16 and 64) */
+        for (; j + 8 <= n; j += 8) group_scales_batch(1, ps + j, at, gs + j, gz + j);
+    else if (ng == 2)
+        for (; j + 4 <= n; j += 4) group_scales_batch(2, ps + j, at, gs + 2 * j, gz + 2 * j);
+    else if (ng == 4)
+        for (; j + 2 <= n; j += 2) group_scales_batch(4, ps + j, at, gs + 4 * j, gz + 4 * j);
+    for (; j < n; j++)
+        for (int64_t grp = 0; grp < ng; grp += 8) {
+            uint16_t h[8] = {0};
+            memcpy(h, ps[j] + at + 2 * grp, 2 * (size_t)(ng - grp >= 8 ? 8 : ng - grp));
+            group_scales8(_mm_loadu_si128((const __m128i *)h), gs + j * ng + grp, gz + j * ng + grp);
+        }
+}
+
+#endif
+
 #if PKV_ATTN_AVX512
 #define PKV_INLINE static inline __attribute__((always_inline))
 
@@ -1299,40 +1338,6 @@ PKV_INLINE void int4_codes64(const uint8_t *p, __m512 *w) {
 /* Bytes holding values [d, d + 16) of a part with `rem` = D - d values left. */
 PKV_INLINE __mmask16 code_bytes(const int kvt, int64_t rem) {
     return kv_is_int4(kvt) ? lanes(rem >= 16 ? 8 : (rem + 1) / 2) : lanes(rem);
-}
-
-/* Scales and -z*s of eight fp16 group scales h into gs[0:8) / gz[0:8). */
-static inline void group_scales8(__m128i h, float *gs, float *gz) {
-    const __m128i low = _mm_set1_epi16(15);
-    __m256 sc = _mm256_cvtph_ps(_mm_andnot_si128(low, h));
-    __m256 zp = _mm256_cvtepi32_ps(_mm256_cvtepu16_epi32(_mm_and_si128(h, low)));
-    _mm256_storeu_ps(gs, sc);
-    _mm256_storeu_ps(gz, _mm256_mul_ps(_mm256_sub_ps(_mm256_setzero_ps(), zp), sc));
-}
-
-/* 8/NG tokens' NG scales each (at ps[i] + at) into gs/gz[0:8): one conversion for all. */
-PKV_INLINE void group_scales_batch(const int ng, const uint8_t *const *ps, int64_t at, float *gs, float *gz) {
-    uint16_t h[8];
-    for (int i = 0; i < 8 / ng; i++) memcpy(h + i * ng, ps[i] + at, 2 * ng);
-    group_scales8(_mm_loadu_si128((const __m128i *)h), gs, gz);
-}
-
-/* gs[j*ng + grp] = scale s, gz[j*ng + grp] = -z*s of int4 group grp (of ng) of the parts at
- * ps[j] + at, j < n: converted once per tile, then broadcast from memory by the dot products.
- * Writes up to 8 floats past the last group (the buffers have room). */
-static inline void group_scales(const uint8_t *const *ps, int64_t at, int64_t n, int64_t ng, float *gs, float *gz) {
-    int64_t j = 0;
-    if (ng == 1)  /* several tokens a conversion (V parts; K of head sizes 16 and 64) */
-        for (; j + 8 <= n; j += 8) group_scales_batch(1, ps + j, at, gs + j, gz + j);
-    else if (ng == 2)
-        for (; j + 4 <= n; j += 4) group_scales_batch(2, ps + j, at, gs + 2 * j, gz + 2 * j);
-    else if (ng == 4)
-        for (; j + 2 <= n; j += 2) group_scales_batch(4, ps + j, at, gs + 4 * j, gz + 4 * j);
-    for (; j < n; j++)
-        for (int64_t grp = 0; grp < ng; grp += 8) {
-            __mmask8 m = (__mmask8)(ng - grp >= 8 ? 0xFF : (1u << (ng - grp)) - 1);
-            group_scales8(_mm_maskz_loadu_epi16(m, ps[j] + at + 2 * grp), gs + j * ng + grp, gz + j * ng + grp);
-        }
 }
 
 /* A chunk's codes as the dot product multiplies them: less the int4 zero point z (per token-
@@ -1496,10 +1501,10 @@ static void qv_tile(const decode_args *a, float *acc, float (*s)[TILE], const ui
     PKV_DISPATCH(PKV_QV)
 }
 #elif PKV_AVX2
-/* AVX2: a tile's quantized parts are converted once into an L1 buffer of float32 values (16 KB
- * at head size 64: one tile, never a copy of the cache), shared by every query head of the KV
- * head, and the float32 kernels above (scores16, accumulate_tile) run on it. AVX2's 16
- * registers cannot hold the AVX-512 path's per-head accumulators beside the converted codes. */
+/* AVX2: head sizes that are multiples of 8 dequantize in registers (qk4_avx2, qv32_avx2: each
+ * 8-value chunk converted once for several query heads of the KV head). Other head sizes convert
+ * a tile's parts once into an L1 buffer of float32 values (16 KB at head size 64: one tile,
+ * never a copy of the cache), and the float32 kernels above (scores16, accumulate_tile) run on it. */
 enum { QBUF_D = 256 };  /* largest head size this path converts (more: the portable loops) */
 
 /* 8 stored values from p (int4: 4 bytes, elements 2i low and 2i+1 high nibble) as code_at
@@ -1522,39 +1527,83 @@ ALWAYS_INLINE __m256 codes8(const int kvt, const uint8_t *p) {
  * codes, less int4's zero point z, or q*s + (-z*s) with the int4 group's scale, as the
  * AVX-512 path computes them). Int4 groups are multiples of 16 values or the whole part
  * (pkv_paged_decode checks), so an aligned chunk of 8 lies in one group. */
-/* Values [d, d + 8) of the part at p as the attention multiplies them (see part_floats). */
-ALWAYS_INLINE __m256 chunk8(const int kvt, const uint8_t *p, int64_t d, float z, int64_t vals, int64_t g) {
+/* Values [d, d + 8) of the part at p as the attention multiplies them (see part_floats); gsc and
+ * gzc: the int4 group's scale and -z*scale (group formats only). */
+ALWAYS_INLINE __m256 chunk8(const int kvt, const uint8_t *p, int64_t d, float z, float gsc, float gzc) {
     __m256 c = codes8(kvt, p + (kv_is_int4(kvt) ? d / 2 : d));
     if (kvt == KV_I4_TH) return _mm256_sub_ps(c, _mm256_set1_ps(z));
-    if (kvt == KV_I4_GROUP) {
-        float zz, sc = group_scale(p + vals, d / g, &zz);
-        return _mm256_fmadd_ps(c, _mm256_set1_ps(sc), _mm256_set1_ps(-zz * sc));
-    }
+    if (kvt == KV_I4_GROUP) return _mm256_fmadd_ps(c, _mm256_set1_ps(gsc), _mm256_set1_ps(gzc));
     return c;
+}
+
+/* Values [d, d + 16) as two chunk8s (lo, hi); int4's 8 bytes are unpacked in one pass (10
+ * instructions for 16 codes instead of 16). The caller keeps d + 16 <= D and the 16 in one group. */
+ALWAYS_INLINE void chunk16(const int kvt, const uint8_t *p, int64_t d, float z, float gsc, float gzc, __m256 *lo,
+                           __m256 *hi) {
+    if (!kv_is_int4(kvt)) {
+        *lo = chunk8(kvt, p, d, z, gsc, gzc);
+        *hi = chunk8(kvt, p, d + 8, z, gsc, gzc);
+        return;
+    }
+    const __m128i low = _mm_set1_epi8(0x0F);
+    __m128i b = _mm_loadl_epi64((const __m128i *)(p + d / 2));
+    __m128i x = _mm_unpacklo_epi8(_mm_and_si128(b, low), _mm_and_si128(_mm_srli_epi16(b, 4), low));
+    __m256 c0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(x)), c1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(x, x)));
+    if (kvt == KV_I4_TH) {
+        __m256 vz = _mm256_set1_ps(z);
+        *lo = _mm256_sub_ps(c0, vz), *hi = _mm256_sub_ps(c1, vz);
+    } else {
+        __m256 vs = _mm256_set1_ps(gsc), vz = _mm256_set1_ps(gzc);
+        *lo = _mm256_fmadd_ps(c0, vs, vz), *hi = _mm256_fmadd_ps(c1, vs, vz);
+    }
 }
 
 static void part_floats(const int kvt, const uint8_t *p, int64_t D, float z, int64_t vals, int64_t g, float *out) {
     int64_t d = 0;
-    for (; d + 8 <= D; d += 8) _mm256_storeu_ps(out + d, chunk8(kvt, p, d, z, vals, g));
+    for (; d + 8 <= D; d += 8) {
+        float zz = 0.0f, sc = kvt == KV_I4_GROUP ? group_scale(p + vals, d / g, &zz) : 0.0f;
+        _mm256_storeu_ps(out + d, chunk8(kvt, p, d, z, sc, -zz * sc));
+    }
     for (; d < D; d++) out[d] = qval(p, d, kvt, z, vals, g);
 }
 
-/* In registers, for head sizes that are multiples of 8 (the tile buffer below takes the rest,
- * and int4 groups: their scale decode per 8-value chunk and head pair made this path 1.2x
- * slower than converting each part once into the buffer).
+/* In registers, for head sizes that are multiples of 8 (the tile buffer below takes the rest;
+ * int4 group scales come converted once per tile, gs/gz: decoding them per chunk made this path
+ * slower than the buffer).
  * s[h*TILE + j] = q_h . k_j (raw) for nh (<= 3) query heads and the 4 keys ks[j] + off: each
  * 8-value chunk of a key is converted once for all heads (12 accumulators), then two heads'
  * 4 sums take one transposing reduction. */
 ALWAYS_INLINE void qk4_avx2(const int kvt, const int nh, const float *q, int64_t D, const uint8_t *const *ks,
-                            int64_t off, const float *z, int64_t vals, int64_t g, float *s) {
+                            int64_t off, const float *z, const float *gs, const float *gz, int64_t ng, int64_t g,
+                            float *s) {
     __m256 t[3][4];
     for (int h = 0; h < nh; h++)
         for (int j = 0; j < 4; j++) t[h][j] = _mm256_setzero_ps();
-    for (int64_t d = 0; d < D; d += 8)
+    int64_t d = 0, gi = 0, gend = g;  /* int4 group gi holds values [gend - g, gend): a multiple of 16, or D */
+    /* int4: 16 values a step (one unpack); the other formats 8 (pairing their chunks measured
+     * slower: int8 0.44x -> 0.47-0.50x of the float32 cache's time) */
+    for (; kv_is_int4(kvt) && d + 16 <= D; d += 16) {
+        if (kvt == KV_I4_GROUP && d == gend) gi++, gend += g;
         for (int j = 0; j < 4; j++) {
-            __m256 k = chunk8(kvt, ks[j] + off, d, z[j], vals, g);
+            const int64_t at = kvt == KV_I4_GROUP ? j * ng + gi : 0;
+            __m256 k0, k1;
+            chunk16(kvt, ks[j] + off, d, z[j], kvt == KV_I4_GROUP ? gs[at] : 0.0f, kvt == KV_I4_GROUP ? gz[at] : 0.0f,
+                    &k0, &k1);
+            for (int h = 0; h < nh; h++) {
+                t[h][j] = _mm256_fmadd_ps(_mm256_loadu_ps(q + h * D + d), k0, t[h][j]);
+                t[h][j] = _mm256_fmadd_ps(_mm256_loadu_ps(q + h * D + d + 8), k1, t[h][j]);
+            }
+        }
+    }
+    for (; d < D; d += 8) {
+        if (kvt == KV_I4_GROUP && d == gend) gi++, gend += g;
+        for (int j = 0; j < 4; j++) {
+            const int64_t at = kvt == KV_I4_GROUP ? j * ng + gi : 0;
+            __m256 k = chunk8(kvt, ks[j] + off, d, z[j], kvt == KV_I4_GROUP ? gs[at] : 0.0f,
+                              kvt == KV_I4_GROUP ? gz[at] : 0.0f);
             for (int h = 0; h < nh; h++) t[h][j] = _mm256_fmadd_ps(_mm256_loadu_ps(q + h * D + d), k, t[h][j]);
         }
+    }
     for (int h = 0; h < nh; h += 2) {
         __m256 v[8];
         for (int j = 0; j < 4; j++) {
@@ -1570,18 +1619,35 @@ ALWAYS_INLINE void qk4_avx2(const int kvt, const int nh, const float *q, int64_t
 /* acc[h*Dv + c] += sum_j p[h*TILE + j] * v_j[c] for nh (<= 2) query heads, 32 columns a pass
  * (Dv a multiple of 8): each chunk of a value converted once for the heads. */
 ALWAYS_INLINE void qv32_avx2(const int kvt, const int nh, float *acc, int64_t Dv, const float *p,
-                             const uint8_t *const *vs, int64_t off, int64_t n, const float *z, int64_t vals, int64_t g) {
+                             const uint8_t *const *vs, int64_t off, int64_t n, const float *z, const float *gs,
+                             const float *gz, int64_t ng, int64_t g) {
     for (int64_t c0 = 0; c0 < Dv; c0 += 32) {
         const int nc = Dv - c0 >= 32 ? 4 : (int)((Dv - c0) / 8);
+        int64_t gi[4] = {0};  /* each chunk's int4 group (an aligned chunk of 8 lies in one) */
+        if (kvt == KV_I4_GROUP)
+            for (int k = 0; k < nc; k++) gi[k] = (c0 + 8 * k) / g;
         __m256 a[2][4];
         for (int h = 0; h < nh; h++)
             for (int k = 0; k < nc; k++) a[h][k] = _mm256_loadu_ps(acc + h * Dv + c0 + 8 * k);
         for (int64_t j = 0; j < n; j++) {
             __m256 pj[2];
             for (int h = 0; h < nh; h++) pj[h] = _mm256_set1_ps(p[h * TILE + j]);
-            for (int k = 0; k < nc; k++) {
-                __m256 w = chunk8(kvt, vs[j] + off, c0 + 8 * k, z[j], vals, g);
-                for (int h = 0; h < nh; h++) a[h][k] = _mm256_fmadd_ps(pj[h], w, a[h][k]);
+            for (int k = 0; k < nc;) {
+                const int64_t at = kvt == KV_I4_GROUP ? j * ng + gi[k] : 0;
+                const float gsc = kvt == KV_I4_GROUP ? gs[at] : 0.0f, gzc = kvt == KV_I4_GROUP ? gz[at] : 0.0f;
+                if (kv_is_int4(kvt) && k + 1 < nc) {  /* [c0 + 8k, +16): 16-aligned, one group (16s or Dv) */
+                    __m256 w0, w1;
+                    chunk16(kvt, vs[j] + off, c0 + 8 * k, z[j], gsc, gzc, &w0, &w1);
+                    for (int h = 0; h < nh; h++) {
+                        a[h][k] = _mm256_fmadd_ps(pj[h], w0, a[h][k]);
+                        a[h][k + 1] = _mm256_fmadd_ps(pj[h], w1, a[h][k + 1]);
+                    }
+                    k += 2;
+                } else {
+                    __m256 w = chunk8(kvt, vs[j] + off, c0 + 8 * k, z[j], gsc, gzc);
+                    for (int h = 0; h < nh; h++) a[h][k] = _mm256_fmadd_ps(pj[h], w, a[h][k]);
+                    k++;
+                }
             }
         }
         for (int h = 0; h < nh; h++)
@@ -1589,19 +1655,21 @@ ALWAYS_INLINE void qv32_avx2(const int kvt, const int nh, float *acc, int64_t Dv
     }
 }
 
-#define PKV2_QK(KVT)                                                                                \
-    for (int64_t j0 = 0; j0 < n; j0 += 4)                                                           \
-        for (int64_t g0 = 0; g0 < G; g0 += 3) {                                                     \
-            const float *qg = q + g0 * D;                                                           \
-            float *sg = s[g0] + j0;                                                                 \
-            if (G - g0 >= 3) qk4_avx2(KVT, 3, qg, D, ks + j0, off, z + j0, a->kvals, a->kgroup, sg); \
-            else if (G - g0 == 2) qk4_avx2(KVT, 2, qg, D, ks + j0, off, z + j0, a->kvals, a->kgroup, sg); \
-            else qk4_avx2(KVT, 1, qg, D, ks + j0, off, z + j0, a->kvals, a->kgroup, sg);            \
+/* (ng: int4 groups per part; gs/gz: their scales, ng a token, from group_scales) */
+#define PKV2_QK4(KVT, NH) \
+    qk4_avx2(KVT, NH, q + g0 * D, D, ks + j0, off, z + j0, gs + j0 * ng, gz + j0 * ng, ng, a->kgroup, s[g0] + j0);
+#define PKV2_QK(KVT)                                             \
+    for (int64_t j0 = 0; j0 < n; j0 += 4)                        \
+        for (int64_t g0 = 0; g0 < G; g0 += 3) {                  \
+            if (G - g0 >= 3) PKV2_QK4(KVT, 3)                    \
+            else if (G - g0 == 2) PKV2_QK4(KVT, 2)               \
+            else PKV2_QK4(KVT, 1)                                \
         }
-#define PKV2_QV(KVT)                                                                                       \
-    for (int64_t g0 = 0; g0 < G; g0 += 2) {                                                                \
-        if (G - g0 >= 2) qv32_avx2(KVT, 2, acc + g0 * Dv, Dv, s[g0], vs, off, n, z, a->vvals, a->vgroup);   \
-        else qv32_avx2(KVT, 1, acc + g0 * Dv, Dv, s[g0], vs, off, n, z, a->vvals, a->vgroup);               \
+#define PKV2_QV32(KVT, NH) qv32_avx2(KVT, NH, acc + g0 * Dv, Dv, s[g0], vs, off, n, z, gs, gz, ng, a->vgroup);
+#define PKV2_QV(KVT)                                  \
+    for (int64_t g0 = 0; g0 < G; g0 += 2) {           \
+        if (G - g0 >= 2) PKV2_QV32(KVT, 2)            \
+        else PKV2_QV32(KVT, 1)                        \
     }
 
 /* The parts ks[j] + off (j < n) as float32 rows of D at buf; bp[j] points at row j, padded to a
@@ -1617,9 +1685,8 @@ static void tile_floats(const int kvt, const uint8_t *const *ks, int64_t off, in
 
 static void qk_tile(const decode_args *a, const float *q, const uint8_t *const *ks, int64_t off, int64_t n,
                     const float *z, const float *gs, const float *gz, float (*s)[TILE]) {
-    (void)gs, (void)gz;
-    const int64_t D = a->D, G = a->G;
-    if (D % 8 == 0 && a->kvt != KV_I4_GROUP) {  /* keys padded to a multiple of 16 (z too): the last group of 4 is whole */
+    const int64_t D = a->D, G = a->G, ng = D / a->kgroup;
+    if (D % 8 == 0) {  /* keys padded to a multiple of 16 (z, gs, gz too): the last group of 4 is whole */
         PKV_DISPATCH(PKV2_QK)
         return;
     }
@@ -1636,9 +1703,8 @@ static void qk_tile(const decode_args *a, const float *q, const uint8_t *const *
 
 static void qv_tile(const decode_args *a, float *acc, float (*s)[TILE], const uint8_t *const *vs, int64_t off,
                     int64_t n, const float *z, const float *gs, const float *gz) {
-    (void)gs, (void)gz;
-    const int64_t Dv = a->Dv, G = a->G;
-    if (Dv % 8 == 0 && a->kvt != KV_I4_GROUP) {
+    const int64_t Dv = a->Dv, G = a->G, ng = Dv / a->vgroup;
+    if (Dv % 8 == 0) {
         PKV_DISPATCH(PKV2_QV)
         return;
     }
@@ -1706,7 +1772,7 @@ static void prefetch_tokens(const decode_args *a, const int32_t *table, int64_t 
 /* decode_item over a quantized cache (same tiles, split and online softmax). */
 static void decode_item_q(const decode_args *a, int64_t r, int64_t h0, int64_t h1) {
     float acc[MAX_ACC], s[256][TILE], mx[256], sum[256], sc[TILE], z[TILE] = {0};
-#if PKV_ATTN_AVX512
+#if PKV_ATTN_AVX512 || PKV_AVX2
     float gs[TILE * MAXG], gz[TILE * MAXG];  /* int4 group scales of the tile's parts */
 #else
     float *gs = NULL, *gz = NULL;  /* the portable path reads them per value */
@@ -1741,7 +1807,7 @@ static void decode_item_q(const decode_args *a, int64_t r, int64_t h0, int64_t h
                             h0, h1, &last_line);
             float (*sh)[TILE] = s + (hk - h0) * G, f = a->scale * a->kmul;
             if (scaled) token_scales(kp, hk * a->kh + a->kvals, n, kvt, a->s16, f, sc, z);
-#if PKV_ATTN_AVX512
+#if PKV_ATTN_AVX512 || PKV_AVX2
             if (kvt == KV_I4_GROUP)  /* padding keys (up to a multiple of 16) too */
                 group_scales(kp, hk * a->kh + a->kvals, (n + 15) / 16 * 16, D / a->kgroup, gs, gz);
 #endif
@@ -1759,7 +1825,7 @@ static void decode_item_q(const decode_args *a, int64_t r, int64_t h0, int64_t h
                 for (int64_t g = 0; g < G; g++)
                     for (int64_t j = 0; j < n; j++) sh[g][j] *= sc[j];
             }
-#if PKV_ATTN_AVX512
+#if PKV_ATTN_AVX512 || PKV_AVX2
             if (kvt == KV_I4_GROUP) group_scales(vp, hk * a->vh + a->vvals, n, Dv / a->vgroup, gs, gz);
 #endif
             qv_tile(a, acc + (hk - h0) * G * Dv, sh, vp, hk * a->vh, n, z, gs, gz);
