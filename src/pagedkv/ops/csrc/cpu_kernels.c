@@ -1266,8 +1266,8 @@ __attribute__((unused)) static void qv_tile_scalar(const decode_args *a, float *
 }
 
 #if PKV_ATTN_AVX512 || PKV_AVX2
-/* Int4 group scales, converted once per tile (F16C: both SIMD paths). */
-/* Scales and -z*s of eight fp16 group scales h into gs[0:8) / gz[0:8). */
+/* Int4 group scales, converted once per tile (F16C: both SIMD paths).
+ * Scales and -z*s of eight fp16 group scales h into gs[0:8) / gz[0:8). */
 static inline void group_scales8(__m128i h, float *gs, float *gz) {
     const __m128i low = _mm_set1_epi16(15);
     __m256 sc = _mm256_cvtph_ps(_mm_andnot_si128(low, h));
@@ -1277,7 +1277,7 @@ static inline void group_scales8(__m128i h, float *gs, float *gz) {
 }
 
 /* 8/NG tokens' NG scales each (at ps[i] + at) into gs/gz[0:8): one conversion for all. */
-static inline __attribute__((always_inline)) void group_scales_batch(const int ng, const uint8_t *const *ps, int64_t at, float *gs, float *gz) {
+ALWAYS_INLINE void group_scales_batch(const int ng, const uint8_t *const *ps, int64_t at, float *gs, float *gz) {
     uint16_t h[8];
     for (int i = 0; i < 8 / ng; i++) memcpy(h + i * ng, ps[i] + at, 2 * ng);
     group_scales8(_mm_loadu_si128((const __m128i *)h), gs, gz);
@@ -1507,6 +1507,13 @@ static void qv_tile(const decode_args *a, float *acc, float (*s)[TILE], const ui
  * never a copy of the cache), and the float32 kernels above (scores16, accumulate_tile) run on it. */
 enum { QBUF_D = 256 };  /* largest head size this path converts (more: the portable loops) */
 
+/* The int4 codes of the bytes in b in value order: byte i's low nibble is value 2i, its high
+ * nibble 2i + 1 (16 codes from 8 bytes; the upper 8 bytes of b are ignored). */
+ALWAYS_INLINE __m128i nibbles(__m128i b) {
+    const __m128i low = _mm_set1_epi8(0x0F);
+    return _mm_unpacklo_epi8(_mm_and_si128(b, low), _mm_and_si128(_mm_srli_epi16(b, 4), low));
+}
+
 /* 8 stored values from p (int4: 4 bytes, elements 2i low and 2i+1 high nibble) as code_at
  * reads them: int8 sign-extended, fp8 e4m3 rebuilt as fp16 bits (1/256 of its value), e5m2
  * as fp16's top byte, int4 codes 0..15. */
@@ -1518,61 +1525,71 @@ ALWAYS_INLINE __m256 codes8(const int kvt, const uint8_t *p) {
                                              _mm_set1_epi16((short)0xBF80)));
     uint32_t w;
     memcpy(&w, p, 4);
-    const __m128i low = _mm_set1_epi8(0x0F);
-    __m128i b = _mm_cvtsi32_si128((int)w), lo = _mm_and_si128(b, low), hi = _mm_and_si128(_mm_srli_epi16(b, 4), low);
-    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpacklo_epi8(lo, hi)));
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(nibbles(_mm_cvtsi32_si128((int)w))));
 }
 
-/* out[0:D) = the D values of the part at p as the attention multiplies them (qval's values:
- * codes, less int4's zero point z, or q*s + (-z*s) with the int4 group's scale, as the
- * AVX-512 path computes them). Int4 groups are multiples of 16 values or the whole part
- * (pkv_paged_decode checks), so an aligned chunk of 8 lies in one group. */
-/* Values [d, d + 8) of the part at p as the attention multiplies them (see part_floats); gsc and
- * gzc: the int4 group's scale and -z*scale (group formats only). */
-ALWAYS_INLINE __m256 chunk8(const int kvt, const uint8_t *p, int64_t d, float z, float gsc, float gzc) {
-    __m256 c = codes8(kvt, p + (kv_is_int4(kvt) ? d / 2 : d));
+/* A chunk of codes c as the attention multiplies them (qval's values): less int4's zero point
+ * z, or c*s + (-z*s) with the int4 group's scale *gs and *gz (read for group formats only), as
+ * the AVX-512 path computes them. */
+ALWAYS_INLINE __m256 adjust8(const int kvt, __m256 c, float z, const float *gs, const float *gz) {
     if (kvt == KV_I4_TH) return _mm256_sub_ps(c, _mm256_set1_ps(z));
-    if (kvt == KV_I4_GROUP) return _mm256_fmadd_ps(c, _mm256_set1_ps(gsc), _mm256_set1_ps(gzc));
+    if (kvt == KV_I4_GROUP) return _mm256_fmadd_ps(c, _mm256_set1_ps(*gs), _mm256_set1_ps(*gz));
     return c;
+}
+
+/* Values [d, d + 8) of the part at p (see adjust8). Int4 groups are multiples of 16 values or
+ * the whole part (pkv_paged_decode checks), so an aligned chunk of 8 lies in one group. */
+ALWAYS_INLINE __m256 chunk8(const int kvt, const uint8_t *p, int64_t d, float z, const float *gs, const float *gz) {
+    return adjust8(kvt, codes8(kvt, p + (kv_is_int4(kvt) ? d / 2 : d)), z, gs, gz);
 }
 
 /* Values [d, d + 16) as two chunk8s (lo, hi); int4's 8 bytes are unpacked in one pass (10
  * instructions for 16 codes instead of 16). The caller keeps d + 16 <= D and the 16 in one group. */
-ALWAYS_INLINE void chunk16(const int kvt, const uint8_t *p, int64_t d, float z, float gsc, float gzc, __m256 *lo,
-                           __m256 *hi) {
+ALWAYS_INLINE void chunk16(const int kvt, const uint8_t *p, int64_t d, float z, const float *gs, const float *gz,
+                           __m256 *lo, __m256 *hi) {
     if (!kv_is_int4(kvt)) {
-        *lo = chunk8(kvt, p, d, z, gsc, gzc);
-        *hi = chunk8(kvt, p, d + 8, z, gsc, gzc);
+        *lo = chunk8(kvt, p, d, z, gs, gz);
+        *hi = chunk8(kvt, p, d + 8, z, gs, gz);
         return;
     }
-    const __m128i low = _mm_set1_epi8(0x0F);
-    __m128i b = _mm_loadl_epi64((const __m128i *)(p + d / 2));
-    __m128i x = _mm_unpacklo_epi8(_mm_and_si128(b, low), _mm_and_si128(_mm_srli_epi16(b, 4), low));
-    __m256 c0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(x)), c1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(x, x)));
-    if (kvt == KV_I4_TH) {
-        __m256 vz = _mm256_set1_ps(z);
-        *lo = _mm256_sub_ps(c0, vz), *hi = _mm256_sub_ps(c1, vz);
-    } else {
-        __m256 vs = _mm256_set1_ps(gsc), vz = _mm256_set1_ps(gzc);
-        *lo = _mm256_fmadd_ps(c0, vs, vz), *hi = _mm256_fmadd_ps(c1, vs, vz);
-    }
+    __m128i x = nibbles(_mm_loadl_epi64((const __m128i *)(p + d / 2)));
+    *lo = adjust8(kvt, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(x)), z, gs, gz);
+    *hi = adjust8(kvt, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(x, x))), z, gs, gz);
 }
 
+/* out[0:D) = the D values of the part at p as the attention multiplies them (see adjust8). */
 static void part_floats(const int kvt, const uint8_t *p, int64_t D, float z, int64_t vals, int64_t g, float *out) {
     int64_t d = 0;
     for (; d + 8 <= D; d += 8) {
-        float zz = 0.0f, sc = kvt == KV_I4_GROUP ? group_scale(p + vals, d / g, &zz) : 0.0f;
-        _mm256_storeu_ps(out + d, chunk8(kvt, p, d, z, sc, -zz * sc));
+        float zz = 0.0f, sc = kvt == KV_I4_GROUP ? group_scale(p + vals, d / g, &zz) : 0.0f, nzs = -zz * sc;
+        _mm256_storeu_ps(out + d, chunk8(kvt, p, d, z, &sc, &nzs));
     }
     for (; d < D; d++) out[d] = qval(p, d, kvt, z, vals, g);
+}
+
+/* One step of qk4_avx2 at values [d, d + 8 or 16): t[h][j] += q_h . k_j over them. gs/gz: the
+ * tile's int4 group scales, ng a key, gi the step's group. */
+ALWAYS_INLINE void qk4_step(const int kvt, const int nh, const int w16, const float *q, int64_t D, int64_t d,
+                            const uint8_t *const *ks, int64_t off, const float *z, const float *gs, const float *gz,
+                            int64_t ng, int64_t gi, __m256 (*t)[4]) {
+    for (int j = 0; j < 4; j++) {
+        const int64_t at = j * ng + gi;
+        __m256 k0, k1 = _mm256_setzero_ps();
+        if (w16) chunk16(kvt, ks[j] + off, d, z[j], gs + at, gz + at, &k0, &k1);
+        else k0 = chunk8(kvt, ks[j] + off, d, z[j], gs + at, gz + at);
+        for (int h = 0; h < nh; h++) {
+            t[h][j] = _mm256_fmadd_ps(_mm256_loadu_ps(q + h * D + d), k0, t[h][j]);
+            if (w16) t[h][j] = _mm256_fmadd_ps(_mm256_loadu_ps(q + h * D + d + 8), k1, t[h][j]);
+        }
+    }
 }
 
 /* In registers, for head sizes that are multiples of 8 (the tile buffer below takes the rest;
  * int4 group scales come converted once per tile, gs/gz: decoding them per chunk made this path
  * slower than the buffer).
  * s[h*TILE + j] = q_h . k_j (raw) for nh (<= 3) query heads and the 4 keys ks[j] + off: each
- * 8-value chunk of a key is converted once for all heads (12 accumulators), then two heads'
- * 4 sums take one transposing reduction. */
+ * chunk of a key is converted once for all heads (12 accumulators), then two heads' 4 sums take
+ * one transposing reduction. */
 ALWAYS_INLINE void qk4_avx2(const int kvt, const int nh, const float *q, int64_t D, const uint8_t *const *ks,
                             int64_t off, const float *z, const float *gs, const float *gz, int64_t ng, int64_t g,
                             float *s) {
@@ -1584,25 +1601,11 @@ ALWAYS_INLINE void qk4_avx2(const int kvt, const int nh, const float *q, int64_t
      * slower: int8 0.44x -> 0.47-0.50x of the float32 cache's time) */
     for (; kv_is_int4(kvt) && d + 16 <= D; d += 16) {
         if (kvt == KV_I4_GROUP && d == gend) gi++, gend += g;
-        for (int j = 0; j < 4; j++) {
-            const int64_t at = kvt == KV_I4_GROUP ? j * ng + gi : 0;
-            __m256 k0, k1;
-            chunk16(kvt, ks[j] + off, d, z[j], kvt == KV_I4_GROUP ? gs[at] : 0.0f, kvt == KV_I4_GROUP ? gz[at] : 0.0f,
-                    &k0, &k1);
-            for (int h = 0; h < nh; h++) {
-                t[h][j] = _mm256_fmadd_ps(_mm256_loadu_ps(q + h * D + d), k0, t[h][j]);
-                t[h][j] = _mm256_fmadd_ps(_mm256_loadu_ps(q + h * D + d + 8), k1, t[h][j]);
-            }
-        }
+        qk4_step(kvt, nh, 1, q, D, d, ks, off, z, gs, gz, ng, gi, t);
     }
     for (; d < D; d += 8) {
         if (kvt == KV_I4_GROUP && d == gend) gi++, gend += g;
-        for (int j = 0; j < 4; j++) {
-            const int64_t at = kvt == KV_I4_GROUP ? j * ng + gi : 0;
-            __m256 k = chunk8(kvt, ks[j] + off, d, z[j], kvt == KV_I4_GROUP ? gs[at] : 0.0f,
-                              kvt == KV_I4_GROUP ? gz[at] : 0.0f);
-            for (int h = 0; h < nh; h++) t[h][j] = _mm256_fmadd_ps(_mm256_loadu_ps(q + h * D + d), k, t[h][j]);
-        }
+        qk4_step(kvt, nh, 0, q, D, d, ks, off, z, gs, gz, ng, gi, t);
     }
     for (int h = 0; h < nh; h += 2) {
         __m256 v[8];
@@ -1617,7 +1620,8 @@ ALWAYS_INLINE void qk4_avx2(const int kvt, const int nh, const float *q, int64_t
 }
 
 /* acc[h*Dv + c] += sum_j p[h*TILE + j] * v_j[c] for nh (<= 2) query heads, 32 columns a pass
- * (Dv a multiple of 8): each chunk of a value converted once for the heads. */
+ * (Dv a multiple of 8): each chunk of a value converted once for the heads; int4 two chunks a
+ * conversion ([c0 + 8k, +16) is 16-aligned, so in one group: 16s or all Dv). */
 ALWAYS_INLINE void qv32_avx2(const int kvt, const int nh, float *acc, int64_t Dv, const float *p,
                              const uint8_t *const *vs, int64_t off, int64_t n, const float *z, const float *gs,
                              const float *gz, int64_t ng, int64_t g) {
@@ -1633,21 +1637,15 @@ ALWAYS_INLINE void qv32_avx2(const int kvt, const int nh, float *acc, int64_t Dv
             __m256 pj[2];
             for (int h = 0; h < nh; h++) pj[h] = _mm256_set1_ps(p[h * TILE + j]);
             for (int k = 0; k < nc;) {
-                const int64_t at = kvt == KV_I4_GROUP ? j * ng + gi[k] : 0;
-                const float gsc = kvt == KV_I4_GROUP ? gs[at] : 0.0f, gzc = kvt == KV_I4_GROUP ? gz[at] : 0.0f;
-                if (kv_is_int4(kvt) && k + 1 < nc) {  /* [c0 + 8k, +16): 16-aligned, one group (16s or Dv) */
-                    __m256 w0, w1;
-                    chunk16(kvt, vs[j] + off, c0 + 8 * k, z[j], gsc, gzc, &w0, &w1);
-                    for (int h = 0; h < nh; h++) {
-                        a[h][k] = _mm256_fmadd_ps(pj[h], w0, a[h][k]);
-                        a[h][k + 1] = _mm256_fmadd_ps(pj[h], w1, a[h][k + 1]);
-                    }
-                    k += 2;
-                } else {
-                    __m256 w = chunk8(kvt, vs[j] + off, c0 + 8 * k, z[j], gsc, gzc);
-                    for (int h = 0; h < nh; h++) a[h][k] = _mm256_fmadd_ps(pj[h], w, a[h][k]);
-                    k++;
+                const int64_t at = j * ng + gi[k], w16 = kv_is_int4(kvt) && k + 1 < nc;
+                __m256 w0, w1 = _mm256_setzero_ps();
+                if (w16) chunk16(kvt, vs[j] + off, c0 + 8 * k, z[j], gs + at, gz + at, &w0, &w1);
+                else w0 = chunk8(kvt, vs[j] + off, c0 + 8 * k, z[j], gs + at, gz + at);
+                for (int h = 0; h < nh; h++) {
+                    a[h][k] = _mm256_fmadd_ps(pj[h], w0, a[h][k]);
+                    if (w16) a[h][k + 1] = _mm256_fmadd_ps(pj[h], w1, a[h][k + 1]);
                 }
+                k += w16 ? 2 : 1;
             }
         }
         for (int h = 0; h < nh; h++)
