@@ -99,6 +99,7 @@ def reference(query: torch.Tensor, keys: list[torch.Tensor], values: list[torch.
     (16, 2, 3, 80, "BLNHC", None),   # head size 80: int4 groups of 16, a masked V tail pass
     (8, 1, 3, 72, None, 100),        # head size 72: masked chunks everywhere, one int4 group of 72
     (16, 2, 2, 36, None, None),      # head size 36: not a multiple of 8 (AVX2: the tile-buffer path)
+    (16, 1, 5, 48, None, None),      # 5 query heads a KV head: AVX2's 3-head then 2-head value passes
 ])
 def test_quantized_decode_matches_dequantized_reference(mode: KVQuantMode, dtype: str, bs: int, hkv: int,
                                                         group: int, d: int, layout: str | None,

@@ -1176,10 +1176,13 @@ static void decode_item(const decode_args *a, int64_t r, int64_t h0, int64_t h1)
  * the API: pkv_paged_decode runs them as KV_I8_TH/KV_FP8_TH with decode_args.s16 set. */
 enum { KV_I8_TH = 3, KV_FP8_TH = 4, KV_FP8_E4M3 = 5, KV_FP8_E5M2 = 6, KV_I4_TH = 7, KV_I4_GROUP = 8,
        KV_I8_TH16 = 9, KV_FP8_TH16 = 10 };
+/* Inside the AVX2 kernels only: KV_I4_TH read as raw codes 0..15, its zero points taken out of
+ * the loops (q.(c - z) = q.c - z*sum(q); sum_j p_j (c_j - z_j) = sum_j p_j c_j - sum_j p_j z_j). */
+enum { KV_I4_RAW = 11 };
 
 enum { MAXG = 64 };  /* int4 scale groups per part the kernel reads (more: the torch path) */
 
-static inline int kv_is_int4(int kvt) { return kvt == KV_I4_TH || kvt == KV_I4_GROUP; }
+static inline int kv_is_int4(int kvt) { return kvt == KV_I4_TH || kvt == KV_I4_GROUP || kvt == KV_I4_RAW; }
 static inline int kv_token_scaled(int kvt) { return kvt == KV_I8_TH || kvt == KV_FP8_TH || kvt == KV_I4_TH; }
 
 /* The scale of a per-token-head part (its bytes at p: fp32, or fp16 if s16); int4's zero point
@@ -1501,7 +1504,7 @@ static void qv_tile(const decode_args *a, float *acc, float (*s)[TILE], const ui
     PKV_DISPATCH(PKV_QV)
 }
 #elif PKV_AVX2
-/* AVX2: head sizes that are multiples of 8 dequantize in registers (qk4_avx2, qv32_avx2: each
+/* AVX2: head sizes that are multiples of 8 dequantize in registers (qk_avx2, qv_avx2: each
  * 8-value chunk converted once for several query heads of the KV head). Other head sizes convert
  * a tile's parts once into an L1 buffer of float32 values (16 KB at head size 64: one tile,
  * never a copy of the cache), and the float32 kernels above (scores16, accumulate_tile) run on it. */
@@ -1530,7 +1533,7 @@ ALWAYS_INLINE __m256 codes8(const int kvt, const uint8_t *p) {
 
 /* A chunk of codes c as the attention multiplies them (qval's values): less int4's zero point
  * z, or c*s + (-z*s) with the int4 group's scale *gs and *gz (read for group formats only), as
- * the AVX-512 path computes them. */
+ * the AVX-512 path computes them; KV_I4_RAW: c as it is. */
 ALWAYS_INLINE __m256 adjust8(const int kvt, __m256 c, float z, const float *gs, const float *gz) {
     if (kvt == KV_I4_TH) return _mm256_sub_ps(c, _mm256_set1_ps(z));
     if (kvt == KV_I4_GROUP) return _mm256_fmadd_ps(c, _mm256_set1_ps(*gs), _mm256_set1_ps(*gz));
@@ -1543,8 +1546,11 @@ ALWAYS_INLINE __m256 chunk8(const int kvt, const uint8_t *p, int64_t d, float z,
     return adjust8(kvt, codes8(kvt, p + (kv_is_int4(kvt) ? d / 2 : d)), z, gs, gz);
 }
 
-/* Values [d, d + 16) as two chunk8s (lo, hi); int4's 8 bytes are unpacked in one pass (10
- * instructions for 16 codes instead of 16). The caller keeps d + 16 <= D and the 16 in one group. */
+/* Values [d, d + 16) as two chunk8s (lo, hi). Int4 in split order: lo holds the values d, d + 2,
+ * .., d + 14 (the low nibbles of the 8 bytes), hi d + 1, .., d + 15 (the high ones), which costs
+ * 5 instructions for 16 codes against 10 in value order; the caller holds its queries and
+ * accumulators of these 16 values in the same order (split16). It keeps d + 16 <= D and the 16
+ * in one group. */
 ALWAYS_INLINE void chunk16(const int kvt, const uint8_t *p, int64_t d, float z, const float *gs, const float *gz,
                            __m256 *lo, __m256 *hi) {
     if (!kv_is_int4(kvt)) {
@@ -1552,9 +1558,22 @@ ALWAYS_INLINE void chunk16(const int kvt, const uint8_t *p, int64_t d, float z, 
         *hi = chunk8(kvt, p, d + 8, z, gs, gz);
         return;
     }
-    __m128i x = nibbles(_mm_loadl_epi64((const __m128i *)(p + d / 2)));
-    *lo = adjust8(kvt, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(x)), z, gs, gz);
-    *hi = adjust8(kvt, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(x, x))), z, gs, gz);
+    __m256i x = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + d / 2)));
+    *lo = adjust8(kvt, _mm256_cvtepi32_ps(_mm256_and_si256(x, _mm256_set1_epi32(15))), z, gs, gz);
+    *hi = adjust8(kvt, _mm256_cvtepi32_ps(_mm256_srli_epi32(x, 4)), z, gs, gz);
+}
+
+/* 16 floats in value order (a = [0, 8), b = [8, 16)) into chunk16's int4 split order (even
+ * values into *e, odd ones into *o), and back. */
+ALWAYS_INLINE void split16(__m256 a, __m256 b, __m256 *e, __m256 *o) {
+    *e = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(a, b, 0x88)), 0xD8));
+    *o = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(a, b, 0xDD)), 0xD8));
+}
+
+ALWAYS_INLINE void join16(__m256 e, __m256 o, __m256 *a, __m256 *b) {
+    __m256 l = _mm256_unpacklo_ps(e, o), h = _mm256_unpackhi_ps(e, o);  /* [0-3 | 8-11], [4-7 | 12-15] */
+    *a = _mm256_permute2f128_ps(l, h, 0x20);
+    *b = _mm256_permute2f128_ps(l, h, 0x31);
 }
 
 /* out[0:D) = the D values of the part at p as the attention multiplies them (see adjust8). */
@@ -1567,11 +1586,11 @@ static void part_floats(const int kvt, const uint8_t *p, int64_t D, float z, int
     for (; d < D; d++) out[d] = qval(p, d, kvt, z, vals, g);
 }
 
-/* One step of qk4_avx2 at values [d, d + 8 or 16): t[h][j] += q_h . k_j over them. gs/gz: the
+/* One step of qk_avx2 at values [d, d + 8 or 16): t[h][j] += q_h . k_j over them. gs/gz: the
  * tile's int4 group scales, ng a key, gi the step's group. */
-ALWAYS_INLINE void qk4_step(const int kvt, const int nh, const int w16, const float *q, int64_t D, int64_t d,
-                            const uint8_t *const *ks, int64_t off, const float *z, const float *gs, const float *gz,
-                            int64_t ng, int64_t gi, __m256 (*t)[4]) {
+ALWAYS_INLINE void qk_step(const int kvt, const int nh, const int w16, const float *q, int64_t D, int64_t d,
+                           const uint8_t *const *ks, int64_t off, const float *z, const float *gs, const float *gz,
+                           int64_t ng, int64_t gi, __m256 (*t)[4]) {
     for (int j = 0; j < 4; j++) {
         const int64_t at = j * ng + gi;
         __m256 k0, k1 = _mm256_setzero_ps();
@@ -1588,11 +1607,15 @@ ALWAYS_INLINE void qk4_step(const int kvt, const int nh, const int w16, const fl
  * int4 group scales come converted once per tile, gs/gz: decoding them per chunk made this path
  * slower than the buffer).
  * s[h*TILE + j] = q_h . k_j (raw) for nh (<= 3) query heads and the 4 keys ks[j] + off: each
- * chunk of a key is converted once for all heads (12 accumulators), then two heads' 4 sums take
- * one transposing reduction. */
-ALWAYS_INLINE void qk4_avx2(const int kvt, const int nh, const float *q, int64_t D, const uint8_t *const *ks,
-                            int64_t off, const float *z, const float *gs, const float *gz, int64_t ng, int64_t g,
-                            float *s) {
+ * chunk of a key is converted once for all heads (12 accumulators; the query chunks are read
+ * from L1 for each key: 3 heads x 2 keys with the 6 query chunks in registers measured no
+ * faster), then two heads' 4 sums take one transposing reduction. Int4: q in split order
+ * (split16) and, for KV_I4_TH, qsum[h] the sum of q_h, which takes the zero points out of the
+ * loop (q.(c - z) = q.c - z*qsum). */
+ALWAYS_INLINE void qk_avx2(const int kvt0, const int nh, const float *q, const float *qsum, int64_t D,
+                           const uint8_t *const *ks, int64_t off, const float *z, const float *gs, const float *gz,
+                           int64_t ng, int64_t g, float *s) {
+    const int kvt = kvt0 == KV_I4_TH ? KV_I4_RAW : kvt0;
     __m256 t[3][4];
     for (int h = 0; h < nh; h++)
         for (int j = 0; j < 4; j++) t[h][j] = _mm256_setzero_ps();
@@ -1601,11 +1624,11 @@ ALWAYS_INLINE void qk4_avx2(const int kvt, const int nh, const float *q, int64_t
      * slower: int8 0.44x -> 0.47-0.50x of the float32 cache's time) */
     for (; kv_is_int4(kvt) && d + 16 <= D; d += 16) {
         if (kvt == KV_I4_GROUP && d == gend) gi++, gend += g;
-        qk4_step(kvt, nh, 1, q, D, d, ks, off, z, gs, gz, ng, gi, t);
+        qk_step(kvt, nh, 1, q, D, d, ks, off, z, gs, gz, ng, gi, t);
     }
     for (; d < D; d += 8) {
         if (kvt == KV_I4_GROUP && d == gend) gi++, gend += g;
-        qk4_step(kvt, nh, 0, q, D, d, ks, off, z, gs, gz, ng, gi, t);
+        qk_step(kvt, nh, 0, q, D, d, ks, off, z, gs, gz, ng, gi, t);
     }
     for (int h = 0; h < nh; h += 2) {
         __m256 v[8];
@@ -1614,60 +1637,113 @@ ALWAYS_INLINE void qk4_avx2(const int kvt, const int nh, const float *q, int64_t
             v[4 + j] = h + 1 < nh ? t[h + 1][j] : _mm256_setzero_ps();
         }
         __m256 r = hsum8x8(v);  /* lanes 0-3: head h's 4 keys, 4-7: head h+1's */
+        if (kvt == KV_I4_RAW)
+            r = _mm256_fnmadd_ps(_mm256_broadcast_ps((const __m128 *)z),
+                                 _mm256_set_m128(_mm_set1_ps(h + 1 < nh ? qsum[h + 1] : 0.0f), _mm_set1_ps(qsum[h])), r);
         _mm_storeu_ps(s + h * TILE, _mm256_castps256_ps128(r));
         if (h + 1 < nh) _mm_storeu_ps(s + (h + 1) * TILE, _mm256_extractf128_ps(r, 1));
     }
 }
 
-/* acc[h*Dv + c] += sum_j p[h*TILE + j] * v_j[c] for nh (<= 2) query heads, 32 columns a pass
- * (Dv a multiple of 8): each chunk of a value converted once for the heads; int4 two chunks a
- * conversion ([c0 + 8k, +16) is 16-aligned, so in one group: 16s or all Dv). */
-ALWAYS_INLINE void qv32_avx2(const int kvt, const int nh, float *acc, int64_t Dv, const float *p,
-                             const uint8_t *const *vs, int64_t off, int64_t n, const float *z, const float *gs,
-                             const float *gz, int64_t ng, int64_t g) {
-    for (int64_t c0 = 0; c0 < Dv; c0 += 32) {
-        const int nc = Dv - c0 >= 32 ? 4 : (int)((Dv - c0) / 8);
-        int64_t gi[4] = {0};  /* each chunk's int4 group (an aligned chunk of 8 lies in one) */
-        if (kvt == KV_I4_GROUP)
-            for (int k = 0; k < nc; k++) gi[k] = (c0 + 8 * k) / g;
-        __m256 a[2][4];
-        for (int h = 0; h < nh; h++)
-            for (int k = 0; k < nc; k++) a[h][k] = _mm256_loadu_ps(acc + h * Dv + c0 + 8 * k);
-        for (int64_t j = 0; j < n; j++) {
-            __m256 pj[2];
-            for (int h = 0; h < nh; h++) pj[h] = _mm256_set1_ps(p[h * TILE + j]);
-            for (int k = 0; k < nc;) {
-                const int64_t at = j * ng + gi[k], w16 = kv_is_int4(kvt) && k + 1 < nc;
-                __m256 w0, w1 = _mm256_setzero_ps();
-                if (w16) chunk16(kvt, vs[j] + off, c0 + 8 * k, z[j], gs + at, gz + at, &w0, &w1);
-                else w0 = chunk8(kvt, vs[j] + off, c0 + 8 * k, z[j], gs + at, gz + at);
+/* sum_j p[j] * z[j], j < n. */
+static inline float dot_n(const float *p, const float *z, int64_t n) {
+    __m256 t = _mm256_setzero_ps();
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) t = _mm256_fmadd_ps(_mm256_loadu_ps(p + j), _mm256_loadu_ps(z + j), t);
+    float r = hsum8(t);
+    for (; j < n; j++) r += p[j] * z[j];
+    return r;
+}
+
+/* One 8*nc-column pass of qv_avx2 at columns [c0, c0 + 8*nc). */
+ALWAYS_INLINE void qv_pass(const int kvt, const int nh, const int nc, float *acc, int64_t Dv, int64_t c0,
+                           const float *p, const uint8_t *const *vs, int64_t off, int64_t n, const float *z,
+                           const float *gs, const float *gz, int64_t ng, int64_t g, const __m256 *zp) {
+    /* nc (chunks of 8 columns), nh and kvt are constants once inlined, so every loop over k and
+     * h unrolls and a[][] stays in registers (a runtime nc put it on the stack: 1.4x slower) */
+    const int pair = kv_is_int4(kvt);  /* chunks (k, k + 1) converted together, k even */
+    int64_t gi[4] = {0};  /* each chunk's int4 group (an aligned chunk of 8 lies in one) */
+    if (kvt == KV_I4_GROUP)
+        for (int k = 0; k < nc; k++) gi[k] = (c0 + 8 * k) / g;
+    __m256 a[3][4];
+    for (int h = 0; h < nh; h++)
+        for (int k = 0; k < nc; k++) {
+            const float *at = acc + h * Dv + c0 + 8 * k;
+            if (pair && k % 2 == 0 && k + 1 < nc) split16(_mm256_loadu_ps(at), _mm256_loadu_ps(at + 8), &a[h][k], &a[h][k + 1]);
+            else if (!(pair && k % 2)) a[h][k] = _mm256_loadu_ps(at);
+        }
+    for (int64_t j = 0; j < n; j++) {
+        __m256 pj[3];
+        for (int h = 0; h < nh; h++) pj[h] = _mm256_set1_ps(p[h * TILE + j]);
+        for (int k = 0; k < nc; k++) {
+            const int64_t at = j * ng + gi[k];
+            __m256 w0, w1;
+            if (pair && k % 2 == 0 && k + 1 < nc) {
+                chunk16(kvt, vs[j] + off, c0 + 8 * k, z[j], gs + at, gz + at, &w0, &w1);
                 for (int h = 0; h < nh; h++) {
                     a[h][k] = _mm256_fmadd_ps(pj[h], w0, a[h][k]);
-                    if (w16) a[h][k + 1] = _mm256_fmadd_ps(pj[h], w1, a[h][k + 1]);
+                    a[h][k + 1] = _mm256_fmadd_ps(pj[h], w1, a[h][k + 1]);
                 }
-                k += w16 ? 2 : 1;
+            } else if (!(pair && k % 2)) {
+                w0 = chunk8(kvt, vs[j] + off, c0 + 8 * k, z[j], gs + at, gz + at);
+                for (int h = 0; h < nh; h++) a[h][k] = _mm256_fmadd_ps(pj[h], w0, a[h][k]);
             }
         }
-        for (int h = 0; h < nh; h++)
-            for (int k = 0; k < nc; k++) _mm256_storeu_ps(acc + h * Dv + c0 + 8 * k, a[h][k]);
+    }
+    for (int h = 0; h < nh; h++)
+        for (int k = 0; k < nc; k++) {
+            float *at = acc + h * Dv + c0 + 8 * k;
+            if (pair && k % 2 == 0 && k + 1 < nc) {
+                __m256 lo, hi;
+                join16(_mm256_sub_ps(a[h][k], zp[h]), _mm256_sub_ps(a[h][k + 1], zp[h]), &lo, &hi);
+                _mm256_storeu_ps(at, lo);
+                _mm256_storeu_ps(at + 8, hi);
+            } else if (!(pair && k % 2)) _mm256_storeu_ps(at, _mm256_sub_ps(a[h][k], zp[h]));  /* zp: 0 but for KV_I4_RAW */
+        }
+}
+
+/* acc[h*Dv + c] += sum_j p[h*TILE + j] * v_j[c] for nh (<= 3) query heads, 32 columns a pass
+ * (16 for 3 heads: 12 accumulators + 3 broadcasts + 2 values would not fit the 16 registers),
+ * Dv a multiple of 8: each chunk of a value converted once for the heads; int4 two chunks a
+ * conversion ([c0 + 8k, +16) is 16-aligned, so in one group: 16s or all Dv), their columns held
+ * in chunk16's split order, and KV_I4_TH's zero points subtracted once a tile (sum_j p_j z_j). */
+ALWAYS_INLINE void qv_avx2(const int kvt0, const int nh, float *acc, int64_t Dv, const float *p,
+                           const uint8_t *const *vs, int64_t off, int64_t n, const float *z, const float *gs,
+                           const float *gz, int64_t ng, int64_t g) {
+    const int kvt = kvt0 == KV_I4_TH ? KV_I4_RAW : kvt0, w = nh == 3 ? 16 : 32;
+    __m256 zp[3];
+    for (int h = 0; h < nh; h++) zp[h] = _mm256_set1_ps(kvt == KV_I4_RAW ? dot_n(p + h * TILE, z, n) : 0.0f);
+    int64_t c0 = 0;
+    for (; c0 + w <= Dv; c0 += w) qv_pass(kvt, nh, w / 8, acc, Dv, c0, p, vs, off, n, z, gs, gz, ng, g, zp);
+    switch ((Dv - c0) / 8) {
+        case 3: qv_pass(kvt, nh, 3, acc, Dv, c0, p, vs, off, n, z, gs, gz, ng, g, zp); break;
+        case 2: qv_pass(kvt, nh, 2, acc, Dv, c0, p, vs, off, n, z, gs, gz, ng, g, zp); break;
+        case 1: qv_pass(kvt, nh, 1, acc, Dv, c0, p, vs, off, n, z, gs, gz, ng, g, zp); break;
+        default: break;
     }
 }
 
 /* (ng: int4 groups per part; gs/gz: their scales, ng a token, from group_scales) */
 #define PKV2_QK4(KVT, NH) \
-    qk4_avx2(KVT, NH, q + g0 * D, D, ks + j0, off, z + j0, gs + j0 * ng, gz + j0 * ng, ng, a->kgroup, s[g0] + j0);
-#define PKV2_QK(KVT)                                             \
-    for (int64_t j0 = 0; j0 < n; j0 += 4)                        \
-        for (int64_t g0 = 0; g0 < G; g0 += 3) {                  \
-            if (G - g0 >= 3) PKV2_QK4(KVT, 3)                    \
-            else if (G - g0 == 2) PKV2_QK4(KVT, 2)               \
-            else PKV2_QK4(KVT, 1)                                \
-        }
-#define PKV2_QV32(KVT, NH) qv32_avx2(KVT, NH, acc + g0 * Dv, Dv, s[g0], vs, off, n, z, gs, gz, ng, a->vgroup);
-#define PKV2_QV(KVT)                                  \
-    for (int64_t g0 = 0; g0 < G; g0 += 2) {           \
-        if (G - g0 >= 2) PKV2_QV32(KVT, 2)            \
-        else PKV2_QV32(KVT, 1)                        \
+    qk_avx2(KVT, NH, qh, qsum, D, ks + j0, off, z + j0, gs + j0 * ng, gz + j0 * ng, ng, a->kgroup, s[g0] + j0);
+#define PKV2_QK(KVT)                                                                                \
+    for (int64_t g0 = 0; g0 < G; g0 += 3) {                                                         \
+        const int nh = G - g0 >= 3 ? 3 : (int)(G - g0);                                             \
+        const float *qh = kv_is_int4(KVT) ? split_queries(q + g0 * D, nh, D, qs, qsum) : q + g0 * D; \
+        for (int64_t j0 = 0; j0 < n; j0 += 4) {                                                     \
+            if (nh == 3) PKV2_QK4(KVT, 3)                                                           \
+            else if (nh == 2) PKV2_QK4(KVT, 2)                                                      \
+            else PKV2_QK4(KVT, 1)                                                                   \
+        }                                                                                           \
+    }
+#define PKV2_QV3(KVT, NH) qv_avx2(KVT, NH, acc + g0 * Dv, Dv, s[g0], vs, off, n, z, gs, gz, ng, a->vgroup);
+/* Query heads in 2s, and an odd count's first 3 together (G = 3: one pass converting each value
+ * once, not a 2 and a 1 converting it twice; fewer instructions a value than the 2 + 1). */
+#define PKV2_QV(KVT)                                                  \
+    for (int64_t g0 = 0; g0 < G;) {                                   \
+        if ((G - g0) % 2 && G - g0 >= 3) { PKV2_QV3(KVT, 3) g0 += 3; } \
+        else if (G - g0 >= 2) { PKV2_QV3(KVT, 2) g0 += 2; }             \
+        else { PKV2_QV3(KVT, 1) g0 += 1; }                              \
     }
 
 /* The parts ks[j] + off (j < n) as float32 rows of D at buf; bp[j] points at row j, padded to a
@@ -1681,10 +1757,35 @@ static void tile_floats(const int kvt, const uint8_t *const *ks, int64_t off, in
     for (int64_t j = n; j < (n + 15) / 16 * 16; j++) bp[j] = bp[0];
 }
 
+/* The nh query heads q (rows of D) into qs in chunk16's int4 split order (whole 16-value chunks;
+ * the tail stays in value order) and their sums into qsum; returns qs. */
+static const float *split_queries(const float *q, int nh, int64_t D, float *qs, float *qsum) {
+    for (int h = 0; h < nh; h++) {
+        const float *x = q + h * D;
+        float *y = qs + h * D;
+        __m256 t = _mm256_setzero_ps();
+        int64_t d = 0;
+        for (; d + 16 <= D; d += 16) {
+            __m256 a = _mm256_loadu_ps(x + d), b = _mm256_loadu_ps(x + d + 8), e, o;
+            split16(a, b, &e, &o);
+            _mm256_storeu_ps(y + d, e);
+            _mm256_storeu_ps(y + d + 8, o);
+            t = _mm256_add_ps(t, _mm256_add_ps(a, b));
+        }
+        qsum[h] = hsum8(t);
+        for (; d < D; d++) qsum[h] += y[d] = x[d];
+    }
+    return qs;
+}
+
+enum { QSPLIT_D = 1024 };  /* largest int4 head size read in registers (more: the portable loops) */
+
 static void qk_tile(const decode_args *a, const float *q, const uint8_t *const *ks, int64_t off, int64_t n,
                     const float *z, const float *gs, const float *gz, float (*s)[TILE]) {
     const int64_t D = a->D, G = a->G, ng = D / a->kgroup;
-    if (D % 8 == 0) {  /* keys padded to a multiple of 16 (z, gs, gz too): the last group of 4 is whole */
+    if (D % 8 == 0 && (!kv_is_int4(a->kvt) || D <= QSPLIT_D)) {  /* keys padded to a multiple of 16
+                                                                 * (z, gs, gz too): the last 4 are whole */
+        float qs[3 * QSPLIT_D], qsum[3];
         PKV_DISPATCH(PKV2_QK)
         return;
     }
