@@ -21,8 +21,10 @@ first token (from the first token's timestamp to the last's: pagedkv's request m
 a stopping criterion that never stops timestamps every step).
 
 Compute ceiling: the fp32 (``--dtype``) matmul rate of this machine, measured in the same run
-(best of a 1024x1024 @ 1024x1024 ``torch.matmul`` loop), divided by 2 x parameters FLOPs per
-token (0.27 GFLOP for SmolLM2-135M). The pagedkv total tok/s is reported as a fraction of it.
+(best of a 1024x1024 @ 1024x1024 loop, over ``torch.matmul`` (MKL) and, in float32, the oneDNN
+linear pagedkv can use, ``PAGEDKV_DENSE_LINEAR=onednn``: whichever library is faster sets it),
+divided by 2 x parameters FLOPs per token (0.27 GFLOP for SmolLM2-135M). The pagedkv total
+tok/s is reported as a fraction of it; the JSON names the library pagedkv's linears used.
 
 Targets (printed beside the figures): pagedkv >= 5x HF total tok/s; >= 75% of the compute
 ceiling of the run's dtype (issue 13; the ceiling is measured in that dtype); batch-1 decode
@@ -100,22 +102,34 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 # ---------------------------------------------------------------- machine ceiling
 
 
-def matmul_gflops(dtype: Any, seconds: float, n: int = 1024) -> float:
-    """Best observed ``n x n @ n x n`` matmul rate in GFLOP/s (the machine's peak, as a ceiling)."""
+def matmul_gflops(dtype: Any, seconds: float, n: int = 1024) -> dict[str, float]:
+    """Best observed ``n x n @ n x n`` rate in GFLOP/s per library (the machine's peak, as a
+    ceiling): ``torch.matmul`` (MKL) and, for float32 where torch has it, oneDNN's linear
+    (``pagedkv.ops.dense_linear``), ``seconds`` shared between them."""
     import torch
 
+    from pagedkv.ops import dense_linear
+
     a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    bt = b.T.contiguous()
+    fns = {"mkl": lambda: torch.matmul(a, b)}
+    if dtype == torch.float32 and torch.backends.mkldnn.is_available():
+        fns["onednn"] = lambda: dense_linear._onednn(a, bt, None)
     flop = 2 * n**3
-    for _ in range(3):
-        torch.matmul(a, b)
-    best, deadline = 0.0, time.perf_counter() + seconds
-    while True:
-        t = time.perf_counter()
-        for _ in range(5):
-            torch.matmul(a, b)
-        best = max(best, 5 * flop / (time.perf_counter() - t) / 1e9)
-        if time.perf_counter() > deadline:
-            return best
+    rates = {}
+    for name, fn in fns.items():
+        for _ in range(3):
+            fn()
+        best, deadline = 0.0, time.perf_counter() + seconds / len(fns)
+        while True:
+            t = time.perf_counter()
+            for _ in range(5):
+                fn()
+            best = max(best, 5 * flop / (time.perf_counter() - t) / 1e9)
+            if time.perf_counter() > deadline:
+                break
+        rates[name] = best
+    return rates
 
 
 # ---------------------------------------------------------------- pagedkv
@@ -239,10 +253,13 @@ def bench_hf(args: argparse.Namespace, w: Workload, pad_id: int) -> dict[str, An
 def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
+    from pagedkv.ops import dense_linear
+
     if args.num_requests < 1 or args.hf_batch_size < 1:
         raise BenchOptionError("--num-requests and --hf-batch-size must be >= 1")
     log(args, "measuring the matmul rate ...")
-    gflops = matmul_gflops(getattr(torch, args.dtype), args.matmul_seconds)
+    rates = matmul_gflops(getattr(torch, args.dtype), args.matmul_seconds)
+    gflops = max(rates.values())
     from pagedkv.models.config import load_model_config
 
     cfg = load_model_config(args.model)
@@ -269,8 +286,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                       output_len=list(args.output_len), prompt_tokens=w.prompt_tokens,
                       output_tokens=w.output_tokens, seed=args.seed, prompts="random token ids",
                       batch1=dict(prompt_len=args.batch1_prompt_len, output_len=args.batch1_output_len)),
-        machine=dict(matmul_gflops=gflops, gflop_per_token=gflop_per_token, ceiling_tok_s=ceiling,
-                     torch_threads=torch.get_num_threads()),
+        machine=dict(matmul_gflops=gflops, matmul_gflops_by_library=rates, gflop_per_token=gflop_per_token,
+                     ceiling_tok_s=ceiling, torch_threads=torch.get_num_threads(),
+                     dense_linear=dense_linear.backend() if args.dtype == "float32" else "blas"),
         pagedkv=ours, hf=hf, ratios=ratios, targets=TARGETS | {"hf_batch1_reference_tok_s": HF_BATCH1_REFERENCE_TOK_S},
         meets_targets=meets,
     )
@@ -301,8 +319,10 @@ def table(r: dict[str, Any]) -> str:
         f"workload: {w['num_requests']} requests, prompts {w['prompt_len'][0]}-{w['prompt_len'][1]} "
         f"({w['prompt_tokens']} tokens), outputs {w['output_len'][0]}-{w['output_len'][1]} "
         f"({w['output_tokens']} tokens), {r['dtype']}, greedy, ignore_eos",
-        f"machine: {mach['matmul_gflops']:.1f} GFLOP/s matmul ({mach['torch_threads']} threads), "
-        f"{mach['gflop_per_token']:.3f} GFLOP/token -> ceiling {mach['ceiling_tok_s']:.0f} tok/s",
+        f"machine: {mach['matmul_gflops']:.1f} GFLOP/s matmul ({mach['torch_threads']} threads; "
+        + ", ".join(f"{k} {v:.1f}" for k, v in mach.get("matmul_gflops_by_library", {}).items())
+        + f"), {mach['gflop_per_token']:.3f} GFLOP/token -> ceiling {mach['ceiling_tok_s']:.0f} tok/s; "
+        f"pagedkv's float32 linears: {mach.get('dense_linear', 'blas')}",
         "",
         f"{'figure':24s}{'pagedkv':>10s}{'HF':>10s}{'ratio':>9s}   target",
         row("total tok/s", "total_tok_s", f">= {TARGETS['vs_hf_total']:.0f}x HF"),

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedkv.ops import native
+from pagedkv.ops import dense_linear, native
 
 # At most this many rows (tokens) go through the native quantized GEMV; more rows reuse each
 # weight enough that BLAS on the dense copy wins (measured: benchmarks/bench_native.py). The
@@ -44,7 +44,8 @@ class QuantizedRows:
     dequantize exactly to the file's float32 weights (``weight`` itself in a float32 model,
     their rounding in a bf16/fp16 one). It is a plain attribute, not state. :meth:`project`
     uses it for at most :data:`NATIVE_GEMV_MAX_ROWS` rows of input and BLAS on ``weight``
-    otherwise; low-precision inputs are computed in float32 and rounded once.
+    otherwise (float32: :func:`pagedkv.ops.dense_linear.linear`); low-precision inputs are
+    computed in float32 and rounded once.
     """
 
     weight: nn.Parameter
@@ -64,8 +65,9 @@ class QuantizedRows:
                 # values (casts included) is 1.4x (17 rows) to 5.6x (512 rows) faster, and rounds
                 # once, as a native bf16 matmul with float32 accumulation does.
                 b = None if bias is None else bias.float()
-                return F.linear(x.float(), self.weight.float(), b).to(x.dtype)
-            return F.linear(x, self.weight, bias)
+                return dense_linear.linear(x.float(), self.weight.float(), b).to(x.dtype)
+            # float32: MKL or oneDNN, whichever this CPU runs faster (ops/dense_linear.py)
+            return dense_linear.linear(x, self.weight, bias)
         xf = x.float()
         bf = None if bias is None else bias.float()
         if len(segs) == 1:
