@@ -114,7 +114,7 @@ def matmul_gflops(dtype: Any, seconds: float, n: int = 1024) -> dict[str, float]
     bt = b.T.contiguous()
     fns = {"mkl": lambda: torch.matmul(a, b)}
     if dtype == torch.float32 and torch.backends.mkldnn.is_available():
-        fns["onednn"] = lambda: dense_linear._onednn(a, bt, None)
+        fns["onednn"] = lambda: dense_linear.onednn_linear(a, bt, None)
     flop = 2 * n**3
     rates = {}
     for name, fn in fns.items():

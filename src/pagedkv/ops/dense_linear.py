@@ -37,7 +37,8 @@ import torch.nn.functional as F
 BACKENDS = ("blas", "onednn")
 
 
-def _onednn(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+def onednn_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear`` on oneDNN (2-D contiguous float32 ``x``, plain ``[out, in]`` weight ``w``)."""
     return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
 
 
@@ -65,7 +66,7 @@ def backend() -> str:
     x, w = torch.randn(64, 576, generator=gen), torch.randn(1536, 576, generator=gen)
     b = torch.randn(1536, generator=gen)
     try:
-        got = _onednn(x, w, b)
+        got = onednn_linear(x, w, b)
     except (RuntimeError, AttributeError):  # op missing from this torch build
         return "blas"
     if not torch.allclose(got, F.linear(x, w, b), rtol=1e-4, atol=1e-4):
@@ -73,16 +74,16 @@ def backend() -> str:
     if env == "onednn":
         return "onednn"
     for _ in range(2):  # warm-up: first-call setup of both libraries
-        F.linear(x, w, b), _onednn(x, w, b)
+        F.linear(x, w, b), onednn_linear(x, w, b)
     blas = _best_seconds(lambda: F.linear(x, w, b), 7)
-    dnn = _best_seconds(lambda: _onednn(x, w, b), 7)
+    dnn = _best_seconds(lambda: onednn_linear(x, w, b), 7)
     return "onednn" if dnn < blas else "blas"
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, w, b)`` for float32 CPU tensors, through :func:`backend`'s library; other
     dtypes, devices and shapes (oneDNN's op wants a 2-D contiguous input) take ``F.linear``."""
-    if (x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2 or w.dtype != torch.float32
-            or not x.is_contiguous() or not w.is_contiguous() or backend() != "onednn"):
+    if (backend() != "onednn" or x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2
+            or w.dtype != torch.float32 or not x.is_contiguous() or not w.is_contiguous()):
         return F.linear(x, w, b)
-    return _onednn(x, w, b)
+    return onednn_linear(x, w, b)

@@ -1655,13 +1655,22 @@ static inline float dot_n(const float *p, const float *z, int64_t n) {
     return r;
 }
 
+/* qv_pass's chunk k of nc: 2 = it and k + 1 convert together (int4, k even), 0 = it went with
+ * k - 1, 1 = alone. */
+ALWAYS_INLINE int chunk_role(const int pair, int k, int nc) { return !pair ? 1 : k % 2 ? 0 : k + 1 < nc ? 2 : 1; }
+
+/* a less the tile's zero-point sum zp (KV_I4_RAW only; the other formats have none). */
+ALWAYS_INLINE __m256 less_zero(const int kvt, __m256 a, __m256 zp) {
+    return kvt == KV_I4_RAW ? _mm256_sub_ps(a, zp) : a;
+}
+
 /* One 8*nc-column pass of qv_avx2 at columns [c0, c0 + 8*nc). */
 ALWAYS_INLINE void qv_pass(const int kvt, const int nh, const int nc, float *acc, int64_t Dv, int64_t c0,
                            const float *p, const uint8_t *const *vs, int64_t off, int64_t n, const float *z,
                            const float *gs, const float *gz, int64_t ng, int64_t g, const __m256 *zp) {
     /* nc (chunks of 8 columns), nh and kvt are constants once inlined, so every loop over k and
      * h unrolls and a[][] stays in registers (a runtime nc put it on the stack: 1.4x slower) */
-    const int pair = kv_is_int4(kvt);  /* chunks (k, k + 1) converted together, k even */
+    const int pair = kv_is_int4(kvt);
     int64_t gi[4] = {0};  /* each chunk's int4 group (an aligned chunk of 8 lies in one) */
     if (kvt == KV_I4_GROUP)
         for (int k = 0; k < nc; k++) gi[k] = (c0 + 8 * k) / g;
@@ -1669,22 +1678,24 @@ ALWAYS_INLINE void qv_pass(const int kvt, const int nh, const int nc, float *acc
     for (int h = 0; h < nh; h++)
         for (int k = 0; k < nc; k++) {
             const float *at = acc + h * Dv + c0 + 8 * k;
-            if (pair && k % 2 == 0 && k + 1 < nc) split16(_mm256_loadu_ps(at), _mm256_loadu_ps(at + 8), &a[h][k], &a[h][k + 1]);
-            else if (!(pair && k % 2)) a[h][k] = _mm256_loadu_ps(at);
+            const int role = chunk_role(pair, k, nc);
+            if (role == 2) split16(_mm256_loadu_ps(at), _mm256_loadu_ps(at + 8), &a[h][k], &a[h][k + 1]);
+            else if (role == 1) a[h][k] = _mm256_loadu_ps(at);
         }
     for (int64_t j = 0; j < n; j++) {
         __m256 pj[3];
         for (int h = 0; h < nh; h++) pj[h] = _mm256_set1_ps(p[h * TILE + j]);
         for (int k = 0; k < nc; k++) {
             const int64_t at = j * ng + gi[k];
+            const int role = chunk_role(pair, k, nc);
             __m256 w0, w1;
-            if (pair && k % 2 == 0 && k + 1 < nc) {
+            if (role == 2) {
                 chunk16(kvt, vs[j] + off, c0 + 8 * k, z[j], gs + at, gz + at, &w0, &w1);
                 for (int h = 0; h < nh; h++) {
                     a[h][k] = _mm256_fmadd_ps(pj[h], w0, a[h][k]);
                     a[h][k + 1] = _mm256_fmadd_ps(pj[h], w1, a[h][k + 1]);
                 }
-            } else if (!(pair && k % 2)) {
+            } else if (role == 1) {
                 w0 = chunk8(kvt, vs[j] + off, c0 + 8 * k, z[j], gs + at, gz + at);
                 for (int h = 0; h < nh; h++) a[h][k] = _mm256_fmadd_ps(pj[h], w0, a[h][k]);
             }
@@ -1693,12 +1704,13 @@ ALWAYS_INLINE void qv_pass(const int kvt, const int nh, const int nc, float *acc
     for (int h = 0; h < nh; h++)
         for (int k = 0; k < nc; k++) {
             float *at = acc + h * Dv + c0 + 8 * k;
-            if (pair && k % 2 == 0 && k + 1 < nc) {
+            const int role = chunk_role(pair, k, nc);
+            if (role == 2) {
                 __m256 lo, hi;
-                join16(_mm256_sub_ps(a[h][k], zp[h]), _mm256_sub_ps(a[h][k + 1], zp[h]), &lo, &hi);
+                join16(less_zero(kvt, a[h][k], zp[h]), less_zero(kvt, a[h][k + 1], zp[h]), &lo, &hi);
                 _mm256_storeu_ps(at, lo);
                 _mm256_storeu_ps(at + 8, hi);
-            } else if (!(pair && k % 2)) _mm256_storeu_ps(at, _mm256_sub_ps(a[h][k], zp[h]));  /* zp: 0 but for KV_I4_RAW */
+            } else if (role == 1) _mm256_storeu_ps(at, less_zero(kvt, a[h][k], zp[h]));
         }
 }
 
@@ -1712,7 +1724,8 @@ ALWAYS_INLINE void qv_avx2(const int kvt0, const int nh, float *acc, int64_t Dv,
                            const float *gz, int64_t ng, int64_t g) {
     const int kvt = kvt0 == KV_I4_TH ? KV_I4_RAW : kvt0, w = nh == 3 ? 16 : 32;
     __m256 zp[3];
-    for (int h = 0; h < nh; h++) zp[h] = _mm256_set1_ps(kvt == KV_I4_RAW ? dot_n(p + h * TILE, z, n) : 0.0f);
+    for (int h = 0; h < nh; h++)
+        if (kvt == KV_I4_RAW) zp[h] = _mm256_set1_ps(dot_n(p + h * TILE, z, n));
     int64_t c0 = 0;
     for (; c0 + w <= Dv; c0 += w) qv_pass(kvt, nh, w / 8, acc, Dv, c0, p, vs, off, n, z, gs, gz, ng, g, zp);
     switch ((Dv - c0) / 8) {
