@@ -256,6 +256,15 @@ def sources(runs: list[tuple[str, dict]]) -> str:
     return "Reports: " + ", ".join(code(f"benchmarks/results/{n}") for n, _ in runs) + ".\n\n"
 
 
+def by_report(report_of: dict[str, str]) -> str:
+    """Which report each row came from, as one line per report."""
+    groups: dict[str, list[str]] = {}
+    for row, name in report_of.items():
+        groups.setdefault(name, []).append(code(row))
+    return "Reports: " + "; ".join(f"`benchmarks/results/{n}` ({', '.join(rows)})"
+                                   for n, rows in groups.items()) + ".\n\n"
+
+
 def render_throughput(runs: list[tuple[str, dict]]) -> str:
     rows = []
     for _, d in runs:
@@ -291,16 +300,18 @@ def render_kv_quant(runs: list[tuple[str, dict]]) -> str:
             g, s = r.get("greedy") or {}, r.get("sampled") or {}
             rows.append([code(mode), pct(g.get("top1_agreement"), 2), num(g.get("mean_kl"), 5),
                          f"{g.get('ppl_delta_pct', 0):+.2f}%", pct(s.get("top1_agreement"), 2),
-                         num(s.get("mean_kl"), 5), f"{s.get('ppl_delta_pct', 0):+.2f}%",
-                         num(g.get("positions")), tag(name)])
+                         num(s.get("mean_kl"), 5), f"{s.get('ppl_delta_pct', 0):+.2f}%"])
         targets = (acc[0][1]["accuracy"].get("targets") or {})
+        counts = sorted({num((r.get("greedy") or {}).get("positions")) for _, _, r in best.values()})
+        positions = " or ".join(counts)
         tline = "; ".join(f"{k}: top-1 ≥ {100 * v.get('min_top1', 0):.0f}%, |ΔPPL| ≤ "
                           f"{v.get('max_abs_ppl_delta_pct')}%" for k, v in targets.items())
         out.append("**Accuracy** against the float32 cache of the same run: top-1 agreement, "
                    "mean KL(fp32‖mode) and ΔPPL on a greedy and a sampled (temperature 1) "
-                   f"corpus. Targets: {tline}.\n\n" + table(
-                       ["mode", "greedy top-1", "KL", "ΔPPL", "sampled top-1", "KL", "ΔPPL",
-                        "positions", "report"], rows))
+                   f"corpus, {positions} scored positions each. Targets: {tline}.\n\n" + table(
+                       ["mode", "greedy top-1", "KL", "ΔPPL", "sampled top-1", "KL", "ΔPPL"],
+                       rows) + "\n" + by_report(
+                           {mode: name for mode, (_, name, _) in best.items()}))
     cap = [(n, d) for n, d in runs if d.get("capacity")]
     if cap:
         rows = []
@@ -311,12 +322,11 @@ def render_kv_quant(runs: list[tuple[str, dict]]) -> str:
                              num(r.get("num_blocks")), num(r.get("measured")),
                              f"{r.get('ratio_vs_bf16', 0):.2f}×",
                              f"{r.get('block_ratio_vs_bf16', 0):.2f}×",
-                             f"{num(r.get('target_ratio'), 1)} {met(r.get('meets_target'))}",
-                             tag(name)])
+                             f"{num(r.get('target_ratio'), 1)} {met(r.get('meets_target'))}"])
         out.append("**Capacity**: the most 2k-token requests running at once with their whole "
                    "prompt cached, in one KV budget per report:\n\n" + table(
                        ["mode", "budget", "blocks", "requests", "vs bf16", "bytes vs bf16",
-                        "target", "report"], rows))
+                        "target"], rows) + "\n" + sources(cap))
     return "\n".join(out)
 
 
