@@ -91,11 +91,15 @@ def _options_table(parser: argparse.ArgumentParser) -> str:
         rows = []
         for action in group._group_actions:
             if action.help == argparse.SUPPRESS or isinstance(
-                    action, (argparse._HelpAction, argparse._SubParsersAction)):
+                action, (argparse._HelpAction, argparse._SubParsersAction)
+            ):
                 continue
             names = ", ".join(action.option_strings) or action.dest
             if action.option_strings and action.nargs != 0:
-                names += f" {fmt._format_args(action, fmt._get_default_metavar_for_optional(action))}"
+                # A metavar, not "{a,b,c}": the choices go in the help column, the name stays short.
+                metavar = action.metavar or action.dest.upper()
+                plain = argparse.Action([], action.dest, nargs=action.nargs, metavar=metavar)
+                names += f" {fmt._format_args(plain, metavar)}"
             default = action.default
             shown = "" if default in (None, argparse.SUPPRESS) or action.nargs == 0 else default
             # A default read from the environment (e.g. --api-key from PAGEDKV_API_KEY) is named,
@@ -150,8 +154,10 @@ def render_cli() -> str:
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction):
             helps = {a.dest: a.help for a in action._choices_actions}
-            commands = [[f"[`{n}`](#{slug('pagedkv ' + n)})", cell(helps.get(n, ""))]
-                        for n in action.choices]
+            commands = [
+                [f"[`{n}`](#{slug('pagedkv ' + n)})", cell(helps.get(n, ""))]
+                for n in action.choices
+            ]
     head = f"```text\n{top}\n```\n\n" + table(["command", "what it does"], commands)
     return head + "\n" + "\n".join(_walk(parser, [], 1))
 
@@ -160,19 +166,43 @@ def render_cli() -> str:
 
 # Used only while pagedkv.envs does not exist (it is the one reader of PAGEDKV_* variables).
 STATIC_ENV: list[tuple[str, str, str]] = [
-    ("PAGEDKV_NATIVE", "auto", "Native C kernels: `0`/`off` disables them (torch paths only); "
-     "`1`/`on` makes a failed build an error (CI sets it); `auto` falls back with a warning."),
-    ("PAGEDKV_NATIVE_ISA", "native", "Build a narrower SIMD path than the CPU has: `avx2` or "
-     "`portable` (to compare paths on one machine)."),
+    (
+        "PAGEDKV_NATIVE",
+        "auto",
+        (
+            "Native C kernels: `0`/`off` disables them (torch paths only); `1`/`on` makes a failed "
+            "build an error (CI sets it); `auto` falls back with a warning."
+        ),
+    ),
+    (
+        "PAGEDKV_NATIVE_ISA",
+        "native",
+        (
+            "Build a narrower SIMD path than the CPU has: `avx2` or `portable` (to compare paths on "
+            "one machine)."
+        ),
+    ),
     ("PAGEDKV_NATIVE_STEP", "1", "`0` turns off the fused native decode step (per-op path)."),
-    ("PAGEDKV_DENSE_LINEAR", "blas", "Float32 linears above 16 rows: `blas` (MKL), `onednn`, or "
-     "`auto` (the faster, measured once per process)."),
+    (
+        "PAGEDKV_DENSE_LINEAR",
+        "blas",
+        (
+            "Float32 linears above 16 rows: `blas` (MKL), `onednn`, or `auto` (the faster, measured "
+            "once per process)."
+        ),
+    ),
     ("PAGEDKV_CACHE_DIR", "~/.cache/pagedkv", "Where the compiled native kernels are cached."),
     ("PAGEDKV_THP", "1", "`0`: no `madvise(MADV_HUGEPAGE)` on CPU KV buffers."),
     ("PAGEDKV_TRITON", "1", "`0` sends CUDA tensors to the torch paths instead of Triton."),
     ("PAGEDKV_API_KEY", "", "Default of `pagedkv serve --api-key`."),
-    ("PAGEDKV_KV_EVENTS_USE_INT_BLOCK_HASHES", "", "When set, KV events carry block hashes as "
-     "64-bit ints (for routers that key by int) instead of bytes."),
+    (
+        "PAGEDKV_KV_EVENTS_USE_INT_BLOCK_HASHES",
+        "",
+        (
+            "When set, KV events carry block hashes as 64-bit ints (for routers that key by int) "
+            "instead of bytes."
+        ),
+    ),
 ]
 
 
@@ -202,8 +232,7 @@ def _env_rows(described: Any) -> list[list[str]]:
             choices = _field(item, "choices")
             if choices:
                 doc = f"{doc or ''} One of: {', '.join(map(str, choices))}."
-        rows.append([code(name), code(default) if default not in (None, "") else "",
-                     cell(doc)])
+        rows.append([code(name), code(default) if default not in (None, "") else "", cell(doc)])
     return rows
 
 
@@ -261,26 +290,53 @@ def by_report(report_of: dict[str, str]) -> str:
     groups: dict[str, list[str]] = {}
     for row, name in report_of.items():
         groups.setdefault(name, []).append(code(row))
-    return "Reports: " + "; ".join(f"`benchmarks/results/{n}` ({', '.join(rows)})"
-                                   for n, rows in groups.items()) + ".\n\n"
+    return (
+        "Reports: "
+        + "; ".join(f"`benchmarks/results/{n}` ({', '.join(rows)})" for n, rows in groups.items())
+        + ".\n\n"
+    )
 
 
 def render_throughput(runs: list[tuple[str, dict]]) -> str:
     rows = []
     for _, d in runs:
         m, p, hf = d.get("machine") or {}, d.get("pagedkv") or {}, d.get("hf") or {}
-        rows.append([code(m.get("dense_linear", "")), d.get("dtype", ""),
-                     num(p.get("total_tok_s")), num(p.get("output_tok_s")),
-                     num(p.get("batch1_decode_tok_s")), num(hf.get("total_tok_s")) or "not run",
-                     num(m.get("ceiling_tok_s"), 0), pct(p.get("fraction_of_ceiling"))])
+        rows.append(
+            [
+                code(m.get("dense_linear", "")),
+                d.get("dtype", ""),
+                num(p.get("total_tok_s")),
+                num(p.get("output_tok_s")),
+                num(p.get("batch1_decode_tok_s")),
+                num(hf.get("total_tok_s")) or "not run",
+                num(m.get("ceiling_tok_s"), 0),
+                pct(p.get("fraction_of_ceiling")),
+            ]
+        )
     w = (runs[0][1].get("workload") or {}) if runs else {}
-    head = (f"{w.get('num_requests')} requests (prompts: {w.get('prompts', 'random')}), "
-            f"{num(w.get('prompt_tokens'))} prompt + {num(w.get('output_tokens'))} output tokens. "
-            "The ceiling is the workload's FLOPs at the same run's fp32 matmul rate (the faster "
-            "of MKL and oneDNN at 1024²).\n\n")
-    return head + sources(runs) + table(
-        ["linears", "dtype", "total tok/s", "output tok/s", "batch-1 decode tok/s",
-         "HF total tok/s", "ceiling tok/s", "of ceiling"], rows)
+    head = (
+        f"{w.get('num_requests')} requests (prompts: {w.get('prompts', 'random')}), "
+        f"{num(w.get('prompt_tokens'))} prompt + {num(w.get('output_tokens'))} output tokens. "
+        "The ceiling is the workload's FLOPs at the same run's fp32 matmul rate (the faster "
+        "of MKL and oneDNN at 1024²).\n\n"
+    )
+    return (
+        head
+        + sources(runs)
+        + table(
+            [
+                "linears",
+                "dtype",
+                "total tok/s",
+                "output tok/s",
+                "batch-1 decode tok/s",
+                "HF total tok/s",
+                "ceiling tok/s",
+                "of ceiling",
+            ],
+            rows,
+        )
+    )
 
 
 def render_kv_quant(runs: list[tuple[str, dict]]) -> str:
@@ -298,35 +354,61 @@ def render_kv_quant(runs: list[tuple[str, dict]]) -> str:
         rows = []
         for mode, (_, name, r) in best.items():
             g, s = r.get("greedy") or {}, r.get("sampled") or {}
-            rows.append([code(mode), pct(g.get("top1_agreement"), 2), num(g.get("mean_kl"), 5),
-                         f"{g.get('ppl_delta_pct', 0):+.2f}%", pct(s.get("top1_agreement"), 2),
-                         num(s.get("mean_kl"), 5), f"{s.get('ppl_delta_pct', 0):+.2f}%"])
-        targets = (acc[0][1]["accuracy"].get("targets") or {})
-        counts = sorted({num((r.get("greedy") or {}).get("positions")) for _, _, r in best.values()})
+            rows.append(
+                [
+                    code(mode),
+                    pct(g.get("top1_agreement"), 2),
+                    num(g.get("mean_kl"), 5),
+                    f"{g.get('ppl_delta_pct', 0):+.2f}%",
+                    pct(s.get("top1_agreement"), 2),
+                    num(s.get("mean_kl"), 5),
+                    f"{s.get('ppl_delta_pct', 0):+.2f}%",
+                ]
+            )
+        targets = acc[0][1]["accuracy"].get("targets") or {}
+        counts = sorted(
+            {num((r.get("greedy") or {}).get("positions")) for _, _, r in best.values()}
+        )
         positions = " or ".join(counts)
-        tline = "; ".join(f"{k}: top-1 ≥ {100 * v.get('min_top1', 0):.0f}%, |ΔPPL| ≤ "
-                          f"{v.get('max_abs_ppl_delta_pct')}%" for k, v in targets.items())
-        out.append("**Accuracy** against the float32 cache of the same run: top-1 agreement, "
-                   "mean KL(fp32‖mode) and ΔPPL on a greedy and a sampled (temperature 1) "
-                   f"corpus, {positions} scored positions each. Targets: {tline}.\n\n" + table(
-                       ["mode", "greedy top-1", "KL", "ΔPPL", "sampled top-1", "KL", "ΔPPL"],
-                       rows) + "\n" + by_report(
-                           {mode: name for mode, (_, name, _) in best.items()}))
+        tline = "; ".join(
+            f"{k}: top-1 ≥ {100 * v.get('min_top1', 0):.0f}%, |ΔPPL| ≤ "
+            f"{v.get('max_abs_ppl_delta_pct')}%"
+            for k, v in targets.items()
+        )
+        out.append(
+            "**Accuracy** against the float32 cache of the same run: top-1 agreement, "
+            "mean KL(fp32‖mode) and ΔPPL on a greedy and a sampled (temperature 1) "
+            f"corpus, {positions} scored positions each. Targets: {tline}.\n\n"
+            + table(["mode", "greedy top-1", "KL", "ΔPPL", "sampled top-1", "KL", "ΔPPL"], rows)
+            + "\n"
+            + by_report({mode: name for mode, (_, name, _) in best.items()})
+        )
     cap = [(n, d) for n, d in runs if d.get("capacity")]
     if cap:
         rows = []
         for name, d in cap:
             c = d["capacity"]
             for mode, r in c["modes"].items():
-                rows.append([code(mode), num(c.get("kv_cache_memory", 0) / 2**20, 0) + " MiB",
-                             num(r.get("num_blocks")), num(r.get("measured")),
-                             f"{r.get('ratio_vs_bf16', 0):.2f}×",
-                             f"{r.get('block_ratio_vs_bf16', 0):.2f}×",
-                             f"{num(r.get('target_ratio'), 1)} {met(r.get('meets_target'))}"])
-        out.append("**Capacity**: the most 2k-token requests running at once with their whole "
-                   "prompt cached, in one KV budget per report:\n\n" + table(
-                       ["mode", "budget", "blocks", "requests", "vs bf16", "bytes vs bf16",
-                        "target"], rows) + "\n" + sources(cap))
+                rows.append(
+                    [
+                        code(mode),
+                        num(c.get("kv_cache_memory", 0) / 2**20, 0) + " MiB",
+                        num(r.get("num_blocks")),
+                        num(r.get("measured")),
+                        f"{r.get('ratio_vs_bf16', 0):.2f}×",
+                        f"{r.get('block_ratio_vs_bf16', 0):.2f}×",
+                        f"{num(r.get('target_ratio'), 1)} {met(r.get('meets_target'))}",
+                    ]
+                )
+        out.append(
+            "**Capacity**: the most 2k-token requests running at once with their whole "
+            "prompt cached, in one KV budget per report:\n\n"
+            + table(
+                ["mode", "budget", "blocks", "requests", "vs bf16", "bytes vs bf16", "target"], rows
+            )
+            + "\n"
+            + sources(cap)
+        )
     return "\n".join(out)
 
 
@@ -335,13 +417,23 @@ def render_kv_quant_attention(runs: list[tuple[str, dict]]) -> str:
     for name, d in runs:
         modes = d.get("modes") or []
         fp32 = next((m for m in modes if m.get("mode") == "float32"), {})
-        head = (f"`{name}`: {d.get('sequences')} sequences × {d.get('tokens_per_sequence')} "
-                f"tokens, {d.get('threads')} thread(s), median of {d.get('rounds')} rounds; "
-                f"float32 cache {num(fp32.get('ms_per_step'), 1)} ms a step "
-                f"({num(fp32.get('GBps'), 1)} GB/s).\n\n")
-        rows = [[code(m.get("mode")), num(m.get("ms_per_step"), 2),
-                 f"{m.get('ratio_vs_float32', 0):.2f}×", num(m.get("GBps"), 1),
-                 num(m.get("target_ratio"), 2), met(m.get("meets_target"))] for m in modes]
+        head = (
+            f"`{name}`: {d.get('sequences')} sequences × {d.get('tokens_per_sequence')} "
+            f"tokens, {d.get('threads')} thread(s), median of {d.get('rounds')} rounds; "
+            f"float32 cache {num(fp32.get('ms_per_step'), 1)} ms a step "
+            f"({num(fp32.get('GBps'), 1)} GB/s).\n\n"
+        )
+        rows = [
+            [
+                code(m.get("mode")),
+                num(m.get("ms_per_step"), 2),
+                f"{m.get('ratio_vs_float32', 0):.2f}×",
+                num(m.get("GBps"), 1),
+                num(m.get("target_ratio"), 2),
+                met(m.get("meets_target")),
+            ]
+            for m in modes
+        ]
         out.append(head + table(["mode", "ms/step", "vs float32", "GB/s", "target ≤", ""], rows))
     return "\n".join(out)
 
@@ -353,19 +445,42 @@ def render_router(runs: list[tuple[str, dict]]) -> str:
         rows = []
         for pol, r in (d.get("policies") or {}).items():
             t, ra = r.get("ttft_s") or {}, ratios.get(pol) or {}
-            rows.append([code(pol), pct(r.get("hit_rate")), ms(t.get("p50")), ms(t.get("p99")),
-                         f"{ra.get('hit_rate', 0):.2f}×", f"{ra.get('ttft_p50_speedup', 0):.2f}×",
-                         num(r.get("completed"))])
+            rows.append(
+                [
+                    code(pol),
+                    pct(r.get("hit_rate")),
+                    ms(t.get("p50")),
+                    ms(t.get("p99")),
+                    f"{ra.get('hit_rate', 0):.2f}×",
+                    f"{ra.get('ttft_p50_speedup', 0):.2f}×",
+                    num(r.get("completed")),
+                ]
+            )
         c = d.get("config") or {}
-        head = (f"`{name}`: {c.get('replicas')} replicas, {c.get('conversations')} conversations "
-                f"× {c.get('turns')} turns, {c.get('num_kv_blocks')} KV blocks per replica, "
-                f"{c.get('repeats')} repeats pooled. Targets: kv hit ≥ "
-                f"{d.get('targets', {}).get('hit_rate_ratio')}× and TTFT p50 ≥ "
-                f"{d.get('targets', {}).get('ttft_p50_speedup')}× round-robin's: "
-                f"{', '.join(f'{k} {met(v)}' for k, v in d.get('meets_targets', {}).items())}."
-                "\n\n")
-        out.append(head + table(["policy", "hit rate", "TTFT p50", "TTFT p99", "hit × RR",
-                                 "TTFT p50 RR/x", "requests"], rows))
+        head = (
+            f"`{name}`: {c.get('replicas')} replicas, {c.get('conversations')} conversations "
+            f"× {c.get('turns')} turns, {c.get('num_kv_blocks')} KV blocks per replica, "
+            f"{c.get('repeats')} repeats pooled. Targets: kv hit ≥ "
+            f"{d.get('targets', {}).get('hit_rate_ratio')}× and TTFT p50 ≥ "
+            f"{d.get('targets', {}).get('ttft_p50_speedup')}× round-robin's: "
+            f"{', '.join(f'{k} {met(v)}' for k, v in d.get('meets_targets', {}).items())}."
+            "\n\n"
+        )
+        out.append(
+            head
+            + table(
+                [
+                    "policy",
+                    "hit rate",
+                    "TTFT p50",
+                    "TTFT p99",
+                    "hit × RR",
+                    "TTFT p50 RR/x",
+                    "requests",
+                ],
+                rows,
+            )
+        )
     return "\n".join(out)
 
 
@@ -378,21 +493,50 @@ def render_disagg(runs: list[tuple[str, dict]]) -> str:
             kills = k.get("kills") or []
             restarts = sorted(x["restart_s"] for x in kills if x.get("restart_s") is not None)
             med = restarts[len(restarts) // 2] if restarts else None
-            rows.append([tag(name), num(cfg.get("kill_rate"), 1), num(k.get("requests")),
-                         num(k.get("completed")), f"**{num(k.get('lost'))}**", num(len(kills)),
-                         num(med, 1) + " s" if med else "",
-                         num(k.get("duration_s", 0) / 60, 1) + " min"])
+            interval = cfg.get("kill_interval")
+            if interval is None:  # older reports: the interval is in the file name, else default
+                m = re.search(r"(\d+)-(\d+)s", name)
+                interval = f"{m[1]}–{m[2]} s" if m else "2–5 s (default)"
+            rows.append(
+                [
+                    tag(name),
+                    interval,
+                    num(cfg.get("kill_rate"), 1),
+                    num(k.get("requests")),
+                    num(k.get("completed")),
+                    f"**{num(k.get('lost'))}**",
+                    num(len(kills)),
+                    num(med, 1) + " s" if med else "",
+                    num(k.get("duration_s", 0) / 60, 1) + " min",
+                ]
+            )
         for key in ("ratios", "bandwidth"):
             if d.get(key):
-                extra.append(f"`{name}` {key}: " + ", ".join(
-                    f"{k2} {v:.3g}" for k2, v in d[key].items() if isinstance(v, float)))
+                extra.append(
+                    f"`{name}` {key}: "
+                    + ", ".join(f"{k2} {v:.3g}" for k2, v in d[key].items() if isinstance(v, float))
+                )
     out = ""
     if rows:
-        out += ("**Kill test**: 2 producers + 2 consumers behind `pagedkv proxy`, one random "
-                "instance SIGKILLed at a time (file names give the seconds between a restart and "
-                "the next kill):\n\n" + table(
-                    ["report", "req/s", "requests", "completed", "lost", "kills",
-                     "median restart", "duration"], rows))
+        out += (
+            "**Kill test**: 2 producers + 2 consumers behind `pagedkv proxy`, one random "
+            "instance SIGKILLed at a time, the next kill a random interval after the "
+            "previous instance is back:\n\n"
+            + table(
+                [
+                    "report",
+                    "kill interval",
+                    "req/s",
+                    "requests",
+                    "completed",
+                    "lost",
+                    "kills",
+                    "median restart",
+                    "duration",
+                ],
+                rows,
+            )
+        )
     if extra:
         out += "\n" + "\n\n".join(extra) + "\n"
     return out
@@ -404,16 +548,37 @@ def render_sim_validate(runs: list[tuple[str, dict]]) -> str:
         rows = []
         for pol, r in (d.get("policies") or {}).items():
             real, sim, diff = r.get("real") or {}, r.get("sim") or {}, r.get("diff") or {}
-            rows.append([code(pol), f"{real.get('hit_rate', 0):.3f}", f"{sim.get('hit_rate', 0):.3f}",
-                         f"{diff.get('hit_rate_pp', 0):+.1f} pp", ms((real.get("ttft") or {}).get("p50")),
-                         ms((sim.get("ttft") or {}).get("p50")),
-                         f"{100 * diff.get('ttft_p50_rel', 0):+.0f}%", met(r.get("pass"))])
+            rows.append(
+                [
+                    code(pol),
+                    f"{real.get('hit_rate', 0):.3f}",
+                    f"{sim.get('hit_rate', 0):.3f}",
+                    f"{diff.get('hit_rate_pp', 0):+.1f} pp",
+                    ms((real.get("ttft") or {}).get("p50")),
+                    ms((sim.get("ttft") or {}).get("p50")),
+                    f"{100 * diff.get('ttft_p50_rel', 0):+.0f}%",
+                    met(r.get("pass")),
+                ]
+            )
         t, f = d.get("trace") or {}, d.get("fleet") or {}
-        out.append(f"`{name}`: the same {t.get('requests')}-request {t.get('generator')} trace on "
-                   f"{f.get('replicas')} real replicas and in the simulator (targets: hit rate "
-                   "within 2 pp, TTFT p50 within 25%).\n\n" + table(
-                       ["policy", "real hit", "sim hit", "diff", "real TTFT p50",
-                        "sim TTFT p50", "diff", ""], rows))
+        out.append(
+            f"`{name}`: the same {t.get('requests')}-request {t.get('generator')} trace on "
+            f"{f.get('replicas')} real replicas and in the simulator (targets: hit rate "
+            "within 2 pp, TTFT p50 within 25%).\n\n"
+            + table(
+                [
+                    "policy",
+                    "real hit",
+                    "sim hit",
+                    "diff",
+                    "real TTFT p50",
+                    "sim TTFT p50",
+                    "diff",
+                    "",
+                ],
+                rows,
+            )
+        )
     return "\n".join(out)
 
 
@@ -425,85 +590,184 @@ def render_sim_sweep(runs: list[tuple[str, dict]]) -> str:
         for p in d.get("points") or []:
             r = p.get("report") or {}
             hit, lat = r.get("hit_rate") or {}, (r.get("latency_s") or {}).get("ttft") or {}
-            rows.append([code(p.get("policy")), num(p.get(key)),
-                         f"{hit.get('device', 0):.3f} + {hit.get('cpu_tier', 0):.3f}",
-                         ms(lat.get("p50")), ms(lat.get("p99")),
-                         num((r.get("throughput") or {}).get("output_tokens_per_s"), 0)])
-        first = ((d.get("points") or [{}])[0].get("report") or {})
+            rows.append(
+                [
+                    code(p.get("policy")),
+                    num(p.get(key)),
+                    f"{hit.get('device', 0):.3f} + {hit.get('cpu_tier', 0):.3f}",
+                    ms(lat.get("p50")),
+                    ms(lat.get("p99")),
+                    num((r.get("throughput") or {}).get("output_tokens_per_s"), 0),
+                ]
+            )
+        first = (d.get("points") or [{}])[0].get("report") or {}
         fleet, cost = first.get("fleet") or {}, (first.get("cost_model") or {}).get("name")
+        halved = (
+            ", ".join(
+                f"{pol} {num(v) if v is not None else 'not reached'}"
+                for pol, v in (d.get("ttft_p99_halved_at") or {}).items()
+            )
+            or "n/a"
+        )
         png = RESULTS / (Path(name).stem + ".png")
         img = f"\n![{name}](benchmarks/{png.name})\n" if png.exists() else ""
-        out.append(f"`{name}`: sweep of `{d.get('sweep')}`, {fleet.get('replicas')} replicas, "
-                   f"cost model `{cost}`; TTFT p99 halved at {d.get('ttft_p99_halved_at')}.\n\n" +
-                   table(["policy", d.get("sweep", ""), "hit rate (device + tier)", "TTFT p50",
-                          "TTFT p99", "output tok/s"], rows) + img)
+        out.append(
+            f"`{name}`: sweep of `{d.get('sweep')}`, {fleet.get('replicas')} replicas, "
+            f"cost model `{cost}`. Smallest `{d.get('sweep')}` that halves TTFT p99: "
+            f"{halved}.\n\n"
+            + table(
+                [
+                    "policy",
+                    d.get("sweep", ""),
+                    "hit rate (device + tier)",
+                    "TTFT p50",
+                    "TTFT p99",
+                    "output tok/s",
+                ],
+                rows,
+            )
+            + img
+        )
     return "\n".join(out)
 
 
 def render_sim_scale(runs: list[tuple[str, dict]]) -> str:
-    rows = [[tag(n), num(d.get("replicas")), num(d.get("requests")), code(d.get("policy")),
-             num(d.get("cpu_s", 0) / 60, 1) + " min", num(d.get("events_per_cpu_s"), 0),
-             num(d.get("requests_per_cpu_s"), 0), f"{d.get('hit_rate', 0):.3f}"]
-            for n, d in runs]
-    return table(["report", "replicas", "requests", "policy", "CPU time", "events/s",
-                  "requests/s", "hit rate"], rows)
+    rows = [
+        [
+            tag(n),
+            num(d.get("replicas")),
+            num(d.get("requests")),
+            code(d.get("policy")),
+            num(d.get("cpu_s", 0) / 60, 1) + " min",
+            num(d.get("events_per_cpu_s"), 0),
+            num(d.get("requests_per_cpu_s"), 0),
+            f"{d.get('hit_rate', 0):.3f}",
+        ]
+        for n, d in runs
+    ]
+    return table(
+        [
+            "report",
+            "replicas",
+            "requests",
+            "policy",
+            "CPU time",
+            "events/s",
+            "requests/s",
+            "hit rate",
+        ],
+        rows,
+    )
 
 
 def render_sim_cost(runs: list[tuple[str, dict]]) -> str:
     rows = []
     for name, d in runs:
         c = d.get("cost_model") or {}
-        rows.append([code(c.get("name")), f"{1000 * c.get('base_s', 0):.2f}",
-                     f"{1000 * c.get('prefill_token_s', 0):.3f}",
-                     f"{1000 * c.get('decode_seq_s', 0):.3f}",
-                     f"{1e6 * c.get('context_token_s', 0):.2f}",
-                     pct(d.get("fit_mean_relative_error")), tag(name)])
-    return ("Step time = base + a·prefill tokens + b·decode sequences + c·context tokens, "
-            "fitted by `pagedkv simulate calibrate`:\n\n" + table(
-                ["cost model", "base (ms)", "a (ms/token)", "b (ms/seq)", "c (µs/token)",
-                 "fit error", "report"], rows))
+        rows.append(
+            [
+                code(c.get("name")),
+                f"{1000 * c.get('base_s', 0):.2f}",
+                f"{1000 * c.get('prefill_token_s', 0):.3f}",
+                f"{1000 * c.get('decode_seq_s', 0):.3f}",
+                f"{1e6 * c.get('context_token_s', 0):.2f}",
+                pct(d.get("fit_mean_relative_error")),
+                tag(name),
+            ]
+        )
+    return (
+        "Step time = base + a·prefill tokens + b·decode sequences + c·context tokens, "
+        "fitted by `pagedkv simulate calibrate`:\n\n"
+        + table(
+            [
+                "cost model",
+                "base (ms)",
+                "a (ms/token)",
+                "b (ms/seq)",
+                "c (µs/token)",
+                "fit error",
+                "report",
+            ],
+            rows,
+        )
+    )
+
+
+def _leaves(x: Any, prefix: str, depth: int, rows: list[list[str]]) -> None:
+    """Append ``[field, value]`` rows for the scalar leaves of ``x``, three levels at most."""
+    if isinstance(x, dict) and depth < 3:
+        for k, v in x.items():
+            _leaves(v, f"{prefix}.{k}" if prefix else str(k), depth + 1, rows)
+    elif isinstance(x, (int, float, str, bool)) and len(rows) < 40:
+        rows.append([code(prefix), cell(num(x, 3) if isinstance(x, float) else x)])
 
 
 def render_generic(runs: list[tuple[str, dict]]) -> str:
-    """Any other shape: the scalar leaves, two levels deep."""
+    """Any other shape: the scalar leaves, as a field/value table per report."""
     out = []
     for name, d in runs:
-        rows = []
-
-        def leaves(x: Any, prefix: str, depth: int) -> None:
-            if isinstance(x, dict) and depth < 3:
-                for k, v in x.items():
-                    leaves(v, f"{prefix}.{k}" if prefix else str(k), depth + 1)
-            elif isinstance(x, (int, float, str, bool)) and len(rows) < 40:
-                rows.append([code(prefix), cell(num(x, 3) if isinstance(x, float) else x)])
-
-        leaves(d, "", 0)
+        rows: list[list[str]] = []
+        _leaves(d, "", 0, rows)
         out.append(f"`{name}`\n\n" + table(["field", "value"], rows))
     return "\n".join(out)
 
 
 # (title, how to run it, matches(file name, data), renderer), in page order.
 BENCHMARKS: list[tuple[str, str, Callable[[str, dict], bool], Callable]] = [
-    ("Offline throughput", "python benchmarks/bench_throughput.py --skip-hf",
-     lambda n, d: d.get("benchmark") == "throughput", render_throughput),
-    ("Quantized KV: accuracy and capacity", "python benchmarks/bench_kv_quant.py",
-     lambda n, d: d.get("benchmark") == "kv_quant", render_kv_quant),
-    ("Quantized KV: decode attention speed",
-     "python benchmarks/bench_kv_quant_attention.py --rounds 7 [--threads 1]",
-     lambda n, d: d.get("benchmark") == "kv_quant_attention", render_kv_quant_attention),
-    ("KV-aware routing", "python benchmarks/bench_router.py",
-     lambda n, d: "ratios_vs_round_robin" in d, render_router),
-    ("Prefill/decode disaggregation", "python benchmarks/bench_disagg.py",
-     lambda n, d: "kill_test" in d or ("colocated" in d and "pd" in d), render_disagg),
-    ("Simulator vs a real fleet", "python benchmarks/bench_sim_validate.py",
-     lambda n, d: "policies" in d and "trace" in d, render_sim_validate),
-    ("Simulator sweeps", "pagedkv simulate sweep ... --out benchmarks/results/NAME",
-     lambda n, d: "points" in d and "sweep" in d, render_sim_sweep),
-    ("Simulator speed at scale",
-     "python benchmarks/bench_sim.py --replicas 1000 --num-requests 1000000",
-     lambda n, d: "events_per_cpu_s" in d and "replicas" in d, render_sim_scale),
-    ("Simulator cost models", "pagedkv simulate calibrate [--server]",
-     lambda n, d: "cost_model" in d and "fit_mean_relative_error" in d, render_sim_cost),
+    (
+        "Offline throughput",
+        "python benchmarks/bench_throughput.py --skip-hf",
+        lambda n, d: d.get("benchmark") == "throughput",
+        render_throughput,
+    ),
+    (
+        "Quantized KV: accuracy and capacity",
+        "python benchmarks/bench_kv_quant.py",
+        lambda n, d: d.get("benchmark") == "kv_quant",
+        render_kv_quant,
+    ),
+    (
+        "Quantized KV: decode attention speed",
+        "python benchmarks/bench_kv_quant_attention.py --rounds 7 [--threads 1]",
+        lambda n, d: d.get("benchmark") == "kv_quant_attention",
+        render_kv_quant_attention,
+    ),
+    (
+        "KV-aware routing",
+        "python benchmarks/bench_router.py",
+        lambda n, d: "ratios_vs_round_robin" in d,
+        render_router,
+    ),
+    (
+        "Prefill/decode disaggregation",
+        "python benchmarks/bench_disagg.py",
+        lambda n, d: "kill_test" in d or ("colocated" in d and "pd" in d),
+        render_disagg,
+    ),
+    (
+        "Simulator vs a real fleet",
+        "python benchmarks/bench_sim_validate.py",
+        lambda n, d: "policies" in d and "trace" in d,
+        render_sim_validate,
+    ),
+    (
+        "Simulator sweeps",
+        "pagedkv simulate sweep ... --out benchmarks/results/NAME",
+        lambda n, d: "points" in d and "sweep" in d,
+        render_sim_sweep,
+    ),
+    (
+        "Simulator speed at scale",
+        "python benchmarks/bench_sim.py --replicas 1000 --num-requests 1000000",
+        lambda n, d: "events_per_cpu_s" in d and "replicas" in d,
+        render_sim_scale,
+    ),
+    (
+        "Simulator cost models",
+        "pagedkv simulate calibrate [--server]",
+        lambda n, d: "cost_model" in d and "fit_mean_relative_error" in d,
+        render_sim_cost,
+    ),
 ]
 
 
@@ -511,7 +775,7 @@ def _load(path: Path) -> dict | None:
     text = path.read_text()
     if path.suffix == ".log":  # a run's log: its report is the JSON object at the end
         start = text.rfind("\n{")
-        text = text[start + 1:] if start >= 0 else ""
+        text = text[start + 1 :] if start >= 0 else ""
     try:
         data = json.loads(text)
     except json.JSONDecodeError:
@@ -532,8 +796,12 @@ def _machine(name: str, data: dict, machines: dict[str, str]) -> str:
 
 def render_benchmarks() -> str:
     machines = json.loads(MACHINES.read_text()) if MACHINES.exists() else {}
-    loaded = [(p.name, d) for p in sorted(RESULTS.glob("*")) if p.suffix in (".json", ".log")
-              if (d := _load(p)) is not None]
+    loaded = [
+        (p.name, d)
+        for p in sorted(RESULTS.glob("*"))
+        if p.suffix in (".json", ".log")
+        if (d := _load(p)) is not None
+    ]
     used: set[str] = set()
     out = []
     for title, command, matches, render in BENCHMARKS:
@@ -542,8 +810,9 @@ def render_benchmarks() -> str:
             continue
         used.update(n for n, _ in runs)
         where = sorted({_machine(n, d, machines) for n, d in runs})
-        out.append(f"## {title}\n\n`{command}` · measured on: {'; '.join(where)}\n\n"
-                   + render(runs))
+        out.append(
+            f"## {title}\n\n`{command}` · measured on: {'; '.join(where)}\n\n" + render(runs)
+        )
     rest = [(n, d) for n, d in loaded if n not in used]
     if rest:
         out.append("## Other results\n\n" + render_generic(rest))
@@ -551,4 +820,7 @@ def render_benchmarks() -> str:
 
 
 GENERATORS: dict[str, Callable[[], str]] = {
-    "cli": render_cli, "env": render_env, "benchmarks": render_benchmarks}
+    "cli": render_cli,
+    "env": render_env,
+    "benchmarks": render_benchmarks,
+}
