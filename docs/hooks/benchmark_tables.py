@@ -1,0 +1,587 @@
+"""The benchmark page: one table per benchmark from ``benchmarks/results/*.json`` (and the JSON
+that ends a ``*.log``), each with the machine it ran on.
+
+A report's machine is its ``machine`` field when that is a string (or a dict with ``name`` /
+``cpu``), else its entry in ``machines.json`` beside this file, else that file's ``default``.
+Shapes this module does not know are rendered as field/value tables, so a new benchmark appears
+without code here; give it a renderer in ``BENCHMARKS`` for a real table.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from md import cell, code, table
+
+ROOT = Path(__file__).resolve().parents[2]
+RESULTS = ROOT / "benchmarks" / "results"
+MACHINES = Path(__file__).with_name("machines.json")
+
+
+def pct(x: Any, digits: int = 1) -> str:
+    return "" if x is None else f"{100 * x:.{digits}f}%"
+
+
+def num(x: Any, digits: int = 1) -> str:
+    if x is None:
+        return ""
+    if isinstance(x, bool):
+        return "yes" if x else "no"
+    if isinstance(x, int):
+        return f"{x:,}"
+    return f"{x:,.{digits}f}"
+
+
+def met(x: Any) -> str:
+    return {True: "met", False: "**missed**", None: ""}.get(x, str(x))
+
+
+def ms(x: Any) -> str:
+    return "" if x is None else f"{1000 * x:,.0f} ms"
+
+
+def tag(name: str) -> str:
+    """A report's short name in a table: its file name without the extension."""
+    return code(Path(name).stem)
+
+
+def sources(runs: list[tuple[str, dict]]) -> str:
+    return "Reports: " + ", ".join(code(f"benchmarks/results/{n}") for n, _ in runs) + ".\n\n"
+
+
+def by_report(report_of: dict[str, str]) -> str:
+    """Which report each row came from, as one line per report."""
+    groups: dict[str, list[str]] = {}
+    for row, name in report_of.items():
+        groups.setdefault(name, []).append(code(row))
+    return (
+        "Reports: "
+        + "; ".join(f"`benchmarks/results/{n}` ({', '.join(rows)})" for n, rows in groups.items())
+        + ".\n\n"
+    )
+
+
+def render_throughput(runs: list[tuple[str, dict]]) -> str:
+    rows = []
+    for _, d in runs:
+        m, p, hf = d.get("machine") or {}, d.get("pagedkv") or {}, d.get("hf") or {}
+        rows.append(
+            [
+                code(m.get("dense_linear", "")),
+                d.get("dtype", ""),
+                num(p.get("total_tok_s")),
+                num(p.get("output_tok_s")),
+                num(p.get("batch1_decode_tok_s")),
+                num(hf.get("total_tok_s")) or "not run",
+                num(m.get("ceiling_tok_s"), 0),
+                pct(p.get("fraction_of_ceiling")),
+            ]
+        )
+    w = (runs[0][1].get("workload") or {}) if runs else {}
+    head = (
+        f"{w.get('num_requests')} requests (prompts: {w.get('prompts', 'random')}), "
+        f"{num(w.get('prompt_tokens'))} prompt + {num(w.get('output_tokens'))} output tokens. "
+        "The ceiling is the workload's FLOPs at the same run's fp32 matmul rate (the faster "
+        "of MKL and oneDNN at 1024²).\n\n"
+    )
+    return (
+        head
+        + sources(runs)
+        + table(
+            [
+                "linears",
+                "dtype",
+                "total tok/s",
+                "output tok/s",
+                "batch-1 decode tok/s",
+                "HF total tok/s",
+                "ceiling tok/s",
+                "of ceiling",
+            ],
+            rows,
+        )
+    )
+
+
+def render_kv_quant(runs: list[tuple[str, dict]]) -> str:
+    out = []
+    acc = [(n, d) for n, d in runs if d.get("accuracy")]
+    if acc:
+        # The current figure of each mode: the run that scored the most positions; of equals,
+        # the later report (file names sort by what they add).
+        best: dict[str, tuple[tuple[int, int], str, dict]] = {}
+        for i, (name, d) in enumerate(acc):
+            for mode, r in d["accuracy"]["modes"].items():
+                key = ((r.get("greedy") or {}).get("positions") or 0, i)
+                if mode not in best or key > best[mode][0]:
+                    best[mode] = (key, name, r)
+        rows = []
+        for mode, (_, name, r) in best.items():
+            g, s = r.get("greedy") or {}, r.get("sampled") or {}
+            rows.append(
+                [
+                    code(mode),
+                    pct(g.get("top1_agreement"), 2),
+                    num(g.get("mean_kl"), 5),
+                    f"{g.get('ppl_delta_pct', 0):+.2f}%",
+                    pct(s.get("top1_agreement"), 2),
+                    num(s.get("mean_kl"), 5),
+                    f"{s.get('ppl_delta_pct', 0):+.2f}%",
+                ]
+            )
+        targets = acc[0][1]["accuracy"].get("targets") or {}
+        counts = sorted(
+            {num((r.get("greedy") or {}).get("positions")) for _, _, r in best.values()}
+        )
+        positions = " or ".join(counts)
+        tline = "; ".join(
+            f"{k}: top-1 ≥ {100 * v.get('min_top1', 0):.0f}%, |ΔPPL| ≤ "
+            f"{v.get('max_abs_ppl_delta_pct')}%"
+            for k, v in targets.items()
+        )
+        out.append(
+            "**Accuracy** against the float32 cache of the same run: top-1 agreement, "
+            "mean KL(fp32‖mode) and ΔPPL on a greedy and a sampled (temperature 1) "
+            f"corpus, {positions} scored positions each. Targets: {tline}.\n\n"
+            + table(["mode", "greedy top-1", "KL", "ΔPPL", "sampled top-1", "KL", "ΔPPL"], rows)
+            + "\n"
+            + by_report({mode: name for mode, (_, name, _) in best.items()})
+        )
+    cap = [(n, d) for n, d in runs if d.get("capacity")]
+    if cap:
+        rows = []
+        for name, d in cap:
+            c = d["capacity"]
+            for mode, r in c["modes"].items():
+                rows.append(
+                    [
+                        code(mode),
+                        num(c.get("kv_cache_memory", 0) / 2**20, 0) + " MiB",
+                        num(r.get("num_blocks")),
+                        num(r.get("measured")),
+                        f"{r.get('ratio_vs_bf16', 0):.2f}×",
+                        f"{r.get('block_ratio_vs_bf16', 0):.2f}×",
+                        f"{num(r.get('target_ratio'), 1)} {met(r.get('meets_target'))}",
+                    ]
+                )
+        out.append(
+            "**Capacity**: the most 2k-token requests running at once with their whole "
+            "prompt cached, in one KV budget per report:\n\n"
+            + table(
+                ["mode", "budget", "blocks", "requests", "vs bf16", "bytes vs bf16", "target"], rows
+            )
+            + "\n"
+            + sources(cap)
+        )
+    return "\n".join(out)
+
+
+def render_kv_quant_attention(runs: list[tuple[str, dict]]) -> str:
+    out = []
+    for name, d in runs:
+        modes = d.get("modes") or []
+        fp32 = next((m for m in modes if m.get("mode") == "float32"), {})
+        head = (
+            f"`{name}`: {d.get('sequences')} sequences × {d.get('tokens_per_sequence')} "
+            f"tokens, {d.get('threads')} thread(s), median of {d.get('rounds')} rounds; "
+            f"float32 cache {num(fp32.get('ms_per_step'), 1)} ms a step "
+            f"({num(fp32.get('GBps'), 1)} GB/s).\n\n"
+        )
+        rows = [
+            [
+                code(m.get("mode")),
+                num(m.get("ms_per_step"), 2),
+                f"{m.get('ratio_vs_float32', 0):.2f}×",
+                num(m.get("GBps"), 1),
+                num(m.get("target_ratio"), 2),
+                met(m.get("meets_target")),
+            ]
+            for m in modes
+        ]
+        out.append(head + table(["mode", "ms/step", "vs float32", "GB/s", "target ≤", ""], rows))
+    return "\n".join(out)
+
+
+def render_router(runs: list[tuple[str, dict]]) -> str:
+    out = []
+    for name, d in runs:
+        ratios = d.get("ratios_vs_round_robin") or {}
+        rows = []
+        for pol, r in (d.get("policies") or {}).items():
+            t, ra = r.get("ttft_s") or {}, ratios.get(pol) or {}
+            rows.append(
+                [
+                    code(pol),
+                    pct(r.get("hit_rate")),
+                    ms(t.get("p50")),
+                    ms(t.get("p99")),
+                    f"{ra.get('hit_rate', 0):.2f}×",
+                    f"{ra.get('ttft_p50_speedup', 0):.2f}×",
+                    num(r.get("completed")),
+                ]
+            )
+        c = d.get("config") or {}
+        head = (
+            f"`{name}`: {c.get('replicas')} replicas, {c.get('conversations')} conversations "
+            f"× {c.get('turns')} turns, {c.get('num_kv_blocks')} KV blocks per replica, "
+            f"{c.get('repeats')} repeats pooled. Targets: kv hit ≥ "
+            f"{d.get('targets', {}).get('hit_rate_ratio')}× and TTFT p50 ≥ "
+            f"{d.get('targets', {}).get('ttft_p50_speedup')}× round-robin's: "
+            f"{', '.join(f'{k} {met(v)}' for k, v in d.get('meets_targets', {}).items())}."
+            "\n\n"
+        )
+        out.append(
+            head
+            + table(
+                [
+                    "policy",
+                    "hit rate",
+                    "TTFT p50",
+                    "TTFT p99",
+                    "hit × RR",
+                    "TTFT p50 RR/x",
+                    "requests",
+                ],
+                rows,
+            )
+        )
+    return "\n".join(out)
+
+
+def render_disagg(runs: list[tuple[str, dict]]) -> str:
+    rows, extra = [], []
+    for name, d in runs:
+        k = d.get("kill_test")
+        if k:
+            cfg = d.get("config") or {}
+            kills = k.get("kills") or []
+            restarts = sorted(x["restart_s"] for x in kills if x.get("restart_s") is not None)
+            med = restarts[len(restarts) // 2] if restarts else None
+            interval = cfg.get("kill_interval")
+            if interval is None:  # older reports: the interval is in the file name, else default
+                m = re.search(r"(\d+)-(\d+)s", name)
+                interval = f"{m[1]}–{m[2]} s" if m else "2–5 s (default)"
+            rows.append(
+                [
+                    tag(name),
+                    interval,
+                    num(cfg.get("kill_rate"), 1),
+                    num(k.get("requests")),
+                    num(k.get("completed")),
+                    f"**{num(k.get('lost'))}**",
+                    num(len(kills)),
+                    num(med, 1) + " s" if med else "",
+                    num(k.get("duration_s", 0) / 60, 1) + " min",
+                ]
+            )
+        for key in ("ratios", "bandwidth"):
+            if d.get(key):
+                extra.append(
+                    f"`{name}` {key}: "
+                    + ", ".join(f"{k2} {v:.3g}" for k2, v in d[key].items() if isinstance(v, float))
+                )
+    out = ""
+    if rows:
+        out += (
+            "**Kill test**: 2 producers + 2 consumers behind `pagedkv proxy`, one random "
+            "instance SIGKILLed at a time, the next kill a random interval after the "
+            "previous instance is back:\n\n"
+            + table(
+                [
+                    "report",
+                    "kill interval",
+                    "req/s",
+                    "requests",
+                    "completed",
+                    "lost",
+                    "kills",
+                    "median restart",
+                    "duration",
+                ],
+                rows,
+            )
+        )
+    if extra:
+        out += "\n" + "\n\n".join(extra) + "\n"
+    return out
+
+
+def render_sim_validate(runs: list[tuple[str, dict]]) -> str:
+    out = []
+    for name, d in runs:
+        rows = []
+        for pol, r in (d.get("policies") or {}).items():
+            real, sim, diff = r.get("real") or {}, r.get("sim") or {}, r.get("diff") or {}
+            rows.append(
+                [
+                    code(pol),
+                    f"{real.get('hit_rate', 0):.3f}",
+                    f"{sim.get('hit_rate', 0):.3f}",
+                    f"{diff.get('hit_rate_pp', 0):+.1f} pp",
+                    ms((real.get("ttft") or {}).get("p50")),
+                    ms((sim.get("ttft") or {}).get("p50")),
+                    f"{100 * diff.get('ttft_p50_rel', 0):+.0f}%",
+                    met(r.get("pass")),
+                ]
+            )
+        t, f = d.get("trace") or {}, d.get("fleet") or {}
+        out.append(
+            f"`{name}`: the same {t.get('requests')}-request {t.get('generator')} trace on "
+            f"{f.get('replicas')} real replicas and in the simulator (targets: hit rate "
+            "within 2 pp, TTFT p50 within 25%).\n\n"
+            + table(
+                [
+                    "policy",
+                    "real hit",
+                    "sim hit",
+                    "diff",
+                    "real TTFT p50",
+                    "sim TTFT p50",
+                    "diff",
+                    "",
+                ],
+                rows,
+            )
+        )
+    return "\n".join(out)
+
+
+def render_sim_sweep(runs: list[tuple[str, dict]]) -> str:
+    out = []
+    for name, d in runs:
+        key = (d.get("sweep") or "").replace("-", "_")
+        rows = []
+        for p in d.get("points") or []:
+            r = p.get("report") or {}
+            hit, lat = r.get("hit_rate") or {}, (r.get("latency_s") or {}).get("ttft") or {}
+            rows.append(
+                [
+                    code(p.get("policy")),
+                    num(p.get(key)),
+                    f"{hit.get('device', 0):.3f} + {hit.get('cpu_tier', 0):.3f}",
+                    ms(lat.get("p50")),
+                    ms(lat.get("p99")),
+                    num((r.get("throughput") or {}).get("output_tokens_per_s"), 0),
+                ]
+            )
+        first = (d.get("points") or [{}])[0].get("report") or {}
+        fleet, cost = first.get("fleet") or {}, (first.get("cost_model") or {}).get("name")
+        halved = (
+            ", ".join(
+                f"{pol} {num(v) if v is not None else 'not reached'}"
+                for pol, v in (d.get("ttft_p99_halved_at") or {}).items()
+            )
+            or "n/a"
+        )
+        png = RESULTS / (Path(name).stem + ".png")
+        img = f"\n![{name}](benchmarks/{png.name})\n" if png.exists() else ""
+        out.append(
+            f"`{name}`: sweep of `{d.get('sweep')}`, {fleet.get('replicas')} replicas, "
+            f"cost model `{cost}`. Smallest `{d.get('sweep')}` that halves TTFT p99: "
+            f"{halved}.\n\n"
+            + table(
+                [
+                    "policy",
+                    d.get("sweep", ""),
+                    "hit rate (device + tier)",
+                    "TTFT p50",
+                    "TTFT p99",
+                    "output tok/s",
+                ],
+                rows,
+            )
+            + img
+        )
+    return "\n".join(out)
+
+
+def render_sim_scale(runs: list[tuple[str, dict]]) -> str:
+    rows = [
+        [
+            tag(n),
+            num(d.get("replicas")),
+            num(d.get("requests")),
+            code(d.get("policy")),
+            num(d.get("cpu_s", 0) / 60, 1) + " min",
+            num(d.get("events_per_cpu_s"), 0),
+            num(d.get("requests_per_cpu_s"), 0),
+            f"{d.get('hit_rate', 0):.3f}",
+        ]
+        for n, d in runs
+    ]
+    return table(
+        [
+            "report",
+            "replicas",
+            "requests",
+            "policy",
+            "CPU time",
+            "events/s",
+            "requests/s",
+            "hit rate",
+        ],
+        rows,
+    )
+
+
+def render_sim_cost(runs: list[tuple[str, dict]]) -> str:
+    rows = []
+    for name, d in runs:
+        c = d.get("cost_model") or {}
+        rows.append(
+            [
+                code(c.get("name")),
+                f"{1000 * c.get('base_s', 0):.2f}",
+                f"{1000 * c.get('prefill_token_s', 0):.3f}",
+                f"{1000 * c.get('decode_seq_s', 0):.3f}",
+                f"{1e6 * c.get('context_token_s', 0):.2f}",
+                pct(d.get("fit_mean_relative_error")),
+                tag(name),
+            ]
+        )
+    return (
+        "Step time = base + a·prefill tokens + b·decode sequences + c·context tokens, "
+        "fitted by `pagedkv simulate calibrate`:\n\n"
+        + table(
+            [
+                "cost model",
+                "base (ms)",
+                "a (ms/token)",
+                "b (ms/seq)",
+                "c (µs/token)",
+                "fit error",
+                "report",
+            ],
+            rows,
+        )
+    )
+
+
+def _leaves(x: Any, prefix: str, depth: int, rows: list[list[str]]) -> None:
+    """Append ``[field, value]`` rows for the scalar leaves of ``x``, three levels at most."""
+    if isinstance(x, dict) and depth < 3:
+        for k, v in x.items():
+            _leaves(v, f"{prefix}.{k}" if prefix else str(k), depth + 1, rows)
+    elif isinstance(x, (int, float, str, bool)) and len(rows) < 40:
+        rows.append([code(prefix), cell(num(x, 3) if isinstance(x, float) else x)])
+
+
+def render_generic(runs: list[tuple[str, dict]]) -> str:
+    """Any other shape: the scalar leaves, as a field/value table per report."""
+    out = []
+    for name, d in runs:
+        rows: list[list[str]] = []
+        _leaves(d, "", 0, rows)
+        out.append(f"`{name}`\n\n" + table(["field", "value"], rows))
+    return "\n".join(out)
+
+
+# (title, how to run it, matches(file name, data), renderer), in page order.
+BENCHMARKS: list[tuple[str, str, Callable[[str, dict], bool], Callable]] = [
+    (
+        "Offline throughput",
+        "python benchmarks/bench_throughput.py --skip-hf",
+        lambda n, d: d.get("benchmark") == "throughput",
+        render_throughput,
+    ),
+    (
+        "Quantized KV: accuracy and capacity",
+        "python benchmarks/bench_kv_quant.py",
+        lambda n, d: d.get("benchmark") == "kv_quant",
+        render_kv_quant,
+    ),
+    (
+        "Quantized KV: decode attention speed",
+        "python benchmarks/bench_kv_quant_attention.py --rounds 7 [--threads 1]",
+        lambda n, d: d.get("benchmark") == "kv_quant_attention",
+        render_kv_quant_attention,
+    ),
+    (
+        "KV-aware routing",
+        "python benchmarks/bench_router.py",
+        lambda n, d: "ratios_vs_round_robin" in d,
+        render_router,
+    ),
+    (
+        "Prefill/decode disaggregation",
+        "python benchmarks/bench_disagg.py",
+        lambda n, d: "kill_test" in d or ("colocated" in d and "pd" in d),
+        render_disagg,
+    ),
+    (
+        "Simulator vs a real fleet",
+        "python benchmarks/bench_sim_validate.py",
+        lambda n, d: "policies" in d and "trace" in d,
+        render_sim_validate,
+    ),
+    (
+        "Simulator sweeps",
+        "pagedkv simulate sweep ... --out benchmarks/results/NAME",
+        lambda n, d: "points" in d and "sweep" in d,
+        render_sim_sweep,
+    ),
+    (
+        "Simulator speed at scale",
+        "python benchmarks/bench_sim.py --replicas 1000 --num-requests 1000000",
+        lambda n, d: "events_per_cpu_s" in d and "replicas" in d,
+        render_sim_scale,
+    ),
+    (
+        "Simulator cost models",
+        "pagedkv simulate calibrate [--server]",
+        lambda n, d: "cost_model" in d and "fit_mean_relative_error" in d,
+        render_sim_cost,
+    ),
+]
+
+
+def _load(path: Path) -> dict | None:
+    text = path.read_text()
+    if path.suffix == ".log":  # a run's log: its report is the JSON object at the end
+        start = text.rfind("\n{")
+        text = text[start + 1 :] if start >= 0 else ""
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError:
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _machine(name: str, data: dict, machines: dict[str, str]) -> str:
+    m = data.get("machine")
+    if isinstance(m, str):
+        return m
+    if isinstance(m, dict):
+        for key in ("name", "cpu", "cpu_model", "description"):
+            if isinstance(m.get(key), str):
+                return m[key]
+    return machines.get(name) or machines.get("default", "not recorded")
+
+
+def render_benchmarks() -> str:
+    machines = json.loads(MACHINES.read_text()) if MACHINES.exists() else {}
+    loaded = [
+        (p.name, d)
+        for p in sorted(RESULTS.glob("*"))
+        if p.suffix in (".json", ".log")
+        if (d := _load(p)) is not None
+    ]
+    used: set[str] = set()
+    out = []
+    for title, command, matches, render in BENCHMARKS:
+        runs = [(n, d) for n, d in loaded if n not in used and matches(n, d)]
+        if not runs:
+            continue
+        used.update(n for n, _ in runs)
+        where = sorted({_machine(n, d, machines) for n, d in runs})
+        out.append(
+            f"## {title}\n\n`{command}` · measured on: {'; '.join(where)}\n\n" + render(runs)
+        )
+    rest = [(n, d) for n, d in loaded if n not in used]
+    if rest:
+        out.append("## Other results\n\n" + render_generic(rest))
+    return "\n".join(out)
