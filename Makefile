@@ -42,8 +42,9 @@ test: setup system-deps docs
 	$(PY) -m pytest -q
 
 # The docs site, strict: a broken link, anchor or nav entry fails (site/ is ignored by git).
+# No --quiet: it hides the warnings, and --strict then passes a broken link.
 docs: setup
-	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet -d site
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict -d site
 
 bench: setup
 	$(PY) benchmarks/bench_core.py
