@@ -8,6 +8,9 @@ A page opts in with a marker line in its Markdown, which the hook replaces:
 - ``<!-- generate:benchmarks -->``: the benchmark tables (``benchmark_tables.py``, from
   ``benchmarks/results/``), whose plots are published under ``benchmarks/``.
 
+After the build, the README's links into ``docs/`` are checked against the site
+(``readme_links.py``): a broken one fails the build like a broken link inside the docs.
+
 The repository's ``src/`` goes first on ``sys.path`` so the docs describe this checkout's code,
 installed or not. Nothing here is imported by pagedkv itself.
 """
@@ -25,8 +28,10 @@ from typing import Any
 from benchmark_tables import RESULTS, render_benchmarks
 from cli_reference import render_cli
 from env_reference import render_env
+from readme_links import broken_links
 
-SRC = Path(__file__).resolve().parents[2] / "src"
+ROOT = Path(__file__).resolve().parents[2]
+SRC = ROOT / "src"
 GENERATORS = {"cli": render_cli, "env": render_env, "benchmarks": render_benchmarks}
 
 
@@ -60,3 +65,12 @@ def on_page_markdown(markdown: str, page: Any, config: Any, files: Any) -> str:
             with this_checkout():
                 markdown = markdown.replace(marker, render())
     return markdown
+
+
+def on_post_build(config: Any) -> None:
+    """Fail the build when a README link into docs/ points at no page or anchor."""
+    from mkdocs.exceptions import PluginError
+
+    bad = broken_links(ROOT / "README.md", Path(config["site_dir"]))
+    if bad:
+        raise PluginError("README.md links to missing docs: " + "; ".join(bad))
