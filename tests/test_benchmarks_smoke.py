@@ -166,11 +166,8 @@ def test_disagg_script_tiny_loses_no_request() -> None:
 def test_disagg_kill_report_counts_lost_requests_by_kind() -> None:
     """The kill test's lost requests are grouped by kind (numbers masked) and the table prints
     the counts and the restart times: what a failed run needs to be read."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import bench_disagg
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+    from pagedkv.bench import disagg as bench_disagg
+
     kinds = bench_disagg.error_kinds(["could not resume it within 180 s", "ReadTimeout: ",
                                       "could not resume it within 90 s", None])
     assert kinds == {"could not resume it within N s": 2, "ReadTimeout: ": 1, "no error recorded": 1}

@@ -82,14 +82,14 @@ def cases() -> dict[str, tuple[list[int], list[int], dict]]:
     }
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layouts", default="LBNHC,BLNHC,LBHNC")
     ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--cases", default="", help="comma-separated substrings of case names")
     ap.add_argument("--rounds", type=int, default=8)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = torch.float32 if args.dtype == "fp32" else torch.bfloat16
@@ -120,7 +120,4 @@ def main() -> None:
                                            for k, v in views]}, args.rounds)["w"]
     print(f"{'reshape_and_cache 64 tokens':30s} {'LBNHC':7s} {wall / LAYERS * 1e6:9.0f} "
           f"{cpu / LAYERS * 1e6:13.0f} {wall * 1e3:8.1f}")
-
-
-if __name__ == "__main__":
-    main()
+    return 0

@@ -175,7 +175,7 @@ def bench_allocate(repeat: int) -> dict[str, float]:
     return {"allocate_free_2048_50pct_hit": min(results)}
 
 
-def main(argv: list[str] | None = None) -> dict[str, float]:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--json-only", action="store_true")
@@ -200,8 +200,4 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             print(f"{k:36s} {v:9.3f}x")
     json.dump(report, sys.stdout, indent=1)
     print()
-    return res
-
-
-if __name__ == "__main__":
-    main()
+    return 0

@@ -1,5 +1,7 @@
-"""Prefill/decode (PD) disaggregation benchmark: colocated vs PD serving, KV transfer bandwidth
-vs memcpy, and a kill test, all in one run on this machine.
+"""Prefill/decode (PD) disaggregation: PD vs colocated serving, KV transfer, a kill test.
+
+Colocated vs PD serving, KV transfer bandwidth vs memcpy, and a kill test, all in one run on
+this machine.
 
 1. Colocated baseline: one ``pagedkv serve`` pinned to two cores (``taskset -c A,B``).
 2. PD: a producer (``kv_producer``) pinned to core A, a consumer (``kv_consumer``) pinned to core
@@ -31,8 +33,9 @@ Every process is started with fixed ports and stopped by PID at the end (also on
 SIGTERM); each one's output goes to a log file under a temporary directory (kept with
 ``--keep-logs``). Progress goes to standard error; standard output holds the table and the JSON.
 
-Usage: python benchmarks/bench_disagg.py [--num-requests 32] [--rate 2] [--max-tokens 32]
-       [--backend nixl|tcp] [--bandwidth-mib 64] [--kill-test 20] [--json-only] [--json-out FILE]
+Usage: pagedkv bench disagg (or python benchmarks/bench_disagg.py) [--num-requests 32] [--rate 2]
+       [--max-tokens 32] [--backend nixl|tcp] [--bandwidth-mib 64] [--kill-test 20] [--json-only]
+       [--json-out FILE]
 """
 
 from __future__ import annotations
@@ -46,10 +49,6 @@ import os
 import random
 import re
 import shutil
-import signal
-import socket
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -61,11 +60,10 @@ from pathlib import Path
 from typing import Any
 
 from pagedkv.bench.common import BenchOptionError, add_output_args, int_range, log, ratio, run_and_emit
+from pagedkv.bench.instances import CLI, Cluster, Instance, free_port, pin_cores, stop_on_sigterm
 from pagedkv.bench.serving import dist, positive_float
 
-CLI = [sys.executable, "-m", "pagedkv.entrypoints.cli"]
 TOKEN_RANGE = (1000, 40000)  # ordinary BPE tokens, no special ones
-START_TIMEOUT_S = 300.0  # model load on a busy 2-core machine
 HTTP_TIMEOUT_S = 600.0
 TARGET_ITL_P99_RATIO = 0.5  # PD / colocated
 TARGET_BANDWIDTH_RATIO = 0.5  # transfer / memcpy
@@ -148,96 +146,6 @@ class KillTestResult:
 
 
 # ---- processes -----------------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@dataclass(slots=True)
-class Instance:
-    """A ``pagedkv`` server process on a fixed port (so a restart keeps its URL), optionally
-    pinned to ``cores``; its output is appended to ``log_path``."""
-
-    name: str
-    argv: list[str]
-    port: int
-    log_path: Path
-    cores: list[int] | None = None
-    proc: subprocess.Popen | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def start(self) -> None:
-        cmd = list(self.argv)
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        if self.cores:
-            cmd = ["taskset", "-c", ",".join(map(str, self.cores)), *cmd]  # execs: same PID
-            env["OMP_NUM_THREADS"] = str(len(self.cores))  # one compute thread per pinned core
-        with open(self.log_path, "ab") as out:
-            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
-
-    def wait_ready(self, timeout: float = START_TIMEOUT_S) -> None:
-        """Until ``/health`` answers 200; RuntimeError (with the log's tail) if the process
-        exits or the deadline passes."""
-        import httpx
-
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc is None or self.proc.poll() is not None:
-                break
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
-        tail = self.log_path.read_text(errors="replace")[-2000:]
-        raise RuntimeError(f"{self.name} did not become ready (rc={self.proc and self.proc.poll()}):\n{tail}")
-
-    def kill(self) -> None:
-        """SIGKILL, by PID."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(30)
-
-    def stop(self) -> None:
-        """SIGTERM, SIGKILL after 30 s; by PID, only this process."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.kill()
-
-
-class Cluster:
-    """Instances started together and all stopped on exit (context manager)."""
-
-    def __init__(self, instances: list[Instance]) -> None:
-        self.instances = instances
-
-    def __enter__(self) -> Cluster:
-        try:
-            for inst in self.instances:
-                inst.start()
-            for inst in self.instances:
-                inst.wait_ready()
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-    def stop(self) -> None:
-        for inst in self.instances:
-            inst.stop()
 
 
 def pinning() -> tuple[list[int] | None, list[int] | None, list[int] | None, str | None]:
@@ -588,19 +496,6 @@ class Killer(threading.Thread):
             pass
 
 
-def pin_cores(n: int, what: str = "instances") -> tuple[list[list[int] | None], str | None]:
-    """Process i on CPU i mod (usable CPUs), one compute thread each (`Instance.start`), and a
-    note when that is impossible or some share a core. For the kill test's ``[prefill0,
-    prefill1, decode0, decode1]`` on 2 CPUs: one producer and one consumer per core. Unpinned,
-    every instance would run one OpenMP thread per core, and several instances' spinning thread
-    teams on two cores slow each other (and every restart's model load) several times over."""
-    if shutil.which("taskset") is None:
-        return [None] * n, f"taskset not found: {what} unpinned"
-    cpus = sorted(os.sched_getaffinity(0))
-    note = None if len(cpus) >= n else f"{len(cpus)} CPUs for {n} {what}: some share a core"
-    return [[cpus[i % len(cpus)]] for i in range(n)], note
-
-
 def run_kill_test(args: argparse.Namespace, logs: Path) -> KillTestResult:
     cores, note = pin_cores(4)
     servers = [server(args, logs, f"kill-prefill{i}", "kv_producer", cores[i]) for i in range(2)]
@@ -654,6 +549,10 @@ def config(args: argparse.Namespace, note: str | None, cores: tuple[Any, Any, An
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    stop_on_sigterm()
+    # NIXL logs INFO lines to stdout (its own handler): keep stdout table + JSON (inherited by
+    # the spawned bandwidth agent).
+    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     check_args(args)
     colo_cores, p_cores, d_cores, note = pinning()
     logs = Path(tempfile.mkdtemp(prefix="bench_disagg-"))
@@ -808,20 +707,8 @@ def exit_code(report: dict[str, Any]) -> int:
     return 1 if failed or (kill and kill["lost"]) else 0
 
 
-def _sigterm(signum: int, frame: Any) -> None:
-    raise KeyboardInterrupt  # unwinds through every `finally`: all instances stopped by PID
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="bench_disagg", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(p)
-    signal.signal(signal.SIGTERM, _sigterm)
-    # NIXL logs INFO lines to stdout (its own handler): keep stdout table + JSON (inherited by
-    # the spawned bandwidth agent).
-    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     return run_and_emit(run, table, p.parse_args(argv), exit_code)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

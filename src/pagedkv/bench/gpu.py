@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -178,7 +177,3 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.out, "w") as f:
             f.write(text + "\n")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

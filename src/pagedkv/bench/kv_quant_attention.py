@@ -21,22 +21,18 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-from bench_attention import BS, D, HKV, HQ, make_metadata  # noqa: E402
-
-from pagedkv.bench.common import BenchOptionError, add_output_args, run_and_emit  # noqa: E402
-from pagedkv.core.specs import AttentionSpec  # noqa: E402
-from pagedkv.ops import native  # noqa: E402
-from pagedkv.ops.attention import paged_attention  # noqa: E402
-from pagedkv.ops.kv_cache import allocate_kv_cache  # noqa: E402
-from pagedkv.ops.kv_quant import KVQuant, quantize_part  # noqa: E402
+from pagedkv.bench.attention import BS, D, HKV, HQ, make_metadata
+from pagedkv.bench.common import BenchOptionError, add_output_args, run_and_emit
+from pagedkv.core.specs import AttentionSpec
+from pagedkv.ops import native
+from pagedkv.ops.attention import paged_attention
+from pagedkv.ops.kv_cache import allocate_kv_cache
+from pagedkv.ops.kv_quant import KVQuant, quantize_part
 
 # name -> (storage dtype, quant mode); float32 first: the baseline of every ratio.
 MODES = {
@@ -184,7 +180,3 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=None, help="kernel threads (default: torch's)")
     add_output_args(p)
     return run_and_emit(run, table, p.parse_args(argv))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -33,22 +33,18 @@ import argparse
 import random
 import re
 import statistics
-import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).parent))
-from bench_attention import BS, D, HKV, HQ, LAYERS, make_metadata, time_rounds  # noqa: E402
-
-from pagedkv.bench.common import add_output_args, run_and_emit  # noqa: E402
-from pagedkv.ops import attention as attention_mod  # noqa: E402
-from pagedkv.ops import native  # noqa: E402
-from pagedkv.ops.kv_cache import allocate_kv_cache  # noqa: E402
+from pagedkv.bench.attention import BS, D, HKV, HQ, LAYERS, make_metadata, time_rounds
+from pagedkv.bench.common import add_output_args, run_and_emit
+from pagedkv.ops import attention as attention_mod
+from pagedkv.ops import native
+from pagedkv.ops.kv_cache import allocate_kv_cache
 
 GEMV_ROWS = (1, 4, 8, 16, 32, 48, 64)
 TENSORS = ("blk.0.attn_q.weight", "blk.0.ffn_up.weight", "blk.0.ffn_down.weight", "token_embd.weight")
@@ -306,7 +302,3 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--step-tokens", type=int, default=64, help="decode steps timed inside the native step")
     add_output_args(p)
     return run_and_emit(run, table, p.parse_args(argv))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

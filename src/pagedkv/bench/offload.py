@@ -170,7 +170,7 @@ def bench_multiturn(args: argparse.Namespace) -> dict[str, object]:
             "working_set_vs_device": base["working_set_tokens"] / base["device_cache_tokens"]}
 
 
-def main(argv: list[str] | None = None) -> dict[str, object]:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("what", nargs="?", default="all", choices=["bandwidth", "multiturn", "all"])
     ap.add_argument("--conversations", type=int, default=50)
@@ -194,7 +194,7 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
               "ttft_p50_ratio >= 3")
     json.dump(report, sys.stdout, indent=1)
     print()
-    return report
+    return 0
 
 
 def _flatten(d: object, prefix: str = "") -> list[tuple[str, object]]:
@@ -204,7 +204,3 @@ def _flatten(d: object, prefix: str = "") -> list[tuple[str, object]]:
     for k, v in d.items():
         out.extend(_flatten(v, f"{prefix}.{k}" if prefix else k))
     return out
-
-
-if __name__ == "__main__":
-    main()

@@ -1,5 +1,7 @@
-"""KV-aware routing benchmark: ``pagedkv router`` with ``--policy kv`` vs ``round-robin`` vs
-``load`` over three replicas, on the same multi-turn conversation trace.
+"""KV-aware routing: the router's kv policy vs round-robin vs load over three replicas.
+
+``pagedkv router`` with ``--policy kv`` vs ``round-robin`` vs ``load`` over three replicas, on
+the same multi-turn conversation trace.
 
 1. Three ``pagedkv serve`` replicas (KV events with replay, prefix caching on), each pinned to
    one CPU of this process's affinity (replica i on CPU i mod n, ``OMP_NUM_THREADS=1``: on a
@@ -31,8 +33,8 @@ Every process is started on free ports and stopped by PID at the end (also on Ct
 SIGTERM); logs go to a temporary directory (kept with ``--keep-logs``). Progress goes to
 standard error; standard output holds the table and the JSON.
 
-Usage: python benchmarks/bench_router.py [--conversations 12] [--turns 5] [--repeats 3]
-       [--policies kv,round-robin,load] [--json-only] [--json-out FILE]
+Usage: pagedkv bench router (or python benchmarks/bench_router.py) [--conversations 12] [--turns 5]
+       [--repeats 3] [--policies kv,round-robin,load] [--json-only] [--json-out FILE]
 """
 
 from __future__ import annotations
@@ -45,17 +47,16 @@ import os
 import random
 import re
 import shutil
-import signal
-import sys
+import subprocess
 import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from bench_disagg import CLI, TOKEN_RANGE, Cluster, Instance, free_port, pin_cores
-
 from pagedkv.bench.common import BenchOptionError, add_output_args, log, ratio, run_and_emit
+from pagedkv.bench.disagg import TOKEN_RANGE
+from pagedkv.bench.instances import CLI, Cluster, Instance, free_port, pin_cores, stop_on_sigterm
 from pagedkv.bench.serving import dist
 
 TARGET_HIT_RATIO = 2.0  # kv hit rate / round-robin's
@@ -314,6 +315,7 @@ def per_run(run: PolicyRun) -> dict[str, float]:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    stop_on_sigterm()
     check_args(args)
     cores, note = pin_cores(3, "replicas")
     logs = Path(tempfile.mkdtemp(prefix="bench_router-"))
@@ -416,16 +418,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_output_args(p)
 
 
-def check_args(args: argparse.Namespace) -> None:
-    from pagedkv.router.scoring import POLICIES
+def policy_choices(policies: list[str]) -> str | None:
+    """None when ``pagedkv router --policy`` accepts every name in ``policies``, else the names it
+    accepts (``kv, load, round-robin``). The router sits above `pagedkv.bench` in the layers, so
+    its own command line answers (``--help`` exits right after the options are checked)."""
+    argv = [*CLI, "router", *[f"--policy={p}" for p in policies or [""]], "--help"]
+    res = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    if res.returncode == 0 and policies:
+        return None
+    m = re.search(r"choose from (.+?)\)", res.stderr)
+    return m.group(1).replace("'", "") if m else res.stderr.strip()
 
+
+def check_args(args: argparse.Namespace) -> None:
     if min(args.conversations, args.turns, args.max_tokens, args.user_len, args.repeats) < 1 or args.system_len < 0:
         raise BenchOptionError("--conversations, --turns, --max-tokens, --user-len and --repeats must be >= 1")
     if args.reply_len < 0 or args.think_s < 0 or args.stagger_s < 0:
         raise BenchOptionError("--reply-len, --think-s and --stagger-s must be >= 0")
-    bad = [p for p in args.policies if parse_policy(p)[0] not in POLICIES]
-    if bad or not args.policies:
-        raise BenchOptionError(f"--policies: choose from {', '.join(POLICIES)}")
+    choices = policy_choices([parse_policy(p)[0] for p in args.policies])
+    if choices is not None:
+        raise BenchOptionError(f"--policies: choose from {choices}")
     longest = args.system_len + args.turns * args.user_len + (args.turns - 1) * args.reply_len
     if longest + args.max_tokens > args.max_model_len:
         raise BenchOptionError(f"the last turn ({longest} tokens) + --max-tokens must fit in --max-model-len")
@@ -436,17 +448,8 @@ def exit_code(report: dict[str, Any]) -> int:
     return 1 if any(r["failed"] for r in report["policies"].values()) else 0
 
 
-def _sigterm(signum: int, frame: Any) -> None:
-    raise KeyboardInterrupt  # unwinds through every `finally`: all processes stopped by PID
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="bench_router", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(p)
-    signal.signal(signal.SIGTERM, _sigterm)
     return run_and_emit(run, table, p.parse_args(argv), exit_code)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
