@@ -23,6 +23,24 @@ def bench_json(capsys, *argv: str) -> dict:
     return json.loads(capsys.readouterr().out)
 
 
+# ---------------------------------------------------------------- one home
+
+
+def test_every_benchmark_script_is_a_thin_entry_point() -> None:
+    """The benchmarks live in `pagedkv.bench`; ``benchmarks/bench_<name>.py`` only calls
+    ``pagedkv.bench.<name>.main``. The simulator's two scripts stay whole: they drive
+    `pagedkv.sim` and `pagedkv.router` in-process, both above `pagedkv.bench` in the layers."""
+    stay = {"sim", "sim_validate"}
+    helpers = {"__init__", "common", "instances"}
+    modules = {p.stem for p in (ROOT / "src" / "pagedkv" / "bench").glob("*.py")} - helpers
+    scripts = {p.stem.removeprefix("bench_"): p for p in (ROOT / "benchmarks").glob("bench_*.py")}
+    assert set(scripts) == modules | stay
+    for name in modules:
+        text = scripts[name].read_text()
+        assert f"from pagedkv.bench.{name} import main\n" in text, scripts[name]
+        assert len(text.splitlines()) <= 20, scripts[name]
+
+
 # ---------------------------------------------------------------- memory (no model)
 
 
