@@ -498,7 +498,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--capacity-request-tokens", type=int, default=None,
                    help="KV token slots one capacity request holds, a multiple of 16 (2,048; --quick 256)")
     p.add_argument("--speed-script", default=None, metavar="FILE",
-                   help="a file whose run() -> dict to time instead (default: pagedkv.bench.kv_quant_attention)")
+                   help="a file whose run() -> dict to time instead "
+                        "(default: pagedkv.bench.kv_quant_attention)")
     p.add_argument("--quick", action="store_true", help="CI size: the --quick defaults above")
     p.add_argument("--seed", type=int, default=0)
     add_output_args(p)
