@@ -40,7 +40,8 @@ def free_port() -> int:
 # ---------------------------------------------------------------- help and version
 
 HELP_COMMANDS = [[], ["plan"], ["generate"], ["chat"], ["serve"], ["events"], ["bench"],
-                 ["bench", "throughput"], ["bench", "prefix-cache"], ["bench", "memory"], ["bench", "serve"], ["proxy"],
+                 ["bench", "throughput"], ["bench", "prefix-cache"], ["bench", "memory"], ["bench", "serve"],
+                 ["bench", "disagg"], ["bench", "router"], ["proxy"],
                  ["router"], ["simulate"], ["simulate", "run"], ["simulate", "sweep"]]
 
 

@@ -29,8 +29,8 @@ admitted request holds its 128 blocks at once; the measured figure is the most r
 resident with their prompts fully prefilled after a step (then they decode together). The run
 stops at the first finished request. Ratio vs bf16; target ≥ 1.9× (INT8/FP8) and ≥ 3.4× (INT4).
 
-**Speed** (``--only speed``): decode attention per mode from
-``benchmarks/bench_kv_quant_attention.py`` (``run() -> dict``) when that file exists.
+**Speed** (``--only speed``): decode attention per mode from `pagedkv.bench.kv_quant_attention`
+(or ``--speed-script FILE``'s ``run() -> dict`` when that file exists).
 
 Usage: python benchmarks/bench_kv_quant.py [--modes a,b] [--tokens N] [--quick] [--only all|accuracy|capacity|speed]
 """
@@ -460,16 +460,22 @@ def run_capacity(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run_speed(args: argparse.Namespace) -> dict[str, Any]:
-    """Decode attention per mode from ``benchmarks/bench_kv_quant_attention.py`` if present."""
-    path = Path(args.speed_script)
-    if not path.exists():
-        return dict(skipped=f"{path} not found")
-    spec = importlib.util.spec_from_file_location("bench_kv_quant_attention", path)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    if not callable(getattr(mod, "run", None)):
-        return dict(skipped=f"{path} has no run()")
+    """Decode attention per mode from `pagedkv.bench.kv_quant_attention`, or from
+    ``--speed-script`` if given and present."""
+    if args.speed_script is None:
+        from pagedkv.bench import kv_quant_attention as mod
+
+        path: Path | str = mod.__name__
+    else:
+        path = Path(args.speed_script)
+        if not path.exists():
+            return dict(skipped=f"{path} not found")
+        spec = importlib.util.spec_from_file_location("bench_kv_quant_attention", path)
+        assert spec is not None and spec.loader is not None
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        if not callable(getattr(mod, "run", None)):
+            return dict(skipped=f"{path} has no run()")
     result = mod.run(seqs=4, tokens=256, rounds=1) if args.quick else mod.run()
     text = mod.table(result) if callable(getattr(mod, "table", None)) else None
     return dict(source=str(path), result=result, table=text)
@@ -491,8 +497,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--capacity-modes", default=",".join(CAPACITY_MODES))
     p.add_argument("--capacity-request-tokens", type=int, default=None,
                    help="KV token slots one capacity request holds, a multiple of 16 (2,048; --quick 256)")
-    p.add_argument("--speed-script", default=str(Path(__file__).resolve().parents[3]
-                                                    / "benchmarks" / "bench_kv_quant_attention.py"))
+    p.add_argument("--speed-script", default=None, metavar="FILE",
+                   help="a file whose run() -> dict to time instead "
+                        "(default: pagedkv.bench.kv_quant_attention)")
     p.add_argument("--quick", action="store_true", help="CI size: the --quick defaults above")
     p.add_argument("--seed", type=int, default=0)
     add_output_args(p)

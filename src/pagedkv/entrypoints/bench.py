@@ -1,4 +1,4 @@
-"""``pagedkv bench {throughput,prefix-cache,memory,serve}``: the end-to-end benchmarks.
+"""``pagedkv bench {throughput,prefix-cache,memory,serve,disagg,router}``: end-to-end benchmarks.
 
 Each is a module of `pagedkv.bench` (also runnable as ``python benchmarks/bench_<name>.py``);
 this file only wires their arguments under one subcommand. The modules import nothing heavy
@@ -22,7 +22,7 @@ standard error. Run 'pagedkv bench BENCHMARK --help' for a benchmark's workload 
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("bench", help="run a benchmark (throughput, prefix-cache, memory, serve)",
+    p = subparsers.add_parser("bench", help=f"run a benchmark ({', '.join(BENCHMARKS)})",
                               description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="benchmark", metavar="BENCHMARK", required=True)
     for name, module_name in BENCHMARKS.items():
