@@ -14,9 +14,9 @@ import time
 import pytest
 from redis_server import free_port
 
-from pagedkv.kv_transfer.backends import nixl_import_error
+from pagedkv.transfer import nixl_import_error
 
-from pagedkv.kv_transfer.p2p_tier import ChunkStore, P2PTier, compat_error
+from pagedkv.offload.p2p_tier import ChunkStore, P2PTier, compat_error
 
 CHUNK = 4096
 

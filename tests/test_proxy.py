@@ -26,7 +26,7 @@ import httpx
 import pytest
 
 from pagedkv.entrypoints.proxy import create_proxy_app, prefill_body
-from pagedkv.entrypoints.serve import BackgroundServer
+from pagedkv.entrypoints.cli.serve import BackgroundServer
 
 CMD = [sys.executable, "-m", "pagedkv.entrypoints.cli"]
 MODEL = "SmolLM2-135M-Instruct"

@@ -273,7 +273,7 @@ async def _relay(state: ProxyState, resp: Any, inst: Instance, body: dict[str, A
     without success (instances restarting are waited for, in rounds 0.5 s apart): then an
     error event (the engine's last, else the proxy's own ``server_error``) and ``[DONE]`` end
     it, so a client never takes a cut stream for a complete answer."""
-    from pagedkv.entrypoints.stream_resume import StreamTracker
+    from pagedkv.forwarding.stream_resume import StreamTracker
 
     tracker = StreamTracker.for_request(body, chat=path.endswith("chat/completions"))
     include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
@@ -309,7 +309,7 @@ async def _resume_choice(state: ProxyState, tracker: Any, idx: int,
     """One round: continue choice ``idx`` on the instances in turn (decode ones first, then
     prefill ones: any engine can continue) until one streams it to its end. A continuation
     that breaks too is continued on the next from where it broke."""
-    from pagedkv.entrypoints.stream_resume import ChoiceState
+    from pagedkv.forwarding.stream_resume import ChoiceState
 
     for pool in (state.decode, state.prefill):
         for nxt in pool.candidates():
@@ -511,7 +511,7 @@ def _check_url(url: str) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pagedkv.entrypoints.serve import bind_socket, fail, serve_on_socket
+    from pagedkv.entrypoints.cli.serve import bind_socket, fail, serve_on_socket
 
     if not 0 <= args.port <= 65535:
         return fail("proxy", ValueError(f"invalid --port {args.port}"))

@@ -215,7 +215,7 @@ class OffloadingConnector(KVConnectorBase):
         p2p = self.offload_config.p2p
         if p2p is None:
             return []
-        from pagedkv.kv_transfer.p2p_tier import P2PTier
+        from pagedkv.offload.p2p_tier import P2PTier
 
         backend = self.config.get_from_extra_config("p2p_backend")
         return [lambda chunk_bytes: P2PTier(
