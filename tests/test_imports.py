@@ -185,6 +185,20 @@ def test_no_upward_imports_and_a_torch_free_core() -> None:
     assert not torch_in_core, f"core/ imports torch: {torch_in_core}"
 
 
+def test_no_private_names_imported_across_packages() -> None:
+    """A ``_name`` is its package's own business: another package that needs it gets a public
+    name (the router once imported the proxy's ``_forward_headers`` and ``_unavailable``)."""
+    crossing = []
+    for f in sorted((SRC / "pagedkv").rglob("*.py")):
+        package = module_name(f, SRC).split(".")[:2]
+        for node in _import_nodes(ast.parse(f.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and not node.level and node.module \
+                    and node.module.split(".")[0] == "pagedkv" and node.module.split(".")[:2] != package:
+                crossing += [f"{module_name(f, SRC)} ← {node.module}.{a.name}" for a in node.names
+                             if a.name.startswith("_") and not a.name.startswith("__")]
+    assert not crossing, "private names imported from another package:\n" + "\n".join(crossing)
+
+
 def _top_level_names(path: Path) -> set[str]:
     """The top-level packages ``path`` imports (``torch`` for ``import torch.nn``)."""
     names: set[str] = set()

@@ -57,7 +57,7 @@ def _add_events(subparsers: Any) -> None:
 
 
 def _add_proxy(subparsers: Any) -> None:
-    from pagedkv.entrypoints import proxy
+    from pagedkv.entrypoints.cli import proxy
 
     proxy.add_parser(subparsers)
 
