@@ -1,4 +1,11 @@
-"""KV transfer backends (see `base`): `get_transfer_backend` picks NIXL when it imports, else TCP."""
+"""The KV transfer data plane (see `base`): one-sided reads of registered memory between
+processes. `get_transfer_backend` picks NIXL (nixl.py, UCX) when it imports, else TCP (tcp.py,
+pure Python).
+
+Its own package below the two that use it: the NIXL connector of PD disaggregation
+(`pagedkv.kv_transfer.nixl_connector`) and the P2P offload tier (`pagedkv.offload.p2p_tier`).
+It imports nothing else of pagedkv.
+"""
 
 from __future__ import annotations
 
