@@ -66,7 +66,6 @@ def create_proxy_app(prefill: list[str], decode: list[str], cooldown: float = 5.
     ``retry_window``: how long a request keeps retrying when every instance fails."""
     import contextlib
 
-    import httpx
     from fastapi import FastAPI, Request
     from fastapi.responses import Response
 
