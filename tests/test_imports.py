@@ -163,7 +163,8 @@ def test_layer_of_takes_the_longest_key() -> None:
     assert layer_of("pagedkv.entrypoints.cli.serve") == LAYERS["entrypoints.cli"]
     assert layer_of("pagedkv.entrypoints.cli") == LAYERS["entrypoints.cli"]
     assert layer_of("pagedkv.entrypoints.openai.protocol") == LAYERS["entrypoints"]
-    assert layer_of("pagedkv.entrypoints.clinic") == LAYERS["entrypoints"]  # a prefix of names, not of text
+    # A key prefixes whole names, not text: entrypoints.clinic would not be the CLI.
+    assert layer_of("pagedkv.entrypoints.clinic") == LAYERS["entrypoints"]
     assert layer_of("pagedkv.core.events") == 0 and layer_of("pagedkv") is None
 
 
@@ -192,8 +193,10 @@ def test_no_private_names_imported_across_packages() -> None:
     for f in sorted((SRC / "pagedkv").rglob("*.py")):
         package = module_name(f, SRC).split(".")[:2]
         for node in _import_nodes(ast.parse(f.read_text(encoding="utf-8"))):
-            if isinstance(node, ast.ImportFrom) and not node.level and node.module \
-                    and node.module.split(".")[0] == "pagedkv" and node.module.split(".")[:2] != package:
+            if not isinstance(node, ast.ImportFrom) or node.level:
+                continue
+            target = (node.module or "").split(".")
+            if target[:1] == ["pagedkv"] and target[:2] != package:
                 crossing += [f"{module_name(f, SRC)} ← {node.module}.{a.name}" for a in node.names
                              if a.name.startswith("_") and not a.name.startswith("__")]
     assert not crossing, "private names imported from another package:\n" + "\n".join(crossing)

@@ -22,8 +22,8 @@ def instance_client(timeout: float) -> Any:
     each read from an instance, connecting is bounded by 10 s, connections unbounded."""
     import httpx
 
-    return httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=10.0),
-                             limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+    return httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=10.0), limits=limits)
 
 
 async def send_request(client: Any, url: str, method: str, path: str, body: dict[str, Any] | None,

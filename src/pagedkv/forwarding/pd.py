@@ -48,8 +48,8 @@ def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-async def run_prefill(state: ProxyState, path: str, body: dict[str, Any],
-                      headers: dict[str, str]) -> tuple[Instance | None, dict[str, Any] | None, Any]:
+async def run_prefill(state: ProxyState, path: str, body: dict[str, Any], headers: dict[str, str]
+                      ) -> tuple[Instance | None, dict[str, Any] | None, Any]:
     """Prefill on the first prefill instance that does not fail: ``(instance, its
     kv_transfer_params, None)``; ``(None, None, None)`` when every one failed (colocated
     fallback); ``(instance, None, response)`` when it answered 4xx (for the client as it is)."""
@@ -125,12 +125,14 @@ async def handle_completion(state: ProxyState, request: Any, path: str) -> Any:
     headers = forward_headers(request, request_id)
     p_inst, params, early = await run_prefill(state, path, body, headers)
     if early is not None:
-        logger.debug("request %s: prefill %s answered %s", request_id, p_inst.url, early.status_code)
+        logger.debug("request %s: prefill %s answered %s", request_id, p_inst.url,
+                     early.status_code)
         return early
     dbody = copy.copy(body)
     if params is not None:
         dbody["kv_transfer_params"] = params
-    d_inst, response = await run_decode(state, "POST", path, dbody, headers, bool(body.get("stream")))
+    stream = bool(body.get("stream"))
+    d_inst, response = await run_decode(state, "POST", path, dbody, headers, stream)
     served = (request_id, p_inst.url if p_inst else None, d_inst.url if d_inst else None)
     state.served.append(served)
     logger.debug("request %s: prefill %s, decode %s", *served)

@@ -20,8 +20,8 @@ __all__ = ["pump", "relay_stream", "resume_choice"]
 logger = logging.getLogger(__name__)
 
 
-async def relay_stream(state: ProxyState, resp: Any, inst: Instance, body: dict[str, Any], path: str,
-                       headers: dict[str, str]) -> AsyncIterator[bytes]:
+async def relay_stream(state: ProxyState, resp: Any, inst: Instance, body: dict[str, Any],
+                       path: str, headers: dict[str, str]) -> AsyncIterator[bytes]:
     """The client's SSE stream: ``resp``'s events as they come; if it breaks (transport error,
     no ``[DONE]``, an error event), each unfinished choice is continued on another instance
     (`resume_choice`) until every choice finished, or ``state.retry_window`` seconds passed
@@ -46,11 +46,10 @@ async def relay_stream(state: ProxyState, resp: Any, inst: Instance, body: dict[
                        state.retry_window, len(tracker.unfinished()))
         # Always an error event before [DONE]: a stream that just stopped would read as a
         # complete (short) answer to an OpenAI client.
-        yield tracker.error_event or (
-            "data: " + json.dumps({"error": {
-                "message": f"the engine serving this stream failed and no instance could resume it "
-                           f"within {state.retry_window:g} s", "type": "server_error", "param": None,
-                "code": 503}}) + "\n\n").encode()
+        message = (f"the engine serving this stream failed and no instance could resume it "
+                   f"within {state.retry_window:g} s")
+        error = {"error": {"message": message, "type": "server_error", "param": None, "code": 503}}
+        yield tracker.error_event or ("data: " + json.dumps(error) + "\n\n").encode()
         yield b"data: [DONE]\n\n"
         return
     for ev in tracker.finish(include_usage):
