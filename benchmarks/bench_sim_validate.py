@@ -111,7 +111,7 @@ class EventFeed:
     """Subscribes to every replica's KV events and applies them to one `PrefixIndex`."""
 
     def __init__(self, servers: list[Server]) -> None:
-        from pagedkv.entrypoints.kv_events import KVEventSubscriber
+        from pagedkv.core.event_transport import KVEventSubscriber
 
         self.index = PrefixIndex()
         self.lock = threading.Lock()

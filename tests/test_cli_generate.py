@@ -178,8 +178,8 @@ def test_kv_transfer_config_flag_reaches_the_engine(capsys) -> None:
     """The flag's JSON becomes the engine's typed `KVTransferConfig` (generate's and serve's
     wiring alike) and the engine builds the connector it names."""
     from pagedkv.entrypoints.cli import build_parser
-    from pagedkv.entrypoints.generate import engine_kwargs, make_llm
-    from pagedkv.entrypoints.serve import engine_config
+    from pagedkv.entrypoints.cli.generate import engine_kwargs, make_llm
+    from pagedkv.entrypoints.cli.serve import engine_config
     from pagedkv.kv_transfer.config import KVTransferConfig
     from pagedkv.offload.spec import OffloadConfig
 

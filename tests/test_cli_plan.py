@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from pagedkv.entrypoints.cli import main
-from pagedkv.entrypoints.plan import parse_size
+from pagedkv.entrypoints.cli.plan import parse_size
 
 GiB, MiB = 1 << 30, 1 << 20
 SMOL_BYTES_PER_TOKEN = 2 * 30 * 3 * 64 * 2  # K+V, 30 layers, 3 KV heads, head 64, bf16

@@ -9,7 +9,7 @@ import pytest
 
 from pagedkv.entrypoints.cli import main
 from pagedkv.engine.sampling_params import SamplingParams
-from pagedkv.entrypoints.plan import engine_summary_line
+from pagedkv.entrypoints.cli.plan import engine_summary_line
 
 SMOL_FP32_BYTES_PER_BLOCK = 16 * 2 * 30 * 3 * 64 * 4  # block 16, K+V, 30 layers, 3 KV heads, head 64, fp32
 

@@ -40,7 +40,7 @@ import torch
 from pagedkv import LLM, SamplingParams
 from pagedkv.core.events import BlockRemoved, BlockStored
 from pagedkv.entrypoints.dashboard import dashboard_state
-from pagedkv.entrypoints.kv_events import KVEventSubscriber
+from pagedkv.core.event_transport import KVEventSubscriber
 from engine_utils import check_clean, random_prompts
 from test_dashboard import browser, wait_js  # noqa: F401  (browser: a fixture; skips without chromium)
 

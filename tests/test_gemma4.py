@@ -331,7 +331,7 @@ def test_plan_kv_bytes_per_group_equal_the_formula(tmp_path: Path) -> None:
     type by the smallest count) carry those sums, the full group at twice the block size (its
     pages are half as big per token)."""
     from pagedkv.core import planning
-    from pagedkv.entrypoints.plan import group_rows
+    from pagedkv.entrypoints.cli.plan import group_rows
 
     (tmp_path / "config.json").write_text(json.dumps(gemma4_31b_shaped()))
     cfg = ModelConfig.from_hf_config(tmp_path)

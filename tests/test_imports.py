@@ -17,14 +17,23 @@ import pytest
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 
-# Layers, lowest first: a module may import its own layer and the ones below (the README's
-# "entrypoints > engine > models/offload/kv_transfer > ops > core"; the offloading connector in
-# kv_transfer builds the offload tiers, so kv_transfer sits just above offload).
-LAYERS = {"core": 0, "ops": 1, "models": 2, "offload": 2, "kv_transfer": 3, "engine": 4,
-          "bench": 5, "entrypoints": 6,
-          # The router and the fleet simulator sit beside the server: the router forwards with
-          # the proxy's code, `pagedkv router` / `pagedkv simulate` are entrypoints commands.
-          "router": 6, "sim": 6}
+# Layers, lowest first: a module may import its own layer and the ones below. A key is a package
+# under pagedkv (``"engine"``) or a subpackage (``"entrypoints.cli"``); a module belongs to the
+# longest key that prefixes it (`layer_of`). kv_transfer sits just above offload (the offloading
+# connector builds the offload tiers); transfer (the NIXL/TCP data plane) below both, which use
+# it; forwarding (the HTTP forwarding the PD proxy and the router share) below entrypoints; the
+# router above entrypoints (it reads the server's protocol models), the fleet simulator above
+# the router (it reuses its index and policies), and the CLI on top of everything.
+LAYERS = {"envs": 0, "core": 0, "ops": 1, "transfer": 1, "models": 2, "offload": 2,
+          "kv_transfer": 3, "engine": 4, "bench": 5, "forwarding": 5, "entrypoints": 6,
+          "router": 7, "sim": 8, "entrypoints.cli": 9}
+
+
+def layer_of(module: str) -> int | None:
+    """The layer of ``module`` (``pagedkv.x.y``): its longest `LAYERS` key, None if none."""
+    rel = module.partition(".")[2]
+    keys = [k for k in LAYERS if rel == k or rel.startswith(k + ".")]
+    return LAYERS[max(keys, key=len)] if keys else None
 
 
 def module_name(path: Path, root: Path) -> str:
@@ -150,15 +159,47 @@ def test_offload_tiers_import_only_the_base() -> None:
     assert "pagedkv.offload.factory" not in graph["pagedkv.offload.tiering"]
 
 
+def test_layer_of_takes_the_longest_key() -> None:
+    assert layer_of("pagedkv.entrypoints.cli.serve") == LAYERS["entrypoints.cli"]
+    assert layer_of("pagedkv.entrypoints.cli") == LAYERS["entrypoints.cli"]
+    assert layer_of("pagedkv.entrypoints.openai.protocol") == LAYERS["entrypoints"]
+    # A key prefixes whole names, not text: entrypoints.clinic would not be the CLI.
+    assert layer_of("pagedkv.entrypoints.clinic") == LAYERS["entrypoints"]
+    assert layer_of("pagedkv.core.events") == 0 and layer_of("pagedkv") is None
+
+
+def test_every_package_has_a_layer() -> None:
+    """A new package must say where it sits (else the upward check would skip it silently)."""
+    packages = {p.name for p in (SRC / "pagedkv").iterdir()
+                if (p / "__init__.py").exists() or (p.suffix == ".py" and p.stem != "__init__")}
+    missing = sorted(p for p in packages if layer_of(f"pagedkv.{p.removesuffix('.py')}") is None)
+    assert not missing, f"packages without a layer in LAYERS: {missing}"
+
+
 def test_no_upward_imports_and_a_torch_free_core() -> None:
     graph = import_graph(SRC, "pagedkv")
     upward = [f"{m} → {t}" for m, targets in graph.items() for t in targets
-              if (lm := LAYERS.get(m.split(".")[1] if m.count(".") else "")) is not None
-              and (lt := LAYERS.get(t.split(".")[1] if t.count(".") else "")) is not None and lt > lm]
+              if (lm := layer_of(m)) is not None and (lt := layer_of(t)) is not None and lt > lm]
     assert not upward, "upward imports:\n" + "\n".join(sorted(upward))
     torch_in_core = [f.name for f in sorted((SRC / "pagedkv" / "core").rglob("*.py"))
                      if "torch" in _top_level_names(f)]
     assert not torch_in_core, f"core/ imports torch: {torch_in_core}"
+
+
+def test_no_private_names_imported_across_packages() -> None:
+    """A ``_name`` is its package's own business: another package that needs it gets a public
+    name (the router once imported the proxy's ``_forward_headers`` and ``_unavailable``)."""
+    crossing = []
+    for f in sorted((SRC / "pagedkv").rglob("*.py")):
+        package = module_name(f, SRC).split(".")[:2]
+        for node in _import_nodes(ast.parse(f.read_text(encoding="utf-8"))):
+            if not isinstance(node, ast.ImportFrom) or node.level:
+                continue
+            target = (node.module or "").split(".")
+            if target[:1] == ["pagedkv"] and target[:2] != package:
+                crossing += [f"{module_name(f, SRC)} ← {node.module}.{a.name}" for a in node.names
+                             if a.name.startswith("_") and not a.name.startswith("__")]
+    assert not crossing, "private names imported from another package:\n" + "\n".join(crossing)
 
 
 def _top_level_names(path: Path) -> set[str]:
@@ -188,7 +229,7 @@ def test_one_definition_of_each_unit_helper(name: str) -> None:
 
 def test_the_one_parse_size_serves_every_option() -> None:
     from pagedkv.core.units import parse_size
-    from pagedkv.entrypoints import plan
+    from pagedkv.entrypoints.cli import plan
     from pagedkv.offload import spec
 
     assert plan.parse_size is parse_size and spec.parse_size is parse_size

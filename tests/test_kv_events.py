@@ -22,13 +22,13 @@ from pagedkv.core.events import (
     KVEventBatch,
 )
 from pagedkv.engine.config import EngineConfig
-from pagedkv.entrypoints.kv_events import (
+from pagedkv.core.event_transport import (
     KVEventSubscriber,
     ZmqEventPublisher,
     seq_bytes,
 )
-from pagedkv.entrypoints.openai_server import KVEventsOptions, create_app
-from pagedkv.entrypoints.serve import BackgroundServer
+from pagedkv.entrypoints.openai.api_server import KVEventsOptions, create_app
+from pagedkv.entrypoints.cli.serve import BackgroundServer
 
 BLOCK = 16
 NUM_BLOCKS = 24  # small: a few distinct prompts force evictions (BlockRemoved)

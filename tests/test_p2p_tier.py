@@ -14,9 +14,8 @@ import time
 import pytest
 from redis_server import free_port
 
-from pagedkv.kv_transfer.backends import nixl_import_error
-
-from pagedkv.kv_transfer.p2p_tier import ChunkStore, P2PTier, compat_error
+from pagedkv.offload.p2p_tier import ChunkStore, P2PTier, compat_error
+from pagedkv.transfer import nixl_import_error
 
 CHUNK = 4096
 
@@ -44,6 +43,30 @@ def test_chunk_store_lru_skips_leased_slots_and_checks_sums():
     assert store.put(key(4), chunk(4)) and key(1) not in store  # released: evictable again
     reserved = [store.reserve(key(9), 60), store.reserve(key(10), 60)]
     assert None not in reserved and store.reserve(key(11), 60) is None  # every slot leased
+
+
+def test_the_offload_factory_builds_the_p2p_tier_like_every_tier(tmp_path):
+    """``--kv-offload ...,p2p:...`` goes through `build_offloading` like disk and Redis: the P2P
+    tier comes last, with the fingerprint, the hash seed and the backend it was given."""
+    import torch
+
+    from pagedkv.offload.factory import build_offloading
+    from pagedkv.offload.fingerprint import OffloadFingerprint
+    from pagedkv.offload.spec import parse_offload_spec
+    from pagedkv.offload.tiering import TieringOffloadingManager
+    from pagedkv.ops.kv_cache import allocate_kv_cache
+
+    fp = OffloadFingerprint.create("tiny", torch.float32, 4, "LBNHC", 2, 2, 8)
+    buf, _ = allocate_kv_cache("LBNHC", 2, 8, 4, 2, 8, torch.float32)
+    spec = parse_offload_spec(f"cpu:64KiB,disk:{tmp_path}:1MiB,p2p:127.0.0.1:{free_port()}")
+    mgr, _ = build_offloading(spec, fp, buf, "LBNHC", hash_seed="seed", p2p_backend="tcp")
+    try:
+        assert isinstance(mgr, TieringOffloadingManager) and [t.name for t in mgr.tiers] == ["disk", "p2p"]
+        p2p = mgr.tiers[1]
+        assert isinstance(p2p, P2PTier) and not p2p.serving and p2p.backend.kind == "tcp"
+        assert (p2p.fingerprint, p2p.hash_seed) == (fp.hexdigest, "seed")
+    finally:
+        mgr.shutdown()
 
 
 @pytest.fixture(params=backends())

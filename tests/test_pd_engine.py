@@ -17,7 +17,7 @@ from collections.abc import Iterator
 import pytest
 from redis_server import free_port
 
-from pagedkv.kv_transfer.backends import nixl_import_error
+from pagedkv.transfer import nixl_import_error
 
 from pagedkv import LLM, SamplingParams
 from pagedkv.kv_transfer.side_channel import HandshakeError, KVAgentMetadata, check_compatible

@@ -36,7 +36,7 @@ import httpx
 import pytest
 from redis_server import free_port
 
-from pagedkv.kv_transfer.backends import nixl_import_error
+from pagedkv.transfer import nixl_import_error
 
 pytestmark = pytest.mark.slow
 

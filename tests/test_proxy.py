@@ -25,8 +25,9 @@ from typing import Any
 import httpx
 import pytest
 
-from pagedkv.entrypoints.proxy import create_proxy_app, prefill_body
-from pagedkv.entrypoints.serve import BackgroundServer
+from pagedkv.entrypoints.proxy import create_proxy_app
+from pagedkv.entrypoints.cli.serve import BackgroundServer
+from pagedkv.forwarding import prefill_body
 
 CMD = [sys.executable, "-m", "pagedkv.entrypoints.cli"]
 MODEL = "SmolLM2-135M-Instruct"

@@ -25,7 +25,7 @@ from typing import Any
 import httpx
 import pytest
 
-from pagedkv.entrypoints.serve import BackgroundServer
+from pagedkv.entrypoints.cli.serve import BackgroundServer
 from pagedkv.router.server import RouterOptions, create_router_app
 
 pytestmark = pytest.mark.slow

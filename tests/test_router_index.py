@@ -255,7 +255,7 @@ def test_event_feed_replays_on_connect_follows_live_and_resyncs_after_a_restart(
     import threading
     import time
 
-    from pagedkv.entrypoints.kv_events import ZmqEventPublisher
+    from pagedkv.core.event_transport import ZmqEventPublisher
     from pagedkv.router.subscriber import EventFeed
 
     idx, lock, resyncs = PrefixIndex(), threading.Lock(), []

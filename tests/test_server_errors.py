@@ -17,8 +17,8 @@ from server_utils import running_server
 from pagedkv.engine.async_llm import AsyncLLM
 from pagedkv.engine.config import EngineConfig
 from pagedkv.engine.stats import SchedulerStats
-from pagedkv.entrypoints.openai_server import build_app
-from pagedkv.entrypoints.serve import BackgroundServer
+from pagedkv.entrypoints.openai.api_server import build_app
+from pagedkv.entrypoints.cli.serve import BackgroundServer
 
 MAX_MODEL_LEN = 256
 MAX_NUM_SEQS = 2

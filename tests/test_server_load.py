@@ -18,8 +18,8 @@ openai = pytest.importorskip("openai")
 
 from pagedkv import LLM, SamplingParams
 from pagedkv.engine.config import EngineConfig
-from pagedkv.entrypoints.openai_server import create_app
-from pagedkv.entrypoints.serve import BackgroundServer
+from pagedkv.entrypoints.openai.api_server import create_app
+from pagedkv.entrypoints.cli.serve import BackgroundServer
 
 ROOT = Path(__file__).resolve().parents[1]
 NUM_CLIENTS = 64

@@ -10,8 +10,8 @@ import pytest
 openai = pytest.importorskip("openai")
 
 from pagedkv.engine.config import EngineConfig
-from pagedkv.entrypoints.openai_server import create_app
-from pagedkv.entrypoints.serve import BackgroundServer
+from pagedkv.entrypoints.openai.api_server import create_app
+from pagedkv.entrypoints.cli.serve import BackgroundServer
 
 MODEL = "SmolLM2-135M-Instruct"
 PROMPT = "The capital of France is"

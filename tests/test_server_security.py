@@ -21,10 +21,10 @@ import zmq
 from server_utils import running_server
 
 from pagedkv.engine.config import EngineConfig
-from pagedkv.entrypoints import serve
-from pagedkv.entrypoints.kv_events import DEFAULT_ENDPOINT, ZmqEventPublisher
-from pagedkv.entrypoints.middleware import MaxBodySizeMiddleware
-from pagedkv.entrypoints.openai_server import KVEventsOptions
+from pagedkv.entrypoints.cli import serve
+from pagedkv.core.event_transport import DEFAULT_ENDPOINT, ZmqEventPublisher
+from pagedkv.entrypoints.openai.middleware import MaxBodySizeMiddleware
+from pagedkv.entrypoints.openai.api_server import KVEventsOptions
 
 KEY = "sk-test-4f1c9a"
 AUTH = {"Authorization": f"Bearer {KEY}"}

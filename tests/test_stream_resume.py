@@ -1,4 +1,4 @@
-"""`StreamTracker` (entrypoints/stream_resume.py): rewriting and continuing broken streams,
+"""`StreamTracker` (forwarding/stream_resume.py): rewriting and continuing broken streams,
 on hand-made SSE bytes (the real kill test is in test_proxy.py)."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from pagedkv.entrypoints.stream_resume import StreamTracker
+from pagedkv.forwarding.stream_resume import StreamTracker
 
 
 def sse(obj: Any) -> bytes:

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 
-from pagedkv.kv_transfer.backends import (KVTransferBackend, MemoryRegion, get_transfer_backend,
+from pagedkv.transfer import (KVTransferBackend, MemoryRegion, get_transfer_backend,
                                           nixl_import_error)
 from pagedkv.ops.kv_cache import allocate_kv_cache
 
@@ -195,7 +195,7 @@ def test_shutdown_idempotent(kind: str) -> None:
 
 
 def test_factory_choice(caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.INFO, logger="pagedkv.kv_transfer.backends"):
+    with caplog.at_level(logging.INFO, logger="pagedkv.transfer"):
         be = get_transfer_backend("auto-" + uuid.uuid4().hex[:8])
     try:
         assert be.kind == ("nixl" if NIXL_REASON is None else "tcp")
@@ -216,7 +216,7 @@ def test_factory_choice(caplog: pytest.LogCaptureFixture) -> None:
 def test_factory_falls_back_to_tcp_without_nixl(monkeypatch: pytest.MonkeyPatch,
                                                 caplog: pytest.LogCaptureFixture) -> None:
     monkeypatch.setitem(sys.modules, "nixl_cu12", None)  # what a machine without NIXL sees
-    with caplog.at_level(logging.INFO, logger="pagedkv.kv_transfer.backends"):
+    with caplog.at_level(logging.INFO, logger="pagedkv.transfer"):
         be = get_transfer_backend("fallback-" + uuid.uuid4().hex[:8])
     try:
         assert be.kind == "tcp"

@@ -365,7 +365,7 @@ def _remote_agent(backend: str, name: str, num_blocks: int, to_parent: Any, stop
     then polls its agent until ``stop`` is set, as an engine does every step (UCX needs the
     target to make progress: connection wire-up, and the data itself on transports without
     one-sided reads)."""
-    from pagedkv.kv_transfer.backends import get_transfer_backend
+    from pagedkv.transfer import get_transfer_backend
     from pagedkv.kv_transfer.nixl_connector import buffer_regions
 
     be = get_transfer_backend(name, backend)
@@ -406,7 +406,7 @@ def run_bandwidth(args: argparse.Namespace) -> BandwidthResult:
     same bytes in this process as the baseline."""
     import torch
 
-    from pagedkv.kv_transfer.backends import get_transfer_backend
+    from pagedkv.transfer import get_transfer_backend
     from pagedkv.kv_transfer.nixl_connector import buffer_regions
 
     layout = getattr(args, "kv_layout", "LBNHC")
@@ -639,7 +639,7 @@ def table(report: dict[str, Any]) -> str:
 
 
 def default_backend() -> str:
-    from pagedkv.kv_transfer.backends import nixl_import_error
+    from pagedkv.transfer import nixl_import_error
 
     return "nixl" if nixl_import_error() is None else "tcp"
 

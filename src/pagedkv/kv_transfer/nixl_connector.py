@@ -56,8 +56,8 @@ from pagedkv.core.events import MEDIUM_REMOTE, BlockStored
 from pagedkv.core.hashing import maybe_convert_block_hash
 from pagedkv.core.request import KVCacheRequest, RequestStatus
 from pagedkv.core.units import cdiv
-from pagedkv.kv_transfer.backends import get_transfer_backend
-from pagedkv.kv_transfer.backends.base import KVTransferBackend, MemoryRegion
+from pagedkv.transfer import get_transfer_backend
+from pagedkv.transfer.base import KVTransferBackend, MemoryRegion
 from pagedkv.kv_transfer.base import (
     BlockIds,
     KVConnectorBase,

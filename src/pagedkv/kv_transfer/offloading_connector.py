@@ -190,7 +190,7 @@ class OffloadingConnector(KVConnectorBase):
         self.manager, self.worker = build_offloading(
             self.offload_config, fingerprint, kv_buffer, self.kv_cache_config.layout,
             cache_policy=self.cache_policy, store_threshold=self.store_threshold,
-            extra_tiers=self._p2p_tier(fingerprint.hexdigest))
+            hash_seed=self.hash_seed, p2p_backend=self.config.get_from_extra_config("p2p_backend"))
         # Blocks of windowed groups are freed while their requests run: a CUDA store must be
         # done before the next forward pass may reuse them (`OffloadingWorker.fence_stores`).
         self.worker.fence_stores = any(g.kind != "full" for g in self.layout.groups)
@@ -209,18 +209,6 @@ class OffloadingConnector(KVConnectorBase):
             max(len(g.layer_names) for g in groups), spec.num_kv_heads, spec.head_size,
             kv_quant=getattr(spec, "kv_format", "none"),  # quantized pages never meet other formats
             kv_cache_groups=self.layout.describe())
-
-    def _p2p_tier(self, fingerprint: str) -> list[Any]:
-        """The builder of the P2P tier, if the spec has one (``p2p:`` / ``p2p-listen:``)."""
-        p2p = self.offload_config.p2p
-        if p2p is None:
-            return []
-        from pagedkv.kv_transfer.p2p_tier import P2PTier
-
-        backend = self.config.get_from_extra_config("p2p_backend")
-        return [lambda chunk_bytes: P2PTier(
-            p2p.peers, fingerprint, self.hash_seed, chunk_bytes, listen_host=p2p.listen_host,
-            listen_port=p2p.listen_port, capacity_bytes=p2p.capacity_bytes, backend=backend)]
 
     # ---- scheduler side ---------------------------------------------------------------------------
 

@@ -11,15 +11,15 @@ Life of the app (replicas: lifecycle.py, shared state: state.py):
   returning one up again (refused if its config now differs; re-indexed from its replay socket).
 * A request: the prompt's token ids (`PromptTokenizer`) → block hashes (`prompt_block_hashes`
   with the reference's block size, algorithm and seed) → ``index.match`` → ``policy.choose``
-  over the replicas that are up. The proxy's forwarding (`pagedkv.entrypoints.proxy.run_decode`,
-  imported) carries it: streams passed through chunk by chunk (and resumed elsewhere if they
-  break), a failing replica (no connection, 5xx) skipped for the next one in `fallback_order`,
+  over the replicas that are up. The forwarding the PD proxy uses too
+  (`pagedkv.forwarding.run_decode`) carries it: streams passed through chunk by chunk (and
+  resumed elsewhere if they break), a failing replica (no connection, 5xx) skipped for the next one in `fallback_order`,
   a 4xx returned as it is. A chosen replica that failed is probed at once: if it does not
   answer it is taken down and forgotten. Response headers ``x-pagedkv-replica`` (the replica that
   answered), ``x-pagedkv-route-reason`` and ``x-pagedkv-predicted-cached-tokens`` (its
   predicted hit) say what the router did.
 * Prefill/decode pools (``decode`` given): the scored replicas are the prefill instances; the
-  chosen one (then the others) prefills, and the proxy's own `handle_completion` carries the
+  chosen one (then the others) prefills, and `pagedkv.forwarding.handle_completion` carries the
   request to the decode pool (round-robin).
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``, ``GET
@@ -31,8 +31,8 @@ Predicted hit tokens mirror the engine's rule: a prompt's cache hit stops before
 """
 
 # No ``from __future__ import annotations``: routes are defined inside create_router_app with
-# fastapi imported there (as in proxy.py), and FastAPI resolves string annotations in module
-# globals only.
+# fastapi imported there (as in entrypoints/proxy.py), and FastAPI resolves string annotations
+# in module globals only.
 
 import asyncio
 import json
@@ -42,6 +42,17 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from pagedkv.forwarding import (
+    Instance,
+    InstancePool,
+    ProxyState,
+    forward_headers,
+    handle_completion,
+    instance_client,
+    invalid_body,
+    run_decode,
+    unavailable,
+)
 from pagedkv.router.hashing import prompt_block_hashes
 from pagedkv.router.index import PrefixMatch
 from pagedkv.router.lifecycle import build_state, health_loop, probe, start_replicas, stop_replicas
@@ -195,10 +206,8 @@ def fallback_order(state: RouterState, chosen: Replica, matches: dict[str, Prefi
     return [chosen, *rest]
 
 
-def _pool(role: str, replicas: list[Replica], cooldown: float) -> Any:
-    """A one-request `InstancePool` of the proxy trying ``replicas`` in this order."""
-    from pagedkv.entrypoints.proxy import Instance, InstancePool
-
+def _pool(role: str, replicas: list[Replica], cooldown: float) -> InstancePool:
+    """A one-request `InstancePool` trying ``replicas`` in this order."""
     return InstancePool(role, [Instance(r.url) for r in replicas], cooldown)
 
 
@@ -217,13 +226,11 @@ async def route_colocated(state: RouterState, request: Any, path: str, body: dic
                           prompt: PromptInfo | None, hashes: list[int]) -> Any:
     """The policy's choice serves the request; the proxy's `run_decode` forwards it (streams
     passed through, resumed elsewhere if they break), trying `fallback_order` on failure."""
-    from pagedkv.entrypoints.proxy import ProxyState, _forward_headers, _unavailable, run_decode
-
     picked = decide(state, hashes)
     if picked is None:
-        return _unavailable(f"no replica is available ({len(state.replicas)} configured)")
+        return unavailable(f"no replica is available ({len(state.replicas)} configured)")
     rep, d, matches, loads = picked
-    headers = _forward_headers(request, str(uuid.uuid4()))
+    headers = forward_headers(request, str(uuid.uuid4()))
     routed = Routed(state, rep, d, headers["X-Request-Id"], len(prompt.token_ids) if prompt else 0,
                     len(hashes), matches, loads)
     pool = _pool("replica", fallback_order(state, rep, matches), state.options.cooldown)
@@ -242,11 +249,9 @@ async def route_disaggregated(state: RouterState, request: Any, path: str, promp
                               hashes: list[int]) -> Any:
     """PD pools: the KV policy orders the prefill instances (its choice first); the proxy's
     `handle_completion` then prefills there and decodes on the decode pool (round-robin)."""
-    from pagedkv.entrypoints.proxy import ProxyState, _unavailable, handle_completion
-
     picked = decide(state, hashes)
     if picked is None:
-        return _unavailable("no prefill instance is available")
+        return unavailable("no prefill instance is available")
     rep, d, matches, loads = picked
     pstate = ProxyState(prefill=_pool("prefill", fallback_order(state, rep, matches), state.options.cooldown),
                         decode=state.decode, client=state.client)
@@ -265,16 +270,12 @@ async def route_disaggregated(state: RouterState, request: Any, path: str, promp
 
 
 async def handle(state: RouterState, request: Any, path: str) -> Any:
-    from fastapi.responses import JSONResponse
-
     try:
         body = json.loads(await request.body())
     except ValueError:
         body = None
     if not isinstance(body, dict):
-        return JSONResponse({"error": {"message": "the request body must be a JSON object",
-                                       "type": "invalid_request_error", "param": None, "code": None}},
-                            status_code=400)
+        return invalid_body()
     prompt = await asyncio.to_thread(state.tokenizer.prompt, path, body)
     ref = state.reference
     hashes = [] if prompt is None else prompt_block_hashes(prompt.token_ids, ref.block_size, ref.hash_algo,
@@ -311,15 +312,6 @@ def create_router_app(replicas: Sequence[str | ReplicaSpec], options: RouterOpti
     from fastapi import FastAPI, Request
     from fastapi.responses import Response
 
-    from pagedkv.entrypoints.proxy import (
-        Instance,
-        InstancePool,
-        _forward_headers,
-        _unavailable,
-        instance_client,
-        run_decode,
-    )
-
     options = options or RouterOptions()
     specs = [s if isinstance(s, ReplicaSpec) else ReplicaSpec.parse(s) for s in replicas]
     state = build_state(specs, options)
@@ -352,21 +344,19 @@ def create_router_app(replicas: Sequence[str | ReplicaSpec], options: RouterOpti
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
-        from pagedkv.entrypoints.proxy import ProxyState
-
         up = state.up()
         if not up:
-            return _unavailable("no replica is available")
+            return unavailable("no replica is available")
         pool = state.decode or InstancePool("replica", [Instance(r.url) for r in up])
         pstate = ProxyState(prefill=pool, decode=pool, client=client)
         return (await run_decode(pstate, "GET", "/v1/models", None,
-                                 _forward_headers(request, str(uuid.uuid4())), stream=False))[1]
+                                 forward_headers(request, str(uuid.uuid4())), stream=False))[1]
 
     @app.get("/health")
     async def health() -> Response:
         if state.up():
             return Response(status_code=200)
-        return _unavailable("no replica is up")
+        return unavailable("no replica is up")
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -47,7 +47,7 @@ class RouterState:
     lock: threading.Lock
     metrics: RouterMetrics
     client: Any = None  # httpx.AsyncClient (opened by the app)
-    decode: Any = None  # PD mode: the proxy's InstancePool of decode instances
+    decode: Any = None  # PD mode: the `pagedkv.forwarding.InstancePool` of decode instances
     decisions: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=1000))
 
     @property

@@ -1,6 +1,6 @@
 """`EventFeed`: one replica's KV events mirrored into the router's shared `PrefixIndex`.
 
-Protocol (`pagedkv.entrypoints.kv_events`, vLLM's wire format): a SUB socket on the replica's
+Protocol (`pagedkv.core.event_transport`, vLLM's wire format): a SUB socket on the replica's
 PUB endpoint, opened *before* asking the ROUTER replay endpoint for every buffered batch, so
 nothing falls between the two. Then live batches, each numbered ``seq = previous + 1``:
 
@@ -25,7 +25,7 @@ from typing import Any
 
 import zmq
 
-from pagedkv.entrypoints.kv_events import KVEventSubscriber
+from pagedkv.core.event_transport import KVEventSubscriber
 from pagedkv.router.index import PrefixIndex
 
 logger = logging.getLogger(__name__)

@@ -1,7 +1,7 @@
 """A request body's prompt token ids, exactly as the replica will tokenize it.
 
 The replicas' own code paths are reused: the body is validated with the server's pydantic
-models (`pagedkv.entrypoints.protocol`); chat messages become the server's ``conversation()``,
+models (`pagedkv.entrypoints.openai.protocol`); chat messages become the server's ``conversation()``,
 rendered with the model's chat template and encoded without special tokens
 (serving_chat.py); a completion's text prompt is encoded with special tokens, token-id prompts
 are taken as they are (serving_engine.tokenize). A body the server would reject gives None: the
@@ -46,7 +46,7 @@ class PromptTokenizer:
         prompts is routed by its first: they all go to one replica), or None."""
         from pydantic import ValidationError
 
-        from pagedkv.entrypoints import protocol as P
+        from pagedkv.entrypoints.openai import protocol as P
 
         try:
             if path.endswith("/chat/completions"):

@@ -34,7 +34,7 @@ cancelled too. Either way the engine frees the request's blocks before its next 
 
 Modules::
 
-    openai_server.py       the app factory, small routes      errors.py      OpenAI error JSON
+    api_server.py          the app factory, small routes      errors.py      OpenAI error JSON
     serving_completion.py  /v1/completions                    validation.py  body → request, or 400
     serving_chat.py        /v1/chat/completions               streaming.py   SSE, disconnects
     serving_engine.py      the generate-collect path both     middleware.py  access log, API key,
@@ -56,13 +56,13 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from pagedkv.engine.async_llm import AsyncLLM, EngineDeadError
-from pagedkv.entrypoints import protocol as P
-from pagedkv.entrypoints.errors import APIError, engine_error, install_exception_handlers, unavailable
+from pagedkv.entrypoints.openai import protocol as P
+from pagedkv.entrypoints.openai.errors import APIError, engine_error, install_exception_handlers, unavailable
 from pagedkv.entrypoints.metrics import ServerMetrics
-from pagedkv.entrypoints.middleware import AccessLogMiddleware, APIKeyMiddleware, MaxBodySizeMiddleware
-from pagedkv.entrypoints.serving_chat import create_chat_completion
-from pagedkv.entrypoints.serving_completion import create_completion
-from pagedkv.entrypoints.serving_engine import ServerState, server_state
+from pagedkv.entrypoints.openai.middleware import AccessLogMiddleware, APIKeyMiddleware, MaxBodySizeMiddleware
+from pagedkv.entrypoints.openai.serving_chat import create_chat_completion
+from pagedkv.entrypoints.openai.serving_completion import create_completion
+from pagedkv.entrypoints.openai.serving_engine import ServerState, server_state
 
 if TYPE_CHECKING:
     from pagedkv.engine.llm_engine import LLMEngine
@@ -298,7 +298,7 @@ def create_app(config: Any = None, *, served_model_name: str | None = None,
 
 
 def _make_publisher(opts: KVEventsOptions) -> Any:
-    from pagedkv.entrypoints.kv_events import ZmqEventPublisher
+    from pagedkv.core.event_transport import ZmqEventPublisher
 
     return ZmqEventPublisher(opts.endpoint, opts.replay_endpoint, buffer_steps=opts.buffer_steps,
                              topic=opts.topic)

@@ -25,7 +25,7 @@ from typing import Any
 
 import msgspec
 
-from pagedkv.kv_transfer.backends.base import KVTransferBackend, MemoryRegion, XferState
+from pagedkv.transfer.base import KVTransferBackend, MemoryRegion, XferState
 
 logger = logging.getLogger(__name__)
 

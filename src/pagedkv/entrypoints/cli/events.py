@@ -58,7 +58,7 @@ def silence_message(seconds: float) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pagedkv.entrypoints.kv_events import KVEventSubscriber, iter_event_lines
+    from pagedkv.core.event_transport import KVEventSubscriber, iter_event_lines
 
     if args.from_seq < 0:
         print("pagedkv events: error: --from-seq must be >= 0", file=sys.stderr)

@@ -35,9 +35,9 @@ import msgspec
 import numpy as np
 import zmq
 
-from pagedkv.kv_transfer.backends.base import KVTransferBackend, MemoryRegion, XferState
+from pagedkv.transfer.base import KVTransferBackend, MemoryRegion, XferState
 # Shared region helpers; importing nixl.py is safe without NIXL (it imports nixl_cu12 lazily).
-from pagedkv.kv_transfer.backends.nixl import (check_regions_pair, regions_from_wire,
+from pagedkv.transfer.nixl import (check_regions_pair, regions_from_wire,
                                                regions_to_wire)
 
 logger = logging.getLogger(__name__)

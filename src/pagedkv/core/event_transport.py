@@ -1,5 +1,9 @@
 """KV cache events over ZMQ, in vLLM's wire format: a publisher with replay, and a subscriber.
 
+Beside events.py (the payload) and torch-free like all of core/: the server publishes with it
+(`pagedkv.entrypoints.openai.api_server`), the router (`pagedkv.router.subscriber`), the
+``pagedkv events`` command and the benchmarks subscribe.
+
 Wire format (vLLM's ``ZmqEventPublisher``, see core/events.py for the payload):
 
 * PUB socket, one multipart message per batch: ``(topic, seq, payload)`` where ``seq`` is an

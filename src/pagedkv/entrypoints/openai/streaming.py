@@ -25,7 +25,7 @@ from pydantic import BaseModel
 
 from pagedkv.engine.async_llm import EngineDeadError, EngineGenerateError, RequestStream
 from pagedkv.engine.outputs import RequestOutput
-from pagedkv.entrypoints.errors import APIError, engine_error
+from pagedkv.entrypoints.openai.errors import APIError, engine_error
 
 logger = logging.getLogger(__name__)
 

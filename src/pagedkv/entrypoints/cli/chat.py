@@ -14,7 +14,7 @@ import sys
 import time
 from typing import Any
 
-from pagedkv.entrypoints.generate import CLIError, add_engine_args, add_sampling_args, fail, make_llm, sampling_params
+from pagedkv.entrypoints.cli.generate import CLIError, add_engine_args, add_sampling_args, fail, make_llm, sampling_params
 
 Message = dict[str, str]
 

@@ -37,8 +37,8 @@ import numpy as np
 import xxhash
 import zmq
 
-from pagedkv.kv_transfer.backends import get_transfer_backend
-from pagedkv.kv_transfer.backends.base import KVTransferBackend, MemoryRegion
+from pagedkv.transfer import get_transfer_backend
+from pagedkv.transfer.base import KVTransferBackend, MemoryRegion
 from pagedkv.offload.base import ChunkItems, OffloadKey, RateLimitedWarning, SecondaryTier
 from pagedkv.offload.dual_queue_pool import DualQueueThreadPool
 

@@ -13,7 +13,7 @@ import logging
 import time
 from typing import Any
 
-from pagedkv.entrypoints.errors import APIError
+from pagedkv.entrypoints.openai.errors import APIError
 
 access_logger = logging.getLogger("pagedkv.access")
 

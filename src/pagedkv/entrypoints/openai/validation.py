@@ -15,8 +15,8 @@ from typing import Any, TypeVar
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
-from pagedkv.entrypoints import protocol as P
-from pagedkv.entrypoints.errors import bad_request
+from pagedkv.entrypoints.openai import protocol as P
+from pagedkv.entrypoints.openai.errors import bad_request
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -102,7 +102,7 @@ def _is_union(annotation: Any) -> bool:
 
 def _type_name(annotation: Any) -> str:
     s = str(annotation).replace("typing.", "")
-    return s.replace("pagedkv.entrypoints.protocol.", "")
+    return s.replace("pagedkv.entrypoints.openai.protocol.", "")
 
 
 def _json_type(x: Any) -> str:

@@ -17,9 +17,9 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from pagedkv.engine.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
-from pagedkv.entrypoints import protocol as P
-from pagedkv.entrypoints.errors import bad_request
-from pagedkv.entrypoints.serving_engine import (
+from pagedkv.entrypoints.openai import protocol as P
+from pagedkv.entrypoints.openai.errors import bad_request
+from pagedkv.entrypoints.openai.serving_engine import (
     ChoiceRenderer,
     ServerState,
     add_all,
@@ -27,7 +27,7 @@ from pagedkv.entrypoints.serving_engine import (
     server_state,
     tokenize,
 )
-from pagedkv.entrypoints.validation import check_context_length, parse_body
+from pagedkv.entrypoints.openai.validation import check_context_length, parse_body
 
 
 async def create_completion(request: Request) -> Response:

@@ -46,8 +46,8 @@ examples:
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    from pagedkv.entrypoints.generate import add_engine_args
-    from pagedkv.entrypoints.plan import size_arg
+    from pagedkv.entrypoints.cli.generate import add_engine_args
+    from pagedkv.entrypoints.cli.plan import size_arg
 
     p = subparsers.add_parser("serve", help="run the OpenAI-compatible server",
                               description=DESCRIPTION, epilog=EXAMPLES,
@@ -97,7 +97,7 @@ def engine_config(args: argparse.Namespace) -> Any:
     """`EngineConfig` from the flags; raises ValueError (a `CLIError` for
     ``--kv-transfer-config``) naming the bad one."""
     from pagedkv.engine.config import EngineConfig
-    from pagedkv.entrypoints.generate import kv_cache_dtype_kwargs, kv_transfer_config_arg
+    from pagedkv.entrypoints.cli.generate import kv_cache_dtype_kwargs, kv_transfer_config_arg
 
     return EngineConfig(model=args.model, dtype=args.dtype, block_size=args.block_size,
                         num_kv_blocks=args.num_kv_blocks, kv_cache_memory=args.kv_cache_memory,
@@ -155,7 +155,7 @@ def fail(prog: str, err: Exception) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pagedkv.entrypoints.openai_server import KVEventsOptions, create_app
+    from pagedkv.entrypoints.openai.api_server import KVEventsOptions, create_app
 
     if args.max_queue_size < 0:
         return fail("serve", ValueError(f"invalid --max-queue-size {args.max_queue_size}: must be >= 0"))
@@ -167,7 +167,7 @@ def run(args: argparse.Namespace) -> int:
         return fail("serve", ValueError(f"invalid --log-stats-interval {args.log_stats_interval}: must be >= 0"))
     if args.max_request_bytes < 1:
         return fail("serve", ValueError(f"invalid --max-request-bytes {args.max_request_bytes}: must be >= 1"))
-    from pagedkv.entrypoints.cli_common import CLIError
+    from pagedkv.entrypoints.cli.common import CLIError
     try:
         config = engine_config(args)
     except (ValueError, CLIError) as e:
@@ -181,7 +181,7 @@ def run(args: argparse.Namespace) -> int:
     if args.enable_kv_cache_events:
         kv_events = KVEventsOptions(args.kv_events_endpoint, args.kv_events_replay_endpoint,
                                     args.kv_events_buffer_steps, args.kv_events_topic)
-    from pagedkv.entrypoints.generate import CLIError, loading_progress, preflight, print_kv_summary
+    from pagedkv.entrypoints.cli.generate import CLIError, loading_progress, preflight, print_kv_summary
     try:
         model_config = preflight(config)  # bad model, KV cache too small: fail before loading
     except CLIError as e:
@@ -272,7 +272,7 @@ class BackgroundServer:
         self.stop()
 
 
-if __name__ == "__main__":  # python -m pagedkv.entrypoints.serve ...
+if __name__ == "__main__":  # python -m pagedkv.entrypoints.cli.serve ...
     parser = argparse.ArgumentParser(prog="pagedkv")
     add_parser(parser.add_subparsers(dest="command"))
     sys.exit(run(parser.parse_args(["serve", *sys.argv[1:]])))

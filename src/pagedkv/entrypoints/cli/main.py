@@ -1,4 +1,4 @@
-"""The ``pagedkv`` command: one subcommand per small module in ``pagedkv.entrypoints``.
+"""The ``pagedkv`` command: one subcommand per small module in ``pagedkv.entrypoints.cli``.
 
 Convention for subcommand modules: ``add_parser(subparsers)`` registers the arguments and
 ``set_defaults(func=run)``; ``run(args) -> int`` returns the exit code. Keep heavy imports
@@ -15,55 +15,55 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from pagedkv.entrypoints.cli_common import CLIError, read_model_config
+from pagedkv.entrypoints.cli.common import CLIError, read_model_config
 
 __all__ = ["CLIError", "build_parser", "main", "read_model_config"]
 
 
 def _add_plan(subparsers: Any) -> None:
-    from pagedkv.entrypoints import plan
+    from pagedkv.entrypoints.cli import plan
 
     plan.add_parser(subparsers)
 
 
 def _add_generate(subparsers: Any) -> None:
-    from pagedkv.entrypoints import generate
+    from pagedkv.entrypoints.cli import generate
 
     generate.add_parser(subparsers)
 
 
 def _add_chat(subparsers: Any) -> None:
-    from pagedkv.entrypoints import chat
+    from pagedkv.entrypoints.cli import chat
 
     chat.add_parser(subparsers)
 
 
 def _add_bench(subparsers: Any) -> None:
-    from pagedkv.entrypoints import bench
+    from pagedkv.entrypoints.cli import bench
 
     bench.add_parser(subparsers)
 
 
 def _add_serve(subparsers: Any) -> None:
-    from pagedkv.entrypoints import serve
+    from pagedkv.entrypoints.cli import serve
 
     serve.add_parser(subparsers)
 
 
 def _add_events(subparsers: Any) -> None:
-    from pagedkv.entrypoints import events_cli
+    from pagedkv.entrypoints.cli import events as events_cli
 
     events_cli.add_parser(subparsers)
 
 
 def _add_proxy(subparsers: Any) -> None:
-    from pagedkv.entrypoints import proxy
+    from pagedkv.entrypoints.cli import proxy
 
     proxy.add_parser(subparsers)
 
 
 def _add_router(subparsers: Any) -> None:
-    from pagedkv.entrypoints import router
+    from pagedkv.entrypoints.cli import router
 
     router.add_parser(subparsers)
 
@@ -125,7 +125,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _stdout_closed()
     except KeyboardInterrupt:
         return 130
-
-
-if __name__ == "__main__":
-    sys.exit(main())

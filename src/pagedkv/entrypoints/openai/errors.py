@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagedkv.engine.async_llm import EngineDeadError, EngineGenerateError, QueueFullError
-from pagedkv.entrypoints import protocol as P
+from pagedkv.entrypoints.openai import protocol as P
 
 logger = logging.getLogger(__name__)
 

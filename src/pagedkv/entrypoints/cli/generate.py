@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from pagedkv.entrypoints.cli_common import CLIError, read_model_config
+from pagedkv.entrypoints.cli.common import CLIError, read_model_config
 
 USER_ERRORS = (ValueError, FileNotFoundError, NotImplementedError)
 
@@ -45,7 +45,7 @@ examples:
 def add_engine_args(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     """Model and KV-cache flags (`EngineConfig` fields) shared by generate, chat and serve;
     returns the group so a command can add its own engine flags to it."""
-    from pagedkv.entrypoints.plan import size_arg
+    from pagedkv.entrypoints.cli.plan import size_arg
 
     g = p.add_argument_group("engine")
     g.add_argument("--model", help="a .gguf file or HF model directory (default: SmolLM2-135M-Instruct)")
@@ -223,7 +223,7 @@ def loading_progress(prog: str, what: str) -> Iterator[None]:
 
 def print_kv_summary(prog: str, engine: Any) -> None:
     """The engine's KV cache in `pagedkv plan`'s one-line summary, on stderr."""
-    from pagedkv.entrypoints.plan import engine_summary_line
+    from pagedkv.entrypoints.cli.plan import engine_summary_line
 
     print(f"pagedkv {prog}: {engine_summary_line(engine)}", file=sys.stderr, flush=True)
 

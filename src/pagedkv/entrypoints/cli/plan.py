@@ -18,7 +18,7 @@ from pagedkv.core import planning
 from pagedkv.core.specs import KVQuantMode, align_hybrid_block_size, resolve_kv_cache_dtype
 from pagedkv.core.units import parse_size
 from pagedkv.engine.config import DEFAULT_CPU_KV_CACHE_MEMORY, EngineConfig, resolve_dtype_name
-from pagedkv.entrypoints.cli_common import CLIError, read_model_config
+from pagedkv.entrypoints.cli.common import CLIError, read_model_config
 
 ENGINE_DEFAULTS = EngineConfig()  # cheap: validation only, no torch
 

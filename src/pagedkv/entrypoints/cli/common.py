@@ -1,8 +1,8 @@
 """What every ``pagedkv`` subcommand shares with the ``pagedkv`` command itself.
 
-Its own module so that subcommand modules never import cli.py, which imports them: no import
-circle, and one `CLIError` class even when cli.py runs as ``python -m pagedkv.entrypoints.cli``
-(then it is ``__main__``, and a CLIError defined there would not be the one subcommands raise).
+Its own module so that subcommand modules never import main.py, which imports them: no import
+circle, and one `CLIError` class whichever way the command starts (the console script or
+``python -m pagedkv.entrypoints.cli``).
 """
 
 from __future__ import annotations

@@ -34,10 +34,10 @@ from pydantic import BaseModel
 from pagedkv.engine.async_llm import AsyncLLM, EngineDeadError, EngineGenerateError, RequestStream
 from pagedkv.engine.outputs import CompletionOutput, RequestOutput
 from pagedkv.engine.sampling_params import SamplingParams
-from pagedkv.entrypoints import protocol as P
-from pagedkv.entrypoints.errors import APIError, bad_request, engine_error
+from pagedkv.entrypoints.openai import protocol as P
+from pagedkv.entrypoints.openai.errors import APIError, bad_request, engine_error
 from pagedkv.entrypoints.metrics import ServerMetrics
-from pagedkv.entrypoints.streaming import event_stream, merged, sse, unless_disconnected
+from pagedkv.entrypoints.openai.streaming import event_stream, merged, sse, unless_disconnected
 
 # Token texts cached per server (logprobs decode one token at a time).
 MAX_TOKEN_TEXT_CACHE = 200_000

@@ -90,7 +90,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pagedkv.entrypoints.serve import bind_socket, fail, serve_on_socket
+    from pagedkv.entrypoints.cli.serve import bind_socket, fail, serve_on_socket
     from pagedkv.router.replica import ReplicaSpec
     from pagedkv.router.scoring import RoutingWeights
     from pagedkv.router.server import RouterConfigError, RouterOptions, create_router_app
@@ -130,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
     return serve_on_socket(app, sock, "router", args.log_level)
 
 
-if __name__ == "__main__":  # python -m pagedkv.entrypoints.router ...
+if __name__ == "__main__":  # python -m pagedkv.entrypoints.cli.router ...
     parser = argparse.ArgumentParser(prog="pagedkv")
     parser_sub = parser.add_subparsers(dest="command")
     add_parser(parser_sub)

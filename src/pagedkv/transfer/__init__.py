@@ -1,4 +1,11 @@
-"""KV transfer backends (see `base`): `get_transfer_backend` picks NIXL when it imports, else TCP."""
+"""The KV transfer data plane (see `base`): one-sided reads of registered memory between
+processes. `get_transfer_backend` picks NIXL (nixl.py, UCX) when it imports, else TCP (tcp.py,
+pure Python).
+
+Its own package below the two that use it: the NIXL connector of PD disaggregation
+(`pagedkv.kv_transfer.nixl_connector`) and the P2P offload tier (`pagedkv.offload.p2p_tier`).
+It imports nothing else of pagedkv.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +13,7 @@ import logging
 import os
 from typing import Any
 
-from pagedkv.kv_transfer.backends.base import KVTransferBackend, MemoryRegion, XferState
+from pagedkv.transfer.base import KVTransferBackend, MemoryRegion, XferState
 
 __all__ = ["KVTransferBackend", "MemoryRegion", "XferState", "get_transfer_backend",
            "nixl_import_error"]
@@ -38,11 +45,11 @@ def get_transfer_backend(name: str, preferred: str | None = None, *, nixl_progre
     if preferred == "nixl" and reason is not None:
         raise ImportError(f"KV transfer backend nixl requested but not importable: {reason}")
     if preferred == "nixl" or (preferred is None and reason is None):
-        from pagedkv.kv_transfer.backends.nixl import NixlBackend
+        from pagedkv.transfer.nixl import NixlBackend
 
         logger.info("KV transfer backend: nixl (UCX)")
         return NixlBackend(name, progress_thread=nixl_progress_thread, **kw)
-    from pagedkv.kv_transfer.backends.tcp import TcpBackend
+    from pagedkv.transfer.tcp import TcpBackend
 
     if preferred is None:
         logger.info("KV transfer backend: tcp (NIXL not importable: %s)", reason)
