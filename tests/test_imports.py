@@ -20,7 +20,7 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 # Layers, lowest first: a module may import its own layer and the ones below (the README's
 # "entrypoints > engine > models/offload/kv_transfer > ops > core"; the offloading connector in
 # kv_transfer builds the offload tiers, so kv_transfer sits just above offload).
-LAYERS = {"core": 0, "ops": 1, "models": 2, "offload": 2, "kv_transfer": 3, "engine": 4,
+LAYERS = {"envs": 0, "core": 0, "ops": 1, "models": 2, "offload": 2, "kv_transfer": 3, "engine": 4,
           "bench": 5, "entrypoints": 6,
           # The router and the fleet simulator sit beside the server: the router forwards with
           # the proxy's code, `pagedkv router` / `pagedkv simulate` are entrypoints commands.

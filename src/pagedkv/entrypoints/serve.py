@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import socket
 import sys
 import threading
 import time
 from typing import Any
+
+from pagedkv import envs
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +69,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="log a throughput / queue / KV usage line this often while busy; 0 turns "
                         "it off (default 10)")
     s = p.add_argument_group("security")
-    s.add_argument("--api-key", metavar="KEY", default=os.environ.get("PAGEDKV_API_KEY") or None,
+    s.add_argument("--api-key", metavar="KEY", default=envs.PAGEDKV_API_KEY,
                    help="require 'Authorization: Bearer KEY' on /v1/* and /reset_prefix_cache "
                         "(default: the PAGEDKV_API_KEY environment variable; /health, /metrics "
                         "and the read-only dashboard stay open)")
