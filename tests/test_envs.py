@@ -26,14 +26,25 @@ def test_values_are_read_when_accessed(monkeypatch) -> None:
 def test_parsers_keep_each_variables_meaning(monkeypatch) -> None:
     """The meanings the variables had when each module read its own (unset, "0", other)."""
     cases = {
-        "PAGEDKV_NATIVE": [(None, "auto"), ("0", "off"), ("No", "off"), ("1", "on"),
-                           ("YES", "on"), ("auto", "auto"), ("bogus", "auto")],
+        "PAGEDKV_NATIVE": [
+            (None, "auto"),
+            ("0", "off"),
+            ("No", "off"),
+            ("1", "on"),
+            ("YES", "on"),
+            ("auto", "auto"),
+            ("bogus", "auto"),
+        ],
         "PAGEDKV_NATIVE_ISA": [(None, ""), ("AVX2", "avx2")],
         "PAGEDKV_DENSE_LINEAR": [(None, "blas"), ("oneDNN", "onednn")],
         "PAGEDKV_TRITON": [(None, True), ("0", False), ("off", True)],
         "PAGEDKV_THP": [(None, True), ("0", False), ("1", True)],
-        "PAGEDKV_KV_EVENTS_USE_INT_BLOCK_HASHES": [(None, False), ("", False), ("1", True),
-                                                   ("0", True)],
+        "PAGEDKV_KV_EVENTS_USE_INT_BLOCK_HASHES": [
+            (None, False),
+            ("", False),
+            ("1", True),
+            ("0", True),
+        ],
         "PAGEDKV_API_KEY": [(None, None), ("", None), ("k", "k")],
     }
     for name, pairs in cases.items():
@@ -73,9 +84,14 @@ def test_envs_is_the_only_reader_and_imports_nothing_of_pagedkv() -> None:
             readers.append(str(f.relative_to(SRC)))
     assert not readers, f"read PAGEDKV_* directly: {readers}"
     tree = ast.parse((SRC / "envs.py").read_text(encoding="utf-8"))
-    imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
-    imported |= {n.module.split(".")[0] for n in ast.walk(tree)
-                 if isinstance(n, ast.ImportFrom) and n.module and not n.level}
+    imported = {
+        a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names
+    }
+    imported |= {
+        n.module.split(".")[0]
+        for n in ast.walk(tree)
+        if isinstance(n, ast.ImportFrom) and n.module and not n.level
+    }
     assert not imported & {"pagedkv", "torch"}, imported
 
 

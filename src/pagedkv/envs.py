@@ -73,37 +73,72 @@ def _text_or_none(raw: str | None) -> str | None:
 
 
 _TABLE: list[EnvVar] = [
-    EnvVar("PAGEDKV_CACHE_DIR", "~/.cache/pagedkv", _cache_dir,
-           "Where pagedkv caches files it builds: the native CPU kernels go to its native/ "
-           "subdirectory, under a name hashing the source, the compiler flags and the CPU."),
-    EnvVar("PAGEDKV_NATIVE", "auto", _native_mode,
-           "The native CPU kernels (ops/csrc, built with cc at first use): 0/off/false/no "
-           "turns them off (pure torch paths); 1/on/true/yes makes a failed build an error "
-           "(CI sets it); auto (or anything else) uses them when they build and warns once "
-           "otherwise."),
-    EnvVar("PAGEDKV_NATIVE_ISA", "native", _lower(""),
-           "Which SIMD build of the native kernels to load: native (the widest this CPU has), "
-           "avx2 or portable (to compare paths, or to sidestep one)."),
-    EnvVar("PAGEDKV_NATIVE_STEP", "1", _switch_default_on,
-           "The native decode step (a whole float32 Llama-family layer stack in C): "
-           "0/off/false/no keeps the per-op torch path."),
-    EnvVar("PAGEDKV_DENSE_LINEAR", "blas", _lower("blas"),
-           "The library behind float32 dense linears above 16 rows: blas (MKL's sgemm, "
-           "HF-exact to 1e-4), onednn (oneDNN's linear, faster on AVX-512, logits within "
-           "2e-4), or auto (the faster of the two here, measured once per process)."),
-    EnvVar("PAGEDKV_TRITON", "1", _off_only_if_zero,
-           "0 makes CUDA tensors take the torch paths instead of the Triton kernels "
-           "(for comparison)."),
-    EnvVar("PAGEDKV_THP", "1", _off_only_if_zero,
-           "0 stops the CPU KV cache from asking Linux for transparent huge pages "
-           "(madvise MADV_HUGEPAGE)."),
-    EnvVar("PAGEDKV_KV_EVENTS_USE_INT_BLOCK_HASHES", "", _non_empty,
-           "Set (to any non-empty value): KV events carry block hashes as 64-bit ints "
-           "instead of bytes, for routers that key by int (vLLM's "
-           "VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES)."),
-    EnvVar("PAGEDKV_API_KEY", "", _text_or_none,
-           "The default of pagedkv serve --api-key: when set, /v1/* and /reset_prefix_cache "
-           "require 'Authorization: Bearer KEY'."),
+    EnvVar(
+        "PAGEDKV_CACHE_DIR",
+        "~/.cache/pagedkv",
+        _cache_dir,
+        "Where pagedkv caches files it builds: the native CPU kernels go to its native/ "
+        "subdirectory, under a name hashing the source, the compiler flags and the CPU.",
+    ),
+    EnvVar(
+        "PAGEDKV_NATIVE",
+        "auto",
+        _native_mode,
+        "The native CPU kernels (ops/csrc, built with cc at first use): 0/off/false/no "
+        "turns them off (pure torch paths); 1/on/true/yes makes a failed build an error "
+        "(CI sets it); auto (or anything else) uses them when they build and warns once "
+        "otherwise.",
+    ),
+    EnvVar(
+        "PAGEDKV_NATIVE_ISA",
+        "native",
+        _lower(""),
+        "Which SIMD build of the native kernels to load: native (the widest this CPU has), "
+        "avx2 or portable (to compare paths, or to sidestep one).",
+    ),
+    EnvVar(
+        "PAGEDKV_NATIVE_STEP",
+        "1",
+        _switch_default_on,
+        "The native decode step (a whole float32 Llama-family layer stack in C): "
+        "0/off/false/no keeps the per-op torch path.",
+    ),
+    EnvVar(
+        "PAGEDKV_DENSE_LINEAR",
+        "blas",
+        _lower("blas"),
+        "The library behind float32 dense linears above 16 rows: blas (MKL's sgemm, "
+        "HF-exact to 1e-4), onednn (oneDNN's linear, faster on AVX-512, logits within "
+        "2e-4), or auto (the faster of the two here, measured once per process).",
+    ),
+    EnvVar(
+        "PAGEDKV_TRITON",
+        "1",
+        _off_only_if_zero,
+        "0 makes CUDA tensors take the torch paths instead of the Triton kernels (for comparison).",
+    ),
+    EnvVar(
+        "PAGEDKV_THP",
+        "1",
+        _off_only_if_zero,
+        "0 stops the CPU KV cache from asking Linux for transparent huge pages "
+        "(madvise MADV_HUGEPAGE).",
+    ),
+    EnvVar(
+        "PAGEDKV_KV_EVENTS_USE_INT_BLOCK_HASHES",
+        "",
+        _non_empty,
+        "Set (to any non-empty value): KV events carry block hashes as 64-bit ints "
+        "instead of bytes, for routers that key by int (vLLM's "
+        "VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES).",
+    ),
+    EnvVar(
+        "PAGEDKV_API_KEY",
+        "",
+        _text_or_none,
+        "The default of pagedkv serve --api-key: when set, /v1/* and /reset_prefix_cache "
+        "require 'Authorization: Bearer KEY'.",
+    ),
 ]
 
 ENV_VARS: dict[str, EnvVar] = {v.name: v for v in _TABLE}

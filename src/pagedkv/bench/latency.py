@@ -57,7 +57,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     # llama.cpp runs the same GGUF: its model default, and the two dtypes compared with it.
     EngineArgs.add_cli_args(p, include=("model", "dtype"), overrides=dict(
         model=dict(help="a .gguf file (default: SmolLM2-135M's Q4_1 GGUF)"),
-        dtype=dict(choices=("float32", "bfloat16"), help="pagedkv's activation dtype (float32: exact vs HF)")))
+        dtype=dict(choices=("float32", "bfloat16"),
+                   help="pagedkv's activation dtype (float32: exact vs HF)")))
     p.add_argument("--prompt-lens", default="32,512", help="comma-separated prompt lengths")
     p.add_argument("--max-tokens", type=int, default=128, help="tokens generated per batch-1 run")
     p.add_argument("--repeats", type=int, default=3, help="batch-1 runs per prompt length (median)")

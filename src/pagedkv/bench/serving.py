@@ -414,8 +414,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from pagedkv.engine.arg_utils import EngineArgs
     from pagedkv.engine.config import FLOAT_DTYPES
 
-    sizes = ("block_size", "num_kv_blocks", "max_model_len", "max_num_seqs", "max_num_batched_tokens")
-    EngineArgs.add_cli_args(p.add_argument_group("engine (server and offline)"), include=("model", "dtype", *sizes),
+    sizes = ("block_size", "num_kv_blocks", "max_model_len", "max_num_seqs",
+             "max_num_batched_tokens")
+    g = p.add_argument_group("engine (server and offline)")
+    EngineArgs.add_cli_args(g, include=("model", "dtype", *sizes),
                             overrides={"dtype": dict(choices=FLOAT_DTYPES),
                                        **{name: dict(type=positive_int) for name in sizes}})
     add_output_args(p)

@@ -95,7 +95,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch1-output-len", type=int, default=128)
     p.add_argument("--hf-batch-size", type=int, default=8)
     # float dtypes only: the transformers baseline runs in the same dtype.
-    EngineArgs.add_cli_args(p, include=("dtype", "model"), overrides=dict(dtype=dict(choices=FLOAT_DTYPES)))
+    EngineArgs.add_cli_args(p, include=("dtype", "model"),
+                            overrides=dict(dtype=dict(choices=FLOAT_DTYPES)))
     p.add_argument("--seed", type=int, default=0, help="workload seed")
     p.add_argument("--skip-hf", action="store_true", help="pagedkv only (no transformers baseline)")
     p.add_argument("--matmul-seconds", type=float, default=2.0, help="time spent measuring the matmul rate")

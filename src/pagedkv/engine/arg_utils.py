@@ -35,15 +35,34 @@ from pagedkv.engine.config import (
     EngineConfig,
 )
 
-__all__ = ["CACHE_ARGS", "KV_EVENTS_ARGS", "SCHEDULER_ARGS", "EngineArgs", "kv_cache_dtype_help",
-           "size_arg"]
+__all__ = [
+    "CACHE_ARGS",
+    "KV_EVENTS_ARGS",
+    "SCHEDULER_ARGS",
+    "EngineArgs",
+    "kv_cache_dtype_help",
+    "size_arg",
+]
 
 # The model and KV cache flags of generate, chat and serve (their "engine" group), in order.
 CACHE_ARGS: tuple[str, ...] = (
-    "model", "dtype", "block_size", "max_model_len", "num_kv_blocks", "kv_cache_memory",
-    "kv_cache_layout", "kv_cache_dtype", "kv_rotation", "kv_scales_path", "kv_scales_calibration",
-    "enable_prefix_caching", "kv_offload", "kv_transfer_config", "kv_side_channel_port",
-    "preemption_mode")
+    "model",
+    "dtype",
+    "block_size",
+    "max_model_len",
+    "num_kv_blocks",
+    "kv_cache_memory",
+    "kv_cache_layout",
+    "kv_cache_dtype",
+    "kv_rotation",
+    "kv_scales_path",
+    "kv_scales_calibration",
+    "enable_prefix_caching",
+    "kv_offload",
+    "kv_transfer_config",
+    "kv_side_channel_port",
+    "preemption_mode",
+)
 # The scheduler's budgets and the engine seed (serve adds them to its engine group).
 SCHEDULER_ARGS: tuple[str, ...] = ("max_num_seqs", "max_num_batched_tokens", "seed")
 KV_EVENTS_ARGS: tuple[str, ...] = ("enable_kv_cache_events",)
@@ -75,8 +94,10 @@ def kv_cache_dtype_help() -> str:
                 groups.append(([v], note))
         return ", ".join(" / ".join(vs) + (f" ({note})" if note else "") for vs, note in groups)
 
-    return (f"KV cache storage (vLLM's names): {named(KV_CACHE_DTYPE_SHORTCUTS)}, or a mode: "
-            f"{named(KV_CACHE_DTYPE_MODES)} (default %(default)s)")
+    return (
+        f"KV cache storage (vLLM's names): {named(KV_CACHE_DTYPE_SHORTCUTS)}, or a mode: "
+        f"{named(KV_CACHE_DTYPE_MODES)} (default %(default)s)"
+    )
 
 
 def _opt(name: str, help: str, **cli: Any) -> Any:
@@ -99,85 +120,132 @@ class EngineArgs:
     """
 
     model: str | None = _opt(
-        "model", "a .gguf file or HF model directory (default: SmolLM2-135M-Instruct)")
+        "model", "a .gguf file or HF model directory (default: SmolLM2-135M-Instruct)"
+    )
     dtype: str = _opt("dtype", "model and KV cache dtype (default %(default)s)", choices=DTYPES)
     device: str = _opt("device", "cpu or cuda[:N] (default %(default)s)")
     block_size: int = _opt("block_size", "tokens per KV block (default %(default)s)", type=int)
     max_model_len: int | None = _opt(
-        "max_model_len", "context length cap (default: the model's context length)", type=int)
+        "max_model_len", "context length cap (default: the model's context length)", type=int
+    )
     num_kv_blocks: int | None = _opt(
-        "num_kv_blocks", "exact KV pool size in blocks, the null block included (default: from memory)",
-        type=int)
+        "num_kv_blocks",
+        "exact KV pool size in blocks, the null block included (default: from memory)",
+        type=int,
+    )
     kv_cache_memory: int | None = _opt(
         "kv_cache_memory",
         f"KV pool size, e.g. 512MiB (default {format_size(DEFAULT_CPU_KV_CACHE_MEMORY)} on CPU)",
-        type=size_arg)
+        type=size_arg,
+    )
     gpu_memory_utilization: float = _opt(
-        "gpu_memory_utilization", "on CUDA, the fraction of free device memory the KV cache may "
-        "take after the weights load (default %(default)s)", type=float)
+        "gpu_memory_utilization",
+        "on CUDA, the fraction of free device memory the KV cache may "
+        "take after the weights load (default %(default)s)",
+        type=float,
+    )
     kv_cache_layout: str = _opt(
         "kv_cache_layout",
         "stride order of the KV buffer over L(ayer) B(lock) H(ead) N(token) C(ontent), C "
         "last: LBNHC (default), LBHNC, or BLNHC / BLHNC, which make each block one "
-        "contiguous range across layers (larger KV transfer descriptors)", metavar="LAYOUT")
+        "contiguous range across layers (larger KV transfer descriptors)",
+        metavar="LAYOUT",
+    )
     kv_cache_dtype: str = _opt("kv_cache_dtype", kv_cache_dtype_help(), metavar="DTYPE")
     kv_rotation: str | None = _opt(
         "kv_rotation",
         "rotate K/V (and Q) before quantizing (default: hadamard for int8 and int4, else none)",
-        choices=KV_ROTATION_CHOICES)
+        choices=KV_ROTATION_CHOICES,
+    )
     kv_scales_path: str | None = _opt(
         "kv_scales_path",
-        "fp8 per-tensor KV scales: load from this file if it exists, else save calibrated ones to it",
-        metavar="JSON")
+        "fp8 per-tensor KV scales: load from this file if it exists, else save calibrated "
+        "ones to it",
+        metavar="JSON",
+    )
     kv_scales_calibration: str | list[str] | None = _opt(
         "kv_scales_calibration",
         "calibrate fp8 per-tensor KV scales (amax/448) over these prompts, one per line",
-        metavar="PROMPTS.txt")
-    max_num_seqs: int = _opt("max_num_seqs", "max running sequences (default %(default)s)", type=int)
+        metavar="PROMPTS.txt",
+    )
+    max_num_seqs: int = _opt(
+        "max_num_seqs", "max running sequences (default %(default)s)", type=int
+    )
     max_num_batched_tokens: int = _opt(
-        "max_num_batched_tokens", "token budget per step (default %(default)s)", type=int)
+        "max_num_batched_tokens", "token budget per step (default %(default)s)", type=int
+    )
     enable_prefix_caching: bool = _opt(
-        "enable_prefix_caching", "disable prefix caching",
-        flags=("--no-prefix-caching", "--no-enable-prefix-caching"), dest="no_prefix_caching",
-        negate=True)
+        "enable_prefix_caching",
+        "disable prefix caching",
+        flags=("--no-prefix-caching", "--no-enable-prefix-caching"),
+        dest="no_prefix_caching",
+        negate=True,
+    )
     prefix_cache_retention_interval: int | None = _opt(
         "prefix_cache_retention_interval",
         "Mamba checkpoints kept for prefix caching: every block boundary (default), 0 the end "
-        "of each step only, k every k tokens (a multiple of the block size)", type=int)
+        "of each step only, k every k tokens (a multiple of the block size)",
+        type=int,
+    )
     prefix_caching_hash_algo: str = _opt(
-        "prefix_caching_hash_algo", "block hash function (default %(default)s)",
-        choices=tuple(sorted(HASH_FUNCTIONS)))
+        "prefix_caching_hash_algo",
+        "block hash function (default %(default)s)",
+        choices=tuple(sorted(HASH_FUNCTIONS)),
+    )
     enable_kv_cache_events: bool = _opt(
-        "enable_kv_cache_events", "publish BlockStored / BlockRemoved / AllBlocksCleared events",
-        action="store_true")
+        "enable_kv_cache_events",
+        "publish BlockStored / BlockRemoved / AllBlocksCleared events",
+        action="store_true",
+    )
     seed: int = _opt("seed", "engine seed (requests without a seed)", type=int)
     kv_offload: str | None = _opt(
         "kv_offload",
         "KV tiers, e.g. cpu:4GiB,disk:/var/cache/pagedkv:20GiB,redis://127.0.0.1:6379 "
-        "(short form of --kv-transfer-config for the OffloadingConnector)", metavar="SPEC")
+        "(short form of --kv-transfer-config for the OffloadingConnector)",
+        metavar="SPEC",
+    )
     kv_offload_cache_policy: str = _opt(
-        "kv_offload_cache_policy", "CPU tier eviction policy (default %(default)s)",
-        choices=KV_OFFLOAD_CACHE_POLICIES)
+        "kv_offload_cache_policy",
+        "CPU tier eviction policy (default %(default)s)",
+        choices=KV_OFFLOAD_CACHE_POLICIES,
+    )
     kv_offload_store_threshold: int = _opt(
         "kv_offload_store_threshold",
-        "admit a block to the tiers after this many offers (default %(default)s)", type=int)
+        "admit a block to the tiers after this many offers (default %(default)s)",
+        type=int,
+    )
     preemption_mode: str = _opt(
         "preemption_mode",
         "how a preempted request comes back: recompute its KV, or swap it to the CPU tier "
-        "(default %(default)s)", choices=PREEMPTION_MODES)
+        "(default %(default)s)",
+        choices=PREEMPTION_MODES,
+    )
     kv_transfer_config: Any = _opt(
         "kv_transfer_config",
         "the KV connector as vLLM's KVTransferConfig JSON, e.g. "
         '\'{"kv_connector":"OffloadingConnector","kv_role":"kv_both",'
-        '"kv_connector_extra_config":{"kv_offload":"cpu:4GiB"}}\'', metavar="JSON")
+        '"kv_connector_extra_config":{"kv_offload":"cpu:4GiB"}}\'',
+        metavar="JSON",
+    )
     # CLI-only: where a NixlConnector listens, folded into kv_transfer_config's extra config.
-    kv_side_channel_port: int | None = field(default=None, metadata=dict(
-        help="where a NixlConnector listens for KV handshakes (sets "
-             "kv_connector_extra_config.side_channel_port)", type=int, metavar="PORT"))
+    kv_side_channel_port: int | None = field(
+        default=None,
+        metadata=dict(
+            help="where a NixlConnector listens for KV handshakes (sets "
+            "kv_connector_extra_config.side_channel_port)",
+            type=int,
+            metavar="PORT",
+        ),
+    )
 
     @classmethod
-    def add_cli_args(cls, parser: Any, *, include: Sequence[str] = CACHE_ARGS,
-                     overrides: Mapping[str, Mapping[str, Any]] | None = None) -> Any:
+    def add_cli_args(
+        cls,
+        parser: Any,
+        *,
+        include: Sequence[str] = CACHE_ARGS,
+        overrides: Mapping[str, Mapping[str, Any]] | None = None,
+    ) -> Any:
         """Add the flags of the fields ``include`` names (in that order) to ``parser`` (a parser
         or an argument group); returns it. ``overrides[name]`` replaces argparse settings of
         one flag (``default``, ``choices``, ``type``, ``help``...; ``choices=None`` drops the
@@ -216,6 +284,26 @@ class EngineArgs:
             kw[f.name] = value
         return cls(**kw)
 
+    @classmethod
+    def describe(cls) -> list[dict[str, str]]:
+        """Rows ``{name, flag, default, choices, help}`` for every option (the docs' table of
+        engine options / ``LLM(...)`` keywords), ``%(default)s`` filled in."""
+        rows = []
+        for f in dataclasses.fields(cls):
+            meta = f.metadata
+            flag = ", ".join(meta.get("flags") or ("--" + f.name.replace("_", "-"),))
+            choices = meta.get("choices")
+            rows.append(
+                dict(
+                    name=f.name,
+                    flag=flag,
+                    default=repr(f.default),
+                    choices=", ".join(choices) if choices else "",
+                    help=meta["help"] % {"default": f.default},
+                )
+            )
+        return rows
+
     def config_kwargs(self) -> dict[str, Any]:
         """The `EngineConfig` (and ``LLM(...)``) keywords, ``model`` included: JSON text in
         ``kv_transfer_config`` parsed, ``kv_side_channel_port`` folded into it. ValueError
@@ -229,9 +317,14 @@ class EngineArgs:
             kvt = KVTransferConfig.from_cli(kvt)
         if port is not None:
             if kvt is None:
-                raise ValueError("--kv-side-channel-port needs --kv-transfer-config naming a NixlConnector")
-            extra = (kvt.setdefault("kv_connector_extra_config", {}) if isinstance(kvt, dict)
-                     else kvt.kv_connector_extra_config)
+                raise ValueError(
+                    "--kv-side-channel-port needs --kv-transfer-config naming a NixlConnector"
+                )
+            extra = (
+                kvt.setdefault("kv_connector_extra_config", {})
+                if isinstance(kvt, dict)
+                else kvt.kv_connector_extra_config
+            )
             extra["side_channel_port"] = port
         kw["kv_transfer_config"] = kvt
         return kw

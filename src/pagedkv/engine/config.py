@@ -109,7 +109,8 @@ class EngineConfig:
         if self.prefix_caching_hash_algo not in HASH_FUNCTIONS:
             raise bad("prefix_caching_hash_algo", f"choose one of {sorted(HASH_FUNCTIONS)}")
         if self.kv_offload_cache_policy not in KV_OFFLOAD_CACHE_POLICIES:
-            raise bad("kv_offload_cache_policy", f"choose {one_of(KV_OFFLOAD_CACHE_POLICIES, quote=True)}")
+            policies = one_of(KV_OFFLOAD_CACHE_POLICIES, quote=True)
+            raise bad("kv_offload_cache_policy", f"choose {policies}")
         if self.preemption_mode not in PREEMPTION_MODES:
             raise bad("preemption_mode", f"choose {one_of(PREEMPTION_MODES, quote=True)}")
         self._check_layout(bad)

@@ -112,8 +112,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--kv-quant-mode", default=None, help="none, fp8_per_tensor, or a *_per_token_head mode")
     p.add_argument("--context", type=int, default=None,
                    help="max model length per request (default: the model's context length)")
-    EngineArgs.add_cli_args(p, include=("max_num_batched_tokens", "max_num_seqs"), overrides=dict(
-        max_num_seqs=dict(help="max running sequences, for the runtime estimate (default %(default)s)")))
+    seqs = "max running sequences, for the runtime estimate (default %(default)s)"
+    EngineArgs.add_cli_args(p, include=("max_num_batched_tokens", "max_num_seqs"),
+                            overrides=dict(max_num_seqs=dict(help=seqs)))
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=run)
     return p

@@ -42,7 +42,11 @@ from dataclasses import dataclass
 from pagedkv.core.kv_cache_manager import KVCacheManager
 from pagedkv.core.request import KVCacheRequest, RequestStatus
 from pagedkv.core.specs import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
-from pagedkv.engine.config import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS
+from pagedkv.engine.config import (
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    DEFAULT_MAX_NUM_SEQS,
+)
 from pagedkv.offload.base import LookupResult, make_offload_key
 from pagedkv.offload.cpu_manager import CPUOffloadingManager
 from pagedkv.router.hashing import to_external
