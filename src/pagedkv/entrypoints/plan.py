@@ -18,10 +18,8 @@ from pagedkv.core import planning
 from pagedkv.core.specs import KVQuantMode, align_hybrid_block_size, resolve_kv_cache_dtype
 from pagedkv.core.units import parse_size  # noqa: F401  (the one parse_size: test_imports checks)
 from pagedkv.engine.arg_utils import EngineArgs, size_arg
-from pagedkv.engine.config import DEFAULT_CPU_KV_CACHE_MEMORY, EngineConfig, resolve_dtype_name
+from pagedkv.engine.config import DEFAULT_CPU_KV_CACHE_MEMORY, resolve_dtype_name
 from pagedkv.entrypoints.cli_common import CLIError, read_model_config
-
-ENGINE_DEFAULTS = EngineConfig()  # cheap: validation only, no torch
 
 # Bytes per weight element as loaded. GGUF block formats include their per-block scales
 # (q4_0: 18 B / 32 weights, q4_1: 20 B / 32, q8_0: 34 B / 32).
