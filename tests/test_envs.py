@@ -46,6 +46,7 @@ def test_parsers_keep_each_variables_meaning(monkeypatch) -> None:
             ("0", True),
         ],
         "PAGEDKV_API_KEY": [(None, None), ("", None), ("k", "k")],
+        "PAGEDKV_BENCH_DIR": [(None, None), ("/scratch", "/scratch")],
     }
     for name, pairs in cases.items():
         for raw, want in pairs:

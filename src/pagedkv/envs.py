@@ -133,6 +133,13 @@ _TABLE: list[EnvVar] = [
         "VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES).",
     ),
     EnvVar(
+        "PAGEDKV_BENCH_DIR",
+        "",
+        _text_or_none,
+        "Where benchmarks put their scratch files (the offload benchmark's disk tier); "
+        "default: the system's temporary directory.",
+    ),
+    EnvVar(
         "PAGEDKV_API_KEY",
         "",
         _text_or_none,
