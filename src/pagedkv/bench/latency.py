@@ -52,9 +52,13 @@ TARGETS = dict(decode_vs_llamacpp_fp32=1.0, decode_vs_llamacpp_bf16=1.2, sequent
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="a .gguf file (default: SmolLM2-135M's Q4_1 GGUF)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
-                   help="pagedkv's activation dtype (float32: exact vs HF)")
+    from pagedkv.engine.arg_utils import EngineArgs
+
+    # llama.cpp runs the same GGUF: its model default, and the two dtypes compared with it.
+    EngineArgs.add_cli_args(p, include=("model", "dtype"), overrides=dict(
+        model=dict(help="a .gguf file (default: SmolLM2-135M's Q4_1 GGUF)"),
+        dtype=dict(choices=("float32", "bfloat16"),
+                   help="pagedkv's activation dtype (float32: exact vs HF)")))
     p.add_argument("--prompt-lens", default="32,512", help="comma-separated prompt lengths")
     p.add_argument("--max-tokens", type=int, default=128, help="tokens generated per batch-1 run")
     p.add_argument("--repeats", type=int, default=3, help="batch-1 runs per prompt length (median)")

@@ -262,11 +262,13 @@ def hybrid_rows(contexts: list[int], block_size: int, chunk: int) -> list[dict[s
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from pagedkv.engine.arg_utils import EngineArgs
+
     p.add_argument("--num-requests", type=int, default=200)
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--pool-tokens", type=int, default=16384, help="KV slots in the pool (every scheme)")
     p.add_argument("--block-sizes", default="8,16,32", help="paged block sizes, comma-separated")
-    p.add_argument("--max-num-seqs", type=int, default=128)
+    EngineArgs.add_cli_args(p, include=("max_num_seqs",))
     p.add_argument("--seed", type=int, default=0, help="trace seed")
     p.add_argument("--hybrid-contexts", default="4096,32768,131072",
                    help="context lengths of the hybrid row, comma-separated ('' to skip it)")

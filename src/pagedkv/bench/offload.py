@@ -29,6 +29,8 @@ from pathlib import Path
 
 import torch
 
+from pagedkv import envs
+
 
 def drop_page_cache(path: Path) -> bool:
     """Evict ``path``'s pages (best effort, no root needed): fsync + posix_fadvise DONTNEED."""
@@ -78,7 +80,7 @@ def bench_bandwidth(num_chunks: int = 256, repeat: int = 5) -> dict[str, float]:
            "cpu_store_GBps": max(stores) / 1e9, "memcpy_GBps": max(copies) / 1e9}
     out["cpu_load_vs_memcpy"] = out["cpu_load_GBps"] / out["memcpy_GBps"]
 
-    with tempfile.TemporaryDirectory(dir=os.environ.get("PAGEDKV_BENCH_DIR")) as d:
+    with tempfile.TemporaryDirectory(dir=envs.PAGEDKV_BENCH_DIR) as d:
         n = min(num_chunks, 128)
         tier = FileSystemTier(d, "be" * 16, capacity_bytes=4 * n * host.chunk_bytes,
                               chunk_bytes=host.chunk_bytes)

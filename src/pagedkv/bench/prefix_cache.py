@@ -40,13 +40,15 @@ TARGET_SPEEDUP = 5.0
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from pagedkv.engine.arg_utils import EngineArgs
+    from pagedkv.engine.config import FLOAT_DTYPES
+
     p.add_argument("--num-requests", type=int, default=32)
     p.add_argument("--prefix-len", type=int, default=1024, help="shared system-prompt tokens")
     p.add_argument("--question-len", type=int_range, default=(16, 48), metavar="MIN:MAX")
     p.add_argument("--max-tokens", type=int, default=4, help="output tokens per request")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--model", default=None, help="a .gguf file or HF directory (default: SmolLM2-135M)")
+    EngineArgs.add_cli_args(p, include=("block_size", "dtype", "model"),
+                            overrides=dict(dtype=dict(choices=FLOAT_DTYPES)))
     p.add_argument("--seed", type=int, default=0, help="workload seed")
     add_output_args(p)
 

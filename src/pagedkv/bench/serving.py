@@ -411,16 +411,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-offline", action="store_true", help="skip the offline LLM.generate comparison")
     p.add_argument("--repeats", type=positive_int, default=1,
                    help="saturation runs, each followed by offline on the same requests (default 1)")
+    from pagedkv.engine.arg_utils import EngineArgs
+    from pagedkv.engine.config import FLOAT_DTYPES
+
+    sizes = ("block_size", "num_kv_blocks", "max_model_len", "max_num_seqs",
+             "max_num_batched_tokens")
     g = p.add_argument_group("engine (server and offline)")
-    g.add_argument("--model", default=None, help="a .gguf file or HF model directory (default: SmolLM2-135M-Instruct)")
-    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
-                   help="default float32")
-    g.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV block (default 16)")
-    g.add_argument("--num-kv-blocks", type=positive_int, default=None, help="exact KV pool size in blocks")
-    g.add_argument("--max-model-len", type=positive_int, default=None, help="context length cap")
-    g.add_argument("--max-num-seqs", type=positive_int, default=128, help="max running sequences (default 128)")
-    g.add_argument("--max-num-batched-tokens", type=positive_int, default=2048,
-                   help="token budget per step (default 2048)")
+    EngineArgs.add_cli_args(g, include=("model", "dtype", *sizes),
+                            overrides={"dtype": dict(choices=FLOAT_DTYPES),
+                                       **{name: dict(type=positive_int) for name in sizes}})
     add_output_args(p)
 
 

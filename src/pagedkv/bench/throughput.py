@@ -85,14 +85,18 @@ def make_workload(num_requests: int, prompt_len: tuple[int, int], output_len: tu
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from pagedkv.engine.arg_utils import EngineArgs
+    from pagedkv.engine.config import FLOAT_DTYPES
+
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--prompt-len", type=int_range, default=(32, 512), metavar="MIN:MAX")
     p.add_argument("--output-len", type=int_range, default=(32, 256), metavar="MIN:MAX")
     p.add_argument("--batch1-prompt-len", type=int, default=32)
     p.add_argument("--batch1-output-len", type=int, default=128)
     p.add_argument("--hf-batch-size", type=int, default=8)
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--model", default=None, help="a .gguf file or HF directory (default: SmolLM2-135M)")
+    # float dtypes only: the transformers baseline runs in the same dtype.
+    EngineArgs.add_cli_args(p, include=("dtype", "model"),
+                            overrides=dict(dtype=dict(choices=FLOAT_DTYPES)))
     p.add_argument("--seed", type=int, default=0, help="workload seed")
     p.add_argument("--skip-hf", action="store_true", help="pagedkv only (no transformers baseline)")
     p.add_argument("--matmul-seconds", type=float, default=2.0, help="time spent measuring the matmul rate")

@@ -41,6 +41,8 @@ from typing import Any, NewType
 import cbor2
 import xxhash
 
+from pagedkv import envs
+
 BlockHash = NewType("BlockHash", bytes)
 # A block hash namespaced by KV cache group: ``hash + group_id.to_bytes(4, "big")``.
 BlockHashWithGroupId = bytes
@@ -173,6 +175,6 @@ def get_group_id(key: BlockHashWithGroupId) -> int:
 def maybe_convert_block_hash(block_hash: bytes) -> bytes | int:
     """External form of a hash for KV events: a 64-bit int when
     ``PAGEDKV_KV_EVENTS_USE_INT_BLOCK_HASHES`` is set (routers that key by int), else bytes."""
-    if os.environ.get("PAGEDKV_KV_EVENTS_USE_INT_BLOCK_HASHES"):
+    if envs.PAGEDKV_KV_EVENTS_USE_INT_BLOCK_HASHES:
         return int.from_bytes(block_hash, "big") & ((1 << 64) - 1)
     return block_hash

@@ -204,6 +204,30 @@ _DEFAULT_MODE_FOR_DTYPE: dict[str, KVQuantMode] = {
     "int4": KVQuantMode.INT4_PER_TOKEN_GROUP,  # the best INT4 pagedkv ships (see README)
 }
 
+# The accepted ``kv_cache_dtype`` values (vLLM's ``--kv-cache-dtype`` names), written once for
+# the CLI's help, EngineConfig's error message and the docs: the storage dtypes and shortcuts,
+# then the explicit quantization modes (`KVQuantMode` order). `resolve_kv_cache_dtype` is the
+# validator; it also takes dtype aliases (``bf16``...) and ``fp8_per_tensor``, not listed.
+KV_CACHE_DTYPE_SHORTCUTS: tuple[str, ...] = (
+    "auto", "float32", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2", "int8", "int4")
+KV_CACHE_DTYPE_MODES: tuple[str, ...] = tuple(
+    m.value for m in KVQuantMode if m.is_per_token_head or m is KVQuantMode.INT4_PER_TOKEN_GROUP)
+KV_CACHE_DTYPES: tuple[str, ...] = KV_CACHE_DTYPE_SHORTCUTS + KV_CACHE_DTYPE_MODES
+# What a value means where its name does not say it (help text and docs); consecutive values
+# with the same note are shown as one group ("fp8 / fp8_e4m3 / fp8_e5m2 (per-tensor scales)").
+KV_CACHE_DTYPE_NOTES: dict[str, str] = {
+    "auto": "= --dtype",
+    "fp8": "per-tensor scales",
+    "fp8_e4m3": "per-tensor scales",
+    "fp8_e5m2": "per-tensor scales",
+    "int8": "the best INT8: per token-head, fp16 scales + Hadamard",
+    "int4": "the best INT4: K groups of 16 + Hadamard",
+    "int8_per_token_head": "vLLM's: fp32 scales",
+    "fp8_per_token_head": "vLLM's: fp32 scales",
+    "int8_per_token_head_f16": "fp16 scales",
+    "fp8_per_token_head_f16": "fp16 scales",
+}
+
 
 def resolve_kv_cache_dtype(
     kv_cache_dtype: str, model_dtype: Any, kv_quant_mode: KVQuantMode | str | None = None

@@ -6,6 +6,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from pagedkv.core.hashing import HASH_FUNCTIONS
+from pagedkv.core.specs import KV_CACHE_DTYPES, KV_ROTATIONS
 from pagedkv.core.units import GiB
 from pagedkv.kv_transfer.config import (
     OFFLOADING_CONNECTOR,
@@ -18,6 +19,24 @@ from pagedkv.kv_transfer.config import (
 # float32 (45 KiB/token), plenty for 8k-token contexts at high concurrency.
 DEFAULT_CPU_KV_CACHE_MEMORY = 1 * GiB
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
+# The scheduler's defaults (vLLM's CPU-friendly ones); the simulator's replicas share them.
+DEFAULT_BLOCK_SIZE = 16
+DEFAULT_MAX_NUM_SEQS = 128
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+
+# Accepted values, written once: EngineConfig's checks, the CLI's choices (engine/arg_utils.py)
+# and the docs all read these.
+FLOAT_DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = (*FLOAT_DTYPES, "auto")  # "auto": the checkpoint's dtype
+KV_ROTATION_CHOICES = (*KV_ROTATIONS, "none")
+KV_OFFLOAD_CACHE_POLICIES = ("lru", "arc")
+PREEMPTION_MODES = ("recompute", "swap")
+
+
+def one_of(values: tuple[str, ...], quote: bool = False) -> str:
+    """``a, b or c`` (``'a', 'b' or 'c'`` with ``quote``): a choice in an error message."""
+    names = [f"'{v}'" if quote else v for v in values]
+    return ", ".join(names[:-1]) + " or " + names[-1] if len(names) > 1 else "".join(names)
 
 
 @dataclass(slots=True)
@@ -38,26 +57,20 @@ class EngineConfig:
     model: str | None = None  # None: the default model (SmolLM2-135M-Instruct GGUF)
     dtype: str = "float32"
     device: str = "cpu"
-    block_size: int = 16
+    block_size: int = DEFAULT_BLOCK_SIZE
     num_kv_blocks: int | None = None
     kv_cache_memory: int | None = None
     gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
     kv_cache_layout: str = "LBNHC"
-    # KV cache storage (vLLM's --kv-cache-dtype): "auto" (the model dtype), a float dtype,
-    # "fp8"/"fp8_e4m3"/"fp8_e5m2" (per-tensor scales), "int8_per_token_head",
-    # "fp8_per_token_head" (vLLM's: fp32 scales), "int8_per_token_head_f16",
-    # "fp8_per_token_head_f16" (fp16 scales), "int4_per_token_head", "int4_per_token_group", or
-    # the shortcuts "int8" and "int4" (the best INT8 / INT4: with a Hadamard rotation;
-    # int8 with fp16 scales, int4 in groups).
-    kv_cache_dtype: str = "auto"
+    kv_cache_dtype: str = "auto"  # KV storage: one of core.specs.KV_CACHE_DTYPES (vLLM's names)
     kv_rotation: str | None = None  # "hadamard" / "none"; None: what kv_cache_dtype implies
     # fp8 per-tensor scales: a JSON file to load them from (and to save calibrated ones to),
     # and prompts to calibrate them with (a list, or a text file with one prompt per line).
     kv_scales_path: str | None = None
     kv_scales_calibration: str | list[str] | None = None
     max_model_len: int | None = None  # None: the model's context length
-    max_num_seqs: int = 128
-    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
     enable_prefix_caching: bool = True
     # Mamba checkpoints kept for prefix caching (vLLM's name): None every block boundary, 0 the
     # end of each step only (vLLM's align mode), k every k tokens (a multiple of the block size).
@@ -95,15 +108,16 @@ class EngineConfig:
             raise bad("prefix_cache_retention_interval", "must be None, 0 or a positive number of tokens")
         if self.prefix_caching_hash_algo not in HASH_FUNCTIONS:
             raise bad("prefix_caching_hash_algo", f"choose one of {sorted(HASH_FUNCTIONS)}")
-        if self.kv_offload_cache_policy not in ("lru", "arc"):
-            raise bad("kv_offload_cache_policy", "choose 'lru' or 'arc'")
-        if self.preemption_mode not in ("recompute", "swap"):
-            raise bad("preemption_mode", "choose 'recompute' or 'swap'")
+        if self.kv_offload_cache_policy not in KV_OFFLOAD_CACHE_POLICIES:
+            policies = one_of(KV_OFFLOAD_CACHE_POLICIES, quote=True)
+            raise bad("kv_offload_cache_policy", f"choose {policies}")
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise bad("preemption_mode", f"choose {one_of(PREEMPTION_MODES, quote=True)}")
         self._check_layout(bad)
         self._check_kv_cache_dtype(bad)
         self._resolve_kv_transfer_config()
-        if self.dtype not in ("float32", "bfloat16", "float16", "auto"):
-            raise bad("dtype", "choose float32, bfloat16, float16 or auto")
+        if self.dtype not in DTYPES:
+            raise bad("dtype", f"choose {one_of(DTYPES)}")
 
 
     def _check_kv_cache_dtype(self, bad: Any) -> None:
@@ -113,8 +127,7 @@ class EngineConfig:
         try:
             resolve_kv_cache_dtype(self.kv_cache_dtype, "float32")
         except ValueError as e:
-            raise bad("kv_cache_dtype", f"{e}; choose auto, float32, bfloat16, float16, fp8, fp8_e4m3, "
-                                        "fp8_e5m2, int8, int4 or a *_per_token_head/int4_per_token_group mode") from e
+            raise bad("kv_cache_dtype", f"{e}; choose {one_of(KV_CACHE_DTYPES)}") from e
         try:
             resolve_kv_rotation(self.kv_cache_dtype, self.kv_rotation)
         except ValueError as e:

@@ -28,11 +28,12 @@ accumulation.
 from __future__ import annotations
 
 import functools
-import os
 import time
 
 import torch
 import torch.nn.functional as F
+
+from pagedkv import envs
 
 BACKENDS = ("blas", "onednn")
 
@@ -56,7 +57,7 @@ def backend() -> str:
     """``"onednn"`` or ``"blas"`` as ``PAGEDKV_DENSE_LINEAR`` says (default ``blas``; ``auto``:
     the faster here, measured once), cached for the process. Raises ``ValueError`` for an
     unknown value."""
-    env = os.environ.get("PAGEDKV_DENSE_LINEAR", "blas").lower()
+    env = envs.PAGEDKV_DENSE_LINEAR
     if env not in (*BACKENDS, "auto"):
         raise ValueError(f"PAGEDKV_DENSE_LINEAR={env!r}: expected one of auto, {', '.join(BACKENDS)}")
     if env == "blas" or not torch.backends.mkldnn.is_available():

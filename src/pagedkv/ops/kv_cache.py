@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from pagedkv import envs
 from pagedkv.ops.triton import available as triton_available
 
 LOGICAL_ORDER = "LBNHC"  # the order of the per-layer view dims: [L][B, N, H, C]
@@ -56,10 +57,9 @@ def advise_huge_pages(t: torch.Tensor) -> bool:
     every page) faster. Must run before the pages are first touched; a no-op (False) off
     Linux, on other devices, below 2 MiB, or where the kernel refuses."""
     import ctypes
-    import os
     import sys
 
-    if t.device.type != "cpu" or not sys.platform.startswith("linux") or os.environ.get("PAGEDKV_THP") == "0":
+    if t.device.type != "cpu" or not sys.platform.startswith("linux") or not envs.PAGEDKV_THP:
         return False
     start = t.data_ptr()
     end = start + t.numel() * t.element_size()

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from pagedkv import envs
 from pagedkv.core.specs import KVQuantMode
 from pagedkv.ops.kv_quant import KVQuant
 
@@ -44,7 +45,7 @@ BUILD_FLAGS = {"avx2": ("-mno-avx512f",), "portable": ("-mno-avx512f", "-mno-avx
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("PAGEDKV_CACHE_DIR", Path.home() / ".cache" / "pagedkv")) / "native"
+    return envs.PAGEDKV_CACHE_DIR / "native"
 
 
 def _cpu_flags() -> str:
@@ -133,17 +134,17 @@ def lib() -> ctypes.CDLL | None:
     """The loaded kernel library, or ``None`` when native kernels are off or cannot be built.
     ``PAGEDKV_NATIVE_ISA=avx2`` / ``portable`` builds a narrower SIMD path than the CPU has (to
     compare paths, or to sidestep one); the default ``native`` takes the widest."""
-    mode = os.environ.get("PAGEDKV_NATIVE", "auto").lower()
-    if mode in ("0", "off", "false", "no"):
+    mode = envs.PAGEDKV_NATIVE  # "off", "on" or "auto"
+    if mode == "off":
         return None
-    isa_env = os.environ.get("PAGEDKV_NATIVE_ISA", "").lower()
+    isa_env = envs.PAGEDKV_NATIVE_ISA
     if isa_env and isa_env not in (*BUILD_FLAGS, "native"):
         raise ValueError(f"PAGEDKV_NATIVE_ISA={isa_env!r}: expected one of native, {', '.join(BUILD_FLAGS)}")
     try:
         return build(BUILD_FLAGS.get(isa_env, ()))
     except (OSError, subprocess.SubprocessError, AttributeError) as e:
         detail = getattr(e, "stderr", "") or e
-        if mode in ("1", "on", "true", "yes"):
+        if mode == "on":
             raise RuntimeError(f"PAGEDKV_NATIVE=1 but the native kernels failed to build: {detail}") from e
         log.warning("native CPU kernels unavailable (%s); using the torch path", detail)
         return None

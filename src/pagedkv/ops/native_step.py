@@ -37,13 +37,13 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from pagedkv import envs
 from pagedkv.ops import forward_context, native
 from pagedkv.ops.metadata import AttentionMetadata
 
@@ -51,7 +51,6 @@ log = logging.getLogger(__name__)
 
 MAX_ROWS = 16  # the kernel's STEP_MAX_M
 MAX_SEGS = 8  # STEP_MAX_SEGS: runs of one ggml type per fused projection
-_OFF = ("0", "off", "false", "no")
 
 _i64, _i32, _ptr = ctypes.c_int64, ctypes.c_int32, ctypes.c_void_p
 
@@ -124,7 +123,7 @@ _PLANS: dict[int, NativeStep | None] = {}
 
 def enabled() -> bool:
     """``PAGEDKV_NATIVE_STEP`` (default on) allows the native step."""
-    return os.environ.get("PAGEDKV_NATIVE_STEP", "1").lower() not in _OFF
+    return bool(envs.PAGEDKV_NATIVE_STEP)
 
 
 def _f32(t: torch.Tensor | None) -> bool:

@@ -17,6 +17,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from pagedkv.engine.arg_utils import EngineArgs
+
 DESCRIPTION = __doc__.replace("``pagedkv simulate``", "pagedkv simulate")
 
 EXAMPLES = """examples:
@@ -51,10 +53,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     c = sub.add_parser("calibrate", help="fit the cost model to the real engine on this machine")
     c.add_argument("--out", default="benchmarks/results/sim_cost_cpu.json")
     c.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    c.add_argument("--dtype", default="float32")
-    c.add_argument("--num-kv-blocks", type=int, default=512)
-    c.add_argument("--max-model-len", type=int, default=2048)
-    c.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    # The engine's flags, with a small pool and context so calibration runs in minutes.
+    small = dict(
+        num_kv_blocks=dict(default=512, help="exact KV pool size in blocks (default %(default)s)"),
+        max_model_len=dict(default=2048, help="context length cap (default %(default)s)"))
+    EngineArgs.add_cli_args(
+        c, include=("dtype", "num_kv_blocks", "max_model_len", "max_num_batched_tokens"),
+        overrides=small)
     c.add_argument("--server", action="store_true",
                    help="measure through a real `pagedkv serve` process as a client (TTFT, ITL; "
                         "fits the per-request serving overhead too) instead of timing engine steps")
@@ -86,10 +91,11 @@ def _fleet_args(p: argparse.ArgumentParser) -> None:
     f = p.add_argument_group("fleet")
     f.add_argument("--replicas", type=int, default=3)
     f.add_argument("--num-blocks", type=int, default=4096, help="KV blocks per replica (null block included)")
-    f.add_argument("--block-size", type=int, default=16)
-    f.add_argument("--max-num-seqs", type=int, default=128)
-    f.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    f.add_argument("--max-model-len", type=int, default=32768)
+    # The engine's scheduler flags, per replica (a longer context than the engine's default).
+    cap = dict(default=32768, help="each replica's context length cap (default %(default)s)")
+    EngineArgs.add_cli_args(
+        f, include=("block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len"),
+        overrides=dict(max_model_len=cap))
     f.add_argument("--cpu-tier-blocks", type=int, default=0, help="CPU offload tier per replica, in blocks")
     f.add_argument("--pd-prefill", type=int, default=0, metavar="P",
                    help="PD split: the first P replicas prefill, the rest decode (default 0: no split)")

@@ -42,6 +42,11 @@ from dataclasses import dataclass
 from pagedkv.core.kv_cache_manager import KVCacheManager
 from pagedkv.core.request import KVCacheRequest, RequestStatus
 from pagedkv.core.specs import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from pagedkv.engine.config import (
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    DEFAULT_MAX_NUM_SEQS,
+)
 from pagedkv.offload.base import LookupResult, make_offload_key
 from pagedkv.offload.cpu_manager import CPUOffloadingManager
 from pagedkv.router.hashing import to_external
@@ -59,9 +64,9 @@ class ReplicaConfig:
     """Shape of one replica (the engine's flags of the same names)."""
 
     num_blocks: int = 4096          # KV pool blocks, the null block included
-    block_size: int = 16
-    max_num_seqs: int = 128
-    max_num_batched_tokens: int = 2048
+    block_size: int = DEFAULT_BLOCK_SIZE
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
     max_model_len: int = 32768
     cpu_tier_blocks: int = 0        # CPU offload tier capacity in blocks (0: none)
     enable_caching: bool = True

@@ -43,55 +43,11 @@ examples:
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
-    """Model and KV-cache flags (`EngineConfig` fields) shared by generate, chat and serve;
-    returns the group so a command can add its own engine flags to it."""
-    from pagedkv.entrypoints.cli.plan import size_arg
+    """Model and KV-cache flags (`EngineArgs`' ``CACHE_ARGS``) shared by generate, chat and
+    serve; returns the group so a command can add its own engine flags to it."""
+    from pagedkv.engine.arg_utils import EngineArgs
 
-    g = p.add_argument_group("engine")
-    g.add_argument("--model", help="a .gguf file or HF model directory (default: SmolLM2-135M-Instruct)")
-    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "auto"],
-                   help="model and KV cache dtype (default float32)")
-    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
-    g.add_argument("--max-model-len", type=int, default=None,
-                   help="context length cap (default: the model's context length)")
-    g.add_argument("--num-kv-blocks", type=int, default=None,
-                   help="exact KV pool size in blocks, the null block included (default: from memory)")
-    g.add_argument("--kv-cache-memory", type=size_arg, default=None,
-                   help="KV pool size, e.g. 512MiB (default 1GiB on CPU)")
-    g.add_argument("--kv-cache-layout", default="LBNHC", metavar="LAYOUT",
-                   help="stride order of the KV buffer over L(ayer) B(lock) H(ead) N(token) C(ontent), C "
-                        "last: LBNHC (default), LBHNC, or BLNHC / BLHNC, which make each block one "
-                        "contiguous range across layers (larger KV transfer descriptors)")
-    g.add_argument("--kv-cache-dtype", default="auto", metavar="DTYPE",
-                   help="KV cache storage (vLLM's names): auto (= --dtype), float32, bfloat16, float16, "
-                        "fp8 / fp8_e4m3 / fp8_e5m2 (per-tensor scales), int8 (the best INT8: per token-head, "
-                        "fp16 scales + Hadamard), int4 (the best INT4: K groups of 16 + Hadamard), or a "
-                        "mode: int8_per_token_head, fp8_per_token_head (vLLM's: fp32 scales), "
-                        "int8_per_token_head_f16, fp8_per_token_head_f16, int4_per_token_head, "
-                        "int4_per_token_group")
-    g.add_argument("--kv-rotation", default=None, choices=["hadamard", "none"],
-                   help="rotate K/V (and Q) before quantizing (default: hadamard for int8 and int4, else none)")
-    g.add_argument("--kv-scales-path", default=None, metavar="JSON",
-                   help="fp8 per-tensor KV scales: load from this file if it exists, else save calibrated "
-                        "ones to it")
-    g.add_argument("--kv-scales-calibration", default=None, metavar="PROMPTS.txt",
-                   help="calibrate fp8 per-tensor KV scales (amax/448) over these prompts, one per line")
-    g.add_argument("--no-prefix-caching", "--no-enable-prefix-caching", dest="no_prefix_caching",
-                   action="store_true", help="disable prefix caching")
-    g.add_argument("--kv-offload", default=None, metavar="SPEC",
-                   help="KV tiers, e.g. cpu:4GiB,disk:/var/cache/pagedkv:20GiB,redis://127.0.0.1:6379 "
-                        "(short form of --kv-transfer-config for the OffloadingConnector)")
-    g.add_argument("--kv-transfer-config", default=None, metavar="JSON",
-                   help="the KV connector as vLLM's KVTransferConfig JSON, e.g. "
-                        '\'{"kv_connector":"OffloadingConnector","kv_role":"kv_both",'
-                        '"kv_connector_extra_config":{"kv_offload":"cpu:4GiB"}}\'')
-    g.add_argument("--kv-side-channel-port", type=int, default=None, metavar="PORT",
-                   help="where a NixlConnector listens for KV handshakes (sets "
-                        "kv_connector_extra_config.side_channel_port)")
-    g.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"],
-                   help="how a preempted request comes back: recompute its KV, or swap it to the CPU tier "
-                        "(default recompute)")
-    return g
+    return EngineArgs.add_cli_args(p.add_argument_group("engine"))
 
 
 def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int, temperature: float) -> None:
@@ -154,26 +110,28 @@ def kv_transfer_config_arg(args: argparse.Namespace) -> Any:
         raise CLIError(msg if named else f"invalid --kv-transfer-config: {msg}") from None
 
 
-def kv_cache_dtype_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """The KV cache format flags as `EngineConfig` keywords."""
-    return dict(kv_cache_dtype=args.kv_cache_dtype, kv_rotation=args.kv_rotation,
-                kv_scales_path=args.kv_scales_path, kv_scales_calibration=args.kv_scales_calibration)
+def engine_args(args: argparse.Namespace) -> Any:
+    """`EngineArgs` from the flags, ``--kv-transfer-config`` (and ``--kv-side-channel-port``)
+    already checked and parsed by `kv_transfer_config_arg` (CLIError naming the flag)."""
+    from pagedkv.engine.arg_utils import EngineArgs
+
+    eargs = EngineArgs.from_cli_args(args)
+    eargs.kv_transfer_config = kv_transfer_config_arg(args)
+    eargs.kv_side_channel_port = None  # folded into kv_transfer_config above
+    return eargs
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """`LLM(...)` keywords from the flags, validated (CLIError) before any weight is read."""
+    """`LLM(...)` keywords (model aside) from the flags, validated (CLIError) before any
+    weight is read."""
     from pagedkv.engine.config import EngineConfig
 
-    kw = dict(block_size=args.block_size, max_model_len=args.max_model_len, num_kv_blocks=args.num_kv_blocks,
-              kv_cache_memory=args.kv_cache_memory, enable_prefix_caching=not args.no_prefix_caching,
-              dtype=args.dtype, seed=args.seed if args.seed is not None else 0,
-              kv_offload=args.kv_offload, preemption_mode=args.preemption_mode,
-              kv_transfer_config=kv_transfer_config_arg(args), kv_cache_layout=args.kv_cache_layout,
-              **kv_cache_dtype_kwargs(args))
+    kw = engine_args(args).config_kwargs()
     try:
-        EngineConfig(model=args.model, **kw)
+        EngineConfig(**kw)
     except ValueError as e:
         raise CLIError(str(e)) from None
+    del kw["model"]
     return kw
 
 

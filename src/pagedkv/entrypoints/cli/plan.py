@@ -16,11 +16,10 @@ from typing import Any
 
 from pagedkv.core import planning
 from pagedkv.core.specs import KVQuantMode, align_hybrid_block_size, resolve_kv_cache_dtype
-from pagedkv.core.units import parse_size
-from pagedkv.engine.config import DEFAULT_CPU_KV_CACHE_MEMORY, EngineConfig, resolve_dtype_name
+from pagedkv.core.units import parse_size  # noqa: F401  (the one parse_size: test_imports checks)
+from pagedkv.engine.arg_utils import EngineArgs, size_arg
+from pagedkv.engine.config import DEFAULT_CPU_KV_CACHE_MEMORY, resolve_dtype_name
 from pagedkv.entrypoints.cli.common import CLIError, read_model_config
-
-ENGINE_DEFAULTS = EngineConfig()  # cheap: validation only, no torch
 
 # Bytes per weight element as loaded. GGUF block formats include their per-block scales
 # (q4_0: 18 B / 32 weights, q4_1: 20 B / 32, q8_0: 34 B / 32).
@@ -72,15 +71,6 @@ class PlanError(CLIError):
     """A user-facing planning failure: printed on stderr, exit code 2."""
 
 
-def size_arg(text: str) -> int:
-    """`parse_size` as an argparse ``type``: a bad size is a usage error (exit 2) whose
-    message says what a size looks like."""
-    try:
-        return parse_size(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
 def fmt_bytes(n: float) -> str:
     for unit, size in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if abs(n) >= size:
@@ -89,7 +79,6 @@ def fmt_bytes(n: float) -> str:
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    d = ENGINE_DEFAULTS
     p = subparsers.add_parser("plan", help="plan KV cache capacity for a memory budget",
                               description=DESCRIPTION, epilog=EXAMPLES,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -114,18 +103,16 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--runtime-memory", type=size_arg, default=None,
                    help="runtime memory (activations, workspaces) instead of the built-in estimate")
     p.add_argument("--headroom", type=float, default=0.1, help="headroom fraction of device memory (default 0.1)")
-    p.add_argument("--block-size", type=int, default=d.block_size, help=f"tokens per block (default {d.block_size})")
-    p.add_argument("--dtype", default=d.dtype,
-                   help=f"model dtype, which the 'auto' KV dtype follows (default {d.dtype}, the engine's)")
-    p.add_argument("--kv-cache-dtype", default="auto",
-                   help="auto, float32, float16, bfloat16, fp8, int8, int4, or a mode name (default auto)")
+    # The engine's flags and defaults; --dtype takes any name the sizing knows (no choices).
+    EngineArgs.add_cli_args(p, include=("block_size", "dtype", "kv_cache_dtype"), overrides=dict(
+        dtype=dict(choices=None, help="model dtype, which the 'auto' KV dtype follows "
+                                      "(default %(default)s, the engine's)")))
     p.add_argument("--kv-quant-mode", default=None, help="none, fp8_per_tensor, or a *_per_token_head mode")
     p.add_argument("--context", type=int, default=None,
                    help="max model length per request (default: the model's context length)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
-                   help=f"token budget per step (default {d.max_num_batched_tokens})")
-    p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs,
-                   help=f"max running sequences, for the runtime estimate (default {d.max_num_seqs})")
+    seqs = "max running sequences, for the runtime estimate (default %(default)s)"
+    EngineArgs.add_cli_args(p, include=("max_num_batched_tokens", "max_num_seqs"),
+                            overrides=dict(max_num_seqs=dict(help=seqs)))
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=run)
     return p

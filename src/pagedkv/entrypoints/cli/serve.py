@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import socket
 import sys
 import threading
 import time
 from typing import Any
+
+from pagedkv import envs
 
 logger = logging.getLogger(__name__)
 
@@ -46,8 +47,8 @@ examples:
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    from pagedkv.engine.arg_utils import KV_EVENTS_ARGS, SCHEDULER_ARGS, EngineArgs, size_arg
     from pagedkv.entrypoints.cli.generate import add_engine_args
-    from pagedkv.entrypoints.cli.plan import size_arg
 
     p = subparsers.add_parser("serve", help="run the OpenAI-compatible server",
                               description=DESCRIPTION, epilog=EXAMPLES,
@@ -68,20 +69,15 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="log a throughput / queue / KV usage line this often while busy; 0 turns "
                         "it off (default 10)")
     s = p.add_argument_group("security")
-    s.add_argument("--api-key", metavar="KEY", default=os.environ.get("PAGEDKV_API_KEY") or None,
+    s.add_argument("--api-key", metavar="KEY", default=envs.PAGEDKV_API_KEY,
                    help="require 'Authorization: Bearer KEY' on /v1/* and /reset_prefix_cache "
                         "(default: the PAGEDKV_API_KEY environment variable; /health, /metrics "
                         "and the read-only dashboard stay open)")
     s.add_argument("--max-request-bytes", metavar="SIZE", type=size_arg, default=8 * 2**20,
                    help="largest request body accepted, e.g. 8MiB; larger ones get 413 (default 8MiB)")
-    g = add_engine_args(p)
-    g.add_argument("--max-num-seqs", type=int, default=128, help="max running sequences (default 128)")
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048,
-                   help="token budget per step (default 2048)")
-    g.add_argument("--seed", type=int, default=0, help="engine seed (requests without a seed)")
+    EngineArgs.add_cli_args(add_engine_args(p), include=SCHEDULER_ARGS)
     e = p.add_argument_group("KV events (vLLM's ZMQ wire format)")
-    e.add_argument("--enable-kv-cache-events", action="store_true",
-                   help="publish BlockStored / BlockRemoved / AllBlocksCleared events")
+    EngineArgs.add_cli_args(e, include=KV_EVENTS_ARGS)
     e.add_argument("--kv-events-endpoint", default="tcp://127.0.0.1:5557",
                    help="PUB endpoint to bind (default tcp://127.0.0.1:5557; port 0 = free port)")
     e.add_argument("--kv-events-replay-endpoint", default=None,
@@ -96,18 +92,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 def engine_config(args: argparse.Namespace) -> Any:
     """`EngineConfig` from the flags; raises ValueError (a `CLIError` for
     ``--kv-transfer-config``) naming the bad one."""
-    from pagedkv.engine.config import EngineConfig
-    from pagedkv.entrypoints.cli.generate import kv_cache_dtype_kwargs, kv_transfer_config_arg
+    from pagedkv.entrypoints.cli.generate import engine_args
 
-    return EngineConfig(model=args.model, dtype=args.dtype, block_size=args.block_size,
-                        num_kv_blocks=args.num_kv_blocks, kv_cache_memory=args.kv_cache_memory,
-                        max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-                        max_num_batched_tokens=args.max_num_batched_tokens,
-                        enable_prefix_caching=not args.no_prefix_caching,
-                        enable_kv_cache_events=args.enable_kv_cache_events, seed=args.seed,
-                        kv_offload=args.kv_offload, preemption_mode=args.preemption_mode,
-                        kv_transfer_config=kv_transfer_config_arg(args), kv_cache_layout=args.kv_cache_layout,
-                        **kv_cache_dtype_kwargs(args))
+    return engine_args(args).create_engine_config()
 
 
 def bind_socket(host: str, port: int) -> socket.socket:

@@ -7,15 +7,16 @@ it. Tests run the same kernels on CPU tensors under ``TRITON_INTERPRET=1``.
 
 from __future__ import annotations
 
-import os
 from functools import cache
+
+from pagedkv import envs
 
 
 @cache
 def available() -> bool:
     """True when ``triton`` imports and ``PAGEDKV_TRITON`` is not ``0`` (checked once; the
     variable lets a CUDA run fall back to the torch paths for comparison)."""
-    if os.environ.get("PAGEDKV_TRITON") == "0":
+    if not envs.PAGEDKV_TRITON:
         return False
     try:
         import triton  # noqa: F401
