@@ -1,4 +1,4 @@
-"""``pagedkv serve``: the OpenAI-compatible HTTP server (see openai_server.py).
+"""``pagedkv serve``: the OpenAI-compatible HTTP server (see openai/api_server.py).
 
     pagedkv serve --port 8000                       # SmolLM2-135M-Instruct on 127.0.0.1:8000
     pagedkv serve --num-kv-blocks 512 --max-num-seqs 64 --enable-kv-cache-events \\
