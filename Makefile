@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 
-.PHONY: setup system-deps run test docs bench clean gpu-check
+.PHONY: setup system-deps run test lint fmt docs bench clean gpu-check
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -38,8 +38,18 @@ run: setup
 	  "Explain in three sentences how paged attention manages the KV cache."
 	$(VENV)/bin/pagedkv plan --memory 8GiB --block-size 16 --context 4096
 
-test: setup system-deps docs
+test: setup system-deps lint docs
 	$(PY) -m pytest -q
+
+# ruff, configured in pyproject.toml: the lint rules, and the formatter as a check (`make fmt`
+# applies both).
+lint: setup
+	$(VENV)/bin/ruff check src tests benchmarks docs/hooks
+	$(VENV)/bin/ruff format --check src tests benchmarks docs/hooks
+
+fmt: setup
+	$(VENV)/bin/ruff check --fix src tests benchmarks docs/hooks
+	$(VENV)/bin/ruff format src tests benchmarks docs/hooks
 
 # The docs site, strict: a broken link, anchor or nav entry fails (site/ is ignored by git).
 # No --quiet: it hides the warnings, and --strict then passes a broken link.
