@@ -89,6 +89,52 @@ def pagedkv_model_bf16(gguf_path: Path) -> Any:
     return get_model(gguf_path, torch.bfloat16)
 
 
+# --- The default GGUF's dequantized weights, once per session. Dozens of tests build an engine
+# (LLM, AsyncLLM, a served app) on the default model in this process, and two thirds of each
+# load was dequantizing the same Q4_1 file again. ``iter_gguf_weights``' output for that file
+# (path, size and mtime unchanged) is kept (~0.5 GB float32) and replayed: the loader copies
+# each tensor into its parameters and never writes to it. The dequantizer itself still runs on
+# the first load and in test_model_loading's bit-exactness tests; other files are not touched.
+_weights_memo: dict[tuple[str, int, int], list[tuple[str, Any]]] = {}
+
+
+def _memoize_default_gguf_weights() -> None:
+    """Wrap ``pagedkv.models.loader.iter_gguf_weights`` once torch is imported (never import
+    torch here: the torch-free tests must not get it from this file)."""
+    import sys
+
+    if "pagedkv.models.loader" not in sys.modules and "torch" in sys.modules:
+        import pagedkv.models.loader  # noqa: F401  (torch is in already: costs nothing more)
+    loader = sys.modules.get("pagedkv.models.loader")
+    real = getattr(loader, "iter_gguf_weights", None)
+    if real is None or getattr(real, "_memoized", False):
+        return
+    from pagedkv.models.config import default_model_path
+
+    try:
+        default = default_model_path().resolve()
+    except (FileNotFoundError, ImportError):
+        return
+
+    def iter_gguf_weights(gguf: Any) -> Any:
+        path = Path(gguf.path).resolve()
+        if path != default:
+            return real(gguf)
+        st = path.stat()
+        key = (str(path), st.st_size, st.st_mtime_ns)
+        if key not in _weights_memo:
+            _weights_memo[key] = list(real(gguf))
+        return iter(_weights_memo[key])
+
+    iter_gguf_weights._memoized = True  # type: ignore[attr-defined]
+    loader.iter_gguf_weights = iter_gguf_weights  # type: ignore[union-attr]
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    _memoize_default_gguf_weights()
+
+
 # --- Suite profiling (opt-in): PAGEDKV_TEST_PROFILE=path.tsv writes, per test, its wall time
 # (setup + call + teardown) and the process's resident (VmRSS) and peak (VmHWM) memory after it,
 # so a slow or memory-hungry test (or a fixture that never lets go) can be found by sorting.
