@@ -135,8 +135,8 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     _memoize_default_gguf_weights()
 
 
-# --- Suite profiling (opt-in): PAGEDKV_TEST_PROFILE=path.tsv writes, per test, its wall time
-# (setup + call + teardown) and the process's resident (VmRSS) and peak (VmHWM) memory after it,
+# --- Suite profiling (opt-in): PAGEDKV_TEST_PROFILE=path.tsv writes, per test, its wall and
+# CPU time (setup + call + teardown) and the process's resident (VmRSS) and peak (VmHWM) memory after it,
 # so a slow or memory-hungry test (or a fixture that never lets go) can be found by sorting.
 _PROFILE_PATH = os.environ.get("PAGEDKV_TEST_PROFILE")
 
@@ -198,7 +198,8 @@ def _release_heavy_fixtures(item: pytest.Item) -> bool:
     dependents (``hf_logits``) finish with them. A later test asking again rebuilds them."""
     released = False
     for name in _release_after.pop(item.nodeid, []):
-        fixturedefs = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {}).get(name, ())
+        info = getattr(item, "_fixtureinfo", None)
+        fixturedefs = getattr(info, "name2fixturedefs", {}).get(name, ())
         for fixturedef in fixturedefs:
             fixturedef.finish(item._request)  # type: ignore[attr-defined]
             released = True
@@ -227,7 +228,8 @@ if _PROFILE_PATH:
     def _cpu_s() -> float:
         """User + system CPU seconds of this process and its waited-for children: a test's cost
         that, unlike its wall time, other loads on a shared machine barely change."""
-        own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+        own = resource.getrusage(resource.RUSAGE_SELF)
+        kids = resource.getrusage(resource.RUSAGE_CHILDREN)
         return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
 
     _profile_started: dict[str, float] = {}
@@ -241,7 +243,8 @@ if _PROFILE_PATH:
     @pytest.hookimpl(trylast=True)
     def pytest_runtest_logreport(report: pytest.TestReport) -> None:
         """One line per test: nodeid, wall s, CPU s, VmRSS KiB, VmHWM KiB (tab-separated)."""
-        _profile_durations[report.nodeid] = _profile_durations.get(report.nodeid, 0.0) + report.duration
+        spent = _profile_durations.get(report.nodeid, 0.0)
+        _profile_durations[report.nodeid] = spent + report.duration
         if report.when == "teardown":
             cpu = _cpu_s() - _profile_started.pop(report.nodeid, _cpu_s())
             with open(_PROFILE_PATH, "a") as f:
