@@ -136,8 +136,9 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 
 
 # --- Suite profiling (opt-in): PAGEDKV_TEST_PROFILE=path.tsv writes, per test, its wall and
-# CPU time (setup + call + teardown) and the process's resident (VmRSS) and peak (VmHWM) memory after it,
-# so a slow or memory-hungry test (or a fixture that never lets go) can be found by sorting.
+# CPU time (setup + call + teardown) and the process's resident (VmRSS) and peak (VmHWM)
+# memory after it, so a slow or memory-hungry test (or a fixture that never lets go) can be
+# found by sorting.
 _PROFILE_PATH = os.environ.get("PAGEDKV_TEST_PROFILE")
 
 
