@@ -147,6 +147,7 @@ def test_plan_needs_no_memory_and_defaults_to_the_engine(capsys) -> None:
     assert "KV float32" in out
 
 
+@pytest.mark.slow  # a CLI subprocess: torch import + model load
 def test_serve_prints_loading_progress_and_the_plan_summary() -> None:
     """On stderr before "listening on": the loading line and `pagedkv plan`'s summary for the
     same settings."""

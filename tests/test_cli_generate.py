@@ -45,6 +45,7 @@ def test_unparseable_option_is_an_argparse_error(capsys) -> None:
     assert e.value.code == 2 and "--max-tokens" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # a CLI subprocess: torch import + model load
 def test_generate_text_and_json() -> None:
     res = pagedkv("generate", "The capital of France is", "--temperature", "0", "--max-tokens", "6", *SMALL)
     assert res.returncode == 0, res.stderr
@@ -61,6 +62,7 @@ def test_generate_text_and_json() -> None:
     assert "<|im_start|>user" in out["prompt"]  # the chat template was applied
 
 
+@pytest.mark.slow  # a CLI subprocess: torch import + model load
 def test_generate_n_stop_and_too_long_prompt() -> None:
     res = pagedkv("generate", "One, two, three,", "--n", "2", "--seed", "3", "--max-tokens", "8", "--json",
                   "--stop", "\n", *SMALL)
@@ -74,6 +76,7 @@ def test_generate_n_stop_and_too_long_prompt() -> None:
     assert "Traceback" not in res.stderr
 
 
+@pytest.mark.slow  # a CLI subprocess: torch import + model load
 def test_chat_two_turns_reset_and_exit() -> None:
     """Two turns through piped stdin: both answered, the second using the first as context;
     /reset clears the history; /exit ends the session with code 0 (the last line never runs)."""
@@ -101,6 +104,7 @@ def test_chat_ends_at_eof() -> None:
     assert res.stdout.strip()
 
 
+@pytest.mark.slow  # a CLI subprocess: torch import + model load
 def test_generate_shows_loading_progress_and_the_plan_summary() -> None:
     """stderr: "loading model ... done in X s", then the same one-line KV summary `pagedkv plan`
     prints for the same settings; stdout holds only the completion."""
@@ -117,6 +121,7 @@ def test_generate_shows_loading_progress_and_the_plan_summary() -> None:
     assert "Paris" in res.stdout and "KV cache" not in res.stdout
 
 
+@pytest.mark.slow  # a CLI subprocess: torch import + model load
 def test_chat_help_unknown_commands_and_cut_replies() -> None:
     """The banner comes before the model loads; /help lists the commands; an unknown /command
     is refused and never sent to the model (one request in all); a reply that hits
@@ -204,6 +209,7 @@ def test_kv_transfer_config_flag_reaches_the_engine(capsys) -> None:
         llm.llm_engine.shutdown()
 
 
+@pytest.mark.slow  # a CLI subprocess: torch import + model load
 def test_generate_with_kv_transfer_config() -> None:
     """The documented OffloadingConnector config runs a completion end to end."""
     res = pagedkv("generate", "The capital of France is", "--temperature", "0", "--max-tokens", "4", "--json",

@@ -196,6 +196,7 @@ def test_publisher_buffer_is_bounded_and_replay_starts_at_the_oldest():
     assert seq_bytes(-1) == b"\xff" * 8 and seq_bytes(1) == b"\x00" * 7 + b"\x01"
 
 
+@pytest.mark.slow  # a CLI subprocess: torch import + model load
 def test_serve_command_end_to_end(tmp_path):
     """``pagedkv serve`` in a subprocess with events on free ports, ``pagedkv events`` against it."""
     bad = subprocess.run([sys.executable, "-m", "pagedkv.entrypoints.cli", "serve", "--block-size", "0"],

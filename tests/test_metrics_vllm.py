@@ -220,6 +220,7 @@ STATS_LINE = (r"Avg prompt throughput: (\d+\.\d) tokens/s, Avg generation throug
               r"Prefix cache hit rate: (\d+\.\d)%")
 
 
+@pytest.mark.slow  # a CLI subprocess: torch import + model load
 def test_serve_logs_the_stats_line_while_busy(serve_process):
     proc, out, err = serve_process
     seen: list[str] = []

@@ -78,6 +78,7 @@ def test_skip_reading_prefix_cache_never_loads(reference):
     assert all(o.num_cached_tokens == 0 for o in outs)
 
 
+@pytest.mark.slow  # 3+ engines over 36 blocks of prompts: 2-3x this file's other tests
 def test_disk_tier_restart_reuses_blocks_and_detects_corruption(reference, tmp_path):
     spec = f"cpu:64MiB,disk:{tmp_path}:256MiB"
     first = LLM(**ENGINE, kv_offload=spec)
@@ -142,6 +143,7 @@ def test_kill_9_while_writing_then_restart_is_exact(tmp_path):
     llm.llm_engine.shutdown()
 
 
+@pytest.mark.slow  # 3+ engines over 36 blocks of prompts: 2-3x this file's other tests
 @pytest.mark.skipif(REDIS_SERVER is None, reason=SKIP_REASON)
 def test_redis_tier_shared_between_instances_and_outage(reference, tmp_path):
     server = RedisServer().start()
