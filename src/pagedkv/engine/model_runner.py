@@ -125,7 +125,9 @@ class ModelRunner:
     @torch.inference_mode()
     def observe_kv_amax(self, prompts: list[list[int]]) -> dict[str, tuple[float, float]]:
         """Run ``prompts`` through the model over a temporary float32 cache (no quantization,
-        the real rotation) and return each layer's ``(max |K|, max |V|)`` as written."""
+        the real rotation) and return each layer's ``(max |K|, max |V|)`` as written. The one
+        place a layer's ``kv_quant`` changes after it is built: swapped for an observing probe
+        for the pass, and restored (the very objects) after it."""
         amax: dict[str, list[float]] = {}
         saved = dict(self.kv_quants)
         mc = self.model_config

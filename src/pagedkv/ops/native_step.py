@@ -2,7 +2,7 @@
 
 At batch 1 a decode step of a 30-layer model is ~300 small torch ops and ctypes calls (norms,
 RoPE, cache writes, SiLU, residual adds, one GEMV per projection), costing as much as the GEMVs
-themselves. ``pkv_decode_layers`` (``ops/csrc/cpu_kernels.c``) runs the whole layer stack of a
+themselves. ``pkv_decode_layers`` (``ops/csrc/layer_step.c``) runs the whole layer stack of a
 plain Llama-family model (Llama, Mistral, Qwen2) for up to :data:`MAX_ROWS` decode rows in one
 call: RMSNorm, fused qkv GEMV (+ bias), RoPE, the K/V write at the slot mapping, paged decode
 attention over the same block tables, o_proj, residual, RMSNorm, gate_up fused with SiLU*mul,
@@ -58,6 +58,7 @@ _OFF = ("0", "off", "false", "no")
 _i64, _i32, _ptr = ctypes.c_int64, ctypes.c_int32, ctypes.c_void_p
 
 
+# Mirrors of the structs in ops/csrc/layer_step.h (_build checks pkv_step_struct_size).
 class _Segment(ctypes.Structure):
     _fields_ = [("start", _i64), ("end", _i64), ("w", _ptr), ("row_stride", _i64), ("qtype", _i32), ("pad_", _i32)]
 
