@@ -29,7 +29,7 @@ from pagedkv.core.planning import blocks_per_request, make_kv_cache_config
 from pagedkv.core.request import RequestStatus, get_request_block_hasher
 from pagedkv.core.specs import KVCacheConfig, align_hybrid_block_size, get_kv_cache_groups
 from pagedkv.engine.config import DEFAULT_CPU_KV_CACHE_MEMORY, EngineConfig, check_kv_cache_fits
-from pagedkv.engine.model_runner import ModelRunner, PromptLogprobsOutput
+from pagedkv.engine.model_runner import ModelRunner, PromptLogprobsOutput, layer_kv_quants
 from pagedkv.engine.output_processor import OutputProcessor
 from pagedkv.engine.outputs import RequestOutput
 from pagedkv.engine.request import Request
@@ -41,8 +41,10 @@ from pagedkv.engine.stats import KVConnectorStats, SchedulerStats
 from pagedkv.engine.kv_scales import resolve_kv_scales
 from pagedkv.kv_transfer.base import KVConnectorBase, KVConnectorRole
 from pagedkv.kv_transfer.factory import KVConnectorFactory
+from pagedkv.models.config import ModelConfig
 from pagedkv.models.loader import get_model, model_identity
 from pagedkv.ops import native
+from pagedkv.ops.kv_quant import KVQuant
 
 logger = logging.getLogger(__name__)
 
@@ -50,13 +52,14 @@ PromptType = str | list[int] | dict[str, Any]
 
 
 class LLMEngine:
-    """Construction reads one way: load the model → plan the KV cache (`KVCacheConfig`) → the
-    KV connector (if configured) → the runner, which allocates the KV cache and registers it
-    with the connector → the scheduler, which builds its own `KVCacheManager`."""
+    """Construction reads one way: load the model (its attention layers built with their KV
+    cache formats) → plan the KV cache (`KVCacheConfig`) → the KV connector (if configured) →
+    the runner, which allocates the KV cache and registers it with the connector → the
+    scheduler, which builds its own `KVCacheManager`."""
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        loaded = get_model(config.model, config.dtype, config.device)
+        loaded = get_model(config.model, config.dtype, config.device, kv_quants=self._layer_kv_quants)
         self.model = loaded.model
         self.model_config = mc = loaded.config
         self.tokenizer = loaded.tokenizer
@@ -93,6 +96,15 @@ class LLMEngine:
         logger.info("KV cache: %d blocks of %d tokens (%.2f GiB), max_model_len %d",
                     self.kv_cache_config.num_blocks, config.block_size,
                     kv_buffer.numel() * kv_buffer.element_size() / 2**30, self.max_model_len)
+
+    def _layer_kv_quants(self, mc: ModelConfig, dtype: torch.dtype) -> dict[str, KVQuant]:
+        """The KV formats the model's attention layers are built with: those of the specs
+        `_plan_kv_cache` will allocate (same dtype, quant mode and rotation; a format does not
+        depend on the block size, which is not final yet)."""
+        config = self.config
+        specs = mc.kv_cache_specs(config.block_size, config.kv_cache_dtype, torch_dtype=str(dtype).split(".")[-1],
+                                  kv_rotation=config.kv_rotation)
+        return layer_kv_quants(mc, specs, config.device)
 
     def _align_hybrid_block_size(self, config: EngineConfig) -> EngineConfig:
         """A Mamba hybrid needs attention pages that hold a Mamba state: raise the block size

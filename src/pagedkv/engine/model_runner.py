@@ -27,11 +27,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
-from pagedkv.core.specs import KVCacheConfig, KVQuantMode, MambaSpec, iter_layer_specs
+from pagedkv.core.specs import KVCacheConfig, KVCacheSpec, KVQuantMode, MambaSpec, iter_layer_specs
 from pagedkv.engine.kv_cache_binding import bind_kv_cache
 from pagedkv.engine.sampler import LogprobsTensors, compute_prompt_logprobs
 from pagedkv.engine.scheduler_output import ScheduledRequest, SchedulerOutput
@@ -39,7 +40,7 @@ from pagedkv.kv_transfer.base import KVConnectorBase, KVConnectorOutput
 from pagedkv.ops.cache import compute_slot_mapping
 from pagedkv.ops.forward_context import set_forward_context
 from pagedkv.ops.kv_cache import allocate_kv_cache, copy_blocks
-from pagedkv.ops.kv_quant import KVQuant
+from pagedkv.ops.kv_quant import KVQuant, KVQuantFormat
 from pagedkv.ops.metadata import AttentionMetadata
 
 # Prompt-logprob rows scored per model-head call: bounds the [rows, vocab] float32 temporaries.
@@ -90,32 +91,28 @@ class ModelRunner:
         # The attention groups' block size (the pool's tokens per block where they agree).
         self.block_size = next((g.kv_cache_spec.block_size for g in groups if not isinstance(g.kv_cache_spec, MambaSpec)),
                                self.group_block_sizes[0])
-        self.kv_quants = self._attach_kv_quant(groups)
+        self.kv_quants = self._layer_kv_quants(groups)
         if self.connector is not None:
             owned = (i for i in range(mc.num_layers) if mc.owns_kv_cache(i))
             self.connector.register_kv_caches({mc.layer_name(i): self.kv_caches[i] for i in owned}, self.kv_buffer)
 
-    def _attach_kv_quant(self, groups: list[Any]) -> dict[str, KVQuant]:
-        """Give every attention layer of a quantized or rotated cache its :class:`KVQuant`
-        (``layer.kv_quant``; None otherwise). Returns them by layer name."""
+    def _layer_kv_quants(self, groups: list[Any]) -> dict[str, KVQuant]:
+        """The :class:`KVQuant` each attention layer of a quantized or rotated cache was built
+        with (``layer.kv_quant``: see :func:`layer_kv_quants`), by layer name. Raises ValueError
+        when a layer's format is not its cache spec's (the model was built for another cache)."""
         specs = dict(iter_layer_specs(groups))
         quants: dict[str, KVQuant] = {}
         for module in self.model.modules():
             name = getattr(module, "layer_name", None)
             if name is None or not hasattr(module, "kv_quant") or name not in specs:
                 continue
-            spec = specs[name]
-            wanted = spec.kv_quant_mode is not KVQuantMode.NONE or spec.kv_rotation is not None
-            module.kv_quant = KVQuant.for_spec(spec, self.device) if wanted else None
+            want = KVQuantFormat.from_spec(specs[name]) if _wants_kv_quant(specs[name]) else None
+            have = module.kv_quant.fmt if module.kv_quant is not None else None
+            if have != want:
+                raise ValueError(f"{name}: built for KV format {have}, but its cache spec stores {want} "
+                                 "(build the model with get_model(..., kv_quants=...) from the same specs)")
             if module.kv_quant is not None:
                 quants[name] = module.kv_quant
-        # A layer reading another layer's cache (KV sharing) reads it in that layer's format.
-        mc = self.model_config
-        for module in self.model.modules():
-            name = getattr(module, "layer_name", None)
-            target = _kv_sharing_target(mc, name)
-            if target is not None and hasattr(module, "kv_quant"):
-                module.kv_quant = quants.get(mc.layer_name(target))
         return quants
 
     def set_kv_scales(self, scales: dict[str, tuple[float, float]]) -> None:
@@ -128,7 +125,9 @@ class ModelRunner:
     @torch.inference_mode()
     def observe_kv_amax(self, prompts: list[list[int]]) -> dict[str, tuple[float, float]]:
         """Run ``prompts`` through the model over a temporary float32 cache (no quantization,
-        the real rotation) and return each layer's ``(max |K|, max |V|)`` as written."""
+        the real rotation) and return each layer's ``(max |K|, max |V|)`` as written. The one
+        place a layer's ``kv_quant`` changes after it is built: swapped for an observing probe
+        for the pass, and restored (the very objects) after it."""
         amax: dict[str, list[float]] = {}
         saved = dict(self.kv_quants)
         mc = self.model_config
@@ -283,7 +282,24 @@ def _record_amax(acc: list[float], key: torch.Tensor, value: torch.Tensor) -> No
     acc[1] = max(acc[1], float(value.abs().amax()))
 
 
-def _kv_sharing_target(mc: Any, name: str | None) -> int | None:
-    """The layer whose cache the layer named ``name`` reads instead of its own, if any."""
-    i = next((i for i in range(mc.num_layers) if mc.layer_name(i) == name), None) if name else None
-    return None if i is None else mc.kv_sharing_target(i)
+def _wants_kv_quant(spec: KVCacheSpec) -> bool:
+    """Whether a layer of this cache spec needs a :class:`KVQuant` (a quantized or rotated
+    attention cache; a Mamba state never does)."""
+    mode = getattr(spec, "kv_quant_mode", KVQuantMode.NONE)
+    return mode is not KVQuantMode.NONE or getattr(spec, "kv_rotation", None) is not None
+
+
+def layer_kv_quants(model_config: Any, specs: Mapping[str, KVCacheSpec],
+                    device: torch.device | str = "cpu") -> dict[str, KVQuant]:
+    """The :class:`KVQuant` of every attention layer whose cache ``specs`` (layer name → spec,
+    ``ModelConfig.kv_cache_specs``) quantize or rotate, by layer name: what the model class
+    is built with (``get_model(..., kv_quants=...)``), each layer receiving its own. A layer
+    reading another layer's cache (KV sharing) gets that layer's object: it reads that format.
+    The format does not depend on the block size, so specs of any block size give the same."""
+    quants = {name: KVQuant.for_spec(spec, device) for name, spec in specs.items()  # type: ignore[arg-type]
+              if _wants_kv_quant(spec)}
+    for i in range(model_config.num_layers):
+        target = model_config.kv_sharing_target(i)
+        if target is not None and model_config.layer_name(target) in quants:
+            quants[model_config.layer_name(i)] = quants[model_config.layer_name(target)]
+    return quants

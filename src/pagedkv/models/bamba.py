@@ -38,7 +38,7 @@ from pagedkv.models.llama import KVCache, LlamaForCausalLM, LlamaMLP
 from pagedkv.ops.attention import paged_attention
 from pagedkv.ops.cache import reshape_and_cache
 from pagedkv.ops.forward_context import save_kv_layer, wait_for_kv_layer_load
-from pagedkv.ops.kv_quant import KVQuant
+from pagedkv.ops.kv_quant import KVQuant, LayerKVQuants
 from pagedkv.ops.mamba import (
     causal_conv1d,
     causal_conv1d_update,
@@ -54,7 +54,7 @@ class BambaAttention(nn.Module):
     ``rope`` is False: NoPE) and scale ``scale`` (default head_dim^-0.5)."""
 
     def __init__(self, config: ModelConfig, layer_name: str = "", scale: float | None = None,
-                 rope: bool = True) -> None:
+                 rope: bool = True, kv_quant: KVQuant | None = None) -> None:
         super().__init__()
         self.layer_name = layer_name
         self.num_heads = config.num_attention_heads
@@ -64,7 +64,7 @@ class BambaAttention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim**-0.5 if scale is None else scale
         self.rotary_dim = int(self.head_dim * config.mamba.partial_rotary_factor) if rope else 0  # type: ignore[union-attr]
-        self.kv_quant: KVQuant | None = None  # set by the runner for a quantized/rotated cache
+        self.kv_quant = kv_quant  # its cache's quantized/rotated format, given when built (None: plain)
         self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
         self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.attention_bias)
 
@@ -184,7 +184,7 @@ class BambaMixer(nn.Module):
 
 
 class BambaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+    def __init__(self, config: ModelConfig, layer_idx: int, kv_quant: KVQuant | None = None) -> None:
         super().__init__()
         name = config.layer_name(layer_idx)
         self.is_mamba = config.mamba.is_mamba_layer(layer_idx)  # type: ignore[union-attr]
@@ -192,7 +192,7 @@ class BambaDecoderLayer(nn.Module):
         if self.is_mamba:
             self.mamba = BambaMixer(config, name)
         else:
-            self.self_attn = BambaAttention(config, name)
+            self.self_attn = BambaAttention(config, name, kv_quant=kv_quant)
         self.pre_ff_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.feed_forward = LlamaMLP(config)
 
@@ -205,10 +205,12 @@ class BambaDecoderLayer(nn.Module):
 
 
 class BambaModel(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, kv_quants: LayerKVQuants | None = None) -> None:
         super().__init__()
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(BambaDecoderLayer(config, i) for i in range(config.num_layers))
+        quants = kv_quants or {}  # layer name → its cache's KVQuant
+        self.layers = nn.ModuleList(BambaDecoderLayer(config, i, quants.get(config.layer_name(i)))
+                                    for i in range(config.num_layers))
         self.final_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         rotary_dim = int(config.head_dim * config.mamba.partial_rotary_factor)  # type: ignore[union-attr]
         self.rotary_emb = RotaryEmbedding(rotary_dim, config.max_position_embeddings, config.rope_theta,
@@ -230,12 +232,12 @@ class BambaForCausalLM(LlamaForCausalLM):
     ``kv_caches[i]`` is a (K, V) pair for an attention layer and a (conv, ssm) state pair for
     a mixer layer."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, kv_quants: LayerKVQuants | None = None) -> None:
         nn.Module.__init__(self)
         if config.mamba is None:
             raise ValueError("a Bamba model needs its Mamba parameters (config.mamba)")
         self.config = config
-        self.model = BambaModel(config)
+        self.model = BambaModel(config, kv_quants)
         tied = config.tie_word_embeddings
         self.lm_head = self.model.embed_tokens if tied else Embedding(config.vocab_size, config.hidden_size)
 

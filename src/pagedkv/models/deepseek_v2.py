@@ -43,6 +43,7 @@ from pagedkv.models.layers import Embedding, Linear, RMSNorm, _param
 from pagedkv.models.llama import KVCache, LlamaForCausalLM, SwiGLUMLP, _copy
 from pagedkv.models.mla_config import MLAParams
 from pagedkv.ops.forward_context import save_kv_layer, wait_for_kv_layer_load
+from pagedkv.ops.kv_quant import KVQuant, LayerKVQuants
 from pagedkv.ops.metadata import AttentionMetadata
 from pagedkv.ops.mla_attention import concat_and_cache_mla, mla_attention, mla_decode_metadata
 
@@ -133,9 +134,13 @@ class DeepseekRotary(nn.Module):
 
 class DeepseekMLAAttention(nn.Module):
     """MLA: low-rank q (or q_proj), the latent + rope key written to the paged cache, expanded
-    prefill / absorbed decode (:func:`~pagedkv.ops.mla_attention.mla_attention`), o_proj."""
+    prefill / absorbed decode (:func:`~pagedkv.ops.mla_attention.mla_attention`), o_proj.
+    ``kv_quant`` must be None: a ValueError otherwise (the latent cache is always plain)."""
 
-    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+    def __init__(self, config: ModelConfig, layer_idx: int, kv_quant: KVQuant | None = None) -> None:
+        if kv_quant is not None:
+            raise ValueError("kv_cache_dtype: the MLA latent cache is not quantized or rotated yet; "
+                             "use 'auto', 'float32', 'bfloat16' or 'float16'")
         super().__init__()
         p = mla_params(config)
         h, hidden = config.num_attention_heads, config.hidden_size
@@ -156,14 +161,8 @@ class DeepseekMLAAttention(nn.Module):
 
     @property
     def kv_quant(self) -> None:
+        """Always None: the latent cache is plain (a format is refused when the layer is built)."""
         return None
-
-    @kv_quant.setter
-    def kv_quant(self, q: Any) -> None:
-        # The runner hands every attention layer its quantized/rotated cache format here.
-        if q is not None:
-            raise ValueError("kv_cache_dtype: the MLA latent cache is not quantized or rotated yet; "
-                             "use 'auto', 'float32', 'bfloat16' or 'float16'")
 
     def forward(self, x: torch.Tensor, rotary: DeepseekRotary, rope: tuple[torch.Tensor, torch.Tensor],
                 kv_cache: KVCache, md: AttentionMetadata, decode_md: AttentionMetadata | None) -> torch.Tensor:
@@ -247,11 +246,11 @@ class DeepseekMoE(nn.Module):
 
 
 class DeepseekDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+    def __init__(self, config: ModelConfig, layer_idx: int, kv_quant: KVQuant | None = None) -> None:
         super().__init__()
         p = mla_params(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = DeepseekMLAAttention(config, layer_idx)
+        self.self_attn = DeepseekMLAAttention(config, layer_idx, kv_quant)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp: nn.Module = (DeepseekMoE(config.hidden_size, p) if p.is_moe_layer(layer_idx)
                                else DeepseekMLP(config.hidden_size, config.intermediate_size))
@@ -270,10 +269,12 @@ class DeepseekDecoderLayer(nn.Module):
 
 
 class DeepseekV2Model(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, kv_quants: LayerKVQuants | None = None) -> None:
         super().__init__()
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DeepseekDecoderLayer(config, i) for i in range(config.num_layers))
+        quants = kv_quants or {}  # layer name → its cache's KVQuant
+        self.layers = nn.ModuleList(DeepseekDecoderLayer(config, i, quants.get(config.layer_name(i)))
+                                    for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = DeepseekRotary(config, mla_params(config))
 
@@ -306,10 +307,10 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
 
     _STACKED = ((".gate_up_proj.", ".gate_proj.", 0), (".gate_up_proj.", ".up_proj.", 1))
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, kv_quants: LayerKVQuants | None = None) -> None:
         nn.Module.__init__(self)  # not LlamaForCausalLM.__init__: a different body
         self.config = config
-        self.model = DeepseekV2Model(config)
+        self.model = DeepseekV2Model(config, kv_quants)
         tied = config.tie_word_embeddings
         self.lm_head = self.model.embed_tokens if tied else Embedding(config.vocab_size, config.hidden_size)
 

@@ -31,7 +31,7 @@ from pagedkv.models.layers import Embedding, Linear, RotaryEmbedding, _param
 from pagedkv.models.llama import KVCache, LlamaForCausalLM
 from pagedkv.ops.attention import paged_attention
 from pagedkv.ops.cache import reshape_and_cache
-from pagedkv.ops.kv_quant import KVQuant
+from pagedkv.ops.kv_quant import KVQuant, LayerKVQuants
 from pagedkv.ops.forward_context import save_kv_layer, wait_for_kv_layer_load
 from pagedkv.ops.metadata import AttentionMetadata
 
@@ -59,7 +59,8 @@ class GemmaRMSNorm(nn.Module):
 class Gemma2Attention(nn.Module):
     """GQA self-attention with Gemma's scale and score soft cap; paged cache write + read."""
 
-    def __init__(self, config: ModelConfig, sliding_window: int | None, layer_name: str = "") -> None:
+    def __init__(self, config: ModelConfig, sliding_window: int | None, layer_name: str = "",
+                 kv_quant: KVQuant | None = None) -> None:
         super().__init__()
         self.layer_name = layer_name
         self.qk_norm = config.qk_norm
@@ -71,7 +72,7 @@ class Gemma2Attention(nn.Module):
         self.scale = (config.query_pre_attn_scalar or self.head_dim) ** -0.5
         self.soft_cap = None if config.qk_norm else config.attn_logit_softcapping  # Gemma 3: none
         self.sliding_window = sliding_window
-        self.kv_quant: KVQuant | None = None  # set by the runner for a quantized/rotated cache
+        self.kv_quant = kv_quant  # its cache's quantized/rotated format, given when built (None: plain)
         self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
         self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.attention_bias)
         if config.qk_norm:
@@ -114,13 +115,13 @@ class Gemma2MLP(nn.Module):
 class Gemma2DecoderLayer(nn.Module):
     """Sandwich-norm block: ``h += post_attn(attn(in(h)))``; ``h += post_ff(mlp(pre_ff(h)))``."""
 
-    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+    def __init__(self, config: ModelConfig, layer_idx: int, kv_quant: KVQuant | None = None) -> None:
         super().__init__()
         window = config.sliding_window if config.layer_type(layer_idx) == SLIDING_ATTENTION else None
         self.local_rope = window is not None and config.rope_local_theta is not None
         h, eps = config.hidden_size, config.rms_norm_eps
         self.input_layernorm = GemmaRMSNorm(h, eps)
-        self.self_attn = Gemma2Attention(config, window, config.layer_name(layer_idx))
+        self.self_attn = Gemma2Attention(config, window, config.layer_name(layer_idx), kv_quant)
         self.post_attention_layernorm = GemmaRMSNorm(h, eps)
         self.pre_feedforward_layernorm = GemmaRMSNorm(h, eps)
         self.mlp = Gemma2MLP(config)
@@ -134,11 +135,13 @@ class Gemma2DecoderLayer(nn.Module):
 
 
 class Gemma2Model(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, kv_quants: LayerKVQuants | None = None) -> None:
         super().__init__()
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
         self.embed_scale = config.hidden_size**0.5
-        self.layers = nn.ModuleList(Gemma2DecoderLayer(config, i) for i in range(config.num_layers))
+        quants = kv_quants or {}  # layer name → its cache's KVQuant
+        self.layers = nn.ModuleList(Gemma2DecoderLayer(config, i, quants.get(config.layer_name(i)))
+                                    for i in range(config.num_layers))
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(
             config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
@@ -169,10 +172,10 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
     The embeddings are tied to the head in every Gemma 2 checkpoint (``tie_word_embeddings``).
     """
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, kv_quants: LayerKVQuants | None = None) -> None:
         nn.Module.__init__(self)  # not LlamaForCausalLM.__init__: a different body
         self.config = config
-        self.model = Gemma2Model(config)
+        self.model = Gemma2Model(config, kv_quants)
         tied = config.tie_word_embeddings
         self.lm_head = self.model.embed_tokens if tied else Embedding(config.vocab_size, config.hidden_size)
 

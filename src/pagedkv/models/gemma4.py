@@ -38,7 +38,7 @@ from pagedkv.models.llama import KVCache
 from pagedkv.ops.attention import paged_attention
 from pagedkv.ops.cache import reshape_and_cache
 from pagedkv.ops.forward_context import save_kv_layer, wait_for_kv_layer_load
-from pagedkv.ops.kv_quant import KVQuant
+from pagedkv.ops.kv_quant import KVQuant, LayerKVQuants
 from pagedkv.ops.metadata import AttentionMetadata
 
 
@@ -70,9 +70,10 @@ class Gemma4RMSNorm(nn.Module):
 
 class Gemma4Attention(nn.Module):
     """Layer ``i``'s attention: its own head size and KV heads; q/k/v norms; scale 1.0. A KV-
-    sharing layer has only q (and o) and attends over its target's cache without writing it."""
+    sharing layer has only q (and o) and attends over its target's cache without writing it
+    (``kv_quant``: then its target's format, which it reads)."""
 
-    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+    def __init__(self, config: ModelConfig, layer_idx: int, kv_quant: KVQuant | None = None) -> None:
         super().__init__()
         g = config.gemma4
         self.layer_name = config.layer_name(layer_idx)
@@ -86,7 +87,7 @@ class Gemma4Attention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         n_kv = 0 if self.shared else (1 if self.k_eq_v else 2)
-        self.kv_quant: KVQuant | None = None  # set by the runner for a quantized/rotated cache
+        self.kv_quant = kv_quant  # its cache's quantized/rotated format, given when built (None: plain)
         self.qkv_proj = Linear(config.hidden_size, self.q_size + n_kv * self.kv_size)
         self.o_proj = Linear(self.q_size, config.hidden_size)
         eps = config.rms_norm_eps
@@ -173,12 +174,12 @@ class Gemma4DecoderLayer(nn.Module):
     """Gemma 2's sandwich-norm block (with MoE: the dense MLP's and the experts' outputs each
     normed, summed, then post-normed), then the PLE gate (when configured), times ``layer_scalar``."""
 
-    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+    def __init__(self, config: ModelConfig, layer_idx: int, kv_quant: KVQuant | None = None) -> None:
         super().__init__()
         g, h, eps = config.gemma4, config.hidden_size, config.rms_norm_eps
         self.layer_type = config.layer_type(layer_idx)
         self.input_layernorm = Gemma4RMSNorm(h, eps)
-        self.self_attn = Gemma4Attention(config, layer_idx)
+        self.self_attn = Gemma4Attention(config, layer_idx, kv_quant)
         self.post_attention_layernorm = Gemma4RMSNorm(h, eps)
         self.pre_feedforward_layernorm = Gemma4RMSNorm(h, eps)
         self.mlp = Gemma4MLP(h, g.mlp_size(config.intermediate_size, self.self_attn.shared))
@@ -215,12 +216,14 @@ class Gemma4DecoderLayer(nn.Module):
 
 
 class Gemma4Model(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, kv_quants: LayerKVQuants | None = None) -> None:
         super().__init__()
         g, h, n = config.gemma4, config.hidden_size, config.num_layers
         self.embed_tokens = Embedding(config.vocab_size, h)
         self.embed_scale = h**0.5
-        self.layers = nn.ModuleList(Gemma4DecoderLayer(config, i) for i in range(n))
+        quants = kv_quants or {}  # layer name → its cache's KVQuant
+        self.layers = nn.ModuleList(Gemma4DecoderLayer(config, i, quants.get(config.layer_name(i)))
+                                    for i in range(n))
         self.norm = Gemma4RMSNorm(h, config.rms_norm_eps)
         self.ple = g.hidden_size_per_layer_input
         if self.ple:
@@ -274,7 +277,7 @@ class Gemma4ForCausalLM(Gemma2ForCausalLM):
     weights, which released checkpoints may carry, are skipped as transformers does.
     """
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, kv_quants: LayerKVQuants | None = None) -> None:
         if config.gemma4 is None:
             raise ValueError("Gemma4ForCausalLM needs a Gemma 4 config (config.gemma4)")
         g = config.gemma4
@@ -285,7 +288,7 @@ class Gemma4ForCausalLM(Gemma2ForCausalLM):
             raise NotImplementedError("Gemma 4 attention_bias=True is not supported")
         nn.Module.__init__(self)
         self.config = config
-        self.model = Gemma4Model(config)
+        self.model = Gemma4Model(config, kv_quants)
         tied = config.tie_word_embeddings
         self.lm_head = self.model.embed_tokens if tied else Embedding(config.vocab_size, config.hidden_size)
 

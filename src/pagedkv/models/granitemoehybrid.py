@@ -25,6 +25,7 @@ from pagedkv.models.bamba import BambaAttention, BambaForCausalLM, BambaMixer
 from pagedkv.models.config import ModelConfig
 from pagedkv.models.layers import Embedding, Linear, RMSNorm, RotaryEmbedding, SiluAndMul, _param
 from pagedkv.models.llama import KVCache
+from pagedkv.ops.kv_quant import KVQuant, LayerKVQuants
 from pagedkv.ops.metadata import AttentionMetadata
 
 
@@ -70,7 +71,7 @@ class GraniteMoeHybridMoE(nn.Module):
 
 
 class GraniteMoeHybridDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+    def __init__(self, config: ModelConfig, layer_idx: int, kv_quant: KVQuant | None = None) -> None:
         super().__init__()
         g = config.granite
         assert g is not None and config.mamba is not None
@@ -81,7 +82,8 @@ class GraniteMoeHybridDecoderLayer(nn.Module):
         if self.is_mamba:
             self.mamba = BambaMixer(config, name)
         else:
-            self.self_attn = BambaAttention(config, name, scale=g.attention_multiplier, rope=g.rope)
+            self.self_attn = BambaAttention(config, name, scale=g.attention_multiplier, rope=g.rope,
+                                            kv_quant=kv_quant)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.shared_mlp = GraniteMoeHybridMLP(config.hidden_size, g.shared_intermediate_size)
         self.block_sparse_moe = (GraniteMoeHybridMoE(config.hidden_size, config.intermediate_size,
@@ -101,13 +103,15 @@ class GraniteMoeHybridDecoderLayer(nn.Module):
 
 
 class GraniteMoeHybridModel(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, kv_quants: LayerKVQuants | None = None) -> None:
         super().__init__()
         g, m = config.granite, config.mamba
         assert g is not None and m is not None
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
         self.embedding_multiplier = g.embedding_multiplier
-        self.layers = nn.ModuleList(GraniteMoeHybridDecoderLayer(config, i) for i in range(config.num_layers))
+        quants = kv_quants or {}  # layer name → its cache's KVQuant
+        self.layers = nn.ModuleList(GraniteMoeHybridDecoderLayer(config, i, quants.get(config.layer_name(i)))
+                                    for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(int(config.head_dim * m.partial_rotary_factor), config.max_position_embeddings,
                                           config.rope_theta, config.rope_scaling) if g.rope else None
@@ -126,12 +130,12 @@ class GraniteMoeHybridForCausalLM(BambaForCausalLM):
     """GraniteMoeHybrid over a paged KV cache (Bamba's interface and weight loading);
     ``compute_logits`` divides by ``logits_scaling``."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, kv_quants: LayerKVQuants | None = None) -> None:
         nn.Module.__init__(self)
         if config.mamba is None or config.granite is None:
             raise ValueError("a GraniteMoeHybrid model needs config.mamba and config.granite")
         self.config = config
-        self.model = GraniteMoeHybridModel(config)
+        self.model = GraniteMoeHybridModel(config, kv_quants)
         tied = config.tie_word_embeddings
         self.lm_head = self.model.embed_tokens if tied else Embedding(config.vocab_size, config.hidden_size)
 

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedkv.ops import dense_linear, native
+from pagedkv.ops.step_description import LinearDesc
 
 # At most this many rows (tokens) go through the native quantized GEMV; more rows reuse each
 # weight enough that BLAS on the dense copy wins (measured: benchmarks/bench_native.py). The
@@ -90,6 +91,10 @@ class Linear(QuantizedRows, nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.project(x, self.bias)
+
+    def step_description(self) -> LinearDesc:
+        """This layer for the native decode step: its own weight, bias and ggml segments."""
+        return LinearDesc(self.weight, self.bias, self.qsegments or (), self.qkquant)
 
 
 class Embedding(QuantizedRows, nn.Module):

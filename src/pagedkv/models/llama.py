@@ -32,9 +32,10 @@ from pagedkv.models.layers import (
 from pagedkv.ops import native_step
 from pagedkv.ops.attention import paged_attention
 from pagedkv.ops.cache import reshape_and_cache
-from pagedkv.ops.kv_quant import KVQuant
+from pagedkv.ops.kv_quant import KVQuant, LayerKVQuants
 from pagedkv.ops.forward_context import save_kv_layer, wait_for_kv_layer_load
 from pagedkv.ops.metadata import AttentionMetadata
+from pagedkv.ops.step_description import DecoderLayerDesc, DecoderStackDesc
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -42,7 +43,8 @@ KVCache = tuple[torch.Tensor, torch.Tensor]
 class LlamaAttention(nn.Module):
     """GQA self-attention: fused qkv, rope on q/k, paged cache write + read, output projection."""
 
-    def __init__(self, config: ModelConfig, sliding_window: int | None, layer_name: str = "") -> None:
+    def __init__(self, config: ModelConfig, sliding_window: int | None, layer_name: str = "",
+                 kv_quant: KVQuant | None = None) -> None:
         super().__init__()
         self.layer_name = layer_name  # the KV cache groups' name for it (KV connector hooks)
         self.num_heads = config.num_attention_heads
@@ -52,7 +54,7 @@ class LlamaAttention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim**-0.5
         self.sliding_window = sliding_window
-        self.kv_quant: KVQuant | None = None  # set by the runner for a quantized/rotated cache
+        self.kv_quant = kv_quant  # its cache's quantized/rotated format, given when built (None: plain)
         self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
         self.o_proj = Linear(self.q_size, config.hidden_size)
 
@@ -96,11 +98,11 @@ class LlamaMLP(SwiGLUMLP):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+    def __init__(self, config: ModelConfig, layer_idx: int, kv_quant: KVQuant | None = None) -> None:
         super().__init__()
         window = config.sliding_window if config.layer_type(layer_idx) == SLIDING_ATTENTION else None
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config, window, config.layer_name(layer_idx))
+        self.self_attn = LlamaAttention(config, window, config.layer_name(layer_idx), kv_quant)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config)
 
@@ -122,12 +124,25 @@ class LlamaDecoderLayer(nn.Module):
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
+    def step_description(self) -> DecoderLayerDesc:
+        """This layer for the native decode step (``ops/step_description.py``)."""
+        attn, mlp = self.self_attn, self.mlp
+        n1, n2 = self.input_layernorm, self.post_attention_layernorm
+        return DecoderLayerDesc(
+            input_norm=n1.weight, input_eps=n1.eps, post_norm=n2.weight, post_eps=n2.eps,
+            qkv=attn.qkv_proj.step_description(), o=attn.o_proj.step_description(),
+            gate_up=mlp.gate_up_proj.step_description(), down=mlp.down_proj.step_description(),
+            num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim,
+            scale=attn.scale, sliding_window=attn.sliding_window, kv_quant=attn.kv_quant)
+
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, kv_quants: LayerKVQuants | None = None) -> None:
         super().__init__()
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_layers))
+        quants = kv_quants or {}  # layer name → its cache's KVQuant
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, quants.get(config.layer_name(i)))
+                                    for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(
             config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
@@ -152,6 +167,14 @@ class LlamaModel(nn.Module):
         x, _ = self.norm(x, residual)
         return x
 
+    def native_step_description(self) -> DecoderStackDesc:
+        """The stack for the native decode step (``ops.step_description.NativeStepModel``): the
+        model's own tensors, read by ``native_step.decode_step`` in ``forward``."""
+        return DecoderStackDesc(
+            embed=self.embed_tokens.weight, rope_cos_sin=self.rotary_emb.cos_sin_cache,
+            layers=[layer.step_description() for layer in self.layers],
+            final_norm=self.norm.weight, final_eps=self.norm.eps)
+
 
 class LlamaForCausalLM(nn.Module):
     """A Llama-family causal LM over a paged KV cache.
@@ -162,6 +185,10 @@ class LlamaForCausalLM(nn.Module):
     ``kv_caches[i] = (key_cache, value_cache)`` of layer ``i``, each
     ``[num_blocks, block_size, num_kv_heads, head_dim]``; ``compute_logits(hidden [N, hidden])``
     returns float32 ``[N, vocab]``. Both run under ``torch.inference_mode``.
+
+    ``kv_quants`` (every model class takes it): the quantized/rotated format of each attention
+    layer's cache by layer name (``ops.kv_quant.LayerKVQuants``; absent: a plain cache), which
+    the layer keeps for its cache writes and reads. The engine builds it from the KV cache specs.
     """
 
     # (fused parameter, checkpoint parameter, shard id) as in vLLM's stacked_params_mapping.
@@ -173,10 +200,10 @@ class LlamaForCausalLM(nn.Module):
         (".gate_up_proj.", ".up_proj.", 1),
     )
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, kv_quants: LayerKVQuants | None = None) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config)
+        self.model = LlamaModel(config, kv_quants)
         tied = config.tie_word_embeddings
         self.lm_head = self.model.embed_tokens if tied else Embedding(config.vocab_size, config.hidden_size)
 

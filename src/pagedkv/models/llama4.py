@@ -31,7 +31,7 @@ from pagedkv.models.llama import KVCache, LlamaForCausalLM, SwiGLUMLP
 from pagedkv.ops.attention import paged_attention
 from pagedkv.ops.cache import reshape_and_cache
 from pagedkv.ops.forward_context import save_kv_layer, wait_for_kv_layer_load
-from pagedkv.ops.kv_quant import KVQuant
+from pagedkv.ops.kv_quant import KVQuant, LayerKVQuants
 from pagedkv.ops.metadata import AttentionMetadata
 
 
@@ -80,7 +80,7 @@ class Llama4Attention(nn.Module):
     """GQA self-attention: chunked local with RoPE and L2 q/k norm, or NoPE global with the
     attention temperature on q; paged cache write + read."""
 
-    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+    def __init__(self, config: ModelConfig, layer_idx: int, kv_quant: KVQuant | None = None) -> None:
         super().__init__()
         p = llama4_params(config)
         self.layer_name = config.layer_name(layer_idx)
@@ -96,7 +96,7 @@ class Llama4Attention(nn.Module):
         self.temperature = (p.floor_scale, p.attn_scale) if (p.attn_temperature_tuning and not self.use_rope) else None
         chunked = config.layer_type(layer_idx) == CHUNKED_ATTENTION
         self.attention_chunk_size = config.attention_chunk_size if chunked else None
-        self.kv_quant: KVQuant | None = None  # set by the runner for a quantized/rotated cache
+        self.kv_quant = kv_quant  # its cache's quantized/rotated format, given when built (None: plain)
         self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
         self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.attention_bias)
 
@@ -164,11 +164,11 @@ class Llama4MoE(nn.Module):
 
 
 class Llama4DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+    def __init__(self, config: ModelConfig, layer_idx: int, kv_quant: KVQuant | None = None) -> None:
         super().__init__()
         p = llama4_params(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Llama4Attention(config, layer_idx)
+        self.self_attn = Llama4Attention(config, layer_idx, kv_quant)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.feed_forward: nn.Module = (Llama4MoE(config, p) if layer_idx in p.moe_layers
                                         else Llama4MLP(config.hidden_size, p.intermediate_size_mlp))
@@ -187,10 +187,12 @@ class Llama4DecoderLayer(nn.Module):
 
 
 class Llama4Model(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, kv_quants: LayerKVQuants | None = None) -> None:
         super().__init__()
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(Llama4DecoderLayer(config, i) for i in range(config.num_layers))
+        quants = kv_quants or {}  # layer name → its cache's KVQuant
+        self.layers = nn.ModuleList(Llama4DecoderLayer(config, i, quants.get(config.layer_name(i)))
+                                    for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = Llama4Rotary(config)
 
@@ -211,9 +213,9 @@ class Llama4ForCausalLM(LlamaForCausalLM):
     (its ``load_weights`` fuses q/k/v and the gate/up of dense layers and shared experts; the
     experts' ``[E, ...]`` tensors and the router load as they are)."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, kv_quants: LayerKVQuants | None = None) -> None:
         nn.Module.__init__(self)  # not LlamaForCausalLM.__init__: a different body
         self.config = config
-        self.model = Llama4Model(config)
+        self.model = Llama4Model(config, kv_quants)
         tied = config.tie_word_embeddings
         self.lm_head = self.model.embed_tokens if tied else Embedding(config.vocab_size, config.hidden_size)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 import dataclasses
 from dataclasses import dataclass
@@ -23,6 +23,11 @@ from pagedkv.models.hf_loader import is_hf_dir, iter_safetensors_weights
 from pagedkv.models.registry import CausalLM, get_model_class
 from pagedkv.models.tokenizer import Tokenizer
 from pagedkv.ops import native
+from pagedkv.ops.kv_quant import LayerKVQuants
+
+# Given the checkpoint's config and the resolved dtype, the KV formats of the model's attention
+# layers (the engine's: from the KV cache specs it will allocate).
+KVQuantsFor = Callable[[ModelConfig, torch.dtype], LayerKVQuants]
 
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
@@ -100,10 +105,13 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 
 def get_model(
-    model: str | Path | None = None, dtype: torch.dtype | str = torch.float32, device: str | torch.device = "cpu"
+    model: str | Path | None = None, dtype: torch.dtype | str = torch.float32, device: str | torch.device = "cpu",
+    kv_quants: KVQuantsFor | None = None,
 ) -> LoadedModel:
     """Load weights, config and tokenizer. Raises ``ValueError`` if the checkpoint leaves any
-    parameter unwritten (or has one the model lacks), so a half-loaded model never runs."""
+    parameter unwritten (or has one the model lacks), so a half-loaded model never runs.
+    ``kv_quants``: called with the config and dtype before the model is built, it gives the
+    quantized/rotated KV formats its attention layers are built with (None: plain caches)."""
     start = time.perf_counter()
     path = resolve_model_path(model)
     config = load_model_config(path)
@@ -119,8 +127,9 @@ def get_model(
         weights = _split_kv_scales(iter_safetensors_weights(path), kv_scales := {})
     else:
         raise FileNotFoundError(f"{path}: no *.safetensors weights")
+    layer_quants = kv_quants(config, torch_dtype) if kv_quants is not None else None
     with _default_dtype(torch_dtype), torch.device(device):
-        net = get_model_class(config.architecture)(config)
+        net = get_model_class(config.architecture)(config, kv_quants=layer_quants)
     missing = net.param_names() - net.load_weights(weights)
     if missing:
         raise ValueError(f"{path}: checkpoint did not provide {sorted(missing)[:8]} ({len(missing)} missing)")

@@ -19,14 +19,15 @@ from pagedkv.models.config import ModelConfig
 from pagedkv.models.deci_config import ATTENTION, MLP, NO_OP
 from pagedkv.models.layers import Embedding, Linear, RMSNorm, RotaryEmbedding
 from pagedkv.models.llama import KVCache, LlamaAttention, LlamaForCausalLM, LlamaModel, SwiGLUMLP
+from pagedkv.ops.kv_quant import KVQuant, LayerKVQuants
 from pagedkv.ops.metadata import AttentionMetadata
 
 
 class DeciAttention(LlamaAttention):
     """Llama attention with layer ``i``'s own KV head count."""
 
-    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
-        super().__init__(config, None, config.layer_name(layer_idx))
+    def __init__(self, config: ModelConfig, layer_idx: int, kv_quant: KVQuant | None = None) -> None:
+        super().__init__(config, None, config.layer_name(layer_idx), kv_quant)
         self.num_kv_heads = config.layer_kv_heads(layer_idx)
         self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size)
@@ -59,14 +60,14 @@ class DeciDecoderLayer(nn.Module):
     """A pre-norm Llama block whose sub-blocks may be absent (no-op: neither it nor its norm
     exists, the stream passes through) or linear."""
 
-    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+    def __init__(self, config: ModelConfig, layer_idx: int, kv_quant: KVQuant | None = None) -> None:
         super().__init__()
         g, h, eps = config.deci, config.hidden_size, config.rms_norm_eps
         self.has_attn, self.has_ffn = g.attention[layer_idx] != NO_OP, g.ffn[layer_idx] != NO_OP
         if self.has_attn:
             self.input_layernorm = RMSNorm(h, eps)
             linear = g.attention[layer_idx] != ATTENTION
-            self.self_attn = LinearAttention(h) if linear else DeciAttention(config, layer_idx)
+            self.self_attn = LinearAttention(h) if linear else DeciAttention(config, layer_idx, kv_quant)
         if self.has_ffn:
             self.post_attention_layernorm = RMSNorm(h, eps)
             self.mlp = SwiGLUMLP(h, g.intermediate_sizes[layer_idx]) if g.ffn[layer_idx] == MLP else LinearMLP(h)
@@ -98,10 +99,12 @@ def _add_norm(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None) -> 
 class DeciModel(LlamaModel):
     """Llama's model (embedding, shared RoPE table, final norm, forward loop) over Deci layers."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, kv_quants: LayerKVQuants | None = None) -> None:
         nn.Module.__init__(self)
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DeciDecoderLayer(config, i) for i in range(config.num_layers))
+        quants = kv_quants or {}  # layer name → its cache's KVQuant
+        self.layers = nn.ModuleList(DeciDecoderLayer(config, i, quants.get(config.layer_name(i)))
+                                    for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(
             config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
@@ -111,14 +114,14 @@ class DeciModel(LlamaModel):
 class DeciLMForCausalLM(LlamaForCausalLM):
     """A DeciLM causal LM over a paged KV cache; same interface as ``LlamaForCausalLM``."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, kv_quants: LayerKVQuants | None = None) -> None:
         if config.deci is None:
             raise ValueError("DeciLMForCausalLM needs a nemotron-nas config (config.deci)")
         if not any(a == ATTENTION for a in config.deci.attention):
             raise ValueError("nemotron-nas: a model without any attention layer has no KV cache to page")
         nn.Module.__init__(self)
         self.config = config
-        self.model = DeciModel(config)
+        self.model = DeciModel(config, kv_quants)
         tied = config.tie_word_embeddings
         self.lm_head = self.model.embed_tokens if tied else Embedding(config.vocab_size, config.hidden_size)
 

@@ -10,7 +10,7 @@ cache dtype.
 How it runs (CPU-first, vectorised; no per-token Python loop):
 
 * **Native decode** (float32/bf16/fp16 or quantized KV, no softcap, automatic splits): every decode row goes through
-  ``ops/csrc/cpu_kernels.c`` (:func:`pagedkv.ops.native.paged_decode`), which walks each row's
+  ``ops/csrc/paged_decode.c`` (:func:`pagedkv.ops.native.paged_decode`), which walks each row's
   block table and reads K/V in place with an online softmax (a task per row, or per (row, KV
   head) when rows are few); the rows' tensors are built once per step (``md.rows()``).
   Quantized caches (``kv_quant``) are read as codes, their scales folded into the scores and

@@ -33,6 +33,7 @@ Rotation spreads a few outlier channels over the whole head, which is what INT4 
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -284,3 +285,9 @@ def hadamard_rotation(d: int) -> torch.Tensor:
     signs = torch.where(torch.rand(d, generator=gen, dtype=torch.float64) < 0.5, -1.0, 1.0)
     r = torch.block_diag(*[h] * (d // b)) / b ** 0.5
     return (r * signs).float()  # R·x = H·(D·x): column j scaled by sign j
+
+
+# Layer name → the KVQuant of its cache (absent: a plain cache). The engine builds it from the KV
+# cache specs (engine/model_runner.py: layer_kv_quants) and hands it to the model class, whose
+# attention layers each receive theirs when they are built.
+LayerKVQuants = Mapping[str, KVQuant]

@@ -1,10 +1,14 @@
-"""The native CPU kernels (``ops/csrc/cpu_kernels.c``): built at first use, called via ctypes.
+"""The native CPU kernels (``ops/csrc/``): built at first use, called via ctypes.
 
-The C file has no Python or torch headers, so ``cc -O3 -march=native -fopenmp`` builds it in
-about a second. The library lands in ``$PAGEDKV_CACHE_DIR/native`` (default
-``~/.cache/pagedkv/native``) under a name hashing the source, the flags and this CPU's flags,
-so an edit or another machine gets a fresh build and concurrent builders never see a partial
-file (write to a temp name, then ``os.replace``).
+``csrc/`` holds one file per idea (ISA header, ggml blocks, quantized GEMV, KV formats, decode
+attention, the layer step); ``cpu_kernels.c`` #includes them all, and it alone is compiled: one
+translation unit (a unity build), so the parts inline each other's static helpers exactly as
+when they were one file, and the build stays one ``cc`` call. No Python or torch headers, so
+``cc -O3 -march=native -fopenmp`` builds it in seconds. The library lands in
+``$PAGEDKV_CACHE_DIR/native`` (default ``~/.cache/pagedkv/native``) under a name hashing every
+source and header, the flags and this CPU's flags, so an edit (to any part) or another machine
+gets a fresh build and concurrent builders never see a partial file (write to a temp name, then
+``os.replace``).
 
 No compiler, a failed build, or ``PAGEDKV_NATIVE=0`` → :func:`lib` returns ``None`` (one
 warning) and callers keep their pure-torch path: the kernels make things faster, never
@@ -32,6 +36,7 @@ from pagedkv.ops.kv_quant import KVQuant
 
 log = logging.getLogger(__name__)
 
+# The unity file: it #includes every other part of csrc/ (see its header), the only one compiled.
 SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.c"
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC", "-std=c11"]
 # ggml tensor type ids the GEMV kernel reads (gguf.GGMLQuantizationType values): the simple
@@ -75,8 +80,20 @@ def cpu_has_half_matmul(dtype: torch.dtype) -> bool:
     return flags is None or not words or bool(words & flags)
 
 
+def sources() -> list[Path]:
+    """Every file the build reads: :data:`SOURCE` and the parts and headers it includes (all of
+    ``csrc/*.c`` and ``csrc/*.h``), in name order."""
+    return sorted(p for p in SOURCE.parent.iterdir() if p.suffix in (".c", ".h"))
+
+
+def _sources_digest() -> bytes:
+    """The build's source text for the cache key: each file's name and bytes (a rename, an
+    edit or a new header all give a new key)."""
+    return b"".join(p.name.encode() + b"\0" + p.read_bytes() + b"\0" for p in sources())
+
+
 def _build(cc: str, flags: list[str]) -> Path:
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join([cc, *flags]).encode() + _cpu_flags().encode())
+    key = hashlib.sha256(_sources_digest() + " ".join([cc, *flags]).encode() + _cpu_flags().encode())
     out = cache_dir() / f"cpu_kernels-{key.hexdigest()[:16]}.so"
     if out.exists():
         return out

@@ -2,7 +2,7 @@
 
 At batch 1 a decode step of a 30-layer model is ~300 small torch ops and ctypes calls (norms,
 RoPE, cache writes, SiLU, residual adds, one GEMV per projection), costing as much as the GEMVs
-themselves. ``pkv_decode_layers`` (``ops/csrc/cpu_kernels.c``) runs the whole layer stack of a
+themselves. ``pkv_decode_layers`` (``ops/csrc/layer_step.c``) runs the whole layer stack of a
 plain Llama-family model (Llama, Mistral, Qwen2) for up to :data:`MAX_ROWS` decode rows in one
 call: RMSNorm, fused qkv GEMV (+ bias), RoPE, the K/V write at the slot mapping, paged decode
 attention over the same block tables, o_proj, residual, RMSNorm, gate_up fused with SiLU*mul,
@@ -13,7 +13,7 @@ torch does, norms and SiLU differ by summation order / an ulp of exp.
 The kernel reads a table of pointers (a ``pkv_model`` of ``pkv_layer`` entries, mirrored here
 with ctypes) built once per model: weights never move after loading, and the cache views never
 move after allocation (a new ``kv_caches`` list is noticed and the table re-pointed; the
-layers' ``kv_quant`` is read then too, as the runner sets it when it allocates). A step then
+layers' ``kv_quant`` is read then too, from a fresh description). A step then
 costs one ctypes call (the embedding lookup is in C too) and ~10 us of Python (~100 us when the
 step's weights have just pushed it out of the CPU caches). One table per model: one thread
 runs a model's forward passes (as the forward context assumes).
@@ -29,8 +29,9 @@ step computes in float32 (the GEMVs already do: float32 math on the exact file w
 keeps float32 copies of the small dense parts (embedding, norms, biases, the RoPE table); its
 hidden states are rounded once to the model dtype at the end, where the per-op path rounds
 after every op. Steps above a K-quant projection's row limit (where the per-op path would use
-the dense rows) are left to the per-op path. It reads the model's modules by attribute
-(``layers``, ``self_attn.qkv_proj``, ...) and imports nothing from ``models``.
+the dense rows) are left to the per-op path. The model describes its layers to it
+(:class:`~pagedkv.ops.step_description.NativeStepModel`: weights, norms, RoPE table, attention
+geometry, each layer's ``kv_quant``); the step imports nothing from ``models``.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ import torch
 from pagedkv import envs
 from pagedkv.ops import forward_context, native
 from pagedkv.ops.metadata import AttentionMetadata
+from pagedkv.ops.step_description import DecoderStackDesc, LinearDesc, NativeStepModel
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +57,7 @@ MAX_SEGS = 8  # STEP_MAX_SEGS: runs of one ggml type per fused projection
 _i64, _i32, _ptr = ctypes.c_int64, ctypes.c_int32, ctypes.c_void_p
 
 
+# Mirrors of the structs in ops/csrc/layer_step.h (_build checks pkv_step_struct_size).
 class _Segment(ctypes.Structure):
     _fields_ = [("start", _i64), ("end", _i64), ("w", _ptr), ("row_stride", _i64), ("qtype", _i32), ("pad_", _i32)]
 
@@ -87,7 +90,6 @@ class NativeStep:
     so: ctypes.CDLL
     table: _Model
     layers: Any  # ctypes array of _Layer
-    attns: list[Any]  # the attention modules (their kv_quant is read when the cache changes)
     limits: tuple[int, int]  # (max_rows, kquant_rows) the linears were built for
     keep: list[torch.Tensor] = field(default_factory=list)
     addr: int = 0  # ctypes.addressof(table)
@@ -147,21 +149,21 @@ def _as_f32(t: torch.Tensor | None, keep: list[torch.Tensor]) -> torch.Tensor | 
     return out
 
 
-def _linear(mod: Any, max_rows: int, kquant_rows: int, keep: list[torch.Tensor]) -> _Linear | None:
-    """The kernel's view of a Linear (float32 rows, plus its ggml segments when it has them)."""
-    w = mod.weight
+def _linear(desc: LinearDesc, max_rows: int, kquant_rows: int, keep: list[torch.Tensor]) -> _Linear | None:
+    """The kernel's view of a linear (float32 rows, plus its ggml segments when it has them)."""
+    w = desc.weight
     half = w.dtype in _HALF  # no float32 rows: every row must be in ggml segments
     if w.dim() != 2 or not (half or w.dtype == torch.float32) or w.device.type != "cpu" or w.stride(1) != 1:
         return None
     lin = _Linear(N=w.shape[0], K=w.shape[1], dense=0 if half else w.data_ptr(), ldw=w.stride(0))
     keep.append(w)
-    bias = getattr(mod, "bias", None)
+    bias = desc.bias
     if bias is not None:
         bias = _as_f32(bias, keep)
         if bias is None or bias.shape != (w.shape[0],):
             return None
         lin.bias = bias.data_ptr()
-    segs = getattr(mod, "qsegments", None) or []
+    segs = list(desc.segments)
     if len(segs) > MAX_SEGS:
         segs = []  # more type runs than the table holds: the float32 rows
     end = 0
@@ -176,42 +178,40 @@ def _linear(mod: Any, max_rows: int, kquant_rows: int, keep: list[torch.Tensor])
     if (segs and end != w.shape[0]) or (half and not segs):
         return None
     lin.nseg = len(segs)
-    lin.max_rows = kquant_rows if getattr(mod, "qkquant", False) else max_rows
+    lin.max_rows = kquant_rows if desc.kquant else max_rows
     return lin
 
 
-def _build(so: ctypes.CDLL, model: Any, limits: tuple[int, int]) -> NativeStep | None:
+def _build(so: ctypes.CDLL, desc: DecoderStackDesc, limits: tuple[int, int]) -> NativeStep | None:
     """The weight half of the tables, or None if some part is not one the kernel runs."""
     sizes = [so.pkv_step_struct_size(i) for i in range(4)]
     if sizes != [ctypes.sizeof(c) for c in (_Segment, _Linear, _Layer, _Model)]:
         log.warning("native step disabled: struct layout mismatch %s", sizes)
         return None
-    layers = list(model.layers)
-    norm = model.norm
-    out_dtype = model.embed_tokens.weight.dtype
+    layers = desc.layers
+    out_dtype = desc.embed.dtype
     keep: list[torch.Tensor] = []
-    embed, rope = _as_f32(model.embed_tokens.weight, keep), _as_f32(model.rotary_emb.cos_sin_cache, keep)
-    final_norm = _as_f32(norm.weight, keep)
+    embed, rope = _as_f32(desc.embed, keep), _as_f32(desc.rope_cos_sin, keep)
+    final_norm = _as_f32(desc.final_norm, keep)
     if not layers or embed is None or rope is None or final_norm is None or out_dtype not in (torch.float32, *_HALF):
         return None
-    a0 = layers[0].self_attn
+    a0 = layers[0]
     hq, hkv, d = a0.num_heads, a0.num_kv_heads, a0.head_dim
     if d % 2 or rope.shape[1] != d or hkv <= 0 or hq % hkv:
         return None
     arr = (_Layer * len(layers))()
     for i, layer in enumerate(layers):
-        attn, mlp, n1, n2 = layer.self_attn, layer.mlp, layer.input_layernorm, layer.post_attention_layernorm
-        w1, w2 = _as_f32(n1.weight, keep), _as_f32(n2.weight, keep)
-        if ((attn.num_heads, attn.num_kv_heads, attn.head_dim) != (hq, hkv, d) or attn.scale != a0.scale
-                or {n1.eps, n2.eps} != {norm.eps} or w1 is None or w2 is None):
+        w1, w2 = _as_f32(layer.input_norm, keep), _as_f32(layer.post_norm, keep)
+        if ((layer.num_heads, layer.num_kv_heads, layer.head_dim) != (hq, hkv, d) or layer.scale != a0.scale
+                or {layer.input_eps, layer.post_eps} != {desc.final_eps} or w1 is None or w2 is None):
             return None
-        lins = [_linear(m, *limits, keep) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+        lins = [_linear(x, *limits, keep) for x in (layer.qkv, layer.o, layer.gate_up, layer.down)]
         if any(x is None for x in lins):
             return None
         e = arr[i]
         e.input_norm, e.post_norm = w1.data_ptr(), w2.data_ptr()
         e.qkv, e.o, e.gate_up, e.down = lins
-        e.window = attn.sliding_window or 0
+        e.window = layer.sliding_window or 0
     qkv, gu = arr[0].qkv, arr[0].gate_up
     hidden, inter = embed.shape[1], gu.N // 2
     if qkv.N != (hq + 2 * hkv) * d or qkv.K != hidden or gu.K != hidden or gu.N % 2 or final_norm.shape[0] != hidden:
@@ -221,20 +221,20 @@ def _build(so: ctypes.CDLL, model: Any, limits: tuple[int, int]) -> NativeStep |
     table = _Model(num_layers=len(layers), hidden=hidden, num_heads=hq, num_kv_heads=hkv, head_dim=d,
                    intermediate=inter, max_pos=rope.shape[0], rope=rope.data_ptr(), vocab=embed.shape[0],
                    embed=embed.data_ptr(), final_norm=final_norm.data_ptr(), layers=ctypes.addressof(arr),
-                   eps=norm.eps, scale=a0.scale)
+                   eps=desc.final_eps, scale=a0.scale)
     # Without float32 rows a projection must stay on its segments: no step above its row limit.
     row_cap = min([MAX_ROWS] + [lin.max_rows for e in arr for lin in (e.qkv, e.o, e.gate_up, e.down) if not lin.dense])
-    return NativeStep(so, table, arr, [layer.self_attn for layer in layers], limits, keep, ctypes.addressof(table),
-                      row_cap=row_cap, out_dtype=out_dtype)
+    return NativeStep(so, table, arr, limits, keep, ctypes.addressof(table), row_cap=row_cap, out_dtype=out_dtype)
 
 
-def _point_at_caches(plan: NativeStep, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+def _point_at_caches(plan: NativeStep, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                     desc: DecoderStackDesc) -> None:
     """Point the tables at ``kv_caches`` (``plan.kv_ok``: whether the kernel can run over them:
-    unquantized float32/bfloat16/float16 caches of the model's shape, and no layer with a
-    quantized or rotated cache format)."""
+    unquantized float32/bfloat16/float16 caches of the model's shape, and no layer of ``desc``
+    with a quantized or rotated cache format)."""
     t = plan.table
     plan.kv_list, plan.kv_ok = kv_caches, False
-    if len(kv_caches) != t.num_layers or any(a.kv_quant is not None for a in plan.attns):
+    if len(kv_caches) != t.num_layers or any(layer.kv_quant is not None for layer in desc.layers):
         return
     shape = None
     for e, (k, v) in zip(plan.layers, kv_caches):
@@ -253,27 +253,29 @@ def _point_at_caches(plan: NativeStep, kv_caches: list[tuple[torch.Tensor, torch
     plan.kv_ok = True
 
 
-def plan_for(model: Any, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], max_rows: int = MAX_ROWS,
-             kquant_rows: int = MAX_ROWS) -> NativeStep | None:
+def plan_for(model: NativeStepModel, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+             max_rows: int = MAX_ROWS, kquant_rows: int = MAX_ROWS) -> NativeStep | None:
     """The model's :class:`NativeStep` pointed at ``kv_caches``, or None when the kernel cannot
-    run this model or cache. The weight tables are built on first use (and again only for
-    another library or other row limits); the cache pointers whenever ``kv_caches`` is another
-    list than last time (the engine allocates a cache, and sets the layers' ``kv_quant``, once,
-    so a step compares one identity)."""
+    run this model or cache. The weight tables are built from the model's description on first
+    use (and again only for another library or other row limits); the cache pointers whenever
+    ``kv_caches`` is another list than last time, reading the layers' ``kv_quant`` from a fresh
+    description (the engine allocates a cache once, so a step compares one identity)."""
     so = native.lib()
     if so is None:
         return None
     limits = (max_rows, kquant_rows)
     key = id(model)
     plan = _PLANS.get(key, False)
+    desc = None
     if plan is False or (plan is not None and (plan.so is not so or plan.limits != limits)):
         if plan is False:
             weakref.finalize(model, _PLANS.pop, key, None)
-        plan = _PLANS[key] = _build(so, model, limits)
+        desc = model.native_step_description()
+        plan = _PLANS[key] = _build(so, desc, limits)
     if plan is None:
         return None
     if kv_caches is not plan.kv_list:
-        _point_at_caches(plan, kv_caches)
+        _point_at_caches(plan, kv_caches, desc or model.native_step_description())
     return plan if plan.kv_ok else None
 
 
@@ -281,10 +283,11 @@ def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t if t.dtype is dtype and t.is_contiguous() else t.to(dtype).contiguous()
 
 
-def decode_step(model: Any, input_ids: torch.Tensor, positions: torch.Tensor,
+def decode_step(model: NativeStepModel, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], md: AttentionMetadata | list[AttentionMetadata],
                 max_rows: int = MAX_ROWS, kquant_rows: int = MAX_ROWS) -> torch.Tensor | None:
-    """``model.forward`` of a plain Llama-family ``LlamaModel`` for a decode-only step of at most
+    """``model.forward`` of a plain Llama-family model (a :class:`NativeStepModel`, in
+    ``models/``: ``LlamaModel``) for a decode-only step of at most
     ``min(max_rows, MAX_ROWS)`` rows in one native call: returns the final-normed hidden states
     ``[T, hidden]`` float32 (and has written the step's K/V into ``kv_caches``), or None, having
     done nothing, where the native step does not apply. ``kquant_rows``: above this many rows
