@@ -70,8 +70,9 @@ class SchedulingPolicy(Generic[R]):
     overrides the hooks; `build_batch` never sets ``num_computed_tokens`` past what is already
     computed: the host does it for the chunks it runs."""
 
-    def __init__(self, kv_cache_manager: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, mamba_block_size: int | None = None) -> None:
+    def __init__(self, kv_cache_manager: KVCacheManager, max_num_seqs: int,
+                 max_num_batched_tokens: int, max_model_len: int,
+                 mamba_block_size: int | None = None) -> None:
         self.kv_cache_manager = kv_cache_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens

@@ -82,8 +82,11 @@ class Scheduler(SchedulingPolicy[Request]):
             kv_cache_config, max_model_len, enable_caching=enable_caching,
             enable_kv_cache_events=enable_kv_cache_events, medium=kv_cache_medium)
         # Block size of a Mamba group that caches checkpoints (see `SchedulingPolicy`).
-        mamba_block_size = next((g.kv_cache_spec.block_size for g in kv_cache_config.kv_cache_groups
-                                 if isinstance(g.kv_cache_spec, MambaSpec)), None) if enable_caching else None
+        mamba_block_size = None
+        if enable_caching:
+            mamba_block_size = next((g.kv_cache_spec.block_size
+                                     for g in kv_cache_config.kv_cache_groups
+                                     if isinstance(g.kv_cache_spec, MambaSpec)), None)
         super().__init__(kv_cache_manager, max_num_seqs, max_num_batched_tokens, max_model_len,
                          mamba_block_size)
         self.connector = connector
@@ -203,8 +206,8 @@ class Scheduler(SchedulingPolicy[Request]):
         ``WAITING_FOR_REMOTE_KVS`` (blocks allocated, not scheduled) until it arrives."""
         if self.connector is not None:
             req.num_computed_tokens = num_hit
-            self.connector.update_state_after_alloc(req, self.kv_cache_manager.get_block_ids(req.request_id),
-                                                    num_ext)
+            block_ids = self.kv_cache_manager.get_block_ids(req.request_id)
+            self.connector.update_state_after_alloc(req, block_ids, num_ext)
         if load_async:
             req.num_computed_tokens = num_hit + num_ext  # provisional, until the KV arrives
             req.status = RequestStatus.WAITING_FOR_REMOTE_KVS

@@ -123,9 +123,10 @@ class HostShare:
 
 
 class Replica(SchedulingPolicy[SimRequest]):
-    """One simulated engine, scheduled by the engine's own `SchedulingPolicy`. The fleet calls `add` on arrival, `schedule` when idle or after a
-    step, `finish_step` at the step's end and `interrupt` when an arrival lands during a decode
-    run. ``index`` (optional) receives this replica's KV events as they happen."""
+    """One simulated engine, scheduled by the engine's own `SchedulingPolicy`. The fleet calls
+    `add` on arrival, `schedule` when idle or after a step, `finish_step` at the step's end and
+    `interrupt` when an arrival lands during a decode run. ``index`` (optional) receives this
+    replica's KV events as they happen."""
 
     def __init__(self, name: str, cfg: ReplicaConfig, cost: CostModel, index: PrefixIndex | None = None,
                  itl: Histogram | None = None, host: HostShare | None = None) -> None:
@@ -194,7 +195,8 @@ class Replica(SchedulingPolicy[SimRequest]):
         self._now = now
         self._load_blocks = 0
         plan = self.build_batch()
-        preempted, admitted, load_blocks = bool(plan.preempted), plan.num_admitted > 0, self._load_blocks
+        preempted, admitted = bool(plan.preempted), plan.num_admitted > 0
+        load_blocks = self._load_blocks
         self.stats.tier_load_blocks += load_blocks
         self._update_load()
         self._drain_events()
@@ -255,7 +257,8 @@ class Replica(SchedulingPolicy[SimRequest]):
     def _run_blocks(self, batch: list[Chunk[SimRequest]], k: int) -> int:
         """New blocks the steps 2..k of a decode run allocate (step 1 already did)."""
         bs, blocks_of = self.cfg.block_size, self._blocks_of
-        return sum(max(0, -(-(s.start + k) // bs) - len(blocks_of[s.request.kv.request_id])) for s in batch)
+        return sum(max(0, -(-(s.start + k) // bs) - len(blocks_of[s.request.kv.request_id]))
+                   for s in batch)
 
     # ---- the policy's hooks (`SchedulingPolicy`): what its decisions do to a `SimRequest` -------
 
