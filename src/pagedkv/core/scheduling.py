@@ -140,11 +140,11 @@ class SchedulingPolicy(Generic[R]):
 
     def _schedule_running(self, batch: Batch[R], budget: int) -> int:
         kv, running, chunks = self.kv_cache_manager, self.running, batch.chunks
-        max_len, mamba_bs = self.max_model_len, self.mamba_block_size
+        max_len, mamba_bs, kv_request = self.max_model_len, self.mamba_block_size, self._kv_request
         i = 0
         while i < len(running) and budget > 0:
             item = running[i]
-            req = self._kv_request(item)
+            req = kv_request(item)
             start = req.num_computed_tokens
             n = min(req.num_tokens - start, budget, max_len - start)
             if mamba_bs is not None:
