@@ -2,7 +2,9 @@
 forward pass, and what the sampled tokens do to each request.
 
 ``schedule() -> SchedulerOutput`` builds one flat batch inside a token budget
-(``max_num_batched_tokens``):
+(``max_num_batched_tokens``). Steps 1 and 2 are `pagedkv.core.scheduling.SchedulingPolicy`,
+the one policy the engine and the fleet simulator (`pagedkv.sim.replica`) share; this class
+supplies what they do to a `Request` (its connector, its metrics) and step 3:
 
 1. RUNNING requests first, in admission order: a decode token, or the next prefill chunk.
    When the pool cannot hold their slots, the most recently admitted running request is
@@ -44,11 +46,11 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections import deque
 from collections.abc import Iterable
 
 from pagedkv.core.kv_cache_manager import KVCacheManager
 from pagedkv.core.request import RequestStatus
+from pagedkv.core.scheduling import Admission, SchedulingPolicy
 from pagedkv.core.specs import KVCacheConfig, MambaSpec
 from pagedkv.engine.request import FINISHED_REASONS, Request
 from pagedkv.kv_transfer.base import KVConnectorBase, KVConnectorOutput
@@ -66,18 +68,27 @@ __all__ = ["Scheduler", "SchedulerOutput", "ScheduledRequest"]  # re-exported fo
 logger = logging.getLogger(__name__)
 
 
-class Scheduler:
+class Scheduler(SchedulingPolicy[Request]):
     """Builds its own `KVCacheManager` from ``kv_cache_config`` (``enable_caching``: prefix
     caching; ``enable_kv_cache_events``; ``kv_cache_medium``: where the blocks live, for KV
-    events). ``connector``: the engine's KV connector, if any."""
+    events). ``connector``: the engine's KV connector, if any. The batch decisions are the
+    shared `SchedulingPolicy`'s (the simulator's replicas run the same code)."""
 
     def __init__(self, kv_cache_config: KVCacheConfig, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, connector: KVConnectorBase | None = None, *,
                  enable_caching: bool = True, enable_kv_cache_events: bool = False,
                  kv_cache_medium: str = "GPU") -> None:
-        self.kv_cache_manager = KVCacheManager(
+        kv_cache_manager = KVCacheManager(
             kv_cache_config, max_model_len, enable_caching=enable_caching,
             enable_kv_cache_events=enable_kv_cache_events, medium=kv_cache_medium)
+        # Block size of a Mamba group that caches checkpoints (see `SchedulingPolicy`).
+        mamba_block_size = None
+        if enable_caching:
+            mamba_block_size = next((g.kv_cache_spec.block_size
+                                     for g in kv_cache_config.kv_cache_groups
+                                     if isinstance(g.kv_cache_spec, MambaSpec)), None)
+        super().__init__(kv_cache_manager, max_num_seqs, max_num_batched_tokens, max_model_len,
+                         mamba_block_size)
         self.connector = connector
         self.kv_load_failure_policy = connector.config.kv_load_failure_policy if connector else "recompute"
         # Requests whose asynchronous load the worker reported done, not yet promoted.
@@ -88,20 +99,11 @@ class Scheduler:
         # (``delay_free``: until ``finished_sending``) and/or "recv" (aborted while its KV was
         # arriving: until ``finished_recving``). Freed when nothing is pending.
         self.delayed_free: dict[str, tuple[Request, set[str]]] = {}
-        self.max_num_seqs = max_num_seqs
-        self.max_num_batched_tokens = max_num_batched_tokens
-        self.max_model_len = max_model_len
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
         self.requests: dict[str, Request] = {}  # every unfinished request, by id
         self.pending_copies: list[tuple[int, int]] = []
         # Finished since the last schedule(): handed to the workers in the next SchedulerOutput.
         self.finished_req_ids: set[str] = set()
         self.num_preemptions = 0
-        # Block size of a Mamba group that caches checkpoints: prefill chunks end on its
-        # boundaries (vLLM's align mode), so a step's last state is a checkpoint.
-        self.mamba_block_size = next((g.kv_cache_spec.block_size for g in kv_cache_config.kv_cache_groups
-                                      if isinstance(g.kv_cache_spec, MambaSpec)), None) if enable_caching else None
 
     # ---- queues -----------------------------------------------------------------------------
 
@@ -140,49 +142,20 @@ class Scheduler:
     # ---- scheduling ---------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
+        """The next step's batch: the shared policy (`SchedulingPolicy.build_batch`) decides,
+        this turns its decision into the workers' `SchedulerOutput`."""
         out = SchedulerOutput(blocks_to_copy=self.pending_copies)
         self.pending_copies = []
         if self.finished_req_ids:
             out.finished_req_ids, self.finished_req_ids = self.finished_req_ids, set()
-        budget = self.max_num_batched_tokens
-        kv = self.kv_cache_manager
-        scheduled: dict[str, tuple[Request, int, int]] = {}  # rid -> (req, start, n)
         if self.connector is not None:
             self.connector.on_schedule_start()
-
-        i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
-            start = req.num_computed_tokens
-            n = self._mamba_block_aligned_split(req, start, min(req.num_tokens - start, budget,
-                                                                self.max_model_len - start))
-            if n <= 0:
-                i += 1
-                continue
-            while kv.allocate_slots(req, n) is None:
-                if len(self.running) == 1 and self.running[0] is req:
-                    # Alone and still no room: its sequence outgrew the whole KV cache.
-                    # Preempting it would loop forever (re-admission needs the same room):
-                    # it ends as if max_model_len were reached.
-                    self._stop_cache_exhausted(req)
-                    out.finished.append(req)
-                    break
-                victim = self.running.pop()  # FCFS: the latest admitted goes first
-                if victim.request_id in scheduled:
-                    budget += scheduled.pop(victim.request_id)[2]
-                self._preempt(victim)
-                out.preempted.append(victim)
-                if victim is req:
-                    break
-            else:
-                scheduled[req.request_id] = (req, start, n)
-                budget -= n
-                i += 1
-
-        if not out.preempted:
-            self._schedule_waiting(scheduled, budget)
-
-        for req, start, n in scheduled.values():
+        batch = self.build_batch()
+        out.preempted = batch.preempted
+        out.finished = batch.stopped
+        kv = self.kv_cache_manager
+        for c in batch.chunks.values():
+            req, start, n = c.request, c.start, c.n
             req.num_computed_tokens = end = start + n
             out.scheduled.append(ScheduledRequest(req, start, n, kv.get_block_ids(req.request_id)))
             out.num_batched_tokens += n
@@ -194,108 +167,60 @@ class Scheduler:
             out.kv_connector_metadata = self.connector.build_connector_meta(out)
         return out
 
-    def _schedule_waiting(self, scheduled: dict[str, tuple[Request, int, int]], budget: int) -> None:
-        kv = self.kv_cache_manager
-        idx = 0
-        no_room = False  # a new request did not fit: only requests holding blocks may still go
-        while idx < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
-            req = self.waiting[idx]
-            rid = req.request_id
-            if req.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
-                if rid not in self.finished_recving_kv_req_ids:
-                    idx += 1  # its KV is still arriving
-                    continue
-                self._promote_remote_kv(req)
-            if rid in self.promoted_req_ids:
-                # Its blocks arrived from a connector: go on from its valid prefix. It already
-                # holds its blocks, so a new request that did not fit never holds it back.
-                computed = req.num_computed_tokens
-                n = min(req.num_tokens - computed, budget)
-                if kv.allocate_slots(req, n) is None:
-                    idx += 1
-                    continue
-                self.promoted_req_ids.discard(rid)
-            elif no_room:
-                idx += 1
-                continue
-            else:
-                admitted = self._admit(req, budget)
-                if admitted is None:
-                    # Strict FCFS: no new request behind it overtakes it for memory; but
-                    # requests whose external KV arrived hold their blocks and may go on
-                    # (else they would hold those blocks for ever).
-                    if not (self.promoted_req_ids or self.finished_recving_kv_req_ids):
-                        break
-                    no_room = True
-                    idx += 1
-                    continue
-                if admitted is False:
-                    idx += 1  # undecided, or parked waiting for remote KV: the next one may go
-                    continue
-                computed, n = admitted
-            del self.waiting[idx]
-            self.running.append(req)
-            req.status = RequestStatus.RUNNING
-            req.num_computed_tokens = computed
-            if req.num_cached_tokens < 0:
-                req.num_cached_tokens = computed
-            if req.metrics.first_scheduled_time is None:
-                req.metrics.first_scheduled_time = time.monotonic()
-            scheduled[rid] = (req, computed, n)
-            budget -= n
+    # ---- the policy's hooks (`SchedulingPolicy`): what its decisions do to a `Request` -----------
 
-    def _admit(self, req: Request, budget: int) -> tuple[int, int] | bool | None:
-        """Prefix lookup, connector query and allocation for a new (or preempted) request.
-        ``(computed, n)``: admitted, to compute ``n`` tokens after ``computed``; None: no room
-        (strict FCFS: no one behind it overtakes it for memory); False: not admitted this step
-        (the connector is undecided, or its KV loads asynchronously: it was parked in
-        ``WAITING_FOR_REMOTE_KVS`` with its blocks allocated)."""
-        kv = self.kv_cache_manager
-        hits, num_hit = kv.get_computed_blocks(req)
-        num_ext, load_async = 0, False
-        if self.connector is not None:
-            ext, load_async = self.connector.get_num_new_matched_tokens(req, num_hit)
-            if ext is None:  # a tier is still answering: leave it waiting, try the next one
-                # (vLLM's skip). Its deferral clock runs only while it is considered, so
-                # waiting for a batch slot later never costs it its tier hits.
-                return False
-            num_ext = ext
-        load_async = load_async and num_ext > 0
-        if not load_async:  # compute at least the last token: its logits give the next one
-            num_ext = max(min(num_ext, req.num_tokens - 1 - num_hit), 0)
-        n = 0 if load_async else self._mamba_block_aligned_split(
-            req, num_hit + num_ext, min(req.num_tokens - num_hit - num_ext, budget))
-        if kv.allocate_slots(req, n, num_hit, hits, num_external_computed_tokens=num_ext,
-                             delay_cache_blocks=load_async, full_sequence_must_fit=True) is None:
+    def _kv_request(self, item: Request) -> Request:
+        return item
+
+    def _resume_holding(self, req: Request, budget: int) -> Admission:
+        """A request whose KV a connector loaded goes on from its valid prefix (it already
+        holds its blocks); one whose load is still in flight waits."""
+        rid = req.request_id
+        if req.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+            if rid not in self.finished_recving_kv_req_ids:
+                return False  # its KV is still arriving
+            self._promote_remote_kv(req)
+        if rid not in self.promoted_req_ids:
             return None
+        computed = req.num_computed_tokens
+        n = min(req.num_tokens - computed, budget)
+        if self.kv_cache_manager.allocate_slots(req, n) is None:
+            return False
+        self.promoted_req_ids.discard(rid)
+        return computed, n
+
+    def _any_holding_waiting(self) -> bool:
+        return bool(self.promoted_req_ids or self.finished_recving_kv_req_ids)
+
+    def _external_tokens(self, req: Request, num_hit: int) -> tuple[int, bool] | None:
+        """The connector's answer (None: a tier is still answering: leave it waiting, try the
+        next one, vLLM's skip; its deferral clock runs only while it is considered, so waiting
+        for a batch slot later never costs it its tier hits)."""
+        if self.connector is None:
+            return 0, False
+        ext, load_async = self.connector.get_num_new_matched_tokens(req, num_hit)
+        return None if ext is None else (ext, load_async)
+
+    def _allocated(self, req: Request, num_hit: int, num_ext: int, load_async: bool) -> bool:
+        """Tell the connector its blocks; an asynchronous load parks the request in
+        ``WAITING_FOR_REMOTE_KVS`` (blocks allocated, not scheduled) until it arrives."""
         if self.connector is not None:
             req.num_computed_tokens = num_hit
-            self.connector.update_state_after_alloc(req, kv.get_block_ids(req.request_id), num_ext)
+            block_ids = self.kv_cache_manager.get_block_ids(req.request_id)
+            self.connector.update_state_after_alloc(req, block_ids, num_ext)
         if load_async:
             req.num_computed_tokens = num_hit + num_ext  # provisional, until the KV arrives
             req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
             return False
-        return num_hit + num_ext, n
+        return True
 
-    def _mamba_block_aligned_split(self, req: Request, num_computed: int, n: int) -> int:
-        """vLLM's ``_mamba_block_aligned_split``: with a Mamba group caching checkpoints, a
-        prefill chunk is cut to end on a block boundary, or on the last boundary before the
-        prompt end (``last_cache_position``) when it would cross it. A chunk that would become
-        empty (a budget below one block) is left as it is: that costs at most the checkpoint
-        of this step's end under ``prefix_cache_retention_interval=0`` (with the dense default
-        the mixer checkpoints every boundary a step crosses), never correctness."""
-        bs = self.mamba_block_size
-        if bs is None or n <= 0 or req.output_token_ids:
-            return n
-        last = req.num_tokens // bs * bs
-        end = num_computed + n
-        if end < last:
-            aligned = end // bs * bs
-        elif num_computed < last < end:
-            aligned = last
-        else:
-            return n
-        return aligned - num_computed if aligned > num_computed else n
+    def _admitted(self, req: Request, computed: int) -> None:
+        req.status = RequestStatus.RUNNING
+        req.num_computed_tokens = computed
+        if req.num_cached_tokens < 0:
+            req.num_cached_tokens = computed
+        if req.metrics.first_scheduled_time is None:
+            req.metrics.first_scheduled_time = time.monotonic()
 
     def _promote_remote_kv(self, req: Request) -> None:
         """``req``'s asynchronous load ended (failed blocks were already cut off by

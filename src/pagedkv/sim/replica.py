@@ -9,14 +9,17 @@ What is modelled: the forward pass (a `CostModel` gives each step's duration) an
 tokens (placeholders; an output block gets the hash of the trace's reply segment when known, else
 a hash no prompt can match).
 
-Scheduling mirrors `pagedkv.engine.scheduler.Scheduler.schedule` step for step: RUNNING requests
-first within the token budget (decode token or next prefill chunk), preempting the most
-recently admitted running request when the pool is full (recompute: its blocks are freed, it
-goes back to the head of the queue); then, only in a step without preemption, WAITING requests
-in strict FCFS order up to ``max_num_seqs``, each admitted only if its whole sequence fits
-(``full_sequence_must_fit``), after a prefix lookup and a CPU-tier lookup of the following
-blocks (synchronous load, its time added to the step). A request alone in the pool that still
-cannot grow stops (length-capped), as in the engine.
+Scheduling is the engine's own code: `Replica` is a `pagedkv.core.scheduling.SchedulingPolicy`,
+the class `pagedkv.engine.scheduler.Scheduler` also derives from, so every decision is the
+engine's: RUNNING requests first within the token budget (decode token or next prefill chunk),
+preempting the most recently admitted running request when the pool is full (recompute: its
+blocks are freed, it goes back to the head of the queue); then, only in a step without
+preemption, WAITING requests in strict FCFS order up to ``max_num_seqs``, each admitted only if
+its whole sequence fits (``full_sequence_must_fit``); a request alone in the pool that still
+cannot grow stops (length-capped). The replica supplies the hooks: the external tokens of an
+admission are a PD transfer's prompt or a CPU-tier lookup of the blocks after the prefix hit
+(a synchronous load, its time added to the step), a preemption or stop offers the blocks to
+the tier and counts.
 
 Tier stores follow the connector's BLOCK_LEVEL policy at coarser grain: a request's registered
 full blocks are offered to the tier when its prefill completes, when it finishes and when it is
@@ -36,11 +39,11 @@ at the run's end). An arrival during a run truncates it after the step in flight
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass
 
 from pagedkv.core.kv_cache_manager import KVCacheManager
 from pagedkv.core.request import KVCacheRequest, RequestStatus
+from pagedkv.core.scheduling import Chunk, SchedulingPolicy
 from pagedkv.core.specs import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 from pagedkv.engine.config import (
     DEFAULT_BLOCK_SIZE,
@@ -97,13 +100,6 @@ class SimRequest:
 
 
 @dataclass(slots=True)
-class _Scheduled:
-    req: SimRequest
-    start: int
-    n: int
-
-
-@dataclass(slots=True)
 class ReplicaStats:
     steps: int = 0
     decode_runs: int = 0
@@ -131,10 +127,11 @@ class HostShare:
         return max(1.0, self.busy / self.cores)
 
 
-class Replica:
-    """One simulated engine. The fleet calls `add` on arrival, `schedule` when idle or after a
-    step, `finish_step` at the step's end and `interrupt` when an arrival lands during a decode
-    run. ``index`` (optional) receives this replica's KV events as they happen."""
+class Replica(SchedulingPolicy[SimRequest]):
+    """One simulated engine, scheduled by the engine's own `SchedulingPolicy`. The fleet calls
+    `add` on arrival, `schedule` when idle or after a step, `finish_step` at the step's end and
+    `interrupt` when an arrival lands during a decode run. ``index`` (optional) receives this
+    replica's KV events as they happen."""
 
     def __init__(self, name: str, cfg: ReplicaConfig, cost: CostModel, index: PrefixIndex | None = None,
                  itl: Histogram | None = None, host: HostShare | None = None) -> None:
@@ -150,10 +147,12 @@ class Replica:
                                   enable_kv_cache_events=index is not None)
         self._blocks_of = self.mgr.coordinator.single_type_managers[0].req_to_blocks
         self._num_cached = self.mgr.coordinator.single_type_managers[0].num_cached_block
+        super().__init__(self.mgr, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_model_len)
+        self._now = 0.0                 # the time `schedule` runs at (for the hooks)
+        self._load_blocks = 0           # tier blocks loaded by this step's admissions
+        self._ext_keys: list[bytes] = []  # the tier hits of the admission being decided
         self.tier = (CPUOffloadingManager(cfg.cpu_tier_blocks, enable_events=index is not None)
                      if cfg.cpu_tier_blocks > 0 else None)
-        self.waiting: deque[SimRequest] = deque()
-        self.running: list[SimRequest] = []
         self.load = ReplicaLoad()
         # The router reads num_running / num_waiting / kv_usage from /metrics; active_blocks only
         # when told (else 0: `kv_cost` estimates it from num_running).
@@ -166,7 +165,7 @@ class Replica:
         self.prefill_only = False
         self.handoff: list[SimRequest] = []
         # The step in flight: its batch, start, per-step time, number of steps (decode run).
-        self.batch: list[_Scheduled] = []
+        self.batch: list[Chunk[SimRequest]] = []
         self.busy = False
         self.version = 0
         self.step_start = 0.0
@@ -195,60 +194,26 @@ class Replica:
     # ---- one step ------------------------------------------------------------------------------
 
     def schedule(self, now: float) -> float | None:
-        """Build the next batch (see the module docstring); returns the time it ends, or None
-        when there is nothing to run."""
-        cfg, mgr = self.cfg, self.mgr
-        budget = cfg.max_num_batched_tokens
-        batch: list[_Scheduled] = []
-        in_batch: set[int] = set()
-        preempted = False
-        running = self.running
-        i = 0
-        while i < len(running) and budget > 0:
-            req = running[i]
-            kv = req.kv
-            start = kv.num_computed_tokens
-            n = min(kv.num_tokens - start, budget, cfg.max_model_len - start)
-            if n <= 0:
-                i += 1
-                continue
-            ok = True
-            while mgr.allocate_slots(kv, n) is None:
-                if len(running) == 1:
-                    self._stop(req, now, RequestStatus.FINISHED_LENGTH_CAPPED)
-                    ok = False
-                    break
-                victim = running.pop()
-                if id(victim) in in_batch:
-                    for j, s in enumerate(batch):
-                        if s.req is victim:
-                            budget += s.n
-                            del batch[j]
-                            break
-                    in_batch.discard(id(victim))
-                self._preempt(victim)
-                preempted = True
-                if victim is req:
-                    ok = False
-                    break
-            if ok:
-                batch.append(_Scheduled(req, start, n))
-                in_batch.add(id(req))
-                budget -= n
-                i += 1
-        admitted = False
-        load_blocks = 0
-        if not preempted:
-            admitted, load_blocks = self._schedule_waiting(batch, budget)
+        """Build the next batch with the engine's policy (`SchedulingPolicy.build_batch`, see
+        the module docstring); returns the time it ends, or None when there is nothing to run."""
+        cfg = self.cfg
+        self._now = now
+        self._load_blocks = 0
+        plan = self.build_batch()
+        preempted, admitted = bool(plan.preempted), plan.num_admitted > 0
+        load_blocks = self._load_blocks
+        self.stats.tier_load_blocks += load_blocks
         self._update_load()
         self._drain_events()
-        if not batch:
+        if not plan.chunks:
             return None
+        batch = list(plan.chunks.values())
         prefill = decode = ctx = 0
         for s in batch:
-            s.req.kv.num_computed_tokens = s.start + s.n
-            ctx += s.start + s.n
-            if s.n == 1 and s.req.kv.num_output_tokens and s.start == s.req.kv.num_tokens - 1:
+            kv = s.request.kv
+            kv.num_computed_tokens = end = s.start + s.n
+            ctx += end
+            if s.n == 1 and kv.num_output_tokens and s.start == kv.num_tokens - 1:
                 decode += 1
             else:
                 prefill += s.n
@@ -270,7 +235,7 @@ class Replica:
         self.step_start, self.step_dt, self.step_k = now, dt, k
         return now + dt * k
 
-    def _decode_run_length(self, batch: list[_Scheduled]) -> int:
+    def _decode_run_length(self, batch: list[Chunk[SimRequest]]) -> int:
         """Steps this all-decode batch repeats with the same requests: until one reaches its
         output length or ``max_model_len``, and no longer than the pool's free blocks cover the
         blocks the run's later steps allocate (so none of those allocations can fail, as none
@@ -278,8 +243,8 @@ class Replica:
         max_len = self.cfg.max_model_len
         k = 1 << 30
         for s in batch:
-            kv = s.req.kv
-            k = min(k, s.req.output_len - kv.num_output_tokens, max_len - kv.num_tokens)
+            kv = s.request.kv
+            k = min(k, s.request.output_len - kv.num_output_tokens, max_len - kv.num_tokens)
         if k <= 1:
             return 1
         free = self.mgr.block_pool.get_num_free_blocks()
@@ -294,55 +259,48 @@ class Replica:
                 hi = mid
         return lo
 
-    def _run_blocks(self, batch: list[_Scheduled], k: int) -> int:
+    def _run_blocks(self, batch: list[Chunk[SimRequest]], k: int) -> int:
         """New blocks the steps 2..k of a decode run allocate (step 1 already did)."""
         bs, blocks_of = self.cfg.block_size, self._blocks_of
-        return sum(max(0, -(-(s.start + k) // bs) - len(blocks_of[s.req.kv.request_id])) for s in batch)
+        return sum(max(0, -(-(s.start + k) // bs) - len(blocks_of[s.request.kv.request_id]))
+                   for s in batch)
 
-    def _schedule_waiting(self, batch: list[_Scheduled], budget: int) -> tuple[bool, int]:
-        """Admit waiting requests (strict FCFS). Returns (any admitted, blocks loaded from the tier)."""
-        cfg, mgr = self.cfg, self.mgr
-        waiting, running = self.waiting, self.running
-        admitted = False
-        load_blocks = 0
-        bs = cfg.block_size
-        while waiting and budget > 0 and len(running) < cfg.max_num_seqs:
-            req = waiting[0]
-            kv = req.kv
-            hits, num_hit = mgr.get_computed_blocks(kv)
-            num_ext = 0
-            ext_keys: list[bytes] = []
-            if req.pd_external:  # its prompt's KV comes from the prefill replica
-                num_ext = max(0, min(req.pd_external, kv.num_tokens - 1) - num_hit)
-            elif self.tier is not None:
-                first = num_hit // bs
-                last = (kv.num_tokens - 1) // bs  # leave the last token to compute
-                for h in kv.block_hashes[first:last]:
-                    key = make_offload_key(h)
-                    if self.tier.peek(key) is not LookupResult.HIT:
-                        break
-                    ext_keys.append(key)
-                num_ext = len(ext_keys) * bs
-            n = min(kv.num_tokens - num_hit - num_ext, budget)
-            if mgr.allocate_slots(kv, n, num_hit, hits, num_external_computed_tokens=num_ext,
-                                  full_sequence_must_fit=True) is None:
-                break  # strict FCFS: nobody behind it overtakes it for memory
-            if ext_keys:
-                self.tier.touch(ext_keys)  # type: ignore[union-attr]
-                self.tier.stats.hits += len(ext_keys)  # type: ignore[union-attr]
-                load_blocks += len(ext_keys)
-            waiting.popleft()
-            req.pd_external = 0  # a later preemption recomputes locally
-            running.append(req)
-            kv.status = RequestStatus.RUNNING
-            computed = num_hit + num_ext
-            if req.hit_tokens < 0:
-                req.hit_tokens, req.tier_tokens = num_hit, num_ext
-            batch.append(_Scheduled(req, computed, n))
-            budget -= n
-            admitted = True
-        self.stats.tier_load_blocks += load_blocks
-        return admitted, load_blocks
+    # ---- the policy's hooks (`SchedulingPolicy`): what its decisions do to a `SimRequest` -------
+
+    def _kv_request(self, item: SimRequest) -> KVCacheRequest:
+        return item.kv
+
+    def _external_tokens(self, req: SimRequest, num_hit: int) -> tuple[int, bool]:
+        """The connector's answer, modelled: a PD split's transferred prompt, else the CPU
+        tier's consecutive hits after the device hit (loaded synchronously, its time added to
+        the step). The keys are kept for `_allocated`."""
+        self._ext_keys = ext_keys = []
+        if req.pd_external:  # its prompt's KV comes from the prefill replica
+            return max(0, req.pd_external - num_hit), False
+        if self.tier is not None:
+            kv, bs = req.kv, self.cfg.block_size
+            last = (kv.num_tokens - 1) // bs  # leave the last token to compute
+            for h in kv.block_hashes[num_hit // bs:last]:
+                key = make_offload_key(h)
+                if self.tier.peek(key) is not LookupResult.HIT:
+                    break
+                ext_keys.append(key)
+        return len(ext_keys) * self.cfg.block_size, False
+
+    def _allocated(self, req: SimRequest, num_hit: int, num_ext: int, load_async: bool) -> bool:
+        ext_keys = self._ext_keys
+        if ext_keys:
+            self.tier.touch(ext_keys)  # type: ignore[union-attr]
+            self.tier.stats.hits += len(ext_keys)  # type: ignore[union-attr]
+            self._load_blocks += len(ext_keys)
+            self._ext_keys = []
+        req.pd_external = 0  # a later preemption recomputes locally
+        if req.hit_tokens < 0:
+            req.hit_tokens, req.tier_tokens = num_hit, num_ext
+        return True
+
+    def _stop_cache_exhausted(self, req: SimRequest) -> None:
+        self._stop(req, self._now, RequestStatus.FINISHED_LENGTH_CAPPED)
 
     def finish_step(self, now: float) -> list[SimRequest]:
         """The step (or decode run of ``step_k`` steps) in flight ended at ``now``: append the
@@ -354,7 +312,8 @@ class Replica:
         st.usage_time_integral += self.mgr.usage * k * dt
         done: list[SimRequest] = []
         for s in self.batch:
-            req, kv = s.req, s.req.kv
+            req = s.request
+            kv = req.kv
             if k > 1:
                 # Steps 2..k: their tokens, then the allocation and registration the last step
                 # made (slots and hashes up to start + k), then its sampled token.
