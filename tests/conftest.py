@@ -36,7 +36,9 @@ def hf_model(gguf_path: Path) -> Any:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32
+    )
     return model.eval()
 
 
@@ -187,8 +189,12 @@ _release_after: dict[str, list[str]] = {}  # nodeid of a fixture's last user -> 
 
 @pytest.hookimpl(trylast=True)  # after -k/-m deselection: only the tests that will run count
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    last = {name: item.nodeid for item in items for name in _HEAVY_SESSION_FIXTURES
-            if name in getattr(item, "fixturenames", ())}
+    last = {
+        name: item.nodeid
+        for item in items
+        for name in _HEAVY_SESSION_FIXTURES
+        if name in getattr(item, "fixturenames", ())
+    }
     _release_after.clear()
     for name, nodeid in last.items():
         _release_after.setdefault(nodeid, []).append(name)
@@ -249,5 +255,7 @@ if _PROFILE_PATH:
         if report.when == "teardown":
             cpu = _cpu_s() - _profile_started.pop(report.nodeid, _cpu_s())
             with open(_PROFILE_PATH, "a") as f:
-                f.write(f"{report.nodeid}\t{_profile_durations.pop(report.nodeid):.3f}\t{cpu:.3f}\t"
-                        f"{_vm_kib('VmRSS')}\t{_vm_kib('VmHWM')}\n")
+                f.write(
+                    f"{report.nodeid}\t{_profile_durations.pop(report.nodeid):.3f}\t{cpu:.3f}\t"
+                    f"{_vm_kib('VmRSS')}\t{_vm_kib('VmHWM')}\n"
+                )

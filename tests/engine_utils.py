@@ -18,8 +18,9 @@ def random_prompts(vocab: int, seed: int, lens: list[int], shared: int = 0) -> l
     return [prefix + torch.randint(0, vocab, (n,), generator=gen).tolist() for n in lens]
 
 
-def greedy_by_forward(hf: Any, logits: Callable[[Any, list[int]], torch.Tensor], prompt: list[int],
-                      n: int) -> list[int]:
+def greedy_by_forward(
+    hf: Any, logits: Callable[[Any, list[int]], torch.Tensor], prompt: list[int], n: int
+) -> list[int]:
     """``n`` greedy tokens after ``prompt`` by the reference's full forward at every step
     (``logits(hf, ids)``: no cache, so the oracle never runs an incremental path of its own).
     Memoised on ``hf`` (it lives and dies with the model): parametrised cases share it."""
@@ -29,7 +30,7 @@ def greedy_by_forward(hf: Any, logits: Callable[[Any, list[int]], torch.Tensor],
         ids = list(prompt)
         for _ in range(n):
             ids.append(int(logits(hf, ids)[-1].argmax()))
-        memo[key] = ids[len(prompt):]
+        memo[key] = ids[len(prompt) :]
     return memo[key]
 
 

@@ -44,22 +44,32 @@ class ScriptedConnector(KVConnectorBase):
         self.preempt_calls: list[str] = []
         self.outputs_seen: int = 0
 
-    def get_num_new_matched_tokens(self, request: KVCacheRequest, num_computed_tokens: int) -> Answer:
+    def get_num_new_matched_tokens(
+        self, request: KVCacheRequest, num_computed_tokens: int
+    ) -> Answer:
         self.matched_calls.append((request.request_id, num_computed_tokens))
         if self.answer_fn is not None:
             return self.answer_fn(request, num_computed_tokens)
         return self.answers.get(request.request_id, (0, False))
 
-    def update_state_after_alloc(self, request: KVCacheRequest, block_ids: BlockIds,
-                                 num_external_tokens: int) -> None:
-        self.alloc_calls.append((request.request_id, tuple(list(g) for g in block_ids),
-                                 num_external_tokens, request.num_computed_tokens))
+    def update_state_after_alloc(
+        self, request: KVCacheRequest, block_ids: BlockIds, num_external_tokens: int
+    ) -> None:
+        self.alloc_calls.append(
+            (
+                request.request_id,
+                tuple(list(g) for g in block_ids),
+                num_external_tokens,
+                request.num_computed_tokens,
+            )
+        )
 
     def update_connector_output(self, connector_output: Any) -> None:
         self.outputs_seen += 1
 
-    def request_finished(self, request: KVCacheRequest,
-                         block_ids: BlockIds) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(
+        self, request: KVCacheRequest, block_ids: BlockIds
+    ) -> tuple[bool, dict[str, Any] | None]:
         self.finished_calls.append(request.request_id)
         return self.finish_answers.get(request.request_id, (False, None))
 
@@ -77,15 +87,19 @@ class RecordingConnector(KVConnectorBase):
         self.registered: list[str] = []
         self.finished_calls: list[str] = []
 
-    def get_num_new_matched_tokens(self, request: KVCacheRequest, num_computed_tokens: int) -> Answer:
+    def get_num_new_matched_tokens(
+        self, request: KVCacheRequest, num_computed_tokens: int
+    ) -> Answer:
         return 0, False
 
-    def update_state_after_alloc(self, request: KVCacheRequest, block_ids: BlockIds,
-                                 num_external_tokens: int) -> None:
+    def update_state_after_alloc(
+        self, request: KVCacheRequest, block_ids: BlockIds, num_external_tokens: int
+    ) -> None:
         self.events.append(("update_state_after_alloc", num_external_tokens))
 
-    def request_finished(self, request: KVCacheRequest,
-                         block_ids: BlockIds) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(
+        self, request: KVCacheRequest, block_ids: BlockIds
+    ) -> tuple[bool, dict[str, Any] | None]:
         self.finished_calls.append(request.request_id)
         return False, None
 
@@ -163,24 +177,31 @@ class InMemoryKVConnector(KVConnectorBase):
 
     # ---- scheduler side ---------------------------------------------------------------------
 
-    def get_num_new_matched_tokens(self, request: KVCacheRequest, num_computed_tokens: int) -> Answer:
+    def get_num_new_matched_tokens(
+        self, request: KVCacheRequest, num_computed_tokens: int
+    ) -> Answer:
         bs = self.block_size
         first = num_computed_tokens // bs
         limit = (request.num_tokens - 1) // bs  # never the whole prompt: the last token is computed
         n = 0
-        while first + n < min(limit, len(request.block_hashes)) and request.block_hashes[first + n] in self.store:
+        while (
+            first + n < min(limit, len(request.block_hashes))
+            and request.block_hashes[first + n] in self.store
+        ):
             n += 1
         return n * bs, n > 0
 
-    def update_state_after_alloc(self, request: KVCacheRequest, block_ids: BlockIds,
-                                 num_external_tokens: int) -> None:
+    def update_state_after_alloc(
+        self, request: KVCacheRequest, block_ids: BlockIds, num_external_tokens: int
+    ) -> None:
         if num_external_tokens == 0:
             return
         bs = self.block_size
         first = request.num_computed_tokens // bs
         count = num_external_tokens // bs
         self._pending_loads[request.request_id] = [
-            (block_ids[0][i], request.block_hashes[i]) for i in range(first, first + count)]
+            (block_ids[0][i], request.block_hashes[i]) for i in range(first, first + count)
+        ]
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         meta = InMemoryMetadata(loads=self._pending_loads)
@@ -191,12 +212,16 @@ class InMemoryKVConnector(KVConnectorBase):
             if req.request_id in self._saved_rids or s.start + s.num_tokens < req.num_prompt_tokens:
                 continue
             self._saved_rids.add(req.request_id)  # its prompt's KV is complete after this step
-            meta.saves.extend((s.block_ids[0][i], req.block_hashes[i])
-                              for i in range(req.num_prompt_tokens // bs) if req.block_hashes[i] not in self.store)
+            meta.saves.extend(
+                (s.block_ids[0][i], req.block_hashes[i])
+                for i in range(req.num_prompt_tokens // bs)
+                if req.block_hashes[i] not in self.store
+            )
         return meta
 
-    def request_finished(self, request: KVCacheRequest,
-                         block_ids: BlockIds) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(
+        self, request: KVCacheRequest, block_ids: BlockIds
+    ) -> tuple[bool, dict[str, Any] | None]:
         self._saved_rids.discard(request.request_id)
         return False, None
 
@@ -227,7 +252,10 @@ class InMemoryKVConnector(KVConnectorBase):
         assert isinstance(meta, InMemoryMetadata)
         k, v = kv_layer
         for block_id, block_hash in meta.saves:
-            self._staged.setdefault(block_hash, {})[layer_name] = (k[block_id].clone(), v[block_id].clone())
+            self._staged.setdefault(block_hash, {})[layer_name] = (
+                k[block_id].clone(),
+                v[block_id].clone(),
+            )
 
     def wait_for_save(self) -> None:
         for block_hash, layers in self._staged.items():

@@ -30,8 +30,9 @@ def free_port() -> int:
 
 
 class RedisServer:
-    def __init__(self, port: int | None = None, maxmemory: str = "256mb",
-                 policy: str = "allkeys-lru") -> None:
+    def __init__(
+        self, port: int | None = None, maxmemory: str = "256mb", policy: str = "allkeys-lru"
+    ) -> None:
         if REDIS_SERVER is None:  # a test that builds its own server skips, never errors
             pytest.skip(SKIP_REASON)
         self.port = port or free_port()
@@ -45,9 +46,27 @@ class RedisServer:
         return f"redis://127.0.0.1:{self.port}"
 
     def start(self, timeout_s: float = 10.0) -> RedisServer:
-        cmd = [REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-               "--appendonly", "no", "--dir", self.dir, "--maxmemory", self.maxmemory,
-               "--maxmemory-policy", self.policy, "--protected-mode", "no", "--loglevel", "warning"]
+        cmd = [
+            REDIS_SERVER,
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            self.dir,
+            "--maxmemory",
+            self.maxmemory,
+            "--maxmemory-policy",
+            self.policy,
+            "--protected-mode",
+            "no",
+            "--loglevel",
+            "warning",
+        ]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:

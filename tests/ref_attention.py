@@ -15,9 +15,14 @@ from pagedkv.ops.kv_cache import allocate_kv_cache
 from pagedkv.ops.metadata import AttentionMetadata
 
 
-def ref_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                  sliding_window: int | None = None, soft_cap: float | None = None,
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
+def ref_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One sequence: ``q [Lq, Hq, D]`` are the last ``Lq`` of ``k [L, Hkv, D]``'s positions.
 
     Returns ``(out [Lq, Hq, Dv], lse [Lq, Hq])`` in float64. Query ``i`` sits at position
@@ -52,19 +57,38 @@ class PagedBatch:
     value_cache: torch.Tensor
     md: AttentionMetadata
 
-    def reference(self, scale: float, sliding_window: int | None = None,
-                  soft_cap: float | None = None) -> torch.Tensor:
+    def reference(
+        self, scale: float, sliding_window: int | None = None, soft_cap: float | None = None
+    ) -> torch.Tensor:
         qsl = self.md.query_start_loc_cpu
-        outs = [ref_attention(self.query[qsl[i]: qsl[i + 1]], self.keys[i], self.values[i],
-                              scale, sliding_window, soft_cap)[0]
-                for i in range(self.md.num_seqs)]
+        outs = [
+            ref_attention(
+                self.query[qsl[i] : qsl[i + 1]],
+                self.keys[i],
+                self.values[i],
+                scale,
+                sliding_window,
+                soft_cap,
+            )[0]
+            for i in range(self.md.num_seqs)
+        ]
         return torch.cat(outs)
 
 
-def make_paged_batch(seq_lens: list[int], query_lens: list[int], *, block_size: int,
-                     num_kv_heads: int, group: int, head_size: int, dtype: torch.dtype,
-                     layout: str | None, shared_prefix: bool, seed: int,
-                     head_size_v: int | None = None) -> PagedBatch:
+def make_paged_batch(
+    seq_lens: list[int],
+    query_lens: list[int],
+    *,
+    block_size: int,
+    num_kv_heads: int,
+    group: int,
+    head_size: int,
+    dtype: torch.dtype,
+    layout: str | None,
+    shared_prefix: bool,
+    seed: int,
+    head_size_v: int | None = None,
+) -> PagedBatch:
     """Build a batch whose blocks are a random permutation of the pool (block 0 = null).
 
     ``layout=None`` allocates K and V as two separate contiguous caches; otherwise one flat
@@ -81,8 +105,9 @@ def make_paged_batch(seq_lens: list[int], query_lens: list[int], *, block_size: 
         key_cache = torch.empty(num_blocks, block_size, num_kv_heads, head_size, dtype=dtype)
         value_cache = torch.empty(num_blocks, block_size, num_kv_heads, dv, dtype=dtype)
     else:
-        _, views = allocate_kv_cache(layout, 1, num_blocks, block_size, num_kv_heads, head_size,
-                                     dtype, head_size_v=dv)
+        _, views = allocate_kv_cache(
+            layout, 1, num_blocks, block_size, num_kv_heads, head_size, dtype, head_size_v=dv
+        )
         key_cache, value_cache = views[0]
     key_cache.copy_(torch.randn(key_cache.shape, generator=gen) * 30)
     value_cache.copy_(torch.randn(value_cache.shape, generator=gen) * 30)
@@ -112,12 +137,20 @@ def make_paged_batch(seq_lens: list[int], query_lens: list[int], *, block_size: 
     for n in query_lens:
         qsl.append(qsl[-1] + n)
     query = torch.randn(qsl[-1], num_kv_heads * group, head_size, generator=gen).to(dtype)
-    slots = [table[i, p // block_size].item() * block_size + p % block_size
-             for i, (n, lq) in enumerate(zip(seq_lens, query_lens)) for p in range(n - lq, n)]
+    slots = [
+        table[i, p // block_size].item() * block_size + p % block_size
+        for i, (n, lq) in enumerate(zip(seq_lens, query_lens))
+        for p in range(n - lq, n)
+    ]
     md = AttentionMetadata(
         slot_mapping=torch.tensor(slots, dtype=torch.int64),
         query_start_loc=torch.tensor(qsl, dtype=torch.int32),
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        block_table=table, block_size=block_size, max_query_len=max(query_lens),
-        max_seq_len=max(seq_lens), query_start_loc_cpu=qsl, seq_lens_cpu=list(seq_lens))
+        block_table=table,
+        block_size=block_size,
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+        query_start_loc_cpu=qsl,
+        seq_lens_cpu=list(seq_lens),
+    )
     return PagedBatch(query, keys, values, key_cache, value_cache, md)

@@ -9,8 +9,8 @@ from typing import Any
 import httpx
 
 from pagedkv.engine.config import EngineConfig
-from pagedkv.entrypoints.openai.api_server import create_app
 from pagedkv.entrypoints.cli.serve import BackgroundServer
+from pagedkv.entrypoints.openai.api_server import create_app
 
 
 @contextmanager

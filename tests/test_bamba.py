@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 import torch
+from engine_utils import check_clean, greedy_by_forward, random_prompts
 
 from pagedkv import LLM, SamplingParams
 from pagedkv.core.specs import (
@@ -27,7 +28,6 @@ from pagedkv.core.specs import (
     align_hybrid_block_size,
     get_kv_cache_groups,
 )
-from engine_utils import check_clean, greedy_by_forward, random_prompts
 
 VOCAB = 256
 BLOCK = 48  # what the engine picks: 16 · cdiv(10112 B of Mamba state, 16 · 256 B per token)
@@ -47,10 +47,26 @@ def one_thread() -> Any:
 def tiny_config(**overrides: Any) -> Any:
     from transformers import BambaConfig
 
-    kw = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
-              num_key_value_heads=2, attn_layer_indices=[1, 3], mamba_n_heads=16, mamba_d_state=16, mamba_d_conv=4,
-              mamba_chunk_size=16, max_position_embeddings=512, initializer_range=0.3, tie_word_embeddings=False,
-              attn_implementation="eager", eos_token_id=None, bos_token_id=None, pad_token_id=None)
+    kw = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        attn_layer_indices=[1, 3],
+        mamba_n_heads=16,
+        mamba_d_state=16,
+        mamba_d_conv=4,
+        mamba_chunk_size=16,
+        max_position_embeddings=512,
+        initializer_range=0.3,
+        tie_word_embeddings=False,
+        attn_implementation="eager",
+        eos_token_id=None,
+        bos_token_id=None,
+        pad_token_id=None,
+    )
     return BambaConfig(**(kw | overrides))
 
 
@@ -85,8 +101,11 @@ def hf_greedy(hf: Any, prompt: list[int], n: int) -> list[int]:
 def logprob_error(hf: Any, prompt: list[int], out: Any) -> float:
     """Largest |logprob - transformers'| over the sampled tokens of ``out`` (logprobs=0)."""
     got = out.outputs[0].token_ids
-    ref = torch.log_softmax(hf_logits(hf, prompt + got), dim=-1)[len(prompt) - 1: -1]
-    return max(abs(lp[t].logprob - float(ref[i, t])) for i, (t, lp) in enumerate(zip(got, out.outputs[0].logprobs)))
+    ref = torch.log_softmax(hf_logits(hf, prompt + got), dim=-1)[len(prompt) - 1 : -1]
+    return max(
+        abs(lp[t].logprob - float(ref[i, t]))
+        for i, (t, lp) in enumerate(zip(got, out.outputs[0].logprobs))
+    )
 
 
 def prompts(seed: int, lens: list[int], shared: int = 0) -> list[list[int]]:
@@ -102,10 +121,14 @@ def cached_checkpoints(llm: LLM) -> int:
     """Blocks of the Mamba group registered in the prefix cache (checkpoints kept)."""
     suffix = mamba_group(llm).to_bytes(4, "big")
     pool = llm.llm_engine.kv_cache_manager.block_pool
-    return sum(1 for b in pool.blocks if b.block_hash is not None and bytes(b.block_hash)[-4:] == suffix)
+    return sum(
+        1 for b in pool.blocks if b.block_hash is not None and bytes(b.block_hash)[-4:] == suffix
+    )
 
 
-def test_block_size_specs_and_state_views(bamba: tuple[Any, Path], caplog: pytest.LogCaptureFixture) -> None:
+def test_block_size_specs_and_state_views(
+    bamba: tuple[Any, Path], caplog: pytest.LogCaptureFixture
+) -> None:
     _, path = bamba
     with caplog.at_level(logging.INFO, logger="pagedkv.engine.llm_engine"):
         llm = LLM(model=str(path), block_size=16, num_kv_blocks=40, max_model_len=256)
@@ -118,7 +141,10 @@ def test_block_size_specs_and_state_views(bamba: tuple[Any, Path], caplog: pytes
     attn = next(g.kv_cache_spec for g in groups if isinstance(g.kv_cache_spec, FullAttentionSpec))
     mamba = groups[mamba_group(llm)].kv_cache_spec
     # conv (160, 3) + ssm (16, 8, 16), float32; padded to the attention page of 48 tokens
-    assert mamba.shapes == ((160, 3), (16, 8, 16)) and mamba.real_page_size_bytes == 160 * 3 * 4 + 16 * 8 * 16 * 4
+    assert (
+        mamba.shapes == ((160, 3), (16, 8, 16))
+        and mamba.real_page_size_bytes == 160 * 3 * 4 + 16 * 8 * 16 * 4
+    )
     assert mamba.page_size_bytes == attn.page_size_bytes == BLOCK * 2 * 16 * 2 * 4
     # The mixer layers' states are views of their layer slot's pages inside the one KV buffer.
     buf = engine.kv_buffer
@@ -128,19 +154,40 @@ def test_block_size_specs_and_state_views(bamba: tuple[Any, Path], caplog: pytes
     assert lo <= conv.data_ptr() and ssm[-1, -1, -1, -1].data_ptr() < hi
     assert conv.data_ptr() == engine.kv_caches[1][0].data_ptr()  # slot 0: layer 0 and layer 1
     with pytest.raises(ValueError, match="prefix_cache_retention_interval"):
-        LLM(model=str(path), num_kv_blocks=40, max_model_len=256, prefix_cache_retention_interval=50)
+        LLM(
+            model=str(path), num_kv_blocks=40, max_model_len=256, prefix_cache_retention_interval=50
+        )
     with pytest.raises(ValueError, match="prefix_cache_retention_interval"):
-        LLM(model=str(path), num_kv_blocks=40, max_model_len=256, prefix_cache_retention_interval=-1)
+        LLM(
+            model=str(path), num_kv_blocks=40, max_model_len=256, prefix_cache_retention_interval=-1
+        )
 
 
 BAMBA_9B = {  # ibm-ai-platform/Bamba-9B config.json: the keys that shape the cache
-    "architectures": ["BambaForCausalLM"], "model_type": "bamba", "attn_layer_indices": [9, 18, 27],
-    "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
-    "num_key_value_heads": 8, "mamba_n_heads": 128, "mamba_d_head": 64, "mamba_n_groups": 1,
-    "mamba_d_state": 128, "mamba_d_conv": 4, "mamba_expand": 2, "mamba_chunk_size": 256,
-    "mamba_conv_bias": True, "mamba_proj_bias": False, "max_position_embeddings": 262144,
-    "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
-    "vocab_size": 128256}
+    "architectures": ["BambaForCausalLM"],
+    "model_type": "bamba",
+    "attn_layer_indices": [9, 18, 27],
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "mamba_n_heads": 128,
+    "mamba_d_head": 64,
+    "mamba_n_groups": 1,
+    "mamba_d_state": 128,
+    "mamba_d_conv": 4,
+    "mamba_expand": 2,
+    "mamba_chunk_size": 256,
+    "mamba_conv_bias": True,
+    "mamba_proj_bias": False,
+    "max_position_embeddings": 262144,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "vocab_size": 128256,
+}
 
 
 def test_bamba_9b_plan_matches_formula(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -166,8 +213,23 @@ def test_bamba_9b_plan_matches_formula(tmp_path: Path, capsys: pytest.CaptureFix
     assert sum(len(g.layer_names) for g in groups) == 32
     assert cfg.num_params > 9e9
     (tmp_path / "config.json").write_text(json.dumps(BAMBA_9B))
-    assert main(["plan", "--model", str(tmp_path), "--memory", "8GiB", "--context", "8192", "--dtype", "bfloat16",
-                 "--json"]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                "--model",
+                str(tmp_path),
+                "--memory",
+                "8GiB",
+                "--context",
+                "8192",
+                "--dtype",
+                "bfloat16",
+                "--json",
+            ]
+        )
+        == 0
+    )
     plan = json.loads(capsys.readouterr().out)
     assert plan["block_size"] == 1056 and plan["selected"]["bytes_per_token"] == 3 * attn_per_token
     rows = plan["selected"]["groups"]
@@ -176,19 +238,27 @@ def test_bamba_9b_plan_matches_formula(tmp_path: Path, capsys: pytest.CaptureFix
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("engine_kw, hit", [
-    ({}, 96),  # whole prompts in one step
-    ({"max_num_batched_tokens": 20}, 48),  # chunks that start and end inside blocks
-    ({"enable_prefix_caching": False, "max_num_batched_tokens": 64}, 0),
-    # few blocks: requests are preempted and recomputed
-    ({"num_kv_blocks": 9, "max_num_batched_tokens": 64, "max_model_len": 192}, 96),
-], ids=["plain", "chunked", "no-caching", "preempting"])
-def test_greedy_matches_transformers(bamba: tuple[Any, Path], engine_kw: dict[str, Any], hit: int) -> None:
+@pytest.mark.parametrize(
+    "engine_kw, hit",
+    [
+        ({}, 96),  # whole prompts in one step
+        ({"max_num_batched_tokens": 20}, 48),  # chunks that start and end inside blocks
+        ({"enable_prefix_caching": False, "max_num_batched_tokens": 64}, 0),
+        # few blocks: requests are preempted and recomputed
+        ({"num_kv_blocks": 9, "max_num_batched_tokens": 64, "max_model_len": 192}, 96),
+    ],
+    ids=["plain", "chunked", "no-caching", "preempting"],
+)
+def test_greedy_matches_transformers(
+    bamba: tuple[Any, Path], engine_kw: dict[str, Any], hit: int
+) -> None:
     hf, path = bamba
     llm = LLM(model=str(path), **({"num_kv_blocks": 40, "max_model_len": 256} | engine_kw))
     batch = prompts(1, [5, 61, 100]) + prompts(2, [3, 20], shared=97)
     out_lens = [66, 20, 64, 30, 12]
-    params = [SamplingParams(temperature=0, max_tokens=n, logprobs=0, ignore_eos=True) for n in out_lens]
+    params = [
+        SamplingParams(temperature=0, max_tokens=n, logprobs=0, ignore_eos=True) for n in out_lens
+    ]
     outs = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
     for p, n, o in zip(batch, out_lens, outs, strict=True):
         assert o.outputs[0].token_ids == hf_greedy(hf, p, n), f"prompt of {len(p)} tokens"
@@ -211,11 +281,17 @@ def test_restored_checkpoint_is_exact(bamba: tuple[Any, Path]) -> None:
     hf, path = bamba
     llm = LLM(model=str(path), num_kv_blocks=40, max_model_len=256, max_num_batched_tokens=64)
     first, second = prompts(5, [25, 9], shared=110)
-    (out,) = llm.generate({"prompt_token_ids": first}, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
-                          use_tqdm=False)
+    (out,) = llm.generate(
+        {"prompt_token_ids": first},
+        SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+        use_tqdm=False,
+    )
     assert out.num_cached_tokens == 0 and out.outputs[0].token_ids == hf_greedy(hf, first, 8)
-    (out,) = llm.generate({"prompt_token_ids": second},
-                          SamplingParams(temperature=0, max_tokens=24, logprobs=0, ignore_eos=True), use_tqdm=False)
+    (out,) = llm.generate(
+        {"prompt_token_ids": second},
+        SamplingParams(temperature=0, max_tokens=24, logprobs=0, ignore_eos=True),
+        use_tqdm=False,
+    )
     assert out.num_cached_tokens == 2 * BLOCK
     assert out.outputs[0].token_ids == hf_greedy(hf, second, 24)
     assert logprob_error(hf, second, out) < TOL
@@ -223,25 +299,42 @@ def test_restored_checkpoint_is_exact(bamba: tuple[Any, Path]) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("retention, kept, hit", [
-    (None, 3, 96),  # dense: checkpoints at 48, 96, 144
-    (0, 1, 0),  # the step end only: the chunk stops at 144 (the replay boundary), past the shared prefix
-    (96, 1, 96),  # every 96 tokens
-])
-def test_retention_interval(bamba: tuple[Any, Path], retention: int | None, kept: int, hit: int) -> None:
+@pytest.mark.parametrize(
+    "retention, kept, hit",
+    [
+        (None, 3, 96),  # dense: checkpoints at 48, 96, 144
+        (
+            0,
+            1,
+            0,
+        ),  # the step end only: the chunk stops at 144 (the replay boundary), past the shared prefix
+        (96, 1, 96),  # every 96 tokens
+    ],
+)
+def test_retention_interval(
+    bamba: tuple[Any, Path], retention: int | None, kept: int, hit: int
+) -> None:
     """A 150-token prompt in one step leaves the checkpoints ``prefix_cache_retention_interval``
     says; a request sharing its first 120 tokens then hits the last kept one at or below 120
     (attention included: the hybrid hit is the minimum over groups). With 0 the only
     checkpoint lies past the shared prefix, so the hit is 0 (vLLM issue 45238's drop)."""
     hf, path = bamba
-    llm = LLM(model=str(path), num_kv_blocks=40, max_model_len=256, prefix_cache_retention_interval=retention)
+    llm = LLM(
+        model=str(path),
+        num_kv_blocks=40,
+        max_model_len=256,
+        prefix_cache_retention_interval=retention,
+    )
     first, second = prompts(7, [30, 10], shared=120)
     greedy = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     (out,) = llm.generate({"prompt_token_ids": first}, greedy, use_tqdm=False)
     assert out.outputs[0].token_ids == hf_greedy(hf, first, 1)
     assert cached_checkpoints(llm) == kept
-    (out,) = llm.generate({"prompt_token_ids": second},
-                          SamplingParams(temperature=0, max_tokens=16, logprobs=0, ignore_eos=True), use_tqdm=False)
+    (out,) = llm.generate(
+        {"prompt_token_ids": second},
+        SamplingParams(temperature=0, max_tokens=16, logprobs=0, ignore_eos=True),
+        use_tqdm=False,
+    )
     assert out.num_cached_tokens == hit
     assert out.outputs[0].token_ids == hf_greedy(hf, second, 16)
     assert logprob_error(hf, second, out) < TOL
@@ -254,12 +347,31 @@ def test_retention_interval(bamba: tuple[Any, Path], retention: int | None, kept
 def tiny_granite(tmp: Path, **overrides: Any) -> tuple[Any, Path]:
     from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
 
-    kw = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=32, shared_intermediate_size=48, num_hidden_layers=4,
-              num_attention_heads=4, num_key_value_heads=2, layer_types=["mamba", "attention", "mamba", "attention"],
-              mamba_n_heads=16, mamba_d_state=16, mamba_d_conv=4, mamba_chunk_size=16, max_position_embeddings=512,
-              embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=3.0,
-              initializer_range=0.3, tie_word_embeddings=False, attn_implementation="eager",
-              eos_token_id=None, bos_token_id=None, pad_token_id=None)
+    kw = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=32,
+        shared_intermediate_size=48,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        layer_types=["mamba", "attention", "mamba", "attention"],
+        mamba_n_heads=16,
+        mamba_d_state=16,
+        mamba_d_conv=4,
+        mamba_chunk_size=16,
+        max_position_embeddings=512,
+        embedding_multiplier=2.0,
+        residual_multiplier=0.5,
+        attention_multiplier=0.2,
+        logits_scaling=3.0,
+        initializer_range=0.3,
+        tie_word_embeddings=False,
+        attn_implementation="eager",
+        eos_token_id=None,
+        bos_token_id=None,
+        pad_token_id=None,
+    )
     torch.manual_seed(1)
     hf = GraniteMoeHybridForCausalLM(GraniteMoeHybridConfig(**(kw | overrides))).eval()
     with torch.no_grad():
@@ -272,10 +384,14 @@ def tiny_granite(tmp: Path, **overrides: Any) -> tuple[Any, Path]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("variant", [
-    dict(position_embedding_type="rope", num_local_experts=4, num_experts_per_tok=2),
-    dict(position_embedding_type=None, num_local_experts=0),
-], ids=["rope-moe", "nope-dense"])
+@pytest.mark.parametrize(
+    "variant",
+    [
+        dict(position_embedding_type="rope", num_local_experts=4, num_experts_per_tok=2),
+        dict(position_embedding_type=None, num_local_experts=0),
+    ],
+    ids=["rope-moe", "nope-dense"],
+)
 def test_granitemoehybrid_matches_transformers(tmp_path: Path, variant: dict[str, Any]) -> None:
     """The second Mamba-2 family: Granite's multipliers, NoPE or RoPE attention, shared MLP and
     MoE around the same mixer; token-exact with logprobs within TOL, cold and from a restored
@@ -283,8 +399,12 @@ def test_granitemoehybrid_matches_transformers(tmp_path: Path, variant: dict[str
     hf, path = tiny_granite(tmp_path, **variant)
     llm = LLM(model=str(path), num_kv_blocks=40, max_model_len=256, max_num_batched_tokens=40)
     model = llm.llm_engine.model
-    assert type(model).__name__ == "GraniteMoeHybridForCausalLM" and llm.llm_engine.block_size == BLOCK
-    assert (model.model.layers[1].self_attn.rotary_dim > 0) == (variant["position_embedding_type"] == "rope")
+    assert (
+        type(model).__name__ == "GraniteMoeHybridForCausalLM" and llm.llm_engine.block_size == BLOCK
+    )
+    assert (model.model.layers[1].self_attn.rotary_dim > 0) == (
+        variant["position_embedding_type"] == "rope"
+    )
     first, second = prompts(11, [12, 7], shared=100)
     params = SamplingParams(temperature=0, max_tokens=40, logprobs=0, ignore_eos=True)
     for prompt, cached in [(first, 0), (second, 2 * BLOCK)]:

@@ -10,7 +10,14 @@ import pytest
 import torch
 
 from pagedkv import LLM, SamplingParams
-from pagedkv.bench.kv_quant import AgreementStats, greedy_agreement, main, meets, score_window, windows
+from pagedkv.bench.kv_quant import (
+    AgreementStats,
+    greedy_agreement,
+    main,
+    meets,
+    score_window,
+    windows,
+)
 
 
 def test_agreement_stats_identical_is_perfect() -> None:
@@ -20,7 +27,9 @@ def test_agreement_stats_identical_is_perfect() -> None:
     s.add(lp, lp, targets)
     out = s.summary()
     assert out["positions"] == 5 and out["top1_agreement"] == 1.0
-    assert out["mean_kl"] == pytest.approx(0.0, abs=1e-7) and out["ppl_delta_pct"] == pytest.approx(0.0, abs=1e-9)
+    assert out["mean_kl"] == pytest.approx(0.0, abs=1e-7) and out["ppl_delta_pct"] == pytest.approx(
+        0.0, abs=1e-9
+    )
     nll = -sum(float(lp[i, t]) for i, t in enumerate(targets)) / 5
     assert out["ppl_ref"] == pytest.approx(math.exp(nll), rel=1e-6)
 
@@ -38,7 +47,9 @@ def test_agreement_stats_by_hand() -> None:
     nll_ref = -(math.log(0.7) + math.log(0.25) + math.log(0.1))
     nll = -(math.log(0.4) + math.log(0.25) + math.log(0.1))
     assert out["ppl_ref"] == pytest.approx(math.exp(nll_ref / 3), rel=1e-5)
-    assert out["ppl_delta_pct"] == pytest.approx((math.exp((nll - nll_ref) / 3) - 1) * 100, rel=1e-4)
+    assert out["ppl_delta_pct"] == pytest.approx(
+        (math.exp((nll - nll_ref) / 3) - 1) * 100, rel=1e-4
+    )
     with pytest.raises(ValueError):
         s.add(ref, mode, [0])
 
@@ -55,13 +66,22 @@ def test_greedy_agreement_and_targets() -> None:
 
 
 def test_windows_cut_and_drop_short_tail() -> None:
-    assert windows(list(range(40)), 16) == [list(range(16)), list(range(16, 32))]  # tail of 8 dropped
+    assert windows(list(range(40)), 16) == [
+        list(range(16)),
+        list(range(16, 32)),
+    ]  # tail of 8 dropped
     assert [len(w) for w in windows(list(range(50)), 16, min_size=2)] == [16, 16, 16, 2]
 
 
 def _score_engine(kv_cache_dtype: str, **kw: object) -> LLM:
-    return LLM(kv_cache_dtype=kv_cache_dtype, num_kv_blocks=12, max_model_len=96, max_num_batched_tokens=96,
-               enable_prefix_caching=False, **kw)
+    return LLM(
+        kv_cache_dtype=kv_cache_dtype,
+        num_kv_blocks=12,
+        max_model_len=96,
+        max_num_batched_tokens=96,
+        enable_prefix_caching=False,
+        **kw,
+    )
 
 
 @pytest.mark.slow
@@ -73,8 +93,9 @@ def test_one_chunk_prefill_reads_the_quantized_cache() -> None:
     f32 = _score_engine("float32")
     ref = score_window(f32, ids)
     assert ref.shape == (63, f32.llm_engine.model_config.vocab_size)
-    (o,) = f32.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=1, prompt_logprobs=0),
-                        use_tqdm=False)
+    (o,) = f32.generate(
+        [{"prompt_token_ids": ids}], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False
+    )
     engine_lp = torch.tensor([next(iter(d.values())).logprob for d in o.prompt_logprobs[1:]])
     mine = ref.gather(1, torch.tensor(ids[1:]).unsqueeze(1)).squeeze(1)
     assert torch.allclose(mine, engine_lp, atol=1e-4)  # row i predicts ids[i + 1]
@@ -88,16 +109,38 @@ def test_one_chunk_prefill_reads_the_quantized_cache() -> None:
 @pytest.mark.slow
 def test_end_to_end_tiny(tmp_path) -> None:
     out = tmp_path / "r.json"
-    rc = main(["--quick", "--only", "all", "--modes", "float32,int8_per_token_head,int4", "--tokens", "96",
-               "--window", "48", "--capacity-modes", "bfloat16,int4", "--capacity-request-tokens", "64",
-               "--capacity-bf16", "2", "--speed-script", str(tmp_path / "absent.py"),
-               "--json-only", "--json-out", str(out)])
+    rc = main(
+        [
+            "--quick",
+            "--only",
+            "all",
+            "--modes",
+            "float32,int8_per_token_head,int4",
+            "--tokens",
+            "96",
+            "--window",
+            "48",
+            "--capacity-modes",
+            "bfloat16,int4",
+            "--capacity-request-tokens",
+            "64",
+            "--capacity-bf16",
+            "2",
+            "--speed-script",
+            str(tmp_path / "absent.py"),
+            "--json-only",
+            "--json-out",
+            str(out),
+        ]
+    )
     assert rc == 0
     r = json.loads(out.read_text())
     acc = r["accuracy"]
     assert acc["corpora"]["greedy"]["scored_positions"] == 94  # two windows of 48
     ref = acc["modes"]["float32"]
-    assert ref["greedy"]["top1_agreement"] == 1.0 and ref["sampled"]["mean_kl"] == pytest.approx(0, abs=1e-6)
+    assert ref["greedy"]["top1_agreement"] == 1.0 and ref["sampled"]["mean_kl"] == pytest.approx(
+        0, abs=1e-6
+    )
     assert ref["greedy_output"] == dict(identical=1.0, prefix_match=1.0)
     for name in ("int8_per_token_head", "int4"):
         m = acc["modes"][name]
@@ -105,6 +148,8 @@ def test_end_to_end_tiny(tmp_path) -> None:
     cap = r["capacity"]["modes"]
     assert cap["bfloat16"]["measured"] == cap["bfloat16"]["planned"] == 2
     assert cap["int4"]["measured"] == cap["int4"]["planned"] >= 6  # 36 vs 128 bytes per token-head
-    assert cap["int4"]["decoded_together"] == cap["int4"]["measured"]  # all resident, one decode batch
+    assert (
+        cap["int4"]["decoded_together"] == cap["int4"]["measured"]
+    )  # all resident, one decode batch
     assert cap["int4"]["preemptions"] == 0 and cap["int4"]["ratio_vs_bf16"] >= 3.0
     assert "skipped" in r["speed"]

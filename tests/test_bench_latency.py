@@ -17,19 +17,23 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_timers_time_calls_and_restore_the_originals() -> None:
-    before = [(o, a, (o.__dict__.get(a) if isinstance(o, type) else getattr(o, a)))
-              for _, o, a in latency._timer_targets()]
+    before = [
+        (o, a, (o.__dict__.get(a) if isinstance(o, type) else getattr(o, a)))
+        for _, o, a in latency._timer_targets()
+    ]
     t = latency._Timers()
-    from pagedkv.models import layers
-
     import torch
+
+    from pagedkv.models import layers
 
     lin = layers.Linear(8, 4)
     lin.weight.data.normal_()
     lin(torch.ones(2, 8))
     assert t.calls["linear (GEMV/GEMM)"] == 1 and t.total["linear (GEMV/GEMM)"] > 0
     t.restore()
-    after = [(o, a, (o.__dict__.get(a) if isinstance(o, type) else getattr(o, a))) for o, a, _ in before]
+    after = [
+        (o, a, (o.__dict__.get(a) if isinstance(o, type) else getattr(o, a))) for o, a, _ in before
+    ]
     assert all(x[2] is y[2] for x, y in zip(before, after))
     lin(torch.ones(2, 8))
     assert t.calls["linear (GEMV/GEMM)"] == 1  # no longer timed
@@ -47,11 +51,30 @@ def test_latency_script_pagedkv_side_and_timeline(tmp_path: Path, native_step: s
     if native_step == "1" and native.lib() is None:
         pytest.skip("native kernels not built here")
     out = tmp_path / "r.json"
-    p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_latency.py"), "--skip-llamacpp",
-                        "--repeats", "1", "--prompt-lens", "8,24", "--max-tokens", "6", "--sequential", "2",
-                        "--sequential-max-tokens", "3", "--json-only", "--json-out", str(out)],
-                       capture_output=True, text=True, timeout=600,
-                       env=dict(os.environ, PAGEDKV_NATIVE_STEP=native_step))
+    p = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "bench_latency.py"),
+            "--skip-llamacpp",
+            "--repeats",
+            "1",
+            "--prompt-lens",
+            "8,24",
+            "--max-tokens",
+            "6",
+            "--sequential",
+            "2",
+            "--sequential-max-tokens",
+            "3",
+            "--json-only",
+            "--json-out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=dict(os.environ, PAGEDKV_NATIVE_STEP=native_step),
+    )
     assert p.returncode == 0, p.stderr
     r = json.loads(out.read_text())
     assert set(r["pagedkv"]["batch1"]) == {"8", "24"}
@@ -64,30 +87,57 @@ def test_latency_script_pagedkv_side_and_timeline(tmp_path: Path, native_step: s
     if native_step == "0":
         assert not tl["native_step"]
         # 30 layers x (qkv, o, gate_up, down) linear calls and one attention per layer per step.
-        assert ops["linear (GEMV/GEMM)"]["calls_per_step"] == 120 and ops["attention"]["calls_per_step"] == 30
+        assert (
+            ops["linear (GEMV/GEMM)"]["calls_per_step"] == 120
+            and ops["attention"]["calls_per_step"] == 30
+        )
         compute = sum(ops[k]["ms_per_step"] for k in ("linear (GEMV/GEMM)", "lm_head", "attention"))
     else:
         assert tl["native_step"] and "linear (GEMV/GEMM)" not in ops and "attention" not in ops
-        assert ops["native: qkv_proj"]["calls_per_step"] == 1 and ops["native: qkv_proj"]["ms_per_step"] > 0
+        assert (
+            ops["native: qkv_proj"]["calls_per_step"] == 1
+            and ops["native: qkv_proj"]["ms_per_step"] > 0
+        )
         compute = ops["lm_head"]["ms_per_step"] + sum(
-            ops[f"native: {k}"]["ms_per_step"] for k in latency.NATIVE_COMPUTE)
+            ops[f"native: {k}"]["ms_per_step"] for k in latency.NATIVE_COMPUTE
+        )
     assert tl["overhead_outside_matmul_attention_ms"] == pytest.approx(tl["step_ms"] - compute)
     assert r["meets_targets"]["decode_vs_llamacpp"] is None
 
 
 def test_latency_rejects_bad_options() -> None:
-    p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_latency.py"), "--skip-llamacpp",
-                        "--prompt-lens", "0", "--no-timeline"], capture_output=True, text=True, timeout=300)
+    p = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "bench_latency.py"),
+            "--skip-llamacpp",
+            "--prompt-lens",
+            "0",
+            "--no-timeline",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert p.returncode == 2 and "--prompt-lens" in p.stderr
 
 
-@pytest.mark.skipif(not latency.llamacpp_available(latency.DEFAULT_VENV),
-                    reason="llama-cpp-python not built (benchmarks/llamacpp/setup.sh)")
+@pytest.mark.skipif(
+    not latency.llamacpp_available(latency.DEFAULT_VENV),
+    reason="llama-cpp-python not built (benchmarks/llamacpp/setup.sh)",
+)
 def test_llamacpp_worker_runs_the_same_gguf_greedy() -> None:
     from pagedkv.models.loader import resolve_model_path
 
-    job = dict(model=str(resolve_model_path(None)), threads=2, n_ctx=64, warmup=[],
-               runs=[dict(tokens=[1, 504, 3458, 314], max_tokens=5)] * 2)
+    job = dict(
+        model=str(resolve_model_path(None)),
+        threads=2,
+        n_ctx=64,
+        warmup=[],
+        runs=[dict(tokens=[1, 504, 3458, 314], max_tokens=5)] * 2,
+    )
     res = latency._run_worker(latency.DEFAULT_VENV / "bin" / "python", job)
     assert len(res) == 2 and all(len(r["output"]) == 5 and r["ttft_s"] > 0 for r in res)
-    assert res[0]["output"] == res[1]["output"]  # reset between runs: same prompt, same greedy output
+    assert (
+        res[0]["output"] == res[1]["output"]
+    )  # reset between runs: same prompt, same greedy output

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from pagedkv.bench.memory import bamba_like_specs, gemma3_like_specs, hybrid_rows, main
+from pagedkv.bench.memory import bamba_like_specs, hybrid_rows, main
 from pagedkv.core.specs import MambaSpec, get_kv_cache_groups
 
 CTX = [4096, 32768, 131072]
@@ -57,8 +57,10 @@ def test_bamba_like_matches_the_state_formula(rows: dict) -> None:
 def test_table_and_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["--num-requests", "5", "--block-sizes", "16", "--hybrid-contexts", "4096"]) == 0
     out = capsys.readouterr().out
-    assert "hybrid models: KV bytes per token" in out and "gemma3_like" in out and "bamba_like" in out
-    report = json.loads(out[out.index("{"):])
+    assert (
+        "hybrid models: KV bytes per token" in out and "gemma3_like" in out and "bamba_like" in out
+    )
+    report = json.loads(out[out.index("{") :])
     assert [r["context"] for r in report["hybrid"]["rows"]] == [4096, 4096]
     assert main(["--hybrid-contexts", "x", "--json-only"]) == 2
     assert "hybrid-contexts" in capsys.readouterr().err

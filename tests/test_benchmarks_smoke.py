@@ -53,7 +53,9 @@ def test_memory_full_trace_meets_target(capsys) -> None:
         assert 0 < x["utilisation"] <= 1 and 0 < x["mean_step_utilisation"] <= 1
         assert x["steps"] > 0 and x["mean_running"] > 0
     # Smaller blocks waste less; any paging beats reserving max_model_len per request.
-    assert s["paged_8"]["utilisation"] >= s["paged_16"]["utilisation"] >= s["paged_32"]["utilisation"]
+    assert (
+        s["paged_8"]["utilisation"] >= s["paged_16"]["utilisation"] >= s["paged_32"]["utilisation"]
+    )
     assert s["paged_32"]["utilisation"] > 2 * s["contiguous"]["utilisation"]
     assert s["contiguous"]["preemptions"] == 0  # it reserved the worst case up front
     assert s["paged_16"]["mean_running"] > s["contiguous"]["mean_running"]
@@ -62,12 +64,22 @@ def test_memory_full_trace_meets_target(capsys) -> None:
 
 def test_memory_script_runs_standalone_and_rejects_bad_options() -> None:
     script = ROOT / "benchmarks" / "bench_memory.py"
-    res = subprocess.run([sys.executable, str(script), "--num-requests", "20", "--block-sizes", "16", "--json-only"],
-                         capture_output=True, text=True, timeout=120, cwd=ROOT)
+    res = subprocess.run(
+        [sys.executable, str(script), "--num-requests", "20", "--block-sizes", "16", "--json-only"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
     assert res.returncode == 0, res.stderr
     assert set(json.loads(res.stdout)["schemes"]) == {"paged_16", "contiguous"}
-    bad = subprocess.run([sys.executable, str(script), "--block-sizes", "sixteen"],
-                         capture_output=True, text=True, timeout=120, cwd=ROOT)
+    bad = subprocess.run(
+        [sys.executable, str(script), "--block-sizes", "sixteen"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
     assert bad.returncode == 2 and "block-sizes" in bad.stderr and "Traceback" not in bad.stderr
 
 
@@ -75,8 +87,18 @@ def test_memory_script_runs_standalone_and_rejects_bad_options() -> None:
 
 
 def test_prefix_cache_tiny(capsys) -> None:
-    r = bench_json(capsys, "prefix-cache", "--num-requests", "3", "--prefix-len", "64",
-                   "--question-len", "4:8", "--max-tokens", "1")
+    r = bench_json(
+        capsys,
+        "prefix-cache",
+        "--num-requests",
+        "3",
+        "--prefix-len",
+        "64",
+        "--question-len",
+        "4:8",
+        "--max-tokens",
+        "1",
+    )
     on, off = r["caching_on"], r["caching_off"]
     assert on["mean_cached_tokens"] == 64 and off["mean_cached_tokens"] == 0
     assert 0 < on["hit_rate"] < 1 and off["hit_rate"] == 0
@@ -89,15 +111,36 @@ def test_prefix_cache_tiny(capsys) -> None:
 
 def test_throughput_tiny_with_hf(capsys, tmp_path) -> None:
     out_file = tmp_path / "tp.json"
-    r = bench_json(capsys, "throughput", "--num-requests", "3", "--prompt-len", "8:16", "--output-len", "2:4",
-                   "--hf-batch-size", "2", "--batch1-prompt-len", "8", "--batch1-output-len", "4",
-                   "--matmul-seconds", "0.2", "--json-out", str(out_file))
+    r = bench_json(
+        capsys,
+        "throughput",
+        "--num-requests",
+        "3",
+        "--prompt-len",
+        "8:16",
+        "--output-len",
+        "2:4",
+        "--hf-batch-size",
+        "2",
+        "--batch1-prompt-len",
+        "8",
+        "--batch1-output-len",
+        "4",
+        "--matmul-seconds",
+        "0.2",
+        "--json-out",
+        str(out_file),
+    )
     assert json.loads(out_file.read_text()) == r
     w, ours, hf = r["workload"], r["pagedkv"], r["hf"]
-    assert w["num_requests"] == 3 and 24 <= w["prompt_tokens"] <= 48 and 6 <= w["output_tokens"] <= 12
+    assert (
+        w["num_requests"] == 3 and 24 <= w["prompt_tokens"] <= 48 and 6 <= w["output_tokens"] <= 12
+    )
     for side in (ours, hf):
         assert side["elapsed_s"] > 0 and side["total_tok_s"] > side["output_tok_s"] > 0
-        assert side["total_tok_s"] == pytest.approx((w["prompt_tokens"] + w["output_tokens"]) / side["elapsed_s"])
+        assert side["total_tok_s"] == pytest.approx(
+            (w["prompt_tokens"] + w["output_tokens"]) / side["elapsed_s"]
+        )
         assert side["batch1_decode_tok_s"] > 0
     # HF's static batches generate up to each batch's longest output; only requested tokens count.
     assert hf["generated_tokens_incl_waste"] >= w["output_tokens"]
@@ -115,12 +158,31 @@ def test_throughput_tiny_with_hf(capsys, tmp_path) -> None:
 
 def test_throughput_skip_hf_prints_table(capsys) -> None:
     """Without --json-only: the table, then the JSON; --skip-hf leaves the baseline out."""
-    assert main(["bench", "throughput", "--skip-hf", "--num-requests", "2", "--prompt-len", "8",
-                 "--output-len", "2", "--batch1-prompt-len", "8", "--batch1-output-len", "3",
-                 "--matmul-seconds", "0.1"]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "throughput",
+                "--skip-hf",
+                "--num-requests",
+                "2",
+                "--prompt-len",
+                "8",
+                "--output-len",
+                "2",
+                "--batch1-prompt-len",
+                "8",
+                "--batch1-output-len",
+                "3",
+                "--matmul-seconds",
+                "0.1",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "total tok/s" in out and "fraction of ceiling" in out
-    report = json.loads(out[out.index("\n{") + 1:])
+    report = json.loads(out[out.index("\n{") + 1 :])
     assert report["hf"] is None and report["ratios"]["total_tok_s"] is None
     assert report["meets_targets"]["vs_hf_total"] is None
     assert report["workload"]["prompt_tokens"] == 16 and report["workload"]["output_tokens"] == 4
@@ -135,8 +197,13 @@ def test_native_script_reports_every_case() -> None:
     if not native.available():
         pytest.skip("no C compiler: native kernels unavailable")
     script = ROOT / "benchmarks" / "bench_native.py"
-    res = subprocess.run([sys.executable, str(script), "--rounds", "1", "--step-tokens", "4", "--json-only"],
-                         capture_output=True, text=True, timeout=300, cwd=ROOT)
+    res = subprocess.run(
+        [sys.executable, str(script), "--rounds", "1", "--step-tokens", "4", "--json-only"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
     assert res.returncode == 0, res.stderr
     r = json.loads(res.stdout)
     assert {g["tensor"] for g in r["gemv"]} >= {"blk.0.ffn_up.weight", "token_embd.weight"}
@@ -158,11 +225,35 @@ def test_disagg_script_tiny_loses_no_request() -> None:
     """Colocated and PD (producer + consumer + proxy) on two tiny requests, and a 1 MiB
     transfer; no kill test (it restarts four instances: minutes on a small machine)."""
     script = ROOT / "benchmarks" / "bench_disagg.py"
-    res = subprocess.run([sys.executable, str(script), "--num-requests", "2", "--max-tokens", "2",
-                          "--long-len", "40:60", "--short-len", "4:8", "--num-kv-blocks", "64",
-                          "--max-model-len", "128", "--bandwidth-mib", "1", "--bandwidth-repeats", "1",
-                          "--kill-test", "0", "--json-only"],
-                         capture_output=True, text=True, timeout=900, cwd=ROOT)
+    res = subprocess.run(
+        [
+            sys.executable,
+            str(script),
+            "--num-requests",
+            "2",
+            "--max-tokens",
+            "2",
+            "--long-len",
+            "40:60",
+            "--short-len",
+            "4:8",
+            "--num-kv-blocks",
+            "64",
+            "--max-model-len",
+            "128",
+            "--bandwidth-mib",
+            "1",
+            "--bandwidth-repeats",
+            "1",
+            "--kill-test",
+            "0",
+            "--json-only",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=ROOT,
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     r = json.loads(res.stdout)  # --json-only: nothing else on stdout (NIXL's INFO lines included)
     for setup in (r["colocated"], r["pd"]):
@@ -170,8 +261,12 @@ def test_disagg_script_tiny_loses_no_request() -> None:
         assert setup["output_tokens"] == 4 and setup["output_tok_s"] > 0
         for key in ("ttft_s", "itl_s", "e2e_s"):
             assert 0 < setup[key]["p50"] <= setup[key]["p99"]
-    assert r["pd"]["kv_transfers"] >= 2 and r["pd"]["kv_transfer_failures"] == 0  # the KV really moved
-    assert r["ratios"]["itl_p99"] == pytest.approx(r["pd"]["itl_s"]["p99"] / r["colocated"]["itl_s"]["p99"])
+    assert (
+        r["pd"]["kv_transfers"] >= 2 and r["pd"]["kv_transfer_failures"] == 0
+    )  # the KV really moved
+    assert r["ratios"]["itl_p99"] == pytest.approx(
+        r["pd"]["itl_s"]["p99"] / r["colocated"]["itl_s"]["p99"]
+    )
     bw = r["bandwidth"]
     assert bw["verified"] is True and bw["agents"] == "two processes" and bw["bytes_moved"] >= 2**20
     assert bw["transfer_gbps"] > 0 and bw["memcpy_gbps"] > 0
@@ -186,16 +281,33 @@ def test_disagg_kill_report_counts_lost_requests_by_kind() -> None:
     the counts and the restart times: what a failed run needs to be read."""
     from pagedkv.bench import disagg as bench_disagg
 
-    kinds = bench_disagg.error_kinds(["could not resume it within 180 s", "ReadTimeout: ",
-                                      "could not resume it within 90 s", None])
-    assert kinds == {"could not resume it within N s": 2, "ReadTimeout: ": 1, "no error recorded": 1}
+    kinds = bench_disagg.error_kinds(
+        [
+            "could not resume it within 180 s",
+            "ReadTimeout: ",
+            "could not resume it within 90 s",
+            None,
+        ]
+    )
+    assert kinds == {
+        "could not resume it within N s": 2,
+        "ReadTimeout: ": 1,
+        "no error recorded": 1,
+    }
     assert list(kinds)[0] == "could not resume it within N s"  # most frequent first
     report = json.loads((ROOT / "benchmarks" / "results" / "disagg_kill_0.3rps.json").read_text())
-    report["kill_test"].update(error_counts=kinds, pinning=dict(cores=[[0], [1], [0], [1]], note=None), kills=[
-        dict(at_s=1.0, instance="kill-decode0", restart_s=20.0),
-        dict(at_s=5.0, instance="kill-prefill1", restart_s=None)])
+    report["kill_test"].update(
+        error_counts=kinds,
+        pinning=dict(cores=[[0], [1], [0], [1]], note=None),
+        kills=[
+            dict(at_s=1.0, instance="kill-decode0", restart_s=20.0),
+            dict(at_s=5.0, instance="kill-prefill1", restart_s=None),
+        ],
+    )
     text = bench_disagg.table(report)
-    assert "500 requests, 426 lost, 2 kills" in text and "restarts 20.0-20.0 s (median 20.0 s)" in text
+    assert (
+        "500 requests, 426 lost, 2 kills" in text and "restarts 20.0-20.0 s (median 20.0 s)" in text
+    )
     assert "lost 2: could not resume it within N s" in text and "lost 1: ReadTimeout" in text
     assert "instances pinned to CPUs [[0], [1], [0], [1]]" in text
 
@@ -208,10 +320,33 @@ def test_router_script_tiny_pools_repeats() -> None:
     """Two repeats of a 2 x 2 trace through kv and round-robin routers: every request served,
     the pooled figures are the repeats' requests, every predicted hit is the reported one."""
     script = ROOT / "benchmarks" / "bench_router.py"
-    res = subprocess.run([sys.executable, str(script), "--conversations", "2", "--turns", "2", "--repeats", "2",
-                          "--max-tokens", "2", "--think-s", "0", "--num-kv-blocks", "64", "--max-model-len", "256",
-                          "--policies", "kv,round-robin", "--json-only"],
-                         capture_output=True, text=True, timeout=900, cwd=ROOT)
+    res = subprocess.run(
+        [
+            sys.executable,
+            str(script),
+            "--conversations",
+            "2",
+            "--turns",
+            "2",
+            "--repeats",
+            "2",
+            "--max-tokens",
+            "2",
+            "--think-s",
+            "0",
+            "--num-kv-blocks",
+            "64",
+            "--max-model-len",
+            "256",
+            "--policies",
+            "kv,round-robin",
+            "--json-only",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=ROOT,
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     r = json.loads(res.stdout)
     assert r["config"]["repeats"] == 2

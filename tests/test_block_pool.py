@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from pagedkv.core.block_pool import BlockHashToBlockMap, BlockPool, FreeKVCacheBlockQueue, KVCacheBlock
+from pagedkv.core.block_pool import (
+    BlockHashToBlockMap,
+    BlockPool,
+    FreeKVCacheBlockQueue,
+    KVCacheBlock,
+)
 
 
 def ids(blocks):

@@ -39,10 +39,26 @@ def free_port() -> int:
 
 # ---------------------------------------------------------------- help and version
 
-HELP_COMMANDS = [[], ["plan"], ["generate"], ["chat"], ["serve"], ["events"], ["bench"],
-                 ["bench", "throughput"], ["bench", "prefix-cache"], ["bench", "memory"], ["bench", "serve"],
-                 ["bench", "disagg"], ["bench", "router"], ["proxy"],
-                 ["router"], ["simulate"], ["simulate", "run"], ["simulate", "sweep"]]
+HELP_COMMANDS = [
+    [],
+    ["plan"],
+    ["generate"],
+    ["chat"],
+    ["serve"],
+    ["events"],
+    ["bench"],
+    ["bench", "throughput"],
+    ["bench", "prefix-cache"],
+    ["bench", "memory"],
+    ["bench", "serve"],
+    ["bench", "disagg"],
+    ["bench", "router"],
+    ["proxy"],
+    ["router"],
+    ["simulate"],
+    ["simulate", "run"],
+    ["simulate", "sweep"],
+]
 
 
 @pytest.mark.parametrize("argv", HELP_COMMANDS, ids=lambda a: " ".join(a) or "pagedkv")
@@ -74,30 +90,47 @@ def test_plan_with_a_config_missing_keys(tmp_path: Path) -> None:
     """Was a KeyError traceback."""
     cfg = tmp_path / "config.json"
     cfg.write_text(json.dumps({"model_type": "llama", "hidden_size": 64}))
-    assert_one_line_error(pagedkv("plan", "--model", str(cfg)), "pagedkv plan: error:", str(cfg),
-                          "num_attention_heads")
+    assert_one_line_error(
+        pagedkv("plan", "--model", str(cfg)),
+        "pagedkv plan: error:",
+        str(cfg),
+        "num_attention_heads",
+    )
 
 
 def test_generate_with_a_model_dir_whose_config_is_broken(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64}))
-    assert_one_line_error(pagedkv("generate", "hi", "--model", str(tmp_path)), "pagedkv generate: error:",
-                          "num_attention_heads")
+    assert_one_line_error(
+        pagedkv("generate", "hi", "--model", str(tmp_path)),
+        "pagedkv generate: error:",
+        "num_attention_heads",
+    )
     (tmp_path / "config.json").write_text("{not json")
-    assert_one_line_error(pagedkv("generate", "hi", "--model", str(tmp_path)), "pagedkv generate: error:")
+    assert_one_line_error(
+        pagedkv("generate", "hi", "--model", str(tmp_path)), "pagedkv generate: error:"
+    )
 
 
 @pytest.mark.parametrize("endpoint", ["foo", "tcp://127.0.0.1"])
 def test_events_with_a_bad_endpoint(endpoint: str) -> None:
     """Was a ZMQError traceback."""
-    assert_one_line_error(pagedkv("events", "--endpoint", endpoint, "--idle-timeout", "1"),
-                          "pagedkv events: error:", repr(endpoint), "tcp://")
+    assert_one_line_error(
+        pagedkv("events", "--endpoint", endpoint, "--idle-timeout", "1"),
+        "pagedkv events: error:",
+        repr(endpoint),
+        "tcp://",
+    )
 
 
 def test_plan_into_a_closed_pipe_is_quiet() -> None:
     """``pagedkv plan --json | head -c 10`` was a BrokenPipeError traceback. The reader goes
     away before plan writes: plan stops quietly with 141 (128 + SIGPIPE), as cat does."""
-    proc = subprocess.Popen([*CMD, "plan", "--memory", "1GiB", "--json"], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [*CMD, "plan", "--memory", "1GiB", "--json"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     proc.stdout.close()  # the reader is gone before the first write
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 141, err
@@ -109,28 +142,44 @@ def test_serve_refuses_a_kv_cache_too_small_before_loading_the_model() -> None:
     the length that fits (39 usable blocks x 16 = 624) and the flags, before the weights load."""
     port = str(free_port())
     res = pagedkv("serve", "--num-kv-blocks", "40", "--port", port)
-    assert_one_line_error(res, "pagedkv serve: error:", "estimated maximum model length is 624",
-                          "--max-model-len", "--num-kv-blocks")
+    assert_one_line_error(
+        res,
+        "pagedkv serve: error:",
+        "estimated maximum model length is 624",
+        "--max-model-len",
+        "--num-kv-blocks",
+    )
     assert "loading model" not in res.stderr
     res = pagedkv("generate", "hi", "--kv-cache-memory", "16MiB")
     assert_one_line_error(res, "estimated maximum model length is 336", "--kv-cache-memory")
 
 
 def test_bench_serve_bad_option_is_one_line() -> None:
-    assert_one_line_error(pagedkv("bench", "serve", "--input-len", "8", "--prefix-len", "9"), "--prefix-len")
+    assert_one_line_error(
+        pagedkv("bench", "serve", "--input-len", "8", "--prefix-len", "9"), "--prefix-len"
+    )
 
 
 # ---------------------------------------------------------------- events: silence
 
 
 def test_events_says_when_nothing_arrives() -> None:
-    res = pagedkv("events", "--endpoint", f"tcp://127.0.0.1:{free_port()}", "--silence-warning", "1",
-                  "--idle-timeout", "3")
+    res = pagedkv(
+        "events",
+        "--endpoint",
+        f"tcp://127.0.0.1:{free_port()}",
+        "--silence-warning",
+        "1",
+        "--idle-timeout",
+        "3",
+    )
     assert res.returncode == 0, res.stderr
     assert res.stdout == ""
     lines = res.stderr.strip().splitlines()
-    assert lines == ["pagedkv events: no events in 1 s: is the server running with KV events enabled "
-                     "(pagedkv serve --enable-kv-cache-events) on this endpoint?"]
+    assert lines == [
+        "pagedkv events: no events in 1 s: is the server running with KV events enabled "
+        "(pagedkv serve --enable-kv-cache-events) on this endpoint?"
+    ]
 
 
 # ---------------------------------------------------------------- plan defaults
@@ -142,8 +191,10 @@ def test_plan_needs_no_memory_and_defaults_to_the_engine(capsys) -> None:
     assert main(["plan"]) == 0
     out = capsys.readouterr().out
     assert "KV cache memory: 1.00 GiB (the engine's default on CPU)" in out
-    assert ("KV cache: 1,456 blocks of 16 tokens x 737,280 B = 1023.75 MiB, 23,280 tokens, "
-            "max 2.84 concurrent requests at max_model_len 8192") in out
+    assert (
+        "KV cache: 1,456 blocks of 16 tokens x 737,280 B = 1023.75 MiB, 23,280 tokens, "
+        "max 2.84 concurrent requests at max_model_len 8192"
+    ) in out
     assert "KV float32" in out
 
 
@@ -151,12 +202,20 @@ def test_plan_needs_no_memory_and_defaults_to_the_engine(capsys) -> None:
 def test_serve_prints_loading_progress_and_the_plan_summary() -> None:
     """On stderr before "listening on": the loading line and `pagedkv plan`'s summary for the
     same settings."""
-    plan = subprocess.run([*CMD, "plan", "--memory", "64MiB", "--context", "256", "--json"],
-                          capture_output=True, text=True, timeout=120)
+    plan = subprocess.run(
+        [*CMD, "plan", "--memory", "64MiB", "--context", "256", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     summary = json.loads(plan.stdout)["summary"]
-    proc = subprocess.Popen([*CMD, "serve", "--port", "0", "--kv-cache-memory", "64MiB", "--max-model-len", "256"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    proc = subprocess.Popen(
+        [*CMD, "serve", "--port", "0", "--kv-cache-memory", "64MiB", "--max-model-len", "256"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
     lines: list[str] = []
     try:
         for line in proc.stdout:
@@ -166,7 +225,10 @@ def test_serve_prints_loading_progress_and_the_plan_summary() -> None:
     finally:
         proc.terminate()
         proc.wait(60)
-    assert any(line.startswith("pagedkv serve: loading model ") and " ... done in " in line for line in lines), lines
+    assert any(
+        line.startswith("pagedkv serve: loading model ") and " ... done in " in line
+        for line in lines
+    ), lines
     assert f"pagedkv serve: {summary}" in lines
 
 

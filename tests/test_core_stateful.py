@@ -43,10 +43,15 @@ PREFIXES = [[7] * 40, list(range(40)), [3, 1, 4, 1, 5, 9, 2, 6] * 5]
 
 class CoreMachine(RuleBasedStateMachine):
     steps_run = 0  # rules executed across all examples (each followed by check_invariants)
-    @initialize(config=st.sampled_from(CONFIGS), caching=st.booleans(), chunk=st.sampled_from([3, 8, 64]))
+
+    @initialize(
+        config=st.sampled_from(CONFIGS), caching=st.booleans(), chunk=st.sampled_from([3, 8, 64])
+    )
     def setup(self, config, caching, chunk):
         _, specs, num_blocks = config
-        self.m = make_manager(num_blocks=num_blocks, specs=specs, caching=caching, max_model_len=200)
+        self.m = make_manager(
+            num_blocks=num_blocks, specs=specs, caching=caching, max_model_len=200
+        )
         self.chunk = chunk
         self.waiting: list = []
         self.running: list = []
@@ -71,14 +76,14 @@ class CoreMachine(RuleBasedStateMachine):
             for i, blk in enumerate(blocks):
                 if blk.is_null:
                     continue
-                want = req.all_token_ids[i * bs:(i + 1) * bs]
+                want = req.all_token_ids[i * bs : (i + 1) * bs]
                 got = [self.content.get(blk.block_id, {}).get(j) for j in range(bs)]
                 assert got == want, f"hit block {blk.block_id} holds {got}, request needs {want}"
 
     def _schedule(self, req) -> bool:
         """Admit or continue ``req`` for one chunk; False when the pool is full."""
         new = req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
-        hits, num_hit = (self.m.get_computed_blocks(req) if new else (None, 0))
+        hits, num_hit = self.m.get_computed_blocks(req) if new else (None, 0)
         if new:
             self._check_hits(req, hits)
         num_new = min(req.num_tokens - req.num_computed_tokens - num_hit, self.chunk)
@@ -93,8 +98,11 @@ class CoreMachine(RuleBasedStateMachine):
 
     # ---- rules ------------------------------------------------------------------------------
 
-    @rule(prefix=st.sampled_from(PREFIXES), cut=st.integers(0, 40),
-          tail=st.lists(st.integers(0, 5), max_size=20))
+    @rule(
+        prefix=st.sampled_from(PREFIXES),
+        cut=st.integers(0, 40),
+        tail=st.lists(st.integers(0, 5), max_size=20),
+    )
     def add_request(self, prefix, cut, tail):
         tokens = prefix[:cut] + tail
         if tokens:
@@ -172,7 +180,14 @@ class CoreMachine(RuleBasedStateMachine):
 
 def test_core_stateful_invariants():
     CoreMachine.steps_run = 0
-    run_state_machine_as_test(CoreMachine, settings=settings(
-        max_examples=MAX_EXAMPLES, stateful_step_count=STEPS, deadline=None, derandomize=True,
-        suppress_health_check=list(HealthCheck)))
+    run_state_machine_as_test(
+        CoreMachine,
+        settings=settings(
+            max_examples=MAX_EXAMPLES,
+            stateful_step_count=STEPS,
+            deadline=None,
+            derandomize=True,
+            suppress_health_check=list(HealthCheck),
+        ),
+    )
     assert CoreMachine.steps_run >= MIN_STEPS, f"only {CoreMachine.steps_run} steps ran"

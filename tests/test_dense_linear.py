@@ -14,12 +14,15 @@ from test_exactness import QUESTIONS, assert_same, chat_ids, hf_greedy, run_engi
 
 from pagedkv.ops import dense_linear
 
-needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
+needs_onednn = pytest.mark.skipif(
+    not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN"
+)
 
 
 @pytest.fixture
 def backend_env(monkeypatch: pytest.MonkeyPatch):
     """Set PAGEDKV_DENSE_LINEAR for one test; the cached choice is dropped before and after."""
+
     def set_env(value: str | None) -> None:
         if value is None:
             monkeypatch.delenv("PAGEDKV_DENSE_LINEAR", raising=False)
@@ -53,9 +56,20 @@ def test_onednn_and_auto_pick_a_backend(backend_env, mode: str) -> None:
 
 
 @needs_onednn
-@pytest.mark.parametrize("rows,k,n,bias", [(1, 576, 1536, False), (17, 576, 960, True), (64, 1536, 576, False),
-                                           (300, 576, 3072, True), (5, 65, 33, True), (2048, 64, 48, False)])
-def test_onednn_matches_f_linear_to_float32_rounding(backend_env, rows: int, k: int, n: int, bias: bool) -> None:
+@pytest.mark.parametrize(
+    "rows,k,n,bias",
+    [
+        (1, 576, 1536, False),
+        (17, 576, 960, True),
+        (64, 1536, 576, False),
+        (300, 576, 3072, True),
+        (5, 65, 33, True),
+        (2048, 64, 48, False),
+    ],
+)
+def test_onednn_matches_f_linear_to_float32_rounding(
+    backend_env, rows: int, k: int, n: int, bias: bool
+) -> None:
     backend_env("onednn")
     gen = torch.Generator().manual_seed(rows + k + n)
     x, w = torch.randn(rows, k, generator=gen), torch.randn(n, k, generator=gen)

@@ -24,11 +24,19 @@ from pagedkv import LLM, SamplingParams
 from pagedkv.engine.async_llm import AsyncLLM, EngineGenerateError
 from pagedkv.engine.config import EngineConfig
 
-FLOAT_FIELDS = ["temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
-                "frequency_penalty"]
-PROMPT = ("The history of the printing press begins in the fifteenth century, when Johannes Gutenberg "
-          "combined movable metal type, oil-based ink and a screw press adapted from wine making. "
-          "Within fifty years printers worked in more than two hundred cities across Europe, and")
+FLOAT_FIELDS = [
+    "temperature",
+    "top_p",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+]
+PROMPT = (
+    "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg "
+    "combined movable metal type, oil-based ink and a screw press adapted from wine making. "
+    "Within fifty years printers worked in more than two hundred cities across Europe, and"
+)
 GREEDY = SamplingParams(temperature=0, max_tokens=8)
 # A real bad state, no mock: positive logits divided by 1e-300 overflow to inf in float32, the
 # softmax turns them into NaN and torch.multinomial raises. (Finite, so SamplingParams allows it.)
@@ -84,7 +92,9 @@ def test_a_failing_forward_fails_only_its_batch_and_leaves_no_poisoned_cache(llm
 
     monkeypatch.setattr(runner, "execute_model", fail_once)
     engine.add_request("victim", PROMPT, GREEDY)
-    engine.add_request("forked", "Once upon a time", SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=5))
+    engine.add_request(
+        "forked", "Once upon a time", SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=5)
+    )
     outs = engine.step()
     assert calls == [2]
     assert sorted(o.request_id for o in outs) == ["forked", "victim"]
@@ -152,8 +162,10 @@ def test_async_llm_stays_healthy_after_a_failing_step(async_llm):
 def test_long_text_encodes_to_the_same_ids(async_llm):
     """Long text is encoded by the GIL-releasing path; its ids equal the plain encoder's."""
     tok = async_llm.tokenizer
-    text = ("<|im_start|>user\nCaf\u00e9 na\u00efve \u65e5\u672c\u8a9e  tabs\tand 12345 emojis \U0001f600"
-            "<|im_end|>\n" * 400)
+    text = (
+        "<|im_start|>user\nCaf\u00e9 na\u00efve \u65e5\u672c\u8a9e  tabs\tand 12345 emojis \U0001f600"
+        "<|im_end|>\n" * 400
+    )
     assert len(text) > 8192
     assert tok.encode(text) == tok.backend.encode(text).ids
 
@@ -205,8 +217,11 @@ def test_a_huge_prompt_does_not_stall_a_running_stream(long_context_llm):
         assert not consumer.done(), "the stream must outlast the huge prompt; raise max_tokens"
         stream.abort()
         consumer.cancel()
-        points = ([t for t in stamps if t < start][-1:] + [t for t in stamps if start <= t <= end]
-                  + [t for t in stamps if t > end][:1])
+        points = (
+            [t for t in stamps if t < start][-1:]
+            + [t for t in stamps if start <= t <= end]
+            + [t for t in stamps if t > end][:1]
+        )
         return end - start, max(b - a for a, b in zip(points, points[1:]))
 
     # One core for the engine's step, the other for the tokenizer thread: on a 2-core machine

@@ -39,8 +39,10 @@ QUESTIONS = [
     "Give me a short motivational quote.",
     "What are the three states of water?",
 ]
-SYSTEM = ("You are a meticulous assistant for a library. " * 12 +
-          "Answer briefly and precisely, citing the catalogue when you can.")
+SYSTEM = (
+    "You are a meticulous assistant for a library. " * 12
+    + "Answer briefly and precisely, citing the catalogue when you can."
+)
 
 
 @pytest.fixture(scope="module")
@@ -51,8 +53,12 @@ def tok(gguf_path):
 
 
 def chat_ids(tok, question: str, system: str | None = None) -> list[int]:
-    msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": question}]
-    return tok.encode(tok.apply_chat_template(msgs, add_generation_prompt=True), add_special_tokens=False)
+    msgs = ([{"role": "system", "content": system}] if system else []) + [
+        {"role": "user", "content": question}
+    ]
+    return tok.encode(
+        tok.apply_chat_template(msgs, add_generation_prompt=True), add_special_tokens=False
+    )
 
 
 @pytest.fixture(scope="module")
@@ -64,6 +70,7 @@ def hf_greedy(hf_model):
         key = tuple(ids)
         if key not in cache:
             from transformers import DynamicCache
+
             past = DynamicCache()
             out_tokens, rows = [], []
             inp = torch.tensor([ids], device=DEVICE)
@@ -89,8 +96,10 @@ def assert_same(prompts: list[list[int]], outputs, hf_greedy, report: list[str])
             continue
         i = next(j for j, (a, b) in enumerate(zip(ours, ref)) if a != b)
         gap = float(rows[i][ref[i]] - rows[i][ours[i]])
-        assert abs(gap) < NEAR_TIE, (f"prompt of {len(ids)} tokens differs at output {i}: ours "
-                                     f"{ours[i]} vs reference {ref[i]} (logit gap {gap:.2e})")
+        assert abs(gap) < NEAR_TIE, (
+            f"prompt of {len(ids)} tokens differs at output {i}: ours "
+            f"{ours[i]} vs reference {ref[i]} (logit gap {gap:.2e})"
+        )
         report.append(f"near-tie at output {i} of a {len(ids)}-token prompt (gap {gap:.1e})")
 
 
@@ -125,8 +134,11 @@ def test_shared_prefixes_hit_the_cache_and_match_hf(tok, hf_greedy):
     assert stats["prefix_cache_hits"] >= 4 * 16 * (len(SYSTEM) // 80)  # most of the system prompt
     assert all(o.num_cached_tokens > 0 for o in outs[2:])
     # Run the same prompts again: now whole prompts (all but the last block) hit.
-    outs2 = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                         SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True), use_tqdm=False)
+    outs2 = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts],
+        SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True),
+        use_tqdm=False,
+    )
     assert [o.outputs[0].token_ids for o in outs2] == [o.outputs[0].token_ids for o in outs]
     assert all(o.num_cached_tokens >= len(p) - 16 for o, p in zip(outs2, prompts))
     print("\n".join(report))

@@ -36,13 +36,13 @@ from typing import Any
 import httpx
 import pytest
 import torch
-
-from pagedkv import LLM, SamplingParams
-from pagedkv.core.events import BlockRemoved, BlockStored
-from pagedkv.entrypoints.dashboard import dashboard_state
-from pagedkv.core.event_transport import KVEventSubscriber
 from engine_utils import check_clean, random_prompts
 from test_dashboard import browser, wait_js  # noqa: F401  (browser: a fixture; skips without chromium)
+
+from pagedkv import LLM, SamplingParams
+from pagedkv.core.event_transport import KVEventSubscriber
+from pagedkv.core.events import BlockRemoved, BlockStored
+from pagedkv.entrypoints.dashboard import dashboard_state
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -105,7 +105,9 @@ class Family:
 FAMILIES = {
     "gemma2": Family(_gemma2, 256, 4, 36, 64, 30, ("sliding_window", "full_attention"), 16),
     "deepseek_v3": Family(_deepseek_v3, 128, 4, 20, 64, 30, ("mla_attention",)),
-    "llama4": Family(_llama4, 256, 4, 66, 64, 30, ("chunked_local_attention",) * 3 + ("full_attention",)),
+    "llama4": Family(
+        _llama4, 256, 4, 66, 64, 30, ("chunked_local_attention",) * 3 + ("full_attention",)
+    ),
     "bamba": Family(_bamba, 256, 48, 12, 160, 100, ("mamba", "full_attention")),
 }
 MAX_TOKENS = 12
@@ -127,7 +129,7 @@ class Model:
             with torch.inference_mode():
                 for _ in range(n):
                     ids.append(int(self.hf(torch.tensor([ids])).logits[0, -1].argmax()))
-            self.memo[key] = ids[len(prompt):]
+            self.memo[key] = ids[len(prompt) :]
         return self.memo[key]
 
     def prompts(self, seed: int, count: int) -> list[list[int]]:
@@ -135,8 +137,13 @@ class Model:
 
     def llm(self, **kw: Any) -> LLM:
         f = self.family
-        return LLM(model=str(self.path), block_size=f.block_size, num_kv_blocks=f.num_kv_blocks,
-                   max_model_len=f.max_model_len, **kw)
+        return LLM(
+            model=str(self.path),
+            block_size=f.block_size,
+            num_kv_blocks=f.num_kv_blocks,
+            max_model_len=f.max_model_len,
+            **kw,
+        )
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
@@ -158,13 +165,19 @@ def group_kinds(llm: LLM) -> list[str]:
 def test_n_samples_fork_and_equal_separate_runs(model: Model) -> None:
     llm = model.llm()
     engine = llm.llm_engine
-    assert group_kinds(llm) == list(model.family.kinds) and engine.block_size == model.family.block_size
+    assert (
+        group_kinds(llm) == list(model.family.kinds)
+        and engine.block_size == model.family.block_size
+    )
     prompt, other = model.prompts(1, 2)
     ref = model.greedy(prompt)
 
     # Greedy n = 3, stepped by hand so the dashboard sees the forked request mid-run.
-    engine.add_request("g", {"prompt_token_ids": prompt},
-                       SamplingParams(n=3, temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
+    engine.add_request(
+        "g",
+        {"prompt_token_ids": prompt},
+        SamplingParams(n=3, temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True),
+    )
     outs: dict[str, Any] = {}
     state = None
     while engine.has_unfinished_requests():
@@ -183,9 +196,14 @@ def test_n_samples_fork_and_equal_separate_runs(model: Model) -> None:
 
     # Seeded random n = 3 == three separate requests seeded seed, seed + 1, seed + 2.
     kw = dict(temperature=1.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    (forked,) = llm.generate({"prompt_token_ids": other}, SamplingParams(n=3, seed=11, **kw), use_tqdm=False)
-    single = llm.generate([{"prompt_token_ids": other}] * 3, [SamplingParams(seed=11 + i, **kw) for i in range(3)],
-                          use_tqdm=False)
+    (forked,) = llm.generate(
+        {"prompt_token_ids": other}, SamplingParams(n=3, seed=11, **kw), use_tqdm=False
+    )
+    single = llm.generate(
+        [{"prompt_token_ids": other}] * 3,
+        [SamplingParams(seed=11 + i, **kw) for i in range(3)],
+        use_tqdm=False,
+    )
     got = [c.token_ids for c in forked.outputs]
     assert got == [o.outputs[0].token_ids for o in single]
     assert len({tuple(t) for t in got}) > 1  # really sampled
@@ -200,12 +218,36 @@ class Server:
 
     def __init__(self, model: Model) -> None:
         f = model.family
-        cmd = [sys.executable, "-m", "pagedkv.entrypoints.cli", "serve", "--model", str(model.path),
-               "--port", "0", "--block-size", str(min(f.block_size, 16)), "--num-kv-blocks", str(f.num_kv_blocks),
-               "--max-model-len", str(f.max_model_len), "--max-num-seqs", "4", "--enable-kv-cache-events",
-               "--kv-events-endpoint", "tcp://127.0.0.1:0", "--log-stats-interval", "0"]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"})
+        cmd = [
+            sys.executable,
+            "-m",
+            "pagedkv.entrypoints.cli",
+            "serve",
+            "--model",
+            str(model.path),
+            "--port",
+            "0",
+            "--block-size",
+            str(min(f.block_size, 16)),
+            "--num-kv-blocks",
+            str(f.num_kv_blocks),
+            "--max-model-len",
+            str(f.max_model_len),
+            "--max-num-seqs",
+            "4",
+            "--enable-kv-cache-events",
+            "--kv-events-endpoint",
+            "tcp://127.0.0.1:0",
+            "--log-stats-interval",
+            "0",
+        ]
+        self.proc = subprocess.Popen(
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"},
+        )
         self.url = self.events = ""
         lines: list[str] = []
         deadline = time.monotonic() + 120
@@ -234,8 +276,15 @@ class Server:
 def complete(http: httpx.Client, prompt: list[int], stream: bool = False) -> tuple[list[int], int]:
     """Greedy ``/v1/completions`` of a token-id prompt: (the completion's token ids, the prompt
     tokens served from the prefix cache)."""
-    body = dict(prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True, return_token_ids=True,
-                stream=stream, stream_options={"include_usage": True} if stream else None)
+    body = dict(
+        prompt=prompt,
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        ignore_eos=True,
+        return_token_ids=True,
+        stream=stream,
+        stream_options={"include_usage": True} if stream else None,
+    )
     if not stream:
         r = http.post("/v1/completions", json=body)
         assert r.status_code == 200, r.text
@@ -257,7 +306,9 @@ def complete(http: httpx.Client, prompt: list[int], stream: bool = False) -> tup
     return tokens, usage["prompt_tokens_details"]["cached_tokens"]
 
 
-def drain(sub: KVEventSubscriber, until: Callable[[list[Any]], bool], timeout: float = 20.0) -> list[Any]:
+def drain(
+    sub: KVEventSubscriber, until: Callable[[list[Any]], bool], timeout: float = 20.0
+) -> list[Any]:
     events: list[Any] = []
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and not until(events):
@@ -274,7 +325,10 @@ def test_serve_completions_events_and_dashboard(model: Model) -> None:
     batch = model.prompts(2, 5)
     server = Server(model)
     try:
-        with httpx.Client(base_url=server.url, timeout=60) as http, KVEventSubscriber(server.events) as sub:
+        with (
+            httpx.Client(base_url=server.url, timeout=60) as http,
+            KVEventSubscriber(server.events) as sub,
+        ):
             cfg = http.get("/v1/kv_cache_config").json()
             assert cfg["block_size"] == f.block_size and cfg["num_blocks"] == f.num_kv_blocks
             groups = cfg["kv_cache_groups"]
@@ -286,9 +340,16 @@ def test_serve_completions_events_and_dashboard(model: Model) -> None:
             first, cached = complete(http, batch[0])
             assert first == model.greedy(batch[0]) and cached == 0
             again, cached = complete(http, batch[0], stream=True)
-            assert again == first and cached > 0 and cached % f.block_size == 0  # a prefix hit, streamed
-            stored = drain(sub, lambda ev: {e.group_idx for e in ev if isinstance(e, BlockStored)}
-                           == set(range(len(groups))))
+            assert (
+                again == first and cached > 0 and cached % f.block_size == 0
+            )  # a prefix hit, streamed
+            stored = drain(
+                sub,
+                lambda ev: (
+                    {e.group_idx for e in ev if isinstance(e, BlockStored)}
+                    == set(range(len(groups)))
+                ),
+            )
             for e in stored:
                 if not isinstance(e, BlockStored):
                     continue
@@ -325,8 +386,11 @@ def test_serve_completions_events_and_dashboard(model: Model) -> None:
         rc = server.stop()
     assert rc == 0
     llm = model.llm()  # LLM offline gives the same tokens as the server
-    outs = llm.generate([{"prompt_token_ids": p} for p in batch],
-                        SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True), use_tqdm=False)
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in batch],
+        SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True),
+        use_tqdm=False,
+    )
     assert [o.outputs[0].token_ids for o in outs] == [model.greedy(p) for p in batch]
 
 
@@ -353,15 +417,26 @@ def test_event_window_annotation_follows_vllm() -> None:
     uniform = UniformTypeKVCacheSpecs(block_size=16, kv_cache_specs={"a": swa[0], "b": swa[1]})
     merged = FullAttentionSpec(head_size=1, sliding_window=64, **geo)  # type: ignore[arg-type]
     chunked = ChunkedLocalAttentionSpec(head_size=1, attention_chunk_size=32, **geo)  # type: ignore[arg-type]
-    assert [get_kv_cache_spec_sliding_window(s) for s in (swa[0], uniform, merged, chunked)] == [64, 64, None, None]
+    assert [get_kv_cache_spec_sliding_window(s) for s in (swa[0], uniform, merged, chunked)] == [
+        64,
+        64,
+        None,
+        None,
+    ]
     full = [FullAttentionSpec(head_size=h, **geo) for h in (1, 2)]  # type: ignore[arg-type]
     mixed = UniformTypeKVCacheSpecs(block_size=16, kv_cache_specs={"a": full[0], "b": full[1]})
     assert get_kv_cache_spec_sliding_window(mixed) is None
 
     m = make_manager(num_blocks=20, specs=[uniform, chunked, merged], events=True)
     admit(m, make_request(list(range(40)), m))
-    got = {(e.group_idx, e.kv_cache_spec_kind, e.kv_cache_spec_sliding_window) for e in m.take_events()}
-    assert got == {(0, "sliding_window", 64), (1, "chunked_local_attention", None), (2, "full_attention", None)}
+    got = {
+        (e.group_idx, e.kv_cache_spec_kind, e.kv_cache_spec_sliding_window) for e in m.take_events()
+    }
+    assert got == {
+        (0, "sliding_window", 64),
+        (1, "chunked_local_attention", None),
+        (2, "full_attention", None),
+    }
 
 
 # ---- the dashboard page: a hybrid model's groups in a real browser --------------------------
@@ -380,25 +455,42 @@ def test_dashboard_page_names_each_group_in_chromium(model: Model, browser: Any)
     from pagedkv.engine.config import EngineConfig
 
     f = model.family
-    config = EngineConfig(model=str(model.path), block_size=f.block_size, num_kv_blocks=f.num_kv_blocks,
-                          max_model_len=f.max_model_len)
+    config = EngineConfig(
+        model=str(model.path),
+        block_size=f.block_size,
+        num_kv_blocks=f.num_kv_blocks,
+        max_model_len=f.max_model_len,
+    )
     with running_server(config) as srv, httpx.Client(base_url=srv.url, timeout=60) as http:
         prompt = model.prompts(3, 1)[0]
         assert complete(http, prompt)[0] == model.greedy(prompt)
         browser.get(srv.url + "/dashboard")
         st = wait_js(browser, "window.__pagedkv.lastState", 30, "a state")
         header = browser.find_element("id", "geometry").text
-        assert "2 KV cache groups: 0 sliding_window (w 16)" in header and "1 full_attention" in header
+        assert (
+            "2 KV cache groups: 0 sliding_window (w 16)" in header and "1 full_attention" in header
+        )
         canvas = browser.find_element("id", "map")
         for gid, name in enumerate(["0 sliding_window (w 16)", "1 full_attention"]):
-            block = next(int(b) for b, g in st["block_groups"].items() if g == gid and st["blocks"][int(b)] == "c")
+            block = next(
+                int(b)
+                for b, g in st["block_groups"].items()
+                if g == gid and st["blocks"][int(b)] == "c"
+            )
             x, y, w, h = browser.execute_script(f"""
                 const g = window.__pagedkv.mapGeom, i = {block};
                 const r = document.getElementById('map').getBoundingClientRect();
                 return [g.gutter + (i % g.cols) * g.cell + g.cell / 2, Math.floor(i / g.cols) * g.cell + g.cell / 2,
                         r.width, r.height];""")
-            ActionChains(browser).move_to_element_with_offset(canvas, int(x - w / 2), int(y - h / 2)).perform()
-            got = wait_js(browser, f"""(() => {{ const b = document.getElementById('tip-block');
+            ActionChains(browser).move_to_element_with_offset(
+                canvas, int(x - w / 2), int(y - h / 2)
+            ).perform()
+            got = wait_js(
+                browser,
+                f"""(() => {{ const b = document.getElementById('tip-block');
                 return b && b.textContent === 'block {block}' && document.getElementById('tip-group').textContent;
-                }})()""", 10, f"the tooltip of block {block}")
+                }})()""",
+                10,
+                f"the tooltip of block {block}",
+            )
             assert got == name, json.dumps(got)

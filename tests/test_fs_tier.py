@@ -60,7 +60,9 @@ def odirect(request: pytest.FixtureRequest, tmp_path: Path) -> bool:
 
 
 def make_tier(root: Path, capacity: int = 10**8, **kw) -> FileSystemTier:
-    return FileSystemTier(root, kw.pop("fp", FP), capacity, kw.pop("chunk", CHUNK), num_threads=2, **kw)
+    return FileSystemTier(
+        root, kw.pop("fp", FP), capacity, kw.pop("chunk", CHUNK), num_threads=2, **kw
+    )
 
 
 def test_roundtrip_layout_and_format(root: Path, odirect: bool):
@@ -76,7 +78,7 @@ def test_roundtrip_layout_and_format(root: Path, odirect: bool):
         h = key(1).hex()
         assert path == root / f"pagedkv-{FP.hexdigest}" / h[:2] / h[2:4] / f"{h}.kv"
         assert path.stat().st_size == tier.file_bytes == HEADER_BLOCK + 69632
-        assert path.read_bytes()[HEADER_BLOCK:HEADER_BLOCK + CHUNK] == payload(1)
+        assert path.read_bytes()[HEADER_BLOCK : HEADER_BLOCK + CHUNK] == payload(1)
         assert json.loads((tier.dir / "config.json").read_text())["model"] == "test-model"
         s = tier.get_stats()
         assert (s.stores, s.loads, s.load_failures, s.hits, s.misses) == (2, 2, 1, 2, 3)
@@ -113,7 +115,11 @@ def test_flipped_bytes_are_detected_and_dropped(root: Path, where: str):
     tier = make_tier(root)
     store(tier, [1, 2])
     path = tier.path_for(key(1))
-    offset = {"payload": HEADER_BLOCK + 1234, "header": 50, "padding_is_not_checked": tier.file_bytes - 1}[where]
+    offset = {
+        "payload": HEADER_BLOCK + 1234,
+        "header": 50,
+        "padding_is_not_checked": tier.file_bytes - 1,
+    }[where]
     with open(path, "r+b") as f:
         f.seek(offset)
         byte = f.read(1)
@@ -165,8 +171,12 @@ def test_startup_scan_removes_dead_writers_temp_files(root: Path):
     tier = make_tier(root)
     store(tier, [1])
     final = tier.path_for(key(1))
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
-                          capture_output=True, text=True, check=True).stdout.strip()
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
     stale = Path(f"{final}.tmp.{dead}.123")
     live = Path(f"{final}.tmp.{os.getpid()}.456")  # a writer of this very process: keep it
     stale.write_bytes(b"partial")
@@ -272,14 +282,18 @@ def test_kill_9_during_writes_never_yields_a_corrupt_block(root: Path):
         victim = probe.path_for(key(start + 3))
         torn = f"{victim.name}.tmp.{proc.pid}.*"
         try:
-            assert _wait_for(lambda: victim.parent.is_dir() and any(victim.parent.glob(torn))), "never wrote"
+            assert _wait_for(lambda: victim.parent.is_dir() and any(victim.parent.glob(torn))), (
+                "never wrote"
+            )
         finally:
             proc.kill()  # SIGKILL: no cleanup, no flush
             proc.wait()
         complete |= {start, start + 1, start + 2}
         tier = FileSystemTier(root, FP.hexdigest, 10**10, chunk, num_threads=1)
         assert not list(tier.dir.rglob("*.tmp.*"))
-        assert tier.num_tmp_removed == 1 or key(start + 3) in tier  # (unless the rename won the race)
+        assert (
+            tier.num_tmp_removed == 1 or key(start + 3) in tier
+        )  # (unless the rename won the race)
         indexed = {int.from_bytes(k[:32], "big") for k in tier._index}
         assert complete <= indexed
         for i in indexed:
@@ -326,8 +340,14 @@ def small_fs() -> Iterator[tuple[str, int]]:
     """A 1 MiB tmpfs mounted for this test (root only), else a plain directory and a file size
     limit that makes every write fail with EFBIG."""
     path = tempfile.mkdtemp(prefix="pagedkv-full-")
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", path],
-                             capture_output=True).returncode == 0 if shutil.which("mount") else False
+    mounted = (
+        subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", path], capture_output=True
+        ).returncode
+        == 0
+        if shutil.which("mount")
+        else False
+    )
     try:
         yield path, (0 if mounted else 64 * 1024)
     finally:
@@ -340,8 +360,12 @@ def test_full_disk_drops_stores_with_a_warning_and_keeps_serving(small_fs: tuple
     path, fsize = small_fs
     chunk = 256 * 1024
     script = _FULL_DISK.format(src=SRC, fp=FP.hexdigest)
-    res = subprocess.run([sys.executable, "-c", script, path, str(chunk), str(fsize)],
-                         capture_output=True, text=True, timeout=60)
+    res = subprocess.run(
+        [sys.executable, "-c", script, path, str(chunk), str(fsize)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert res.returncode == 0, res.stderr
     out = json.loads(res.stdout)
     n_ok = sum(out["stored"])
@@ -361,8 +385,12 @@ def test_dual_queue_runs_reads_before_writes():
     order: list[str] = []
     pool.submit_write(gate.wait)
     time.sleep(0.05)  # the only thread is now blocked in the gate
-    futures = [pool.submit_write(order.append, "w1"), pool.submit_read(order.append, "r1"),
-               pool.submit_write(order.append, "w2"), pool.submit_read(order.append, "r2")]
+    futures = [
+        pool.submit_write(order.append, "w1"),
+        pool.submit_read(order.append, "r1"),
+        pool.submit_write(order.append, "w2"),
+        pool.submit_read(order.append, "r2"),
+    ]
     assert pool.num_pending_reads == 2 and pool.num_pending_writes == 2
     gate.set()
     assert pool.wait_idle(5)
@@ -391,12 +419,14 @@ def test_concurrent_batched_reads_are_exact(tmp_path: Path, caplog: pytest.LogCa
     not a timed test.)"""
     caplog.set_level(logging.WARNING)
     chunk, n = 720 * 1024, 64
-    tier = FileSystemTier(tmp_path / "c", FP, 10**10, chunk, num_threads=4, fsync=False, use_odirect=False)
+    tier = FileSystemTier(
+        tmp_path / "c", FP, 10**10, chunk, num_threads=4, fsync=False, use_odirect=False
+    )
     blobs = [random.Random(i).randbytes(chunk) for i in range(n)]
     assert all(tier.store_batch([(key(i), memoryview(b)) for i, b in enumerate(blobs)]))
     outs = [bytearray(chunk) for _ in range(n)]
     items = [(key(i), memoryview(outs[i])) for i in range(n)]
-    futs = [tier.pool.submit_read(tier.load_batch, items[i:i + 16]) for i in range(0, n, 16)]
+    futs = [tier.pool.submit_read(tier.load_batch, items[i : i + 16]) for i in range(0, n, 16)]
     assert all(all(f.result()) for f in futs)
     assert all(bytes(o) == b for o, b in zip(outs, blobs))
     tier.shutdown()

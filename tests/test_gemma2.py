@@ -13,10 +13,10 @@ from typing import Any
 
 import pytest
 import torch
+from engine_utils import check_clean, greedy_by_forward, random_prompts
 
 from pagedkv import LLM, SamplingParams
 from pagedkv.core.specs import SlidingWindowSpec
-from engine_utils import check_clean, greedy_by_forward, random_prompts
 
 WINDOW = 16
 BLOCK = 4
@@ -29,11 +29,26 @@ def tiny_config(**overrides: Any) -> Any:
 
     # Untied head: with a tied one a random model mostly repeats its input token (the scaled
     # embedding dominates the residual), which would make greedy agreement a weak check.
-    kw = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-              num_key_value_heads=2, head_dim=16, sliding_window=WINDOW, max_position_embeddings=256,
-              query_pre_attn_scalar=24, attn_logit_softcapping=5.0, final_logit_softcapping=3.0,
-              initializer_range=0.3, tie_word_embeddings=False, attn_implementation="eager",
-              eos_token_id=None, bos_token_id=None, pad_token_id=None)
+    kw = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        sliding_window=WINDOW,
+        max_position_embeddings=256,
+        query_pre_attn_scalar=24,
+        attn_logit_softcapping=5.0,
+        final_logit_softcapping=3.0,
+        initializer_range=0.3,
+        tie_word_embeddings=False,
+        attn_implementation="eager",
+        eos_token_id=None,
+        bos_token_id=None,
+        pad_token_id=None,
+    )
     return Gemma2Config(**(kw | overrides))
 
 
@@ -94,23 +109,35 @@ def test_oracle_depends_on_every_gemma_feature(gemma: tuple[Any, Path]) -> None:
     hf, _ = gemma
     ids = prompts(9, [70])[0]
     ref = hf_logits(hf, ids)
-    for change in [dict(sliding_window=4096), dict(attn_logit_softcapping=None),
-                   dict(final_logit_softcapping=None), dict(query_pre_attn_scalar=16)]:
+    for change in [
+        dict(sliding_window=4096),
+        dict(attn_logit_softcapping=None),
+        dict(final_logit_softcapping=None),
+        dict(query_pre_attn_scalar=16),
+    ]:
         other = build(tiny_config(**change))
         assert (hf_logits(other, ids) - ref).abs().max() > 100 * TOL, change
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("engine_kw", [
-    {},  # whole prompts in one step
-    {"max_num_batched_tokens": 7},  # every prefill chunked; chunk edges cross the window
-    # Few blocks: requests are preempted and recomputed (the small token budget bounds the
-    # sliding group's prefill peak, which holds a whole chunk before the window trims it).
-    {"num_kv_blocks": 56, "max_num_batched_tokens": 16, "max_model_len": 112},
-], ids=["plain", "chunked", "preempting"])
+@pytest.mark.parametrize(
+    "engine_kw",
+    [
+        {},  # whole prompts in one step
+        {"max_num_batched_tokens": 7},  # every prefill chunked; chunk edges cross the window
+        # Few blocks: requests are preempted and recomputed (the small token budget bounds the
+        # sliding group's prefill peak, which holds a whole chunk before the window trims it).
+        {"num_kv_blocks": 56, "max_num_batched_tokens": 16, "max_model_len": 112},
+    ],
+    ids=["plain", "chunked", "preempting"],
+)
 def test_greedy_matches_transformers(gemma: tuple[Any, Path], engine_kw: dict[str, int]) -> None:
     hf, path = gemma
-    llm = LLM(model=str(path), block_size=BLOCK, **({"num_kv_blocks": 200, "max_model_len": 128} | engine_kw))
+    llm = LLM(
+        model=str(path),
+        block_size=BLOCK,
+        **({"num_kv_blocks": 200, "max_model_len": 128} | engine_kw),
+    )
     batch = prompts(1, [5, 23, 40, 9]) + prompts(2, [6, 11], shared=30)
     out_lens = [66, 20, 64, 9, 14, 18]
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in out_lens]
@@ -131,24 +158,37 @@ def test_logprobs_and_prefix_hit_match_transformers(gemma: tuple[Any, Path]) -> 
     a second request sharing 84 of its tokens hits the prefix cache in both groups and its
     sampled tokens and their logprobs still agree."""
     hf, path = gemma
-    llm = LLM(model=str(path), block_size=BLOCK, num_kv_blocks=200, max_model_len=128, max_num_batched_tokens=24)
+    llm = LLM(
+        model=str(path),
+        block_size=BLOCK,
+        num_kv_blocks=200,
+        max_model_len=128,
+        max_num_batched_tokens=24,
+    )
     first, second = prompts(5, [6, 8], shared=84)
     ref = torch.log_softmax(hf_logits(hf, first), dim=-1)
-    (out,) = llm.generate({"prompt_token_ids": first},
-                          SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0, ignore_eos=True),
-                          use_tqdm=False)
+    (out,) = llm.generate(
+        {"prompt_token_ids": first},
+        SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0, ignore_eos=True),
+        use_tqdm=False,
+    )
     plp = out.prompt_logprobs
     assert plp[0] is None and len(plp) == len(first)
-    err = max(abs(plp[i][first[i]].logprob - float(ref[i - 1, first[i]])) for i in range(1, len(first)))
+    err = max(
+        abs(plp[i][first[i]].logprob - float(ref[i - 1, first[i]])) for i in range(1, len(first))
+    )
     assert err < TOL
     assert out.outputs[0].token_ids == [int(ref[-1].argmax())]
 
-    (out,) = llm.generate({"prompt_token_ids": second},
-                          SamplingParams(temperature=0, max_tokens=20, logprobs=0, ignore_eos=True), use_tqdm=False)
+    (out,) = llm.generate(
+        {"prompt_token_ids": second},
+        SamplingParams(temperature=0, max_tokens=20, logprobs=0, ignore_eos=True),
+        use_tqdm=False,
+    )
     assert out.num_cached_tokens >= 80
     got = out.outputs[0].token_ids
     assert got == hf_greedy(hf, second, 20)
-    ref = torch.log_softmax(hf_logits(hf, second + got), dim=-1)[len(second) - 1: -1]
+    ref = torch.log_softmax(hf_logits(hf, second + got), dim=-1)[len(second) - 1 : -1]
     for i, (t, lp) in enumerate(zip(got, out.outputs[0].logprobs, strict=True)):
         assert abs(lp[t].logprob - float(ref[i, t])) < TOL, i
     check_clean(llm)
@@ -163,8 +203,11 @@ def test_window_blocks_freed_as_planned(gemma: tuple[Any, Path]) -> None:
     llm = LLM(model=str(path), block_size=BLOCK, num_kv_blocks=200, max_model_len=128)
     engine = llm.llm_engine
     prompt = prompts(4, [40])[0]
-    engine.add_request("long", {"prompt_token_ids": prompt},
-                       SamplingParams(temperature=0, max_tokens=70, ignore_eos=True))
+    engine.add_request(
+        "long",
+        {"prompt_token_ids": prompt},
+        SamplingParams(temperature=0, max_tokens=70, ignore_eos=True),
+    )
     groups = engine.kv_cache_config.kv_cache_groups
     kv = engine.kv_cache_manager
     tokens: list[int] = []
@@ -190,7 +233,10 @@ def test_window_blocks_freed_as_planned(gemma: tuple[Any, Path]) -> None:
                 assert len(live) <= bound, (computed, len(live))
                 # ... and exactly the blocks from the one holding the oldest key the step's
                 # first query sees (position computed - w + 1) to the step's last token.
-                assert len(live) == end - max(0, computed - WINDOW + 1) // BLOCK, (computed, len(live))
+                assert len(live) == end - max(0, computed - WINDOW + 1) // BLOCK, (
+                    computed,
+                    len(live),
+                )
                 checked += len(live) < len(table)
             else:
                 assert len(live) == end
@@ -210,11 +256,16 @@ def test_tied_head_logprobs_match_transformers(tmp_path: Path) -> None:
     assert model.lm_head is model.model.embed_tokens
     ids = prompts(7, [40])[0]
     ref = torch.log_softmax(hf_logits(hf, ids), dim=-1)
-    (out,) = llm.generate({"prompt_token_ids": ids},
-                          SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0, ignore_eos=True),
-                          use_tqdm=False)
+    (out,) = llm.generate(
+        {"prompt_token_ids": ids},
+        SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0, ignore_eos=True),
+        use_tqdm=False,
+    )
     plp = out.prompt_logprobs
-    assert max(abs(plp[i][ids[i]].logprob - float(ref[i - 1, ids[i]])) for i in range(1, len(ids))) < TOL
+    assert (
+        max(abs(plp[i][ids[i]].logprob - float(ref[i - 1, ids[i]])) for i in range(1, len(ids)))
+        < TOL
+    )
 
 
 # ---- Gemma 3 (text): q/k norms, local RoPE theta, five sliding layers to one global -------
@@ -223,12 +274,29 @@ def test_tied_head_logprobs_match_transformers(tmp_path: Path) -> None:
 def gemma3_config(**overrides: Any) -> Any:
     from transformers import Gemma3TextConfig
 
-    rope = {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
-            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}
-    kw = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
-              num_key_value_heads=2, head_dim=16, sliding_window=WINDOW, max_position_embeddings=256,
-              query_pre_attn_scalar=24, initializer_range=0.3, tie_word_embeddings=False, rope_parameters=rope,
-              attn_implementation="eager", eos_token_id=None, bos_token_id=None, pad_token_id=None)
+    rope = {
+        "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+    }
+    kw = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        sliding_window=WINDOW,
+        max_position_embeddings=256,
+        query_pre_attn_scalar=24,
+        initializer_range=0.3,
+        tie_word_embeddings=False,
+        rope_parameters=rope,
+        attn_implementation="eager",
+        eos_token_id=None,
+        bos_token_id=None,
+        pad_token_id=None,
+    )
     return Gemma3TextConfig(**(kw | overrides))
 
 
@@ -253,34 +321,56 @@ def test_gemma3_matches_transformers(tmp_path: Path) -> None:
     hf.save_pretrained(tmp_path)
     ids = prompts(8, [70])[0]
     ref_logits = hf_logits(hf, ids)
-    local = {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
-             "sliding_attention": {"rope_type": "default", "rope_theta": 1e6}}
+    local = {
+        "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 1e6},
+    }
     for other in [build3(gemma3_config(rope_parameters=local)), build3(gemma3_config())]:
-        if other.config.rope_parameters["sliding_attention"]["rope_theta"] == 1e4:  # other q/k norm weights
+        if (
+            other.config.rope_parameters["sliding_attention"]["rope_theta"] == 1e4
+        ):  # other q/k norm weights
             for layer in other.model.layers:
                 layer.self_attn.q_norm.weight.data.zero_()
                 layer.self_attn.k_norm.weight.data.zero_()
         assert (hf_logits(other, ids) - ref_logits).abs().max() > 100 * TOL
 
-    llm = LLM(model=str(tmp_path), block_size=BLOCK, num_kv_blocks=72, max_num_batched_tokens=8, max_model_len=112)
+    llm = LLM(
+        model=str(tmp_path),
+        block_size=BLOCK,
+        num_kv_blocks=72,
+        max_num_batched_tokens=8,
+        max_model_len=112,
+    )
     cfg, model = llm.llm_engine.model_config, llm.llm_engine.model
-    assert (cfg.architecture, cfg.qk_norm, cfg.rope_theta, cfg.rope_local_theta) == ("gemma3_text", True, 1e6, 1e4)
+    assert (cfg.architecture, cfg.qk_norm, cfg.rope_theta, cfg.rope_local_theta) == (
+        "gemma3_text",
+        True,
+        1e6,
+        1e4,
+    )
     assert [layer.self_attn.sliding_window for layer in model.model.layers] == [WINDOW] * 5 + [None]
     batch = prompts(1, [5, 30, 12])
     out_lens = [66, 40, 20]
-    outs = llm.generate([{"prompt_token_ids": p} for p in batch],
-                        [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in out_lens],
-                        use_tqdm=False)
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in batch],
+        [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in out_lens],
+        use_tqdm=False,
+    )
     for p, n, o in zip(batch, out_lens, outs, strict=True):
         assert o.outputs[0].token_ids == hf_greedy(hf, p, n), f"prompt of {len(p)} tokens"
     assert len(set(outs[0].outputs[0].token_ids)) > 10
     assert llm.llm_engine.stats()["num_preemptions"] > 0
-    (out,) = llm.generate({"prompt_token_ids": ids},
-                          SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0, ignore_eos=True),
-                          use_tqdm=False)
+    (out,) = llm.generate(
+        {"prompt_token_ids": ids},
+        SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0, ignore_eos=True),
+        use_tqdm=False,
+    )
     ref = torch.log_softmax(ref_logits, dim=-1)
     plp = out.prompt_logprobs
-    assert max(abs(plp[i][ids[i]].logprob - float(ref[i - 1, ids[i]])) for i in range(1, len(ids))) < TOL
+    assert (
+        max(abs(plp[i][ids[i]].logprob - float(ref[i - 1, ids[i]])) for i in range(1, len(ids)))
+        < TOL
+    )
     check_clean(llm)
 
 
@@ -289,14 +379,41 @@ def test_released_config_layouts() -> None:
     ``rope_parameters``): the layer pattern and the local theta are derived as transformers does."""
     from pagedkv.models.config import ModelConfig
 
-    common = dict(hidden_size=2304, num_attention_heads=8, num_key_value_heads=4, head_dim=256,
-                  intermediate_size=9216, vocab_size=256000, sliding_window=4096, query_pre_attn_scalar=256)
-    g2 = ModelConfig.from_hf_dict(dict(common, model_type="gemma2", num_hidden_layers=26,
-                                       attn_logit_softcapping=50.0, final_logit_softcapping=30.0))
+    common = dict(
+        hidden_size=2304,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=256,
+        intermediate_size=9216,
+        vocab_size=256000,
+        sliding_window=4096,
+        query_pre_attn_scalar=256,
+    )
+    g2 = ModelConfig.from_hf_dict(
+        dict(
+            common,
+            model_type="gemma2",
+            num_hidden_layers=26,
+            attn_logit_softcapping=50.0,
+            final_logit_softcapping=30.0,
+        )
+    )
     assert g2.layer_types == ["sliding_attention", "full_attention"] * 13
-    assert (g2.attn_logit_softcapping, g2.final_logit_softcapping, g2.qk_norm) == (50.0, 30.0, False)
-    g3 = ModelConfig.from_hf_dict(dict(common, model_type="gemma3_text", num_hidden_layers=12, rope_theta=1e6,
-                                       rope_local_base_freq=1e4, sliding_window_pattern=6))
+    assert (g2.attn_logit_softcapping, g2.final_logit_softcapping, g2.qk_norm) == (
+        50.0,
+        30.0,
+        False,
+    )
+    g3 = ModelConfig.from_hf_dict(
+        dict(
+            common,
+            model_type="gemma3_text",
+            num_hidden_layers=12,
+            rope_theta=1e6,
+            rope_local_base_freq=1e4,
+            sliding_window_pattern=6,
+        )
+    )
     assert [i for i, t in enumerate(g3.layer_types) if t == "full_attention"] == [5, 11]
     assert (g3.rope_theta, g3.rope_local_theta, g3.qk_norm) == (1e6, 1e4, True)
     from transformers import Gemma3TextConfig  # the same pattern transformers derives

@@ -24,12 +24,12 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from engine_utils import random_prompts
 
 from pagedkv import LLM, SamplingParams
 from pagedkv.models.config import ModelConfig
 from pagedkv.models.gguf_reader import read_gguf
 from pagedkv.models.tokenizer import bytes_to_unicode
-from engine_utils import random_prompts
 
 BLOCK = 4
 TOL = 1e-4
@@ -50,8 +50,14 @@ def one_thread() -> Any:
 # ---------------------------------------------------------------- a convert_hf_to_gguf.py stand-in
 
 
-def write_gguf(path: Path, arch: gguf.MODEL_ARCH, meta: Callable[[gguf.GGUFWriter], None], tensors: Tensors,
-               q8_0: frozenset[str] = frozenset(), f16: bool = False) -> Path:
+def write_gguf(
+    path: Path,
+    arch: gguf.MODEL_ARCH,
+    meta: Callable[[gguf.GGUFWriter], None],
+    tensors: Tensors,
+    q8_0: frozenset[str] = frozenset(),
+    f16: bool = False,
+) -> Path:
     """Write ``tensors`` (float32; those named in ``q8_0`` quantized to Q8_0; with ``f16`` the
     2-D and 3-D ones in float16, as the converter's default ``--outtype f16``) after ``meta``."""
     w = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[arch])
@@ -59,8 +65,11 @@ def write_gguf(path: Path, arch: gguf.MODEL_ARCH, meta: Callable[[gguf.GGUFWrite
     for name, t in tensors.items():
         t = np.ascontiguousarray(t, dtype=np.float16 if f16 and t.ndim > 1 else np.float32)
         if name in q8_0:
-            w.add_tensor(name, gguf.quants.quantize(t, gguf.GGMLQuantizationType.Q8_0),
-                         raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+            w.add_tensor(
+                name,
+                gguf.quants.quantize(t, gguf.GGMLQuantizationType.Q8_0),
+                raw_dtype=gguf.GGMLQuantizationType.Q8_0,
+            )
         else:
             w.add_tensor(name, t)
     w.write_header_to_file()
@@ -72,7 +81,9 @@ def write_gguf(path: Path, arch: gguf.MODEL_ARCH, meta: Callable[[gguf.GGUFWrite
 
 def mapped(arch: gguf.MODEL_ARCH, n_layers: int, hf_name: str) -> str:
     """The converter's ``map_tensor_name``."""
-    name = gguf.get_tensor_name_map(arch, n_layers).get_name(hf_name, try_suffixes=(".weight", ".bias"))
+    name = gguf.get_tensor_name_map(arch, n_layers).get_name(
+        hf_name, try_suffixes=(".weight", ".bias")
+    )
     assert name is not None, hf_name
     return name
 
@@ -122,30 +133,38 @@ def hf_greedy(hf: Any, prompt: list[int], n: int) -> list[int]:
     ids = list(prompt)
     for _ in range(n):
         ids.append(int(hf_logits(hf, ids)[-1].argmax()))
-    return ids[len(prompt):]
+    return ids[len(prompt) :]
 
 
-def check_against_transformers(llm: LLM, hf: Any, vocab: int, seed: int, lens: tuple[int, ...] = (37, 9),
-                               new_tokens: int = 12) -> None:
+def check_against_transformers(
+    llm: LLM, hf: Any, vocab: int, seed: int, lens: tuple[int, ...] = (37, 9), new_tokens: int = 12
+) -> None:
     """Greedy tokens equal transformers' and every prompt position's logprob is within TOL.
 
     One transformers forward over prompt + output checks both: each output token must be the
     argmax of transformers' logits at the position before it (when all are, the output is exactly
     transformers' greedy continuation)."""
     batch = random_prompts(vocab, seed, list(lens))
-    params = SamplingParams(temperature=0, max_tokens=new_tokens, prompt_logprobs=0, ignore_eos=True)
+    params = SamplingParams(
+        temperature=0, max_tokens=new_tokens, prompt_logprobs=0, ignore_eos=True
+    )
     outs = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
     for p, o in zip(batch, outs, strict=True):
         got = list(o.outputs[0].token_ids)
         ref = torch.log_softmax(hf_logits(hf, p + got), dim=-1)
         assert got == ref[len(p) - 1 : -1].argmax(-1).tolist(), f"prompt of {len(p)} tokens"
-        err = max(abs(o.prompt_logprobs[i][p[i]].logprob - float(ref[i - 1, p[i]])) for i in range(1, len(p)))
+        err = max(
+            abs(o.prompt_logprobs[i][p[i]].logprob - float(ref[i - 1, p[i]]))
+            for i in range(1, len(p))
+        )
         assert err < TOL, err
     assert len({t for o in outs for t in o.outputs[0].token_ids}) > 3  # not one repeated token
 
 
 def engine(path: Path, **kw: Any) -> LLM:
-    return LLM(model=str(path), block_size=BLOCK, **({"num_kv_blocks": 100, "max_model_len": 96} | kw))
+    return LLM(
+        model=str(path), block_size=BLOCK, **({"num_kv_blocks": 100, "max_model_len": 96} | kw)
+    )
 
 
 # ---------------------------------------------------------------- Gemma 2 / Gemma 3
@@ -156,23 +175,55 @@ def gemma2_hf(**overrides: Any) -> Any:
 
     # Real Gemma 2 GGUFs tie the head (the converter drops lm_head); query_pre_attn_scalar is
     # head_dim, which is what llama.cpp assumes for every size but 27B.
-    kw = dict(vocab_size=257, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-              num_key_value_heads=2, head_dim=16, sliding_window=WINDOW, max_position_embeddings=256,
-              query_pre_attn_scalar=16, attn_logit_softcapping=5.0, final_logit_softcapping=3.0,
-              initializer_range=0.3, tie_word_embeddings=True, attn_implementation="eager",
-              eos_token_id=None, bos_token_id=None, pad_token_id=None)
+    kw = dict(
+        vocab_size=257,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        sliding_window=WINDOW,
+        max_position_embeddings=256,
+        query_pre_attn_scalar=16,
+        attn_logit_softcapping=5.0,
+        final_logit_softcapping=3.0,
+        initializer_range=0.3,
+        tie_word_embeddings=True,
+        attn_implementation="eager",
+        eos_token_id=None,
+        bos_token_id=None,
+        pad_token_id=None,
+    )
     return _randomise_norms(Gemma2ForCausalLM(Gemma2Config(**(kw | overrides))))
 
 
 def gemma3_hf(**overrides: Any) -> Any:
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
-    rope = {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
-            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}
-    kw = dict(vocab_size=192, hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
-              num_key_value_heads=2, head_dim=16, sliding_window=WINDOW, max_position_embeddings=256,
-              query_pre_attn_scalar=16, initializer_range=0.3, tie_word_embeddings=False, rope_parameters=rope,
-              attn_implementation="eager", eos_token_id=None, bos_token_id=None, pad_token_id=None)
+    rope = {
+        "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+    }
+    kw = dict(
+        vocab_size=192,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        sliding_window=WINDOW,
+        max_position_embeddings=256,
+        query_pre_attn_scalar=16,
+        initializer_range=0.3,
+        tie_word_embeddings=False,
+        rope_parameters=rope,
+        attn_implementation="eager",
+        eos_token_id=None,
+        bos_token_id=None,
+        pad_token_id=None,
+    )
     return _randomise_norms(Gemma3ForCausalLM(Gemma3TextConfig(**(kw | overrides))))
 
 
@@ -185,8 +236,13 @@ def _randomise_norms(hf: Any) -> Any:
     return hf.eval()
 
 
-def gemma_gguf(path: Path, hf: Any, arch: gguf.MODEL_ARCH, q8_0: frozenset[str] = frozenset(),
-               tokenizer: bool = False) -> Path:
+def gemma_gguf(
+    path: Path,
+    hf: Any,
+    arch: gguf.MODEL_ARCH,
+    q8_0: frozenset[str] = frozenset(),
+    tokenizer: bool = False,
+) -> Path:
     """Gemma2Model / Gemma3Model of convert_hf_to_gguf.py: norms stored as w + 1; Gemma 2 writes no
     output tensor; Gemma 3 writes the global and the sliding layers' RoPE bases."""
     c = hf.config
@@ -212,7 +268,9 @@ def gemma_gguf(path: Path, hf: Any, arch: gguf.MODEL_ARCH, q8_0: frozenset[str] 
     for name, t in hf_state(hf).items():
         if name == "lm_head.weight" and (arch == gguf.MODEL_ARCH.GEMMA2 or c.tie_word_embeddings):
             continue
-        tensors[mapped(arch, c.num_hidden_layers, name)] = (t + 1 if name.endswith("norm.weight") else t).numpy()
+        tensors[mapped(arch, c.num_hidden_layers, name)] = (
+            t + 1 if name.endswith("norm.weight") else t
+        ).numpy()
     return write_gguf(path, arch, meta, tensors, q8_0)
 
 
@@ -220,16 +278,26 @@ def test_gemma2_gguf_config_and_exactness(tmp_path: Path) -> None:
     hf = gemma2_hf()
     path = gemma_gguf(tmp_path / "gemma2.gguf", hf, gguf.MODEL_ARCH.GEMMA2, tokenizer=True)
     cfg = ModelConfig.from_gguf(path)
-    assert (cfg.architecture, cfg.sliding_window, cfg.query_pre_attn_scalar) == ("gemma2", WINDOW, 16)
+    assert (cfg.architecture, cfg.sliding_window, cfg.query_pre_attn_scalar) == (
+        "gemma2",
+        WINDOW,
+        16,
+    )
     assert cfg.layer_types == ["sliding_attention", "full_attention"] * 2
-    assert (cfg.attn_logit_softcapping, cfg.final_logit_softcapping, cfg.tie_word_embeddings) == (5.0, 3.0, True)
+    assert (cfg.attn_logit_softcapping, cfg.final_logit_softcapping, cfg.tie_word_embeddings) == (
+        5.0,
+        3.0,
+        True,
+    )
     assert (cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size) == (2, 16, 257)
     assert cfg.num_params == sum(p.numel() for p in hf.parameters())  # tied head counted once
     llm = engine(path)
     assert llm.llm_engine.model.lm_head is llm.llm_engine.model.model.embed_tokens
     check_against_transformers(llm, hf, 257, seed=1)
     # The file's byte-level vocabulary tokenizes text.
-    (out,) = llm.generate("Hi, Hi!", SamplingParams(temperature=0, max_tokens=2, ignore_eos=True), use_tqdm=False)
+    (out,) = llm.generate(
+        "Hi, Hi!", SamplingParams(temperature=0, max_tokens=2, ignore_eos=True), use_tqdm=False
+    )
     assert out.prompt_token_ids == [256, ord(","), ord(" "), 256, ord("!")]
     assert out.outputs[0].token_ids == hf_greedy(hf, out.prompt_token_ids, 2)
 
@@ -240,15 +308,24 @@ def test_gemma3_gguf_with_a_q8_0_tensor(tmp_path: Path) -> None:
     the same dequantized values."""
     hf = gemma3_hf()
     q_name = "blk.1.attn_q.weight"
-    path = gemma_gguf(tmp_path / "gemma3.gguf", hf, gguf.MODEL_ARCH.GEMMA3, q8_0=frozenset({q_name}))
+    path = gemma_gguf(
+        tmp_path / "gemma3.gguf", hf, gguf.MODEL_ARCH.GEMMA3, q8_0=frozenset({q_name})
+    )
     cfg = ModelConfig.from_gguf(path)
-    assert (cfg.architecture, cfg.qk_norm, cfg.rope_theta, cfg.rope_local_theta) == ("gemma3_text", True, 1e6, 1e4)
+    assert (cfg.architecture, cfg.qk_norm, cfg.rope_theta, cfg.rope_local_theta) == (
+        "gemma3_text",
+        True,
+        1e6,
+        1e4,
+    )
     assert cfg.layer_types == ["sliding_attention"] * 5 + ["full_attention"]
     assert (cfg.sliding_window, cfg.tie_word_embeddings, cfg.vocab_size) == (WINDOW, False, 192)
     q = hf.model.layers[1].self_attn.q_proj.weight
     with torch.no_grad():
-        dq = gguf.quants.dequantize(gguf.quants.quantize(q.detach().numpy(), gguf.GGMLQuantizationType.Q8_0),
-                                    gguf.GGMLQuantizationType.Q8_0)
+        dq = gguf.quants.dequantize(
+            gguf.quants.quantize(q.detach().numpy(), gguf.GGMLQuantizationType.Q8_0),
+            gguf.GGMLQuantizationType.Q8_0,
+        )
         assert 0 < (torch.from_numpy(dq) - q).abs().max() < 0.01  # really quantized, and close
         q.copy_(torch.from_numpy(dq))
     llm = engine(path, max_num_batched_tokens=16)  # chunked prefill across the window
@@ -268,22 +345,64 @@ def deepseek_hf(v3: bool, **overrides: Any) -> Any:
     from transformers import AutoModelForCausalLM, DeepseekV2Config, DeepseekV3Config
 
     if v3:  # sigmoid router over 2 groups with a live correction bias; q LoRA
-        c = DeepseekV3Config(**overrides,vocab_size=128, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
-                             num_hidden_layers=3, num_attention_heads=HEADS, num_key_value_heads=HEADS,
-                             kv_lora_rank=KV_LORA, q_lora_rank=24, qk_rope_head_dim=ROPE, qk_nope_head_dim=NOPE,
-                             v_head_dim=V_DIM, n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1,
-                             first_k_dense_replace=1, n_shared_experts=1, max_position_embeddings=256,
-                             initializer_range=0.3, tie_word_embeddings=False, attn_implementation="eager",
-                             eos_token_id=None, bos_token_id=None, pad_token_id=None)
+        c = DeepseekV3Config(
+            **overrides,
+            vocab_size=128,
+            hidden_size=32,
+            intermediate_size=48,
+            moe_intermediate_size=16,
+            num_hidden_layers=3,
+            num_attention_heads=HEADS,
+            num_key_value_heads=HEADS,
+            kv_lora_rank=KV_LORA,
+            q_lora_rank=24,
+            qk_rope_head_dim=ROPE,
+            qk_nope_head_dim=NOPE,
+            v_head_dim=V_DIM,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            n_group=2,
+            topk_group=1,
+            first_k_dense_replace=1,
+            n_shared_experts=1,
+            max_position_embeddings=256,
+            initializer_range=0.3,
+            tie_word_embeddings=False,
+            attn_implementation="eager",
+            eos_token_id=None,
+            bos_token_id=None,
+            pad_token_id=None,
+        )
     else:  # V2-Lite style: direct q_proj, softmax group-limited router
-        c = DeepseekV2Config(vocab_size=128, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
-                             num_hidden_layers=2, num_attention_heads=HEADS, num_key_value_heads=HEADS,
-                             kv_lora_rank=32, q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=16,
-                             v_head_dim=16, n_routed_experts=6, num_experts_per_tok=2, n_group=3, topk_group=2,
-                             topk_method="group_limited_greedy", first_k_dense_replace=1, n_shared_experts=2,
-                             routed_scaling_factor=1.5, max_position_embeddings=256, initializer_range=0.3,
-                             tie_word_embeddings=False, attn_implementation="eager", eos_token_id=None,
-                             bos_token_id=None, pad_token_id=None)
+        c = DeepseekV2Config(
+            vocab_size=128,
+            hidden_size=32,
+            intermediate_size=48,
+            moe_intermediate_size=16,
+            num_hidden_layers=2,
+            num_attention_heads=HEADS,
+            num_key_value_heads=HEADS,
+            kv_lora_rank=32,
+            q_lora_rank=None,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=16,
+            v_head_dim=16,
+            n_routed_experts=6,
+            num_experts_per_tok=2,
+            n_group=3,
+            topk_group=2,
+            topk_method="group_limited_greedy",
+            first_k_dense_replace=1,
+            n_shared_experts=2,
+            routed_scaling_factor=1.5,
+            max_position_embeddings=256,
+            initializer_range=0.3,
+            tie_word_embeddings=False,
+            attn_implementation="eager",
+            eos_token_id=None,
+            bos_token_id=None,
+            pad_token_id=None,
+        )
     torch.manual_seed(0)
     hf = AutoModelForCausalLM.from_config(c).eval()
     with torch.no_grad():
@@ -296,7 +415,9 @@ def deepseek_hf(v3: bool, **overrides: Any) -> Any:
     return hf
 
 
-def deepseek_gguf(path: Path, hf: Any, split_kv_b: bool = True, drop: str | None = None, f16: bool = False) -> Path:
+def deepseek_gguf(
+    path: Path, hf: Any, split_kv_b: bool = True, drop: str | None = None, f16: bool = False
+) -> Path:
     """DeepseekV2Model of convert_hf_to_gguf.py: MLA written as MQA (head_count_kv 1, key length =
     the latent row), experts stacked per layer, and (``split_kv_b``, converters since 2025)
     kv_b_proj split into k_b [H, R, nope] (transposed) and v_b [H, v, R]."""
@@ -355,7 +476,9 @@ def deepseek_gguf(path: Path, hf: Any, split_kv_b: bool = True, drop: str | None
         elif name.endswith("kv_b_proj.weight") and split_kv_b:
             kv_b = t.view(h, c.qk_nope_head_dim + c.v_head_dim, -1)
             k_b, v_b = kv_b.split([c.qk_nope_head_dim, c.v_head_dim], dim=1)
-            tensors[mapped(arch, n, name.replace("kv_b_proj", "k_b_proj"))] = k_b.transpose(1, 2).numpy()
+            tensors[mapped(arch, n, name.replace("kv_b_proj", "k_b_proj"))] = k_b.transpose(
+                1, 2
+            ).numpy()
             tensors[mapped(arch, n, name.replace("kv_b_proj", "v_b_proj"))] = v_b.numpy()
         else:
             tensors[mapped(arch, n, name)] = t.numpy()
@@ -373,20 +496,39 @@ def deepseek_v3(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Path]:
 def test_deepseek_v3_gguf_config_and_exactness(deepseek_v3: tuple[Any, Path]) -> None:
     hf, path = deepseek_v3
     names = set(read_gguf(path).tensors)
-    assert {"blk.1.attn_k_b.weight", "blk.1.attn_v_b.weight", "blk.1.ffn_gate_exps.weight",
-            "blk.1.exp_probs_b.bias"} <= names and "blk.1.attn_kv_b.weight" not in names
+    assert {
+        "blk.1.attn_k_b.weight",
+        "blk.1.attn_v_b.weight",
+        "blk.1.ffn_gate_exps.weight",
+        "blk.1.exp_probs_b.bias",
+    } <= names and "blk.1.attn_kv_b.weight" not in names
     cfg = ModelConfig.from_gguf(path)
     mla = cfg.mla
     assert cfg.architecture == "deepseek_v3" and mla is not None
-    assert (mla.kv_lora_rank, mla.q_lora_rank, mla.qk_nope_head_dim, mla.qk_rope_head_dim, mla.v_head_dim) == (
-        KV_LORA, 24, NOPE, ROPE, V_DIM)
-    assert (mla.topk_method, mla.n_routed_experts, mla.num_experts_per_tok, mla.n_group, mla.topk_group) == (
-        "noaux_tc", 8, 2, 2, 1)
-    assert (mla.first_k_dense_replace, mla.n_shared_experts, mla.routed_scaling_factor, mla.norm_topk_prob) == (
-        1, 1, hf.config.routed_scaling_factor, hf.config.norm_topk_prob)
+    assert (
+        mla.kv_lora_rank,
+        mla.q_lora_rank,
+        mla.qk_nope_head_dim,
+        mla.qk_rope_head_dim,
+        mla.v_head_dim,
+    ) == (KV_LORA, 24, NOPE, ROPE, V_DIM)
+    assert (
+        mla.topk_method,
+        mla.n_routed_experts,
+        mla.num_experts_per_tok,
+        mla.n_group,
+        mla.topk_group,
+    ) == ("noaux_tc", 8, 2, 2, 1)
+    assert (
+        mla.first_k_dense_replace,
+        mla.n_shared_experts,
+        mla.routed_scaling_factor,
+        mla.norm_topk_prob,
+    ) == (1, 1, hf.config.routed_scaling_factor, hf.config.norm_topk_prob)
     assert (cfg.num_kv_heads, cfg.head_dim) == (1, KV_LORA + ROPE)  # one latent row per token
     assert cfg.num_params == sum(p.numel() for p in hf.parameters()) + sum(
-        b.numel() for n, b in hf.named_buffers() if "e_score_correction_bias" in n)
+        b.numel() for n, b in hf.named_buffers() if "e_score_correction_bias" in n
+    )
     check_against_transformers(engine(path, max_num_batched_tokens=16), hf, 128, seed=3)
 
 
@@ -394,13 +536,24 @@ def test_deepseek_v3_gguf_yarn_rope(tmp_path: Path) -> None:
     """YaRN as the converter writes it (type, factor, original context, betas and
     ``yarn_log_multiplier = 0.1·mscale_all_dim``; released checkpoints have mscale ==
     mscale_all_dim): prompt logprobs over 100 tokens, most past the original 32, match."""
-    yarn = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=32,
-                mscale=0.75, mscale_all_dim=0.75, beta_fast=32.0, beta_slow=1.0)
+    yarn = dict(
+        rope_type="yarn",
+        rope_theta=10000.0,
+        factor=4.0,
+        original_max_position_embeddings=32,
+        mscale=0.75,
+        mscale_all_dim=0.75,
+        beta_fast=32.0,
+        beta_slow=1.0,
+    )
     hf = deepseek_hf(v3=True, rope_parameters=yarn)
     path = deepseek_gguf(tmp_path / "ds3_yarn.gguf", hf)
     rs = ModelConfig.from_gguf(path).rope_scaling
-    assert rs is not None and (rs["rope_type"], rs["factor"], rs["original_max_position_embeddings"]) == (
-        "yarn", 4.0, 32)
+    assert rs is not None and (
+        rs["rope_type"],
+        rs["factor"],
+        rs["original_max_position_embeddings"],
+    ) == ("yarn", 4.0, 32)
     assert rs["mscale_all_dim"] == pytest.approx(0.75, rel=1e-6)
     llm = engine(path, num_kv_blocks=80, max_model_len=128, max_num_batched_tokens=32)
     check_against_transformers(llm, hf, 128, seed=8, lens=(100,), new_tokens=8)
@@ -416,13 +569,23 @@ def test_deepseek_v2_gguf_old_converter_layout(tmp_path: Path) -> None:
             if p.dim() > 1:
                 p.copy_(p.half().float())
     path = deepseek_gguf(tmp_path / "ds2.gguf", hf, split_kv_b=False, f16=True)
-    assert read_gguf(path).tensors["blk.1.ffn_gate_exps.weight"].qtype == gguf.GGMLQuantizationType.F16
+    assert (
+        read_gguf(path).tensors["blk.1.ffn_gate_exps.weight"].qtype == gguf.GGMLQuantizationType.F16
+    )
     cfg = ModelConfig.from_gguf(path)
     assert cfg.architecture == "deepseek_v2" and cfg.mla is not None
-    assert (cfg.mla.q_lora_rank, cfg.mla.qk_nope_head_dim, cfg.mla.v_head_dim, cfg.mla.rope_style) == (
-        None, 16, 16, "complex")
+    assert (
+        cfg.mla.q_lora_rank,
+        cfg.mla.qk_nope_head_dim,
+        cfg.mla.v_head_dim,
+        cfg.mla.rope_style,
+    ) == (None, 16, 16, "complex")
     assert (cfg.mla.topk_method, cfg.mla.routed_scaling_factor, cfg.num_kv_heads, cfg.head_dim) == (
-        "group_limited_greedy", 1.5, 1, 32 + 8)
+        "group_limited_greedy",
+        1.5,
+        1,
+        32 + 8,
+    )
     check_against_transformers(engine(path), hf, 128, seed=4, lens=(30,))
 
 
@@ -436,14 +599,38 @@ def llama4_hf() -> Any:
 
     # RoPE/chunked layers 0-2, NoPE global layer 3; MoE on layers 1 and 3; llama3 RoPE scaling
     # (the converter writes it as a rope_freqs tensor); floor_scale 4 so the NoPE temperature moves.
-    rope = {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
-    c = Llama4TextConfig(vocab_size=160, hidden_size=64, intermediate_size=64, intermediate_size_mlp=96,
-                         num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                         num_local_experts=4, num_experts_per_tok=1, interleave_moe_layer_step=2,
-                         attention_chunk_size=CHUNK, floor_scale=4, attn_scale=0.1, max_position_embeddings=256,
-                         rope_parameters=rope, initializer_range=0.3, tie_word_embeddings=False,
-                         attn_implementation="eager", eos_token_id=None, bos_token_id=None, pad_token_id=None)
+    rope = {
+        "rope_type": "llama3",
+        "rope_theta": 5e5,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 32,
+    }
+    c = Llama4TextConfig(
+        vocab_size=160,
+        hidden_size=64,
+        intermediate_size=64,
+        intermediate_size_mlp=96,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_local_experts=4,
+        num_experts_per_tok=1,
+        interleave_moe_layer_step=2,
+        attention_chunk_size=CHUNK,
+        floor_scale=4,
+        attn_scale=0.1,
+        max_position_embeddings=256,
+        rope_parameters=rope,
+        initializer_range=0.3,
+        tie_word_embeddings=False,
+        attn_implementation="eager",
+        eos_token_id=None,
+        bos_token_id=None,
+        pad_token_id=None,
+    )
     torch.manual_seed(0)
     hf = Llama4ForCausalLM(c).eval()
     with torch.no_grad():
@@ -457,8 +644,12 @@ def llama3_rope_factors(c: Any) -> np.ndarray:
     """LlamaModel.generate_extra_tensors: per-frequency divisors of llama3 RoPE scaling."""
     rp = c.rope_parameters
     freqs = 1.0 / (rp["rope_theta"] ** (np.arange(0, c.head_dim, 2, dtype=np.float32) / c.head_dim))
-    factor, low, high, old = rp["factor"], rp["low_freq_factor"], rp["high_freq_factor"], \
-        rp["original_max_position_embeddings"]
+    factor, low, high, old = (
+        rp["factor"],
+        rp["low_freq_factor"],
+        rp["high_freq_factor"],
+        rp["original_max_position_embeddings"],
+    )
     out = []
     for f in freqs:
         wavelen = 2 * np.pi / f
@@ -498,7 +689,9 @@ def llama4_gguf(path: Path, hf: Any, q8_0: frozenset[str] = frozenset()) -> Path
     for name, t in hf_state(hf).items():
         if name.endswith("experts.gate_up_proj"):
             gate, up = t.transpose(-1, -2).chunk(2, dim=-2)
-            tensors[mapped(arch, n, name.replace("gate_up_proj", "gate_proj.weight"))] = gate.numpy()
+            tensors[mapped(arch, n, name.replace("gate_up_proj", "gate_proj.weight"))] = (
+                gate.numpy()
+            )
             tensors[mapped(arch, n, name.replace("gate_up_proj", "up_proj.weight"))] = up.numpy()
         elif name.endswith("experts.down_proj"):
             tensors[mapped(arch, n, name + ".weight")] = t.transpose(-1, -2).numpy()
@@ -516,15 +709,30 @@ def test_llama4_gguf_config_and_exactness(tmp_path: Path) -> None:
     cfg = ModelConfig.from_gguf(path)
     p = cfg.llama4
     assert cfg.architecture == "llama4_text" and p is not None
-    assert (cfg.attention_chunk_size, cfg.layer_types) == (CHUNK, ["chunked_attention"] * 3 + ["full_attention"])
+    assert (cfg.attention_chunk_size, cfg.layer_types) == (
+        CHUNK,
+        ["chunked_attention"] * 3 + ["full_attention"],
+    )
     assert (p.no_rope_layers, p.moe_layers, p.num_local_experts, p.intermediate_size_mlp) == (
-        [1, 1, 1, 0], [1, 3], 4, 96)
-    assert (cfg.intermediate_size, p.floor_scale, p.attn_scale, p.use_qk_norm) == (64, 4.0, 0.1, True)
+        [1, 1, 1, 0],
+        [1, 3],
+        4,
+        96,
+    )
+    assert (cfg.intermediate_size, p.floor_scale, p.attn_scale, p.use_qk_norm) == (
+        64,
+        4.0,
+        0.1,
+        True,
+    )
     down = hf.model.layers[1].feed_forward.experts.down_proj  # [E, I, H]; the file holds [E, H, I]
     with torch.no_grad():
-        dq = gguf.quants.dequantize(gguf.quants.quantize(down.detach().transpose(1, 2).contiguous().numpy(),
-                                                         gguf.GGMLQuantizationType.Q8_0),
-                                    gguf.GGMLQuantizationType.Q8_0)
+        dq = gguf.quants.dequantize(
+            gguf.quants.quantize(
+                down.detach().transpose(1, 2).contiguous().numpy(), gguf.GGMLQuantizationType.Q8_0
+            ),
+            gguf.GGMLQuantizationType.Q8_0,
+        )
         assert 0 < (torch.from_numpy(dq).transpose(1, 2) - down).abs().max() < 0.02
         down.copy_(torch.from_numpy(dq).transpose(1, 2))
     llm = engine(path, max_num_batched_tokens=16)
@@ -537,11 +745,26 @@ def test_llama4_gguf_config_and_exactness(tmp_path: Path) -> None:
 def bamba_hf() -> Any:
     from transformers import BambaConfig, BambaForCausalLM
 
-    c = BambaConfig(vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
-                    num_key_value_heads=2, attn_layer_indices=[1, 3], mamba_n_heads=16, mamba_d_state=16,
-                    mamba_d_conv=4, mamba_chunk_size=256, max_position_embeddings=512, initializer_range=0.3,
-                    tie_word_embeddings=False, attn_implementation="eager", eos_token_id=None, bos_token_id=None,
-                    pad_token_id=None)
+    c = BambaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        attn_layer_indices=[1, 3],
+        mamba_n_heads=16,
+        mamba_d_state=16,
+        mamba_d_conv=4,
+        mamba_chunk_size=256,
+        max_position_embeddings=512,
+        initializer_range=0.3,
+        tie_word_embeddings=False,
+        attn_implementation="eager",
+        eos_token_id=None,
+        bos_token_id=None,
+        pad_token_id=None,
+    )
     return _randomise_mixers(BambaForCausalLM(c), 0)
 
 
@@ -549,13 +772,33 @@ def granite_hf() -> Any:
     from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
 
     c = GraniteMoeHybridConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=32, shared_intermediate_size=48, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, layer_types=["mamba", "attention", "mamba", "attention"],
-        mamba_n_heads=16, mamba_d_state=16, mamba_d_conv=4, mamba_chunk_size=256, max_position_embeddings=512,
-        embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.25, logits_scaling=3.0,
-        num_local_experts=4, num_experts_per_tok=2, position_embedding_type=None, initializer_range=0.3,
-        tie_word_embeddings=False, attn_implementation="eager", eos_token_id=None, bos_token_id=None,
-        pad_token_id=None)
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=32,
+        shared_intermediate_size=48,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        layer_types=["mamba", "attention", "mamba", "attention"],
+        mamba_n_heads=16,
+        mamba_d_state=16,
+        mamba_d_conv=4,
+        mamba_chunk_size=256,
+        max_position_embeddings=512,
+        embedding_multiplier=2.0,
+        residual_multiplier=0.5,
+        attention_multiplier=0.25,
+        logits_scaling=3.0,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        position_embedding_type=None,
+        initializer_range=0.3,
+        tie_word_embeddings=False,
+        attn_implementation="eager",
+        eos_token_id=None,
+        bos_token_id=None,
+        pad_token_id=None,
+    )
     return _randomise_mixers(GraniteMoeHybridForCausalLM(c), 1)
 
 
@@ -572,7 +815,11 @@ def _randomise_mixers(hf: Any, seed: int) -> Any:
 
 def permute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
     """LlamaModel.permute: half-split RoPE pairs -> llama.cpp's interleaved ones."""
-    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    return (
+        w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
+    )
 
 
 def granite_hybrid_gguf(path: Path, hf: Any, drop: str | None = None) -> Path:
@@ -583,8 +830,13 @@ def granite_hybrid_gguf(path: Path, hf: Any, drop: str | None = None) -> Path:
     c, arch = hf.config, gguf.MODEL_ARCH.GRANITE_HYBRID
     bamba = c.model_type == "bamba"
     n, heads, kv = c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads
-    attn = c.attn_layer_indices if bamba else [i for i, t in enumerate(c.layer_types) if "attention" in t
-                                               and t != "linear_attention"]
+    attn = (
+        c.attn_layer_indices
+        if bamba
+        else [
+            i for i, t in enumerate(c.layer_types) if "attention" in t and t != "linear_attention"
+        ]
+    )
     inner = c.mamba_expand * c.hidden_size
 
     def meta(w: gguf.GGUFWriter) -> None:
@@ -604,7 +856,9 @@ def granite_hybrid_gguf(path: Path, hf: Any, drop: str | None = None) -> Path:
         w.add_ssm_inner_size(inner)
         w.add_ssm_time_step_rank(c.mamba_n_heads)
         head_dim = c.hidden_size // heads
-        w.add_rope_dimension_count(int(head_dim * c.rope_parameters.get("partial_rotary_factor", 1.0)))
+        w.add_rope_dimension_count(
+            int(head_dim * c.rope_parameters.get("partial_rotary_factor", 1.0))
+        )
         w.add_head_count_kv([kv if i in attn else 0 for i in range(n)])
         w.add_rope_scaling_finetuned(bamba)  # the converter's "use_rope" flag
 
@@ -628,10 +882,12 @@ def granite_hybrid_gguf(path: Path, hf: Any, drop: str | None = None) -> Path:
             put(name, permute_qk(t, heads))
         elif name.endswith("self_attn.k_proj.weight"):
             put(name, permute_qk(t, kv))
-        elif name.endswith(("shared_mlp.input_linear.weight", "block_sparse_moe.experts.gate_up_proj")):
+        elif name.endswith(
+            ("shared_mlp.input_linear.weight", "block_sparse_moe.experts.gate_up_proj")
+        ):
             gate, up = t.chunk(2, dim=-2)  # [.., 2I, H]: gate rows first
             layer = name.split(".")[2]
-            kind = ("exps" if "experts" in name else "shexp")
+            kind = "exps" if "experts" in name else "shexp"
             tensors[f"blk.{layer}.ffn_gate_{kind}.weight"] = gate.contiguous().numpy()
             tensors[f"blk.{layer}.ffn_up_{kind}.weight"] = up.contiguous().numpy()
         elif name.endswith("block_sparse_moe.experts.down_proj"):
@@ -653,10 +909,24 @@ def test_bamba_gguf_config_and_exactness(tmp_path: Path) -> None:
     cfg = ModelConfig.from_gguf(path)
     m = cfg.mamba
     assert cfg.architecture == "bamba" and m is not None and cfg.granite is None
-    assert (m.attn_layer_indices, m.n_heads, m.d_head, m.n_groups, m.d_state, m.d_conv) == ([1, 3], 16, 8, 1, 16, 4)
+    assert (m.attn_layer_indices, m.n_heads, m.d_head, m.n_groups, m.d_state, m.d_conv) == (
+        [1, 3],
+        16,
+        8,
+        1,
+        16,
+        4,
+    )
     assert (m.conv_bias, m.proj_bias, m.partial_rotary_factor, cfg.num_kv_heads, cfg.head_dim) == (
-        True, False, 0.5, 2, 16)
-    check_against_transformers(engine(path, max_num_batched_tokens=16), hf, 128, seed=6, lens=(40, 9))
+        True,
+        False,
+        0.5,
+        2,
+        16,
+    )
+    check_against_transformers(
+        engine(path, max_num_batched_tokens=16), hf, 128, seed=6, lens=(40, 9)
+    )
 
 
 def test_granitemoehybrid_gguf_config_and_exactness(tmp_path: Path) -> None:
@@ -667,9 +937,18 @@ def test_granitemoehybrid_gguf_config_and_exactness(tmp_path: Path) -> None:
     g, m = cfg.granite, cfg.mamba
     assert cfg.architecture == "granitemoehybrid" and g is not None and m is not None
     assert m.attn_layer_indices == [1, 3]
-    assert (g.embedding_multiplier, g.residual_multiplier, g.attention_multiplier, g.logits_scaling) == (
-        2.0, 0.5, 0.25, 3.0)  # float32 in the file: exactly representable values
-    assert (g.shared_intermediate_size, g.num_local_experts, g.num_experts_per_tok, g.rope) == (48, 4, 2, False)
+    assert (
+        g.embedding_multiplier,
+        g.residual_multiplier,
+        g.attention_multiplier,
+        g.logits_scaling,
+    ) == (2.0, 0.5, 0.25, 3.0)  # float32 in the file: exactly representable values
+    assert (g.shared_intermediate_size, g.num_local_experts, g.num_experts_per_tok, g.rope) == (
+        48,
+        4,
+        2,
+        False,
+    )
     check_against_transformers(engine(path), hf, 128, seed=7, lens=(33,))
 
 
@@ -685,27 +964,65 @@ def test_header_defaults_follow_llama_cpp() -> None:
 
     def cfg(arch: str, shapes: dict[str, tuple[int, ...]] | None = None, **kv: Any) -> ModelConfig:
         meta = {"general.architecture": arch} | {f"{arch}.{k}": v for k, v in kv.items()}
-        return ModelConfig.from_hf_dict(hf_config_from_gguf(meta, shapes or {"token_embd.weight": (32, 8)}))
+        return ModelConfig.from_hf_dict(
+            hf_config_from_gguf(meta, shapes or {"token_embd.weight": (32, 8)})
+        )
 
-    gemma = {"embedding_length": 4608, "feed_forward_length": 64, "attention.head_count": 32,
-             "attention.head_count_kv": 16, "attention.key_length": 128, "attention.sliding_window": 4096}
+    gemma = {
+        "embedding_length": 4608,
+        "feed_forward_length": 64,
+        "attention.head_count": 32,
+        "attention.head_count_kv": 16,
+        "attention.key_length": 128,
+        "attention.sliding_window": 4096,
+    }
     assert cfg("gemma2", block_count=46, **gemma).query_pre_attn_scalar == 144
     assert cfg("gemma2", block_count=42, **gemma).query_pre_attn_scalar == 128
-    assert cfg("gemma3", block_count=42, **gemma, **{"attention.scale": 0.125}).query_pre_attn_scalar == 64
+    assert (
+        cfg("gemma3", block_count=42, **gemma, **{"attention.scale": 0.125}).query_pre_attn_scalar
+        == 64
+    )
     g3 = cfg("gemma3", block_count=12, **gemma)
-    assert (g3.rope_local_theta, g3.layer_types[:6]) == (10000.0, ["sliding_attention"] * 5 + ["full_attention"])
-    llama4 = {"block_count": 4, "embedding_length": 64, "feed_forward_length": 96, "attention.head_count": 4,
-              "attention.head_count_kv": 2, "expert_count": 16, "expert_feed_forward_length": 64}
+    assert (g3.rope_local_theta, g3.layer_types[:6]) == (
+        10000.0,
+        ["sliding_attention"] * 5 + ["full_attention"],
+    )
+    llama4 = {
+        "block_count": 4,
+        "embedding_length": 64,
+        "feed_forward_length": 96,
+        "attention.head_count": 4,
+        "attention.head_count_kv": 2,
+        "expert_count": 16,
+        "expert_feed_forward_length": 64,
+    }
     l4 = cfg("llama4", **llama4)
-    assert (l4.attention_chunk_size, l4.llama4.floor_scale, l4.llama4.use_qk_norm) == (8192, 8192.0, True)
+    assert (l4.attention_chunk_size, l4.llama4.floor_scale, l4.llama4.use_qk_norm) == (
+        8192,
+        8192.0,
+        True,
+    )
     l4 = cfg("llama4", **llama4 | {"attention.sliding_window": 0, "expert_count": 128})
-    assert (l4.attention_chunk_size, l4.layer_types, l4.llama4.no_rope_layers, l4.llama4.use_qk_norm) == (
-        None, None, [1, 1, 1, 1], False)
-    hybrid = {"block_count": 2, "embedding_length": 64, "attention.head_count": 4,
-              "attention.head_count_kv": [0, 2], "ssm.time_step_rank": 16, "ssm.inner_size": 128,
-              "ssm.state_size": 16, "ssm.conv_kernel": 4}
+    assert (
+        l4.attention_chunk_size,
+        l4.layer_types,
+        l4.llama4.no_rope_layers,
+        l4.llama4.use_qk_norm,
+    ) == (None, None, [1, 1, 1, 1], False)
+    hybrid = {
+        "block_count": 2,
+        "embedding_length": 64,
+        "attention.head_count": 4,
+        "attention.head_count_kv": [0, 2],
+        "ssm.time_step_rank": 16,
+        "ssm.inner_size": 128,
+        "ssm.state_size": 16,
+        "ssm.conv_kernel": 4,
+    }
     assert cfg("granitehybrid", **hybrid).architecture == "granitemoehybrid"
-    assert cfg("granitehybrid", **hybrid, **{"rope.scaling.finetuned": True}).architecture == "bamba"
+    assert (
+        cfg("granitehybrid", **hybrid, **{"rope.scaling.finetuned": True}).architecture == "bamba"
+    )
     with pytest.raises(ValueError, match="lacks granitehybrid.ssm.state_size"):
         cfg("granitehybrid", **{k: v for k, v in hybrid.items() if k != "ssm.state_size"})
 
@@ -721,7 +1038,9 @@ def test_missing_tensor_is_named(deepseek_v3: tuple[Any, Path], tmp_path: Path) 
     path = deepseek_gguf(tmp_path / "no_norm.gguf", hf, drop="blk.0.attn_kv_a_norm.weight")
     with pytest.raises(ValueError, match=r"kv_a_layernorm"):
         engine(path)
-    path = granite_hybrid_gguf(tmp_path / "no_up.gguf", granite_hf(), drop="blk.3.ffn_up_shexp.weight")
+    path = granite_hybrid_gguf(
+        tmp_path / "no_up.gguf", granite_hf(), drop="blk.3.ffn_up_shexp.weight"
+    )
     with pytest.raises(ValueError, match=r"blk\.3\.ffn_up_shexp\.weight is missing"):
         engine(path)
 
@@ -734,7 +1053,11 @@ def test_unsupported_architecture_is_refused(tmp_path: Path) -> None:
         w.add_head_count(2)
         w.add_vocab_size(16)
 
-    path = write_gguf(tmp_path / "rwkv.gguf", gguf.MODEL_ARCH.RWKV6, meta,
-                      {"token_embd.weight": np.zeros((16, 8), np.float32)})
+    path = write_gguf(
+        tmp_path / "rwkv.gguf",
+        gguf.MODEL_ARCH.RWKV6,
+        meta,
+        {"token_embd.weight": np.zeros((16, 8), np.float32)},
+    )
     with pytest.raises(ValueError, match="unsupported architecture 'rwkv6'"):
         engine(path)

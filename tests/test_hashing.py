@@ -30,8 +30,9 @@ from pagedkv.core.request import (
 )
 
 
-@pytest.mark.parametrize("name,size", [("sha256", 32), ("sha256_cbor", 32), ("xxhash", 16),
-                                       ("xxhash_cbor", 16)])
+@pytest.mark.parametrize(
+    "name,size", [("sha256", 32), ("sha256_cbor", 32), ("xxhash", 16), ("xxhash_cbor", 16)]
+)
 def test_hash_functions_digest_sizes_and_determinism(name, size):
     fn = get_hash_fn_by_name(name)
     obj = (b"p" * 32, (1, 2, 3), None)
@@ -42,8 +43,11 @@ def test_hash_functions_digest_sizes_and_determinism(name, size):
 
 def test_serialisations_match_the_documented_formats():
     import hashlib
+
     obj = (b"x", (1, 2), ("lora", "a", None))
-    assert sha256(obj) == hashlib.sha256(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)).digest()
+    assert (
+        sha256(obj) == hashlib.sha256(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)).digest()
+    )
     assert sha256_cbor(obj) == hashlib.sha256(cbor2.dumps(obj, canonical=True)).digest()
 
 
@@ -56,14 +60,19 @@ def _none_hash_in_subprocess(algo: str, seed: str | None) -> str:
     env = {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"}
     if seed is not None:
         env["PYTHONHASHSEED"] = seed
-    code = ("from pagedkv.core.hashing import get_none_hash, get_hash_fn_by_name;"
-            f"print(get_none_hash(get_hash_fn_by_name('{algo}')).hex())")
-    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                          check=True).stdout.strip()
+    code = (
+        "from pagedkv.core.hashing import get_none_hash, get_hash_fn_by_name;"
+        f"print(get_none_hash(get_hash_fn_by_name('{algo}')).hex())"
+    )
+    return subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    ).stdout.strip()
 
 
 def test_none_hash_agrees_across_processes_for_crypto_hashes():
-    assert _none_hash_in_subprocess("sha256_cbor", None) == _none_hash_in_subprocess("sha256_cbor", None)
+    assert _none_hash_in_subprocess("sha256_cbor", None) == _none_hash_in_subprocess(
+        "sha256_cbor", None
+    )
     assert _none_hash_in_subprocess("sha256", None) == sha256(hashing.DEFAULT_NONE_HASH_SEED).hex()
 
 
@@ -94,16 +103,23 @@ def test_chained_hash():
 
 
 def test_extra_keys_order_mm_offsets_and_salt():
-    req = KVCacheRequest("r", list(range(40)), lora_name="sql", lora_path="/p", cache_salt="salt",
-                         mm_features=[MultiModalFeature("img0", 4, 8), MultiModalFeature("img1", 14, 6)])
+    req = KVCacheRequest(
+        "r",
+        list(range(40)),
+        lora_name="sql",
+        lora_path="/p",
+        cache_salt="salt",
+        mm_features=[MultiModalFeature("img0", 4, 8), MultiModalFeature("img1", 14, 6)],
+    )
     keys, idx = generate_block_hash_extra_keys(req, 0, 10)
     assert keys == (("lora", "sql", "/p"), ("mm", "img0", 4), ("cache_salt", "salt"))
     keys, idx = generate_block_hash_extra_keys(req, 10, 20, idx)
     assert keys == (("lora", "sql", "/p"), ("mm", "img0", -6), ("mm", "img1", 4))
     keys, _ = generate_block_hash_extra_keys(req, 20, 30, idx)
     assert keys == (("lora", "sql", "/p"),)
-    assert to_event_extra_keys((("lora", "sql", "/p"), ("mm", "img0", -6), ("cache_salt", "s"))) == \
-        ["sql", ("img0", -6), "s"]
+    assert to_event_extra_keys(
+        (("lora", "sql", "/p"), ("mm", "img0", -6), ("cache_salt", "s"))
+    ) == ["sql", ("img0", -6), "s"]
     plain = KVCacheRequest("p", [1, 2, 3])
     assert generate_block_hash_extra_keys(plain, 0, 3) == (None, 0)
 
@@ -123,7 +139,7 @@ def test_incremental_hasher_hashes_each_full_block_once():
     assert len(req.block_hashes) == 3 and len(calls) == 4
     expect = None
     for i in range(3):
-        expect = hash_block_tokens(counting, expect, req.all_token_ids[i * 8:(i + 1) * 8])
+        expect = hash_block_tokens(counting, expect, req.all_token_ids[i * 8 : (i + 1) * 8])
     assert req.block_hashes[-1] == expect
 
 
@@ -149,25 +165,38 @@ def test_xxhash_is_used_consistently_within_a_process():
 VLLM_033_VECTORS = {
     ("sha256_cbor", "plain"): (
         "cd7c51bc5a8fc8643f383a2b9e01522fba7473c669e9270c7b0bf7bf7fd01682",
-        "2533ea50426b36e9e4d68296cac6bce8cf602e46957d0fe40b368b33d87bf3bf"),
+        "2533ea50426b36e9e4d68296cac6bce8cf602e46957d0fe40b368b33d87bf3bf",
+    ),
     ("sha256_cbor", "salt"): (  # cache_salt="tenant-a": E0 = (("cache_salt", "tenant-a"),)
         "d4fdd9f3dab139eafd01550f43781481256e9531b59b55ea4656df8f49124fcf",
-        "2f4337ba796128f8f0f3e95e4b2e30a948abce017020918ad1ce0a6828f9edc7"),
-    ("sha256_cbor", "lora+salt"): (  # E0 = (("lora","sql","/adapters/sql"), ("cache_salt","tenant-a"))
+        "2f4337ba796128f8f0f3e95e4b2e30a948abce017020918ad1ce0a6828f9edc7",
+    ),
+    (
+        "sha256_cbor",
+        "lora+salt",
+    ): (  # E0 = (("lora","sql","/adapters/sql"), ("cache_salt","tenant-a"))
         "9cd699c12323c0c6f4045d0e1f0ecfc0ab3d00dce4223bf21c6a7cd889aaa3fb",
-        "a0c8f2ff6ec84421b1db7653c99450f3db38245ae4971bab9a5432d000fb75c2"),
-    ("sha256_cbor", "mm"): (  # item "img0" at tokens [10, 22): E0 = (("mm","img0",10),), E1 = (("mm","img0",-6),)
+        "a0c8f2ff6ec84421b1db7653c99450f3db38245ae4971bab9a5432d000fb75c2",
+    ),
+    (
+        "sha256_cbor",
+        "mm",
+    ): (  # item "img0" at tokens [10, 22): E0 = (("mm","img0",10),), E1 = (("mm","img0",-6),)
         "e0310d33a23693715af44f9c34a4ff4d679080c9ceea6a1f5d7da5c1120a861b",
-        "8391e57d62af598ef58260fc5fde2c7fadd4e7378cd255c54fc566e4d31ac9ca"),
+        "8391e57d62af598ef58260fc5fde2c7fadd4e7378cd255c54fc566e4d31ac9ca",
+    ),
     ("sha256", "plain"): (
         "7b255da405e1d722823892e4fef187b4d8ac78215d7f0dd2137bb037547f4caf",
-        "8e717becdc2054b7a3223b7b844f462c0db0ac86287b752b16d077ad0843c577"),
+        "8e717becdc2054b7a3223b7b844f462c0db0ac86287b752b16d077ad0843c577",
+    ),
     ("sha256", "salt"): (
         "67b47fff1fdd4b5d223a715393ac45d1f1159748b35948c1cc5af6f21812adb0",
-        "c95bea24a5e5b77ca1ef0ac100eaf16646db162490a5668ca214b8232315c4d9"),
+        "c95bea24a5e5b77ca1ef0ac100eaf16646db162490a5668ca214b8232315c4d9",
+    ),
     ("sha256", "lora+salt"): (
         "7d8804ff255b1be99987de779a78f688065590258e56fc253bd9ba69e706a4e9",
-        "397db8048cc3b2d5afa6b412860a07e792e281ba05b77c581dfbf43b35c3ce8f"),
+        "397db8048cc3b2d5afa6b412860a07e792e281ba05b77c581dfbf43b35c3ce8f",
+    ),
 }
 
 _REQUEST_KWARGS = {
@@ -182,18 +211,22 @@ def test_block_hashes_equal_vllm_033_bit_for_bit():
     """pagedkv's request block hashes equal vLLM 0.33's fixed vectors (sha256_cbor and sha256,
     PYTHONHASHSEED unset — removed from the child's environment, since pytest may set it)."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"}
-    lines = ["import json",
-             "from pagedkv.core.hashing import get_hash_fn_by_name",
-             "from pagedkv.core.request import KVCacheRequest, MultiModalFeature, get_request_block_hasher",
-             "out = {}"]
+    lines = [
+        "import json",
+        "from pagedkv.core.hashing import get_hash_fn_by_name",
+        "from pagedkv.core.request import KVCacheRequest, MultiModalFeature, get_request_block_hasher",
+        "out = {}",
+    ]
     for algo, case in VLLM_033_VECTORS:
         lines.append(
             f"r = KVCacheRequest('r', list(range(1, 33)), block_hasher=get_request_block_hasher("
-            f"16, get_hash_fn_by_name('{algo}')), **{_REQUEST_KWARGS[case]})")
+            f"16, get_hash_fn_by_name('{algo}')), **{_REQUEST_KWARGS[case]})"
+        )
         lines.append(f"out['{algo}|{case}'] = [h.hex() for h in r.block_hashes]")
     lines.append("print(json.dumps(out))")
-    proc = subprocess.run([sys.executable, "-c", "\n".join(lines)], env=env, capture_output=True,
-                          text=True)
+    proc = subprocess.run(
+        [sys.executable, "-c", "\n".join(lines)], env=env, capture_output=True, text=True
+    )
     assert proc.returncode == 0, proc.stderr
     got = json.loads(proc.stdout)
     for (algo, case), want in VLLM_033_VECTORS.items():
@@ -202,5 +235,7 @@ def test_block_hashes_equal_vllm_033_bit_for_bit():
 
 def test_default_seed_is_vllms():
     assert hashing.DEFAULT_NONE_HASH_SEED == "vllm-none-hash"
-    assert _none_hash_in_subprocess("sha256_cbor", None) == \
-        "9bd96a485ad84efdafb72ee48a1d7a69bcead0f8f0433173941b276b9581eef0"  # sha256_cbor("vllm-none-hash")
+    assert (
+        _none_hash_in_subprocess("sha256_cbor", None)
+        == "9bd96a485ad84efdafb72ee48a1d7a69bcead0f8f0433173941b276b9581eef0"
+    )  # sha256_cbor("vllm-none-hash")

@@ -11,10 +11,10 @@ from typing import Any
 
 import pytest
 import torch
+from engine_utils import check_clean, random_prompts
 
 from pagedkv import LLM, SamplingParams
 from pagedkv.core.specs import SlidingWindowSpec
-from engine_utils import check_clean, random_prompts
 
 WINDOW = 8
 LAYER_TYPES = ["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"]
@@ -26,11 +26,22 @@ def hybrid(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Path]:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=len(LAYER_TYPES),
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                         initializer_range=0.2, use_sliding_window=True, sliding_window=WINDOW,
-                         layer_types=LAYER_TYPES, attn_implementation="eager", eos_token_id=None,
-                         bos_token_id=None)
+    config = Qwen2Config(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=len(LAYER_TYPES),
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        initializer_range=0.2,
+        use_sliding_window=True,
+        sliding_window=WINDOW,
+        layer_types=LAYER_TYPES,
+        attn_implementation="eager",
+        eos_token_id=None,
+        bos_token_id=None,
+    )
     hf = Qwen2ForCausalLM(config).eval()
     out = tmp_path_factory.mktemp("tiny_hybrid")
     hf.save_pretrained(out)
@@ -48,26 +59,32 @@ def hf_greedy(hf: Any, prompt: list[int], n: int) -> list[int]:
     with torch.inference_mode():
         for _ in range(n):
             ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[len(prompt):]
+    return ids[len(prompt) :]
 
 
 def prompts(seed: int, lens: list[int], shared: int = 0) -> list[list[int]]:
     return random_prompts(VOCAB, seed, lens, shared)
 
 
-@pytest.mark.parametrize("engine_kw", [
-    {},  # plenty of blocks, whole prompts in one step
-    {"max_num_batched_tokens": 7},  # every prefill chunked, chunk edges cross the window
-    # So few blocks that requests are preempted and recomputed (a small token budget bounds
-    # the sliding-window groups' prefill peak, which holds a whole chunk before the window
-    # trims it).
-    # max_model_len 96 (the longest request is 76 tokens): 48 blocks cannot hold one request of
-    # 128, and the engine refuses such a cache at start, as vLLM does.
-    {"num_kv_blocks": 48, "max_num_batched_tokens": 16, "max_model_len": 96},
-], ids=["plain", "chunked", "preempting"])
+@pytest.mark.parametrize(
+    "engine_kw",
+    [
+        {},  # plenty of blocks, whole prompts in one step
+        {"max_num_batched_tokens": 7},  # every prefill chunked, chunk edges cross the window
+        # So few blocks that requests are preempted and recomputed (a small token budget bounds
+        # the sliding-window groups' prefill peak, which holds a whole chunk before the window
+        # trims it).
+        # max_model_len 96 (the longest request is 76 tokens): 48 blocks cannot hold one request of
+        # 128, and the engine refuses such a cache at start, as vLLM does.
+        {"num_kv_blocks": 48, "max_num_batched_tokens": 16, "max_model_len": 96},
+    ],
+    ids=["plain", "chunked", "preempting"],
+)
 def test_greedy_matches_transformers(hybrid: tuple[Any, Path], engine_kw: dict[str, int]) -> None:
     hf, path = hybrid
-    llm = LLM(model=str(path), block_size=4, **({"num_kv_blocks": 200, "max_model_len": 128} | engine_kw))
+    llm = LLM(
+        model=str(path), block_size=4, **({"num_kv_blocks": 200, "max_model_len": 128} | engine_kw)
+    )
     engine = llm.llm_engine
     assert len(engine.kv_cache_config.kv_cache_groups) >= 2  # really hybrid
     batch = prompts(1, [5, 23, 40, 61, 17, 9], shared=0) + prompts(2, [6, 11, 30], shared=33)
@@ -95,8 +112,11 @@ def test_prefix_hits_and_window_release(hybrid: tuple[Any, Path]) -> None:
     assert out.outputs[0].token_ids == hf_greedy(hf, second, 6)
 
     engine = llm.llm_engine
-    engine.add_request("long", {"prompt_token_ids": prompts(4, [80])[0]},
-                       SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    engine.add_request(
+        "long",
+        {"prompt_token_ids": prompts(4, [80])[0]},
+        SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+    )
     engine.step()  # the whole prompt in one step
     engine.step()  # a decode: its allocation first releases what fell out of the window
     groups = engine.kv_cache_config.kv_cache_groups
@@ -116,12 +136,17 @@ def test_parallel_samples_fork_in_every_group(hybrid: tuple[Any, Path]) -> None:
     hf, path = hybrid
     llm = LLM(model=str(path), block_size=4, max_model_len=128, num_kv_blocks=200, seed=5)
     (prompt,) = prompts(6, [22])
-    (out,) = llm.generate({"prompt_token_ids": prompt},
-                          SamplingParams(n=3, temperature=0.8, max_tokens=10, ignore_eos=True, seed=11),
-                          use_tqdm=False)
+    (out,) = llm.generate(
+        {"prompt_token_ids": prompt},
+        SamplingParams(n=3, temperature=0.8, max_tokens=10, ignore_eos=True, seed=11),
+        use_tqdm=False,
+    )
     assert len(out.outputs) == 3 and all(len(c.token_ids) == 10 for c in out.outputs)
-    (greedy,) = llm.generate({"prompt_token_ids": prompt},
-                             SamplingParams(n=2, temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False)
+    (greedy,) = llm.generate(
+        {"prompt_token_ids": prompt},
+        SamplingParams(n=2, temperature=0, max_tokens=10, ignore_eos=True),
+        use_tqdm=False,
+    )
     ref = hf_greedy(hf, prompt, 10)
     assert [c.token_ids for c in greedy.outputs] == [ref, ref]  # forked copies continue exactly
     check_clean(llm)
@@ -131,7 +156,9 @@ def test_offloading_a_hybrid_model_round_trips_exactly(hybrid: tuple[Any, Path])
     """Offloading serves hybrid models (tests/test_offload_hybrid.py covers the rules): a
     prompt evicted from the device comes back from the CPU tier, output unchanged."""
     hf, path = hybrid
-    llm = LLM(model=str(path), block_size=4, max_model_len=64, num_kv_blocks=80, kv_offload="cpu:16MiB")
+    llm = LLM(
+        model=str(path), block_size=4, max_model_len=64, num_kv_blocks=80, kv_offload="cpu:16MiB"
+    )
     (prompt,) = prompts(6, [30])
     params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
     ref = hf_greedy(hf, prompt, 5)

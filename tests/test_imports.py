@@ -24,9 +24,22 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 # it; forwarding (the HTTP forwarding the PD proxy and the router share) below entrypoints; the
 # router above entrypoints (it reads the server's protocol models), the fleet simulator above
 # the router (it reuses its index and policies), and the CLI on top of everything.
-LAYERS = {"envs": 0, "core": 0, "ops": 1, "transfer": 1, "models": 2, "offload": 2,
-          "kv_transfer": 3, "engine": 4, "bench": 5, "forwarding": 5, "entrypoints": 6,
-          "router": 7, "sim": 8, "entrypoints.cli": 9}
+LAYERS = {
+    "envs": 0,
+    "core": 0,
+    "ops": 1,
+    "transfer": 1,
+    "models": 2,
+    "offload": 2,
+    "kv_transfer": 3,
+    "engine": 4,
+    "bench": 5,
+    "forwarding": 5,
+    "entrypoints": 6,
+    "router": 7,
+    "sim": 8,
+    "entrypoints.cli": 9,
+}
 
 
 def layer_of(module: str) -> int | None:
@@ -43,8 +56,9 @@ def module_name(path: Path, root: Path) -> str:
 
 def _is_type_checking(node: ast.If) -> bool:
     t = node.test
-    return (isinstance(t, ast.Name) and t.id == "TYPE_CHECKING") or \
-        (isinstance(t, ast.Attribute) and t.attr == "TYPE_CHECKING")
+    return (isinstance(t, ast.Name) and t.id == "TYPE_CHECKING") or (
+        isinstance(t, ast.Attribute) and t.attr == "TYPE_CHECKING"
+    )
 
 
 def _import_nodes(node: ast.AST) -> Iterator[ast.Import | ast.ImportFrom]:
@@ -78,10 +92,12 @@ def imports_of(path: Path, root: Path, modules: set[str]) -> set[str]:
             base = node.module or ""
             if node.level:
                 anchor = package.split(".")
-                anchor = anchor[:len(anchor) - node.level + 1]
+                anchor = anchor[: len(anchor) - node.level + 1]
                 base = ".".join(anchor + ([base] if base else []))
             # ``from pkg import sub`` imports the submodule when there is one.
-            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
+            targets = [
+                f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names
+            ]
         out.update(t for t in (_resolve(t, modules) for t in targets) if t is not None)
     out.discard(mod)
     return out
@@ -138,7 +154,7 @@ def _path_in(graph: dict[str, set[str]], component: list[str]) -> str:
         nxt = sorted(w for w in graph[path[-1]] if w in members)
         back = [w for w in nxt if w in seen]
         if back:
-            return " → ".join(path[path.index(back[0]):] + [back[0]])
+            return " → ".join(path[path.index(back[0]) :] + [back[0]])
         path.append(nxt[0])
         seen.add(nxt[0])
 
@@ -170,19 +186,29 @@ def test_layer_of_takes_the_longest_key() -> None:
 
 def test_every_package_has_a_layer() -> None:
     """A new package must say where it sits (else the upward check would skip it silently)."""
-    packages = {p.name for p in (SRC / "pagedkv").iterdir()
-                if (p / "__init__.py").exists() or (p.suffix == ".py" and p.stem != "__init__")}
+    packages = {
+        p.name
+        for p in (SRC / "pagedkv").iterdir()
+        if (p / "__init__.py").exists() or (p.suffix == ".py" and p.stem != "__init__")
+    }
     missing = sorted(p for p in packages if layer_of(f"pagedkv.{p.removesuffix('.py')}") is None)
     assert not missing, f"packages without a layer in LAYERS: {missing}"
 
 
 def test_no_upward_imports_and_a_torch_free_core() -> None:
     graph = import_graph(SRC, "pagedkv")
-    upward = [f"{m} → {t}" for m, targets in graph.items() for t in targets
-              if (lm := layer_of(m)) is not None and (lt := layer_of(t)) is not None and lt > lm]
+    upward = [
+        f"{m} → {t}"
+        for m, targets in graph.items()
+        for t in targets
+        if (lm := layer_of(m)) is not None and (lt := layer_of(t)) is not None and lt > lm
+    ]
     assert not upward, "upward imports:\n" + "\n".join(sorted(upward))
-    torch_in_core = [f.name for f in sorted((SRC / "pagedkv" / "core").rglob("*.py"))
-                     if "torch" in _top_level_names(f)]
+    torch_in_core = [
+        f.name
+        for f in sorted((SRC / "pagedkv" / "core").rglob("*.py"))
+        if "torch" in _top_level_names(f)
+    ]
     assert not torch_in_core, f"core/ imports torch: {torch_in_core}"
 
 
@@ -197,8 +223,11 @@ def test_no_private_names_imported_across_packages() -> None:
                 continue
             target = (node.module or "").split(".")
             if target[:1] == ["pagedkv"] and target[:2] != package:
-                crossing += [f"{module_name(f, SRC)} ← {node.module}.{a.name}" for a in node.names
-                             if a.name.startswith("_") and not a.name.startswith("__")]
+                crossing += [
+                    f"{module_name(f, SRC)} ← {node.module}.{a.name}"
+                    for a in node.names
+                    if a.name.startswith("_") and not a.name.startswith("__")
+                ]
     assert not crossing, "private names imported from another package:\n" + "\n".join(crossing)
 
 
@@ -220,8 +249,13 @@ def test_one_definition_of_each_unit_helper(name: str) -> None:
     where = []
     for f in sorted((SRC / "pagedkv").rglob("*.py")):
         for node in ast.walk(ast.parse(f.read_text(encoding="utf-8"))):
-            defined = [node.name] if isinstance(node, ast.FunctionDef) else \
-                [t.id for t in node.targets if isinstance(t, ast.Name)] if isinstance(node, ast.Assign) else []
+            defined = (
+                [node.name]
+                if isinstance(node, ast.FunctionDef)
+                else [t.id for t in node.targets if isinstance(t, ast.Name)]
+                if isinstance(node, ast.Assign)
+                else []
+            )
             if name in defined:
                 where.append(str(f.relative_to(SRC)))
     assert where == ["pagedkv/core/units.py"]
@@ -250,28 +284,41 @@ def _write_package(root: Path, files: dict[str, str]) -> None:
         path.write_text(textwrap.dedent(text))
 
 
-@pytest.mark.parametrize("b_source", [
-    "from pkg.a import X\n",                                      # module level
-    "def f():\n    from pkg import a\n    return a\n",            # inside a function
-    "from . import a\n",                                          # relative
-    "import pkg.a\n",                                            # plain import
-])
+@pytest.mark.parametrize(
+    "b_source",
+    [
+        "from pkg.a import X\n",  # module level
+        "def f():\n    from pkg import a\n    return a\n",  # inside a function
+        "from . import a\n",  # relative
+        "import pkg.a\n",  # plain import
+    ],
+)
 def test_checker_finds_a_circle(tmp_path: Path, b_source: str) -> None:
-    _write_package(tmp_path, {"pkg/__init__.py": "", "pkg/a.py": "from pkg import b\nX = 1\n",
-                              "pkg/b.py": b_source, "pkg/c.py": "import pkg.a\n"})
+    _write_package(
+        tmp_path,
+        {
+            "pkg/__init__.py": "",
+            "pkg/a.py": "from pkg import b\nX = 1\n",
+            "pkg/b.py": b_source,
+            "pkg/c.py": "import pkg.a\n",
+        },
+    )
     graph = import_graph(tmp_path, "pkg")
     assert find_cycles(graph) == [["pkg.a", "pkg.b"]]
     assert _path_in(graph, ["pkg.a", "pkg.b"]) == "pkg.a → pkg.b → pkg.a"
 
 
 def test_checker_ignores_type_checking_imports(tmp_path: Path) -> None:
-    _write_package(tmp_path, {
-        "pkg/__init__.py": "",
-        "pkg/a.py": "from pkg.b import Y\nX = 1\n",
-        "pkg/b.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg.a import X\n"
-                    "else:\n    import pkg.c\nY = 2\n",
-        "pkg/c.py": "",
-    })
+    _write_package(
+        tmp_path,
+        {
+            "pkg/__init__.py": "",
+            "pkg/a.py": "from pkg.b import Y\nX = 1\n",
+            "pkg/b.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg.a import X\n"
+            "else:\n    import pkg.c\nY = 2\n",
+            "pkg/c.py": "",
+        },
+    )
     graph = import_graph(tmp_path, "pkg")
     assert graph["pkg.b"] == {"pkg.c"} and find_cycles(graph) == []
 
@@ -280,11 +327,17 @@ def test_the_scheduler_knows_only_core_its_types_and_the_connector_seam() -> Non
     """The scheduler reaches the connector through `KVConnectorBase` only, never a concrete
     connector, tier code or torch (module-level and function-level imports alike)."""
     src = Path(__file__).resolve().parents[1] / "src" / "pagedkv" / "engine" / "scheduler.py"
-    allowed = ("pagedkv.core.", "pagedkv.engine.request", "pagedkv.engine.scheduler_output",
-               "pagedkv.kv_transfer.base")
+    allowed = (
+        "pagedkv.core.",
+        "pagedkv.engine.request",
+        "pagedkv.engine.scheduler_output",
+        "pagedkv.kv_transfer.base",
+    )
     for node in ast.walk(ast.parse(src.read_text())):
         if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("pagedkv"):
             assert node.module.startswith(allowed), node.module
         if isinstance(node, (ast.Import, ast.ImportFrom)):
-            names = [a.name for a in node.names] + ([node.module] if isinstance(node, ast.ImportFrom) else [])
+            names = [a.name for a in node.names] + (
+                [node.module] if isinstance(node, ast.ImportFrom) else []
+            )
             assert not any(n and n.split(".")[0] == "torch" for n in names)

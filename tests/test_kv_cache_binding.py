@@ -20,8 +20,17 @@ from pagedkv.engine.kv_cache_binding import bind_kv_cache
 from pagedkv.models.config import ModelConfig
 from pagedkv.ops.kv_cache import kv_combined_view
 
-BASE = dict(architecture="llama", hidden_size=64, num_attention_heads=8, num_kv_heads=2, head_dim=8,
-            intermediate_size=128, vocab_size=100, max_position_embeddings=256, dtype="float32")
+BASE = dict(
+    architecture="llama",
+    hidden_size=64,
+    num_attention_heads=8,
+    num_kv_heads=2,
+    head_dim=8,
+    intermediate_size=128,
+    vocab_size=100,
+    max_position_embeddings=256,
+    dtype="float32",
+)
 
 
 def plan(mc: ModelConfig, layout: str = "LBNHC", num_blocks: int = 6):
@@ -31,7 +40,7 @@ def plan(mc: ModelConfig, layout: str = "LBNHC", num_blocks: int = 6):
 
 def byte_range(t: torch.Tensor, base: torch.Tensor) -> tuple[int, int]:
     """[first, last+1) byte offsets of ``t`` inside ``base``'s storage."""
-    start = (t.data_ptr() - base.data_ptr())
+    start = t.data_ptr() - base.data_ptr()
     span = sum((n - 1) * s for n, s in zip(t.shape, t.stride())) + 1
     return start, start + span * t.element_size()
 
@@ -76,9 +85,14 @@ def gemma4_like(layout: str = "LBNHC"):
     """Sliding layers 2 heads x 8, global layers 1 head x 32: the global page is twice as big,
     so the sliding group's block size doubles."""
     types = ["sliding_attention", "sliding_attention", "full_attention"] * 2
-    mc = ModelConfig(**BASE, num_layers=6, layer_types=types, sliding_window=8,
-                     layer_num_kv_heads=[2 if t == "sliding_attention" else 1 for t in types],
-                     layer_head_dims=[8 if t == "sliding_attention" else 32 for t in types])
+    mc = ModelConfig(
+        **BASE,
+        num_layers=6,
+        layer_types=types,
+        sliding_window=8,
+        layer_num_kv_heads=[2 if t == "sliding_attention" else 1 for t in types],
+        layer_head_dims=[8 if t == "sliding_attention" else 32 for t in types],
+    )
     return mc, plan(mc, layout)
 
 
@@ -89,14 +103,21 @@ def test_groups_with_different_block_sizes_read_whole_pages_of_their_slot(layout
     assert sizes == [4, 8]
     b = bind_kv_cache(cfg, mc, torch.float32, torch.device("cpu"))
     page = cfg.kv_cache_groups[0].kv_cache_spec.page_size_bytes
-    where = {name: (g, j) for g, grp in enumerate(cfg.kv_cache_groups) for j, name in enumerate(grp.layer_names)}
+    where = {
+        name: (g, j)
+        for g, grp in enumerate(cfg.kv_cache_groups)
+        for j, name in enumerate(grp.layer_names)
+    }
     slot_pages = {}
     for i in range(mc.num_layers):
         g, j = where[mc.layer_name(i)]
         assert b.layer_groups[i] == g
         k, v = b.kv_caches[i]
-        assert k.shape[1:] == (cfg.kv_cache_groups[g].kv_cache_spec.block_size, mc.layer_kv_heads(i),
-                               mc.layer_head_dim(i))
+        assert k.shape[1:] == (
+            cfg.kv_cache_groups[g].kv_cache_spec.block_size,
+            mc.layer_kv_heads(i),
+            mc.layer_head_dim(i),
+        )
         rng = byte_range(kv_combined_view(k, v)[3], b.buffer)
         assert rng[1] - rng[0] == page  # the layer's block 3 is exactly one page
         slot_pages.setdefault(j, set()).add(rng)

@@ -27,7 +27,7 @@ def test_case1_no_hit_then_allocate():
     assert new.get_block_ids() == ([1, 2, 3, 4],)
     parent = None
     for i, block in enumerate(new.blocks[0][:3]):
-        parent = hash_block_tokens(sha256, parent, tokens[i * 16:(i + 1) * 16])
+        parent = hash_block_tokens(sha256, parent, tokens[i * 16 : (i + 1) * 16])
         assert block.block_hash == parent + (0).to_bytes(4, "big")
         assert block.ref_cnt == 1
     assert new.blocks[0][3].block_hash is None
@@ -215,7 +215,10 @@ def test_duplicate_prefixes_in_one_step():
     # Reusing a's blocks must not drop b's index entries.
     c = make_request(list(range(500, 500 + 16 * 7)), m)
     assert admit(m, c)[2].num_blocks == 7  # every free block, a's cached ones included
-    assert m.block_pool.get_cached_block(b.block_hashes[0], [0])[0] in m.get_blocks(b.request_id).blocks[0]
+    assert (
+        m.block_pool.get_cached_block(b.block_hashes[0], [0])[0]
+        in m.get_blocks(b.request_id).blocks[0]
+    )
     d = make_request(list(range(40)), m)
     assert m.get_computed_blocks(d)[1] == 32
     for r in (b, c):
@@ -313,7 +316,9 @@ def test_check_invariants_catches_a_leak():
 
 def test_none_hash_is_parent_of_first_block():
     tokens = list(range(16))
-    assert hash_block_tokens(sha256, None, tokens) == sha256((get_none_hash(sha256), tuple(tokens), None))
+    assert hash_block_tokens(sha256, None, tokens) == sha256(
+        (get_none_hash(sha256), tuple(tokens), None)
+    )
 
 
 def test_fork_request_shares_full_blocks_and_copies_partial():

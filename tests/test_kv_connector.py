@@ -20,7 +20,13 @@ import pytest
 from core_utils import full_spec, make_kv_cache_config
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule, run_state_machine_as_test
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    rule,
+    run_state_machine_as_test,
+)
 from kv_test_connectors import ScriptedConnector
 from test_scheduler import BS, assert_all_free, counting, fake_run, make_req
 
@@ -36,18 +42,30 @@ PROMPT = list(range(100, 116))  # 16 tokens = 4 blocks of BS=4
 
 
 def scripted_config(policy: str = "recompute") -> KVTransferConfig:
-    return KVTransferConfig(kv_connector="ScriptedConnector", kv_role="kv_both",
-                            kv_connector_module_path="kv_test_connectors", kv_load_failure_policy=policy)
+    return KVTransferConfig(
+        kv_connector="ScriptedConnector",
+        kv_role="kv_both",
+        kv_connector_module_path="kv_test_connectors",
+        kv_load_failure_policy=policy,
+    )
 
 
-def make_sched(policy: str = "recompute", *, num_blocks: int = 64, max_num_seqs: int = 8, budget: int = 64,
-               max_model_len: int = 256) -> tuple[Scheduler, ScriptedConnector]:
+def make_sched(
+    policy: str = "recompute",
+    *,
+    num_blocks: int = 64,
+    max_num_seqs: int = 8,
+    budget: int = 64,
+    max_model_len: int = 256,
+) -> tuple[Scheduler, ScriptedConnector]:
     conn = ScriptedConnector(scripted_config(policy), KVConnectorRole.SCHEDULER)
     config = make_kv_cache_config(num_blocks, [full_spec(BS)], block_size=BS)
     return Scheduler(config, max_num_seqs, budget, max_model_len, conn), conn
 
 
-def kstep(sched: Scheduler, kco: KVConnectorOutput | None = None) -> tuple[SchedulerOutput, EngineCoreOutputs]:
+def kstep(
+    sched: Scheduler, kco: KVConnectorOutput | None = None
+) -> tuple[SchedulerOutput, EngineCoreOutputs]:
     """One step whose worker reports ``kco`` (an empty report when None)."""
     so = sched.schedule()
     assert so.num_batched_tokens <= sched.max_num_batched_tokens
@@ -217,7 +235,9 @@ def test_abort_while_loading_holds_the_blocks_until_the_load_is_reported():
     kstep(sched)
     sched.finish_requests(["a"], RequestStatus.FINISHED_ABORTED)
     assert conn.finished_calls == ["a"]
-    assert len(blocks_of(sched, "a")) == 2 and sched.has_pending_kv_transfers()  # the load may still write
+    assert (
+        len(blocks_of(sched, "a")) == 2 and sched.has_pending_kv_transfers()
+    )  # the load may still write
     kstep(sched)
     assert len(blocks_of(sched, "a")) == 2
     kstep(sched, KVConnectorOutput(finished_recving={"a"}))
@@ -329,8 +349,9 @@ def test_fail_policy_a_failed_sync_load_fails_the_running_request():
     mro.kv_connector_output = KVConnectorOutput(invalid_block_ids={blocks_of(sched, "a")[0]})
     eco = sched.update_from_output(so, mro)
     sched.kv_cache_manager.check_invariants()
-    assert [(o.request_id, o.new_token_ids, o.finish_reason) for o in eco.outputs if o.request_id == "a"] \
-        == [("a", [], "error")]  # its sampled token is not reported
+    assert [
+        (o.request_id, o.new_token_ids, o.finish_reason) for o in eco.outputs if o.request_id == "a"
+    ] == [("a", [], "error")]  # its sampled token is not reported
     assert num_hits(sched, PROMPT) == 0
     assert run_all(sched) == {"b": "length"}
     assert conn.finished_calls.count("a") == 1
@@ -343,12 +364,16 @@ def test_fail_policy_a_failed_sync_load_fails_the_running_request():
 def test_request_finished_is_called_exactly_once_per_request():
     sched, conn = make_sched(max_num_seqs=3)
     for rid in ("fin", "ab", "stop", "queued"):
-        sched.add_request(make_req(rid, list(range(hash(rid) % 50, hash(rid) % 50 + 6)), max_tokens=3))
+        sched.add_request(
+            make_req(rid, list(range(hash(rid) % 50, hash(rid) % 50 + 6)), max_tokens=3)
+        )
     kstep(sched)
     assert sched.waiting[0].request_id == "queued"  # max_num_seqs
     sched.finish_requests(["ab", "queued"], RequestStatus.FINISHED_ABORTED)
     sched.finish_requests(["stop"], RequestStatus.FINISHED_STOPPED)
-    sched.finish_requests(["stop", "ab"], RequestStatus.FINISHED_ABORTED)  # already finished: ignored
+    sched.finish_requests(
+        ["stop", "ab"], RequestStatus.FINISHED_ABORTED
+    )  # already finished: ignored
     assert run_all(sched) == {"fin": "length"}
     assert Counter(conn.finished_calls) == {"fin": 1, "ab": 1, "stop": 1, "queued": 1}
     assert_all_free(sched)
@@ -420,15 +445,22 @@ class KVConnectorMachine(RuleBasedStateMachine):
     prompt, and a delayed send may be reported before the load of a request aborted while
     loading."""
 
-    @initialize(policy=st.sampled_from(["recompute", "fail"]), num_blocks=st.sampled_from([8, 12, 24]),
-                budget=st.sampled_from([4, 16, 64]), max_seqs=st.sampled_from([1, 2, 4]))
+    @initialize(
+        policy=st.sampled_from(["recompute", "fail"]),
+        num_blocks=st.sampled_from([8, 12, 24]),
+        budget=st.sampled_from([4, 16, 64]),
+        max_seqs=st.sampled_from([1, 2, 4]),
+    )
     def setup(self, policy, num_blocks, budget, max_seqs):
-        self.sched, self.conn = make_sched(policy, num_blocks=num_blocks, max_num_seqs=max_seqs, budget=budget,
-                                           max_model_len=40)
+        self.sched, self.conn = make_sched(
+            policy, num_blocks=num_blocks, max_num_seqs=max_seqs, budget=budget, max_model_len=40
+        )
         self.conn.answer_fn = self._answer
         self.plans: dict[str, tuple[str, int]] = {}  # rid -> (kind, external blocks)
         self.undecided: Counter[str] = Counter()
-        self.loading: dict[str, list[int]] = {}  # async loads not reported yet: rid -> external blocks
+        self.loading: dict[
+            str, list[int]
+        ] = {}  # async loads not reported yet: rid -> external blocks
         self.num_alloc_calls = 0
         self.num_added = 0
 
@@ -441,25 +473,32 @@ class KVConnectorMachine(RuleBasedStateMachine):
         ext = max(0, min(k * BS, room)) if kind in ("sync", "async") else 0
         return ext, kind == "async" and ext > 0
 
-    @rule(prefix=st.sampled_from(PREFIXES), length=st.integers(1, 20), tail=st.integers(0, 3),
-          max_tokens=st.integers(1, 6), kind=st.sampled_from(["none", "sync", "async", "async", "undecided"]),
-          k=st.integers(1, 4), delay=st.booleans())
+    @rule(
+        prefix=st.sampled_from(PREFIXES),
+        length=st.integers(1, 20),
+        tail=st.integers(0, 3),
+        max_tokens=st.integers(1, 6),
+        kind=st.sampled_from(["none", "sync", "async", "async", "undecided"]),
+        k=st.integers(1, 4),
+        delay=st.booleans(),
+    )
     def add(self, prefix, length, tail, max_tokens, kind, k, delay):
         rid = f"r{self.num_added}"
         self.num_added += 1
         self.plans[rid] = (kind, k)
         self.conn.finish_answers[rid] = (delay, {"rid": rid} if delay else None)
-        self.sched.add_request(make_req(rid, prefix[:length] + [500 + self.num_added] * tail,
-                                        max_tokens=max_tokens))
+        self.sched.add_request(
+            make_req(rid, prefix[:length] + [500 + self.num_added] * tail, max_tokens=max_tokens)
+        )
 
     def _new_loads(self) -> dict[str, list[int]]:
         """Loads queued by this schedule(): async ones join ``loading``; sync ones (loaded in
         this very step) are returned."""
         sync: dict[str, list[int]] = {}
-        for rid, block_ids, num_ext, computed in self.conn.alloc_calls[self.num_alloc_calls:]:
+        for rid, block_ids, num_ext, computed in self.conn.alloc_calls[self.num_alloc_calls :]:
             if num_ext == 0:
                 continue
-            ext = block_ids[0][computed // BS:(computed + num_ext) // BS]
+            ext = block_ids[0][computed // BS : (computed + num_ext) // BS]
             req = self.sched.requests.get(rid)
             if req is not None and req.status == WR:
                 self.loading[rid] = ext
@@ -470,6 +509,7 @@ class KVConnectorMachine(RuleBasedStateMachine):
 
     def _report(self, data, everything: bool = False) -> KVConnectorOutput:
         sched = self.sched
+
         def draw(xs) -> set[str]:
             if everything or not xs:
                 return set(xs)
@@ -481,7 +521,6 @@ class KVConnectorMachine(RuleBasedStateMachine):
         return KVConnectorOutput(sending, recving)
 
     def _invalid(self, data, recving: set[str], sync: dict[str, list[int]]) -> set[int]:
-        kv = self.sched.kv_cache_manager
         candidates = {b for rid in recving for b in self.loading[rid]}
         candidates |= {b for ext in sync.values() for b in ext}
         if not candidates or not data.draw(st.booleans()):
@@ -498,11 +537,14 @@ class KVConnectorMachine(RuleBasedStateMachine):
         kco = self._report(data, everything)
         if not everything:
             kco.invalid_block_ids = self._invalid(data, kco.finished_recving, sync)
-        mro = fake_run(so, lambda r: data.draw(st.sampled_from([EOS_ID, 11, 12])) if data else counting(r))
+        mro = fake_run(
+            so, lambda r: data.draw(st.sampled_from([EOS_ID, 11, 12])) if data else counting(r)
+        )
         mro.kv_connector_output = kco
         sched.update_from_output(so, mro)
         assert Counter(r.request_id for r in so.preempted) == Counter(
-            self.conn.preempt_calls[len(self.conn.preempt_calls) - len(so.preempted):])
+            self.conn.preempt_calls[len(self.conn.preempt_calls) - len(so.preempted) :]
+        )
         for rid in kco.finished_recving:
             del self.loading[rid]
 
@@ -514,7 +556,10 @@ class KVConnectorMachine(RuleBasedStateMachine):
     def abort(self, data):
         if self.sched.requests:
             rid = data.draw(st.sampled_from(sorted(self.sched.requests)))
-            assert [r.request_id for r in self.sched.finish_requests([rid], RequestStatus.FINISHED_ABORTED)] == [rid]
+            assert [
+                r.request_id
+                for r in self.sched.finish_requests([rid], RequestStatus.FINISHED_ABORTED)
+            ] == [rid]
 
     @invariant()
     def consistent(self):
@@ -530,7 +575,11 @@ class KVConnectorMachine(RuleBasedStateMachine):
         assert all(r.status == RequestStatus.RUNNING for r in sched.running)
         for r in sched.waiting:
             assert r.status in (W, WR, RequestStatus.PREEMPTED)
-            if r.status != WR and r.num_computed_tokens == 0 and r.request_id not in sched.promoted_req_ids:
+            if (
+                r.status != WR
+                and r.num_computed_tokens == 0
+                and r.request_id not in sched.promoted_req_ids
+            ):
                 assert not kv.get_block_ids(r.request_id)[0]  # holds blocks only for its load
         assert all(n == 1 for n in Counter(self.conn.finished_calls).values())  # finished once
 
@@ -552,16 +601,25 @@ EOS_ID = 2
 
 
 def test_kv_connector_state_machine():
-    run_state_machine_as_test(KVConnectorMachine, settings=settings(
-        max_examples=30, stateful_step_count=40, deadline=None, derandomize=True,
-        suppress_health_check=list(HealthCheck)))
+    run_state_machine_as_test(
+        KVConnectorMachine,
+        settings=settings(
+            max_examples=30,
+            stateful_step_count=40,
+            deadline=None,
+            derandomize=True,
+            suppress_health_check=list(HealthCheck),
+        ),
+    )
 
 
 # ---- engine level: the real model -----------------------------------------------------------------
 
-PROMPT_A = ("The history of the printing press begins in the fifteenth century, when a goldsmith in "
-            "Mainz combined movable metal type, oil-based ink and a wooden press into one system. Within "
-            "fifty years, presses were running in more than two hundred cities across Europe, and")
+PROMPT_A = (
+    "The history of the printing press begins in the fifteenth century, when a goldsmith in "
+    "Mainz combined movable metal type, oil-based ink and a wooden press into one system. Within "
+    "fifty years, presses were running in more than two hundred cities across Europe, and"
+)
 PROMPT_B = "List three colors of the rainbow:"
 MAX_TOKENS = 6
 
@@ -570,9 +628,17 @@ def connector_llm(name: str, **extra):
     from pagedkv import LLM
 
     policy = extra.pop("policy", "recompute")
-    return LLM(num_kv_blocks=64, max_model_len=256, kv_transfer_config={
-        "kv_connector": name, "kv_role": "kv_both", "kv_connector_module_path": "kv_test_connectors",
-        "kv_load_failure_policy": policy, "kv_connector_extra_config": extra})
+    return LLM(
+        num_kv_blocks=64,
+        max_model_len=256,
+        kv_transfer_config={
+            "kv_connector": name,
+            "kv_role": "kv_both",
+            "kv_connector_module_path": "kv_test_connectors",
+            "kv_load_failure_policy": policy,
+            "kv_connector_extra_config": extra,
+        },
+    )
 
 
 def greedy():
@@ -594,8 +660,16 @@ def reference_tokens() -> list[list[int]]:
     return token_ids(llm.generate([PROMPT_A, PROMPT_B], greedy(), use_tqdm=False))
 
 
-WORKER_HOOKS = {"bind", "start_load_kv", "wait_for_layer_load", "save_kv_layer", "wait_for_save", "get_finished",
-                "get_block_ids_with_load_errors", "clear"}
+WORKER_HOOKS = {
+    "bind",
+    "start_load_kv",
+    "wait_for_layer_load",
+    "save_kv_layer",
+    "wait_for_save",
+    "get_finished",
+    "get_block_ids_with_load_errors",
+    "clear",
+}
 
 
 @pytest.mark.slow
@@ -605,9 +679,14 @@ def test_worker_hooks_run_in_order_around_every_step(reference_tokens):
     conn = engine.connector
     names = [engine.model_config.layer_name(i) for i in range(engine.model_config.num_layers)]
     assert conn.registered == names
-    assert all(conn.kv_caches[n][0].data_ptr() == k.data_ptr() for n, (k, _) in zip(names, engine.kv_caches))
+    assert all(
+        conn.kv_caches[n][0].data_ptr() == k.data_ptr()
+        for n, (k, _) in zip(names, engine.kv_caches)
+    )
     outputs = llm.generate([PROMPT_A, PROMPT_B], greedy(), use_tqdm=False)
-    assert token_ids(outputs) == reference_tokens  # a connector that matches nothing changes nothing
+    assert (
+        token_ids(outputs) == reference_tokens
+    )  # a connector that matches nothing changes nothing
     events = [e for e in conn.events if e[0] in WORKER_HOOKS]
     steps: list[list[tuple[str, object]]] = []
     for e in events:
@@ -617,10 +696,15 @@ def test_worker_hooks_run_in_order_around_every_step(reference_tokens):
     layers = [x for n in names for x in (("wait_for_layer_load", n), ("save_kv_layer", n))]
     head = [("bind", None), ("start_load_kv", None)]
     for s in steps:
-        assert s[:2] == head and s[-2:] == [("get_block_ids_with_load_errors", None), ("clear", None)]
+        assert s[:2] == head and s[-2:] == [
+            ("get_block_ids_with_load_errors", None),
+            ("clear", None),
+        ]
         assert s[-4] == ("wait_for_save", None) and s[-3][0] == "get_finished"
         assert s[2:-4] in (layers, [])  # one forward pass, layer by layer, or an empty step
-    assert sum(s[2:-4] == layers for s in steps) == MAX_TOKENS  # a prefill and the decodes of one batch
+    assert (
+        sum(s[2:-4] == layers for s in steps) == MAX_TOKENS
+    )  # a prefill and the decodes of one batch
     assert sorted(conn.finished_calls) == sorted(o.request_id for o in outputs)
 
 
@@ -638,8 +722,12 @@ def test_in_memory_connector_reproduces_a_local_run(reference_tokens):
     hits, ext = stats.hits, stats.external_hits
     second = llm.generate(PROMPT_A, greedy(), use_tqdm=False)
     loaded = (num_prompt - 1) // 16 * 16
-    assert conn.num_loaded_tokens == loaded >= 32  # a multi-block load (the corrupt run keeps block 0)
-    assert stats.hits == hits and stats.external_hits - ext == loaded  # no local hit: all from the store
+    assert (
+        conn.num_loaded_tokens == loaded >= 32
+    )  # a multi-block load (the corrupt run keeps block 0)
+    assert (
+        stats.hits == hits and stats.external_hits - ext == loaded
+    )  # no local hit: all from the store
     assert token_ids(second) == token_ids(first)
     engine.check_invariants()
     assert engine.kv_cache_manager.num_free_blocks == engine.kv_cache_config.num_blocks - 1
@@ -671,27 +759,47 @@ def test_in_memory_connector_fail_policy_fails_only_the_loading_request(referenc
 # ---- configuration errors ------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("data", "match"), [
-    ({"kv_connector": "X", "kv_role": "kv_both", "bogus": 1}, r"unknown kv_transfer_config field\(s\) \['bogus'\]"),
-    ({"kv_connector": "X"}, "kv_role.*a connector needs a role"),
-    ({"kv_connector": "X", "kv_role": "sender"}, "kv_role='sender'.*choose one of"),
-    ({"kv_connector": "X", "kv_role": "kv_both", "kv_load_failure_policy": "retry"},
-     "kv_load_failure_policy='retry'.*choose one of"),
-])
+@pytest.mark.parametrize(
+    ("data", "match"),
+    [
+        (
+            {"kv_connector": "X", "kv_role": "kv_both", "bogus": 1},
+            r"unknown kv_transfer_config field\(s\) \['bogus'\]",
+        ),
+        ({"kv_connector": "X"}, "kv_role.*a connector needs a role"),
+        ({"kv_connector": "X", "kv_role": "sender"}, "kv_role='sender'.*choose one of"),
+        (
+            {"kv_connector": "X", "kv_role": "kv_both", "kv_load_failure_policy": "retry"},
+            "kv_load_failure_policy='retry'.*choose one of",
+        ),
+    ],
+)
 def test_kv_transfer_config_errors(data, match):
     with pytest.raises(ValueError, match=match):
         KVTransferConfig.from_dict(data)
 
 
-@pytest.mark.parametrize(("data", "match"), [
-    ({"kv_connector": "NoSuchConnector"}, "unknown kv_connector 'NoSuchConnector'.*OffloadingConnector"),
-    ({"kv_connector": "X", "kv_connector_module_path": "no_such_module_xyz"},
-     "cannot import kv_connector_module_path 'no_such_module_xyz'"),
-    ({"kv_connector": "NotAConnector", "kv_connector_module_path": "kv_test_connectors"},
-     "'NotAConnector' is not a KVConnectorBase subclass"),
-    ({"kv_connector": "Missing", "kv_connector_module_path": "kv_test_connectors"},
-     "'Missing' is not a KVConnectorBase subclass"),
-])
+@pytest.mark.parametrize(
+    ("data", "match"),
+    [
+        (
+            {"kv_connector": "NoSuchConnector"},
+            "unknown kv_connector 'NoSuchConnector'.*OffloadingConnector",
+        ),
+        (
+            {"kv_connector": "X", "kv_connector_module_path": "no_such_module_xyz"},
+            "cannot import kv_connector_module_path 'no_such_module_xyz'",
+        ),
+        (
+            {"kv_connector": "NotAConnector", "kv_connector_module_path": "kv_test_connectors"},
+            "'NotAConnector' is not a KVConnectorBase subclass",
+        ),
+        (
+            {"kv_connector": "Missing", "kv_connector_module_path": "kv_test_connectors"},
+            "'Missing' is not a KVConnectorBase subclass",
+        ),
+    ],
+)
 def test_connector_factory_errors(data, match):
     from pagedkv.kv_transfer.factory import KVConnectorFactory
 
@@ -711,6 +819,8 @@ def test_engine_config_refuses_both_kv_offload_and_kv_transfer_config():
     from pagedkv.engine.config import EngineConfig
 
     with pytest.raises(ValueError, match="either kv_offload.*or kv_transfer_config"):
-        EngineConfig(kv_offload="cpu:1GiB", kv_transfer_config={"kv_connector": "X", "kv_role": "kv_both"})
+        EngineConfig(
+            kv_offload="cpu:1GiB", kv_transfer_config={"kv_connector": "X", "kv_role": "kv_both"}
+        )
     with pytest.raises(ValueError, match=r"unknown kv_transfer_config field\(s\) \['nope'\]"):
         EngineConfig(kv_transfer_config={"nope": 1})

@@ -16,15 +16,29 @@ from pagedkv.ops.kv_cache import allocate_kv_cache
 from pagedkv.ops.kv_quant import KVQuant, dequantize_part, hadamard_rotation, round_half_away
 from pagedkv.ops.metadata import AttentionMetadata
 
-MODES = [("fp8", "fp8_per_tensor"), ("fp8_e5m2", "fp8_per_tensor"), ("int8", "int8_per_token_head"),
-         ("fp8", "fp8_per_token_head"), ("int4", "int4_per_token_head"), ("int4", "int4_per_token_group"),
-         ("int8", "int8_per_token_head_f16"), ("fp8", "fp8_per_token_head_f16")]
+MODES = [
+    ("fp8", "fp8_per_tensor"),
+    ("fp8_e5m2", "fp8_per_tensor"),
+    ("int8", "int8_per_token_head"),
+    ("fp8", "fp8_per_token_head"),
+    ("int4", "int4_per_token_head"),
+    ("int4", "int4_per_token_group"),
+    ("int8", "int8_per_token_head_f16"),
+    ("fp8", "fp8_per_token_head_f16"),
+]
 
 
-def spec_for(dtype: str, mode: str, hs: int = 64, heads: int = 3, bs: int = 16,
-             rotation: str | None = None) -> FullAttentionSpec:
-    return FullAttentionSpec(block_size=bs, num_kv_heads=heads, head_size=hs, dtype=dtype,
-                             kv_quant_mode=mode, kv_rotation=rotation)
+def spec_for(
+    dtype: str, mode: str, hs: int = 64, heads: int = 3, bs: int = 16, rotation: str | None = None
+) -> FullAttentionSpec:
+    return FullAttentionSpec(
+        block_size=bs,
+        num_kv_heads=heads,
+        head_size=hs,
+        dtype=dtype,
+        kv_quant_mode=mode,
+        kv_rotation=rotation,
+    )
 
 
 def sample(*shape: int, seed: int = 0) -> torch.Tensor:
@@ -68,14 +82,19 @@ def test_round_trip_within_the_format_error_bound(dtype, mode):
     deq = dequantize_part(raw, q.fmt, 64, q.k_scale).double()
     err = (deq - x.double()).abs()
     xd = x.double()
-    half = mode.endswith("_f16")  # the scale rounded up to fp16: at most 2^-10 larger (normal range)
+    half = mode.endswith(
+        "_f16"
+    )  # the scale rounded up to fp16: at most 2^-10 larger (normal range)
     if mode.startswith("int8_per_token_head"):
         bound = xd.abs().amax(-1, keepdim=True) / 127 / 2 * (1 + 2.0**-10 if half else 1)
     elif mode.startswith("fp8_per"):
         e4m3 = dtype != "fp8_e5m2"
         rel, sub = (2.0**-4, 2.0**-10) if e4m3 else (2.0**-3, 2.0**-17)
-        s = ((xd.abs().amax(-1, keepdim=True) / 448).clamp(min=1e-6) * (1 + 2.0**-10 if half else 1)
-             if mode != "fp8_per_tensor" else 0.05)
+        s = (
+            (xd.abs().amax(-1, keepdim=True) / 448).clamp(min=1e-6) * (1 + 2.0**-10 if half else 1)
+            if mode != "fp8_per_tensor"
+            else 0.05
+        )
         lim = 448.0 if e4m3 else 57344.0
         clipped = (xd.abs() - lim * s).clamp(min=0)  # per-tensor: saturation past ±max·scale
         bound = xd.abs() * rel + sub * s + clipped
@@ -125,8 +144,9 @@ def test_hadamard_is_orthonormal_and_deterministic(d):
     assert torch.equal(hadamard_rotation(d), r)
 
 
-def _cache_and_md(spec: FullAttentionSpec, lens: list[int], qlens: list[int], num_blocks: int = 40,
-                  seed: int = 0):
+def _cache_and_md(
+    spec: FullAttentionSpec, lens: list[int], qlens: list[int], num_blocks: int = 40, seed: int = 0
+):
     """A shuffled block table for sequences of ``lens`` tokens whose last ``qlens`` are this
     step's queries, and the full K/V history to write."""
     g = torch.Generator().manual_seed(seed)
@@ -135,7 +155,7 @@ def _cache_and_md(spec: FullAttentionSpec, lens: list[int], qlens: list[int], nu
     tables, at = [], 0
     for n in lens:
         nb = -(-n // bs)
-        tables.append(perm[at:at + nb].tolist())
+        tables.append(perm[at : at + nb].tolist())
         at += nb
     width = max(len(t) for t in tables)
     table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
@@ -143,17 +163,32 @@ def _cache_and_md(spec: FullAttentionSpec, lens: list[int], qlens: list[int], nu
     for ql in qlens:
         qsl.append(qsl[-1] + ql)
     md = AttentionMetadata(
-        slot_mapping=torch.empty(0), query_start_loc=torch.tensor(qsl, dtype=torch.int32),
-        seq_lens=torch.tensor(lens, dtype=torch.int32), block_table=table, block_size=bs,
-        max_query_len=max(qlens), max_seq_len=max(lens), query_start_loc_cpu=qsl, seq_lens_cpu=lens)
+        slot_mapping=torch.empty(0),
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32),
+        seq_lens=torch.tensor(lens, dtype=torch.int32),
+        block_table=table,
+        block_size=bs,
+        max_query_len=max(qlens),
+        max_seq_len=max(lens),
+        query_start_loc_cpu=qsl,
+        seq_lens_cpu=lens,
+    )
     return md, table
 
 
 def _write_history(spec, quant, lens, table, heads, hs, seed):
     quantized = spec.kv_quant_mode is not KVQuantMode.NONE
     k_sz, v_sz = (spec.k_part_bytes, spec.v_part_bytes) if quantized else (hs, hs)
-    _, views = allocate_kv_cache("LBNHC", 1, 40, spec.block_size, heads, k_sz,
-                                 torch.uint8 if quantized else torch.float32, head_size_v=v_sz)
+    _, views = allocate_kv_cache(
+        "LBNHC",
+        1,
+        40,
+        spec.block_size,
+        heads,
+        k_sz,
+        torch.uint8 if quantized else torch.float32,
+        head_size_v=v_sz,
+    )
     kc, vc = views[0]
     ks, vs = [], []
     for i, n in enumerate(lens):
@@ -210,18 +245,20 @@ def test_attention_over_quantized_pages_equals_dense_over_dequantized_values(dty
     q = sample(sum(qlens), 9, 64, seed=11)
     out = paged_attention(q, kc, vc, md, 0.125, kv_quant=quant)
     at = 0
-    for i, (n, ql) in enumerate(zip(lens, qlens)):
+    for i, (_n, ql) in enumerate(zip(lens, qlens)):
         k_raw, _ = quant.quantize(ks[i], ks[i])
         _, v_raw = quant.quantize(vs[i], vs[i])
         k_deq, v_deq = quant.dequantize(k_raw, v_raw)  # rotated values, as stored
-        ref = _dense(quant.rotate(q[at:at + ql]), k_deq, v_deq, 0.125)
+        ref = _dense(quant.rotate(q[at : at + ql]), k_deq, v_deq, 0.125)
         ref = ref.float() @ quant.rotation if quant.rotation is not None else ref
-        err = float((out[at:at + ql].double() - ref.double()).abs().max())
+        err = float((out[at : at + ql].double() - ref.double()).abs().max())
         assert err < 1e-5 * max(1.0, float(ref.abs().max())), (i, mode, err)  # float32 rounding
         at += ql
 
 
-@pytest.mark.parametrize("mode,qmax", [("int8_per_token_head_f16", 127.0), ("fp8_per_token_head_f16", 448.0)])
+@pytest.mark.parametrize(
+    "mode,qmax", [("int8_per_token_head_f16", 127.0), ("fp8_per_token_head_f16", 448.0)]
+)
 def test_f16_scale_is_amax_over_qmax_rounded_up_to_fp16_and_two_bytes_inline(mode, qmax):
     """The *_f16 formats: the part is [d codes | fp16 scale], the scale the smallest fp16 >=
     max(amax / qmax, 1e-6) (so no code clips), and the page 4 bytes a token-head smaller than
@@ -239,7 +276,12 @@ def test_f16_scale_is_amax_over_qmax_rounded_up_to_fp16_and_two_bytes_inline(mod
     s64 = s.double()
     below = torch.nextafter(s, torch.tensor(0.0, dtype=torch.float16)).double()
     assert bool((s64 >= want).all()) and bool((below < want).all())  # the smallest fp16 >= want
-    codes = raw[..., :64].contiguous().view(torch.int8 if dtype == "int8" else torch.float8_e4m3fn).double()
+    codes = (
+        raw[..., :64]
+        .contiguous()
+        .view(torch.int8 if dtype == "int8" else torch.float8_e4m3fn)
+        .double()
+    )
     assert float(codes.abs().max()) <= qmax
     if dtype == "int8":
         assert torch.equal(codes, round_half_away(x.double() / s64).clamp(-128, 127))

@@ -25,11 +25,18 @@ def run(llm: LLM, prompts=PROMPTS, params: SamplingParams = PARAMS) -> list[list
     return [o.outputs[0].token_ids for o in outs]
 
 
-QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.",
-             "Explain why the sky is blue.", "Name three prime numbers.",
-             "How do bees make honey?", "Give me a tip for learning Python."]
-LIBRARY = ("You are a meticulous assistant for a library. " * 6
-           + "Answer briefly and precisely, citing the catalogue when you can.")
+QUESTIONS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain why the sky is blue.",
+    "Name three prime numbers.",
+    "How do bees make honey?",
+    "Give me a tip for learning Python.",
+]
+LIBRARY = (
+    "You are a meticulous assistant for a library. " * 6
+    + "Answer briefly and precisely, citing the catalogue when you can."
+)
 # Batch shape changes the last float bits of K/V (BLAS blocks differently for a 32-token chunk
 # than for a whole prompt, a preempted request recomputes its decode tokens as a prefill), and
 # a code that sits on a rounding boundary flips; with INT4's coarse steps a flip cascades
@@ -44,9 +51,16 @@ MEAN_GAP = {"int8": 0.01, "fp8_per_token_head": 0.03, "int4": 0.15}
 
 def chat_prompts(llm: LLM) -> list[list[int]]:
     tok = llm.llm_engine.tokenizer
-    return [tok.encode(tok.apply_chat_template([{"role": "system", "content": LIBRARY},
-                                                {"role": "user", "content": q}], add_generation_prompt=True),
-                       add_special_tokens=False) for q in QUESTIONS]
+    return [
+        tok.encode(
+            tok.apply_chat_template(
+                [{"role": "system", "content": LIBRARY}, {"role": "user", "content": q}],
+                add_generation_prompt=True,
+            ),
+            add_special_tokens=False,
+        )
+        for q in QUESTIONS
+    ]
 
 
 def gap_to_best(row: dict, tok: int) -> float:
@@ -60,13 +74,23 @@ def test_preemption_chunking_and_prefix_hits_on_a_quantized_cache(kv_cache_dtype
     """A cache too small for the batch preempts, a 32-token budget chunks every prefill, the
     system prompt hits the cache; an engine with a roomy cache, one request at a time, scores
     what the busy one wrote (teacher-forced prompt logprobs)."""
-    scorer = LLM(kv_cache_dtype=kv_cache_dtype, num_kv_blocks=40, max_model_len=256, max_num_seqs=1,
-                 enable_prefix_caching=False)
+    scorer = LLM(
+        kv_cache_dtype=kv_cache_dtype,
+        num_kv_blocks=40,
+        max_model_len=256,
+        max_num_seqs=1,
+        enable_prefix_caching=False,
+    )
     exact = LLM(num_kv_blocks=40, max_model_len=256, max_num_seqs=1, enable_prefix_caching=False)
     prompts = chat_prompts(scorer)
     longest = max(len(p) for p in prompts) + 24
-    busy = LLM(kv_cache_dtype=kv_cache_dtype, num_kv_blocks=-(-longest // 16) + 3, max_model_len=longest,
-               max_num_seqs=6, max_num_batched_tokens=32)
+    busy = LLM(
+        kv_cache_dtype=kv_cache_dtype,
+        num_kv_blocks=-(-longest // 16) + 3,
+        max_model_len=longest,
+        max_num_seqs=6,
+        max_num_batched_tokens=32,
+    )
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     first = run(busy, prompts, params)
     assert busy.stats()["num_preemptions"] > 0
@@ -80,16 +104,22 @@ def test_preemption_chunking_and_prefix_hits_on_a_quantized_cache(kv_cache_dtype
         gaps, near = [], []
         for p, o, s, u in zip(prompts, outs, scored, unquantized):
             for i, tok in enumerate(o):
-                gaps.append(gap_to_best(s.prompt_logprobs[len(p) + i], tok))  # predicts output token i
+                gaps.append(
+                    gap_to_best(s.prompt_logprobs[len(p) + i], tok)
+                )  # predicts output token i
                 # At a near-tie the noise of the busy run's batch shape can pick the other token
                 # (measured: fp8 per token-head, a 0.16-nat tie in float32 that the serial
                 # quantized run breaks the other way by 0.22): that token is the float32 cache's
                 # own choice, so it is judged against that as well. A wrong read is far from both.
                 near.append(min(gaps[-1], gap_to_best(u.prompt_logprobs[len(p) + i], tok)))
-        print(f"{kv_cache_dtype}: max gap {max(gaps):.3f} ({max(near):.3f} to the nearer reference), "
-              f"mean {sum(gaps) / len(gaps):.4f}")
+        print(
+            f"{kv_cache_dtype}: max gap {max(gaps):.3f} ({max(near):.3f} to the nearer reference), "
+            f"mean {sum(gaps) / len(gaps):.4f}"
+        )
         assert max(near) < NEAR_BEST[kv_cache_dtype], f"a token {max(near):.3f} below the best"
-        assert sum(gaps) / len(gaps) < MEAN_GAP[kv_cache_dtype], f"mean gap {sum(gaps) / len(gaps):.4f}"
+        assert sum(gaps) / len(gaps) < MEAN_GAP[kv_cache_dtype], (
+            f"mean gap {sum(gaps) / len(gaps):.4f}"
+        )
 
 
 @pytest.mark.slow
@@ -130,8 +160,17 @@ def test_cpu_and_disk_tiers_round_trip_quantized_pages(tmp_path):
 
 
 def test_transfer_peers_of_another_kv_format_are_refused():
-    base = dict(engine_id="a", backend="tcp", agent_metadata=b"", model="m", hash_seed="s", block_size=16,
-                kv_cache_layout="LBNHC", num_blocks=10, block_lens=(100,))
+    base = dict(
+        engine_id="a",
+        backend="tcp",
+        agent_metadata=b"",
+        model="m",
+        hash_seed="s",
+        block_size=16,
+        kv_cache_layout="LBNHC",
+        num_blocks=10,
+        block_lens=(100,),
+    )
     mine = KVAgentMetadata(kv_dtype="int4:int4_per_token_group:hadamard", **base)
     theirs = KVAgentMetadata(kv_dtype="int4:int4_per_token_group", **{**base, "engine_id": "b"})
     with pytest.raises(HandshakeError, match="kv_dtype differs"):
@@ -142,8 +181,13 @@ def test_transfer_peers_of_another_kv_format_are_refused():
 def test_fp8_scales_are_calibrated_saved_and_loaded(tmp_path):
     path = tmp_path / "scales.json"
     prompts = ["The history of the Roman empire spans", "def fibonacci(n):\n    return"]
-    llm = LLM(kv_cache_dtype="fp8", num_kv_blocks=20, max_model_len=128, kv_scales_path=str(path),
-              kv_scales_calibration=prompts)
+    llm = LLM(
+        kv_cache_dtype="fp8",
+        num_kv_blocks=20,
+        max_model_len=128,
+        kv_scales_path=str(path),
+        kv_scales_calibration=prompts,
+    )
     engine = llm.llm_engine
     assert engine.kv_scales_source.startswith("calibration")
     saved = json.loads(path.read_text())
@@ -151,7 +195,10 @@ def test_fp8_scales_are_calibrated_saved_and_loaded(tmp_path):
     k0 = saved["layers"]["model.layers.0.self_attn"]["k_scale"]
     assert 0 < k0 < 1 and k0 != 1.0
     layer0 = engine.runner.kv_quants["model.layers.0.self_attn"]
-    assert (layer0.k_scale, layer0.v_scale) == (k0, saved["layers"]["model.layers.0.self_attn"]["v_scale"])
+    assert (layer0.k_scale, layer0.v_scale) == (
+        k0,
+        saved["layers"]["model.layers.0.self_attn"]["v_scale"],
+    )
     calibrated = run(llm, PROMPTS[:2])
     again = LLM(kv_cache_dtype="fp8", num_kv_blocks=20, max_model_len=128, kv_scales_path=str(path))
     assert again.llm_engine.kv_scales_source == f"file {path}"

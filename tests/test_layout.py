@@ -20,7 +20,10 @@ ALL = list(KVCacheLayout)
 
 
 def all_offsets(layout: KVCacheLayout, shape=SHAPE) -> dict[tuple[int, ...], int]:
-    return {idx: layout.offset(*idx, shape=shape) for idx in itertools.product(*(range(s) for s in shape))}
+    return {
+        idx: layout.offset(*idx, shape=shape)
+        for idx in itertools.product(*(range(s) for s in shape))
+    }
 
 
 def is_one_range(offsets: list[int]) -> bool:
@@ -33,7 +36,9 @@ def test_members() -> None:
         assert KVCacheLayout[name].order == name
     assert len(KERNEL_USABLE_LAYOUTS) == 24
     assert all(m.order.endswith("C") for m in KERNEL_USABLE_LAYOUTS)
-    assert DEFAULT_KV_CACHE_LAYOUT is KVCacheLayout.LBHNC and DEFAULT_KV_CACHE_LAYOUT.is_kernel_usable
+    assert (
+        DEFAULT_KV_CACHE_LAYOUT is KVCacheLayout.LBHNC and DEFAULT_KV_CACHE_LAYOUT.is_kernel_usable
+    )
 
 
 def test_manual_strides() -> None:
@@ -59,7 +64,7 @@ def test_innermost_dim_has_stride_one_and_physical_shape(layout: KVCacheLayout) 
     phys = layout.physical_shape(SHAPE)
     for pos, d in enumerate(layout.order):
         inner = 1
-        for s in phys[pos + 1:]:
+        for s in phys[pos + 1 :]:
             inner *= s
         assert strides[DIMS.index(d)] == inner
 
@@ -70,10 +75,14 @@ def test_contiguity_predicates_match_enumeration(layout: KVCacheLayout) -> None:
     L, B = SHAPE[0], SHAPE[1]
     layer_ok = all(is_one_range([o for i, o in offs.items() if i[0] == l]) for l in range(L))
     block_ok = all(is_one_range([o for i, o in offs.items() if i[1] == b]) for b in range(B))
-    page_ok = all(is_one_range([o for i, o in offs.items() if i[:2] == (l, b)])
-                  for l in range(L) for b in range(B))
-    token_head_ok = all(is_one_range([o for i, o in offs.items() if i[:4] == k[:4]])
-                        for k in offs if k[4] == 0)
+    page_ok = all(
+        is_one_range([o for i, o in offs.items() if i[:2] == (l, b)])
+        for l in range(L)
+        for b in range(B)
+    )
+    token_head_ok = all(
+        is_one_range([o for i, o in offs.items() if i[:4] == k[:4]]) for k in offs if k[4] == 0
+    )
     assert layout.is_layer_compact == layer_ok
     assert layout.is_block_contiguous == block_ok
     assert layout.is_page_contiguous == page_ok

@@ -15,13 +15,13 @@ from typing import Any
 
 import pytest
 import torch
+from engine_utils import check_clean, greedy_by_forward, random_prompts
 from ref_attention import make_paged_batch
 
 from pagedkv import LLM, SamplingParams
 from pagedkv.core.specs import ChunkedLocalAttentionSpec, FullAttentionSpec
 from pagedkv.ops import native
 from pagedkv.ops.attention import paged_attention
-from engine_utils import check_clean, greedy_by_forward, random_prompts
 
 CHUNK = 16
 BLOCK = 4
@@ -32,7 +32,9 @@ TOL = 1e-4
 # ---- the op: chunk mask on the native and torch paths -------------------------------------
 
 
-def ref_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, chunk: int) -> torch.Tensor:
+def ref_chunked(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, chunk: int
+) -> torch.Tensor:
     """One sequence, float64: query ``i`` at position ``p = L - Lq + i`` sees key ``j`` iff
     ``j <= p`` and ``j // chunk == p // chunk``."""
     lq, hq, _ = q.shape
@@ -48,27 +50,47 @@ def ref_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
 
 @pytest.mark.parametrize("chunk,block_size", [(8, 4), (16, 16), (6, 4), (1, 4)])
 @pytest.mark.parametrize("use_native", [True, False])
-def test_chunked_attention_matches_dense_reference(chunk: int, block_size: int, use_native: bool,
-                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+def test_chunked_attention_matches_dense_reference(
+    chunk: int, block_size: int, use_native: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Decode rows at and past chunk edges, a whole prompt and prefill chunks after cached
     context (crossing chunk edges) in one step. With chunks of whole blocks the native decode
     kernel runs (its block tables shifted to each row's chunk); otherwise the torch path."""
     calls: list[int] = []
     if use_native:
         real = native.paged_decode
-        monkeypatch.setattr(native, "paged_decode", lambda *a, **k: calls.append(1) or real(*a, **k))
+        monkeypatch.setattr(
+            native, "paged_decode", lambda *a, **k: calls.append(1) or real(*a, **k)
+        )
     else:
         monkeypatch.setattr(native, "lib", lambda: None)
     seq_lens = [1, chunk, chunk + 1, 3 * chunk - 1, 41, 37, 50, 2 * chunk + 3]
     query_lens = [1, 1, 1, 1, 1, 37, 19, chunk + 2]
-    batch = make_paged_batch(seq_lens, query_lens, block_size=block_size, num_kv_heads=2, group=2,
-                             head_size=16, dtype=torch.float32, layout="LBNHC", shared_prefix=False, seed=chunk)
+    batch = make_paged_batch(
+        seq_lens,
+        query_lens,
+        block_size=block_size,
+        num_kv_heads=2,
+        group=2,
+        head_size=16,
+        dtype=torch.float32,
+        layout="LBNHC",
+        shared_prefix=False,
+        seed=chunk,
+    )
     scale = 0.25
-    out = paged_attention(batch.query, batch.key_cache, batch.value_cache, batch.md, scale,
-                          attention_chunk_size=chunk)
+    out = paged_attention(
+        batch.query, batch.key_cache, batch.value_cache, batch.md, scale, attention_chunk_size=chunk
+    )
     qsl = batch.md.query_start_loc_cpu
-    ref = torch.cat([ref_chunked(batch.query[qsl[i]: qsl[i + 1]], batch.keys[i], batch.values[i], scale, chunk)
-                     for i in range(len(seq_lens))])
+    ref = torch.cat(
+        [
+            ref_chunked(
+                batch.query[qsl[i] : qsl[i + 1]], batch.keys[i], batch.values[i], scale, chunk
+            )
+            for i in range(len(seq_lens))
+        ]
+    )
     torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=2e-5)
     if use_native and native.lib() is not None:
         assert bool(calls) == (chunk % block_size == 0)
@@ -78,8 +100,18 @@ def test_chunked_attention_matches_dense_reference(chunk: int, block_size: int, 
 
 
 def test_chunked_attention_rejects_bad_arguments() -> None:
-    batch = make_paged_batch([5], [5], block_size=4, num_kv_heads=1, group=1, head_size=8,
-                             dtype=torch.float32, layout=None, shared_prefix=False, seed=0)
+    batch = make_paged_batch(
+        [5],
+        [5],
+        block_size=4,
+        num_kv_heads=1,
+        group=1,
+        head_size=8,
+        dtype=torch.float32,
+        layout=None,
+        shared_prefix=False,
+        seed=0,
+    )
     args = (batch.query, batch.key_cache, batch.value_cache, batch.md, 1.0)
     with pytest.raises(ValueError, match="attention_chunk_size"):
         paged_attention(*args, attention_chunk_size=0)
@@ -95,12 +127,29 @@ def tiny_config(**overrides: Any) -> Any:
 
     # 4 layers: RoPE/chunked 0-2, NoPE global 3 (no_rope_layer_interval 4); MoE on 1 and 3 and
     # dense MLPs on 0 and 2; floor_scale 4 so the temperature changes every few positions.
-    kw = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=64, intermediate_size_mlp=96,
-              num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-              num_local_experts=4, num_experts_per_tok=1, interleave_moe_layer_step=2,
-              attention_chunk_size=CHUNK, floor_scale=4, attn_scale=0.1, max_position_embeddings=256,
-              initializer_range=0.3, tie_word_embeddings=False, attn_implementation="eager",
-              eos_token_id=None, bos_token_id=None, pad_token_id=None)
+    kw = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=64,
+        intermediate_size_mlp=96,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_local_experts=4,
+        num_experts_per_tok=1,
+        interleave_moe_layer_step=2,
+        attention_chunk_size=CHUNK,
+        floor_scale=4,
+        attn_scale=0.1,
+        max_position_embeddings=256,
+        initializer_range=0.3,
+        tie_word_embeddings=False,
+        attn_implementation="eager",
+        eos_token_id=None,
+        bos_token_id=None,
+        pad_token_id=None,
+    )
     return Llama4TextConfig(**(kw | overrides))
 
 
@@ -154,8 +203,12 @@ def test_config_and_model_shape(llama4: tuple[Any, Path]) -> None:
     assert [a.use_rope for a in attn] == [True] * 3 + [False]
     assert [a.qk_norm_eps is not None for a in attn] == [True] * 3 + [False]
     assert [a.temperature for a in attn] == [None] * 3 + [(4.0, 0.1)]
-    assert [type(layer.feed_forward).__name__ for layer in model.model.layers] == \
-        ["Llama4MLP", "Llama4MoE", "Llama4MLP", "Llama4MoE"]
+    assert [type(layer.feed_forward).__name__ for layer in model.model.layers] == [
+        "Llama4MLP",
+        "Llama4MoE",
+        "Llama4MLP",
+        "Llama4MoE",
+    ]
     # The parameter count matches transformers' own.
     hf, _ = llama4
     assert cfg.num_params == sum(p.numel() for p in hf.parameters())
@@ -168,22 +221,34 @@ def test_oracle_depends_on_every_llama4_feature(llama4: tuple[Any, Path]) -> Non
     hf, _ = llama4
     ids = prompts(9, [70])[0]
     ref = hf_logits(hf, ids)
-    for change in [dict(attention_chunk_size=4096), dict(attn_temperature_tuning=False),
-                   dict(use_qk_norm=False), dict(num_experts_per_tok=2)]:
+    for change in [
+        dict(attention_chunk_size=4096),
+        dict(attn_temperature_tuning=False),
+        dict(use_qk_norm=False),
+        dict(num_experts_per_tok=2),
+    ]:
         other = build(tiny_config(**change))
         assert (hf_logits(other, ids) - ref).abs().max() > 100 * TOL, change
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("engine_kw", [
-    {},  # whole prompts in one step
-    {"max_num_batched_tokens": 7},  # every prefill chunked; step edges cross chunk edges
-    # Few blocks: requests are preempted and recomputed.
-    {"num_kv_blocks": 60, "max_num_batched_tokens": 16, "max_model_len": 112},
-], ids=["plain", "chunked", "preempting"])
+@pytest.mark.parametrize(
+    "engine_kw",
+    [
+        {},  # whole prompts in one step
+        {"max_num_batched_tokens": 7},  # every prefill chunked; step edges cross chunk edges
+        # Few blocks: requests are preempted and recomputed.
+        {"num_kv_blocks": 60, "max_num_batched_tokens": 16, "max_model_len": 112},
+    ],
+    ids=["plain", "chunked", "preempting"],
+)
 def test_greedy_matches_transformers(llama4: tuple[Any, Path], engine_kw: dict[str, int]) -> None:
     hf, path = llama4
-    llm = LLM(model=str(path), block_size=BLOCK, **({"num_kv_blocks": 240, "max_model_len": 128} | engine_kw))
+    llm = LLM(
+        model=str(path),
+        block_size=BLOCK,
+        **({"num_kv_blocks": 240, "max_model_len": 128} | engine_kw),
+    )
     batch = prompts(1, [5, 23, 40, 9]) + prompts(2, [6, 11], shared=30)
     out_lens = [66, 20, 64, 9, 14, 18]
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in out_lens]
@@ -203,24 +268,37 @@ def test_logprobs_and_prefix_hit_match_transformers(llama4: tuple[Any, Path]) ->
     the prefix cache (the chunked groups' hit starts at the current chunk, earlier blocks null)
     and its sampled tokens and their logprobs still agree."""
     hf, path = llama4
-    llm = LLM(model=str(path), block_size=BLOCK, num_kv_blocks=240, max_model_len=128, max_num_batched_tokens=24)
+    llm = LLM(
+        model=str(path),
+        block_size=BLOCK,
+        num_kv_blocks=240,
+        max_model_len=128,
+        max_num_batched_tokens=24,
+    )
     first, second = prompts(5, [6, 8], shared=84)
     ref = torch.log_softmax(hf_logits(hf, first), dim=-1)
-    (out,) = llm.generate({"prompt_token_ids": first},
-                          SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0, ignore_eos=True),
-                          use_tqdm=False)
+    (out,) = llm.generate(
+        {"prompt_token_ids": first},
+        SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0, ignore_eos=True),
+        use_tqdm=False,
+    )
     plp = out.prompt_logprobs
     assert plp[0] is None and len(plp) == len(first)
-    err = max(abs(plp[i][first[i]].logprob - float(ref[i - 1, first[i]])) for i in range(1, len(first)))
+    err = max(
+        abs(plp[i][first[i]].logprob - float(ref[i - 1, first[i]])) for i in range(1, len(first))
+    )
     assert err < TOL
     assert out.outputs[0].token_ids == [int(ref[-1].argmax())]
 
-    (out,) = llm.generate({"prompt_token_ids": second},
-                          SamplingParams(temperature=0, max_tokens=20, logprobs=0, ignore_eos=True), use_tqdm=False)
+    (out,) = llm.generate(
+        {"prompt_token_ids": second},
+        SamplingParams(temperature=0, max_tokens=20, logprobs=0, ignore_eos=True),
+        use_tqdm=False,
+    )
     assert out.num_cached_tokens >= 80
     got = out.outputs[0].token_ids
     assert got == hf_greedy(hf, second, 20)
-    ref = torch.log_softmax(hf_logits(hf, second + got), dim=-1)[len(second) - 1: -1]
+    ref = torch.log_softmax(hf_logits(hf, second + got), dim=-1)[len(second) - 1 : -1]
     for i, (t, lp) in enumerate(zip(got, out.outputs[0].logprobs, strict=True)):
         assert abs(lp[t].logprob - float(ref[i, t])) < TOL, i
     check_clean(llm)
@@ -236,8 +314,11 @@ def test_blocks_before_the_current_chunk_are_released(llama4: tuple[Any, Path]) 
     llm = LLM(model=str(path), block_size=BLOCK, num_kv_blocks=200, max_model_len=128)
     engine = llm.llm_engine
     prompt = prompts(1, [5, 23, 40, 9])[2]  # as in test_greedy_matches_transformers: one oracle run
-    engine.add_request("long", {"prompt_token_ids": prompt},
-                       SamplingParams(temperature=0, max_tokens=64, ignore_eos=True))
+    engine.add_request(
+        "long",
+        {"prompt_token_ids": prompt},
+        SamplingParams(temperature=0, max_tokens=64, ignore_eos=True),
+    )
     groups = engine.kv_cache_config.kv_cache_groups
     kv = engine.kv_cache_manager
     tokens: list[int] = []
@@ -258,7 +339,9 @@ def test_blocks_before_the_current_chunk_are_released(llama4: tuple[Any, Path]) 
             if isinstance(spec, ChunkedLocalAttentionSpec):
                 assert len(live) <= spec.max_memory_usage_bytes(128, new) // spec.page_size_bytes
                 assert len(live) == end - computed // CHUNK * CHUNK // BLOCK, (computed, len(live))
-                assert table[: computed // CHUNK * CHUNK // BLOCK] == [0] * (computed // CHUNK * CHUNK // BLOCK)
+                assert table[: computed // CHUNK * CHUNK // BLOCK] == [0] * (
+                    computed // CHUNK * CHUNK // BLOCK
+                )
                 released += len(live) < len(table)
             else:
                 assert isinstance(spec, FullAttentionSpec) and len(live) == end

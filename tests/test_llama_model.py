@@ -45,11 +45,19 @@ class Seq:
 class PagedRunner:
     """A minimal stand-in for the engine's ModelRunner: KV cache + hand-built metadata."""
 
-    def __init__(self, loaded: LoadedModel, num_blocks: int, layout: str = "LBNHC", seed: int = 0) -> None:
+    def __init__(
+        self, loaded: LoadedModel, num_blocks: int, layout: str = "LBNHC", seed: int = 0
+    ) -> None:
         cfg = loaded.config
         self.loaded = loaded
         _, self.kv_caches = allocate_kv_cache(
-            layout, cfg.num_layers, num_blocks, BLOCK_SIZE, cfg.num_kv_heads, cfg.head_dim, loaded.dtype
+            layout,
+            cfg.num_layers,
+            num_blocks,
+            BLOCK_SIZE,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            loaded.dtype,
         )
         self.free = list(range(1, num_blocks))  # block 0 is the null block
         random.Random(seed).shuffle(self.free)
@@ -86,15 +94,22 @@ class PagedRunner:
             seq_lens_cpu=lens,
         )
         model = self.loaded.model
-        hidden = model.forward(torch.tensor(ids, dtype=torch.int64), torch.tensor(positions), self.kv_caches, md)
+        hidden = model.forward(
+            torch.tensor(ids, dtype=torch.int64), torch.tensor(positions), self.kv_caches, md
+        )
         logits = model.compute_logits(hidden)
-        assert logits.dtype == torch.float32 and logits.shape == (len(ids), self.loaded.config.vocab_size)
+        assert logits.dtype == torch.float32 and logits.shape == (
+            len(ids),
+            self.loaded.config.vocab_size,
+        )
         for i, (seq, n) in enumerate(work):
             seq.logits.extend(logits[starts[i] : starts[i] + n])
             seq.cached += n
 
 
-def _compare(seqs: list[Seq], reference: Callable[[Sequence[int]], torch.Tensor]) -> tuple[float, float]:
+def _compare(
+    seqs: list[Seq], reference: Callable[[Sequence[int]], torch.Tensor]
+) -> tuple[float, float]:
     """(max |ours - ref| over every computed position, top-1 agreement rate)."""
     max_diff, agree, total = 0.0, 0, 0
     for seq in seqs:
@@ -115,8 +130,11 @@ def prompt_ids(pagedkv_model: LoadedModel) -> list[list[int]]:
     return ids
 
 
-def test_flat_prefill_batch_matches_transformers(pagedkv_model: LoadedModel, prompt_ids: list[list[int]],
-                                                 hf_logits: Callable[[Sequence[int]], torch.Tensor]) -> None:
+def test_flat_prefill_batch_matches_transformers(
+    pagedkv_model: LoadedModel,
+    prompt_ids: list[list[int]],
+    hf_logits: Callable[[Sequence[int]], torch.Tensor],
+) -> None:
     runner = PagedRunner(pagedkv_model, num_blocks=64)
     seqs = [runner.add(ids, len(ids)) for ids in prompt_ids]
     runner.step([(s, len(s.ids)) for s in seqs])
@@ -128,13 +146,17 @@ def test_flat_prefill_batch_matches_transformers(pagedkv_model: LoadedModel, pro
 
 
 def test_chunked_prefill_and_decode_match_transformers(
-    pagedkv_model: LoadedModel, prompt_ids: list[list[int]], hf_logits: Callable[[Sequence[int]], torch.Tensor]
+    pagedkv_model: LoadedModel,
+    prompt_ids: list[list[int]],
+    hf_logits: Callable[[Sequence[int]], torch.Tensor],
 ) -> None:
     decode_steps = 4
     runner = PagedRunner(pagedkv_model, num_blocks=96, layout="LBHNC", seed=1)
     seqs = [runner.add(ids, len(ids) + decode_steps + 1) for ids in prompt_ids]
     # Step 1: the first chunk of every prompt (sequence 0 is done in one chunk).
-    first = [len(s.ids) if i == 0 else max(1, len(s.ids) * (i + 1) // 7) for i, s in enumerate(seqs)]
+    first = [
+        len(s.ids) if i == 0 else max(1, len(s.ids) * (i + 1) // 7) for i, s in enumerate(seqs)
+    ]
     runner.step([(s, n) for s, n in zip(seqs, first)])
 
     def greedy(seq: Seq) -> None:
@@ -158,8 +180,11 @@ def test_chunked_prefill_and_decode_match_transformers(
     assert agree == 1.0
 
 
-def test_bf16_top1_agreement(pagedkv_model_bf16: LoadedModel, prompt_ids: list[list[int]],
-                             hf_logits: Callable[[Sequence[int]], torch.Tensor]) -> None:
+def test_bf16_top1_agreement(
+    pagedkv_model_bf16: LoadedModel,
+    prompt_ids: list[list[int]],
+    hf_logits: Callable[[Sequence[int]], torch.Tensor],
+) -> None:
     bf16 = pagedkv_model_bf16
     assert bf16.model.model.layers[0].mlp.gate_up_proj.weight.dtype == torch.bfloat16
     runner = PagedRunner(bf16, num_blocks=64, seed=2)
@@ -172,22 +197,41 @@ def test_bf16_top1_agreement(pagedkv_model_bf16: LoadedModel, prompt_ids: list[l
 
 # ---- tiny random-weight models of other architectures, against transformers' own forward ----
 
+
 def _tiny_hf_model(kind: str) -> Any:
     from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen2ForCausalLM
     from transformers import LlamaForCausalLM as HFLlama
     from transformers import MistralForCausalLM as HFMistral
 
-    common = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                  max_position_embeddings=256, initializer_range=0.1, attn_implementation="eager")
+    common = dict(
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=256,
+        initializer_range=0.1,
+        attn_implementation="eager",
+    )
     if kind == "qwen2":  # q/k/v bias, rope theta 1e6
         model = Qwen2ForCausalLM(Qwen2Config(num_key_value_heads=2, rope_theta=1e6, **common))
     elif kind == "llama3_rope":  # llama3 rope scaling, 4:1 GQA, untied head
-        rope = dict(rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                    original_max_position_embeddings=64)
+        rope = dict(
+            rope_type="llama3",
+            rope_theta=10000.0,
+            factor=8.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=64,
+        )
         model = HFLlama(LlamaConfig(num_key_value_heads=1, rope_parameters=rope, **common))
     elif kind == "llama_tied_linear_rope":
         rope = dict(rope_type="linear", rope_theta=500.0, factor=4.0)
-        model = HFLlama(LlamaConfig(num_key_value_heads=2, rope_parameters=rope, tie_word_embeddings=True, **common))
+        model = HFLlama(
+            LlamaConfig(
+                num_key_value_heads=2, rope_parameters=rope, tie_word_embeddings=True, **common
+            )
+        )
     elif kind == "mistral_sliding":  # every layer attends to the last 8 positions only
         model = HFMistral(MistralConfig(num_key_value_heads=2, sliding_window=8, **common))
     else:
@@ -201,7 +245,9 @@ def _tiny_hf_model(kind: str) -> Any:
     return model.eval()
 
 
-@pytest.mark.parametrize("kind", ["qwen2", "llama3_rope", "llama_tied_linear_rope", "mistral_sliding"])
+@pytest.mark.parametrize(
+    "kind", ["qwen2", "llama3_rope", "llama_tied_linear_rope", "mistral_sliding"]
+)
 def test_tiny_random_models_match_transformers(kind: str, tmp_path: Path) -> None:
     torch.manual_seed(0)
     hf = _tiny_hf_model(kind)
@@ -221,7 +267,9 @@ def test_tiny_random_models_match_transformers(kind: str, tmp_path: Path) -> Non
 
     gen = torch.Generator().manual_seed(1)
     runner = PagedRunner(loaded, num_blocks=48, seed=3)
-    seqs = [runner.add(torch.randint(0, 96, (n,), generator=gen).tolist(), n + 3) for n in (70, 33, 9)]
+    seqs = [
+        runner.add(torch.randint(0, 96, (n,), generator=gen).tolist(), n + 3) for n in (70, 33, 9)
+    ]
     runner.step([(s, 40 if len(s.ids) == 70 else len(s.ids)) for s in seqs])  # seq 0 chunked
     runner.step([(seqs[0], 30)])
     for _ in range(3):
@@ -234,12 +282,20 @@ def test_tiny_random_models_match_transformers(kind: str, tmp_path: Path) -> Non
     assert agree == 1.0
 
 
-@pytest.mark.parametrize("rope", [
-    None,
-    dict(rope_type="linear", factor=4.0),
-    dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-         original_max_position_embeddings=64),
-])
+@pytest.mark.parametrize(
+    "rope",
+    [
+        None,
+        dict(rope_type="linear", factor=4.0),
+        dict(
+            rope_type="llama3",
+            factor=8.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=64,
+        ),
+    ],
+)
 def test_rotary_embedding_bit_identical_to_transformers(rope: dict[str, Any] | None) -> None:
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
@@ -248,11 +304,18 @@ def test_rotary_embedding_bit_identical_to_transformers(rope: dict[str, Any] | N
 
     theta, head_dim, t = 1e5, 64, 300
     params = {"rope_type": "default", "rope_theta": theta, **(rope or {})}
-    cfg = LlamaConfig(hidden_size=576, num_attention_heads=9, head_dim=head_dim, max_position_embeddings=4096,
-                      rope_parameters=params)
+    cfg = LlamaConfig(
+        hidden_size=576,
+        num_attention_heads=9,
+        head_dim=head_dim,
+        max_position_embeddings=4096,
+        rope_parameters=params,
+    )
     positions = torch.randperm(4096, generator=torch.Generator().manual_seed(0))[:t]
     x = torch.randn(t, 12, head_dim, generator=torch.Generator().manual_seed(1)) * 4
     cos, sin = LlamaRotaryEmbedding(cfg)(x, positions[None])
     ref, _ = apply_rotary_pos_emb(x.transpose(0, 1)[None], x.transpose(0, 1)[None], cos, sin)
-    ours = RotaryEmbedding.apply(x, *RotaryEmbedding(head_dim, 4096, theta, rope).cos_sin(positions))
+    ours = RotaryEmbedding.apply(
+        x, *RotaryEmbedding(head_dim, 4096, theta, rope).cos_sin(positions)
+    )
     assert torch.equal(ours, ref[0].transpose(0, 1))

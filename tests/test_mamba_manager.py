@@ -6,8 +6,8 @@ minimum over the attention and Mamba groups."""
 from __future__ import annotations
 
 import pytest
-
 from core_utils import admit, full_spec, make_kv_cache_config, make_request
+
 from pagedkv.core.kv_cache_manager import KVCacheManager
 from pagedkv.core.request import RequestStatus
 from pagedkv.core.single_type_kv_cache_manager import MambaManager
@@ -21,7 +21,9 @@ def mamba_spec() -> MambaSpec:
     return MambaSpec(block_size=BS, shapes=((2, 3),), dtypes=("float32",), mamba_cache_mode="align")
 
 
-def make(retention: int | None = None, caching: bool = True, num_blocks: int = 60) -> KVCacheManager:
+def make(
+    retention: int | None = None, caching: bool = True, num_blocks: int = 60
+) -> KVCacheManager:
     config = make_kv_cache_config(num_blocks, [full_spec(BS), mamba_spec()])
     config.prefix_cache_retention_interval = retention
     return KVCacheManager(config, max_model_len=8192, enable_caching=caching)
@@ -34,16 +36,21 @@ def table(m: KVCacheManager, req) -> list[bool]:
 
 def mamba_cached(m: KVCacheManager, req) -> list[int]:
     """Positions of the request's Mamba blocks that are registered checkpoints."""
-    return [i for i, b in enumerate(m.get_blocks(req.request_id).blocks[1]) if b.block_hash is not None]
+    return [
+        i for i, b in enumerate(m.get_blocks(req.request_id).blocks[1]) if b.block_hash is not None
+    ]
 
 
-@pytest.mark.parametrize("retention, n, pages, cached", [
-    (None, 18, [True] * 5, [0, 1, 2, 3]),  # dense: every boundary crossed, and the live block
-    (0, 18, [False] * 4 + [True], []),  # the step end only (not full: not cached)
-    (0, 16, [False] * 3 + [True], [3]),  # a chunk ending on a boundary: that state is cached
-    (8, 18, [False, True, False, True, True], [1, 3]),  # every 8 tokens
-    (8, 12, [False, True, True], [1]),  # the step end at 12 has a page, but is not cached
-])
+@pytest.mark.parametrize(
+    "retention, n, pages, cached",
+    [
+        (None, 18, [True] * 5, [0, 1, 2, 3]),  # dense: every boundary crossed, and the live block
+        (0, 18, [False] * 4 + [True], []),  # the step end only (not full: not cached)
+        (0, 16, [False] * 3 + [True], [3]),  # a chunk ending on a boundary: that state is cached
+        (8, 18, [False, True, False, True, True], [1, 3]),  # every 8 tokens
+        (8, 12, [False, True, True], [1]),  # the step end at 12 has a page, but is not cached
+    ],
+)
 def test_pages_and_checkpoints_per_retention(retention, n, pages, cached) -> None:
     m = make(retention)
     req = make_request(list(range(18)), m)

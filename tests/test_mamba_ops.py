@@ -64,8 +64,15 @@ def test_decode_step_matches_recurrence() -> None:
     _, state = ssd_chunk_scan(x[:9], dt[:9], A, B[:9], C[:9], 4, D)
     state = torch.stack([state, state.clone()])  # two sequences, same history
     for i in range(9, 12):
-        y = selective_state_update(state, x[i:i + 1].expand(2, H, P), dt[i:i + 1].expand(2, H), A,
-                                   B[i:i + 1].expand(2, G, N), C[i:i + 1].expand(2, G, N), D)
+        y = selective_state_update(
+            state,
+            x[i : i + 1].expand(2, H, P),
+            dt[i : i + 1].expand(2, H),
+            A,
+            B[i : i + 1].expand(2, G, N),
+            C[i : i + 1].expand(2, G, N),
+            D,
+        )
         assert (y[0] - ref_y[i]).abs().max() < 1e-5 and torch.equal(y[0], y[1])
     assert (state[0] - ref_state).abs().max() < 1e-5
 
@@ -80,7 +87,7 @@ def test_causal_conv_with_state_matches_one_pass() -> None:
     ref = F.conv1d(x.t()[None], w[:, None], bias, padding=k - 1, groups=c)[0, :, :t].t()
     out, state = causal_conv1d(x, None, w, bias)
     assert (out - ref).abs().max() < 1e-6
-    assert torch.equal(state, x[-(k - 1):].t())
+    assert torch.equal(state, x[-(k - 1) :].t())
     parts, state = [], None
     for a, b in [(0, 2), (2, 3), (3, 9), (9, 11)]:  # pieces shorter than the kernel too
         o, state = causal_conv1d(x[a:b], state, w, bias)

@@ -37,7 +37,12 @@ def test_default_model_path(gguf_path) -> None:
 
 def test_default_model_facts(smol: ModelConfig) -> None:
     assert smol.architecture == "llama"
-    assert (smol.num_layers, smol.num_attention_heads, smol.num_kv_heads, smol.head_dim) == (30, 9, 3, 64)
+    assert (smol.num_layers, smol.num_attention_heads, smol.num_kv_heads, smol.head_dim) == (
+        30,
+        9,
+        3,
+        64,
+    )
     assert smol.hidden_size == 576 and smol.intermediate_size == 1536
     assert smol.vocab_size == 49152 and smol.max_position_embeddings == 8192
     assert smol.tie_word_embeddings is True and smol.attention_bias is False
@@ -116,13 +121,29 @@ def write_config(tmp_path, d: dict):
 
 
 def test_from_hf_config_llama_v4_spelling(tmp_path) -> None:
-    d = {"model_type": "llama", "num_hidden_layers": 16, "hidden_size": 2048, "num_attention_heads": 32,
-         "num_key_value_heads": 8, "intermediate_size": 8192, "vocab_size": 128256,
-         "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
-         "rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
-                          "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
-         "tie_word_embeddings": True, "bos_token_id": 128000, "eos_token_id": [128001, 128008],
-         "torch_dtype": "bfloat16"}
+    d = {
+        "model_type": "llama",
+        "num_hidden_layers": 16,
+        "hidden_size": 2048,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "intermediate_size": 8192,
+        "vocab_size": 128256,
+        "max_position_embeddings": 131072,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0,
+        "rope_scaling": {
+            "rope_type": "llama3",
+            "factor": 32.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+        "tie_word_embeddings": True,
+        "bos_token_id": 128000,
+        "eos_token_id": [128001, 128008],
+        "torch_dtype": "bfloat16",
+    }
     write_config(tmp_path, d)
     from_dir = ModelConfig.from_hf_config(tmp_path)
     from_file = load_model_config(str(tmp_path / "config.json"))
@@ -137,11 +158,21 @@ def test_from_hf_config_llama_v4_spelling(tmp_path) -> None:
 
 
 def test_from_hf_config_v5_rope_parameters_and_qwen2_bias(tmp_path) -> None:
-    d = {"model_type": "qwen2", "num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
-         "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 100, "rope_theta": None,
-         "rope_parameters": {"rope_theta": 1e6, "rope_type": "default"}, "attention_bias": None,
-         "use_sliding_window": False, "sliding_window": 4096,
-         "layer_types": ["full_attention", "full_attention"]}
+    d = {
+        "model_type": "qwen2",
+        "num_hidden_layers": 2,
+        "hidden_size": 64,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "intermediate_size": 128,
+        "vocab_size": 100,
+        "rope_theta": None,
+        "rope_parameters": {"rope_theta": 1e6, "rope_type": "default"},
+        "attention_bias": None,
+        "use_sliding_window": False,
+        "sliding_window": 4096,
+        "layer_types": ["full_attention", "full_attention"],
+    }
     c = ModelConfig.from_hf_config(write_config(tmp_path, d))
     assert c.rope_theta == 1e6 and c.rope_scaling is None
     assert c.attention_bias is True  # Qwen2 always has q/k/v biases
@@ -150,11 +181,22 @@ def test_from_hf_config_v5_rope_parameters_and_qwen2_bias(tmp_path) -> None:
 
 def test_hybrid_layer_types_give_sliding_specs(tmp_path) -> None:
     types = ["sliding_attention"] * 5 + ["full_attention"]
-    d = {"model_type": "gemma3_text", "num_hidden_layers": 6, "hidden_size": 64, "num_attention_heads": 4,
-         "num_key_value_heads": 1, "head_dim": 32, "intermediate_size": 128, "vocab_size": 100,
-         "sliding_window": 512, "layer_types": types,
-         "rope_parameters": {"full_attention": {"rope_theta": 1e6, "rope_type": "default"},
-                             "sliding_attention": {"rope_theta": 1e4, "rope_type": "default"}}}
+    d = {
+        "model_type": "gemma3_text",
+        "num_hidden_layers": 6,
+        "hidden_size": 64,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 1,
+        "head_dim": 32,
+        "intermediate_size": 128,
+        "vocab_size": 100,
+        "sliding_window": 512,
+        "layer_types": types,
+        "rope_parameters": {
+            "full_attention": {"rope_theta": 1e6, "rope_type": "default"},
+            "sliding_attention": {"rope_theta": 1e4, "rope_type": "default"},
+        },
+    }
     c = ModelConfig.from_hf_config(write_config(tmp_path, d))
     assert c.rope_theta == 1e6
     specs = c.kv_cache_specs(16, "float16")
@@ -164,8 +206,16 @@ def test_hybrid_layer_types_give_sliding_specs(tmp_path) -> None:
 
 
 def test_mistral_window_applies_to_all_layers(tmp_path) -> None:
-    d = {"model_type": "mistral", "num_hidden_layers": 3, "hidden_size": 64, "num_attention_heads": 4,
-         "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 100, "sliding_window": 64}
+    d = {
+        "model_type": "mistral",
+        "num_hidden_layers": 3,
+        "hidden_size": 64,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "intermediate_size": 128,
+        "vocab_size": 100,
+        "sliding_window": 64,
+    }
     c = ModelConfig.from_hf_config(write_config(tmp_path, d))
     assert all(isinstance(s, SlidingWindowSpec) for s in c.kv_cache_specs(16).values())
 
@@ -176,8 +226,15 @@ def test_param_estimate_matches_transformers(tmp_path, arch: str, tied: bool) ->
     """Our shape formula counts exactly the parameters transformers instantiates."""
     transformers = pytest.importorskip("transformers")
     cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config}[arch]
-    hf = cls(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
-             num_key_value_heads=2, vocab_size=101, tie_word_embeddings=tied)
+    hf = cls(
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=101,
+        tie_word_embeddings=tied,
+    )
     hf.save_pretrained(tmp_path)
     ours = ModelConfig.from_hf_config(tmp_path)
     model = transformers.AutoModelForCausalLM.from_config(hf)
@@ -191,16 +248,33 @@ def test_param_estimate_matches_transformers(tmp_path, arch: str, tied: bool) ->
 
 def test_from_dict_round_trip_and_derivations(smol: ModelConfig) -> None:
     assert ModelConfig.from_dict(smol.to_dict()) == smol
-    c = ModelConfig.from_dict(dict(architecture="llama", num_layers=2, hidden_size=128, num_attention_heads=8,
-                                   intermediate_size=256, vocab_size=10, max_position_embeddings=64))
+    c = ModelConfig.from_dict(
+        dict(
+            architecture="llama",
+            num_layers=2,
+            hidden_size=128,
+            num_attention_heads=8,
+            intermediate_size=256,
+            vocab_size=10,
+            max_position_embeddings=64,
+        )
+    )
     assert c.num_kv_heads == 8 and c.head_dim == 16 and c.num_params == c.estimate_num_params() > 0
     with pytest.raises(TypeError, match="num_layer"):
         ModelConfig.from_dict({**smol.to_dict(), "num_layer": 3})
 
 
 def test_validation() -> None:
-    base = dict(architecture="llama", num_layers=2, hidden_size=64, num_attention_heads=4, head_dim=16,
-                intermediate_size=10, vocab_size=10, max_position_embeddings=64)
+    base = dict(
+        architecture="llama",
+        num_layers=2,
+        hidden_size=64,
+        num_attention_heads=4,
+        head_dim=16,
+        intermediate_size=10,
+        vocab_size=10,
+        max_position_embeddings=64,
+    )
     with pytest.raises(ValueError):
         ModelConfig(**base, num_kv_heads=3)
     with pytest.raises(ValueError):
@@ -237,9 +311,18 @@ def test_explicit_all_full_layer_types_keep_no_window(arch: str) -> None:
     the fix the all-full list collapsed to None and the stray window made every layer sliding."""
     from transformers import AutoConfig
 
-    hf = AutoConfig.for_model(arch, vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
-                              num_attention_heads=2, num_key_value_heads=1, head_dim=16, sliding_window=16,
-                              layer_types=["full_attention"] * 4).to_dict()
+    hf = AutoConfig.for_model(
+        arch,
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        sliding_window=16,
+        layer_types=["full_attention"] * 4,
+    ).to_dict()
     hf["model_type"] = arch
     mc = ModelConfig.from_hf_dict(hf)
     assert [mc.layer_type(i) for i in range(4)] == ["full_attention"] * 4
@@ -247,7 +330,20 @@ def test_explicit_all_full_layer_types_keep_no_window(arch: str) -> None:
 
 
 def test_mistral_window_without_layer_types_is_every_layer() -> None:
-    mc = ModelConfig.from_hf_dict(dict(model_type="mistral", vocab_size=64, hidden_size=32, intermediate_size=64,
-                                       num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-                                       sliding_window=16, max_position_embeddings=128))
-    assert all(isinstance(s, SlidingWindowSpec) and s.sliding_window == 16 for s in mc.kv_cache_specs(4).values())
+    mc = ModelConfig.from_hf_dict(
+        dict(
+            model_type="mistral",
+            vocab_size=64,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            sliding_window=16,
+            max_position_embeddings=128,
+        )
+    )
+    assert all(
+        isinstance(s, SlidingWindowSpec) and s.sliding_window == 16
+        for s in mc.kv_cache_specs(4).values()
+    )

@@ -75,7 +75,9 @@ def test_unpermute_inverts_llama_cpp_permutation() -> None:
     assert not torch.equal(permuted, w)
     assert torch.equal(unpermute_qk(permuted, n_head), w)
     bias = torch.randn(rows)
-    assert torch.equal(unpermute_qk(bias.reshape(n_head, 2, -1).swapaxes(1, 2).reshape(rows), n_head), bias)
+    assert torch.equal(
+        unpermute_qk(bias.reshape(n_head, 2, -1).swapaxes(1, 2).reshape(rows), n_head), bias
+    )
 
 
 def test_gguf_name_mapping() -> None:
@@ -90,13 +92,18 @@ def test_gguf_name_mapping() -> None:
 def _fused_reference(hf_model: Any) -> dict[str, torch.Tensor]:
     """The HF model's parameters under our fused names."""
     sd = hf_model.state_dict()
-    out = {"model.embed_tokens.weight": sd["model.embed_tokens.weight"], "model.norm.weight": sd["model.norm.weight"]}
+    out = {
+        "model.embed_tokens.weight": sd["model.embed_tokens.weight"],
+        "model.norm.weight": sd["model.norm.weight"],
+    }
     for i in range(hf_model.config.num_hidden_layers):
         p = f"model.layers.{i}."
         a = p + "self_attn."
         out[a + "qkv_proj.weight"] = torch.cat([sd[a + f"{x}_proj.weight"] for x in "qkv"])
         out[a + "o_proj.weight"] = sd[a + "o_proj.weight"]
-        out[p + "mlp.gate_up_proj.weight"] = torch.cat([sd[p + "mlp.gate_proj.weight"], sd[p + "mlp.up_proj.weight"]])
+        out[p + "mlp.gate_up_proj.weight"] = torch.cat(
+            [sd[p + "mlp.gate_proj.weight"], sd[p + "mlp.up_proj.weight"]]
+        )
         out[p + "mlp.down_proj.weight"] = sd[p + "mlp.down_proj.weight"]
         for n in ("input_layernorm", "post_attention_layernorm"):
             out[p + n + ".weight"] = sd[p + n + ".weight"]
@@ -115,7 +122,12 @@ def test_gguf_weights_identical_to_transformers(pagedkv_model: Any, hf_model: An
 
 def test_loaded_model_metadata(pagedkv_model: Any, gguf_path: Path) -> None:
     cfg = pagedkv_model.config
-    assert (cfg.num_layers, cfg.num_attention_heads, cfg.num_kv_heads, cfg.head_dim) == (30, 9, 3, 64)
+    assert (cfg.num_layers, cfg.num_attention_heads, cfg.num_kv_heads, cfg.head_dim) == (
+        30,
+        9,
+        3,
+        64,
+    )
     assert pagedkv_model.source == gguf_path and pagedkv_model.dtype == torch.float32
     assert pagedkv_model.tokenizer.eos_token_id == cfg.eos_token_id
     n_params = sum(p.numel() for p in pagedkv_model.model.parameters())
@@ -134,7 +146,9 @@ def test_bf16_load_is_cast_of_fp32(pagedkv_model: Any, pagedkv_model_bf16: Any) 
 
 def _one_prompt_logits(loaded: Any, ids: list[int]) -> torch.Tensor:
     cfg, t, bs = loaded.config, len(ids), 16
-    _, kv = allocate_kv_cache("LBNHC", cfg.num_layers, 8, bs, cfg.num_kv_heads, cfg.head_dim, loaded.dtype)
+    _, kv = allocate_kv_cache(
+        "LBNHC", cfg.num_layers, 8, bs, cfg.num_kv_heads, cfg.head_dim, loaded.dtype
+    )
     table = torch.tensor([[2, 5, 3, 7]], dtype=torch.int32)
     pos = torch.arange(t)
     slots = table[0, pos // bs].long() * bs + pos % bs
@@ -159,7 +173,9 @@ def hf_dir(hf_model: Any, hf_tokenizer: Any, tmp_path_factory: pytest.TempPathFa
     return out
 
 
-def test_hf_directory_loader_matches_gguf(pagedkv_model: Any, hf_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_hf_directory_loader_matches_gguf(
+    pagedkv_model: Any, hf_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     loaded = get_model(hf_dir, torch.float32)
     assert loaded.tokenizer is not None and loaded.config.architecture == "llama"
     ref = dict(pagedkv_model.model.named_parameters())
@@ -209,12 +225,28 @@ def test_gguf_rope_freq_factors_reproduce_llama3_scaling() -> None:
     from pagedkv.models.layers import RotaryEmbedding, rope_inv_freq
     from pagedkv.models.llama import LlamaForCausalLM
 
-    scaling = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                   original_max_position_embeddings=64)
+    scaling = dict(
+        rope_type="llama3",
+        factor=8.0,
+        low_freq_factor=1.0,
+        high_freq_factor=4.0,
+        original_max_position_embeddings=64,
+    )
     target = RotaryEmbedding(16, 256, 1e4, scaling)
-    config = ModelConfig.from_dict(dict(architecture="llama", num_layers=1, hidden_size=32, num_attention_heads=2,
-                                        num_kv_heads=1, head_dim=16, intermediate_size=64, vocab_size=8,
-                                        max_position_embeddings=256, rope_theta=1e4))
+    config = ModelConfig.from_dict(
+        dict(
+            architecture="llama",
+            num_layers=1,
+            hidden_size=32,
+            num_attention_heads=2,
+            num_kv_heads=1,
+            head_dim=16,
+            intermediate_size=64,
+            vocab_size=8,
+            max_position_embeddings=256,
+            rope_theta=1e4,
+        )
+    )
     model = LlamaForCausalLM(config)
     assert not torch.allclose(model.model.rotary_emb.cos_sin_cache, target.cos_sin_cache)
     factors = rope_inv_freq(16, 1e4, None) / rope_inv_freq(16, 1e4, scaling)

@@ -19,7 +19,9 @@ from ref_attention import make_paged_batch
 from pagedkv.ops import native
 from pagedkv.ops.attention import paged_attention
 
-pytestmark = pytest.mark.skipif(not native.available(), reason="no C compiler: native kernels unavailable")
+pytestmark = pytest.mark.skipif(
+    not native.available(), reason="no C compiler: native kernels unavailable"
+)
 
 
 def use_build(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -49,8 +51,14 @@ def kernels(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> 
     use_build(request.param, monkeypatch)
     return request.param
 
-QTYPES = [GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0,
-          GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K]
+
+QTYPES = [
+    GGMLQuantizationType.Q4_0,
+    GGMLQuantizationType.Q4_1,
+    GGMLQuantizationType.Q8_0,
+    GGMLQuantizationType.Q4_K,
+    GGMLQuantizationType.Q6_K,
+]
 K_QUANTS = {GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K}
 
 
@@ -61,11 +69,14 @@ def random_rows(qtype: GGMLQuantizationType, n: int, k: int, seed: int) -> torch
     block, type_size = GGML_QUANT_SIZES[qtype]
     raw = rng.integers(0, 256, size=(n * k // block, type_size), dtype=np.uint8)
     # Byte offset and count of the float16 scales: d (and m / dmin) lead, Q6_K's d trails.
-    at, num_scales = {GGMLQuantizationType.Q4_1: (0, 2), GGMLQuantizationType.Q4_K: (0, 2),
-                      GGMLQuantizationType.Q6_K: (208, 1)}.get(qtype, (0, 1))
+    at, num_scales = {
+        GGMLQuantizationType.Q4_1: (0, 2),
+        GGMLQuantizationType.Q4_K: (0, 2),
+        GGMLQuantizationType.Q6_K: (208, 1),
+    }.get(qtype, (0, 1))
     scales = (rng.standard_normal((raw.shape[0], num_scales)) * 0.05).astype(np.float16)
     scales[::7, 0] = np.float16(3e-6)  # subnormal float16
-    raw[:, at: at + 2 * num_scales] = scales.view(np.uint8)
+    raw[:, at : at + 2 * num_scales] = scales.view(np.uint8)
     return torch.from_numpy(raw.reshape(n, -1).copy())
 
 
@@ -82,11 +93,20 @@ def test_dequant_is_bit_identical_to_gguf(qtype: GGMLQuantizationType, kernels: 
 
 
 # The `kernels` fixture holds for every example of a test (one build per parametrization).
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(qtype=st.sampled_from(QTYPES), m=st.integers(1, 19), n=st.integers(1, 70),
-       kb=st.integers(1, 9), bias=st.booleans(), seed=st.integers(0, 2**31))
-def test_gemv_matches_float64_reference(qtype: GGMLQuantizationType, m: int, n: int, kb: int,
-                                        bias: bool, seed: int, kernels: str) -> None:
+@settings(
+    max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    qtype=st.sampled_from(QTYPES),
+    m=st.integers(1, 19),
+    n=st.integers(1, 70),
+    kb=st.integers(1, 9),
+    bias=st.booleans(),
+    seed=st.integers(0, 2**31),
+)
+def test_gemv_matches_float64_reference(
+    qtype: GGMLQuantizationType, m: int, n: int, kb: int, bias: bool, seed: int, kernels: str
+) -> None:
     k = block_weights(qtype) * (kb if qtype not in K_QUANTS else 1 + kb % 3)
     rows = random_rows(qtype, n, k, seed)
     w = torch.from_numpy(np_dequantize(rows.numpy(), qtype)).double()
@@ -111,46 +131,122 @@ def test_gemv_rejects_bad_shapes_and_types() -> None:
         native.gemv_q(torch.randn(2, 64), rows, 13)  # Q5_K: not a kernel type
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(lens=st.lists(st.integers(1, 300), min_size=1, max_size=6), bs=st.sampled_from([1, 16, 32]),
-       hkv=st.sampled_from([1, 2, 3]), group=st.sampled_from([1, 3, 4]), d=st.sampled_from([8, 64, 70]),
-       dv=st.sampled_from([None, 16]), layout=st.sampled_from([None, "LBNHC", "LBHNC", "BLNHC"]),
-       window=st.one_of(st.none(), st.integers(1, 100)), seed=st.integers(0, 2**31),
-       dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]))
-def test_paged_decode_matches_dense_reference(lens: list[int], bs: int, hkv: int, group: int, d: int,
-                                              dv: int | None, layout: str | None, window: int | None,
-                                              seed: int, dtype: torch.dtype, kernels: str) -> None:
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    lens=st.lists(st.integers(1, 300), min_size=1, max_size=6),
+    bs=st.sampled_from([1, 16, 32]),
+    hkv=st.sampled_from([1, 2, 3]),
+    group=st.sampled_from([1, 3, 4]),
+    d=st.sampled_from([8, 64, 70]),
+    dv=st.sampled_from([None, 16]),
+    layout=st.sampled_from([None, "LBNHC", "LBHNC", "BLNHC"]),
+    window=st.one_of(st.none(), st.integers(1, 100)),
+    seed=st.integers(0, 2**31),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+)
+def test_paged_decode_matches_dense_reference(
+    lens: list[int],
+    bs: int,
+    hkv: int,
+    group: int,
+    d: int,
+    dv: int | None,
+    layout: str | None,
+    window: int | None,
+    seed: int,
+    dtype: torch.dtype,
+    kernels: str,
+) -> None:
     """float32 math over a float32/bf16/fp16 cache: the reference sees the same stored values,
     so the tolerance is float32's whatever the cache dtype."""
-    batch = make_paged_batch(lens, [1] * len(lens), block_size=bs, num_kv_heads=hkv, group=group,
-                             head_size=d, dtype=dtype, layout=layout, shared_prefix=seed % 2 == 0,
-                             seed=seed, head_size_v=dv)
+    batch = make_paged_batch(
+        lens,
+        [1] * len(lens),
+        block_size=bs,
+        num_kv_heads=hkv,
+        group=group,
+        head_size=d,
+        dtype=dtype,
+        layout=layout,
+        shared_prefix=seed % 2 == 0,
+        seed=seed,
+        head_size_v=dv,
+    )
     scale = d**-0.5
     md = batch.md
-    out, lse = native.paged_decode(batch.query, batch.key_cache, batch.value_cache, md.block_table,
-                                   md.seq_lens, scale, window, return_lse=True)
+    out, lse = native.paged_decode(
+        batch.query,
+        batch.key_cache,
+        batch.value_cache,
+        md.block_table,
+        md.seq_lens,
+        scale,
+        window,
+        return_lse=True,
+    )
     torch.testing.assert_close(out.double(), batch.reference(scale, window), atol=1e-5, rtol=1e-5)
     # lse of row r, head h: logsumexp of its visible scaled logits.
     for r, n in enumerate(lens):
         lo = 0 if window is None else max(0, n - window)
         k = batch.keys[r][lo:n].double().repeat_interleave(group, dim=1)  # [L, Hq, D]
         s = torch.einsum("hd,lhd->hl", batch.query[r].double(), k) * scale
-        torch.testing.assert_close(lse[r].double(), torch.logsumexp(s, dim=-1), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(
+            lse[r].double(), torch.logsumexp(s, dim=-1), atol=1e-5, rtol=1e-5
+        )
 
 
 def test_paged_decode_declines_what_it_does_not_cover() -> None:
-    batch = make_paged_batch([20], [1], block_size=16, num_kv_heads=1, group=2, head_size=8,
-                             dtype=torch.float32, layout=None, shared_prefix=False, seed=0)
+    batch = make_paged_batch(
+        [20],
+        [1],
+        block_size=16,
+        num_kv_heads=1,
+        group=2,
+        head_size=8,
+        dtype=torch.float32,
+        layout=None,
+        shared_prefix=False,
+        seed=0,
+    )
     md = batch.md
-    assert native.paged_decode(batch.query, batch.key_cache.double(), batch.value_cache.double(),
-                               md.block_table, md.seq_lens, 1.0) is None  # float64: the torch path's job
-    assert native.paged_decode(batch.query, batch.key_cache, batch.value_cache.half(),
-                               md.block_table, md.seq_lens, 1.0) is None  # K and V of different dtypes
-    big = make_paged_batch([20], [1], block_size=16, num_kv_heads=1, group=2, head_size=8,
-                           dtype=torch.float32, layout="LBNHC", shared_prefix=False, seed=0,
-                           head_size_v=8200)
-    assert native.paged_decode(big.query, big.key_cache, big.value_cache, big.md.block_table,
-                               big.md.seq_lens, 1.0) is None  # group x Dv > the accumulators
+    assert (
+        native.paged_decode(
+            batch.query,
+            batch.key_cache.double(),
+            batch.value_cache.double(),
+            md.block_table,
+            md.seq_lens,
+            1.0,
+        )
+        is None
+    )  # float64: the torch path's job
+    assert (
+        native.paged_decode(
+            batch.query, batch.key_cache, batch.value_cache.half(), md.block_table, md.seq_lens, 1.0
+        )
+        is None
+    )  # K and V of different dtypes
+    big = make_paged_batch(
+        [20],
+        [1],
+        block_size=16,
+        num_kv_heads=1,
+        group=2,
+        head_size=8,
+        dtype=torch.float32,
+        layout="LBNHC",
+        shared_prefix=False,
+        seed=0,
+        head_size_v=8200,
+    )
+    assert (
+        native.paged_decode(
+            big.query, big.key_cache, big.value_cache, big.md.block_table, big.md.seq_lens, 1.0
+        )
+        is None
+    )  # group x Dv > the accumulators
     # ...and paged_attention still answers through the torch path.
     out = paged_attention(big.query, big.key_cache, big.value_cache, big.md, 0.3)
     torch.testing.assert_close(out.double(), big.reference(0.3), atol=1e-5, rtol=1e-5)
@@ -159,9 +255,18 @@ def test_paged_decode_declines_what_it_does_not_cover() -> None:
 def test_paged_attention_native_and_torch_paths_agree(monkeypatch: pytest.MonkeyPatch) -> None:
     """A mixed step (decodes + prefill chunks): the decode rows take the native kernel unless it
     is off; both give the reference."""
-    batch = make_paged_batch([130, 7, 64, 300, 33], [1, 7, 1, 20, 1], block_size=16, num_kv_heads=3,
-                             group=3, head_size=64, dtype=torch.float32, layout="LBNHC",
-                             shared_prefix=True, seed=4)
+    batch = make_paged_batch(
+        [130, 7, 64, 300, 33],
+        [1, 7, 1, 20, 1],
+        block_size=16,
+        num_kv_heads=3,
+        group=3,
+        head_size=64,
+        dtype=torch.float32,
+        layout="LBNHC",
+        shared_prefix=True,
+        seed=4,
+    )
     args = (batch.query, batch.key_cache, batch.value_cache, batch.md, 0.125)
     calls = []
     real = native.paged_decode
@@ -210,7 +315,9 @@ def test_fused_layer_with_rows_in_several_types() -> None:
     shards = [(q4k, 64), (q6k, 32), (q4k, 32), (q8, 16)]  # rows per shard, in output order
     k = 512
     rows = [random_rows(t, n, k, seed=i) for i, (t, n) in enumerate(shards)]
-    weight = torch.cat([torch.from_numpy(np_dequantize(r.numpy(), t)) for r, (t, _) in zip(rows, shards)])
+    weight = torch.cat(
+        [torch.from_numpy(np_dequantize(r.numpy(), t)) for r, (t, _) in zip(rows, shards)]
+    )
     layer = Linear(k, weight.shape[0], bias=True)
     with torch.no_grad():
         layer.weight.copy_(weight)
@@ -226,21 +333,34 @@ def test_fused_layer_with_rows_in_several_types() -> None:
             return name.split("#")[0], int(name.split("#")[1])
 
     starts = [0, 64, 96, 128]
-    items = [(f"model.layers.0.mlp.proj.weight#{s0}", int(t), r) for s0, (t, _), r in zip(starts, shards, rows)]
+    items = [
+        (f"model.layers.0.mlp.proj.weight#{s0}", int(t), r)
+        for s0, (t, _), r in zip(starts, shards, rows)
+    ]
     assert LlamaForCausalLM.load_quantized(Fake(), items[::-1]) == 1
-    assert [(a, b, t) for a, b, t, _ in layer.qsegments] == [(0, 64, 12), (64, 96, 14), (96, 128, 12), (128, 144, 8)]
+    assert [(a, b, t) for a, b, t, _ in layer.qsegments] == [
+        (0, 64, 12),
+        (64, 96, 14),
+        (96, 128, 12),
+        (128, 144, 8),
+    ]
     x = torch.randn(3, k)
     with torch.inference_mode():
-        torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, weight, layer.bias), atol=1e-3, rtol=1e-5)
+        torch.testing.assert_close(
+            layer(x), torch.nn.functional.linear(x, weight, layer.bias), atol=1e-3, rtol=1e-5
+        )
     assert layer.qkquant
     layer.set_qsegments(None)
-    missing = [it for it in items if not it[0].endswith("#96")]  # the third shard's type had no kernel
+    missing = [
+        it for it in items if not it[0].endswith("#96")
+    ]  # the third shard's type had no kernel
     assert LlamaForCausalLM.load_quantized(Fake(), missing) == 0 and layer.qsegments is None
 
 
 @pytest.mark.parametrize("emulated", [False, True])
-def test_bf16_model_uses_the_file_blocks_in_float32(pagedkv_model_bf16, pagedkv_model, emulated: bool,
-                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+def test_bf16_model_uses_the_file_blocks_in_float32(
+    pagedkv_model_bf16, pagedkv_model, emulated: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A bfloat16 model carries the same ggml rows; a small-batch projection computes from the
     exact file weights in float32 and rounds once, so it is closer to the float32 model than
     the dense bf16 product is. Above the row limit the dense path runs: torch's bf16 matmul on a
@@ -249,12 +369,16 @@ def test_bf16_model_uses_the_file_blocks_in_float32(pagedkv_model_bf16, pagedkv_
     from pagedkv.models import layers
     from pagedkv.models.layers import NATIVE_GEMV_MAX_ROWS
 
-    monkeypatch.setattr(layers, "_emulated_half_dtypes", lambda: frozenset({torch.bfloat16} if emulated else ()))
+    monkeypatch.setattr(
+        layers, "_emulated_half_dtypes", lambda: frozenset({torch.bfloat16} if emulated else ())
+    )
 
     layer16 = pagedkv_model_bf16.model.model.layers[3].mlp.gate_up_proj
     layer32 = pagedkv_model.model.model.layers[3].mlp.gate_up_proj
     assert layer16.qsegments is not None
-    assert all(torch.equal(a[3], b[3]) for a, b in zip(layer16.qsegments, layer32.qsegments, strict=True))
+    assert all(
+        torch.equal(a[3], b[3]) for a, b in zip(layer16.qsegments, layer32.qsegments, strict=True)
+    )
     x = torch.randn(4, layer16.weight.shape[1]).to(torch.bfloat16)
     with torch.inference_mode():
         ref = torch.nn.functional.linear(x.float(), layer32.weight)
@@ -266,7 +390,9 @@ def test_bf16_model_uses_the_file_blocks_in_float32(pagedkv_model_bf16, pagedkv_
         assert (native_out.float() - ref).abs().mean() < (dense.float() - ref).abs().mean()
         big = x.repeat(NATIVE_GEMV_MAX_ROWS, 1)  # above the row limit: the dense path
         if emulated:
-            want = torch.nn.functional.linear(big.float(), layer16.weight.float()).to(torch.bfloat16)
+            want = torch.nn.functional.linear(big.float(), layer16.weight.float()).to(
+                torch.bfloat16
+            )
         else:
             want = torch.nn.functional.linear(big, layer16.weight)
         assert torch.equal(layer16(big), want)

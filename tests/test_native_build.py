@@ -26,8 +26,9 @@ def test_off_switch_gives_the_torch_path(fresh: None, monkeypatch: pytest.Monkey
     assert native.lib() is None and not native.available()
 
 
-def test_missing_compiler_warns_and_falls_back(fresh: None, monkeypatch: pytest.MonkeyPatch,
-                                               caplog: pytest.LogCaptureFixture) -> None:
+def test_missing_compiler_warns_and_falls_back(
+    fresh: None, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     monkeypatch.setenv("PAGEDKV_NATIVE", "auto")
     monkeypatch.setenv("CC", "/nonexistent/cc")
     with caplog.at_level(logging.WARNING, logger="pagedkv.ops.native"):
@@ -35,7 +36,9 @@ def test_missing_compiler_warns_and_falls_back(fresh: None, monkeypatch: pytest.
     assert "native CPU kernels unavailable" in caplog.text
 
 
-def test_required_build_that_fails_is_an_error(fresh: None, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_required_build_that_fails_is_an_error(
+    fresh: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("PAGEDKV_NATIVE", "1")
     monkeypatch.setenv("CC", "/nonexistent/cc")
     with pytest.raises(RuntimeError, match="PAGEDKV_NATIVE=1"):
@@ -43,7 +46,9 @@ def test_required_build_that_fails_is_an_error(fresh: None, monkeypatch: pytest.
 
 
 @pytest.mark.skipif(native.lib() is None, reason="no C compiler")
-def test_build_lands_in_the_cache_dir_once(fresh: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_build_lands_in_the_cache_dir_once(
+    fresh: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.delenv("CC", raising=False)
     assert native.lib() is not None
     built = list((tmp_path / "native").glob("cpu_kernels-*.so"))
@@ -66,9 +71,18 @@ def test_native_build_runs_the_widest_simd_path_this_cpu_has() -> None:
     default model at 18 tok/s, a quarter of llama.cpp's speed (bench_latency.py)."""
     flags = _cpu_flags()
     has_avx2 = {"avx2", "fma", "f16c"} <= flags
-    want = "avx512" if {"avx512f", "avx512bw", "avx512vl"} <= flags else "avx2" if has_avx2 else "portable"
+    want = (
+        "avx512"
+        if {"avx512f", "avx512bw", "avx512vl"} <= flags
+        else "avx2"
+        if has_avx2
+        else "portable"
+    )
     assert native.isa() == want
-    for name, extra in native.BUILD_FLAGS.items():  # the smaller paths the tests build (tests/test_native.py)
+    for (
+        name,
+        extra,
+    ) in native.BUILD_FLAGS.items():  # the smaller paths the tests build (tests/test_native.py)
         assert native.isa(native.build(extra)) == (name if has_avx2 else "portable")
 
 
@@ -97,18 +111,24 @@ def test_half_matmul_support_is_read_from_the_cpu_flags(monkeypatch: pytest.Monk
     import torch
 
     bf16, fp16 = torch.bfloat16, torch.float16
-    for line, want in [("flags\t: fpu avx2 fma f16c", (False, False)), ("flags\t: avx512f avx512_bf16", (True, False)),
-                       ("flags\t: avx2 amx_bf16 amx_fp16 amx_tile", (True, True)),
-                       ("flags\t: avx512_bf16 avx512_fp16", (True, True)), ("Features\t: fp asimd bf16", (True, False)),
-                       ("Features\t: fp asimd asimdhp", (False, True)), ("", (True, True))]:
+    for line, want in [
+        ("flags\t: fpu avx2 fma f16c", (False, False)),
+        ("flags\t: avx512f avx512_bf16", (True, False)),
+        ("flags\t: avx2 amx_bf16 amx_fp16 amx_tile", (True, True)),
+        ("flags\t: avx512_bf16 avx512_fp16", (True, True)),
+        ("Features\t: fp asimd bf16", (True, False)),
+        ("Features\t: fp asimd asimdhp", (False, True)),
+        ("", (True, True)),
+    ]:
         monkeypatch.setattr(native, "_cpu_flags", lambda line=line: line)
         assert (native.cpu_has_half_matmul(bf16), native.cpu_has_half_matmul(fp16)) == want, line
         assert native.cpu_has_half_matmul(torch.float32)
 
 
 @pytest.mark.parametrize("emulated", [False, True])
-def test_half_linear_computes_in_float32_where_the_cpu_lacks_the_matmul(emulated: bool,
-                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+def test_half_linear_computes_in_float32_where_the_cpu_lacks_the_matmul(
+    emulated: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A bf16 linear on a CPU without bf16 matmuls is the float32 product of the same values,
     rounded once (1.4-5.6x faster than torch's emulated bf16 matmul); elsewhere torch's."""
     import torch
@@ -116,7 +136,9 @@ def test_half_linear_computes_in_float32_where_the_cpu_lacks_the_matmul(emulated
 
     from pagedkv.models import layers
 
-    monkeypatch.setattr(layers, "_emulated_half_dtypes", lambda: frozenset({torch.bfloat16} if emulated else ()))
+    monkeypatch.setattr(
+        layers, "_emulated_half_dtypes", lambda: frozenset({torch.bfloat16} if emulated else ())
+    )
     lin = layers.Linear(64, 48, bias=True)
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
@@ -131,8 +153,9 @@ def test_half_linear_computes_in_float32_where_the_cpu_lacks_the_matmul(emulated
 
 
 @pytest.mark.parametrize("has_bf16", [False, True])
-def test_bf16_engine_on_a_cpu_without_bf16_matmuls_warns(has_bf16: bool, monkeypatch: pytest.MonkeyPatch,
-                                                         caplog: pytest.LogCaptureFixture) -> None:
+def test_bf16_engine_on_a_cpu_without_bf16_matmuls_warns(
+    has_bf16: bool, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     from pagedkv import LLM
 
     monkeypatch.setattr(native, "cpu_has_half_matmul", lambda dtype: has_bf16)

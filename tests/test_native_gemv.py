@@ -19,7 +19,9 @@ from test_native import QTYPES, kernels, random_rows  # noqa: F401 (kernels: a f
 
 from pagedkv.ops import native
 
-pytestmark = pytest.mark.skipif(not native.available(), reason="no C compiler: native kernels unavailable")
+pytestmark = pytest.mark.skipif(
+    not native.available(), reason="no C compiler: native kernels unavailable"
+)
 
 SIMPLE = [GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0]
 
@@ -30,9 +32,12 @@ def k_for(qtype: GGMLQuantizationType, blocks: int) -> int:
 
 @pytest.mark.parametrize("qtype", QTYPES)
 @pytest.mark.parametrize("n", [1, 7, 23])
-def test_one_hot_x_returns_the_dequantized_weights_exactly(qtype: GGMLQuantizationType, n: int,
-                                                           kernels: str) -> None:
-    blocks = 2 if qtype in (GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K) else 19  # 16 + a tail
+def test_one_hot_x_returns_the_dequantized_weights_exactly(
+    qtype: GGMLQuantizationType, n: int, kernels: str
+) -> None:
+    blocks = (
+        2 if qtype in (GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K) else 19
+    )  # 16 + a tail
     k = k_for(qtype, blocks)
     rows = random_rows(qtype, n, k, seed=n + int(qtype))
     w = torch.from_numpy(np_dequantize(rows.numpy(), qtype))
@@ -41,25 +46,30 @@ def test_one_hot_x_returns_the_dequantized_weights_exactly(qtype: GGMLQuantizati
         x = torch.zeros(1, k)
         x[0, j] = 1.0
         assert torch.equal(native.gemv_q(x, rows, int(qtype))[0], w[:, j]), f"column {j}"
-    x = torch.eye(k)[cols]  # many rows: the path that shares each dequantized block across rows of x
+    x = torch.eye(k)[
+        cols
+    ]  # many rows: the path that shares each dequantized block across rows of x
     assert torch.equal(native.gemv_q(x, rows, int(qtype)), w.T[cols])
 
 
 @pytest.mark.parametrize("qtype", SIMPLE)
 @pytest.mark.parametrize("n,blocks", [(4, 1), (5, 16), (30, 17), (130, 48), (3, 37)])
-def test_batch1_matches_float64_with_bias_into_a_column_slice(qtype: GGMLQuantizationType, n: int, blocks: int,
-                                                              kernels: str) -> None:
+def test_batch1_matches_float64_with_bias_into_a_column_slice(
+    qtype: GGMLQuantizationType, n: int, blocks: int, kernels: str
+) -> None:
     k = k_for(qtype, blocks)
     rows = random_rows(qtype, n, k, seed=n * blocks)
     w = torch.from_numpy(np_dequantize(rows.numpy(), qtype)).double()
     gen = torch.Generator().manual_seed(blocks)
     x, b = torch.randn(1, k, generator=gen), torch.randn(n, generator=gen)
     wide = torch.full((1, n + 9), 7.0)
-    y = native.gemv_q(x, rows, int(qtype), b, out=wide[:, 5:5 + n])
+    y = native.gemv_q(x, rows, int(qtype), b, out=wide[:, 5 : 5 + n])
     ref = x.double() @ w.T + b.double()
     bound = 1e-5 * (x.double().abs() @ w.abs().T) + 1e-6
     assert ((y.double() - ref).abs() <= bound).all()
-    assert (wide[:, :5] == 7.0).all() and (wide[:, 5 + n:] == 7.0).all()  # nothing outside the slice
+    assert (wide[:, :5] == 7.0).all() and (
+        wide[:, 5 + n :] == 7.0
+    ).all()  # nothing outside the slice
 
 
 def test_batch1_equals_the_many_row_path_up_to_summation_order() -> None:

@@ -23,7 +23,9 @@ from pagedkv.ops import forward_context, native, native_step
 from pagedkv.ops.kv_cache import allocate_kv_cache
 from pagedkv.ops.metadata import AttentionMetadata
 
-pytestmark = pytest.mark.skipif(not native.available(), reason="no C compiler: native kernels unavailable")
+pytestmark = pytest.mark.skipif(
+    not native.available(), reason="no C compiler: native kernels unavailable"
+)
 
 F32, Q4_0, Q4_1, Q8_0, Q4_K, Q6_K = 0, 2, 3, 8, 12, 14
 # fp16 scale magnitude per type: keeps random weights O(0.1-1) (K-quants multiply sub-scales up to 63/127).
@@ -39,7 +41,7 @@ def random_rows(qtype: int, n: int, k: int, gen: torch.Generator) -> torch.Tenso
     raw = torch.randint(0, 256, (n * k // bw, bb), dtype=torch.uint8, generator=gen)
     at, count = SCALE_AT.get(qtype, (0, 1))
     scales = (torch.randn(raw.shape[0], count, generator=gen) * SCALE[qtype]).half()
-    raw[:, at: at + 2 * count] = scales.view(torch.uint8)
+    raw[:, at : at + 2 * count] = scales.view(torch.uint8)
     return raw.reshape(n, -1).contiguous()
 
 
@@ -61,10 +63,22 @@ class Case:
 
 
 def make_model(c: Case) -> LlamaForCausalLM:
-    cfg = ModelConfig.from_dict(dict(
-        architecture="llama", num_layers=2, hidden_size=c.hidden, num_attention_heads=c.hq, num_kv_heads=c.hkv,
-        head_dim=c.d, intermediate_size=c.inter, vocab_size=96, max_position_embeddings=1024, rms_norm_eps=1e-5,
-        attention_bias=c.bias, sliding_window=c.window))
+    cfg = ModelConfig.from_dict(
+        dict(
+            architecture="llama",
+            num_layers=2,
+            hidden_size=c.hidden,
+            num_attention_heads=c.hq,
+            num_kv_heads=c.hkv,
+            head_dim=c.d,
+            intermediate_size=c.inter,
+            vocab_size=96,
+            max_position_embeddings=1024,
+            rms_norm_eps=1e-5,
+            attention_bias=c.bias,
+            sliding_window=c.window,
+        )
+    )
     model = LlamaForCausalLM(cfg).eval()
     gen = torch.Generator().manual_seed(c.seed)
     with torch.no_grad():
@@ -72,20 +86,31 @@ def make_model(c: Case) -> LlamaForCausalLM:
             if "norm" in name:
                 p.copy_(1 + 0.2 * torch.randn(p.shape, generator=gen))
             else:
-                p.copy_(torch.randn(p.shape, generator=gen) * (0.5 if "bias" in name or "embed" in name else 0.05))
+                p.copy_(
+                    torch.randn(p.shape, generator=gen)
+                    * (0.5 if "bias" in name or "embed" in name else 0.05)
+                )
         for layer in model.model.layers:
-            projs = [layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj]
+            projs = [
+                layer.self_attn.qkv_proj,
+                layer.self_attn.o_proj,
+                layer.mlp.gate_up_proj,
+                layer.mlp.down_proj,
+            ]
             for i, lin in enumerate(projs):
                 if c.fmt == F32:
                     continue
                 n, k = lin.weight.shape
                 # "mixed": qkv as Q4_K q/k rows + Q6_K v rows (llama.cpp's Q4_K_M), the rest Q8_0/Q4_1.
-                types = ([(Q4_K, n - c.hkv * c.d), (Q6_K, c.hkv * c.d)] if c.fmt == "mixed" and i == 0
-                         else [((Q8_0, Q4_1)[i % 2] if c.fmt == "mixed" else c.fmt, n)])
+                types = (
+                    [(Q4_K, n - c.hkv * c.d), (Q6_K, c.hkv * c.d)]
+                    if c.fmt == "mixed" and i == 0
+                    else [((Q8_0, Q4_1)[i % 2] if c.fmt == "mixed" else c.fmt, n)]
+                )
                 segs, start = [], 0
                 for qtype, count in types:
                     rows = random_rows(qtype, count, k, gen)
-                    lin.weight[start: start + count] = native.dequant(rows, qtype, k)
+                    lin.weight[start : start + count] = native.dequant(rows, qtype, k)
                     segs.append((start, start + count, qtype, rows))
                     start += count
                 lin.set_qsegments(segs)
@@ -113,25 +138,37 @@ def make_step(c: Case, lens: list[int]) -> Step:
         tables.append(free[:k])
         free = free[k:]
     num_blocks = sum(need) + 3
-    buffer, caches = allocate_kv_cache(c.layout, 2, num_blocks, c.block_size, c.hkv, c.d, c.kv_dtype)
+    buffer, caches = allocate_kv_cache(
+        c.layout, 2, num_blocks, c.block_size, c.hkv, c.d, c.kv_dtype
+    )
     buffer.copy_(torch.randn(buffer.shape, generator=torch.Generator().manual_seed(c.seed + 1)))
     width = max(need)
     table = torch.zeros(len(lens), width, dtype=torch.int32)
     for i, t in enumerate(tables):
         table[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
     pos = [n - 1 for n in lens]
-    slots = [tables[i][p // c.block_size] * c.block_size + p % c.block_size for i, p in enumerate(pos)]
+    slots = [
+        tables[i][p // c.block_size] * c.block_size + p % c.block_size for i, p in enumerate(pos)
+    ]
     md = AttentionMetadata(
         slot_mapping=torch.tensor(slots, dtype=torch.int64),
-        query_start_loc=torch.arange(len(lens) + 1, dtype=torch.int32), seq_lens=torch.tensor(lens, dtype=torch.int32),
-        block_table=table, block_size=c.block_size, max_query_len=1, max_seq_len=max(lens),
-        query_start_loc_cpu=list(range(len(lens) + 1)), seq_lens_cpu=list(lens))
+        query_start_loc=torch.arange(len(lens) + 1, dtype=torch.int32),
+        seq_lens=torch.tensor(lens, dtype=torch.int32),
+        block_table=table,
+        block_size=c.block_size,
+        max_query_len=1,
+        max_seq_len=max(lens),
+        query_start_loc_cpu=list(range(len(lens) + 1)),
+        seq_lens_cpu=list(lens),
+    )
     ids = torch.randint(0, 96, (len(lens),), generator=torch.Generator().manual_seed(c.seed + 2))
     return Step(ids, torch.tensor(pos, dtype=torch.int64), md, buffer, caches)
 
 
 def clone_caches(s: Step, c: Case) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
-    buffer, caches = allocate_kv_cache(c.layout, 2, s.caches[0][0].shape[0], c.block_size, c.hkv, c.d, c.kv_dtype)
+    buffer, caches = allocate_kv_cache(
+        c.layout, 2, s.caches[0][0].shape[0], c.block_size, c.hkv, c.d, c.kv_dtype
+    )
     buffer.copy_(s.buffer)
     return buffer, caches
 
@@ -158,9 +195,13 @@ def run_both(c: Case, lens: list[int], monkeypatch: pytest.MonkeyPatch) -> None:
     assert torch.equal(s.buffer[~ref_changed], before[~ref_changed])
     for (k, v), (rk, rv) in zip(s.caches, ref_caches):
         blocks, offs = s.md.slot_mapping // c.block_size, s.md.slot_mapping % c.block_size
-        tol = {torch.float32: 1e-4, torch.bfloat16: 2 ** -7, torch.float16: 2 ** -10}[c.kv_dtype]
-        torch.testing.assert_close(k[blocks, offs].float(), rk[blocks, offs].float(), rtol=tol, atol=tol)
-        torch.testing.assert_close(v[blocks, offs].float(), rv[blocks, offs].float(), rtol=tol, atol=tol)
+        tol = {torch.float32: 1e-4, torch.bfloat16: 2**-7, torch.float16: 2**-10}[c.kv_dtype]
+        torch.testing.assert_close(
+            k[blocks, offs].float(), rk[blocks, offs].float(), rtol=tol, atol=tol
+        )
+        torch.testing.assert_close(
+            v[blocks, offs].float(), rv[blocks, offs].float(), rtol=tol, atol=tol
+        )
     assert changed.any()
 
 
@@ -190,12 +231,17 @@ def test_native_step_matches_torch_path(name: str, monkeypatch: pytest.MonkeyPat
 SPLIT_CASES = {  # (case, row lengths): odd (row, KV head) item counts on 2 threads, rows >= 256 keys
     "m1-hkv1": (Case(fmt=Q4_1, hq=4, hkv=1), [600]),
     "m1-hkv3-bf16": (Case(hq=6, hkv=3, kv_dtype=torch.bfloat16), [257]),
-    "m3-hkv1-window-bs1": (Case(fmt=Q8_0, rows=3, hq=2, hkv=1, window=300, block_size=1), [700, 301, 420]),
+    "m3-hkv1-window-bs1": (
+        Case(fmt=Q8_0, rows=3, hq=2, hkv=1, window=300, block_size=1),
+        [700, 301, 420],
+    ),
 }
 
 
 @pytest.mark.parametrize("name", list(SPLIT_CASES))
-def test_native_step_splits_long_rows_across_threads(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_native_step_splits_long_rows_across_threads(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Batch 1 of an odd number of KV heads on 2 threads: each row's keys are cut into splits
     (flash-decoding) and merged by log-sum-exp, still matching the torch path."""
     c, lens = SPLIT_CASES[name]
@@ -208,7 +254,9 @@ def test_native_step_splits_long_rows_across_threads(name: str, monkeypatch: pyt
 
 
 @pytest.mark.parametrize("build", [b for b in BUILDS if b != "native"])
-@pytest.mark.parametrize("name", ["f32-m1", "q4_1-m3-f16-lbhnc", "q4_k-m1", "mixed-m2-bias", "q8_0-m16-bs1-bf16"])
+@pytest.mark.parametrize(
+    "name", ["f32-m1", "q4_1-m3-f16-lbhnc", "q4_k-m1", "mixed-m2-bias", "q8_0-m16-bs1-bf16"]
+)
 def test_native_step_smaller_builds(name: str, build: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The C paths of machines with less SIMD than this one (AVX2 without AVX-512, plain C)."""
     use_build(build, monkeypatch)
@@ -230,8 +278,17 @@ def test_native_step_declines_what_it_does_not_cover(monkeypatch: pytest.MonkeyP
         with torch.inference_mode():
             return native_step.decode_step(net, **args)  # type: ignore[arg-type]
 
-    prefill = AttentionMetadata(s.md.slot_mapping, torch.tensor([0, 2], dtype=torch.int32), s.md.seq_lens[:1],
-                                s.md.block_table[:1], c.block_size, 2, 5, [0, 2], [5])
+    prefill = AttentionMetadata(
+        s.md.slot_mapping,
+        torch.tensor([0, 2], dtype=torch.int32),
+        s.md.seq_lens[:1],
+        s.md.block_table[:1],
+        c.block_size,
+        2,
+        5,
+        [0, 2],
+        [5],
+    )
     assert step(md=prefill) is None  # a prefill chunk
     assert step(md=[s.md, make_step(c, [5, 20]).md]) is None  # per-layer metadata that differs
     assert step(max_rows=1) is None  # more rows than allowed
@@ -244,7 +301,9 @@ def test_native_step_declines_what_it_does_not_cover(monkeypatch: pytest.MonkeyP
     monkeypatch.setattr(forward_context, "_kv_connector", object())
     assert step() is None  # a KV connector's per-layer hooks need the torch path
     monkeypatch.setattr(forward_context, "_kv_connector", None)
-    net.layers[1].self_attn.kv_quant = object()  # a quantized / rotated cache (read with a new cache list)
+    net.layers[
+        1
+    ].self_attn.kv_quant = object()  # a quantized / rotated cache (read with a new cache list)
     assert step(kv_caches=list(s.caches)) is None
     net.layers[1].self_attn.kv_quant = None
     bad_ids = s.ids.clone()
@@ -286,7 +345,9 @@ def test_native_step_follows_a_new_kv_cache(monkeypatch: pytest.MonkeyPatch) -> 
         out_a = model(a.ids, a.positions, a.caches, a.md)
         plan = native_step.plan_for(model.model, a.caches, *LIMITS)
         out_b = model(b.ids, b.positions, b.caches, b.md)
-        assert native_step.plan_for(model.model, b.caches, *LIMITS) is plan  # same tables, new cache pointers
+        assert (
+            native_step.plan_for(model.model, b.caches, *LIMITS) is plan
+        )  # same tables, new cache pointers
         monkeypatch.setenv("PAGEDKV_NATIVE_STEP", "0")
         ref_b = model(b.ids, b.positions, clone_caches(b, c)[1], b.md)
     assert not torch.allclose(out_a, out_b)  # b's history differs: b's cache was read
@@ -295,8 +356,9 @@ def test_native_step_follows_a_new_kv_cache(monkeypatch: pytest.MonkeyPatch) -> 
 
 @pytest.mark.parametrize("build", BUILDS)
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float16])
-def test_native_step_cache_writes_round_like_torch(kv_dtype: torch.dtype, build: str,
-                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+def test_native_step_cache_writes_round_like_torch(
+    kv_dtype: torch.dtype, build: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Layer 0's new K/V do not depend on the cache, so a bf16/fp16 cache must receive exactly
     ``.to(kv_dtype)`` of what a float32 cache receives (round to nearest even), bit for bit."""
     use_build(build, monkeypatch)
@@ -304,15 +366,23 @@ def test_native_step_cache_writes_round_like_torch(kv_dtype: torch.dtype, build:
     model = make_model(c32)
     s16, s32 = make_step(c16, [4, 21, 40]), make_step(c32, [4, 21, 40])
     with torch.inference_mode():
-        assert native_step.decode_step(model.model, s32.ids, s32.positions, s32.caches, s32.md) is not None
-        assert native_step.decode_step(model.model, s16.ids, s16.positions, s16.caches, s16.md) is not None
+        assert (
+            native_step.decode_step(model.model, s32.ids, s32.positions, s32.caches, s32.md)
+            is not None
+        )
+        assert (
+            native_step.decode_step(model.model, s16.ids, s16.positions, s16.caches, s16.md)
+            is not None
+        )
     blocks, offs = s32.md.slot_mapping // c32.block_size, s32.md.slot_mapping % c32.block_size
     for got, want in zip(s16.caches[0], s32.caches[0]):
         assert torch.equal(got[blocks, offs], want[blocks, offs].to(kv_dtype))
 
 
 @pytest.mark.parametrize("fmt,rows", [(Q4_1, 1), (Q8_0, 5), ("mixed", 2)])
-def test_native_step_half_model_computes_in_float32(fmt: int | str, rows: int, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_native_step_half_model_computes_in_float32(
+    fmt: int | str, rows: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A bfloat16 model whose projections are all ggml rows (a GGUF loaded with dtype=bfloat16)
     takes the native step: float32 math on the same file weights, the hidden states rounded once
     to bf16. It equals the float32 model holding the bf16-rounded dense parts (up to that final
@@ -331,12 +401,14 @@ def test_native_step_half_model_computes_in_float32(fmt: int | str, rows: int, m
         monkeypatch.setenv("PAGEDKV_NATIVE_STEP", "1")
         out = model16(s.ids, s.positions, s.caches, s.md)
     assert codes == [0] and out.dtype == torch.bfloat16
-    torch.testing.assert_close(out.float(), ref32, rtol=2 ** -7, atol=2 ** -7)
+    torch.testing.assert_close(out.float(), ref32, rtol=2**-7, atol=2**-7)
     assert per_op16.dtype == torch.bfloat16 and per_op16.shape == out.shape
     assert (out.float() - ref32).abs().max() <= (per_op16.float() - ref32).abs().max()
 
 
-def test_native_step_half_model_declines_above_a_kquant_row_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_native_step_half_model_declines_above_a_kquant_row_limit(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """Without float32 rows, a step above the K-quant row limit is left to the per-op path."""
     c = Case(fmt=Q4_K, rows=12, kv_dtype=torch.bfloat16)
     model = make_model(c).to(torch.bfloat16)

@@ -23,6 +23,7 @@ from typing import Any
 
 import pytest
 import torch
+from engine_utils import check_clean, greedy_by_forward, random_prompts
 from torch import nn
 
 from pagedkv import LLM, SamplingParams
@@ -30,40 +31,80 @@ from pagedkv.core.specs import FullAttentionSpec, UniformTypeKVCacheSpecs
 from pagedkv.entrypoints.cli import main
 from pagedkv.models.config import ModelConfig
 from pagedkv.models.deci_config import ffn_mult_to_intermediate_size
-from engine_utils import check_clean, greedy_by_forward, random_prompts
 
 VOCAB, HIDDEN, HEADS = 256, 64, 4
 HEAD_DIM = HIDDEN // HEADS
 
 
-def block(group: int | None = None, ffn_mult: float | None = 1.0, attn: str = "", ffn: str = "") -> dict[str, Any]:
+def block(
+    group: int | None = None, ffn_mult: float | None = 1.0, attn: str = "", ffn: str = ""
+) -> dict[str, Any]:
     """One ``block_configs`` entry as released configs write it; ``attn`` / ``ffn`` "no_op" or "linear"."""
-    return {"attention": {"n_heads_in_group": None if attn else group, "no_op": attn == "no_op",
-                          "replace_with_linear": attn == "linear", "num_sink_tokens": None, "sparsify": None,
-                          "unshifted_sink": False, "use_prefill_window_in_sink_attention": False,
-                          "window_length": None},
-            "ffn": {"ffn_mult": None if ffn else ffn_mult, "no_op": ffn == "no_op",
-                    "replace_with_linear": ffn == "linear", "sparsify": None}}
+    return {
+        "attention": {
+            "n_heads_in_group": None if attn else group,
+            "no_op": attn == "no_op",
+            "replace_with_linear": attn == "linear",
+            "num_sink_tokens": None,
+            "sparsify": None,
+            "unshifted_sink": False,
+            "use_prefill_window_in_sink_attention": False,
+            "window_length": None,
+        },
+        "ffn": {
+            "ffn_mult": None if ffn else ffn_mult,
+            "no_op": ffn == "no_op",
+            "replace_with_linear": ffn == "linear",
+            "sparsify": None,
+        },
+    }
 
 
 # KV heads 4, 2, -, 1, -, 2; MLP widths 256, 512, 256, -, linear, 256.
-BLOCKS = [block(1, 1.0), block(2, 7.0), block(attn="no_op", ffn_mult=1.0), block(4, ffn="no_op"),
-          block(attn="linear", ffn="linear"), block(2, 3.5)]
+BLOCKS = [
+    block(1, 1.0),
+    block(2, 7.0),
+    block(attn="no_op", ffn_mult=1.0),
+    block(4, ffn="no_op"),
+    block(attn="linear", ffn="linear"),
+    block(2, 3.5),
+]
 KV_HEADS = [4, 2, 0, 1, 0, 2]
 WIDTHS = [256, 512, 256, 0, 0, 256]
-ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 32}
+ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 32,
+}
 
 
 def deci_config_json() -> dict[str, Any]:
     """The tiny model's ``config.json``, keyed as the released nemotron-nas ones (null
     ``intermediate_size`` / ``num_key_value_heads``: the block configs hold them)."""
-    return {"architectures": ["DeciLMForCausalLM"], "model_type": "nemotron-nas", "attention_bias": False,
-            "hidden_act": "silu", "hidden_size": HIDDEN, "intermediate_size": None, "max_position_embeddings": 256,
-            "mlp_bias": False, "num_attention_heads": HEADS, "num_hidden_layers": len(BLOCKS),
-            "num_key_value_heads": None, "rms_norm_eps": 1e-5, "rope_scaling": ROPE, "rope_theta": 10000.0,
-            "tie_word_embeddings": False, "torch_dtype": "float32", "vocab_size": VOCAB, "block_configs": BLOCKS,
-            "bos_token_id": None, "eos_token_id": None}
+    return {
+        "architectures": ["DeciLMForCausalLM"],
+        "model_type": "nemotron-nas",
+        "attention_bias": False,
+        "hidden_act": "silu",
+        "hidden_size": HIDDEN,
+        "intermediate_size": None,
+        "max_position_embeddings": 256,
+        "mlp_bias": False,
+        "num_attention_heads": HEADS,
+        "num_hidden_layers": len(BLOCKS),
+        "num_key_value_heads": None,
+        "rms_norm_eps": 1e-5,
+        "rope_scaling": ROPE,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": False,
+        "torch_dtype": "float32",
+        "vocab_size": VOCAB,
+        "block_configs": BLOCKS,
+        "bos_token_id": None,
+        "eos_token_id": None,
+    }
 
 
 class _Zero(nn.Module):
@@ -71,7 +112,9 @@ class _Zero(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         out = torch.zeros_like(hidden_states)
-        return (out, None) if kwargs else out  # attention is called with keywords and returns a pair
+        return (
+            (out, None) if kwargs else out
+        )  # attention is called with keywords and returns a pair
 
 
 class _LinearAttention(nn.Module):
@@ -97,10 +140,22 @@ def build_reference(blocks: list[dict[str, Any]] = BLOCKS, seed: int = 0) -> Any
     from transformers import LlamaConfig, LlamaForCausalLM
     from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP
 
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=256, num_hidden_layers=len(blocks),
-                      num_attention_heads=HEADS, num_key_value_heads=HEADS, max_position_embeddings=256,
-                      rms_norm_eps=1e-5, rope_parameters={"rope_theta": 10000.0, **ROPE}, tie_word_embeddings=False,
-                      attn_implementation="eager", bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    cfg = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=256,
+        num_hidden_layers=len(blocks),
+        num_attention_heads=HEADS,
+        num_key_value_heads=HEADS,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-5,
+        rope_parameters={"rope_theta": 10000.0, **ROPE},
+        tie_word_embeddings=False,
+        attn_implementation="eager",
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
     hf = LlamaForCausalLM(cfg)
     for i, (layer, b) in enumerate(zip(hf.model.layers, blocks, strict=True)):
         a, f = b["attention"], b["ffn"]
@@ -162,7 +217,14 @@ def test_config_from_block_configs(deci: tuple[Any, Path]) -> None:
     hf, path = deci
     cfg = ModelConfig.from_hf_config(path)
     assert cfg.architecture == "nemotron-nas" and cfg.layer_num_kv_heads == KV_HEADS
-    assert cfg.deci.attention == ["attention", "attention", "no_op", "attention", "linear", "attention"]
+    assert cfg.deci.attention == [
+        "attention",
+        "attention",
+        "no_op",
+        "attention",
+        "linear",
+        "attention",
+    ]
     assert cfg.deci.ffn == ["mlp", "mlp", "mlp", "no_op", "linear", "mlp"]
     assert cfg.deci.intermediate_sizes == WIDTHS
     assert (cfg.num_kv_heads, cfg.intermediate_size, cfg.head_dim) == (4, 512, HEAD_DIM)
@@ -194,7 +256,10 @@ def test_kv_cache_is_one_uniform_type_group(deci: tuple[Any, Path]) -> None:
     assert sorted(spec.kv_cache_specs) == sorted(names) == sorted(groups[0].layer_names)
     for name, s in spec.kv_cache_specs.items():
         heads = KV_HEADS[int(name.split(".")[2])]
-        assert isinstance(s, FullAttentionSpec) and (s.num_kv_heads, s.head_size) == (heads, HEAD_DIM)
+        assert isinstance(s, FullAttentionSpec) and (s.num_kv_heads, s.head_size) == (
+            heads,
+            HEAD_DIM,
+        )
         assert s.page_size_bytes == 2 * 16 * heads * HEAD_DIM * 4  # K and V, float32
     assert spec.page_size_bytes == sum(2 * 16 * h * HEAD_DIM * 4 for h in KV_HEADS)
     layers = llm.llm_engine.model.model.layers
@@ -209,8 +274,16 @@ def test_reference_depends_on_every_sub_block(deci: tuple[Any, Path]) -> None:
     hf, _ = deci
     ids = random_prompts(VOCAB, 3, [24])[0]
     ref = hf_logits(hf, ids)
-    for i, part in [(0, "self_attn"), (1, "self_attn"), (3, "self_attn"), (5, "self_attn"), (4, "self_attn"),
-                    (4, "mlp"), (1, "mlp"), (2, "mlp")]:
+    for i, part in [
+        (0, "self_attn"),
+        (1, "self_attn"),
+        (3, "self_attn"),
+        (5, "self_attn"),
+        (4, "self_attn"),
+        (4, "mlp"),
+        (1, "mlp"),
+        (2, "mlp"),
+    ]:
         other = build_reference()
         with torch.no_grad():
             for p in getattr(other.model.layers[i], part).parameters():
@@ -222,12 +295,18 @@ def test_reference_depends_on_every_sub_block(deci: tuple[Any, Path]) -> None:
 
 
 @pytest.mark.parametrize("block_size", [16, 4])
-@pytest.mark.parametrize("engine_kw", [
-    {},  # whole prompts in one step
-    {"max_num_batched_tokens": 7},  # every prefill chunked
-    {"num_kv_blocks": 0, "max_num_batched_tokens": 16},  # few blocks: preemption (sized below)
-], ids=["plain", "chunked", "preempting"])
-def test_greedy_matches_reference(deci: tuple[Any, Path], block_size: int, engine_kw: dict[str, int]) -> None:
+@pytest.mark.parametrize(
+    "engine_kw",
+    [
+        {},  # whole prompts in one step
+        {"max_num_batched_tokens": 7},  # every prefill chunked
+        {"num_kv_blocks": 0, "max_num_batched_tokens": 16},  # few blocks: preemption (sized below)
+    ],
+    ids=["plain", "chunked", "preempting"],
+)
+def test_greedy_matches_reference(
+    deci: tuple[Any, Path], block_size: int, engine_kw: dict[str, int]
+) -> None:
     hf, path = deci
     kw = {"num_kv_blocks": 400 // block_size, "max_model_len": 96} | engine_kw
     if kw["num_kv_blocks"] == 0:
@@ -250,7 +329,9 @@ def test_prefix_hit_matches_reference(deci: tuple[Any, Path], block_size: int) -
     """A second prompt sharing 36 tokens with the first hits the prefix cache (every attention
     layer's pages of the shared blocks are reused) and still decodes the reference's tokens."""
     hf, path = deci
-    llm = LLM(model=str(path), block_size=block_size, num_kv_blocks=400 // block_size, max_model_len=96)
+    llm = LLM(
+        model=str(path), block_size=block_size, num_kv_blocks=400 // block_size, max_model_len=96
+    )
     first, second = random_prompts(VOCAB, 5, [4, 7], shared=36)
     sp = SamplingParams(temperature=0, max_tokens=28, ignore_eos=True)
     (a,) = llm.generate({"prompt_token_ids": first}, sp, use_tqdm=False)
@@ -266,15 +347,29 @@ def test_logprobs_match_reference(deci: tuple[Any, Path]) -> None:
     each position's whole distribution went through the paged path), is within 1e-4 of the
     reference's, and so are the sampled tokens' logprobs: a check finer than greedy agreement."""
     hf, path = deci
-    llm = LLM(model=str(path), block_size=16, num_kv_blocks=30, max_model_len=128, max_num_batched_tokens=9)
+    llm = LLM(
+        model=str(path),
+        block_size=16,
+        num_kv_blocks=30,
+        max_model_len=128,
+        max_num_batched_tokens=9,
+    )
     ids = random_prompts(VOCAB, 7, [70])[0]
-    (out,) = llm.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=12, prompt_logprobs=0,
-                                                                     logprobs=0, ignore_eos=True), use_tqdm=False)
+    (out,) = llm.generate(
+        {"prompt_token_ids": ids},
+        SamplingParams(
+            temperature=0, max_tokens=12, prompt_logprobs=0, logprobs=0, ignore_eos=True
+        ),
+        use_tqdm=False,
+    )
     got = out.outputs[0].token_ids
     assert got == hf_greedy(hf, ids, 12)
     ref = torch.log_softmax(hf_logits(hf, ids + got), dim=-1)
     plp = out.prompt_logprobs
-    assert max(abs(plp[i][ids[i]].logprob - float(ref[i - 1, ids[i]])) for i in range(1, len(ids))) < 1e-4
+    assert (
+        max(abs(plp[i][ids[i]].logprob - float(ref[i - 1, ids[i]])) for i in range(1, len(ids)))
+        < 1e-4
+    )
     for i, (t, lp) in enumerate(zip(got, out.outputs[0].logprobs, strict=True)):
         assert abs(lp[t].logprob - float(ref[len(ids) - 1 + i, t])) < 1e-4, i
     check_clean(llm)
@@ -287,34 +382,130 @@ def test_logprobs_match_reference(deci: tuple[Any, Path]) -> None:
 # from the copies of their HF config.json in NVIDIA's Megatron-Bridge
 # (megatron/bridge/models/llama_nemotron/llama_nemotron_config.py). Neither uses replace_with_linear.
 SUPER_49B_RUNS = [
-    (8, 2.625, 1), (8, 5.25, 5), (0, 2.625, 2), (8, 5.25, 3), (0, 3.28125, 1), (8, 5.25, 30), (0, 1.3125, 1),
-    (0, 2.625, 2), (0, 1.3125, 1), (0, 5.25, 1), (0, 1.3125, 1), (0, 2.625, 1), (0, 1.3125, 3), (8, 5.25, 1),
-    (0, 1.3125, 1), (0, 1.0, 2), (0, 1.3125, 1), (0, 1.0, 3), (0, 1.3125, 2), (0, 0.5, 2), (0, 1.0, 2),
-    (0, 0.5, 2), (0, 1.0, 1), (0, 0.5, 2), (8, 5.25, 9)]
+    (8, 2.625, 1),
+    (8, 5.25, 5),
+    (0, 2.625, 2),
+    (8, 5.25, 3),
+    (0, 3.28125, 1),
+    (8, 5.25, 30),
+    (0, 1.3125, 1),
+    (0, 2.625, 2),
+    (0, 1.3125, 1),
+    (0, 5.25, 1),
+    (0, 1.3125, 1),
+    (0, 2.625, 1),
+    (0, 1.3125, 3),
+    (8, 5.25, 1),
+    (0, 1.3125, 1),
+    (0, 1.0, 2),
+    (0, 1.3125, 1),
+    (0, 1.0, 3),
+    (0, 1.3125, 2),
+    (0, 0.5, 2),
+    (0, 1.0, 2),
+    (0, 0.5, 2),
+    (0, 1.0, 1),
+    (0, 0.5, 2),
+    (8, 5.25, 9),
+]
 ULTRA_253B_RUNS = [
-    (16, 0.4875, 1), (16, 0.975, 1), (16, 1.4625, 6), (16, 1.95, 1), (0, 0, 4), (16, 1.95, 3), (16, 4.875, 2),
-    (0, 0, 6), (16, 4.875, 3), (0, 0, 5), (16, 4.875, 3), (16, 2.4375, 1), (0, 0, 3), (16, 1.95, 3),
-    (0, 1.95, 1), (16, 4.875, 1), (0, 4.875, 1), (0, 0, 5), (16, 4.875, 4), (0, 0, 5), (16, 4.875, 4),
-    (0, 0, 5), (16, 4.875, 4), (0, 0, 5), (16, 4.875, 4), (0, 0, 5), (16, 4.875, 1), (16, 3.4125, 3),
-    (0, 0, 2), (16, 2.925, 1), (16, 2.4375, 3), (0, 2.4375, 2), (16, 2.4375, 1), (0, 0, 1), (0, 2.4375, 7),
-    (16, 2.4375, 1), (0, 0, 5), (16, 2.925, 1), (16, 4.875, 1), (0, 4.875, 1), (16, 4.875, 1), (0, 0, 8),
-    (0, 36.5625, 1), (0, 0, 8), (0, 39.0, 1), (0, 0, 8), (0, 31.40625, 1), (0, 0, 5), (0, 27.5625, 1),
-    (0, 1.95, 1), (16, 1.95, 1), (16, 2.4375, 1), (0, 0, 1), (16, 2.4375, 2), (16, 3.4125, 1), (16, 4.875, 4),
-    (16, 2.4375, 1)]
+    (16, 0.4875, 1),
+    (16, 0.975, 1),
+    (16, 1.4625, 6),
+    (16, 1.95, 1),
+    (0, 0, 4),
+    (16, 1.95, 3),
+    (16, 4.875, 2),
+    (0, 0, 6),
+    (16, 4.875, 3),
+    (0, 0, 5),
+    (16, 4.875, 3),
+    (16, 2.4375, 1),
+    (0, 0, 3),
+    (16, 1.95, 3),
+    (0, 1.95, 1),
+    (16, 4.875, 1),
+    (0, 4.875, 1),
+    (0, 0, 5),
+    (16, 4.875, 4),
+    (0, 0, 5),
+    (16, 4.875, 4),
+    (0, 0, 5),
+    (16, 4.875, 4),
+    (0, 0, 5),
+    (16, 4.875, 4),
+    (0, 0, 5),
+    (16, 4.875, 1),
+    (16, 3.4125, 3),
+    (0, 0, 2),
+    (16, 2.925, 1),
+    (16, 2.4375, 3),
+    (0, 2.4375, 2),
+    (16, 2.4375, 1),
+    (0, 0, 1),
+    (0, 2.4375, 7),
+    (16, 2.4375, 1),
+    (0, 0, 5),
+    (16, 2.925, 1),
+    (16, 4.875, 1),
+    (0, 4.875, 1),
+    (16, 4.875, 1),
+    (0, 0, 8),
+    (0, 36.5625, 1),
+    (0, 0, 8),
+    (0, 39.0, 1),
+    (0, 0, 8),
+    (0, 31.40625, 1),
+    (0, 0, 5),
+    (0, 27.5625, 1),
+    (0, 1.95, 1),
+    (16, 1.95, 1),
+    (16, 2.4375, 1),
+    (0, 0, 1),
+    (16, 2.4375, 2),
+    (16, 3.4125, 1),
+    (16, 4.875, 4),
+    (16, 2.4375, 1),
+]
 
 
-def published_config(runs: list[tuple[int, float, int]], hidden: int, heads: int, factor: float) -> dict[str, Any]:
+def published_config(
+    runs: list[tuple[int, float, int]], hidden: int, heads: int, factor: float
+) -> dict[str, Any]:
     """The released config.json's keys (hidden, heads, vocabulary, Llama-3.1 RoPE, null sizes)."""
-    blocks = [block(g or None, m or None, attn="" if g else "no_op", ffn="" if m else "no_op")
-              for g, m, n in runs for _ in range(n)]
-    return {"architectures": ["DeciLMForCausalLM"], "model_type": "nemotron-nas", "attention_bias": False,
-            "bos_token_id": 128000, "eos_token_id": [128001, 128008, 128009], "hidden_act": "silu",
-            "hidden_size": hidden, "intermediate_size": None, "max_position_embeddings": 131072, "mlp_bias": False,
-            "num_attention_heads": heads, "num_hidden_layers": len(blocks), "num_key_value_heads": None,
-            "rms_norm_eps": 1e-05, "rope_theta": 500000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
-            "vocab_size": 128256, "block_configs": blocks,
-            "rope_scaling": {"factor": factor, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
-                             "original_max_position_embeddings": 8192, "rope_type": "llama3"}}
+    blocks = [
+        block(g or None, m or None, attn="" if g else "no_op", ffn="" if m else "no_op")
+        for g, m, n in runs
+        for _ in range(n)
+    ]
+    return {
+        "architectures": ["DeciLMForCausalLM"],
+        "model_type": "nemotron-nas",
+        "attention_bias": False,
+        "bos_token_id": 128000,
+        "eos_token_id": [128001, 128008, 128009],
+        "hidden_act": "silu",
+        "hidden_size": hidden,
+        "intermediate_size": None,
+        "max_position_embeddings": 131072,
+        "mlp_bias": False,
+        "num_attention_heads": heads,
+        "num_hidden_layers": len(blocks),
+        "num_key_value_heads": None,
+        "rms_norm_eps": 1e-05,
+        "rope_theta": 500000.0,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "vocab_size": 128256,
+        "block_configs": blocks,
+        "rope_scaling": {
+            "factor": factor,
+            "high_freq_factor": 4.0,
+            "low_freq_factor": 1.0,
+            "original_max_position_embeddings": 8192,
+            "rope_type": "llama3",
+        },
+    }
 
 
 def test_published_parameter_counts() -> None:
@@ -327,17 +518,46 @@ def test_published_parameter_counts() -> None:
     assert 49.5e9 < sup.num_params < 50.0e9 and 253.0e9 < ultra.num_params < 254.0e9
 
 
-@pytest.mark.parametrize("name, runs, hidden, heads, factor, kv_heads", [
-    ("super-49b", SUPER_49B_RUNS, 8192, 64, 8.0, 8), ("ultra-253b", ULTRA_253B_RUNS, 16384, 128, 16.0, 8)])
-def test_plan_published_kv_bytes_per_token(capsys: pytest.CaptureFixture[str], tmp_path: Path, name: str,
-                                           runs: list[tuple[int, float, int]], hidden: int, heads: int,
-                                           factor: float, kv_heads: int) -> None:
+@pytest.mark.parametrize(
+    "name, runs, hidden, heads, factor, kv_heads",
+    [
+        ("super-49b", SUPER_49B_RUNS, 8192, 64, 8.0, 8),
+        ("ultra-253b", ULTRA_253B_RUNS, 16384, 128, 16.0, 8),
+    ],
+)
+def test_plan_published_kv_bytes_per_token(
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+    name: str,
+    runs: list[tuple[int, float, int]],
+    hidden: int,
+    heads: int,
+    factor: float,
+    kv_heads: int,
+) -> None:
     """``pagedkv plan`` counts only the attention layers: Σ 2·kv_heads·head_dim·2 B over them
     (Super: 49 × 2·8·128·2 = 200,704 B per token, not 80 layers' 327,680)."""
     p = tmp_path / "config.json"
     p.write_text(json.dumps(published_config(runs, hidden, heads, factor)))
-    assert main(["plan", "--model", str(p), "--memory", "80GiB", "--block-size", "16", "--context", "8192",
-                 "--dtype", "auto", "--json"]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                "--model",
+                str(p),
+                "--memory",
+                "80GiB",
+                "--block-size",
+                "16",
+                "--context",
+                "8192",
+                "--dtype",
+                "auto",
+                "--json",
+            ]
+        )
+        == 0
+    )
     plan = json.loads(capsys.readouterr().out)
     attn_layers = sum(n for g, _, n in runs if g)
     assert heads // next(g for g, _, _ in runs if g) == kv_heads

@@ -20,7 +20,9 @@ from pagedkv import LLM, SamplingParams
 
 PARAMS = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 # 4 prompts of 9 blocks each: 36 blocks, while the device holds 24 usable blocks.
-PROMPTS = [{"prompt_token_ids": [(97 * i + 13 * j) % 40000 + 100 for j in range(140)]} for i in range(4)]
+PROMPTS = [
+    {"prompt_token_ids": [(97 * i + 13 * j) % 40000 + 100 for j in range(140)]} for i in range(4)
+]
 ENGINE = dict(num_kv_blocks=25, max_model_len=256, max_num_seqs=2)
 
 
@@ -55,13 +57,19 @@ def test_cpu_tier_serves_evicted_prefixes_exactly(reference):
 def test_swap_preemption_and_request_level_policy(reference):
     llm = LLM(**ENGINE, kv_offload="cpu:256MiB", preemption_mode="swap")
     assert outputs(llm) == reference
-    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True,
-                            kv_transfer_params={"offload_policy": "REQUEST_LEVEL", "max_offload_tokens": 64})
+    params = SamplingParams(
+        temperature=0,
+        max_tokens=6,
+        ignore_eos=True,
+        kv_transfer_params={"offload_policy": "REQUEST_LEVEL", "max_offload_tokens": 64},
+    )
     llm.llm_engine.connector.manager.reset_cache()
     before = llm.llm_engine.connector.num_stored_blocks
     outs = llm.generate(PROMPTS[:1], params, use_tqdm=False)
     assert outs[0].outputs[0].token_ids == reference[0]
-    assert llm.llm_engine.connector.num_stored_blocks - before == 4  # 64 tokens = 4 blocks, at finish
+    assert (
+        llm.llm_engine.connector.num_stored_blocks - before == 4
+    )  # 64 tokens = 4 blocks, at finish
     with pytest.raises(ValueError, match="kv_transfer_params"):
         SamplingParams(kv_transfer_params={"offload_policy": "SOMETIMES"})
 
@@ -70,8 +78,12 @@ def test_skip_reading_prefix_cache_never_loads(reference):
     llm = LLM(**ENGINE, kv_offload="cpu:256MiB")
     outputs(llm)
     loaded = llm.llm_engine.connector.num_loaded_tokens
-    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True,
-                            kv_transfer_params={"skip_reading_prefix_cache": True})
+    params = SamplingParams(
+        temperature=0,
+        max_tokens=6,
+        ignore_eos=True,
+        kv_transfer_params={"skip_reading_prefix_cache": True},
+    )
     outs = llm.generate(PROMPTS, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == reference
     assert llm.llm_engine.connector.num_loaded_tokens == loaded
@@ -124,7 +136,9 @@ def test_kill_9_while_writing_then_restart_is_exact(tmp_path):
     script = tmp_path / "crasher.py"
     script.write_text(CRASHER)
     cache = tmp_path / "cache"
-    proc = subprocess.Popen([sys.executable, str(script), str(cache)], stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, str(script), str(cache)], stdout=subprocess.PIPE, text=True
+    )
     done = 0
     deadline = time.monotonic() + 240
     while done < 6 and time.monotonic() < deadline:
@@ -133,7 +147,10 @@ def test_kill_9_while_writing_then_restart_is_exact(tmp_path):
     os.kill(proc.pid, signal.SIGKILL)  # mid-run: write-back to disk is in flight
     proc.wait()
     assert done >= 6
-    prompts = [{"prompt_token_ids": [(31 * i + 7 * j) % 40000 + 100 for j in range(200)]} for i in range(done)]
+    prompts = [
+        {"prompt_token_ids": [(31 * i + 7 * j) % 40000 + 100 for j in range(200)]}
+        for i in range(done)
+    ]
     ref = outputs(LLM(num_kv_blocks=40, max_model_len=256), prompts)
     llm = LLM(num_kv_blocks=40, max_model_len=256, kv_offload=f"cpu:32MiB,disk:{cache}:512MiB")
     assert outputs(llm, prompts) == ref
@@ -159,7 +176,10 @@ def test_redis_tier_shared_between_instances_and_outage(reference, tmp_path):
         assert second.stats()["offload"]["redis"]["hits"] > 0
         # Redis stops mid-run: every request still completes, exactly.
         server.stop()
-        more = [{"prompt_token_ids": [(53 * i + 11 * j) % 40000 + 100 for j in range(140)]} for i in range(3)]
+        more = [
+            {"prompt_token_ids": [(53 * i + 11 * j) % 40000 + 100 for j in range(140)]}
+            for i in range(3)
+        ]
         ref_more = outputs(LLM(**ENGINE), more)
         assert outputs(second, more) == ref_more
         # Redis comes back: the tier recovers and stores again.
@@ -167,8 +187,15 @@ def test_redis_tier_shared_between_instances_and_outage(reference, tmp_path):
         deadline = time.monotonic() + 60
         stored_before = second.stats()["offload"]["redis"]["stores"]
         while time.monotonic() < deadline:
-            more2 = [{"prompt_token_ids": [(71 * i + 5 * j + int(time.monotonic() * 1000)) % 40000 + 100
-                                           for j in range(40)]} for i in range(2)]
+            more2 = [
+                {
+                    "prompt_token_ids": [
+                        (71 * i + 5 * j + int(time.monotonic() * 1000)) % 40000 + 100
+                        for j in range(40)
+                    ]
+                }
+                for i in range(2)
+            ]
             second.generate(more2, PARAMS, use_tqdm=False)
             drain(second)
             st = second.stats()["offload"]["redis"]
@@ -203,8 +230,12 @@ def test_all_tiers_together(reference, tmp_path):
 def test_full_disk_drops_stores_and_serving_goes_on(reference, tmp_path, caplog):
     mnt = tmp_path / "tiny"
     mnt.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)],
-                             capture_output=True).returncode == 0
+    mounted = (
+        subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)], capture_output=True
+        ).returncode
+        == 0
+    )
     if not mounted:
         pytest.skip("cannot mount a tiny tmpfs here")
     try:

@@ -33,7 +33,12 @@ from pagedkv.core.specs import (
     MambaSpec,
     SlidingWindowSpec,
 )
-from pagedkv.offload.base import LookupResult, OffloadingEvent, get_offload_block_hash, get_offload_group_idx
+from pagedkv.offload.base import (
+    LookupResult,
+    OffloadingEvent,
+    get_offload_block_hash,
+    get_offload_group_idx,
+)
 from pagedkv.offload.fingerprint import OffloadFingerprint
 from pagedkv.offload.kv_groups import OffloadGroupLayout
 
@@ -57,12 +62,19 @@ def hashes(num_tokens: int, hash_block_size: int) -> list[bytes]:
     return [i.to_bytes(8, "big") for i in range(num_tokens // hash_block_size)]
 
 
-def stored_lookup(lay: OffloadGroupLayout, num_tokens: int, stored: set[tuple[int, int]],
-                  pending: frozenset[tuple[int, int]] = frozenset()):
+def stored_lookup(
+    lay: OffloadGroupLayout,
+    num_tokens: int,
+    stored: set[tuple[int, int]],
+    pending: frozenset[tuple[int, int]] = frozenset(),
+):
     """A prefix lookup (`OffloadingManager.lookup_many` semantics) over stored (group, block)."""
     h = hashes(num_tokens, lay.hash_block_size)
-    keys = {k: (g, b) for g in range(len(lay.groups))
-            for b, k in enumerate(lay.keys(h, g, range(lay.num_full_blocks(h, g))))}
+    keys = {
+        k: (g, b)
+        for g in range(len(lay.groups))
+        for b, k in enumerate(lay.keys(h, g, range(lay.num_full_blocks(h, g))))
+    }
     asked: list[tuple[int, list[int]]] = []
 
     def lookup(gid: int, blocks: Sequence[int]) -> list[LookupResult]:
@@ -71,10 +83,16 @@ def stored_lookup(lay: OffloadGroupLayout, num_tokens: int, stored: set[tuple[in
         for key in lay.keys(h, gid, blocks):
             g, b = keys[key]
             assert g == gid
-            r = (LookupResult.HIT if (g, b) in stored else
-                 LookupResult.HIT_PENDING if (g, b) in pending else LookupResult.MISS)
+            r = (
+                LookupResult.HIT
+                if (g, b) in stored
+                else LookupResult.HIT_PENDING
+                if (g, b) in pending
+                else LookupResult.MISS
+            )
             out.append(out[-1] if out and out[-1] is not LookupResult.HIT else r)
         return out
+
     return lookup, asked
 
 
@@ -125,7 +143,9 @@ def test_hit_is_the_minimum_over_groups_aligned_to_their_lcm() -> None:
 
 
 def test_chunked_local_needs_only_the_hit_chunk() -> None:
-    lay = layout(attn(ChunkedLocalAttentionSpec, 4, attention_chunk_size=16), attn(FullAttentionSpec, 4))
+    lay = layout(
+        attn(ChunkedLocalAttentionSpec, 4, attention_chunk_size=16), attn(FullAttentionSpec, 4)
+    )
     n = 61
     stored = everything(lay, n)
     lookup, asked = stored_lookup(lay, n, stored - {(0, 5)})  # an earlier chunk: not needed
@@ -162,14 +182,25 @@ def test_fingerprint_covers_the_group_layout() -> None:
     single = layout(attn(FullAttentionSpec, 4))
     hybrid = layout(attn(FullAttentionSpec, 4), attn(SlidingWindowSpec, 4, sliding_window=16))
     other_window = layout(attn(FullAttentionSpec, 4), attn(SlidingWindowSpec, 4, sliding_window=32))
-    base = dict(model="m", dtype="float32", block_size=4, layout="BLNHC", num_layers=2,
-                num_kv_heads=1, head_size=8)
-    fps = [OffloadFingerprint(**base, kv_cache_groups=lay.describe()) for lay in (single, hybrid, other_window)]
+    base = dict(
+        model="m",
+        dtype="float32",
+        block_size=4,
+        layout="BLNHC",
+        num_layers=2,
+        num_kv_heads=1,
+        head_size=8,
+    )
+    fps = [
+        OffloadFingerprint(**base, kv_cache_groups=lay.describe())
+        for lay in (single, hybrid, other_window)
+    ]
     assert len({fp.hexdigest for fp in fps}) == 3
     # One full-attention group: described by the other fields, digest as before groups counted.
     assert single.describe() == "" and fps[0].hexdigest == OffloadFingerprint(**base).hexdigest
     with pytest.raises(ValueError, match="cross_attention"):
         from pagedkv.core.specs import CrossAttentionSpec
+
         layout(attn(CrossAttentionSpec, 4, max_num_encoder_input_tokens=8))
 
 
@@ -178,7 +209,10 @@ def test_tier_events_carry_each_groups_block_size() -> None:
     h = hashes(32, 4)
     ev = OffloadingEvent(tuple(lay.keys(h, 0, [0, 1]) + lay.keys(h, 1, [0])), "CPU", False)
     stored = ev.to_kv_events([g.block_size for g in lay.groups])
-    assert [(e.group_idx, e.block_size, len(e.block_hashes)) for e in stored] == [(0, 4, 2), (1, 8, 1)]
+    assert [(e.group_idx, e.block_size, len(e.block_hashes)) for e in stored] == [
+        (0, 4, 2),
+        (1, 8, 1),
+    ]
 
 
 def test_connector_with_different_block_sizes_stores_new_ranges_and_loads_every_group() -> None:
@@ -195,17 +229,28 @@ def test_connector_with_different_block_sizes_stores_new_ranges_and_loads_every_
     from pagedkv.offload.cpu_manager import CPUOffloadingManager
 
     specs = [attn(FullAttentionSpec, 4), attn(SlidingWindowSpec, 8, sliding_window=16)]
-    kvc = KVCacheConfig(num_blocks=64, kv_cache_groups=[KVCacheGroupSpec([f"layer.{i}"], s)
-                                                        for i, s in enumerate(specs)], bytes_per_block=1)
-    conn = OffloadingConnector(offloading_transfer_config("cpu:1MiB"), KVConnectorRole.SCHEDULER, kvc)
+    kvc = KVCacheConfig(
+        num_blocks=64,
+        kv_cache_groups=[KVCacheGroupSpec([f"layer.{i}"], s) for i, s in enumerate(specs)],
+        bytes_per_block=1,
+    )
+    conn = OffloadingConnector(
+        offloading_transfer_config("cpu:1MiB"), KVConnectorRole.SCHEDULER, kvc
+    )
     conn.manager = manager = CPUOffloadingManager(64)
     offered: list[list[bytes]] = []
     real_prepare = manager.prepare_store
     manager.prepare_store = lambda keys: offered.append(list(keys)) or real_prepare(keys)
     lay = conn.layout
     h = hashes(52, 4)
-    req = SimpleNamespace(request_id="a", block_hashes=h, num_tokens=52, kv_transfer_params=None,
-                          skip_reading_prefix_cache=False, num_computed_tokens=0)
+    req = SimpleNamespace(
+        request_id="a",
+        block_hashes=h,
+        num_tokens=52,
+        kv_transfer_params=None,
+        skip_reading_prefix_cache=False,
+        num_computed_tokens=0,
+    )
     full_ids, sliding_ids = list(range(1, 14)), list(range(20, 27))
     job = conn._prepare_store(req, (full_ids, sliding_ids), 20)  # 20 computed: stores end at 16
     assert offered[-1] == lay.keys(h, 0, range(4)) + lay.keys(h, 1, range(2))
@@ -285,8 +330,12 @@ class hide:
         from pagedkv.engine.request import Request
 
         conn = llm.llm_engine.connector
-        req = Request(request_id="probe", prompt_token_ids=ids, block_hasher=llm.llm_engine.block_hasher,
-                      sampling_params=PARAMS)
+        req = Request(
+            request_id="probe",
+            prompt_token_ids=ids,
+            block_hasher=llm.llm_engine.block_hasher,
+            sampling_params=PARAMS,
+        )
         self.hidden = {k for g, b in positions for k in conn.layout.keys(req.block_hashes, g, [b])}
         self.manager = conn.manager
         self.real = conn.manager.lookup_many
@@ -312,7 +361,13 @@ def test_gemma2_cpu_tier_round_trip_is_exact(gemma: tuple[Any, Path]) -> None:
     last window without it, one far before it changes nothing, and a hidden global block
     caps it there. Every output is transformers'."""
     hf, path = gemma
-    llm = LLM(model=str(path), block_size=BLOCK, num_kv_blocks=80, max_model_len=128, kv_offload="cpu:16MiB")
+    llm = LLM(
+        model=str(path),
+        block_size=BLOCK,
+        num_kv_blocks=80,
+        max_model_len=128,
+        kv_offload="cpu:16MiB",
+    )
     ids = prompt(1, 61)
     ref = hf_greedy(hf, ids, PARAMS.max_tokens)
     assert run(llm, ids) == (ref, 0)
@@ -321,7 +376,12 @@ def test_gemma2_cpu_tier_round_trip_is_exact(gemma: tuple[Any, Path]) -> None:
     # Both groups stored their blocks: global all 15 full ones of the prompt, sliding those it
     # held when they filled (all of them, block by block).
     assert conn.num_stored_blocks >= 30
-    for hidden, expect in [(set(), 60), ({(sliding, 13)}, 52), ({(sliding, 2)}, 60), ({(full, 5)}, 20)]:
+    for hidden, expect in [
+        (set(), 60),
+        ({(sliding, 13)}, 52),
+        ({(sliding, 2)}, 60),
+        ({(full, 5)}, 20),
+    ]:
         assert llm.reset_prefix_cache()
         loaded = conn.num_loaded_tokens
         with hide(llm, ids, hidden):
@@ -334,7 +394,13 @@ def test_gemma2_cpu_tier_round_trip_is_exact(gemma: tuple[Any, Path]) -> None:
 def test_llama4_chunked_groups_round_trip_is_exact(llama4: tuple[Any, Path]) -> None:
     """Chunk 16: a hit at 60 tokens needs the chunked groups' blocks 12-14 only."""
     hf, path = llama4
-    llm = LLM(model=str(path), block_size=BLOCK, num_kv_blocks=200, max_model_len=128, kv_offload="cpu:16MiB")
+    llm = LLM(
+        model=str(path),
+        block_size=BLOCK,
+        num_kv_blocks=200,
+        max_model_len=128,
+        kv_offload="cpu:16MiB",
+    )
     assert len(llm.llm_engine.kv_cache_config.kv_cache_groups) == 4
     ids = prompt(2, 61)
     ref = hf_greedy(hf, ids, PARAMS.max_tokens)
@@ -348,7 +414,9 @@ def test_llama4_chunked_groups_round_trip_is_exact(llama4: tuple[Any, Path]) -> 
     assert conn.num_loaded_tokens == 60 + 60 + 52
 
 
-def test_disk_tier_restart_and_group_layout_fingerprint(gemma: tuple[Any, Path], tmp_path: Path) -> None:
+def test_disk_tier_restart_and_group_layout_fingerprint(
+    gemma: tuple[Any, Path], tmp_path: Path
+) -> None:
     """A new engine reads the hybrid model's chunks from disk (exact); a single-group model
     whose weights identity is the same (same directory name, same file sizes: only its
     layer types differ) finds none of them, and the hybrid model none of its."""
@@ -420,16 +488,22 @@ def bamba(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, Path]
 
 
 @pytest.mark.parametrize("retention, hit", [(None, 96), (96, 96), (0, 0)])
-def test_bamba_mamba_checkpoints_round_trip_is_exact(bamba: tuple[Any, Path], retention: int | None,
-                                                     hit: int) -> None:
+def test_bamba_mamba_checkpoints_round_trip_is_exact(
+    bamba: tuple[Any, Path], retention: int | None, hit: int
+) -> None:
     """A 110-token prompt (blocks of 48): its second run resumes from the Mamba checkpoint at
     96 and the attention blocks before it, all from the CPU tier, and is transformers'. With
     retention 0 (end-of-step states) a tier load has no page to land in: recomputed, exact."""
     from test_bamba import hf_greedy as greedy
 
     hf, path = bamba
-    llm = LLM(model=str(path), num_kv_blocks=40, max_model_len=256, kv_offload="cpu:64MiB",
-              prefix_cache_retention_interval=retention)
+    llm = LLM(
+        model=str(path),
+        num_kv_blocks=40,
+        max_model_len=256,
+        kv_offload="cpu:64MiB",
+        prefix_cache_retention_interval=retention,
+    )
     ids = prompt(5, 110)
     ref = greedy(hf, ids, PARAMS.max_tokens)
     assert run(llm, ids) == (ref, 0)

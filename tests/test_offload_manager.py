@@ -79,8 +79,8 @@ def test_fresh_ids_first_then_lifo_reuse():
     assert out.store_spec.ids == (2,)
     mgr.complete_store([k(3)], success=False)  # slot 2 returns to the free list
     assert mgr.lookup(k(3)) is MISS and mgr.num_free_chunks == 2
-    assert stored(mgr, [k(4)]) == [3]          # fresh ids are used up first
-    assert stored(mgr, [k(5)]) == [2]          # then the free list
+    assert stored(mgr, [k(4)]) == [3]  # fresh ids are used up first
+    assert stored(mgr, [k(5)]) == [2]  # then the free list
     mgr.check_invariants()
     # a full pool: evict LRU (k1, k2), and the freed slots are reused last-freed-first
     ids = stored(mgr, [k(6), k(7)])
@@ -156,8 +156,10 @@ def test_events_and_kv_event_conversion():
     mgr.prepare_store([k(9)], protected=())  # evicts the LRU key (k(2,1): k(1) is the head)
     mgr.complete_store([k(9)], success=False)  # a failed store announces nothing
     events = mgr.take_events()
-    assert events == [OffloadingEvent((k(1), k(2, 1)), MEDIUM_CPU, False),
-                      OffloadingEvent((k(2, 1),), MEDIUM_CPU, True)]
+    assert events == [
+        OffloadingEvent((k(1), k(2, 1)), MEDIUM_CPU, False),
+        OffloadingEvent((k(2, 1),), MEDIUM_CPU, True),
+    ]
     assert mgr.take_events() == []
     kv = events[0].to_kv_events(block_size=16)
     assert [type(e) for e in kv] == [BlockStored, BlockStored]
@@ -186,7 +188,7 @@ def test_stats_and_reset_cache():
 
 def test_lru_evicts_chain_tails_before_heads():
     mgr = CPUOffloadingManager(4)
-    stored(mgr, [k(1), k(2), k(3)])   # one request's chain: k1 is the head
+    stored(mgr, [k(1), k(2), k(3)])  # one request's chain: k1 is the head
     out = mgr.prepare_store([k(10)])
     out = mgr.prepare_store([k(11), k(12)])
     assert out.evicted_keys == [k(3), k(2)]  # tails first
@@ -323,8 +325,15 @@ TestCPUManagerStateful.settings = settings(max_examples=60, stateful_step_count=
 
 # ------------------------------------------------------------------- fingerprint, header
 def fp(**kw: object) -> OffloadFingerprint:
-    base = dict(model="SmolLM2-135M-Instruct-Q4_1.gguf", dtype="float32", block_size=16,
-                layout="LBNHC", num_layers=30, num_kv_heads=3, head_size=64)
+    base = dict(
+        model="SmolLM2-135M-Instruct-Q4_1.gguf",
+        dtype="float32",
+        block_size=16,
+        layout="LBNHC",
+        num_layers=30,
+        num_kv_heads=3,
+        head_size=64,
+    )
     base.update(kw)
     return OffloadFingerprint(**base)  # type: ignore[arg-type]
 
@@ -334,13 +343,23 @@ def test_fingerprint_is_stable_across_processes_and_sensitive_to_every_field():
 
     a = fp()
     assert OffloadFingerprint.create(a.model, torch.float32, 16, "lbnhc", 30, 3, 64) == a
-    code = ("from pagedkv.offload.fingerprint import OffloadFingerprint as F;"
-            "print(F('SmolLM2-135M-Instruct-Q4_1.gguf','float32',16,'LBNHC',30,3,64).hexdigest)")
+    code = (
+        "from pagedkv.offload.fingerprint import OffloadFingerprint as F;"
+        "print(F('SmolLM2-135M-Instruct-Q4_1.gguf','float32',16,'LBNHC',30,3,64).hexdigest)"
+    )
     other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert other.stdout.strip() == a.hexdigest and len(a.hexdigest) == 32
-    variants = [fp(dtype="bfloat16"), fp(kv_quant="int8"), fp(block_size=32), fp(layout="BLNHC"),
-                fp(tp_rank=1, tp_size=2), fp(blocks_per_chunk=2), fp(model="other"),
-                fp(format_version=99), fp(pp_size=2)]
+    variants = [
+        fp(dtype="bfloat16"),
+        fp(kv_quant="int8"),
+        fp(block_size=32),
+        fp(layout="BLNHC"),
+        fp(tp_rank=1, tp_size=2),
+        fp(blocks_per_chunk=2),
+        fp(model="other"),
+        fp(format_version=99),
+        fp(pp_size=2),
+    ]
     digests = {v.hexdigest for v in variants} | {a.hexdigest}
     assert len(digests) == len(variants) + 1
 
@@ -370,9 +389,14 @@ def test_record_header_detects_every_kind_of_damage():
 
 # ---------------------------------------------------------------------------------- spec
 def test_parse_documented_spec():
-    cfg = parse_offload_spec("cpu:4GiB,disk:/var/cache/pagedkv:20GiB,redis://127.0.0.1:6379/2?ttl=3600")
-    assert cfg == OffloadConfig(CPUTierConfig(4 * 2**30), DiskTierConfig("/var/cache/pagedkv", 20 * 2**30),
-                                RedisTierConfig("127.0.0.1", 6379, 2, 3600))
+    cfg = parse_offload_spec(
+        "cpu:4GiB,disk:/var/cache/pagedkv:20GiB,redis://127.0.0.1:6379/2?ttl=3600"
+    )
+    assert cfg == OffloadConfig(
+        CPUTierConfig(4 * 2**30),
+        DiskTierConfig("/var/cache/pagedkv", 20 * 2**30),
+        RedisTierConfig("127.0.0.1", 6379, 2, 3600),
+    )
     assert parse_offload_spec(cfg.to_spec()) == cfg
     assert parse_offload_spec("cpu:512MiB") == OffloadConfig(CPUTierConfig(512 * 2**20))
     r = parse_offload_spec("redis://:s3cret@cache.local,cpu:1GB").redis
@@ -381,9 +405,21 @@ def test_parse_documented_spec():
     assert parse_offload_spec("cpu:1GiB,disk:C:/x:y:1MiB").disk == DiskTierConfig("C:/x:y", 2**20)
 
 
-@pytest.mark.parametrize("bad", ["", "disk:/x:1GiB", "cpu:1GiB,cpu:2GiB", "cpu:lots", "cpu:1GiB,nvme:/x:1GiB",
-                                 "cpu:1GiB,disk:1GiB", "cpu:1GiB,redis://h:1/x", "cpu:1GiB,redis://h?ttl=0",
-                                 "cpu:1GiB,redis://h?tls=1", "cpu:1GiB,redis://"])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        "",
+        "disk:/x:1GiB",
+        "cpu:1GiB,cpu:2GiB",
+        "cpu:lots",
+        "cpu:1GiB,nvme:/x:1GiB",
+        "cpu:1GiB,disk:1GiB",
+        "cpu:1GiB,redis://h:1/x",
+        "cpu:1GiB,redis://h?ttl=0",
+        "cpu:1GiB,redis://h?tls=1",
+        "cpu:1GiB,redis://",
+    ],
+)
 def test_parse_spec_rejects(bad: str):
     with pytest.raises(ValueError):
         parse_offload_spec(bad)

@@ -134,14 +134,23 @@ def test_every_queued_prefix_loads_in_a_loaded_batch(spec: str, plain: LLM):
     # sit on the tier queued between them: each of those is passed over at least once (its
     # tier answer is pending while a slot is free) and then waits longer than every timeout.
     steps = int(MAX_DEFERRAL_S / PAUSE_S) + 4
-    queue = [(prompt(0), PREFIX_PARAMS), (short_prompt(0), long_params(steps)),
-             (prompt(1), PREFIX_PARAMS), (short_prompt(1), long_params(steps + 6)),
-             (prompt(2), PREFIX_PARAMS), (short_prompt(2), long_params(steps // 2)),
-             (prompt(3), PREFIX_PARAMS), (prompt(4), PREFIX_PARAMS)]
+    queue = [
+        (prompt(0), PREFIX_PARAMS),
+        (short_prompt(0), long_params(steps)),
+        (prompt(1), PREFIX_PARAMS),
+        (short_prompt(1), long_params(steps + 6)),
+        (prompt(2), PREFIX_PARAMS),
+        (short_prompt(2), long_params(steps // 2)),
+        (prompt(3), PREFIX_PARAMS),
+        (prompt(4), PREFIX_PARAMS),
+    ]
     llm = LLM(**ENGINE, max_num_seqs=2, kv_offload=spec)
     outs = run_queued(llm, queue)
     tiered = [o for o, (p, _) in zip(outs, queue) if len(p["prompt_token_ids"]) == PROMPT_LEN]
-    assert max(o.metrics.first_scheduled_time - o.metrics.arrival_time for o in tiered) > MAX_DEFERRAL_S
+    assert (
+        max(o.metrics.first_scheduled_time - o.metrics.arrival_time for o in tiered)
+        > MAX_DEFERRAL_S
+    )
     assert [o.num_cached_tokens for o in tiered] == [TIER_TOKENS] * 5
     assert llm.stats()["offload"]["loaded_tokens"] == 5 * TIER_TOKENS
     assert [o.outputs[0].token_ids for o in outs] == reference(plain, queue)
@@ -172,11 +181,18 @@ def test_deferral_clock_counts_only_steps_that_consider_the_request():
     buf, _ = allocate_kv_cache("LBNHC", 2, 16, 16, 2, 16, torch.float32)
     host = HostChunkBuffer.for_kv_cache(buf, "LBNHC", 1 << 20)
     tier = HungTier()
-    manager = TieringOffloadingManager(CPUOffloadingManager(host.num_chunks, chunk_bytes=host.chunk_bytes),
-                                       host, [tier], lookup_timeout_s=120.0)
-    conn = OffloadingConnector.from_parts(manager, OffloadingWorker(buf, "LBNHC", host), block_size=16)
+    manager = TieringOffloadingManager(
+        CPUOffloadingManager(host.num_chunks, chunk_bytes=host.chunk_bytes),
+        host,
+        [tier],
+        lookup_timeout_s=120.0,
+    )
+    conn = OffloadingConnector.from_parts(
+        manager, OffloadingWorker(buf, "LBNHC", host), block_size=16
+    )
     conn.max_deferral_s = 0.3
     try:
+
         def ask(req) -> int | None:
             conn.on_schedule_start()
             n, load_async = conn.get_num_new_matched_tokens(req, 0)

@@ -38,12 +38,12 @@ def test_store_then_load_roundtrip_is_exact(layout: str, dtype: torch.dtype, bpc
     buf, views = make_cache(layout, dtype)
     host = HostChunkBuffer.for_kv_cache(buf, layout, capacity_bytes=10**6, blocks_per_chunk=bpc)
     worker = OffloadingWorker(buf, layout, host)
-    src_blocks = [5, 6, 2, 9][:2 * bpc] if bpc == 2 else [5, 2, 9]
+    src_blocks = [5, 6, 2, 9][: 2 * bpc] if bpc == 2 else [5, 2, 9]
     n_chunks = len(src_blocks) // bpc
     chunks = tuple(range(3, 3 + n_chunks))[::-1]  # slots in reverse: no accidental alignment
     before = [block(views, b) for b in src_blocks]
     worker.submit_store(1, GPULoadStoreSpec(tuple(src_blocks)), CPULoadStoreSpec(chunks))
-    dst_blocks = [11, 12, 13, 1][:len(src_blocks)]
+    dst_blocks = [11, 12, 13, 1][: len(src_blocks)]
     worker.submit_load(2, CPULoadStoreSpec(chunks), GPULoadStoreSpec(tuple(dst_blocks)))
     done = worker.get_finished()
     size = len(src_blocks) * host.block_bytes
@@ -156,7 +156,9 @@ def _measure_load_bandwidth() -> None:
     t_memcpy = best(lambda: b.copy_(a))
     t_load = best(lambda: worker.submit_load(0, CPULoadStoreSpec(chunks), GPULoadStoreSpec(blocks)))
     ratio = t_memcpy / t_load
-    print(f"load {nbytes / t_load / 1e9:.1f} GB/s, memcpy {nbytes / t_memcpy / 1e9:.1f} GB/s, ratio {ratio:.2f}")
+    print(
+        f"load {nbytes / t_load / 1e9:.1f} GB/s, memcpy {nbytes / t_memcpy / 1e9:.1f} GB/s, ratio {ratio:.2f}"
+    )
     assert ratio >= 0.3  # ≥ 0.5 on a quiet machine; loose here because CI shares 2 cores
 
 

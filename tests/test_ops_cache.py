@@ -9,15 +9,21 @@ import pytest
 import torch
 
 from pagedkv.ops.cache import compute_slot_mapping, reshape_and_cache
-from pagedkv.ops.kv_cache import (allocate_kv_cache, copy_blocks, kv_combined_view, layout_name,
-                                  swap_blocks)
+from pagedkv.ops.kv_cache import (
+    allocate_kv_cache,
+    copy_blocks,
+    kv_combined_view,
+    layout_name,
+    swap_blocks,
+)
 
 ALL_LAYOUTS = ["".join(p) + "C" for p in itertools.permutations("LBHN")]
 NL, NB, BS, H, D, DV = 3, 7, 4, 2, 5, 3
 
 
-def buffer_row(buffer: torch.Tensor, layout: str, layer: int, block: int, token: int,
-               head: int) -> torch.Tensor:
+def buffer_row(
+    buffer: torch.Tensor, layout: str, layer: int, block: int, token: int, head: int
+) -> torch.Tensor:
     """The C = [K | V] vector of one (layer, block, token, head), addressed in the flat buffer
     by the layout's own dim order: independent of the views under test."""
     pos = {"L": layer, "B": block, "N": token, "H": head}
@@ -36,8 +42,9 @@ def test_compute_slot_mapping_matches_formula() -> None:
 @pytest.mark.parametrize("layout", ALL_LAYOUTS)
 def test_reshape_and_cache_writes_the_right_bytes_of_every_layout(layout: str) -> None:
     buffer, views = allocate_kv_cache(layout, NL, NB, BS, H, D, torch.float32, head_size_v=DV)
-    assert buffer.shape == tuple({"L": NL, "B": NB, "H": H, "N": BS, "C": D + DV}[d]
-                                 for d in layout)
+    assert buffer.shape == tuple(
+        {"L": NL, "B": NB, "H": H, "N": BS, "C": D + DV}[d] for d in layout
+    )
     layer = 1
     key_cache, value_cache = views[layer]
     assert key_cache.shape == (NB, BS, H, D) and value_cache.shape == (NB, BS, H, DV)

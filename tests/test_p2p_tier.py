@@ -35,7 +35,7 @@ def key(i: int) -> bytes:
 def test_chunk_store_lru_skips_leased_slots_and_checks_sums():
     store = ChunkStore(2, CHUNK)
     assert store.put(key(1), chunk(1)) and store.put(key(2), chunk(2))
-    (slot1, sum1), = store.lookup([key(1)], pin_s=60)  # leased: key 2 is now the LRU victim too
+    ((slot1, sum1),) = store.lookup([key(1)], pin_s=60)  # leased: key 2 is now the LRU victim too
     assert store.put(key(3), chunk(3))
     assert key(1) in store and key(2) not in store and store.evicted == [key(2)]
     assert store.verify(slot1, sum1) and not store.verify(slot1, sum1 ^ 1)
@@ -61,7 +61,10 @@ def test_the_offload_factory_builds_the_p2p_tier_like_every_tier(tmp_path):
     spec = parse_offload_spec(f"cpu:64KiB,disk:{tmp_path}:1MiB,p2p:127.0.0.1:{free_port()}")
     mgr, _ = build_offloading(spec, fp, buf, "LBNHC", hash_seed="seed", p2p_backend="tcp")
     try:
-        assert isinstance(mgr, TieringOffloadingManager) and [t.name for t in mgr.tiers] == ["disk", "p2p"]
+        assert isinstance(mgr, TieringOffloadingManager) and [t.name for t in mgr.tiers] == [
+            "disk",
+            "p2p",
+        ]
         p2p = mgr.tiers[1]
         assert isinstance(p2p, P2PTier) and not p2p.serving and p2p.backend.kind == "tcp"
         assert (p2p.fingerprint, p2p.hash_seed) == (fp.hexdigest, "seed")
@@ -74,9 +77,20 @@ def backend(request) -> str:
     return request.param
 
 
-def make_tier(backend: str, peers=(), listen: int = 0, fingerprint: str = "fp", seed: str = "seed") -> P2PTier:
-    return P2PTier(list(peers), fingerprint, seed, CHUNK, listen_port=listen, capacity_bytes=16 * CHUNK,
-                   backend=backend, timeout_s=1.0, cooldown_s=0.5)
+def make_tier(
+    backend: str, peers=(), listen: int = 0, fingerprint: str = "fp", seed: str = "seed"
+) -> P2PTier:
+    return P2PTier(
+        list(peers),
+        fingerprint,
+        seed,
+        CHUNK,
+        listen_port=listen,
+        capacity_bytes=16 * CHUNK,
+        backend=backend,
+        timeout_s=1.0,
+        cooldown_s=0.5,
+    )
 
 
 def test_two_tiers_share_chunks_byte_for_byte(backend):
@@ -89,7 +103,9 @@ def test_two_tiers_share_chunks_byte_for_byte(backend):
         dst = [bytearray(CHUNK) for _ in range(3)]
         ok = client.load_batch([(key(i), memoryview(d)) for i, d in zip((0, 9, 3), dst)])
         assert ok == [True, False, True]
-        assert bytes(dst[0]) == chunk(0) and bytes(dst[2]) == chunk(3) and dst[1] == bytearray(CHUNK)
+        assert (
+            bytes(dst[0]) == chunk(0) and bytes(dst[2]) == chunk(3) and dst[1] == bytearray(CHUNK)
+        )
         assert not server.store._pins  # the reader released its leases
         assert key(3) in client.store  # read chunks are kept, to be served onward
         st = client.get_stats()
@@ -112,7 +128,9 @@ def test_a_mismatched_peer_is_refused_with_the_field_named(backend, caplog):
     finally:
         client.shutdown()
         server.shutdown()
-    assert "fingerprint differs" in compat_error({"version": 1, "fingerprint": "a"}, {"version": 1, "fingerprint": "b"})
+    assert "fingerprint differs" in compat_error(
+        {"version": 1, "fingerprint": "a"}, {"version": 1, "fingerprint": "b"}
+    )
 
 
 def test_a_dead_peer_is_a_quick_miss_and_skipped(backend):
@@ -134,11 +152,21 @@ def test_an_engine_loads_its_prefix_from_a_peer_and_generates_the_same_tokens():
     from pagedkv import LLM, SamplingParams
 
     pa, pb = free_port(), free_port()
-    prompt = ("A peer-to-peer KV cache lets every instance reuse the prefixes that any other instance "
-              "has already computed, so a long shared system prompt is prefilled once per fleet. ") * 2
+    prompt = (
+        "A peer-to-peer KV cache lets every instance reuse the prefixes that any other instance "
+        "has already computed, so a long shared system prompt is prefilled once per fleet. "
+    ) * 2
     params = SamplingParams(temperature=0, max_tokens=8)
-    a = LLM(num_kv_blocks=64, max_model_len=512, kv_offload=f"cpu:32MiB,p2p-listen:{pa}:32MiB,p2p:127.0.0.1:{pb}")
-    b = LLM(num_kv_blocks=64, max_model_len=512, kv_offload=f"cpu:32MiB,p2p-listen:{pb}:32MiB,p2p:127.0.0.1:{pa}")
+    a = LLM(
+        num_kv_blocks=64,
+        max_model_len=512,
+        kv_offload=f"cpu:32MiB,p2p-listen:{pa}:32MiB,p2p:127.0.0.1:{pb}",
+    )
+    b = LLM(
+        num_kv_blocks=64,
+        max_model_len=512,
+        kv_offload=f"cpu:32MiB,p2p-listen:{pb}:32MiB,p2p:127.0.0.1:{pa}",
+    )
     try:
         ref = a.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
         assert a.llm_engine.connector.manager.drain(30)  # A's chunks cascaded into its P2P store
@@ -163,25 +191,42 @@ def test_two_serve_processes_share_a_prefix_over_p2p():
     from test_proxy import START_TIMEOUT, _start, _stop, _wait_url
 
     pa, pb = free_port(), free_port()
-    prompt = ("A peer-to-peer KV cache lets every instance reuse the prefixes that any other instance "
-              "has already computed, so a long shared system prompt is prefilled once per fleet. ") * 2
+    prompt = (
+        "A peer-to-peer KV cache lets every instance reuse the prefixes that any other instance "
+        "has already computed, so a long shared system prompt is prefilled once per fleet. "
+    ) * 2
     body = {"prompt": prompt, "max_tokens": 8, "temperature": 0, "return_token_ids": True}
-    common = ["serve", "--port", "0", "--num-kv-blocks", "64", "--max-model-len", "512",
-              "--log-stats-interval", "0"]
-    procs = [_start([*common, "--kv-offload", f"cpu:32MiB,p2p-listen:{pa}:32MiB,p2p:127.0.0.1:{pb}"]),
-             _start([*common, "--kv-offload", f"cpu:32MiB,p2p-listen:{pb}:32MiB,p2p:127.0.0.1:{pa}"])]
+    common = [
+        "serve",
+        "--port",
+        "0",
+        "--num-kv-blocks",
+        "64",
+        "--max-model-len",
+        "512",
+        "--log-stats-interval",
+        "0",
+    ]
+    procs = [
+        _start([*common, "--kv-offload", f"cpu:32MiB,p2p-listen:{pa}:32MiB,p2p:127.0.0.1:{pb}"]),
+        _start([*common, "--kv-offload", f"cpu:32MiB,p2p-listen:{pb}:32MiB,p2p:127.0.0.1:{pa}"]),
+    ]
     try:
         a, b = (_wait_url(p, q, START_TIMEOUT) for p, q in procs)
         want = httpx.post(a + "/v1/completions", json=body, timeout=120).json()
 
         def p2p_bytes_read(url: str) -> float:
             text = httpx.get(url + "/metrics", timeout=30).text
-            m = re.search(r'^pagedkv:offload_bytes_read_total\{[^}]*tier="p2p"[^}]*\} (\S+)$', text, re.M)
+            m = re.search(
+                r'^pagedkv:offload_bytes_read_total\{[^}]*tier="p2p"[^}]*\} (\S+)$', text, re.M
+            )
             return float(m.group(1)) if m else 0.0
 
         def a_stored() -> float:  # A's P2P store has A's chunks once its CPU tier cascaded them
             text = httpx.get(a + "/metrics", timeout=30).text
-            m = re.search(r'^pagedkv:offload_bytes_written_total\{[^}]*tier="p2p"[^}]*\} (\S+)$', text, re.M)
+            m = re.search(
+                r'^pagedkv:offload_bytes_written_total\{[^}]*tier="p2p"[^}]*\} (\S+)$', text, re.M
+            )
             return float(m.group(1)) if m else 0.0
 
         deadline = time.monotonic() + 60

@@ -44,17 +44,38 @@ def test_installing_pagedkv_keeps_the_users_torch(tmp_path: Path) -> None:
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     py = venv / "bin" / "python"
-    site = Path(subprocess.check_output(
-        [str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], text=True).strip())
+    site = Path(
+        subprocess.check_output(
+            [str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], text=True
+        ).strip()
+    )
     _fake_installed_torch(site, "2.5.0")
     report = tmp_path / "report.json"
-    proc = subprocess.run([str(py), "-m", "pip", "install", "--dry-run", "--quiet", "--report", str(report),
-                           str(ROOT)], capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(
+        [
+            str(py),
+            "-m",
+            "pip",
+            "install",
+            "--dry-run",
+            "--quiet",
+            "--report",
+            str(report),
+            str(ROOT),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    would_install = {item["metadata"]["name"].lower(): item["metadata"]["version"]
-                     for item in json.loads(report.read_text())["install"]}
+    would_install = {
+        item["metadata"]["name"].lower(): item["metadata"]["version"]
+        for item in json.loads(report.read_text())["install"]
+    }
     assert "pagedkv" in would_install
-    assert "torch" not in would_install, f"pip would replace the user's torch 2.5.0: {would_install['torch']}"
+    assert "torch" not in would_install, (
+        f"pip would replace the user's torch 2.5.0: {would_install['torch']}"
+    )
 
 
 def test_redis_tests_skip_with_the_reason_without_redis_server(tmp_path: Path) -> None:
@@ -62,9 +83,23 @@ def test_redis_tests_skip_with_the_reason_without_redis_server(tmp_path: Path) -
     raise from a test that builds its own server)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
     env["PATH"] = str(tmp_path)  # an empty directory: no redis-server
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
-                           str(ROOT / "tests" / "test_redis_tier.py")],
-                          capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-rs",
+            "-p",
+            "no:cacheprovider",
+            str(ROOT / "tests" / "test_redis_tier.py"),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env,
+        timeout=300,
+    )
     tail = proc.stdout[-2000:]
     assert proc.returncode == 0, tail
     assert "error" not in tail.splitlines()[-1] and "failed" not in tail.splitlines()[-1], tail
@@ -72,7 +107,9 @@ def test_redis_tests_skip_with_the_reason_without_redis_server(tmp_path: Path) -
 
 
 def test_make_test_installs_the_system_programs_first() -> None:
-    plan = subprocess.run(["make", "-n", "test"], capture_output=True, text=True, cwd=ROOT, check=True).stdout
+    plan = subprocess.run(
+        ["make", "-n", "test"], capture_output=True, text=True, cwd=ROOT, check=True
+    ).stdout
     lines = plan.splitlines()
     deps = next(i for i, line in enumerate(lines) if "install-system-deps.sh" in line)
     tests = next(i for i, line in enumerate(lines) if "pytest" in line)
@@ -89,17 +126,25 @@ def test_install_system_deps_is_a_no_op_when_everything_is_there(tmp_path: Path)
     for name in ("redis-server", "chromium", "chromedriver", "cc"):
         (bin_dir / name).write_text("#!/bin/sh\nexit 0\n")
     (bin_dir / "id").symlink_to(shutil.which("id"))
-    (bin_dir / "apt-get").write_text(f"#!/bin/sh\necho \"$@\" >> {calls}\nexit 0\n")
+    (bin_dir / "apt-get").write_text(f'#!/bin/sh\necho "$@" >> {calls}\nexit 0\n')
     for f in bin_dir.iterdir():
         if not f.is_symlink():
             f.chmod(0o755)
     env = dict(os.environ, PATH=str(bin_dir))  # only the programs made here
-    proc = subprocess.run([shutil.which("bash"), str(ROOT / "scripts" / "install-system-deps.sh")], env=env,
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        [shutil.which("bash"), str(ROOT / "scripts" / "install-system-deps.sh")],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 0 and not calls.exists(), proc.stderr
     (bin_dir / "redis-server").unlink()
-    proc = subprocess.run([shutil.which("bash"), str(ROOT / "scripts" / "install-system-deps.sh")], env=env,
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        [shutil.which("bash"), str(ROOT / "scripts" / "install-system-deps.sh")],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 0
     if os.geteuid() == 0:  # as root it asks apt for exactly what is missing
         assert "install" in calls.read_text() and "redis-server" in calls.read_text()

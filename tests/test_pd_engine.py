@@ -17,10 +17,9 @@ from collections.abc import Iterator
 import pytest
 from redis_server import free_port
 
-from pagedkv.transfer import nixl_import_error
-
 from pagedkv import LLM, SamplingParams
 from pagedkv.kv_transfer.side_channel import HandshakeError, KVAgentMetadata, check_compatible
+from pagedkv.transfer import nixl_import_error
 
 pytestmark = pytest.mark.slow
 
@@ -37,10 +36,22 @@ def backends() -> list[str]:
 
 
 def make_llm(role: str, backend: str, **extra) -> LLM:
-    engine_kw = {k: extra.pop(k) for k in list(extra) if k in ("block_size", "prefix_caching_hash_algo",
-                                                                       "enable_kv_cache_events", "kv_cache_layout")}
-    cfg = {"kv_connector": "NixlConnector", "kv_role": role, "kv_connector_extra_config": {
-        "side_channel_port": free_port(), "backend": backend, "handshake_timeout_s": 2.0, **extra}}
+    engine_kw = {
+        k: extra.pop(k)
+        for k in list(extra)
+        if k
+        in ("block_size", "prefix_caching_hash_algo", "enable_kv_cache_events", "kv_cache_layout")
+    }
+    cfg = {
+        "kv_connector": "NixlConnector",
+        "kv_role": role,
+        "kv_connector_extra_config": {
+            "side_channel_port": free_port(),
+            "backend": backend,
+            "handshake_timeout_s": 2.0,
+            **extra,
+        },
+    }
     return LLM(num_kv_blocks=96, max_model_len=512, kv_transfer_config=cfg, **engine_kw)
 
 
@@ -65,15 +76,19 @@ def settle(*llms: LLM, timeout_s: float = 10.0) -> None:
 
 
 def prefill(p: LLM, prompts: list[str]) -> list[dict]:
-    outs = p.generate(prompts, greedy(1, kv_transfer_params={"do_remote_decode": True}), use_tqdm=False)
+    outs = p.generate(
+        prompts, greedy(1, kv_transfer_params={"do_remote_decode": True}), use_tqdm=False
+    )
     params = [o.kv_transfer_params for o in outs]
-    for prm, prompt in zip(params, prompts):
+    for prm, _prompt in zip(params, prompts):
         assert prm is not None and prm["do_remote_prefill"] and prm["remote_block_ids"], prm
     return params
 
 
 def decode(d: LLM, prompts: list[str], params: list[dict], **kw) -> list[list[int]]:
-    outs = d.generate(prompts, [greedy(kv_transfer_params=prm, **kw) for prm in params], use_tqdm=False)
+    outs = d.generate(
+        prompts, [greedy(kv_transfer_params=prm, **kw) for prm in params], use_tqdm=False
+    )
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
@@ -126,21 +141,29 @@ def test_a_completed_read_is_a_remote_kv_event_with_the_producers_hashes(referen
         p_stored = [ev for ev in p.llm_engine.take_kv_events() if isinstance(ev, BlockStored)]
         d.llm_engine.take_kv_events()
         assert decode(d, [prompt], params) == [reference[prompt]]
-        remote = [ev for ev in d.llm_engine.take_kv_events()
-                  if isinstance(ev, BlockStored) and ev.medium == "REMOTE"]
+        remote = [
+            ev
+            for ev in d.llm_engine.take_kv_events()
+            if isinstance(ev, BlockStored) and ev.medium == "REMOTE"
+        ]
         assert len(remote) == 1
         ev = remote[0]
         p_hashes = [h for e in p_stored for h in e.block_hashes]
-        assert ev.block_hashes and ev.block_hashes == p_hashes[:len(ev.block_hashes)]
+        assert ev.block_hashes and ev.block_hashes == p_hashes[: len(ev.block_hashes)]
         n = len(ev.block_hashes) * ev.block_size
-        assert ev.token_ids == [t for e in p_stored for t in e.token_ids][:n] and ev.parent_block_hash is None
+        assert (
+            ev.token_ids == [t for e in p_stored for t in e.token_ids][:n]
+            and ev.parent_block_hash is None
+        )
         settle(p, d)
     finally:
         p.llm_engine.shutdown()
         d.llm_engine.shutdown()
 
 
-def test_block_contiguous_layout_transfers_exactly_and_a_layout_mismatch_is_refused(reference, caplog):
+def test_block_contiguous_layout_transfers_exactly_and_a_layout_mismatch_is_refused(
+    reference, caplog
+):
     """BLNHC (each block one range across layers: one large descriptor per block) moves the
     same KV; a peer with another layout is refused naming the field, and D recomputes."""
     be = backends()[0]
@@ -191,7 +214,9 @@ def test_abort_while_fetching_leaks_nothing(pair):
     settle(p, d)
 
 
-def test_a_peer_that_never_answers_the_handshake_is_recomputed_after_the_timeout(pair, reference, caplog):
+def test_a_peer_that_never_answers_the_handshake_is_recomputed_after_the_timeout(
+    pair, reference, caplog
+):
     """The params name a side channel that accepts connections but never replies: the
     handshake times out (2 s here), the read fails and the consumer recomputes, exactly."""
     import socket
@@ -201,7 +226,11 @@ def test_a_peer_that_never_answers_the_handshake_is_recomputed_after_the_timeout
     with socket.socket() as silent:
         silent.bind(("127.0.0.1", 0))
         silent.listen(8)  # connections complete in the kernel; nobody ever reads or answers
-        bad = {**params, "remote_port": silent.getsockname()[1], "remote_engine_id": "silent-engine"}
+        bad = {
+            **params,
+            "remote_port": silent.getsockname()[1],
+            "remote_engine_id": "silent-engine",
+        }
         failed0 = d.llm_engine.connector.num_failed_transfers
         with caplog.at_level("WARNING"):
             assert decode(d, PROMPTS[:1], [bad]) == [reference[PROMPTS[0]]]
@@ -255,11 +284,16 @@ def test_lease_expiry_frees_the_producer(backend):
         p.llm_engine.shutdown()
 
 
-@pytest.mark.parametrize("field,p_kw,d_kw", [
-    ("block_size", {}, {"block_size": 32}),
-    ("hash_seed", {}, {"prefix_caching_hash_algo": "sha256"}),
-])
-def test_handshake_mismatch_refused_with_the_field_named(backend, reference, caplog, field, p_kw, d_kw):
+@pytest.mark.parametrize(
+    "field,p_kw,d_kw",
+    [
+        ("block_size", {}, {"block_size": 32}),
+        ("hash_seed", {}, {"prefix_caching_hash_algo": "sha256"}),
+    ],
+)
+def test_handshake_mismatch_refused_with_the_field_named(
+    backend, reference, caplog, field, p_kw, d_kw
+):
     p = make_llm("kv_producer", backend, **p_kw)
     d = make_llm("kv_consumer", backend, **d_kw)
     try:

@@ -49,19 +49,27 @@ MAX_TOKENS = 8
 
 # > 3 blocks of 16 tokens on its own, shared by the three chat prompts (a prefix-cache hit on
 # each instance after the first).
-SYSTEM = ("You are a careful assistant for a company that builds paged key-value caches for "
-          "language model inference. Answer briefly, in one sentence, using plain words. Never "
-          "invent facts; when you are unsure, say so. Prefer concrete numbers to vague claims, and "
-          "do not repeat the question back to the user before answering it.")
+SYSTEM = (
+    "You are a careful assistant for a company that builds paged key-value caches for "
+    "language model inference. Answer briefly, in one sentence, using plain words. Never "
+    "invent facts; when you are unsure, say so. Prefer concrete numbers to vague claims, and "
+    "do not repeat the question back to the user before answering it."
+)
 CHAT_QUESTIONS = ["Name a colour.", "What is a block table?", "Why share a prompt prefix?"]
-PLAIN_PROMPTS = ["The capital of France is",
-                 "def fibonacci(n):\n    # return the n-th Fibonacci number\n    if n < 2:\n"]
+PLAIN_PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    # return the n-th Fibonacci number\n    if n < 2:\n",
+]
 
 
 def chat_body(question: str) -> dict[str, Any]:
-    return dict(model=MODEL, messages=[{"role": "system", "content": SYSTEM},
-                                       {"role": "user", "content": question}],
-                max_tokens=MAX_TOKENS, temperature=0, logprobs=True)
+    return dict(
+        model=MODEL,
+        messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}],
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        logprobs=True,
+    )
 
 
 def completion_body(prompt: str) -> dict[str, Any]:
@@ -69,9 +77,9 @@ def completion_body(prompt: str) -> dict[str, Any]:
 
 
 # (path, body): the prompt mix every mode is checked on.
-REQUESTS: list[tuple[str, dict[str, Any]]] = (
-    [("/v1/chat/completions", chat_body(q)) for q in CHAT_QUESTIONS]
-    + [("/v1/completions", completion_body(p)) for p in PLAIN_PROMPTS])
+REQUESTS: list[tuple[str, dict[str, Any]]] = [
+    ("/v1/chat/completions", chat_body(q)) for q in CHAT_QUESTIONS
+] + [("/v1/completions", completion_body(p)) for p in PLAIN_PROMPTS]
 
 
 # ---- processes -----------------------------------------------------------------------------------
@@ -84,12 +92,32 @@ def nixl_available() -> bool:
 def serve_args(role: str, backend: str, *, block_size: int = 16, **extra: Any) -> list[str]:
     """``pagedkv serve`` arguments for a `NixlConnector` instance; ``extra`` goes into
     ``kv_connector_extra_config`` (a short handshake timeout bounds the fault tests)."""
-    cfg = {"kv_connector": "NixlConnector", "kv_role": role,
-           "kv_connector_extra_config": {"backend": backend, "handshake_timeout_s": 3.0, **extra}}
-    return ["serve", "--port", "0", "--num-kv-blocks", "128", "--max-model-len", "512",
-            "--block-size", str(block_size), "--max-num-seqs", "4", "--log-stats-interval", "0",
-            "--log-level", "info", "--kv-transfer-config", json.dumps(cfg),
-            "--kv-side-channel-port", str(free_port())]
+    cfg = {
+        "kv_connector": "NixlConnector",
+        "kv_role": role,
+        "kv_connector_extra_config": {"backend": backend, "handshake_timeout_s": 3.0, **extra},
+    }
+    return [
+        "serve",
+        "--port",
+        "0",
+        "--num-kv-blocks",
+        "128",
+        "--max-model-len",
+        "512",
+        "--block-size",
+        str(block_size),
+        "--max-num-seqs",
+        "4",
+        "--log-stats-interval",
+        "0",
+        "--log-level",
+        "info",
+        "--kv-transfer-config",
+        json.dumps(cfg),
+        "--kv-side-channel-port",
+        str(free_port()),
+    ]
 
 
 @dataclass(slots=True)
@@ -113,7 +141,9 @@ class Proc:
             if self.proc.poll() is not None:
                 break
             time.sleep(0.2)
-        raise AssertionError(f"no 'listening on' line (rc={self.proc.poll()}): {self.output()[-3000:]}")
+        raise AssertionError(
+            f"no 'listening on' line (rc={self.proc.poll()}): {self.output()[-3000:]}"
+        )
 
     def stop(self) -> None:
         """SIGTERM, then SIGKILL after 30 s; by PID, and only this process."""
@@ -147,11 +177,24 @@ class Cluster:
             for p in list(self.procs.values()):
                 p.wait_url(deadline)
             if proxy:  # every "producer*" and "consumer*" process behind one proxy
-                urls = {role: [p.url for n, p in self.procs.items() if n.startswith(role)]
-                        for role in ("producer", "consumer")}
-                self.procs["proxy"] = self._start(f"{key}-proxy", [
-                    "proxy", "--prefill", *urls["producer"], "--decode", *urls["consumer"],
-                    "--port", "0", "--log-level", "debug"])
+                urls = {
+                    role: [p.url for n, p in self.procs.items() if n.startswith(role)]
+                    for role in ("producer", "consumer")
+                }
+                self.procs["proxy"] = self._start(
+                    f"{key}-proxy",
+                    [
+                        "proxy",
+                        "--prefill",
+                        *urls["producer"],
+                        "--decode",
+                        *urls["consumer"],
+                        "--port",
+                        "0",
+                        "--log-level",
+                        "debug",
+                    ],
+                )
                 self.procs["proxy"].wait_url(time.monotonic() + 60)
         except BaseException:
             self.close()
@@ -161,8 +204,12 @@ class Cluster:
     def _start(self, name: str, args: list[str]) -> Proc:
         log = self.tmp / f"{name}.log"
         with log.open("w") as f:
-            proc = subprocess.Popen([*CMD, *args], stdout=f, stderr=subprocess.STDOUT,
-                                    env={**os.environ, "PYTHONUNBUFFERED": "1"})
+            proc = subprocess.Popen(
+                [*CMD, *args],
+                stdout=f,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            )
         return Proc(proc, log)
 
     def close(self) -> None:
@@ -194,8 +241,14 @@ def pd(request: pytest.FixtureRequest, cluster: Cluster) -> dict[str, Proc]:
     backend, extra = MODES[request.param]
     if backend == "nixl" and not nixl_available():
         pytest.skip("nixl_cu12 does not import")
-    return cluster.get(request.param, {"producer": serve_args("kv_producer", backend, **extra),
-                                       "consumer": serve_args("kv_consumer", backend)}, proxy=True)
+    return cluster.get(
+        request.param,
+        {
+            "producer": serve_args("kv_producer", backend, **extra),
+            "consumer": serve_args("kv_consumer", backend),
+        },
+        proxy=True,
+    )
 
 
 # ---- HTTP helpers --------------------------------------------------------------------------------
@@ -244,7 +297,10 @@ def assert_settled(*urls: str) -> None:
         while True:
             s = kv_cache(url)
             assert s["invariants_ok"], s
-            if s["num_free_blocks"] == s["num_blocks"] - 1 and s["num_running"] == s["num_waiting"] == 0:
+            if (
+                s["num_free_blocks"] == s["num_blocks"] - 1
+                and s["num_running"] == s["num_waiting"] == 0
+            ):
                 break
             assert time.monotonic() < deadline, f"{url}: blocks leaked: {s}"
             time.sleep(0.2)
@@ -252,8 +308,16 @@ def assert_settled(*urls: str) -> None:
 
 def prefill(producer: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
     """The producer's ``kv_transfer_params`` for ``body`` (prefill only: max_tokens 1)."""
-    resp = post(producer, path, {**body, "max_tokens": 1, "stream": False,
-                                 "kv_transfer_params": {"do_remote_decode": True}})
+    resp = post(
+        producer,
+        path,
+        {
+            **body,
+            "max_tokens": 1,
+            "stream": False,
+            "kv_transfer_params": {"do_remote_decode": True},
+        },
+    )
     params = resp["kv_transfer_params"]
     assert params and params["do_remote_prefill"] and params["remote_block_ids"], resp
     return params
@@ -265,19 +329,30 @@ def prefill(producer: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
 def test_proxy_pd_streaming_equals_colocated(cluster: Cluster):
     """One streamed chat and completion through the proxy (pull over TCP): the chunks' text
     joins to the colocated answer, and the KV moved."""
-    procs = cluster.get("pull-tcp", {"producer": serve_args("kv_producer", "tcp"),
-                                     "consumer": serve_args("kv_consumer", "tcp")}, proxy=True)
+    procs = cluster.get(
+        "pull-tcp",
+        {
+            "producer": serve_args("kv_producer", "tcp"),
+            "consumer": serve_args("kv_consumer", "tcp"),
+        },
+        proxy=True,
+    )
     producer, consumer, proxy = procs["producer"].url, procs["consumer"].url, procs["proxy"].url
     done0, _ = transfer_counters(consumer)
     for path, body in (REQUESTS[0], REQUESTS[-1]):
         expected_text = answer(post(producer, path, body))[0]
-        with httpx.stream("POST", proxy + path, json={**body, "stream": True}, timeout=HTTP_TIMEOUT_S) as r:
+        with httpx.stream(
+            "POST", proxy + path, json={**body, "stream": True}, timeout=HTTP_TIMEOUT_S
+        ) as r:
             assert r.status_code == 200, r.read()
             events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
         assert events and events[-1] == "[DONE]"
         chunks = [json.loads(e) for e in events[:-1]]
-        part = ((lambda c: c["choices"][0]["delta"].get("content") or "") if "messages" in body
-                else (lambda c: c["choices"][0]["text"]))
+        part = (
+            (lambda c: c["choices"][0]["delta"].get("content") or "")
+            if "messages" in body
+            else (lambda c: c["choices"][0]["text"])
+        )
         assert len([c for c in chunks if c["choices"]]) > 1  # really streamed
         assert "".join(part(c) for c in chunks if c["choices"]) == expected_text
     assert transfer_counters(consumer)[0] - done0 == 2
@@ -304,10 +379,16 @@ def test_two_producers_and_two_consumers_behind_one_proxy(cluster: Cluster):
     """2 + 2 instances (pull, NIXL where it imports): the proxy round-robins over both of each
     role, every answer is exact and moved its KV, and all four pools settle."""
     backend = "nixl" if nixl_available() else "tcp"
-    procs = cluster.get("two-by-two", {
-        "producer0": serve_args("kv_producer", backend), "producer1": serve_args("kv_producer", backend),
-        "consumer0": serve_args("kv_consumer", backend), "consumer1": serve_args("kv_consumer", backend)},
-        proxy=True)
+    procs = cluster.get(
+        "two-by-two",
+        {
+            "producer0": serve_args("kv_producer", backend),
+            "producer1": serve_args("kv_producer", backend),
+            "consumer0": serve_args("kv_consumer", backend),
+            "consumer1": serve_args("kv_consumer", backend),
+        },
+        proxy=True,
+    )
     consumers = [procs["consumer0"].url, procs["consumer1"].url]
     before = [transfer_counters(u) for u in consumers]
     got = [answer(post(procs["proxy"].url, path, body)) for path, body in REQUESTS]
@@ -328,8 +409,13 @@ def test_two_producers_and_two_consumers_behind_one_proxy(cluster: Cluster):
 def test_producer_killed_before_the_read_is_recomputed_exactly(cluster: Cluster):
     """SIGKILL the producer after its prefill answer, before the consumer reads: the consumer's
     handshake fails, it recomputes the prompt, and answers exactly; its pool ends all free."""
-    procs = cluster.get("kill", {"producer": serve_args("kv_producer", "tcp"),
-                                 "consumer": serve_args("kv_consumer", "tcp")})
+    procs = cluster.get(
+        "kill",
+        {
+            "producer": serve_args("kv_producer", "tcp"),
+            "consumer": serve_args("kv_consumer", "tcp"),
+        },
+    )
     producer, consumer = procs["producer"], procs["consumer"]
     path, body = REQUESTS[1]
     expected = answer(post(producer.url, path, body))  # colocated, before the kill
@@ -343,19 +429,33 @@ def test_producer_killed_before_the_read_is_recomputed_exactly(cluster: Cluster)
 
 
 def test_consumer_killed_mid_read_the_producer_frees_by_lease(cluster: Cluster):
-    """SIGKILL the consumer right after the request was sent to it (its read queued or in flight): the producer never hears from it and frees the blocks when the
-    lease expires (2 s); its pool settles all free."""
-    procs = cluster.get("kill-consumer", {
-        "producer": serve_args("kv_producer", "tcp", kv_lease_duration=2),
-        "consumer": serve_args("kv_consumer", "tcp")})
+    """SIGKILL the consumer right after the request was sent to it (its read queued or in
+    flight): the producer never hears from it and frees the blocks when the lease expires
+    (2 s); its pool settles all free."""
+    procs = cluster.get(
+        "kill-consumer",
+        {
+            "producer": serve_args("kv_producer", "tcp", kv_lease_duration=2),
+            "consumer": serve_args("kv_consumer", "tcp"),
+        },
+    )
     producer, consumer = procs["producer"], procs["consumer"]
     path, body = REQUESTS[1]
     params = prefill(producer.url, path, body)
     assert kv_cache(producer.url)["num_free_blocks"] < kv_cache(producer.url)["num_blocks"] - 1
-    req = subprocess.Popen([sys.executable, "-c", (
-        "import httpx, json, sys; httpx.post(sys.argv[1], json=json.loads(sys.argv[2]), timeout=60)"),
-        consumer.url + path, json.dumps({**body, "kv_transfer_params": params})],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    req = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            (
+                "import httpx, json, sys; httpx.post(sys.argv[1], json=json.loads(sys.argv[2]), timeout=60)"
+            ),
+            consumer.url + path,
+            json.dumps({**body, "kv_transfer_params": params}),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         time.sleep(0.05)  # the request is in flight
         os.kill(consumer.proc.pid, signal.SIGKILL)
@@ -370,8 +470,13 @@ def test_consumer_killed_mid_read_the_producer_frees_by_lease(cluster: Cluster):
 @pytest.fixture
 def lease_pair(cluster: Cluster) -> dict[str, Proc]:
     """A producer with a 2 s lease, and a consumer whose block size (32) differs from its 16."""
-    return cluster.get("lease", {"producer": serve_args("kv_producer", "tcp", kv_lease_duration=2),
-                                 "consumer": serve_args("kv_consumer", "tcp", block_size=32)})
+    return cluster.get(
+        "lease",
+        {
+            "producer": serve_args("kv_producer", "tcp", kv_lease_duration=2),
+            "consumer": serve_args("kv_consumer", "tcp", block_size=32),
+        },
+    )
 
 
 def test_producer_lease_expires_without_a_consumer(lease_pair: dict[str, Proc]):

@@ -18,7 +18,9 @@ def full_specs(n: int = 4, bs: int = 16, h: int = 2, hs: int = 64) -> dict:
 
 def hybrid_specs(sw: int = 64) -> dict:
     f = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype="float16")
-    s = SlidingWindowSpec(block_size=16, num_kv_heads=2, head_size=64, dtype="float16", sliding_window=sw)
+    s = SlidingWindowSpec(
+        block_size=16, num_kv_heads=2, head_size=64, dtype="float16", sliding_window=sw
+    )
     return {f"l{i}": (f if i % 3 == 0 else s) for i in range(6)}  # 2 full + 4 SWA
 
 
@@ -99,7 +101,9 @@ def test_check_enough_memory_none_available() -> None:
 
 
 def test_make_kv_cache_config() -> None:
-    cfg = planning.make_kv_cache_config(full_specs(), 50 * 4 * PAGE, max_model_len=256, layout="BLHNC")
+    cfg = planning.make_kv_cache_config(
+        full_specs(), 50 * 4 * PAGE, max_model_len=256, layout="BLHNC"
+    )
     assert cfg.num_blocks == 50 and cfg.num_usable_blocks == 49
     assert cfg.bytes_per_block == 4 * PAGE and cfg.layout is KVCacheLayout.BLHNC
     with pytest.raises(ValueError):
@@ -108,8 +112,13 @@ def test_make_kv_cache_config() -> None:
 
 
 def test_plan_device_memory_terms() -> None:
-    mb = planning.plan_device_memory(24 * GiB, num_params=8_000_000_000, weight_dtype_bytes=2,
-                                     runtime_bytes=2 * GiB, headroom_fraction=0.1)
+    mb = planning.plan_device_memory(
+        24 * GiB,
+        num_params=8_000_000_000,
+        weight_dtype_bytes=2,
+        runtime_bytes=2 * GiB,
+        headroom_fraction=0.1,
+    )
     assert mb.weights == 16_000_000_000
     assert mb.headroom == int(2.4 * GiB)
     assert mb.kv_cache == 24 * GiB - 16_000_000_000 - 2 * GiB - int(2.4 * GiB)
@@ -122,8 +131,16 @@ def test_plan_device_memory_terms() -> None:
 
 
 def test_runtime_estimate_is_linear_in_batched_tokens() -> None:
-    kw = dict(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_kv_heads=3,
-              head_dim=64, vocab_size=49152, max_num_seqs=8, activation_dtype_bytes=2)
+    kw = dict(
+        hidden_size=576,
+        intermediate_size=1536,
+        num_attention_heads=9,
+        num_kv_heads=3,
+        head_dim=64,
+        vocab_size=49152,
+        max_num_seqs=8,
+        activation_dtype_bytes=2,
+    )
     f = lambda t: planning.estimate_runtime_bytes(max_num_batched_tokens=t, **kw)  # noqa: E731
     step = f(2048) - f(1024)
     assert step > 0 and f(3072) - f(2048) == step

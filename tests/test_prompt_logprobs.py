@@ -10,16 +10,17 @@ import json
 import httpx
 import pytest
 import torch
+from server_utils import running_server
 
 from pagedkv import LLM, SamplingParams
 from pagedkv.engine.config import EngineConfig
 
-from server_utils import running_server
-
 TOL = 1e-4
 K = 3
-TEXT = ("Paged attention stores the key and value vectors of every sequence in fixed-size blocks, "
-        "like pages of virtual memory, so memory is allocated on demand.")
+TEXT = (
+    "Paged attention stores the key and value vectors of every sequence in fixed-size blocks, "
+    "like pages of virtual memory, so memory is allocated on demand."
+)
 
 
 @pytest.fixture(scope="module")
@@ -66,10 +67,15 @@ def check_against_hf(plp, ids: list[int], hf_logits, k: int, tok) -> None:
 def test_prompt_logprobs_match_hf_through_chunked_prefill(llm, prompt, hf_logits):
     """A multi-chunk prompt with k=3 beside a request without prompt logprobs (which gets None)
     and one with k=0 (only the prompt token, with its rank): values, ranks and top-k equal HF's."""
-    outs = llm.generate([{"prompt_token_ids": prompt}, "Hello there", {"prompt_token_ids": prompt[:20]}],
-                        [SamplingParams(prompt_logprobs=K, max_tokens=2, temperature=0),
-                         SamplingParams(max_tokens=2, temperature=0),
-                         SamplingParams(prompt_logprobs=0, max_tokens=2, temperature=0)], use_tqdm=False)
+    outs = llm.generate(
+        [{"prompt_token_ids": prompt}, "Hello there", {"prompt_token_ids": prompt[:20]}],
+        [
+            SamplingParams(prompt_logprobs=K, max_tokens=2, temperature=0),
+            SamplingParams(max_tokens=2, temperature=0),
+            SamplingParams(prompt_logprobs=0, max_tokens=2, temperature=0),
+        ],
+        use_tqdm=False,
+    )
     check_against_hf(outs[0].prompt_logprobs, prompt, hf_logits, K, llm.get_tokenizer())
     assert outs[1].prompt_logprobs is None
     zero = outs[2].prompt_logprobs
@@ -85,8 +91,11 @@ def test_a_prompt_logprobs_request_skips_the_prefix_cache_hit(llm, prompt, hf_lo
     llm.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)
     hit = llm.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)[0]
     assert hit.num_cached_tokens >= 16
-    out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(prompt_logprobs=K, max_tokens=1),
-                       use_tqdm=False)[0]
+    out = llm.generate(
+        [{"prompt_token_ids": prompt}],
+        SamplingParams(prompt_logprobs=K, max_tokens=1),
+        use_tqdm=False,
+    )[0]
     assert out.num_cached_tokens == 0
     check_against_hf(out.prompt_logprobs, prompt, hf_logits, K, llm.get_tokenizer())
 
@@ -111,9 +120,11 @@ def test_preemption_recompute_scores_each_position_once(llm, prompt, hf_logits):
     try:
         p1 = (prompt + prompt)[:47]
         p2 = p1[::-1]
-        outs = llm.generate([{"prompt_token_ids": p1}, {"prompt_token_ids": p2}],
-                            SamplingParams(prompt_logprobs=K, max_tokens=12, ignore_eos=True, temperature=0),
-                            use_tqdm=False)
+        outs = llm.generate(
+            [{"prompt_token_ids": p1}, {"prompt_token_ids": p2}],
+            SamplingParams(prompt_logprobs=K, max_tokens=12, ignore_eos=True, temperature=0),
+            use_tqdm=False,
+        )
     finally:
         engine.runner.execute_model = real
     assert engine.scheduler.num_preemptions > before
@@ -128,9 +139,11 @@ def test_preemption_recompute_scores_each_position_once(llm, prompt, hf_logits):
 
 def test_n_samples_share_one_prompt_logprobs(llm, prompt, hf_logits):
     """n=3: one prompt_logprobs list on the RequestOutput (the prompt is scored once)."""
-    out = llm.generate([{"prompt_token_ids": prompt[:20]}],
-                       SamplingParams(n=3, prompt_logprobs=2, max_tokens=3, temperature=1.0, seed=7),
-                       use_tqdm=False)[0]
+    out = llm.generate(
+        [{"prompt_token_ids": prompt[:20]}],
+        SamplingParams(n=3, prompt_logprobs=2, max_tokens=3, temperature=1.0, seed=7),
+        use_tqdm=False,
+    )[0]
     assert len(out.outputs) == 3
     check_against_hf(out.prompt_logprobs, prompt[:20], hf_logits, 2, llm.get_tokenizer())
 
@@ -143,13 +156,19 @@ def test_invalid_prompt_logprobs_is_refused():
 def test_completions_prompt_logprobs_and_echo_with_logprobs(hf_logits):
     """``prompt_logprobs: 2`` returns vLLM's per-choice list (token ids as keys); ``echo`` with
     ``logprobs: 2`` lists the prompt tokens first (the first null), streaming or not."""
-    with running_server(EngineConfig(num_kv_blocks=64, max_model_len=512, max_num_batched_tokens=16)) as srv, \
-            httpx.Client(base_url=srv.url, timeout=60) as http:
+    with (
+        running_server(
+            EngineConfig(num_kv_blocks=64, max_model_len=512, max_num_batched_tokens=16)
+        ) as srv,
+        httpx.Client(base_url=srv.url, timeout=60) as http,
+    ):
         tok = srv.app.state.pagedkv.async_llm.tokenizer
         ids = tok.encode(TEXT)
         ref = torch.log_softmax(hf_logits(ids), dim=-1)
-        r = http.post("/v1/completions", json={"prompt": ids, "max_tokens": 2, "temperature": 0,
-                                               "prompt_logprobs": 2})
+        r = http.post(
+            "/v1/completions",
+            json={"prompt": ids, "max_tokens": 2, "temperature": 0, "prompt_logprobs": 2},
+        )
         assert r.status_code == 200, r.text
         plp = r.json()["choices"][0]["prompt_logprobs"]
         assert len(plp) == len(ids) and plp[0] is None
@@ -159,7 +178,9 @@ def test_completions_prompt_logprobs_and_echo_with_logprobs(hf_logits):
             assert rank_band(ref[i - 1], ids[i])[0] <= d["rank"] <= rank_band(ref[i - 1], ids[i])[1]
             assert d["decoded_token"] == tok.decode([ids[i]], skip_special_tokens=False)
         assert r.json()["choices"][0]["logprobs"] is None
-        r = http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1, "prompt_logprobs": 21})
+        r = http.post(
+            "/v1/completions", json={"prompt": "Hi", "max_tokens": 1, "prompt_logprobs": 21}
+        )
         assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs"
 
         body = {"prompt": TEXT, "max_tokens": 3, "temperature": 0, "echo": True, "logprobs": 2}
@@ -173,8 +194,10 @@ def test_completions_prompt_logprobs_and_echo_with_logprobs(hf_logits):
         for i in range(1, len(ids)):
             assert abs(lp["token_logprobs"][i] - float(ref[i - 1, ids[i]])) < TOL
             assert len(lp["top_logprobs"][i]) <= 2
-        assert all(x is not None for x in lp["token_logprobs"][len(ids):])
-        assert lp["text_offset"][len(ids)] == len(TEXT) and lp["text_offset"] == sorted(lp["text_offset"])
+        assert all(x is not None for x in lp["token_logprobs"][len(ids) :])
+        assert lp["text_offset"][len(ids)] == len(TEXT) and lp["text_offset"] == sorted(
+            lp["text_offset"]
+        )
 
         streamed = []
         with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as s:

@@ -25,8 +25,8 @@ from typing import Any
 import httpx
 import pytest
 
-from pagedkv.entrypoints.proxy import create_proxy_app
 from pagedkv.entrypoints.cli.serve import BackgroundServer
+from pagedkv.entrypoints.proxy import create_proxy_app
 from pagedkv.forwarding import prefill_body
 
 CMD = [sys.executable, "-m", "pagedkv.entrypoints.cli"]
@@ -43,8 +43,13 @@ def _pump(stream: Any, q: queue.Queue) -> None:
 
 
 def _start(args: list[str]) -> tuple[subprocess.Popen, queue.Queue]:
-    proc = subprocess.Popen([*CMD, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    proc = subprocess.Popen(
+        [*CMD, *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
     q: queue.Queue = queue.Queue()
     threading.Thread(target=_pump, args=(proc.stdout, q), daemon=True).start()
     return proc, q
@@ -65,7 +70,9 @@ def _wait_url(proc: subprocess.Popen, q: queue.Queue, timeout: float) -> str:
         m = re.search(r"listening on (http://\S+)", line)
         if m:
             return m.group(1)
-    raise AssertionError(f"no 'listening on' line (rc={proc.poll()}); output: {''.join(seen[-30:])}")
+    raise AssertionError(
+        f"no 'listening on' line (rc={proc.poll()}); output: {''.join(seen[-30:])}"
+    )
 
 
 def _stop(proc: subprocess.Popen) -> None:
@@ -92,8 +99,23 @@ def instances() -> Iterator[tuple[str, str]]:
     procs = []
     try:
         for _ in range(2):
-            procs.append(_start(["serve", "--port", "0", "--num-kv-blocks", "128", "--max-model-len", "512",
-                                 "--max-num-seqs", "4", "--log-stats-interval", "0"]))
+            procs.append(
+                _start(
+                    [
+                        "serve",
+                        "--port",
+                        "0",
+                        "--num-kv-blocks",
+                        "128",
+                        "--max-model-len",
+                        "512",
+                        "--max-num-seqs",
+                        "4",
+                        "--log-stats-interval",
+                        "0",
+                    ]
+                )
+            )
         urls = [_wait_url(p, q, START_TIMEOUT) for p, q in procs]
         yield urls[0], urls[1]
     finally:
@@ -105,7 +127,9 @@ def instances() -> Iterator[tuple[str, str]]:
 def proxy_url(instances) -> Iterator[str]:
     """``pagedkv proxy --prefill A --decode B`` as a process."""
     a, b = instances
-    proc, q = _start(["proxy", "--prefill", a, "--decode", b, "--port", "0", "--log-level", "debug"])
+    proc, q = _start(
+        ["proxy", "--prefill", a, "--decode", b, "--port", "0", "--log-level", "debug"]
+    )
     try:
         yield _wait_url(proc, q, 60)
     finally:
@@ -113,7 +137,9 @@ def proxy_url(instances) -> Iterator[str]:
 
 
 def _proxy(prefill: list[str], decode: list[str]) -> BackgroundServer:
-    return BackgroundServer(create_proxy_app(prefill, decode, cooldown=30.0, timeout=120.0, retry_window=1.0))
+    return BackgroundServer(
+        create_proxy_app(prefill, decode, cooldown=30.0, timeout=120.0, retry_window=1.0)
+    )
 
 
 def _post(url: str, path: str, body: dict[str, Any]) -> httpx.Response:
@@ -146,14 +172,24 @@ def expected(instances) -> str:
 
 
 def test_prefill_body_follows_vllms_toy_proxy():
-    body = dict(COMPLETION, stream=True, stream_options={"include_usage": True}, min_tokens=2,
-                max_completion_tokens=50)
+    body = dict(
+        COMPLETION,
+        stream=True,
+        stream_options={"include_usage": True},
+        min_tokens=2,
+        max_completion_tokens=50,
+    )
     p = prefill_body(body)
     assert p["stream"] is False and p["max_tokens"] == 1 and p["max_completion_tokens"] == 1
     assert "stream_options" not in p and "min_tokens" not in p
-    assert p["kv_transfer_params"] == {"do_remote_decode": True, "do_remote_prefill": False,
-                                       "remote_engine_id": None, "remote_block_ids": None,
-                                       "remote_host": None, "remote_port": None}
+    assert p["kv_transfer_params"] == {
+        "do_remote_decode": True,
+        "do_remote_prefill": False,
+        "remote_engine_id": None,
+        "remote_block_ids": None,
+        "remote_host": None,
+        "remote_port": None,
+    }
     assert body["max_tokens"] == 8 and body["stream"] is True  # the client's body is untouched
 
 
@@ -161,27 +197,41 @@ def test_prefill_body_follows_vllms_toy_proxy():
 def test_proxy_answers_are_token_identical_to_a_direct_request(instances, proxy_url):
     direct_url = instances[0]
     for path, body in (("/v1/completions", COMPLETION), ("/v1/chat/completions", CHAT)):
-        direct = _post(direct_url, path, {**body, "logprobs": True} if "messages" in body else
-                       {**body, "logprobs": 1})
-        via = _post(proxy_url, path, {**body, "logprobs": True} if "messages" in body else
-                    {**body, "logprobs": 1})
+        direct = _post(
+            direct_url,
+            path,
+            {**body, "logprobs": True} if "messages" in body else {**body, "logprobs": 1},
+        )
+        via = _post(
+            proxy_url,
+            path,
+            {**body, "logprobs": True} if "messages" in body else {**body, "logprobs": 1},
+        )
         assert direct.status_code == via.status_code == 200, via.text
         d, v = direct.json(), via.json()
-        assert v["choices"][0].get("text", v["choices"][0].get("message")) == \
-            d["choices"][0].get("text", d["choices"][0].get("message"))
+        assert v["choices"][0].get("text", v["choices"][0].get("message")) == d["choices"][0].get(
+            "text", d["choices"][0].get("message")
+        )
         # Token-identical: the same tokens (logprobs list them one by one).
-        tokens = (lambda j: j["choices"][0]["logprobs"]["tokens"]) if "prompt" in body else \
-            (lambda j: [t["token"] for t in j["choices"][0]["logprobs"]["content"]])
+        tokens = (
+            (lambda j: j["choices"][0]["logprobs"]["tokens"])
+            if "prompt" in body
+            else (lambda j: [t["token"] for t in j["choices"][0]["logprobs"]["content"]])
+        )
         assert tokens(v) == tokens(d) and len(tokens(v)) >= 1
         assert v["usage"]["completion_tokens"] == d["usage"]["completion_tokens"]
         assert "kv_transfer_params" in v and v["kv_transfer_params"] is None  # no connector
         # Streaming: the decode instance's SSE passes through chunk by chunk.
-        field = (lambda c: c["choices"][0]["text"]) if "prompt" in body else \
-            (lambda c: c["choices"][0]["delta"].get("content") or "")
+        field = (
+            (lambda c: c["choices"][0]["text"])
+            if "prompt" in body
+            else (lambda c: c["choices"][0]["delta"].get("content") or "")
+        )
         ds, vs = _stream(direct_url, path, body), _stream(proxy_url, path, body)
         assert [field(c) for c in vs if c["choices"]] == [field(c) for c in ds if c["choices"]]
-        assert "".join(field(c) for c in vs if c["choices"]) == \
-            (v["choices"][0]["text"] if "prompt" in body else v["choices"][0]["message"]["content"])
+        assert "".join(field(c) for c in vs if c["choices"]) == (
+            v["choices"][0]["text"] if "prompt" in body else v["choices"][0]["message"]["content"]
+        )
     models = httpx.get(proxy_url + "/v1/models", timeout=30)
     assert models.status_code == 200 and [m["id"] for m in models.json()["data"]] == [MODEL]
     assert httpx.get(proxy_url + "/health", timeout=30).status_code == 200
@@ -208,7 +258,9 @@ def test_dead_instances_are_skipped_and_no_request_is_lost(instances, expected):
         texts = [_completion_text(srv.url) for _ in range(2)]
         chunks = _stream(srv.url, "/v1/completions", COMPLETION)
         served = list(state.served)
-        dead = [i for i in state.prefill.instances + state.decode.instances if i.url in (dead_p, dead_d)]
+        dead = [
+            i for i in state.prefill.instances + state.decode.instances if i.url in (dead_p, dead_d)
+        ]
         assert all(not i.healthy(time.monotonic()) for i in dead)  # in their cool-down
         assert httpx.get(srv.url + "/health", timeout=30).status_code == 200
     assert texts == [expected] * 2
@@ -267,8 +319,21 @@ def test_return_token_ids_match_the_text_streamed_and_not(instances):
 
 
 def _serve_victim() -> tuple[subprocess.Popen, str]:
-    proc, q = _start(["serve", "--port", "0", "--num-kv-blocks", "64", "--max-model-len", "512",
-                      "--max-num-seqs", "2", "--log-stats-interval", "0"])
+    proc, q = _start(
+        [
+            "serve",
+            "--port",
+            "0",
+            "--num-kv-blocks",
+            "64",
+            "--max-model-len",
+            "512",
+            "--max-num-seqs",
+            "2",
+            "--log-stats-interval",
+            "0",
+        ]
+    )
     try:
         return proc, _wait_url(proc, q, START_TIMEOUT)
     except BaseException:
@@ -284,8 +349,13 @@ def test_a_decode_instance_killed_mid_stream_is_resumed_token_exact(instances, p
     stream is token-identical (text and token ids) to an unbroken greedy answer."""
     a, b = instances
     base = COMPLETION if path == "/v1/completions" else CHAT
-    body = {**base, "max_tokens": 40, "ignore_eos": True, "return_token_ids": True,
-            "stream_options": {"include_usage": True}}
+    body = {
+        **base,
+        "max_tokens": 40,
+        "ignore_eos": True,
+        "return_token_ids": True,
+        "stream_options": {"include_usage": True},
+    }
     want = _post(a, path, {k: v for k, v in body.items() if k != "stream_options"}).json()
     want_ids = want["choices"][0]["token_ids"]
     victim, victim_url = _serve_victim()
@@ -293,7 +363,9 @@ def test_a_decode_instance_killed_mid_stream_is_resumed_token_exact(instances, p
         with _proxy([a], [victim_url, b]) as srv:
             got_ids: list[int] = []
             text, chunks = "", []
-            with httpx.stream("POST", srv.url + path, json={**body, "stream": True}, timeout=120) as r:
+            with httpx.stream(
+                "POST", srv.url + path, json={**body, "stream": True}, timeout=120
+            ) as r:
                 assert r.status_code == 200
                 for line in r.iter_lines():
                     if not line.startswith("data: ") or line == "data: [DONE]":
@@ -313,7 +385,9 @@ def test_a_decode_instance_killed_mid_stream_is_resumed_token_exact(instances, p
             assert text == want_text
             assert len({c["id"] for c in chunks}) == 1  # one stream, one id
             assert chunks[-1]["usage"]["completion_tokens"] == 40
-            finishes = [ch["finish_reason"] for c in chunks for ch in c["choices"] if ch["finish_reason"]]
+            finishes = [
+                ch["finish_reason"] for c in chunks for ch in c["choices"] if ch["finish_reason"]
+            ]
             assert finishes == ["length"]
             served = srv.app.state.proxy.served[-1]
             assert served[2] == victim_url  # the stream did start on the victim
@@ -328,7 +402,9 @@ def test_a_stream_that_cannot_be_resumed_ends_with_an_error_event():
     kill benchmark counted such streams as "N of 32 tokens": a client saw a normal end)."""
     victim, victim_url = _serve_victim()
     try:
-        with _proxy([_dead_url()], [victim_url]) as srv:  # prefill dead: the victim runs it colocated
+        with _proxy(
+            [_dead_url()], [victim_url]
+        ) as srv:  # prefill dead: the victim runs it colocated
             body = {**COMPLETION, "max_tokens": 200, "ignore_eos": True, "stream": True}
             events: list[str] = []
             with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=120) as r:
@@ -345,7 +421,9 @@ def test_a_stream_that_cannot_be_resumed_ends_with_an_error_event():
             chunks = [json.loads(e) for e in events[:-1]]
             errors = [c["error"] for c in chunks if "error" in c]
             assert len(errors) == 1 and "error" in chunks[-1], chunks[-3:]
-            assert errors[0]["type"] == "server_error" and "resume" in errors[0]["message"], errors[0]
+            assert errors[0]["type"] == "server_error" and "resume" in errors[0]["message"], errors[
+                0
+            ]
             tokens = sum(1 for c in chunks for ch in c.get("choices", []) if ch.get("text"))
             assert tokens < 200
     finally:

@@ -69,8 +69,8 @@ def test_corrupt_and_foreign_values_are_dropped(redis_server: RedisServer):
     raw = redis.Redis(port=redis_server.port)
     store(tier, [1, 2, 3])
     raw.setrange(tier.redis_key(key(1)), HEADER_SIZE + 100, b"\xff\xfe")  # flipped payload bytes
-    raw.set(tier.redis_key(key(2)), raw.get(tier.redis_key(key(3))))      # another key's record
-    raw.set(tier.redis_key(key(4)), b"garbage")                          # not a record at all
+    raw.set(tier.redis_key(key(2)), raw.get(tier.redis_key(key(3))))  # another key's record
+    raw.set(tier.redis_key(key(4)), b"garbage")  # not a record at all
     assert load(tier, [1, 2, 3, 4]) == [None, None, payload(3), None]
     assert raw.exists(tier.redis_key(key(1)), tier.redis_key(key(2)), tier.redis_key(key(4))) == 0
     s = tier.get_stats()

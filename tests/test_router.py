@@ -57,8 +57,13 @@ class Proc:
     """A ``pagedkv`` subprocess whose output lines are collected on a thread."""
 
     def __init__(self, args: list[str]) -> None:
-        self.proc = subprocess.Popen([*CMD, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        self.proc = subprocess.Popen(
+            [*CMD, *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
         self.lines: queue.Queue[str | None] = queue.Queue()
         self.seen: list[str] = []
         threading.Thread(target=self._pump, daemon=True).start()
@@ -82,7 +87,9 @@ class Proc:
             m = re.search(pattern, line)
             if m:
                 return m
-        raise AssertionError(f"no {pattern!r} (rc={self.proc.poll()}); output: {''.join(self.seen[-30:])}")
+        raise AssertionError(
+            f"no {pattern!r} (rc={self.proc.poll()}); output: {''.join(self.seen[-30:])}"
+        )
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -95,10 +102,28 @@ class Proc:
 
 
 def start_replica(port: int, block_size: int = BLOCK) -> Proc:
-    return Proc(["serve", "--port", str(port), "--num-kv-blocks", "96", "--max-model-len", "512",
-                 "--max-num-seqs", "4", "--block-size", str(block_size), "--log-stats-interval", "0",
-                 "--enable-kv-cache-events", "--kv-events-endpoint", "tcp://127.0.0.1:0",
-                 "--kv-events-replay-endpoint", "tcp://127.0.0.1:0"])
+    return Proc(
+        [
+            "serve",
+            "--port",
+            str(port),
+            "--num-kv-blocks",
+            "96",
+            "--max-model-len",
+            "512",
+            "--max-num-seqs",
+            "4",
+            "--block-size",
+            str(block_size),
+            "--log-stats-interval",
+            "0",
+            "--enable-kv-cache-events",
+            "--kv-events-endpoint",
+            "tcp://127.0.0.1:0",
+            "--kv-events-replay-endpoint",
+            "tcp://127.0.0.1:0",
+        ]
+    )
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +134,9 @@ def replicas() -> Iterator[list[dict[str, Any]]]:
     try:
         for _ in range(3):
             port = _free_port()
-            reps.append({"port": port, "url": f"http://127.0.0.1:{port}", "proc": start_replica(port)})
+            reps.append(
+                {"port": port, "url": f"http://127.0.0.1:{port}", "proc": start_replica(port)}
+            )
         for r in reps:
             r["proc"].wait_for(r"listening on http://", START_TIMEOUT)
         yield reps
@@ -124,7 +151,9 @@ def router(replicas) -> Iterator[Callable[..., BackgroundServer]]:
     started: list[BackgroundServer] = []
 
     def make(policy: str = "kv", **kw: Any) -> BackgroundServer:
-        opts = RouterOptions(policy=policy, health_interval=0.5, startup_timeout=30.0, timeout=120.0)
+        opts = RouterOptions(
+            policy=policy, health_interval=0.5, startup_timeout=30.0, timeout=120.0
+        )
         app = create_router_app([r["url"] for r in replicas], opts, **kw)
         srv = BackgroundServer(app).start()
         started.append(srv)
@@ -140,7 +169,9 @@ def router(replicas) -> Iterator[Callable[..., BackgroundServer]]:
 # ---- helpers ------------------------------------------------------------------------------------
 
 
-def chat(url: str, messages: list[dict[str, str]], stream: bool = False) -> tuple[str, int, str, int]:
+def chat(
+    url: str, messages: list[dict[str, str]], stream: bool = False
+) -> tuple[str, int, str, int]:
     """One greedy chat turn through ``url``: (reply text, reported cached tokens, replica the
     router chose, predicted cached tokens)."""
     body: dict[str, Any] = {"messages": messages, "max_tokens": 6, "temperature": 0}
@@ -149,15 +180,20 @@ def chat(url: str, messages: list[dict[str, str]], stream: bool = False) -> tupl
     r = httpx.post(url + "/v1/chat/completions", json=body, timeout=120)
     assert r.status_code == 200, r.text
     if stream:
-        events = [json.loads(line[6:]) for line in r.text.splitlines()
-                  if line.startswith("data: {")]
+        events = [
+            json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")
+        ]
         text = "".join(c["delta"].get("content") or "" for e in events for c in e["choices"])
         usage = next(e["usage"] for e in events if e.get("usage"))
     else:
         text = r.json()["choices"][0]["message"]["content"]
         usage = r.json()["usage"]
-    return (text, usage["prompt_tokens_details"]["cached_tokens"], r.headers["x-pagedkv-replica"],
-            int(r.headers["x-pagedkv-predicted-cached-tokens"]))
+    return (
+        text,
+        usage["prompt_tokens_details"]["cached_tokens"],
+        r.headers["x-pagedkv-replica"],
+        int(r.headers["x-pagedkv-predicted-cached-tokens"]),
+    )
 
 
 def state(url: str) -> dict[str, Any]:
@@ -190,7 +226,10 @@ def reset_all(replicas: list[dict[str, Any]]) -> None:
 
 def metric(url: str, name: str) -> float:
     text = httpx.get(url + "/metrics", timeout=10).text
-    return sum(float(m.group(1)) for m in re.finditer(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M))
+    return sum(
+        float(m.group(1))
+        for m in re.finditer(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M)
+    )
 
 
 # ---- tests --------------------------------------------------------------------------------------
@@ -201,14 +240,16 @@ def test_shared_prefix_conversations_stay_with_their_replica(replicas, router) -
     srv = router("kv")
     convs = [[{"role": "system", "content": s}] for s in SYSTEMS]
     home: list[str] = []
-    for i, conv in enumerate(convs):  # turn 1: nothing cached anywhere, spread by load
+    for conv in convs:  # turn 1: nothing cached anywhere, spread by load
         conv.append({"role": "user", "content": "Hello."})
         text, cached, rep, predicted = chat(srv.url, conv)
         assert cached == predicted == 0
         conv.append({"role": "assistant", "content": text})
         home.append(rep)
     assert len(set(home)) == 3  # a cold start spreads: each conversation on its own replica
-    wait_until(lambda: all(r["indexed_blocks"] > 0 for r in state(srv.url)["replicas"]), 10, "the events")
+    wait_until(
+        lambda: all(r["indexed_blocks"] > 0 for r in state(srv.url)["replicas"]), 10, "the events"
+    )
     for turn in range(2):  # later turns: back to the replica holding the conversation
         for i, conv in enumerate(convs):
             conv.append({"role": "user", "content": f"And question {turn + 2}?"})
@@ -237,7 +278,10 @@ def test_round_robin_ignores_the_cache(replicas, router) -> None:
 def test_reset_prefix_cache_empties_the_replicas_index(replicas, router) -> None:
     reset_all(replicas)
     srv = router("kv")
-    conv = [{"role": "system", "content": SYSTEMS[1]}, {"role": "user", "content": "Why does iron rust?"}]
+    conv = [
+        {"role": "system", "content": SYSTEMS[1]},
+        {"role": "user", "content": "Why does iron rust?"},
+    ]
     _, _, rep, _ = chat(srv.url, conv)
     wait_until(lambda: replica_state(srv.url, rep)["indexed_blocks"] >= 3, 10, "BlockStored")
     assert httpx.post(rep + "/reset_prefix_cache", timeout=30).status_code == 200
@@ -251,15 +295,21 @@ def test_prefill_decode_pools_score_the_prefill_instance(replicas, router) -> No
     decoder computes the prompt itself, so answers equal a direct request's)."""
     reset_all(replicas)
     opts = RouterOptions(policy="kv", health_interval=0.5, timeout=120.0)
-    srv = BackgroundServer(create_router_app([r["url"] for r in replicas[:2]], opts,
-                                             decode=[replicas[2]["url"]])).start()
+    srv = BackgroundServer(
+        create_router_app([r["url"] for r in replicas[:2]], opts, decode=[replicas[2]["url"]])
+    ).start()
     try:
         conv = [{"role": "system", "content": SYSTEMS[2]}, {"role": "user", "content": "x = 1"}]
-        direct = httpx.post(replicas[2]["url"] + "/v1/chat/completions", timeout=120,
-                            json={"messages": conv, "max_tokens": 6, "temperature": 0}).json()
+        direct = httpx.post(
+            replicas[2]["url"] + "/v1/chat/completions",
+            timeout=120,
+            json={"messages": conv, "max_tokens": 6, "temperature": 0},
+        ).json()
         text, _, first, predicted = chat(srv.url, conv)
         assert text == direct["choices"][0]["message"]["content"] and predicted == 0
-        wait_until(lambda: replica_state(srv.url, first)["indexed_blocks"] >= 3, 10, "the prefill's events")
+        wait_until(
+            lambda: replica_state(srv.url, first)["indexed_blocks"] >= 3, 10, "the prefill's events"
+        )
         _, _, again, predicted = chat(srv.url, conv)
         assert again == first and predicted >= 3 * BLOCK
         assert replicas[2]["url"] not in {r["url"] for r in state(srv.url)["replicas"]}
@@ -271,11 +321,21 @@ def test_killed_replica_is_dropped_refused_when_changed_and_reindexed(replicas, 
     reset_all(replicas)
     srv = router("kv")
     victim = replicas[2]
-    conv = [{"role": "system", "content": SYSTEMS[0]}, {"role": "user", "content": "Oslo to Bergen?"}]
+    conv = [
+        {"role": "system", "content": SYSTEMS[0]},
+        {"role": "user", "content": "Oslo to Bergen?"},
+    ]
     # Warm the victim directly: it alone holds the conversation, so the router must pick it.
-    httpx.post(victim["url"] + "/v1/chat/completions", timeout=120,
-               json={"messages": conv, "max_tokens": 1, "temperature": 0})
-    wait_until(lambda: replica_state(srv.url, victim["url"])["indexed_blocks"] >= 3, 10, "the victim's events")
+    httpx.post(
+        victim["url"] + "/v1/chat/completions",
+        timeout=120,
+        json={"messages": conv, "max_tokens": 1, "temperature": 0},
+    )
+    wait_until(
+        lambda: replica_state(srv.url, victim["url"])["indexed_blocks"] >= 3,
+        10,
+        "the victim's events",
+    )
     assert chat(srv.url, conv)[2] == victim["url"]
 
     victim["proc"].stop()  # killed: its next request goes elsewhere and its blocks are forgotten
@@ -283,30 +343,65 @@ def test_killed_replica_is_dropped_refused_when_changed_and_reindexed(replicas, 
     assert rep != victim["url"] and cached == predicted == 0
     wait_until(lambda: not replica_state(srv.url, victim["url"])["up"], 10, "the victim down")
     # take_down marks it down first (no more routing), then stops its feed, then forgets its blocks.
-    wait_until(lambda: replica_state(srv.url, victim["url"])["indexed_blocks"] == 0, 10, "the victim forgotten")
+    wait_until(
+        lambda: replica_state(srv.url, victim["url"])["indexed_blocks"] == 0,
+        10,
+        "the victim forgotten",
+    )
 
     # Back with another block size: answering, but refused (its hashes would not match ours).
     victim["proc"] = start_replica(victim["port"], block_size=32)
     victim["proc"].wait_for(r"listening on http://", START_TIMEOUT)
-    wait_until(lambda: replica_state(srv.url, victim["url"])["refused"] is not None, 15, "the refusal")
+    wait_until(
+        lambda: replica_state(srv.url, victim["url"])["refused"] is not None, 15, "the refusal"
+    )
     vs = replica_state(srv.url, victim["url"])
     assert not vs["up"] and "block_size: 32 != 16" in vs["refused"]
     assert metric(srv.url, f'pagedkv_router_replica_refused{{replica="{victim["url"]}"}}') == 1
     # The command refuses it at start, with the field that differs.
-    out = subprocess.run([*CMD, "router", "--replica", replicas[0]["url"], victim["url"], "--port", "0",
-                          "--startup-timeout", "10"], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 2 and "block_size: 32 != 16" in out.stderr and victim["url"] in out.stderr
+    out = subprocess.run(
+        [
+            *CMD,
+            "router",
+            "--replica",
+            replicas[0]["url"],
+            victim["url"],
+            "--port",
+            "0",
+            "--startup-timeout",
+            "10",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert (
+        out.returncode == 2 and "block_size: 32 != 16" in out.stderr and victim["url"] in out.stderr
+    )
 
     # Back as it was: re-indexed from its replay socket, in rotation again.
     victim["proc"].stop()
     victim["proc"] = start_replica(victim["port"])
     victim["proc"].wait_for(r"listening on http://", START_TIMEOUT)
-    other = [{"role": "system", "content": SYSTEMS[1]}, {"role": "user", "content": "What is an acid?"}]
-    httpx.post(victim["url"] + "/v1/chat/completions", timeout=120,
-               json={"messages": other, "max_tokens": 1, "temperature": 0})
+    other = [
+        {"role": "system", "content": SYSTEMS[1]},
+        {"role": "user", "content": "What is an acid?"},
+    ]
+    httpx.post(
+        victim["url"] + "/v1/chat/completions",
+        timeout=120,
+        json={"messages": other, "max_tokens": 1, "temperature": 0},
+    )
     wait_until(lambda: replica_state(srv.url, victim["url"])["up"], 15, "the victim up")
-    wait_until(lambda: replica_state(srv.url, victim["url"])["indexed_blocks"] >= 3, 10, "the re-index")
+    wait_until(
+        lambda: replica_state(srv.url, victim["url"])["indexed_blocks"] >= 3, 10, "the re-index"
+    )
     assert replica_state(srv.url, victim["url"])["refused"] is None
     _, cached, rep, predicted = chat(srv.url, other)
     assert rep == victim["url"] and cached == predicted >= 3 * BLOCK
-    assert metric(srv.url, f'pagedkv_router_kv_resyncs_total{{replica="{victim["url"]}",why="connect"}}') == 2
+    assert (
+        metric(
+            srv.url, f'pagedkv_router_kv_resyncs_total{{replica="{victim["url"]}",why="connect"}}'
+        )
+        == 2
+    )

@@ -23,7 +23,9 @@ from pagedkv.router.scoring import ReplicaLoad, RoutingPolicy, RoutingWeights, k
 def test_prompt_block_hashes_equal_the_engines_request_hasher(algo: str, salt: str | None) -> None:
     tokens = list(range(100, 171))  # 4 full blocks of 16 and a partial one
     fn = get_hash_fn_by_name(algo)
-    req = KVCacheRequest("r", tokens, block_hasher=get_request_block_hasher(16, fn), cache_salt=salt)
+    req = KVCacheRequest(
+        "r", tokens, block_hasher=get_request_block_hasher(16, fn), cache_salt=salt
+    )
     want = [to_external(h) for h in req.block_hashes]
     got = prompt_block_hashes(tokens, 16, algo, resolve_none_hash_seed(fn), cache_salt=salt)
     assert len(got) == 4 and got == want
@@ -31,10 +33,16 @@ def test_prompt_block_hashes_equal_the_engines_request_hasher(algo: str, salt: s
 
 def test_prompt_block_hashes_with_lora_equal_the_engines() -> None:
     fn = get_hash_fn_by_name("sha256_cbor")
-    req = KVCacheRequest("r", list(range(40)), block_hasher=get_request_block_hasher(8, fn),
-                         lora_name="ad", lora_path="/p")
-    assert prompt_block_hashes(list(range(40)), 8, "sha256_cbor", None, lora=("ad", "/p")) == \
-        [to_external(h) for h in req.block_hashes]
+    req = KVCacheRequest(
+        "r",
+        list(range(40)),
+        block_hasher=get_request_block_hasher(8, fn),
+        lora_name="ad",
+        lora_path="/p",
+    )
+    assert prompt_block_hashes(list(range(40)), 8, "sha256_cbor", None, lora=("ad", "/p")) == [
+        to_external(h) for h in req.block_hashes
+    ]
 
 
 def test_another_seed_or_block_size_gives_other_hashes() -> None:
@@ -64,23 +72,34 @@ def test_prompt_block_hashes_equal_a_real_engines_block_stored_events() -> None:
 
     llm = LLM(num_kv_blocks=24, max_model_len=128, block_size=8, enable_kv_cache_events=True)
     eng = llm.llm_engine
-    ids = eng.tokenizer.encode("A router must predict which replica holds the prefix of this prompt, "
-                               "so it hashes the prompt's blocks exactly as every replica does.")
+    ids = eng.tokenizer.encode(
+        "A router must predict which replica holds the prefix of this prompt, "
+        "so it hashes the prompt's blocks exactly as every replica does."
+    )
     assert len(ids) >= 24
     llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=1, temperature=0.0))
-    stored = [h for ev in eng.kv_cache_manager.take_events() if isinstance(ev, BlockStored)
-              for h in ev.block_hashes]
+    stored = [
+        h
+        for ev in eng.kv_cache_manager.take_events()
+        if isinstance(ev, BlockStored)
+        for h in ev.block_hashes
+    ]
     want = prompt_block_hashes(ids, 8, eng.config.prefix_caching_hash_algo, None)
-    assert [to_external(h) for h in stored][:len(want)] == want
+    assert [to_external(h) for h in stored][: len(want)] == want
 
 
 # ---- index --------------------------------------------------------------------------------------
 
 
 def stored(hashes: list[int], medium: str = "GPU", tokens: bool = True) -> BlockStored:
-    return BlockStored(block_hashes=list(hashes), parent_block_hash=None,
-                       token_ids=[1] * (4 * len(hashes)) if tokens else [], block_size=4,
-                       lora_id=None, medium=medium)
+    return BlockStored(
+        block_hashes=list(hashes),
+        parent_block_hash=None,
+        token_ids=[1] * (4 * len(hashes)) if tokens else [],
+        block_size=4,
+        lora_id=None,
+        medium=medium,
+    )
 
 
 def test_index_match_device_then_tier_prefix() -> None:
@@ -116,8 +135,17 @@ def test_index_ignores_remote_and_unknown_removals_and_keys_bytes_as_ints() -> N
     idx.apply("a", BlockRemoved(block_hashes=[77], medium="GPU"))  # never stored: no-op
     assert len(idx) == 0
     h = bytes(range(16))
-    idx.apply("a", BlockStored(block_hashes=[h], parent_block_hash=None, token_ids=[1, 2], block_size=2,
-                               lora_id=None, medium=None))  # vLLM's default medium: GPU
+    idx.apply(
+        "a",
+        BlockStored(
+            block_hashes=[h],
+            parent_block_hash=None,
+            token_ids=[1, 2],
+            block_size=2,
+            lora_id=None,
+            medium=None,
+        ),
+    )  # vLLM's default medium: GPU
     assert idx.match([to_external(h)]) == {"a": PrefixMatch(1, 0)}
 
 
@@ -127,9 +155,14 @@ def test_index_cpu_engine_pool_is_device() -> None:
     assert idx.match([1]) == {"a": PrefixMatch(1, 0)}
 
 
-_ops = st.lists(st.tuples(st.sampled_from(["store", "tier", "remove_dev", "remove_tier", "clear"]),
-                          st.sampled_from(["a", "b", "c"]), st.lists(st.integers(0, 5), min_size=1, max_size=3)),
-                max_size=60)
+_ops = st.lists(
+    st.tuples(
+        st.sampled_from(["store", "tier", "remove_dev", "remove_tier", "clear"]),
+        st.sampled_from(["a", "b", "c"]),
+        st.lists(st.integers(0, 5), min_size=1, max_size=3),
+    ),
+    max_size=60,
+)
 
 
 @settings(max_examples=200, deadline=None)
@@ -218,17 +251,26 @@ def test_kv_trades_prefix_against_load() -> None:
     assert kv.choose(["a", "b"], 10, {"a": PrefixMatch(10, 0)}, one, 16).replica == "a"
     # Equal costs (a 2-block hit against 2 more active blocks): the prefix wins the tie.
     tie = {"a": ReplicaLoad(num_running=1, active_blocks=2), "b": ReplicaLoad()}
-    assert kv_cost(10, PrefixMatch(2, 0), tie["a"], RoutingWeights()) == kv_cost(10, None, tie["b"], RoutingWeights())
-    assert {kv.choose(["a", "b"], 10, {"a": PrefixMatch(2, 0)}, tie, 16).replica for _ in range(4)} == {"a"}
+    assert kv_cost(10, PrefixMatch(2, 0), tie["a"], RoutingWeights()) == kv_cost(
+        10, None, tie["b"], RoutingWeights()
+    )
+    assert {
+        kv.choose(["a", "b"], 10, {"a": PrefixMatch(2, 0)}, tie, 16).replica for _ in range(4)
+    } == {"a"}
     w = RoutingWeights(tier_credit=0.5)
     assert kv_cost(10, PrefixMatch(2, 4), ReplicaLoad(), w) == pytest.approx(10 - 4 + 10)
-    assert kv_cost(10, PrefixMatch(0, 0), ReplicaLoad(active_blocks=7, num_waiting=1), w) == 10 + 7 + 10 + 10
+    assert (
+        kv_cost(10, PrefixMatch(0, 0), ReplicaLoad(active_blocks=7, num_waiting=1), w)
+        == 10 + 7 + 10 + 10
+    )
 
 
 def test_kv_temperature_samples_reproducibly() -> None:
     w = RoutingWeights(temperature=5.0)
-    picks = [RoutingPolicy("kv", w, seed=1).choose(R, 8, {"a": PrefixMatch(3, 0)}, {}, 16).replica
-             for _ in range(2)]
+    picks = [
+        RoutingPolicy("kv", w, seed=1).choose(R, 8, {"a": PrefixMatch(3, 0)}, {}, 16).replica
+        for _ in range(2)
+    ]
     assert picks[0] == picks[1]
     many = RoutingPolicy("kv", w, seed=2)
     got = {many.choose(R, 8, {"a": PrefixMatch(3, 0)}, {}, 16).replica for _ in range(60)}
@@ -265,10 +307,18 @@ def test_event_feed_replays_on_connect_follows_live_and_resyncs_after_a_restart(
         pub.publish([stored([1, 2])])
         pub.publish([BlockRemoved(block_hashes=[2], medium="GPU")])
         assert _wait(lambda: pub.next_seq == 2)
-        feed = EventFeed("a", pub.endpoint, pub.replay_endpoint, idx, lock,
-                         on_resync=lambda r, why: resyncs.append(why)).start()
+        feed = EventFeed(
+            "a",
+            pub.endpoint,
+            pub.replay_endpoint,
+            idx,
+            lock,
+            on_resync=lambda r, why: resyncs.append(why),
+        ).start()
         assert feed.wait_synced(5) and resyncs == ["connect"]
-        assert idx.match([1, 2]) == {"a": PrefixMatch(1, 0)} and feed.last_seq == 1  # from the replay
+        assert (
+            idx.match([1, 2]) == {"a": PrefixMatch(1, 0)} and feed.last_seq == 1
+        )  # from the replay
         pub.publish([stored([7])])
         assert _wait(lambda: 7 in idx) and feed.last_seq == 2  # live
         # The replica restarts on the same endpoints: numbering starts at 0 again.

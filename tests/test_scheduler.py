@@ -21,7 +21,13 @@ import pytest
 from core_utils import full_spec, make_kv_cache_config, swa_spec
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule, run_state_machine_as_test
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    rule,
+    run_state_machine_as_test,
+)
 
 from pagedkv.core.hashing import sha256
 from pagedkv.core.request import RequestStatus, get_request_block_hasher
@@ -45,17 +51,33 @@ def counting(req: Request) -> int:
     return 1000 + req.num_output_tokens
 
 
-def make_scheduler(num_blocks: int = 64, *, specs=None, max_num_seqs: int = 8, budget: int = 64,
-                   max_model_len: int = 256, caching: bool = True) -> Scheduler:
+def make_scheduler(
+    num_blocks: int = 64,
+    *,
+    specs=None,
+    max_num_seqs: int = 8,
+    budget: int = 64,
+    max_model_len: int = 256,
+    caching: bool = True,
+) -> Scheduler:
     config = make_kv_cache_config(num_blocks, specs, block_size=BS)
     return Scheduler(config, max_num_seqs, budget, max_model_len, enable_caching=caching)
 
 
-def make_req(rid: str, prompt: list[int], *, max_tokens: int = 4, n: int = 1, eos: int | None = EOS,
-             **params) -> Request:
+def make_req(
+    rid: str, prompt: list[int], *, max_tokens: int = 4, n: int = 1, eos: int | None = EOS, **params
+) -> Request:
     p = SamplingParams(n=n, max_tokens=max_tokens, **params)
-    req = Request(request_id=rid, prompt_token_ids=list(prompt), block_hasher=get_request_block_hasher(BS, sha256),
-                  sampling_params=p, eos_token_id=eos, parent_id=rid, max_tokens=max_tokens, seed=p.seed)
+    req = Request(
+        request_id=rid,
+        prompt_token_ids=list(prompt),
+        block_hasher=get_request_block_hasher(BS, sha256),
+        sampling_params=p,
+        eos_token_id=eos,
+        parent_id=rid,
+        max_tokens=max_tokens,
+        seed=p.seed,
+    )
     req.fork_pending = n - 1
     return req
 
@@ -111,7 +133,10 @@ def test_admission_respects_max_num_seqs_and_the_token_budget():
     for i in range(3):
         sched.add_request(make_req(f"r{i}", list(range(10 * i, 10 * i + 6))))
     so, _ = step(sched)
-    assert [(s.request.request_id, s.start, s.num_tokens) for s in so.scheduled] == [("r0", 0, 6), ("r1", 0, 6)]
+    assert [(s.request.request_id, s.start, s.num_tokens) for s in so.scheduled] == [
+        ("r0", 0, 6),
+        ("r1", 0, 6),
+    ]
     assert so.num_batched_tokens == 12
     assert [r.request_id for r in sched.waiting] == ["r2"]  # max_num_seqs, not the budget
 
@@ -123,7 +148,10 @@ def test_admission_respects_max_num_seqs_and_the_token_budget():
     assert [(s.request.request_id, s.num_tokens) for s in so.scheduled] == [("a", 6), ("b", 2)]
     assert [o.request_id for o in eco.outputs] == ["a"]
     so, eco = step(sched)
-    assert [(s.request.request_id, s.start, s.num_tokens) for s in so.scheduled] == [("a", 6, 1), ("b", 2, 4)]
+    assert [(s.request.request_id, s.start, s.num_tokens) for s in so.scheduled] == [
+        ("a", 6, 1),
+        ("b", 2, 4),
+    ]
     assert [o.request_id for o in eco.outputs] == ["a", "b"]
 
 
@@ -206,21 +234,31 @@ def test_a_sequence_the_whole_cache_cannot_hold_stops_with_length():
 # ---- n > 1 -------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("specs", [[full_spec(BS)], [full_spec(BS), swa_spec(BS, window=6)]],
-                         ids=["one group", "full + sliding window"])
+@pytest.mark.parametrize(
+    "specs",
+    [[full_spec(BS)], [full_spec(BS), swa_spec(BS, window=6)]],
+    ids=["one group", "full + sliding window"],
+)
 def test_fork_shares_full_blocks_and_copies_the_partial_one_in_every_group(specs):
     sched = make_scheduler(specs=specs)
     parent = make_req("p", list(range(10)), n=3, max_tokens=3, seed=5)  # 2 full blocks + 2 tokens
     sched.add_request(parent)
     so = sched.schedule()
-    assert [(p.request_id, c.request_id, c.seed) for p, c in so.forks] == [("p", "p#1", 6), ("p", "p#2", 7)]
+    assert [(p.request_id, c.request_id, c.seed) for p, c in so.forks] == [
+        ("p", "p#1", 6),
+        ("p", "p#2", 7),
+    ]
     mro = fake_run(so, lambda r: 1000 + r.sample_index)
     assert mro.req_ids == ["p", "p#1", "p#2"]
     eco = sched.update_from_output(so, mro)
     kv = sched.kv_cache_manager
     kv.check_invariants()
     assert [c.request_id for c in eco.forked] == ["p#1", "p#2"]
-    assert [(o.request_id, o.new_token_ids) for o in eco.outputs] == [("p", [1000]), ("p#1", [1001]), ("p#2", [1002])]
+    assert [(o.request_id, o.new_token_ids) for o in eco.outputs] == [
+        ("p", [1000]),
+        ("p#1", [1001]),
+        ("p#2", [1002]),
+    ]
     copies = []
     for g in range(len(specs)):
         tables = [kv.get_block_ids(rid)[g] for rid in ("p", "p#1", "p#2")]
@@ -246,8 +284,11 @@ def test_a_fork_past_max_num_seqs_queues_the_child_and_it_can_finish_at_once():
     sched.add_request(make_req("p", list(range(10)), n=3, max_tokens=1))
     so, eco = step(sched)
     assert [c.request_id for c in eco.forked] == ["p#1", "p#2"]
-    assert [(o.request_id, o.finish_reason) for o in eco.outputs] == [("p", "length"), ("p#1", "length"),
-                                                                     ("p#2", "length")]
+    assert [(o.request_id, o.finish_reason) for o in eco.outputs] == [
+        ("p", "length"),
+        ("p#1", "length"),
+        ("p#2", "length"),
+    ]
     assert so.forks == []  # consumed
     assert_all_free(sched)
 
@@ -342,7 +383,9 @@ def test_a_failed_step_frees_its_requests_and_drops_the_hashes_it_never_wrote():
     so = sched.schedule()
     assert so.forks  # p's prompt ends this step: its child was to be forked
     failed = sched.fail_requests(so, ["p"])
-    assert [r.request_id for r in failed] == ["p"] and failed[0].status == RequestStatus.FINISHED_ABORTED
+    assert [r.request_id for r in failed] == ["p"] and failed[
+        0
+    ].status == RequestStatus.FINISHED_ABORTED
     eco = sched.update_from_output(so, EMPTY_MODEL_RUNNER_OUTPUT)
     assert eco.forked == [] and eco.outputs == []  # no fork of a failed parent
     kv = sched.kv_cache_manager
@@ -354,8 +397,10 @@ def test_a_failed_step_frees_its_requests_and_drops_the_hashes_it_never_wrote():
 
 
 def test_the_scheduler_modules_import_no_torch():
-    code = ("import sys; import pagedkv.engine.scheduler, pagedkv.engine.scheduler_output; "
-            "assert 'torch' not in sys.modules, 'torch imported'")
+    code = (
+        "import sys; import pagedkv.engine.scheduler, pagedkv.engine.scheduler_output; "
+        "assert 'torch' not in sys.modules, 'torch imported'"
+    )
     src = os.path.join(os.path.dirname(__file__), os.pardir, "src")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
@@ -379,22 +424,39 @@ class SchedulerMachine(RuleBasedStateMachine):
     whole user requests, and failed steps. After every rule: the pool's invariants, and the
     scheduler's queues agree with its request table."""
 
-    @initialize(config=st.sampled_from(CONFIGS), budget=st.sampled_from([3, 8, 64]),
-                max_seqs=st.sampled_from([1, 2, 4]), caching=st.booleans())
+    @initialize(
+        config=st.sampled_from(CONFIGS),
+        budget=st.sampled_from([3, 8, 64]),
+        max_seqs=st.sampled_from([1, 2, 4]),
+        caching=st.booleans(),
+    )
     def setup(self, config, budget, max_seqs, caching):
         _, specs, num_blocks = config
-        self.sched = make_scheduler(num_blocks, specs=specs, max_num_seqs=max_seqs, budget=budget,
-                                    max_model_len=40, caching=caching)
+        self.sched = make_scheduler(
+            num_blocks,
+            specs=specs,
+            max_num_seqs=max_seqs,
+            budget=budget,
+            max_model_len=40,
+            caching=caching,
+        )
         self.num_added = 0
         self.finished: set[str] = set()
 
-    @rule(prefix=st.sampled_from(PREFIXES), length=st.integers(1, 20), tail=st.integers(0, 3),
-          n=st.integers(1, 3), max_tokens=st.integers(1, 8))
+    @rule(
+        prefix=st.sampled_from(PREFIXES),
+        length=st.integers(1, 20),
+        tail=st.integers(0, 3),
+        n=st.integers(1, 3),
+        max_tokens=st.integers(1, 8),
+    )
     def add(self, prefix, length, tail, n, max_tokens):
         rid = f"r{self.num_added}"
         self.num_added += 1
         prompt = prefix[:length] + [500 + self.num_added] * tail
-        self.sched.add_request(make_req(rid, prompt, n=n, max_tokens=max_tokens, stop_token_ids=[STOP_ID]))
+        self.sched.add_request(
+            make_req(rid, prompt, n=n, max_tokens=max_tokens, stop_token_ids=[STOP_ID])
+        )
 
     @rule(data=st.data())
     def step(self, data):
@@ -410,7 +472,10 @@ class SchedulerMachine(RuleBasedStateMachine):
                 assert o.request_id not in sched.requests
                 self.finished.add(o.request_id)
             else:
-                assert sched.requests[o.request_id].status in (RequestStatus.RUNNING, RequestStatus.WAITING)
+                assert sched.requests[o.request_id].status in (
+                    RequestStatus.RUNNING,
+                    RequestStatus.WAITING,
+                )
         assert len(sched.running) <= sched.max_num_seqs
 
     @rule()
@@ -429,13 +494,17 @@ class SchedulerMachine(RuleBasedStateMachine):
         """The output processor found a stop string: the scheduler finishes that sample."""
         if self.sched.running:
             req = data.draw(st.sampled_from(self.sched.running))
-            assert self.sched.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED) == [req]
+            assert self.sched.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED) == [
+                req
+            ]
             self.finished.add(req.request_id)
 
     @rule(data=st.data())
     def abort_user_request(self, data):
         if self.sched.requests:
-            pid = data.draw(st.sampled_from(sorted({r.parent_id for r in self.sched.requests.values()})))
+            pid = data.draw(
+                st.sampled_from(sorted({r.parent_id for r in self.sched.requests.values()}))
+            )
             ids = [rid for rid, r in self.sched.requests.items() if r.parent_id == pid]
             done = self.sched.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
             assert [r.request_id for r in done] == ids
@@ -465,6 +534,13 @@ class SchedulerMachine(RuleBasedStateMachine):
 
 
 def test_scheduler_state_machine():
-    run_state_machine_as_test(SchedulerMachine, settings=settings(
-        max_examples=MAX_EXAMPLES, stateful_step_count=40, deadline=None, derandomize=True,
-        suppress_health_check=list(HealthCheck)))
+    run_state_machine_as_test(
+        SchedulerMachine,
+        settings=settings(
+            max_examples=MAX_EXAMPLES,
+            stateful_step_count=40,
+            deadline=None,
+            derandomize=True,
+            suppress_health_check=list(HealthCheck),
+        ),
+    )

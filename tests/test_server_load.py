@@ -18,8 +18,8 @@ openai = pytest.importorskip("openai")
 
 from pagedkv import LLM, SamplingParams
 from pagedkv.engine.config import EngineConfig
-from pagedkv.entrypoints.openai.api_server import create_app
 from pagedkv.entrypoints.cli.serve import BackgroundServer
+from pagedkv.entrypoints.openai.api_server import create_app
 
 ROOT = Path(__file__).resolve().parents[1]
 NUM_CLIENTS = 64
@@ -28,7 +28,16 @@ PREFIXES = [
     "You are a helpful assistant. Answer briefly and precisely, without any preamble. Question: ",
     "The following is a transcript of a lecture on operating systems and virtual memory. ",
 ]
-TOPICS = ["paging", "caching", "hashing", "scheduling", "batching", "eviction", "prefetching", "swapping"]
+TOPICS = [
+    "paging",
+    "caching",
+    "hashing",
+    "scheduling",
+    "batching",
+    "eviction",
+    "prefetching",
+    "swapping",
+]
 
 
 def workload() -> list[tuple[str, dict]]:
@@ -56,8 +65,13 @@ async def run_clients(url: str, work: list[tuple[str, dict]]) -> list[dict]:
 
     async def one(prompt: str, sp: dict) -> dict:
         t0 = time.monotonic()
-        stream = await client.completions.create(model="SmolLM2-135M-Instruct", prompt=prompt, stream=True,
-                                                 stream_options={"include_usage": True}, **sp)
+        stream = await client.completions.create(
+            model="SmolLM2-135M-Instruct",
+            prompt=prompt,
+            stream=True,
+            stream_options={"include_usage": True},
+            **sp,
+        )
         text, finish, usage, chunks = "", None, None, 0
         async for chunk in stream:
             if chunk.choices:
@@ -66,7 +80,13 @@ async def run_clients(url: str, work: list[tuple[str, dict]]) -> list[dict]:
                 finish = chunk.choices[0].finish_reason or finish
             if chunk.usage is not None:
                 usage = chunk.usage
-        return dict(text=text, finish_reason=finish, usage=usage, chunks=chunks, seconds=time.monotonic() - t0)
+        return dict(
+            text=text,
+            finish_reason=finish,
+            usage=usage,
+            chunks=chunks,
+            seconds=time.monotonic() - t0,
+        )
 
     try:
         return await asyncio.wait_for(asyncio.gather(*(one(p, sp) for p, sp in work)), timeout=300)
@@ -92,27 +112,58 @@ def test_64_concurrent_streams_match_offline_generate_and_free_the_pool(server):
         assert st["prefix_cache"]["hits"] > 0  # the shared prefixes were reused
         metrics = http.get("/metrics").text
     server.app.state.pagedkv.async_llm.call_in_engine(lambda e: e.check_invariants()).result(30)
-    ttft_count = next(line for line in metrics.splitlines()
-                      if line.startswith("pagedkv:time_to_first_token_seconds_count"))
+    ttft_count = next(
+        line
+        for line in metrics.splitlines()
+        if line.startswith("pagedkv:time_to_first_token_seconds_count")
+    )
     assert float(ttft_count.rsplit(" ", 1)[1]) >= NUM_CLIENTS
 
     # Offline, same engine options, same prompts and parameters (seeds included).
     llm = LLM(**ENGINE)
-    offline = llm.generate([p for p, _ in work], [SamplingParams(**sp) for _, sp in work], use_tqdm=False)
-    mismatches = [(i, r["text"], o.outputs[0].text) for i, (r, o) in enumerate(zip(results, offline))
-                  if r["text"] != o.outputs[0].text or r["finish_reason"] != o.outputs[0].finish_reason]
+    offline = llm.generate(
+        [p for p, _ in work], [SamplingParams(**sp) for _, sp in work], use_tqdm=False
+    )
+    mismatches = [
+        (i, r["text"], o.outputs[0].text)
+        for i, (r, o) in enumerate(zip(results, offline))
+        if r["text"] != o.outputs[0].text or r["finish_reason"] != o.outputs[0].finish_reason
+    ]
     assert not mismatches, mismatches[:5]
-    assert [r["usage"].completion_tokens for r in results] == [len(o.outputs[0].token_ids) for o in offline]
+    assert [r["usage"].completion_tokens for r in results] == [
+        len(o.outputs[0].token_ids) for o in offline
+    ]
 
 
 @pytest.mark.slow
 def test_bench_serving_tiny_run(tmp_path):
     out = tmp_path / "bench.json"
-    res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_serving.py"), "--num-requests", "6",
-                          "--request-rate", "20", "--input-len", "24", "--prefix-len", "16", "--output-len", "4", "--num-kv-blocks", "256",
-                          "--max-model-len", "512",
-                          "--json-out", str(out)],
-                         capture_output=True, text=True, timeout=400, cwd=ROOT)
+    res = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "bench_serving.py"),
+            "--num-requests",
+            "6",
+            "--request-rate",
+            "20",
+            "--input-len",
+            "24",
+            "--prefix-len",
+            "16",
+            "--output-len",
+            "4",
+            "--num-kv-blocks",
+            "256",
+            "--max-model-len",
+            "512",
+            "--json-out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=400,
+        cwd=ROOT,
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     report = json.loads(out.read_text())
     assert [r["name"] for r in report["runs"]] == ["rate=20", "saturation"]
@@ -125,5 +176,6 @@ def test_bench_serving_tiny_run(tmp_path):
     off = report["offline"]
     assert off["output_tokens"] == 24 and off["output_token_throughput"] > 0
     assert report["saturation_vs_offline"] == pytest.approx(
-        report["runs"][1]["output_token_throughput"] / off["output_token_throughput"])
+        report["runs"][1]["output_token_throughput"] / off["output_token_throughput"]
+    )
     assert "saturation" in res.stdout and "offline" in res.stdout

@@ -10,15 +10,17 @@ import pytest
 openai = pytest.importorskip("openai")
 
 from pagedkv.engine.config import EngineConfig
-from pagedkv.entrypoints.openai.api_server import create_app
 from pagedkv.entrypoints.cli.serve import BackgroundServer
+from pagedkv.entrypoints.openai.api_server import create_app
 
 MODEL = "SmolLM2-135M-Instruct"
 PROMPT = "The capital of France is"
 # 40+ tokens, so two full 16-token blocks can be prefix hits.
-LONG_PROMPT = ("Paged attention stores the key and value vectors of every sequence in fixed-size "
-               "blocks, like pages of virtual memory, so that memory is allocated on demand and "
-               "shared between sequences with a common prefix. Question: what is a block?")
+LONG_PROMPT = (
+    "Paged attention stores the key and value vectors of every sequence in fixed-size "
+    "blocks, like pages of virtual memory, so that memory is allocated on demand and "
+    "shared between sequences with a common prefix. Question: what is a block?"
+)
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +32,9 @@ def server():
 
 @pytest.fixture(scope="module")
 def client(server):
-    with openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120) as c:
+    with openai.OpenAI(
+        base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120
+    ) as c:
         yield c
 
 
@@ -59,11 +63,21 @@ def test_completion_non_streaming(client, tokenizer):
 
 def test_streaming_equals_non_streaming_and_reports_usage(client):
     full = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0)
-    chunks = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0,
-                                            stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        client.completions.create(
+            model=MODEL,
+            prompt=PROMPT,
+            max_tokens=8,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     text = "".join(c.choices[0].text for c in chunks if c.choices)
     assert text == full.choices[0].text
-    finals = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    finals = [
+        c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason
+    ]
     assert finals == ["length"]
     assert not chunks[-1].choices and chunks[-1].usage.completion_tokens == 8
     assert chunks[-1].usage.prompt_tokens == full.usage.prompt_tokens
@@ -71,24 +85,33 @@ def test_streaming_equals_non_streaming_and_reports_usage(client):
 
 
 def test_prefix_hits_are_reported_as_cached_tokens(client, server):
-    first = client.completions.create(model=MODEL, prompt=LONG_PROMPT + " A", max_tokens=2, temperature=0)
-    second = client.completions.create(model=MODEL, prompt=LONG_PROMPT + " B", max_tokens=2, temperature=0)
+    first = client.completions.create(
+        model=MODEL, prompt=LONG_PROMPT + " A", max_tokens=2, temperature=0
+    )
+    second = client.completions.create(
+        model=MODEL, prompt=LONG_PROMPT + " B", max_tokens=2, temperature=0
+    )
     assert first.usage.prompt_tokens >= 40
     cached = second.usage.prompt_tokens_details.cached_tokens
     assert cached >= 32 and cached % 16 == 0 and cached < second.usage.prompt_tokens
 
 
 def test_chat_non_streaming_and_streaming(client):
-    messages = [{"role": "system", "content": "You are terse."},
-                {"role": "user", "content": "Name a colour."}]
+    messages = [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "Name a colour."},
+    ]
     r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0)
     assert r.object == "chat.completion" and r.id.startswith("chatcmpl-")
     msg = r.choices[0].message
     assert msg.role == "assistant" and msg.content
     assert r.choices[0].finish_reason in ("stop", "length")
     assert r.usage.prompt_tokens > 10 and 1 <= r.usage.completion_tokens <= 8
-    stream = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8,
-                                                 temperature=0, stream=True))
+    stream = list(
+        client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=8, temperature=0, stream=True
+        )
+    )
     assert stream[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == msg.content
     assert stream[-1].choices[0].finish_reason == r.choices[0].finish_reason
@@ -96,22 +119,31 @@ def test_chat_non_streaming_and_streaming(client):
 
 
 def test_n_greater_than_one(client):
-    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=5, temperature=1.0, seed=7, n=3)
+    r = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=5, temperature=1.0, seed=7, n=3
+    )
     assert sorted(c.index for c in r.choices) == [0, 1, 2]
     assert all(c.finish_reason in ("stop", "length") for c in r.choices)
     assert r.usage.completion_tokens <= 15
     # Streaming: every choice streams its own deltas and finishes once.
     texts: dict[int, str] = {0: "", 1: "", 2: ""}
     finished: dict[int, int] = {0: 0, 1: 0, 2: 0}
-    for chunk in client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=5, temperature=1.0,
-                                           seed=7, n=3, stream=True):
+    for chunk in client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=5, temperature=1.0, seed=7, n=3, stream=True
+    ):
         for c in chunk.choices:
             texts[c.index] += c.text
             finished[c.index] += c.finish_reason is not None
     assert finished == {0: 1, 1: 1, 2: 1}
     assert texts == {c.index: c.text for c in r.choices}  # same seed, same samples
-    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
-                                          max_tokens=4, temperature=1.0, seed=3, n=2)
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=4,
+        temperature=1.0,
+        seed=3,
+        n=2,
+    )
     assert sorted(c.index for c in chat.choices) == [0, 1]
 
 
@@ -123,30 +155,53 @@ def test_seed_makes_sampling_reproducible(client):
 
 
 def test_stop_strings_cut_the_text_streaming_or_not(client):
-    base = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0).choices[0].text
+    base = (
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0)
+        .choices[0]
+        .text
+    )
     # A stop string in the middle of the greedy continuation: the text must end right before it.
     words = base.split()
     assert len(words) >= 3, base
     stop = words[1]
-    cut = base[:base.index(stop)]
-    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0, stop=[stop])
+    cut = base[: base.index(stop)]
+    r = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0, stop=[stop]
+    )
     assert r.choices[0].text == cut and r.choices[0].finish_reason == "stop"
-    streamed = "".join(c.choices[0].text for c in client.completions.create(
-        model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0, stop=stop, stream=True) if c.choices)
+    streamed = "".join(
+        c.choices[0].text
+        for c in client.completions.create(
+            model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0, stop=stop, stream=True
+        )
+        if c.choices
+    )
     assert streamed == cut
-    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Count: 1, 2, 3,"}],
-                                          max_tokens=12, temperature=0)
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Count: 1, 2, 3,"}],
+        max_tokens=12,
+        temperature=0,
+    )
     text = chat.choices[0].message.content
     if len(text) > 2:
         stop = text[1:3]
-        cut = text[:text.index(stop)]
-        r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Count: 1, 2, 3,"}],
-                                           max_tokens=12, temperature=0, stop=stop, stream=True)
+        cut = text[: text.index(stop)]
+        r = client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "Count: 1, 2, 3,"}],
+            max_tokens=12,
+            temperature=0,
+            stop=stop,
+            stream=True,
+        )
         assert "".join(c.choices[0].delta.content or "" for c in r if c.choices) == cut
 
 
 def test_logprobs(client):
-    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0, logprobs=2)
+    r = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0, logprobs=2
+    )
     lp = r.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4
     assert "".join(lp.tokens) == r.choices[0].text
@@ -154,16 +209,27 @@ def test_logprobs(client):
         assert chosen <= 0 and 1 <= len(top) <= 2
         assert max(top.values()) == pytest.approx(chosen)  # greedy: the chosen token is the top one
     assert lp.text_offset == sorted(lp.text_offset)
-    c = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=3,
-                                       temperature=0, logprobs=True, top_logprobs=3)
+    c = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=3,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
+    )
     content = c.choices[0].logprobs.content
     assert len(content) == c.usage.completion_tokens
-    assert all(len(x.top_logprobs) == 3 and x.top_logprobs[0].logprob == pytest.approx(x.logprob) for x in content)
+    assert all(
+        len(x.top_logprobs) == 3 and x.top_logprobs[0].logprob == pytest.approx(x.logprob)
+        for x in content
+    )
 
 
 def test_batched_prompts_and_token_id_prompts(client, tokenizer):
     ids = tokenizer.encode(PROMPT)
-    r = client.completions.create(model=MODEL, prompt=[PROMPT, "Two plus two is"], max_tokens=3, temperature=0)
+    r = client.completions.create(
+        model=MODEL, prompt=[PROMPT, "Two plus two is"], max_tokens=3, temperature=0
+    )
     assert [c.index for c in r.choices] == [0, 1]
     single = client.completions.create(model=MODEL, prompt=ids, max_tokens=3, temperature=0)
     assert single.choices[0].text == r.choices[0].text
@@ -175,16 +241,31 @@ def test_kv_transfer_params_are_accepted_and_returned(server):
     accepted), and the response carries the connector's params (null: no connector here)."""
     import httpx
 
-    body = dict(model=MODEL, prompt=PROMPT, max_tokens=3, temperature=0,
-                kv_transfer_params={"skip_reading_prefix_cache": True})
+    body = dict(
+        model=MODEL,
+        prompt=PROMPT,
+        max_tokens=3,
+        temperature=0,
+        kv_transfer_params={"skip_reading_prefix_cache": True},
+    )
     r = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
     assert r.status_code == 200, r.text
     assert "kv_transfer_params" in r.json() and r.json()["kv_transfer_params"] is None
-    plain = httpx.post(server.url + "/v1/completions", json={**body, "kv_transfer_params": None}, timeout=60)
+    plain = httpx.post(
+        server.url + "/v1/completions", json={**body, "kv_transfer_params": None}, timeout=60
+    )
     assert plain.json()["choices"][0]["text"] == r.json()["choices"][0]["text"]
-    chat = httpx.post(server.url + "/v1/chat/completions", timeout=60, json=dict(
-        model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=2, temperature=0,
-        kv_transfer_params={"skip_reading_prefix_cache": True}))
+    chat = httpx.post(
+        server.url + "/v1/chat/completions",
+        timeout=60,
+        json=dict(
+            model=MODEL,
+            messages=[{"role": "user", "content": "Hi"}],
+            max_tokens=2,
+            temperature=0,
+            kv_transfer_params={"skip_reading_prefix_cache": True},
+        ),
+    )
     assert chat.status_code == 200, chat.text
     assert "kv_transfer_params" in chat.json() and chat.json()["kv_transfer_params"] is None
 
@@ -192,15 +273,23 @@ def test_kv_transfer_params_are_accepted_and_returned(server):
 def test_kv_transfer_params_unknown_key_is_a_400_naming_the_field(server):
     import httpx
 
-    for path, extra in (("/v1/completions", {"prompt": PROMPT}),
-                        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]})):
-        r = httpx.post(server.url + path, timeout=60,
-                       json=dict(model=MODEL, max_tokens=2, kv_transfer_params={"bogus": 1}, **extra))
+    for path, extra in (
+        ("/v1/completions", {"prompt": PROMPT}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]}),
+    ):
+        r = httpx.post(
+            server.url + path,
+            timeout=60,
+            json=dict(model=MODEL, max_tokens=2, kv_transfer_params={"bogus": 1}, **extra),
+        )
         assert r.status_code == 400, r.text
         err = r.json()["error"]
         assert err["param"] == "kv_transfer_params" and "bogus" in err["message"]
-        wrong_type = httpx.post(server.url + path, timeout=60,
-                                json=dict(model=MODEL, max_tokens=2, kv_transfer_params=[1], **extra))
+        wrong_type = httpx.post(
+            server.url + path,
+            timeout=60,
+            json=dict(model=MODEL, max_tokens=2, kv_transfer_params=[1], **extra),
+        )
         assert wrong_type.status_code == 400 and "kv_transfer_params" in wrong_type.text
 
 
@@ -209,8 +298,10 @@ def test_kv_transfer_params_only_on_the_last_stream_chunk(server):
 
     import httpx
 
-    for path, extra in (("/v1/completions", {"prompt": PROMPT}),
-                        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]})):
+    for path, extra in (
+        ("/v1/completions", {"prompt": PROMPT}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]}),
+    ):
         for options in (None, {"include_usage": True}):
             body = dict(model=MODEL, max_tokens=3, temperature=0, stream=True, **extra)
             if options:
@@ -238,8 +329,13 @@ def test_debug_kv_cache_reports_the_pool_and_a_broken_invariant(server):
     assert r.status_code == 200, r.text
     idle = r.json()
     num_blocks = async_llm.call_in_engine(lambda e: e.kv_cache_config.num_blocks).result(60)
-    assert idle == {"num_blocks": num_blocks, "num_free_blocks": num_blocks - 1, "num_running": 0,
-                    "num_waiting": 0, "invariants_ok": True}
+    assert idle == {
+        "num_blocks": num_blocks,
+        "num_free_blocks": num_blocks - 1,
+        "num_running": 0,
+        "num_waiting": 0,
+        "invariants_ok": True,
+    }
 
     def corrupt(e) -> int:
         block = e.kv_cache_manager.block_pool.free_block_queue.get_all_free_blocks()[0]

@@ -20,26 +20,31 @@ import pytest
 import zmq
 from server_utils import running_server
 
+from pagedkv.core.event_transport import DEFAULT_ENDPOINT, ZmqEventPublisher
 from pagedkv.engine.config import EngineConfig
 from pagedkv.entrypoints.cli import serve
-from pagedkv.core.event_transport import DEFAULT_ENDPOINT, ZmqEventPublisher
-from pagedkv.entrypoints.openai.middleware import MaxBodySizeMiddleware
 from pagedkv.entrypoints.openai.api_server import KVEventsOptions
+from pagedkv.entrypoints.openai.middleware import MaxBodySizeMiddleware
 
 KEY = "sk-test-4f1c9a"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 LIMIT = 64 * 1024
 MODEL = "SmolLM2-135M-Instruct"
 # 40+ tokens: two full 16-token blocks can be prefix hits.
-LONG = ("Paged attention stores the key and value vectors of every sequence in fixed-size blocks, "
-        "like pages of virtual memory, so memory is allocated on demand and shared between "
-        "sequences with a common prefix. Question:")
+LONG = (
+    "Paged attention stores the key and value vectors of every sequence in fixed-size blocks, "
+    "like pages of virtual memory, so memory is allocated on demand and shared between "
+    "sequences with a common prefix. Question:"
+)
 
 
 @pytest.fixture(scope="module")
 def server():
-    with running_server(EngineConfig(num_kv_blocks=256, max_num_seqs=4, max_model_len=512),
-                        api_key=KEY, max_request_bytes=LIMIT) as srv:
+    with running_server(
+        EngineConfig(num_kv_blocks=256, max_num_seqs=4, max_model_len=512),
+        api_key=KEY,
+        max_request_bytes=LIMIT,
+    ) as srv:
         yield srv
 
 
@@ -58,22 +63,38 @@ def error_of(r: httpx.Response, status: int) -> dict:
 
 def assert_serving(http: httpx.Client) -> None:
     assert http.get("/health").status_code == 200
-    r = http.post("/v1/completions", headers=AUTH, json={"prompt": "Hello", "max_tokens": 2, "temperature": 0})
+    r = http.post(
+        "/v1/completions", headers=AUTH, json={"prompt": "Hello", "max_tokens": 2, "temperature": 0}
+    )
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
 
 
 # ---- API key -----------------------------------------------------------------------------------
 
 
-GUARDED = [("POST", "/v1/completions", {"prompt": "hi", "max_tokens": 1}),
-           ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}),
-           ("GET", "/v1/models", None),
-           ("POST", "/reset_prefix_cache", None)]
+GUARDED = [
+    ("POST", "/v1/completions", {"prompt": "hi", "max_tokens": 1}),
+    (
+        "POST",
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1},
+    ),
+    ("GET", "/v1/models", None),
+    ("POST", "/reset_prefix_cache", None),
+]
 
 
 @pytest.mark.parametrize("method, path, body", GUARDED)
-@pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY},
-                                     {"Authorization": f"Basic {KEY}"}, {"Authorization": f"Bearer {KEY}x"}])
+@pytest.mark.parametrize(
+    "headers",
+    [
+        {},
+        {"Authorization": "Bearer wrong"},
+        {"Authorization": KEY},
+        {"Authorization": f"Basic {KEY}"},
+        {"Authorization": f"Bearer {KEY}x"},
+    ],
+)
 def test_guarded_routes_need_the_key(http, method, path, body, headers):
     r = http.request(method, path, json=body, headers=headers)
     err = error_of(r, 401)
@@ -102,7 +123,9 @@ def test_openai_client_with_and_without_the_key(server):
         with pytest.raises(openai.AuthenticationError):
             bad.completions.create(model=MODEL, prompt="hi", max_tokens=1)
     with openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0) as good:
-        r = good.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+        r = good.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2
+        )
         assert r.usage.completion_tokens == 2
 
 
@@ -135,8 +158,16 @@ def cached(r: httpx.Response) -> int:
 
 def test_cache_salt_separates_tenants_on_completions(http):
     prompt = LONG + " completions?"
-    ask = lambda salt: http.post("/v1/completions", headers=AUTH, json={  # noqa: E731
-        "prompt": prompt, "max_tokens": 1, "temperature": 0, **({"cache_salt": salt} if salt else {})})
+    ask = lambda salt: http.post(  # noqa: E731
+        "/v1/completions",
+        headers=AUTH,
+        json={  # noqa: E731
+            "prompt": prompt,
+            "max_tokens": 1,
+            "temperature": 0,
+            **({"cache_salt": salt} if salt else {}),
+        },
+    )
     assert cached(ask("tenant-a")) == 0
     assert cached(ask("tenant-b")) == 0, "a different salt must not hit tenant-a's blocks"
     assert cached(ask(None)) == 0, "an unsalted request must not hit salted blocks"
@@ -149,9 +180,19 @@ def test_cache_salt_separates_tenants_on_chat_streaming(http):
     messages = [{"role": "user", "content": LONG + " chat?"}]
 
     def ask(salt: str) -> int:
-        with http.stream("POST", "/v1/chat/completions", headers=AUTH, json={
-                "messages": messages, "max_tokens": 1, "temperature": 0, "cache_salt": salt,
-                "stream": True, "stream_options": {"include_usage": True}}) as r:
+        with http.stream(
+            "POST",
+            "/v1/chat/completions",
+            headers=AUTH,
+            json={
+                "messages": messages,
+                "max_tokens": 1,
+                "temperature": 0,
+                "cache_salt": salt,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            },
+        ) as r:
             assert r.status_code == 200
             chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
         return chunks[-1]["usage"]["prompt_tokens_details"]["cached_tokens"]
@@ -163,9 +204,15 @@ def test_cache_salt_separates_tenants_on_chat_streaming(http):
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
-@pytest.mark.parametrize("salt, words", [("", "non-empty"), (5, "valid string"), (["a"], "valid string")])
+@pytest.mark.parametrize(
+    "salt, words", [("", "non-empty"), (5, "valid string"), (["a"], "valid string")]
+)
 def test_bad_cache_salt_is_400(http, path, salt, words):
-    body = {"prompt": "hi"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "hi"}]}
+    body = (
+        {"prompt": "hi"}
+        if path == "/v1/completions"
+        else {"messages": [{"role": "user", "content": "hi"}]}
+    )
     err = error_of(http.post(path, headers=AUTH, json={**body, "cache_salt": salt}), 400)
     assert err["param"] == "cache_salt" and words in err["message"], err
 
@@ -206,8 +253,10 @@ def json_of(raw: bytes) -> dict:
 
 
 def test_declared_oversized_body_is_413_before_it_is_read(server, http):
-    head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-            b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Length: 100000000\r\n\r\n")
+    head = (
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Length: 100000000\r\n\r\n"
+    )
     raw = raw_request(server, head, [b'{"prompt": "'])  # 100 MB promised, a few bytes sent
     assert raw.startswith(b"HTTP/1.1 413"), raw[:200]
     err = json_of(raw)["error"]
@@ -216,7 +265,9 @@ def test_declared_oversized_body_is_413_before_it_is_read(server, http):
 
 
 def test_oversized_body_through_httpx_is_413(http):
-    r = http.post("/v1/completions", headers=AUTH, json={"prompt": "x" * (LIMIT + 10), "max_tokens": 1})
+    r = http.post(
+        "/v1/completions", headers=AUTH, json={"prompt": "x" * (LIMIT + 10), "max_tokens": 1}
+    )
     assert error_of(r, 413)["code"] == "request_too_large"
     assert_serving(http)
 
@@ -227,7 +278,9 @@ def test_whole_oversized_body_sent_by_a_client_gets_the_413(http):
     unread bytes in the socket makes the kernel send RST; before the drain, 4 of 40 such 1 MiB
     requests failed here (httpx.RemoteProtocolError / ReadError: connection reset by peer)."""
     for _ in range(30):
-        r = http.post("/v1/completions", headers=AUTH, json={"prompt": "x" * (16 * LIMIT), "max_tokens": 1})
+        r = http.post(
+            "/v1/completions", headers=AUTH, json={"prompt": "x" * (16 * LIMIT), "max_tokens": 1}
+        )
         assert error_of(r, 413)["code"] == "request_too_large"
     assert_serving(http)
 
@@ -257,8 +310,10 @@ def test_refused_body_is_drained_before_the_413_is_sent(chunked):
 
 
 def test_chunked_oversized_body_is_413(server, http):
-    head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-            b"Authorization: Bearer " + KEY.encode() + b"\r\nTransfer-Encoding: chunked\r\n\r\n")
+    head = (
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Authorization: Bearer " + KEY.encode() + b"\r\nTransfer-Encoding: chunked\r\n\r\n"
+    )
     chunk = b"x" * 16384
     parts = [b'%x\r\n{"prompt": "\r\n' % len(b'{"prompt": "')]
     parts += [b"%x\r\n" % len(chunk) + chunk + b"\r\n"] * 8  # 128 KiB, twice the limit
@@ -271,8 +326,10 @@ def test_chunked_oversized_body_is_413(server, http):
 
 def test_chunked_body_under_the_limit_is_served(http):
     body = json.dumps({"prompt": "Hello", "user": "y" * 30000, "max_tokens": 1}).encode()
-    parts = (body[i:i + 4096] for i in range(0, len(body), 4096))  # a generator: chunked encoding
-    r = http.post("/v1/completions", headers={**AUTH, "Content-Type": "application/json"}, content=parts)
+    parts = (body[i : i + 4096] for i in range(0, len(body), 4096))  # a generator: chunked encoding
+    r = http.post(
+        "/v1/completions", headers={**AUTH, "Content-Type": "application/json"}, content=parts
+    )
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["completion_tokens"] == 1
 
@@ -290,8 +347,12 @@ def test_one_access_line_per_request(http, caplog):
     with caplog.at_level(logging.INFO, logger="pagedkv.access"):
         http.get("/health")
         http.post("/v1/completions", json={"prompt": "hi"})  # no key: 401
-        with http.stream("POST", "/v1/completions", headers=AUTH,
-                         json={"prompt": "hi", "max_tokens": 2, "stream": True}) as r:
+        with http.stream(
+            "POST",
+            "/v1/completions",
+            headers=AUTH,
+            json={"prompt": "hi", "max_tokens": 2, "stream": True},
+        ) as r:
             r.read()
         deadline = time.monotonic() + 5
         while len(caplog.records) < 3 and time.monotonic() < deadline:

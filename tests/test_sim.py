@@ -10,15 +10,22 @@ import sys
 
 import pytest
 
-from pagedkv.core.kv_cache_manager import KVCacheManager
 from pagedkv.core.hashing import get_hash_fn_by_name
+from pagedkv.core.kv_cache_manager import KVCacheManager
 from pagedkv.core.request import KVCacheRequest, get_request_block_hasher
 from pagedkv.core.specs import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 from pagedkv.sim.cost import GPU_TABLE, CostModel
 from pagedkv.sim.fleet import Fleet, FleetConfig, simulate
 from pagedkv.sim.hashes import PrefixHasher
 from pagedkv.sim.replica import ReplicaConfig
-from pagedkv.sim.trace import TraceRequest, gen_agentic, gen_chat, gen_system_prompt, read_trace, write_trace
+from pagedkv.sim.trace import (
+    TraceRequest,
+    gen_agentic,
+    gen_chat,
+    gen_system_prompt,
+    read_trace,
+    write_trace,
+)
 
 COST = GPU_TABLE["h100-llama3-8b"]
 
@@ -30,7 +37,9 @@ def _sequential(trace: list[TraceRequest], gap: float = 1000.0) -> list[TraceReq
     return trace
 
 
-def _direct_replay(trace: list[TraceRequest], num_blocks: int, block_size: int = 16) -> tuple[int, int]:
+def _direct_replay(
+    trace: list[TraceRequest], num_blocks: int, block_size: int = 16
+) -> tuple[int, int]:
     """(query tokens, hit tokens) of a plain KVCacheManager serving ``trace`` one request at a
     time: prefix lookup, allocate the prompt, then one slot per output token (distinct output
     tokens per request), free. What the simulator must reproduce exactly."""
@@ -53,20 +62,49 @@ def _direct_replay(trace: list[TraceRequest], num_blocks: int, block_size: int =
 
 @pytest.mark.parametrize("num_blocks", [40, 400])
 def test_sim_prefix_hits_equal_direct_kv_cache_manager_replay(num_blocks: int) -> None:
-    trace = _sequential(gen_chat(30, 1.0, seed=3, num_system_prompts=2, system_len=100, turns=3,
-                                 user_len=20, output_len=20))
+    trace = _sequential(
+        gen_chat(
+            30,
+            1.0,
+            seed=3,
+            num_system_prompts=2,
+            system_len=100,
+            turns=3,
+            user_len=20,
+            output_len=20,
+        )
+    )
     queries, hits = _direct_replay(trace, num_blocks)
-    rep = simulate(trace, FleetConfig(replicas=1, replica=ReplicaConfig(num_blocks=num_blocks),
-                                      policy="round-robin", hash_mode="real", reply_hashes=False), COST)
+    rep = simulate(
+        trace,
+        FleetConfig(
+            replicas=1,
+            replica=ReplicaConfig(num_blocks=num_blocks),
+            policy="round-robin",
+            hash_mode="real",
+            reply_hashes=False,
+        ),
+        COST,
+    )
     assert rep["hit_rate"]["queries_tokens"] == queries
     assert rep["hit_rate"]["device_hit_tokens"] == hits
     assert hits > 0  # the trace shares prefixes
 
 
 def test_fast_and_real_hashes_give_the_same_hits() -> None:
-    trace = gen_chat(120, 20.0, seed=1, num_system_prompts=3, system_len=64, user_len=24, output_len=12)
-    reps = [simulate(trace, FleetConfig(replicas=2, replica=ReplicaConfig(num_blocks=120), policy="kv",
-                                        hash_mode=m), COST) for m in ("fast", "real")]
+    trace = gen_chat(
+        120, 20.0, seed=1, num_system_prompts=3, system_len=64, user_len=24, output_len=12
+    )
+    reps = [
+        simulate(
+            trace,
+            FleetConfig(
+                replicas=2, replica=ReplicaConfig(num_blocks=120), policy="kv", hash_mode=m
+            ),
+            COST,
+        )
+        for m in ("fast", "real")
+    ]
     assert reps[0]["hit_rate"]["device_hit_tokens"] == reps[1]["hit_rate"]["device_hit_tokens"]
     assert reps[0]["latency_s"] == reps[1]["latency_s"]
 
@@ -76,7 +114,9 @@ def test_real_hashes_are_the_engines_and_the_routers() -> None:
 
     tr = gen_chat(3, 1.0, seed=2)[2]
     ours = PrefixHasher(16, "real").hashes(tr)
-    assert [to_external(h) for h in ours] == prompt_block_hashes(tr.token_ids(), 16, "sha256_cbor", None)
+    assert [to_external(h) for h in ours] == prompt_block_hashes(
+        tr.token_ids(), 16, "sha256_cbor", None
+    )
 
 
 def _modal_share(fleet: Fleet) -> float:
@@ -85,17 +125,30 @@ def _modal_share(fleet: Fleet) -> float:
     for rep in fleet.replicas:
         for r in rep.finished:
             by_system.setdefault(r.trace.segments[0][0], []).append(r.replica)
-    return sum(max(v.count(x) for x in set(v)) / len(v) for v in by_system.values()) / len(by_system)
+    return sum(max(v.count(x) for x in set(v)) / len(v) for v in by_system.values()) / len(
+        by_system
+    )
 
 
 def test_kv_routing_concentrates_shared_prefixes() -> None:
     """12 system prompts of 32 blocks, 4 replicas of 159 usable blocks: round-robin makes every
     replica cache every prompt (and evict them); kv routing (fed by the replicas' KV events)
     sends a prompt back where it is cached."""
-    trace = gen_system_prompt(400, 5.0, seed=0, num_system_prompts=12, system_len=512, user_len=32,
-                              output_len=16, zipf_s=0.5)
+    trace = gen_system_prompt(
+        400,
+        5.0,
+        seed=0,
+        num_system_prompts=12,
+        system_len=512,
+        user_len=32,
+        output_len=16,
+        zipf_s=0.5,
+    )
     cfg = dict(replicas=4, replica=ReplicaConfig(num_blocks=160))
-    kv, rr = Fleet(FleetConfig(policy="kv", **cfg), COST), Fleet(FleetConfig(policy="round-robin", **cfg), COST)
+    kv, rr = (
+        Fleet(FleetConfig(policy="kv", **cfg), COST),
+        Fleet(FleetConfig(policy="round-robin", **cfg), COST),
+    )
     kv_rep, rr_rep = kv.run(trace), rr.run(trace)
     assert kv_rep["hit_rate"]["device"] > rr_rep["hit_rate"]["device"] + 0.2
     assert _modal_share(kv) > _modal_share(rr) + 0.15
@@ -105,9 +158,12 @@ def test_kv_routing_concentrates_shared_prefixes() -> None:
 
 
 def test_preemption_when_blocks_are_scarce_and_all_finish() -> None:
-    trace = gen_system_prompt(40, 1000.0, seed=0, num_system_prompts=40, system_len=200, user_len=20,
-                              output_len=300)
-    fleet = Fleet(FleetConfig(replicas=1, replica=ReplicaConfig(num_blocks=120), policy="round-robin"), COST)
+    trace = gen_system_prompt(
+        40, 1000.0, seed=0, num_system_prompts=40, system_len=200, user_len=20, output_len=300
+    )
+    fleet = Fleet(
+        FleetConfig(replicas=1, replica=ReplicaConfig(num_blocks=120), policy="round-robin"), COST
+    )
     rep = fleet.run(trace)
     assert rep["preemptions"] > 0
     assert rep["requests"]["finished"] == 40
@@ -122,8 +178,18 @@ def test_decode_runs_change_nothing() -> None:
     a run's last step, so the two must agree exactly; with kv routing they agree closely."""
     cost = CostModel("flat", 0.004, 5e-5, 4e-5, 0.0, block_bytes=1 << 17)  # no context term: exact
     trace = gen_chat(200, 30.0, seed=4, system_len=128, user_len=40, output_len=50)
-    reps = [simulate(trace, FleetConfig(replicas=3, replica=ReplicaConfig(num_blocks=300, decode_runs=runs),
-                                        policy="round-robin"), cost) for runs in (True, False)]
+    reps = [
+        simulate(
+            trace,
+            FleetConfig(
+                replicas=3,
+                replica=ReplicaConfig(num_blocks=300, decode_runs=runs),
+                policy="round-robin",
+            ),
+            cost,
+        )
+        for runs in (True, False)
+    ]
     fast, slow = reps
     assert fast["perf"]["decode_runs"] > 0 and slow["perf"]["decode_runs"] == 0
     assert fast["perf"]["events"] < slow["perf"]["events"]
@@ -133,17 +199,36 @@ def test_decode_runs_change_nothing() -> None:
     for name in ("ttft", "e2e"):
         for k, v in fast["latency_s"][name].items():
             assert v == pytest.approx(slow["latency_s"][name][k], rel=1e-9, abs=1e-12)
-    kv = [simulate(trace, FleetConfig(replicas=3, replica=ReplicaConfig(num_blocks=300, decode_runs=runs),
-                                      policy="kv"), cost) for runs in (True, False)]
+    kv = [
+        simulate(
+            trace,
+            FleetConfig(
+                replicas=3, replica=ReplicaConfig(num_blocks=300, decode_runs=runs), policy="kv"
+            ),
+            cost,
+        )
+        for runs in (True, False)
+    ]
     assert kv[0]["hit_rate"]["device"] == pytest.approx(kv[1]["hit_rate"]["device"], abs=0.005)
 
 
 def test_cpu_tier_serves_what_the_device_evicted() -> None:
-    trace = gen_agentic(200, 10.0, seed=0, num_system_prompts=4, system_len=256, task_len=64, tool_len=64,
-                        steps=5, output_len=16)
+    trace = gen_agentic(
+        200,
+        10.0,
+        seed=0,
+        num_system_prompts=4,
+        system_len=256,
+        task_len=64,
+        tool_len=64,
+        steps=5,
+        output_len=16,
+    )
     base = dict(replicas=2, policy="kv")
     no_tier = simulate(trace, FleetConfig(replica=ReplicaConfig(num_blocks=80), **base), COST)
-    tier = simulate(trace, FleetConfig(replica=ReplicaConfig(num_blocks=80, cpu_tier_blocks=4000), **base), COST)
+    tier = simulate(
+        trace, FleetConfig(replica=ReplicaConfig(num_blocks=80, cpu_tier_blocks=4000), **base), COST
+    )
     assert no_tier["hit_rate"]["cpu_tier"] == 0
     assert tier["hit_rate"]["cpu_tier"] > 0.05
     assert tier["hit_rate"]["total"] > no_tier["hit_rate"]["total"]
@@ -153,10 +238,15 @@ def test_cpu_tier_serves_what_the_device_evicted() -> None:
 
 def test_pd_split_prefills_on_prefill_replicas_and_decodes_on_decode_replicas() -> None:
     trace = gen_chat(150, 20.0, seed=5, system_len=256, user_len=32, output_len=24)
-    fleet = Fleet(FleetConfig(replicas=4, pd_prefill=2, replica=ReplicaConfig(num_blocks=400)), COST)
+    fleet = Fleet(
+        FleetConfig(replicas=4, pd_prefill=2, replica=ReplicaConfig(num_blocks=400)), COST
+    )
     rep = fleet.run(trace)
     assert rep["requests"]["finished"] == 150
-    assert [len(r.finished) for r in fleet.replicas[:2]] == [0, 0]  # handed over, none finished there
+    assert [len(r.finished) for r in fleet.replicas[:2]] == [
+        0,
+        0,
+    ]  # handed over, none finished there
     assert all(len(r.finished) > 0 for r in fleet.replicas[2:])
     assert rep["pd"]["transferred_blocks"] == sum(-(-t.prompt_len // 16) for t in trace)
     assert rep["hit_rate"]["device"] > 0.3  # prefill replicas' prefix cache
@@ -184,7 +274,16 @@ def test_report_fields_and_json(tmp_path) -> None:
     trace = gen_chat(60, 10.0, seed=0)
     rep = simulate(trace, FleetConfig(replicas=2, replica=ReplicaConfig(num_blocks=500)), COST)
     json.dumps(rep)
-    assert set(rep) >= {"requests", "fleet", "hit_rate", "latency_s", "throughput", "preemptions", "memory", "perf"}
+    assert set(rep) >= {
+        "requests",
+        "fleet",
+        "hit_rate",
+        "latency_s",
+        "throughput",
+        "preemptions",
+        "memory",
+        "perf",
+    }
     assert set(rep["hit_rate"]) >= {"device", "cpu_tier", "total"}
     for name in ("ttft", "itl", "e2e"):
         s = rep["latency_s"][name]
@@ -200,8 +299,9 @@ def test_trace_jsonl_roundtrip(tmp_path) -> None:
     path = tmp_path / "t.jsonl"
     assert write_trace(path, trace) == 21
     back = read_trace(path)
-    assert [(r.request_id, r.prompt_len, r.token_ids()) for r in back] == \
-           [(r.request_id, r.prompt_len, r.token_ids()) for r in sorted(trace, key=lambda r: r.arrival)]
+    assert [(r.request_id, r.prompt_len, r.token_ids()) for r in back] == [
+        (r.request_id, r.prompt_len, r.token_ids()) for r in sorted(trace, key=lambda r: r.arrival)
+    ]
 
 
 def _cli(argv: list[str]) -> int:
@@ -215,17 +315,64 @@ def _cli(argv: list[str]) -> int:
 
 def test_cli_generate_run_and_sweep(tmp_path, capsys) -> None:
     trace = tmp_path / "chat.jsonl"
-    assert _cli(["simulate", "generate", "--generator", "chat", "--num-requests", "80", "--rate", "20",
-                 "--out", str(trace)]) == 0
+    assert (
+        _cli(
+            [
+                "simulate",
+                "generate",
+                "--generator",
+                "chat",
+                "--num-requests",
+                "80",
+                "--rate",
+                "20",
+                "--out",
+                str(trace),
+            ]
+        )
+        == 0
+    )
     out = tmp_path / "run.json"
-    assert _cli(["simulate", "run", "--trace", str(trace), "--replicas", "2", "--num-blocks", "300",
-                 "--out", str(out)]) == 0
+    assert (
+        _cli(
+            [
+                "simulate",
+                "run",
+                "--trace",
+                str(trace),
+                "--replicas",
+                "2",
+                "--num-blocks",
+                "300",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     assert json.loads(out.read_text())["requests"]["finished"] == 80
     assert "hit rate" in capsys.readouterr().out
     pytest.importorskip("matplotlib")
     prefix = tmp_path / "sweep"
-    assert _cli(["simulate", "sweep", "--trace", str(trace), "--replicas", "2", "--sweep",
-                 "num-blocks=100,400", "--policies", "kv,round-robin", "--out", str(prefix)]) == 0
+    assert (
+        _cli(
+            [
+                "simulate",
+                "sweep",
+                "--trace",
+                str(trace),
+                "--replicas",
+                "2",
+                "--sweep",
+                "num-blocks=100,400",
+                "--policies",
+                "kv,round-robin",
+                "--out",
+                str(prefix),
+            ]
+        )
+        == 0
+    )
     data = json.loads((tmp_path / "sweep.json").read_text())
     assert len(data["points"]) == 4
     assert (tmp_path / "sweep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -234,8 +381,10 @@ def test_cli_generate_run_and_sweep(tmp_path, capsys) -> None:
 def test_sim_does_not_import_torch() -> None:
     import subprocess
 
-    code = ("import sys; from pagedkv.sim import cli, fleet, replica, trace, cost, report, hashes; "
-            "from pagedkv.sim.fleet import simulate; "
-            "print('torch' in sys.modules)")
+    code = (
+        "import sys; from pagedkv.sim import cli, fleet, replica, trace, cost, report, hashes; "
+        "from pagedkv.sim.fleet import simulate; "
+        "print('torch' in sys.modules)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

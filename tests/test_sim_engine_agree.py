@@ -57,9 +57,14 @@ def _trace(seed: int, n: int, max_prompt: int, max_output: int) -> list[tuple[in
 
 def _engine_request(tr: TraceRequest) -> Request:
     p = SamplingParams(max_tokens=tr.output_len, ignore_eos=True)
-    return Request(request_id=tr.request_id, prompt_token_ids=tr.token_ids(), sampling_params=p,
-                   block_hasher=get_request_block_hasher(BS, get_hash_fn_by_name("sha256_cbor")),
-                   parent_id=tr.request_id, max_tokens=tr.output_len)
+    return Request(
+        request_id=tr.request_id,
+        prompt_token_ids=tr.token_ids(),
+        sampling_params=p,
+        block_hasher=get_request_block_hasher(BS, get_hash_fn_by_name("sha256_cbor")),
+        parent_id=tr.request_id,
+        max_tokens=tr.output_len,
+    )
 
 
 def _output_token(req: Request) -> int:
@@ -85,9 +90,18 @@ def test_engine_scheduler_and_sim_replica_take_the_same_decisions(config: str, s
     spec = FullAttentionSpec(block_size=BS, num_kv_heads=1, head_size=1, dtype="float16")
     kv_config = KVCacheConfig(num_blocks, [KVCacheGroupSpec(["l"], spec)], 1)
     sched = Scheduler(kv_config, seqs, budget, max_len)
-    rep = Replica("r0", ReplicaConfig(num_blocks=num_blocks, block_size=BS, max_num_seqs=seqs,
-                                      max_num_batched_tokens=budget, max_model_len=max_len,
-                                      decode_runs=False), GPU_TABLE["h100-llama3-8b"])
+    rep = Replica(
+        "r0",
+        ReplicaConfig(
+            num_blocks=num_blocks,
+            block_size=BS,
+            max_num_seqs=seqs,
+            max_num_batched_tokens=budget,
+            max_model_len=max_len,
+            decode_runs=False,
+        ),
+        GPU_TABLE["h100-llama3-8b"],
+    )
     hasher = PrefixHasher(BS, "real")
     eng_pool, sim_pool = sched.kv_cache_manager, rep.mgr
     i = step = 0
@@ -102,13 +116,15 @@ def test_engine_scheduler_and_sim_replica_take_the_same_decisions(config: str, s
         end = rep.schedule(float(step))
         where = f"{config} seed {seed} step {step}"
         sim_batch = [(c.request.trace.request_id, c.start, c.n) for c in rep.batch]
-        assert [(s.request.request_id, s.start, s.num_tokens) for s in so.scheduled] == \
-            (sim_batch if end is not None else []), where
+        assert [(s.request.request_id, s.start, s.num_tokens) for s in so.scheduled] == (
+            sim_batch if end is not None else []
+        ), where
         assert sched.num_preemptions == rep.stats.preemptions, where
         for engine_q, sim_q in ((sched.running, rep.running), (sched.waiting, rep.waiting)):
             assert [r.request_id for r in engine_q] == [r.trace.request_id for r in sim_q], where
-        assert eng_pool.block_pool.get_num_free_blocks() == \
-            sim_pool.block_pool.get_num_free_blocks(), where
+        assert (
+            eng_pool.block_pool.get_num_free_blocks() == sim_pool.block_pool.get_num_free_blocks()
+        ), where
         e_stats, s_stats = eng_pool.total_prefix_cache_stats, sim_pool.total_prefix_cache_stats
         assert (e_stats.queries, e_stats.hits) == (s_stats.queries, s_stats.hits), where
         rows = [s.request for s in so.scheduled if s.samples]

@@ -66,8 +66,9 @@ def test_full_attention_stops_at_first_miss():
 
 
 def test_chunked_local_earlier_chunks_are_null_and_count():
-    spec = ChunkedLocalAttentionSpec(block_size=2, num_kv_heads=1, head_size=1, dtype="float32",
-                                     attention_chunk_size=4)
+    spec = ChunkedLocalAttentionSpec(
+        block_size=2, num_kv_heads=1, head_size=1, dtype="float32", attention_chunk_size=4
+    )
     pool, hashes = pool_with([False, False, False, False, True, False, True])
     (hits,) = ChunkedLocalAttentionManager.find_longest_cache_hit(hashes, 13, (0,), pool, spec, 2)
     # max_length 13 → current chunk starts at token 12 = block 6; blocks 0-5 are null.
@@ -150,8 +151,10 @@ def test_hybrid_different_block_sizes_align_to_lcm():
 
 def num_hashed(m, req) -> list[int]:
     """Cached (hashed) blocks in ``req``'s block table, per KV cache group."""
-    return [sum(1 for b in g if not b.is_null and b.block_hash is not None)
-            for g in m.get_blocks(req.request_id).blocks]
+    return [
+        sum(1 for b in g if not b.is_null and b.block_hash is not None)
+        for g in m.get_blocks(req.request_id).blocks
+    ]
 
 
 def num_cached(m) -> list[int]:
@@ -162,13 +165,16 @@ def num_cached(m) -> list[int]:
     return counts
 
 
-@pytest.mark.parametrize("specs,prompt_len,want,grown_len,want_grown", [
-    # lcm 32: 50 cacheable tokens round down to 32 -> full 2 blocks (not 3), SWA 1 block.
-    ([full_spec(16), swa_spec(32, window=64)], 50, [2, 1], 65, [4, 2]),
-    # lcm 16: 41 -> 32 -> full 2 blocks; SWA (bs 8, window 9: one block before an aligned end
-    # is all a hit reads) caches only the 2nd block of each 16-token segment: blocks 1 and 3.
-    ([full_spec(16), swa_spec(8, window=9)], 41, [2, 2], 49, [3, 3]),
-])
+@pytest.mark.parametrize(
+    "specs,prompt_len,want,grown_len,want_grown",
+    [
+        # lcm 32: 50 cacheable tokens round down to 32 -> full 2 blocks (not 3), SWA 1 block.
+        ([full_spec(16), swa_spec(32, window=64)], 50, [2, 1], 65, [4, 2]),
+        # lcm 16: 41 -> 32 -> full 2 blocks; SWA (bs 8, window 9: one block before an aligned end
+        # is all a hit reads) caches only the 2nd block of each 16-token segment: blocks 1 and 3.
+        ([full_spec(16), swa_spec(8, window=9)], 41, [2, 2], 49, [3, 3]),
+    ],
+)
 def test_hybrid_caches_only_blocks_a_hit_can_use(specs, prompt_len, want, grown_len, want_grown):
     """vLLM 0.33's rule (reference §5.5 `_align_cacheable`, §5.6 `reachable_block_mask`): the
     cacheable length is rounded down to the lcm of the group block sizes, and a sliding-window

@@ -30,12 +30,18 @@ from pagedkv.core.specs import (
 ELEM_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "fp8": 1}
 
 
-def full(bs: int = 16, h: int = 4, hs: int = 64, dtype: str = "bfloat16", **kw) -> FullAttentionSpec:
+def full(
+    bs: int = 16, h: int = 4, hs: int = 64, dtype: str = "bfloat16", **kw
+) -> FullAttentionSpec:
     return FullAttentionSpec(block_size=bs, num_kv_heads=h, head_size=hs, dtype=dtype, **kw)
 
 
-def swa(sw: int = 128, bs: int = 16, h: int = 4, hs: int = 64, dtype: str = "bfloat16") -> SlidingWindowSpec:
-    return SlidingWindowSpec(block_size=bs, num_kv_heads=h, head_size=hs, dtype=dtype, sliding_window=sw)
+def swa(
+    sw: int = 128, bs: int = 16, h: int = 4, hs: int = 64, dtype: str = "bfloat16"
+) -> SlidingWindowSpec:
+    return SlidingWindowSpec(
+        block_size=bs, num_kv_heads=h, head_size=hs, dtype=dtype, sliding_window=sw
+    )
 
 
 # ---------------------------------------------------------------- page sizes
@@ -55,17 +61,23 @@ def test_fp8_per_tensor_scale_lives_outside_the_page() -> None:
     assert a.page_size_bytes == b.page_size_bytes == 2 * 16 * 4 * 64
 
 
-@pytest.mark.parametrize("mode,dtype", [(KVQuantMode.INT8_PER_TOKEN_HEAD, "int8"),
-                                        (KVQuantMode.FP8_PER_TOKEN_HEAD, "fp8")])
+@pytest.mark.parametrize(
+    "mode,dtype",
+    [(KVQuantMode.INT8_PER_TOKEN_HEAD, "int8"), (KVQuantMode.FP8_PER_TOKEN_HEAD, "fp8")],
+)
 def test_per_token_head_adds_two_fp32_scales_per_token_head(mode: KVQuantMode, dtype: str) -> None:
     spec = full(bs=16, h=3, hs=64, dtype=dtype, kv_quant_mode=mode)
     assert spec.content_bytes == 64 + 64 + 8
     assert spec.page_size_bytes == 16 * 3 * (128 + 8)
 
 
-@pytest.mark.parametrize("mode,dtype", [(KVQuantMode.INT8_PER_TOKEN_HEAD_F16, "int8"),
-                                        (KVQuantMode.FP8_PER_TOKEN_HEAD_F16, "fp8")])
-def test_per_token_head_f16_adds_two_fp16_scales_per_token_head(mode: KVQuantMode, dtype: str) -> None:
+@pytest.mark.parametrize(
+    "mode,dtype",
+    [(KVQuantMode.INT8_PER_TOKEN_HEAD_F16, "int8"), (KVQuantMode.FP8_PER_TOKEN_HEAD_F16, "fp8")],
+)
+def test_per_token_head_f16_adds_two_fp16_scales_per_token_head(
+    mode: KVQuantMode, dtype: str
+) -> None:
     """pagedkv's *_f16 formats: 132 bytes a token-head at head size 64, 1.94x fewer than bf16's
     256 (vLLM's fp32 scales: 136, 1.88x)."""
     spec = full(bs=16, h=3, hs=64, dtype=dtype, kv_quant_mode=mode)
@@ -74,22 +86,45 @@ def test_per_token_head_f16_adds_two_fp16_scales_per_token_head(mode: KVQuantMod
     assert full(bs=16, h=3, hs=64, dtype="bfloat16").page_size_bytes / spec.page_size_bytes > 1.93
 
 
-@pytest.mark.parametrize("hs,hs_v,content", [(64, 64, 64 + 8), (3, 2, 3 + 8), (5, 5, 6 + 8), (1, 0, 1 + 8)])
+@pytest.mark.parametrize(
+    "hs,hs_v,content", [(64, 64, 64 + 8), (3, 2, 3 + 8), (5, 5, 6 + 8), (1, 0, 1 + 8)]
+)
 def test_int4_packs_two_values_per_byte_rounding_up(hs: int, hs_v: int, content: int) -> None:
     """Each part (K, V) packs its own values and is byte-aligned: part = ceil(d/2) + 4."""
-    spec = AttentionSpec(block_size=8, num_kv_heads=2, head_size=hs, head_size_v=hs_v, dtype="int4",
-                         kv_quant_mode=KVQuantMode.INT4_PER_TOKEN_HEAD)
+    spec = AttentionSpec(
+        block_size=8,
+        num_kv_heads=2,
+        head_size=hs,
+        head_size_v=hs_v,
+        dtype="int4",
+        kv_quant_mode=KVQuantMode.INT4_PER_TOKEN_HEAD,
+    )
     assert spec.content_bytes == content == math.ceil(hs / 2) + math.ceil(hs_v / 2) + 8
-    assert (spec.k_part_bytes, spec.v_part_bytes) == (math.ceil(hs / 2) + 4, math.ceil(hs_v / 2) + 4)
+    assert (spec.k_part_bytes, spec.v_part_bytes) == (
+        math.ceil(hs / 2) + 4,
+        math.ceil(hs_v / 2) + 4,
+    )
     assert spec.page_size_bytes == 8 * 2 * content
 
 
-@pytest.mark.parametrize("hs,content", [(64, 32 + 4 * 2 + 32 + 2), (128, 64 + 8 * 2 + 64 + 2),
-                                        (80, 40 + 5 * 2 + 40 + 2), (24, 12 + 2 + 12 + 2)])
+@pytest.mark.parametrize(
+    "hs,content",
+    [
+        (64, 32 + 4 * 2 + 32 + 2),
+        (128, 64 + 8 * 2 + 64 + 2),
+        (80, 40 + 5 * 2 + 40 + 2),
+        (24, 12 + 2 + 12 + 2),
+    ],
+)
 def test_int4_per_token_group_one_fp16_scale_per_group(hs: int, content: int) -> None:
     """K in groups of 16 (else the whole head), V in one group; one fp16 scale each."""
-    spec = AttentionSpec(block_size=16, num_kv_heads=3, head_size=hs, dtype="int4",
-                         kv_quant_mode=KVQuantMode.INT4_PER_TOKEN_GROUP)
+    spec = AttentionSpec(
+        block_size=16,
+        num_kv_heads=3,
+        head_size=hs,
+        dtype="int4",
+        kv_quant_mode=KVQuantMode.INT4_PER_TOKEN_GROUP,
+    )
     assert spec.content_bytes == content
     assert spec.page_size_bytes == 16 * 3 * content
 
@@ -111,7 +146,9 @@ def test_mla_one_latent_no_v() -> None:
     spec = MLAAttentionSpec(block_size=16, head_size=576, dtype="bfloat16")
     assert spec.bytes_per_token == 1152
     assert spec.page_size_bytes == 16 * 1152
-    q = MLAAttentionSpec(block_size=16, head_size=576, dtype="fp8", kv_quant_mode="fp8_per_token_head")
+    q = MLAAttentionSpec(
+        block_size=16, head_size=576, dtype="fp8", kv_quant_mode="fp8_per_token_head"
+    )
     assert q.bytes_per_token == 576 + 8
     with pytest.raises(ValueError):
         MLAAttentionSpec(block_size=16, head_size=576, num_kv_heads=2, dtype="bfloat16")
@@ -138,8 +175,12 @@ def test_dtype_aliases_normalize_and_unknown_rejected() -> None:
 
 
 @settings(max_examples=200, deadline=None)
-@given(bs=st.integers(1, 64), h=st.integers(1, 16), hs=st.integers(1, 256),
-       mode=st.sampled_from(list(KVQuantMode)))
+@given(
+    bs=st.integers(1, 64),
+    h=st.integers(1, 16),
+    hs=st.integers(1, 256),
+    mode=st.sampled_from(list(KVQuantMode)),
+)
 def test_page_formula_property(bs: int, h: int, hs: int, mode: KVQuantMode) -> None:
     dtype = mode.storage_dtype or "float16"
     spec = full(bs, h, hs, dtype, kv_quant_mode=mode)
@@ -174,8 +215,9 @@ def test_sliding_window_max_memory() -> None:
 
 
 def test_chunked_local_max_memory() -> None:
-    s = ChunkedLocalAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype="float16",
-                                  attention_chunk_size=256)
+    s = ChunkedLocalAttentionSpec(
+        block_size=16, num_kv_heads=2, head_size=64, dtype="float16", attention_chunk_size=256
+    )
     p = s.page_size_bytes
     assert s.max_memory_usage_bytes(10_000, 32) == cdiv(288, 16) * p
     assert s.max_memory_usage_bytes(100, 32) == cdiv(100, 16) * p
@@ -185,16 +227,31 @@ def test_mamba_page_and_memory() -> None:
     s = MambaSpec(block_size=1024, shapes=((3, 512), (8, 64, 16)), dtypes=("bfloat16", "float32"))
     assert s.page_size_bytes == 3 * 512 * 2 + 8 * 64 * 16 * 4
     assert s.max_memory_usage_bytes(1_000_000) == s.page_size_bytes
-    assert dataclasses.replace(s, mamba_cache_mode="align").max_memory_usage_bytes(10) == 2 * s.page_size_bytes
-    assert dataclasses.replace(s, num_speculative_blocks=2).max_memory_usage_bytes(10) == 3 * s.page_size_bytes
+    assert (
+        dataclasses.replace(s, mamba_cache_mode="align").max_memory_usage_bytes(10)
+        == 2 * s.page_size_bytes
+    )
+    assert (
+        dataclasses.replace(s, num_speculative_blocks=2).max_memory_usage_bytes(10)
+        == 3 * s.page_size_bytes
+    )
     with pytest.raises(ValueError):
         MambaSpec(block_size=16, shapes=((2,),), dtypes=("float32", "float32"))
 
 
 def test_cross_attention_sized_by_encoder() -> None:
-    s = CrossAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype="float16",
-                           max_num_encoder_input_tokens=1500)
-    assert s.max_memory_usage_bytes(10) == s.max_memory_usage_bytes(100_000) == cdiv(1500, 16) * s.page_size_bytes
+    s = CrossAttentionSpec(
+        block_size=16,
+        num_kv_heads=2,
+        head_size=64,
+        dtype="float16",
+        max_num_encoder_input_tokens=1500,
+    )
+    assert (
+        s.max_memory_usage_bytes(10)
+        == s.max_memory_usage_bytes(100_000)
+        == cdiv(1500, 16) * s.page_size_bytes
+    )
 
 
 def test_kinds() -> None:
@@ -202,10 +259,22 @@ def test_kinds() -> None:
     assert swa().kind == "sliding_window"
     assert MLAAttentionSpec(block_size=16, head_size=576, dtype="bfloat16").kind == "mla_attention"
     assert MambaSpec(block_size=16, shapes=((1,),), dtypes=("float32",)).kind == "mamba"
-    assert ChunkedLocalAttentionSpec(block_size=16, num_kv_heads=1, head_size=8, dtype="float16",
-                                     attention_chunk_size=64).kind == "chunked_local_attention"
-    assert CrossAttentionSpec(block_size=16, num_kv_heads=1, head_size=8, dtype="float16",
-                              max_num_encoder_input_tokens=8).kind == "cross_attention"
+    assert (
+        ChunkedLocalAttentionSpec(
+            block_size=16, num_kv_heads=1, head_size=8, dtype="float16", attention_chunk_size=64
+        ).kind
+        == "chunked_local_attention"
+    )
+    assert (
+        CrossAttentionSpec(
+            block_size=16,
+            num_kv_heads=1,
+            head_size=8,
+            dtype="float16",
+            max_num_encoder_input_tokens=8,
+        ).kind
+        == "cross_attention"
+    )
 
 
 # ---------------------------------------------------------------- merge
@@ -248,24 +317,34 @@ def layers(kinds: str) -> dict:
 def test_groups_empty_and_uniform() -> None:
     assert get_kv_cache_groups({}) == []
     groups = get_kv_cache_groups({f"layer.{i}": full() for i in range(5)})
-    assert len(groups) == 1 and len(groups[0].layer_names) == 5 and groups[0].kv_cache_spec == full()
+    assert (
+        len(groups) == 1 and len(groups[0].layer_names) == 5 and groups[0].kv_cache_spec == full()
+    )
 
 
 def test_groups_2_full_4_swa() -> None:
     assert names(get_kv_cache_groups(layers("FFSSSS"))) == [
-        ("full_attention", [1, 2]), ("sliding_window", [3, 5]), ("sliding_window", [4, 6])]
+        ("full_attention", [1, 2]),
+        ("sliding_window", [3, 5]),
+        ("sliding_window", [4, 6]),
+    ]
 
 
 def test_groups_3_full_7_swa() -> None:
     assert names(get_kv_cache_groups(layers("FFFSSSSSSS"))) == [
-        ("full_attention", [1, 2, 3]), ("sliding_window", [4, 7, 10]),
-        ("sliding_window", [5, 8]), ("sliding_window", [6, 9])]
+        ("full_attention", [1, 2, 3]),
+        ("sliding_window", [4, 7, 10]),
+        ("sliding_window", [5, 8]),
+        ("sliding_window", [6, 9]),
+    ]
 
 
 def test_groups_close_counts_use_one_group_per_type() -> None:
     # max (5) < 1.5 * min (4) → group_size = 5: one group per type.
     assert names(get_kv_cache_groups(layers("FSFSFSFSS"))) == [
-        ("full_attention", [1, 3, 5, 7]), ("sliding_window", [2, 4, 6, 8, 9])]
+        ("full_attention", [1, 3, 5, 7]),
+        ("sliding_window", [2, 4, 6, 8, 9]),
+    ]
 
 
 def test_groups_cover_every_layer_once() -> None:
@@ -311,18 +390,21 @@ def test_unify_grows_attention_blocks_for_large_mamba_state() -> None:
 # ---------------------------------------------------------------- dtype resolution
 
 
-@pytest.mark.parametrize("kv,mode,want", [
-    ("auto", None, ("bfloat16", KVQuantMode.NONE)),
-    ("float32", None, ("float32", KVQuantMode.NONE)),
-    ("fp8", None, ("fp8", KVQuantMode.FP8_PER_TENSOR)),
-    ("fp8", "fp8_per_token_head", ("fp8", KVQuantMode.FP8_PER_TOKEN_HEAD)),
-    ("int8", None, ("int8", KVQuantMode.INT8_PER_TOKEN_HEAD_F16)),
-    ("int8_per_token_head_f16", None, ("int8", KVQuantMode.INT8_PER_TOKEN_HEAD_F16)),
-    ("fp8_per_token_head_f16", None, ("fp8", KVQuantMode.FP8_PER_TOKEN_HEAD_F16)),
-    ("int4", None, ("int4", KVQuantMode.INT4_PER_TOKEN_GROUP)),
-    ("int8_per_token_head", None, ("int8", KVQuantMode.INT8_PER_TOKEN_HEAD)),
-    ("auto", KVQuantMode.INT4_PER_TOKEN_HEAD, ("int4", KVQuantMode.INT4_PER_TOKEN_HEAD)),
-])
+@pytest.mark.parametrize(
+    "kv,mode,want",
+    [
+        ("auto", None, ("bfloat16", KVQuantMode.NONE)),
+        ("float32", None, ("float32", KVQuantMode.NONE)),
+        ("fp8", None, ("fp8", KVQuantMode.FP8_PER_TENSOR)),
+        ("fp8", "fp8_per_token_head", ("fp8", KVQuantMode.FP8_PER_TOKEN_HEAD)),
+        ("int8", None, ("int8", KVQuantMode.INT8_PER_TOKEN_HEAD_F16)),
+        ("int8_per_token_head_f16", None, ("int8", KVQuantMode.INT8_PER_TOKEN_HEAD_F16)),
+        ("fp8_per_token_head_f16", None, ("fp8", KVQuantMode.FP8_PER_TOKEN_HEAD_F16)),
+        ("int4", None, ("int4", KVQuantMode.INT4_PER_TOKEN_GROUP)),
+        ("int8_per_token_head", None, ("int8", KVQuantMode.INT8_PER_TOKEN_HEAD)),
+        ("auto", KVQuantMode.INT4_PER_TOKEN_HEAD, ("int4", KVQuantMode.INT4_PER_TOKEN_HEAD)),
+    ],
+)
 def test_resolve_kv_cache_dtype(kv: str, mode, want) -> None:
     assert resolve_kv_cache_dtype(kv, "bfloat16", mode) == want
 
@@ -333,17 +415,29 @@ def test_resolve_conflict_raises() -> None:
 
 
 def test_core_imports_nothing_heavy() -> None:
-    code = ("import sys, pagedkv.core.specs, pagedkv.core.layout, pagedkv.core.planning; "
-            "bad = [m for m in ('torch', 'numpy', 'gguf') if m in sys.modules]; "
-            "assert not bad, bad")
+    code = (
+        "import sys, pagedkv.core.specs, pagedkv.core.layout, pagedkv.core.planning; "
+        "bad = [m for m in ('torch', 'numpy', 'gguf') if m in sys.modules]; "
+        "assert not bad, bad"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
-@pytest.mark.parametrize("kv_cache_dtype,kv_rotation,want", [
-    ("int4", None, "hadamard"), ("int8", None, "hadamard"), ("int4", "none", None),
-    ("int8_per_token_head", None, None), ("int4_per_token_group", None, None),
-    ("fp8", "hadamard", "hadamard"), ("auto", None, None)])
-def test_shortcuts_imply_the_rotation_explicit_modes_do_not(kv_cache_dtype, kv_rotation, want) -> None:
+@pytest.mark.parametrize(
+    "kv_cache_dtype,kv_rotation,want",
+    [
+        ("int4", None, "hadamard"),
+        ("int8", None, "hadamard"),
+        ("int4", "none", None),
+        ("int8_per_token_head", None, None),
+        ("int4_per_token_group", None, None),
+        ("fp8", "hadamard", "hadamard"),
+        ("auto", None, None),
+    ],
+)
+def test_shortcuts_imply_the_rotation_explicit_modes_do_not(
+    kv_cache_dtype, kv_rotation, want
+) -> None:
     from pagedkv.core.specs import resolve_kv_rotation
 
     assert resolve_kv_rotation(kv_cache_dtype, kv_rotation) == want

@@ -15,16 +15,21 @@ from redis_server import REDIS_SERVER, SKIP_REASON, RedisServer, redis_server  #
 
 from pagedkv.offload.base import GPULoadStoreSpec, LookupResult, make_offload_key
 from pagedkv.offload.cpu_manager import CPUOffloadingManager
+from pagedkv.offload.factory import build_offloading
 from pagedkv.offload.fingerprint import OffloadFingerprint
 from pagedkv.offload.fs_tier import FileSystemTier
 from pagedkv.offload.redis_tier import RedisTier
 from pagedkv.offload.spec import parse_offload_spec
-from pagedkv.offload.factory import build_offloading
 from pagedkv.offload.tiering import AsyncLookupManager, SecondaryTier, TieringOffloadingManager
 from pagedkv.offload.worker import HostChunkBuffer, OffloadingWorker
 from pagedkv.ops.kv_cache import allocate_kv_cache
 
-HIT, MISS, PENDING, RETRY = LookupResult.HIT, LookupResult.MISS, LookupResult.HIT_PENDING, LookupResult.RETRY
+HIT, MISS, PENDING, RETRY = (
+    LookupResult.HIT,
+    LookupResult.MISS,
+    LookupResult.HIT_PENDING,
+    LookupResult.RETRY,
+)
 L, NB, N, H, D = 2, 64, 4, 2, 16
 LAYOUT = "LBNHC"
 FP = OffloadFingerprint.create("tiny", torch.float32, N, LAYOUT, L, H, D)
@@ -40,7 +45,9 @@ class Engine:
 
     def __init__(self, tiers: list[SecondaryTier], cpu_chunks: int = 8, **kw) -> None:
         self.buf, _ = allocate_kv_cache(LAYOUT, L, NB, N, H, D, torch.float32)
-        self.host = HostChunkBuffer.for_kv_cache(self.buf, LAYOUT, cpu_chunks * L * N * H * 2 * D * 4)
+        self.host = HostChunkBuffer.for_kv_cache(
+            self.buf, LAYOUT, cpu_chunks * L * N * H * 2 * D * 4
+        )
         self.worker = OffloadingWorker(self.buf, LAYOUT, self.host)
         self.cpu = CPUOffloadingManager(self.host.num_chunks, chunk_bytes=self.host.chunk_bytes)
         self.mgr = TieringOffloadingManager(self.cpu, self.host, tiers, **kw)
@@ -62,8 +69,9 @@ class Engine:
             return []
         by_key = dict(zip(keys, blocks))
         self.jobs += 1
-        self.worker.submit_store(self.jobs, GPULoadStoreSpec(tuple(by_key[k] for k in out.keys_to_store)),
-                                 out.store_spec)
+        self.worker.submit_store(
+            self.jobs, GPULoadStoreSpec(tuple(by_key[k] for k in out.keys_to_store)), out.store_spec
+        )
         [res] = self.worker.get_finished()
         return self.mgr.complete_store(out.keys_to_store, res.success)
 
@@ -84,7 +92,7 @@ class Engine:
             return 0
         spec = self.mgr.prepare_load(keys[:n])
         blocks = tuple(range(NB - n, NB))
-        self.buf[:, NB - n:].zero_()
+        self.buf[:, NB - n :].zero_()
         self.jobs += 1
         self.worker.submit_load(self.jobs, spec, GPULoadStoreSpec(blocks))
         assert all(r.success for r in self.worker.get_finished())
@@ -102,8 +110,15 @@ class Engine:
 
 
 def disk(tmp_path: Path, name: str = "disk", **kw) -> FileSystemTier:
-    return FileSystemTier(tmp_path / name, FP, kw.pop("capacity", 10**8), L * N * H * 2 * D * 4,
-                          num_threads=2, name=name, **kw)
+    return FileSystemTier(
+        tmp_path / name,
+        FP,
+        kw.pop("capacity", 10**8),
+        L * N * H * 2 * D * 4,
+        num_threads=2,
+        name=name,
+        **kw,
+    )
 
 
 def redis_tier(server: RedisServer, **kw) -> RedisTier:
@@ -121,7 +136,7 @@ def test_store_cascades_and_a_disk_hit_is_promoted_then_loaded(tmp_path: Path):
     eng.evict_cpu()
     assert all(eng.cpu.peek(k) is MISS for k in keys)
     assert eng.mgr.lookup_many(keys) == [RETRY] * 4  # existence check in flight
-    assert eng.resolve(keys) == [HIT] * 4             # found on disk, promoted, verified
+    assert eng.resolve(keys) == [HIT] * 4  # found on disk, promoted, verified
     assert eng.fetch(keys) == 4
     stats = eng.mgr.get_stats()
     assert stats["disk"].loads == 4 and stats["cpu"].stores >= 4 + eng.cpu.num_chunks
@@ -146,11 +161,16 @@ def test_prefix_lookup_stops_at_the_first_gap(tmp_path: Path):
 
 @pytest.mark.parametrize("tier_kind", ["disk", "redis"])
 def test_a_prefix_found_while_nobody_asks_is_promoted_and_outlives_its_answers(
-        tmp_path: Path, tier_kind: str, request: pytest.FixtureRequest):
+    tmp_path: Path, tier_kind: str, request: pytest.FixtureRequest
+):
     # Issue 9, item 3: a request asks once (RETRY), then waits for a batch slot and does not
     # ask again while its answers come back and expire. Its prefix must be in CPU when it
     # asks next, not an expired answer that starts the check over.
-    tier = disk(tmp_path) if tier_kind == "disk" else redis_tier(request.getfixturevalue("redis_server"))
+    tier = (
+        disk(tmp_path)
+        if tier_kind == "disk"
+        else redis_tier(request.getfixturevalue("redis_server"))
+    )
     eng = Engine([tier], answer_ttl_s=0.05)
     keys = [key(i) for i in range(4)]
     assert eng.offload(keys) == keys
@@ -269,7 +289,9 @@ def test_instances_share_prefixes_through_redis(tmp_path: Path, redis_server: Re
     b.mgr.shutdown()
 
 
-def test_redis_outage_mid_run_degrades_to_misses_and_recovers(tmp_path: Path, redis_server: RedisServer):
+def test_redis_outage_mid_run_degrades_to_misses_and_recovers(
+    tmp_path: Path, redis_server: RedisServer
+):
     writer = Engine([redis_tier(redis_server)])
     early = [key(i) for i in range(4)]
     writer.offload(early)  # only Redis will have these
@@ -281,8 +303,8 @@ def test_redis_outage_mid_run_degrades_to_misses_and_recovers(tmp_path: Path, re
     later = [key(100 + i) for i in range(4)]
     assert eng.offload(later) == later  # stores go on: CPU + disk
     eng.evict_cpu()
-    assert eng.fetch(early) == 0        # Redis is down: a miss, not an error or a hang
-    assert eng.fetch(later) == 4        # the disk still serves
+    assert eng.fetch(early) == 0  # Redis is down: a miss, not an error or a hang
+    assert eng.fetch(later) == 4  # the disk still serves
     stats = eng.mgr.get_stats()
     assert not stats["redis"].healthy and stats["redis"].store_failures > 0
     assert stats["disk"].corrupted == 0 and time.monotonic() - t0 < 8
@@ -296,7 +318,9 @@ def test_redis_outage_mid_run_degrades_to_misses_and_recovers(tmp_path: Path, re
     assert remote.healthy
     eng.offload(fresh)
     assert eng.mgr.drain() and remote.exists_batch(fresh) == [True, True]
-    reader = Engine([redis_tier(redis_server)])  # a third instance sees what was stored after recovery
+    reader = Engine(
+        [redis_tier(redis_server)]
+    )  # a third instance sees what was stored after recovery
     assert reader.fetch(fresh) == 2
     for e in (writer, eng, reader):
         e.mgr.shutdown()
@@ -387,7 +411,9 @@ def test_async_lookup_manager_batches_and_times_out():
 def test_build_offloading_from_the_spec(tmp_path: Path):
     buf, _ = allocate_kv_cache(LAYOUT, L, NB, N, H, D, torch.float32)
     mgr, worker = build_offloading(parse_offload_spec("cpu:64KiB"), FP, buf, LAYOUT)
-    assert isinstance(mgr, CPUOffloadingManager) and mgr.num_chunks == 64 * 1024 // (L * N * H * 2 * D * 4)
+    assert isinstance(mgr, CPUOffloadingManager) and mgr.num_chunks == 64 * 1024 // (
+        L * N * H * 2 * D * 4
+    )
     assert worker.host.num_chunks == mgr.num_chunks
     spec = parse_offload_spec(f"cpu:64KiB,disk:{tmp_path}:1MiB")
     mgr2, _ = build_offloading(spec, FP, buf, LAYOUT, cache_policy="arc", store_threshold=2)

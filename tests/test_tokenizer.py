@@ -23,7 +23,7 @@ TEXTS = [
     "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n",
     "<|endoftext|><repo_name>x<file_sep>y<|im_end|>",
     "it's they're we'll I'd you've don't SHOUTING'S",
-    "{\"json\": [1, 2, {\"k\": null}], \"url\": \"https://example.com/a?b=c&d=e\"}",
+    '{"json": [1, 2, {"k": null}], "url": "https://example.com/a?b=c&d=e"}',
     "",
     " ",
     "a",
@@ -71,16 +71,24 @@ def test_special_tokens_are_single_ids(tok: Tokenizer, hf_tokenizer: Any) -> Non
 
 
 @pytest.mark.parametrize("skip", [True, False])
-def test_decode_matches_transformers_and_round_trips(tok: Tokenizer, hf_tokenizer: Any, skip: bool) -> None:
+def test_decode_matches_transformers_and_round_trips(
+    tok: Tokenizer, hf_tokenizer: Any, skip: bool
+) -> None:
     for text in TEXTS:
         ids = tok.encode(text)
-        assert tok.decode(ids, skip_special_tokens=skip) == hf_tokenizer.decode(ids, skip_special_tokens=skip)
+        assert tok.decode(ids, skip_special_tokens=skip) == hf_tokenizer.decode(
+            ids, skip_special_tokens=skip
+        )
         if not skip:
             assert tok.decode(ids, skip_special_tokens=False) == text
-    assert "<|im_start|>" not in tok.decode(tok.encode("<|im_start|>user\nhi"), skip_special_tokens=True)
+    assert "<|im_start|>" not in tok.decode(
+        tok.encode("<|im_start|>user\nhi"), skip_special_tokens=True
+    )
 
 
-def _stream(tok: Tokenizer, ids: list[int], chunks: list[int], skip: bool) -> tuple[list[str], DetokenizeState]:
+def _stream(
+    tok: Tokenizer, ids: list[int], chunks: list[int], skip: bool
+) -> tuple[list[str], DetokenizeState]:
     state = DetokenizeState(skip_special_tokens=skip)
     deltas, i = [], 0
     for n in chunks:
@@ -133,16 +141,22 @@ def test_incremental_decode_flushes_invalid_utf8_on_final(tok: Tokenizer) -> Non
 
 
 @pytest.mark.parametrize("add_generation_prompt", [True, False])
-def test_chat_template_matches_transformers(tok: Tokenizer, hf_tokenizer: Any, add_generation_prompt: bool) -> None:
+def test_chat_template_matches_transformers(
+    tok: Tokenizer, hf_tokenizer: Any, add_generation_prompt: bool
+) -> None:
     for conv in CONVERSATIONS:
         ours = tok.apply_chat_template(conv, add_generation_prompt=add_generation_prompt)
-        ref = hf_tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt, tokenize=False)
+        ref = hf_tokenizer.apply_chat_template(
+            conv, add_generation_prompt=add_generation_prompt, tokenize=False
+        )
         assert ours == ref
     assert tok.apply_chat_template(CONVERSATIONS[0]).endswith("<|im_start|>assistant\n")
 
 
 def test_chat_template_sandbox_and_raise_exception(tok: Tokenizer) -> None:
-    evil = Tokenizer(tok.backend, bos_token_id=1, eos_token_id=2, chat_template="{{ ''.__class__.__mro__ }}")
+    evil = Tokenizer(
+        tok.backend, bos_token_id=1, eos_token_id=2, chat_template="{{ ''.__class__.__mro__ }}"
+    )
     with pytest.raises(jinja2.exceptions.SecurityError):
         evil.apply_chat_template(CONVERSATIONS[0])
     strict = Tokenizer(

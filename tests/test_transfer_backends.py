@@ -17,27 +17,46 @@ from typing import Any
 import pytest
 import torch
 
-from pagedkv.transfer import (KVTransferBackend, MemoryRegion, get_transfer_backend,
-                                          nixl_import_error)
 from pagedkv.ops.kv_cache import allocate_kv_cache
+from pagedkv.transfer import (
+    KVTransferBackend,
+    MemoryRegion,
+    get_transfer_backend,
+    nixl_import_error,
+)
 
 NUM_LAYERS, NUM_BLOCKS = 2, 16
 NIXL_REASON = nixl_import_error()
-BACKENDS = [pytest.param("nixl", marks=pytest.mark.skipif(NIXL_REASON is not None,
-                                                         reason=f"nixl: {NIXL_REASON}")),
-            "tcp", "tcp-socket"]  # tcp: same-host process_vm_* fast path; tcp-socket: ZMQ only
+BACKENDS = [
+    pytest.param(
+        "nixl", marks=pytest.mark.skipif(NIXL_REASON is not None, reason=f"nixl: {NIXL_REASON}")
+    ),
+    "tcp",
+    "tcp-socket",
+]  # tcp: same-host process_vm_* fast path; tcp-socket: ZMQ only
 TIMEOUT_S = 3.0  # backend timeout for the dead-peer test
 WAIT_S = 30.0  # test-side bound on every wait (spawned children import torch)
 
 
 def make_kv(seed: float) -> tuple[torch.Tensor, list[MemoryRegion]]:
     """A pagedkv KV buffer filled with a pattern unique to ``seed``, and one region per layer."""
-    buf, _ = allocate_kv_cache("LBNHC", num_layers=NUM_LAYERS, num_blocks=NUM_BLOCKS,
-                               block_size=16, num_kv_heads=2, head_size=8, dtype=torch.float32)
+    buf, _ = allocate_kv_cache(
+        "LBNHC",
+        num_layers=NUM_LAYERS,
+        num_blocks=NUM_BLOCKS,
+        block_size=16,
+        num_kv_heads=2,
+        head_size=8,
+        dtype=torch.float32,
+    )
     buf.view(-1).copy_(torch.arange(buf.numel(), dtype=torch.float32) + seed * 1e6)
     block_bytes = buf[0, 0].numel() * buf.element_size()
-    regions = [MemoryRegion(buf.data_ptr() + layer * NUM_BLOCKS * block_bytes, NUM_BLOCKS,
-                            block_bytes, block_bytes) for layer in range(NUM_LAYERS)]
+    regions = [
+        MemoryRegion(
+            buf.data_ptr() + layer * NUM_BLOCKS * block_bytes, NUM_BLOCKS, block_bytes, block_bytes
+        )
+        for layer in range(NUM_LAYERS)
+    ]
     return buf, regions
 
 
@@ -68,8 +87,11 @@ def wait_done(be: KVTransferBackend, handle: int, timeout: float = WAIT_S) -> st
     return state
 
 
-def wait_notif(be: KVTransferBackend, timeout: float = WAIT_S,
-               initiator: tuple[KVTransferBackend, int] | None = None) -> dict[str, list[bytes]]:
+def wait_notif(
+    be: KVTransferBackend,
+    timeout: float = WAIT_S,
+    initiator: tuple[KVTransferBackend, int] | None = None,
+) -> dict[str, list[bytes]]:
     """Poll ``be`` for notifs; meanwhile poll the ``(backend, handle)`` that will send one, as an
     engine does every step (NIXL emits a transfer's notif from its completion path)."""
     deadline = time.monotonic() + timeout
@@ -168,8 +190,9 @@ def test_mismatched_regions_refused(kind: str) -> None:
     try:
         a.register_kv_memory(reg_a)
         b.register_kv_memory(reg_b[:1])  # one region instead of two
-        half = [MemoryRegion(r.base_addr, r.num_blocks, r.block_len // 2, r.block_stride)
-                for r in reg_c]
+        half = [
+            MemoryRegion(r.base_addr, r.num_blocks, r.block_len // 2, r.block_stride) for r in reg_c
+        ]
         c.register_kv_memory(half)
         with pytest.raises(ValueError, match="region counts"):
             a.add_remote_agent(b.get_agent_metadata())
@@ -199,8 +222,11 @@ def test_factory_choice(caplog: pytest.LogCaptureFixture) -> None:
         be = get_transfer_backend("auto-" + uuid.uuid4().hex[:8])
     try:
         assert be.kind == ("nixl" if NIXL_REASON is None else "tcp")
-        expected = ("KV transfer backend: nixl (UCX)" if NIXL_REASON is None
-                    else "KV transfer backend: tcp (NIXL not importable:")
+        expected = (
+            "KV transfer backend: nixl (UCX)"
+            if NIXL_REASON is None
+            else "KV transfer backend: tcp (NIXL not importable:"
+        )
         assert expected in caplog.text
     finally:
         be.shutdown()
@@ -213,8 +239,9 @@ def test_factory_choice(caplog: pytest.LogCaptureFixture) -> None:
         get_transfer_backend("x", "rdma")
 
 
-def test_factory_falls_back_to_tcp_without_nixl(monkeypatch: pytest.MonkeyPatch,
-                                                caplog: pytest.LogCaptureFixture) -> None:
+def test_factory_falls_back_to_tcp_without_nixl(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     monkeypatch.setitem(sys.modules, "nixl_cu12", None)  # what a machine without NIXL sees
     with caplog.at_level(logging.INFO, logger="pagedkv.transfer"):
         be = get_transfer_backend("fallback-" + uuid.uuid4().hex[:8])
@@ -228,6 +255,7 @@ def test_factory_falls_back_to_tcp_without_nixl(monkeypatch: pytest.MonkeyPatch,
 
 
 # -- two processes ------------------------------------------------------------------------------
+
 
 def _child(kind: str, name: str, to_parent: Any, from_parent: Any) -> None:
     """The remote engine: registers KV (pattern 7), exports metadata, then answers commands:
@@ -256,15 +284,18 @@ class Child:
         ctx = mp.get_context("spawn")
         self.to_parent, self.from_parent = ctx.Queue(), ctx.Queue()
         self.name = f"child-{uuid.uuid4().hex[:8]}"
-        self.proc = ctx.Process(target=_child, args=(kind, self.name, self.to_parent,
-                                                     self.from_parent), daemon=True)
+        self.proc = ctx.Process(
+            target=_child, args=(kind, self.name, self.to_parent, self.from_parent), daemon=True
+        )
         self.proc.start()
 
     def metadata(self) -> bytes:
         return self.to_parent.get(timeout=WAIT_S)
 
-    def wait_notif(self, initiator: tuple[KVTransferBackend, int] | None = None,
-                   ) -> tuple[dict[str, list[bytes]], torch.Tensor]:
+    def wait_notif(
+        self,
+        initiator: tuple[KVTransferBackend, int] | None = None,
+    ) -> tuple[dict[str, list[bytes]], torch.Tensor]:
         """The child's notifs and KV snapshot; polls ``initiator``'s transfer meanwhile."""
         self.from_parent.put("wait_notif")
         deadline = time.monotonic() + WAIT_S
@@ -312,7 +343,9 @@ def test_two_processes_read_write(kind: str) -> None:
 
         w_local, w_remote = [0, 15], [3, 9]
         h = a.write_blocks(peer, w_local, w_remote, notif=b"req-2:1")
-        got, snap = child.wait_notif(initiator=(a, h))  # snapshot taken by the child when the notif arrived
+        got, snap = child.wait_notif(
+            initiator=(a, h)
+        )  # snapshot taken by the child when the notif arrived
         assert got == {a.name: [b"req-2:1"]}
         assert blocks(snap, w_remote) == blocks(buf, w_local)
         assert blocks(snap, untouched(w_remote)) == blocks(expect, untouched(w_remote))

@@ -36,8 +36,9 @@ def full(heads: int, head: int, dtype: str = "bfloat16", bs: int = BS) -> FullAt
 
 
 def swa(heads: int, head: int, window: int = 64, bs: int = BS) -> SlidingWindowSpec:
-    return SlidingWindowSpec(block_size=bs, num_kv_heads=heads, head_size=head, dtype="bfloat16",
-                             sliding_window=window)
+    return SlidingWindowSpec(
+        block_size=bs, num_kv_heads=heads, head_size=head, dtype="bfloat16", sliding_window=window
+    )
 
 
 def layers(*specs) -> dict:
@@ -78,14 +79,20 @@ def test_equal_specs_still_merge_into_their_own_spec() -> None:
     assert group.page_size_bytes == 2 * full(8, 128).page_size_bytes
 
 
-@pytest.mark.parametrize("specs", [
-    layers(full(8, 128), swa(8, 64)),  # two types
-    layers(swa(8, 128, window=64), swa(8, 64, window=128)),  # different windows
-    layers(full(8, 128), full(8, 64, bs=32)),  # different block sizes
-], ids=["types", "windows", "block-sizes"])
+@pytest.mark.parametrize(
+    "specs",
+    [
+        layers(full(8, 128), swa(8, 64)),  # two types
+        layers(swa(8, 128, window=64), swa(8, 64, window=128)),  # different windows
+        layers(full(8, 128), full(8, 64, bs=32)),  # different block sizes
+    ],
+    ids=["types", "windows", "block-sizes"],
+)
 def test_not_uniform(specs: dict) -> None:
     assert UniformTypeKVCacheSpecs.from_specs(specs) is None
-    assert not any(isinstance(g.kv_cache_spec, UniformTypeKVCacheSpecs) for g in get_kv_cache_groups(specs))
+    assert not any(
+        isinstance(g.kv_cache_spec, UniformTypeKVCacheSpecs) for g in get_kv_cache_groups(specs)
+    )
 
 
 def test_other_types_and_bounds() -> None:
@@ -95,15 +102,31 @@ def test_other_types_and_bounds() -> None:
     assert s is not None and s.kind == "sliding_window"
     blocks = -(-(100 - 1 + 32) // BS) + 1  # SlidingWindowSpec's own formula, per layer
     assert s.max_memory_usage_bytes(4096, 32) == blocks * s.page_size_bytes
-    c = UniformTypeKVCacheSpecs.from_specs(layers(
-        ChunkedLocalAttentionSpec(block_size=BS, num_kv_heads=8, head_size=128, dtype="bfloat16",
-                                  attention_chunk_size=8192),
-        ChunkedLocalAttentionSpec(block_size=BS, num_kv_heads=4, head_size=128, dtype="bfloat16",
-                                  attention_chunk_size=8192)))
+    c = UniformTypeKVCacheSpecs.from_specs(
+        layers(
+            ChunkedLocalAttentionSpec(
+                block_size=BS,
+                num_kv_heads=8,
+                head_size=128,
+                dtype="bfloat16",
+                attention_chunk_size=8192,
+            ),
+            ChunkedLocalAttentionSpec(
+                block_size=BS,
+                num_kv_heads=4,
+                head_size=128,
+                dtype="bfloat16",
+                attention_chunk_size=8192,
+            ),
+        )
+    )
     assert c is not None and c.max_memory_usage_bytes(100_000, 0) == 8192 // BS * c.page_size_bytes
-    m = UniformTypeKVCacheSpecs.from_specs(layers(
-        MambaSpec(block_size=BS, shapes=((3, 64), (8, 16, 16)), dtypes=("float32", "float32")),
-        MambaSpec(block_size=BS, shapes=((3, 32), (4, 16, 16)), dtypes=("float32", "float32"))))
+    m = UniformTypeKVCacheSpecs.from_specs(
+        layers(
+            MambaSpec(block_size=BS, shapes=((3, 64), (8, 16, 16)), dtypes=("float32", "float32")),
+            MambaSpec(block_size=BS, shapes=((3, 32), (4, 16, 16)), dtypes=("float32", "float32")),
+        )
+    )
     assert m is not None and m.page_size_bytes == 4 * (3 * 64 + 8 * 256 + 3 * 32 + 4 * 256)
     assert m.max_memory_usage_bytes(10**6) == m.page_size_bytes and m.bytes_per_token == 0
 
@@ -131,8 +154,10 @@ def test_manager_runs_the_types_rules_on_a_uniform_group() -> None:
     pool is clean after free."""
     spec = UniformTypeKVCacheSpecs.from_specs(layers(swa(8, 128, window=32), swa(2, 64, window=32)))
     group = KVCacheGroupSpec(list(spec.kv_cache_specs), spec)
-    mgr = KVCacheManager(KVCacheConfig(num_blocks=40, kv_cache_groups=[group], bytes_per_block=spec.page_size_bytes),
-                         max_model_len=1024)
+    mgr = KVCacheManager(
+        KVCacheConfig(num_blocks=40, kv_cache_groups=[group], bytes_per_block=spec.page_size_bytes),
+        max_model_len=1024,
+    )
     assert isinstance(mgr.coordinator.single_type_managers[0], SlidingWindowManager)
     tokens = list(range(200))
     req = make_request(tokens[:100], mgr)
@@ -142,7 +167,7 @@ def test_manager_runs_the_types_rules_on_a_uniform_group() -> None:
     assert mgr.allocate_slots(req, 1) is not None
     table = mgr.get_block_ids(req.request_id)[0]
     assert table[: (100 - 32 + 1) // BS] == [0] * ((100 - 32 + 1) // BS)
-    assert all(b != 0 for b in table[(100 - 32 + 1) // BS:])
+    assert all(b != 0 for b in table[(100 - 32 + 1) // BS :])
     mgr.free(req)
     # The same prompt again: a hit (the window's blocks are still cached).
     again = make_request(tokens[:100], mgr)

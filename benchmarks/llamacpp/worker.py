@@ -19,15 +19,24 @@ def main() -> int:
     job = json.loads(sys.argv[1])
     from llama_cpp import Llama
 
-    llm = Llama(model_path=job["model"], n_ctx=job["n_ctx"], n_threads=job["threads"],
-                n_threads_batch=job["threads"], n_batch=512, verbose=False, seed=0)
+    llm = Llama(
+        model_path=job["model"],
+        n_ctx=job["n_ctx"],
+        n_threads=job["threads"],
+        n_threads_batch=job["threads"],
+        n_batch=512,
+        verbose=False,
+        seed=0,
+    )
 
     def one(tokens: list[int], max_tokens: int) -> dict:
         llm.reset()
         out: list[int] = []
         t0 = time.perf_counter()
         t_first = t0
-        for tok in llm.generate(tokens, temp=0.0, top_k=1, top_p=1.0, min_p=0.0, repeat_penalty=1.0):
+        for tok in llm.generate(
+            tokens, temp=0.0, top_k=1, top_p=1.0, min_p=0.0, repeat_penalty=1.0
+        ):
             if not out:
                 t_first = time.perf_counter()
             out.append(int(tok))

@@ -120,7 +120,7 @@ def render_kv_quant(runs: list[tuple[str, dict]]) -> str:
                 if mode not in best or key > best[mode][0]:
                     best[mode] = (key, name, r)
         rows = []
-        for mode, (_, name, r) in best.items():
+        for mode, (_, _name, r) in best.items():
             g, s = r.get("greedy") or {}, r.get("sampled") or {}
             rows.append(
                 [
@@ -154,7 +154,7 @@ def render_kv_quant(runs: list[tuple[str, dict]]) -> str:
     cap = [(n, d) for n, d in runs if d.get("capacity")]
     if cap:
         rows = []
-        for name, d in cap:
+        for _name, d in cap:
             c = d["capacity"]
             for mode, r in c["modes"].items():
                 rows.append(

@@ -15,11 +15,14 @@ __version__ = "0.1.0"
 def __getattr__(name: str) -> Any:
     if name == "LLM":
         from pagedkv.engine.llm import LLM
+
         return LLM
     if name == "SamplingParams":
         from pagedkv.engine.sampling_params import SamplingParams
+
         return SamplingParams
     if name in ("RequestOutput", "CompletionOutput"):
         from pagedkv.engine import outputs
+
         return getattr(outputs, name)
     raise AttributeError(name)

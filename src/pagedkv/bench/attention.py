@@ -28,8 +28,9 @@ from pagedkv.ops.metadata import AttentionMetadata
 HQ, HKV, D, BS, LAYERS = 9, 3, 64, 16, 30
 
 
-def make_metadata(seq_lens: list[int], query_lens: list[int], num_blocks: int,
-                  seed: int = 0) -> AttentionMetadata:
+def make_metadata(
+    seq_lens: list[int], query_lens: list[int], num_blocks: int, seed: int = 0
+) -> AttentionMetadata:
     """Random block tables over a shuffled pool (block 0 = null)."""
     rnd = random.Random(seed)
     need = [-(-n // BS) for n in seq_lens]
@@ -44,13 +45,19 @@ def make_metadata(seq_lens: list[int], query_lens: list[int], num_blocks: int,
     return AttentionMetadata(
         slot_mapping=torch.zeros(qsl[-1], dtype=torch.int64),
         query_start_loc=torch.tensor(qsl, dtype=torch.int32),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32), block_table=table, block_size=BS,
-        max_query_len=max(query_lens), max_seq_len=max(seq_lens), query_start_loc_cpu=qsl,
-        seq_lens_cpu=list(seq_lens))
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_table=table,
+        block_size=BS,
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+        query_start_loc_cpu=qsl,
+        seq_lens_cpu=list(seq_lens),
+    )
 
 
-def time_rounds(fns: dict[str, Callable[[], object]], rounds: int
-                ) -> dict[str, tuple[float, float]]:
+def time_rounds(
+    fns: dict[str, Callable[[], object]], rounds: int
+) -> dict[str, tuple[float, float]]:
     """Best (wall s, process-CPU s) per variant, interleaving variants round by round.
 
     Minimums over interleaved rounds, because other processes on a shared 2-core machine only
@@ -93,8 +100,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = torch.float32 if args.dtype == "fp32" else torch.bfloat16
-    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, {args.dtype}; "
-          f"one step = {LAYERS} layers, each with its own (cold) KV cache")
+    print(
+        f"torch {torch.__version__}, threads {torch.get_num_threads()}, {args.dtype}; "
+        f"one step = {LAYERS} layers, each with its own (cold) KV cache"
+    )
     print(f"{'case':30s} {'layout':7s} {'µs/layer':>9s} {'cpu µs/layer':>13s} {'ms/step':>8s}")
     for name, (seq_lens, query_lens, kw) in cases().items():
         if args.cases and not any(c in name for c in args.cases.split(",")):
@@ -107,17 +116,23 @@ def main(argv: list[str] | None = None) -> int:
             buf, views = allocate_kv_cache(layout, LAYERS, num_blocks, BS, HKV, D, dtype)
             buf.normal_()
             steps[layout] = lambda views=views: [
-                paged_attention(query, k, v, md, D ** -0.5, **kw) for k, v in views]
+                paged_attention(query, k, v, md, D**-0.5, **kw) for k, v in views
+            ]
         for layout, (wall, cpu) in time_rounds(steps, args.rounds).items():
-            print(f"{name:30s} {layout:7s} {wall / LAYERS * 1e6:9.0f} "
-                  f"{cpu / LAYERS * 1e6:13.0f} {wall * 1e3:8.1f}")
+            print(
+                f"{name:30s} {layout:7s} {wall / LAYERS * 1e6:9.0f} "
+                f"{cpu / LAYERS * 1e6:13.0f} {wall * 1e3:8.1f}"
+            )
         del steps
     # The cache writes of a 64-token decode step.
     _, views = allocate_kv_cache("LBNHC", LAYERS, 4096, BS, HKV, D, dtype)
     k_new, v_new = torch.randn(64, HKV, D).to(dtype), torch.randn(64, HKV, D).to(dtype)
     slots = torch.randperm(4096 * BS)[:64]
-    wall, cpu = time_rounds({"w": lambda: [reshape_and_cache(k_new, v_new, k, v, slots)
-                                           for k, v in views]}, args.rounds)["w"]
-    print(f"{'reshape_and_cache 64 tokens':30s} {'LBNHC':7s} {wall / LAYERS * 1e6:9.0f} "
-          f"{cpu / LAYERS * 1e6:13.0f} {wall * 1e3:8.1f}")
+    wall, cpu = time_rounds(
+        {"w": lambda: [reshape_and_cache(k_new, v_new, k, v, slots) for k, v in views]}, args.rounds
+    )["w"]
+    print(
+        f"{'reshape_and_cache 64 tokens':30s} {'LBNHC':7s} {wall / LAYERS * 1e6:9.0f} "
+        f"{cpu / LAYERS * 1e6:13.0f} {wall * 1e3:8.1f}"
+    )
     return 0

@@ -27,10 +27,14 @@ def user_help(doc: str | None) -> str:
 
 def add_output_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json-only", action="store_true", help="print only the JSON report")
-    p.add_argument("--json-out", metavar="FILE", default=None, help="also write the JSON report to FILE")
+    p.add_argument(
+        "--json-out", metavar="FILE", default=None, help="also write the JSON report to FILE"
+    )
 
 
-def emit(report: dict[str, Any], table: Callable[[dict[str, Any]], str], args: argparse.Namespace) -> None:
+def emit(
+    report: dict[str, Any], table: Callable[[dict[str, Any]], str], args: argparse.Namespace
+) -> None:
     """Print the table (unless ``--json-only``), then the JSON; write ``--json-out``."""
     if not args.json_only:
         print(table(report))
@@ -78,9 +82,12 @@ def fmt(x: float | None, spec: str = ".1f") -> str:
     return "-" if x is None else format(x, spec)
 
 
-def run_and_emit(run: Callable[[argparse.Namespace], dict[str, Any]],
-                 table: Callable[[dict[str, Any]], str], args: argparse.Namespace,
-                 exit_code: Callable[[dict[str, Any]], int] | None = None) -> int:
+def run_and_emit(
+    run: Callable[[argparse.Namespace], dict[str, Any]],
+    table: Callable[[dict[str, Any]], str],
+    args: argparse.Namespace,
+    exit_code: Callable[[dict[str, Any]], int] | None = None,
+) -> int:
     """Run a benchmark and print its report; a bad option is exit code 2 (one line on stderr),
     else ``exit_code(report)`` (0 without one)."""
     try:

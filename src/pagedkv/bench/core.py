@@ -82,7 +82,9 @@ def bench_cycles(repeat: int) -> dict[str, float]:
     for caching in (False, True):
         pool = BlockPool(10_000, enable_caching=caching)
         get, free = pool.get_new_blocks, pool.free_blocks
-        out[f"cycle_caching_{'on' if caching else 'off'}"] = best_us(lambda: free(get(1)), n, repeat)
+        out[f"cycle_caching_{'on' if caching else 'off'}"] = best_us(
+            lambda: free(get(1)), n, repeat
+        )
     # Reuse of a cached block: every get evicts a hash (the steady state of a full cache).
     pool = BlockPool(3)
     index = pool.cached_block_hash_to_block
@@ -130,7 +132,9 @@ def bench_hashes(repeat: int) -> dict[str, float]:
     out = {}
     n = 100_000
     for name, fn in HASH_FUNCTIONS.items():
-        out[f"hash_{name}"] = best_us(lambda fn=fn: hash_block_tokens(fn, parent, tokens), n, repeat)
+        out[f"hash_{name}"] = best_us(
+            lambda fn=fn: hash_block_tokens(fn, parent, tokens), n, repeat
+        )
     obj = (parent, tuple(tokens), None)
     proto = pickle.HIGHEST_PROTOCOL
     floors = {
@@ -147,8 +151,11 @@ def bench_hashes(repeat: int) -> dict[str, float]:
 def bench_allocate(repeat: int) -> dict[str, float]:
     bs = 16
     spec = FullAttentionSpec(block_size=bs, num_kv_heads=3, head_size=64, dtype="float32")
-    config = KVCacheConfig(num_blocks=1024, kv_cache_groups=[KVCacheGroupSpec(["l0"], spec)],
-                           bytes_per_block=spec.page_size_bytes)
+    config = KVCacheConfig(
+        num_blocks=1024,
+        kv_cache_groups=[KVCacheGroupSpec(["l0"], spec)],
+        bytes_per_block=spec.page_size_bytes,
+    )
     manager = KVCacheManager(config, max_model_len=4096)
     hasher = get_request_block_hasher(bs, HASH_FUNCTIONS["sha256_cbor"])
     prefix = list(range(1024))
@@ -159,8 +166,14 @@ def bench_allocate(repeat: int) -> dict[str, float]:
     number = 200
     results = []
     for r in range(repeat):
-        reqs = [KVCacheRequest(f"r{r}-{i}", prefix + [50_000 + i * 1024 + j for j in range(1024)],
-                               block_hasher=hasher) for i in range(number)]
+        reqs = [
+            KVCacheRequest(
+                f"r{r}-{i}",
+                prefix + [50_000 + i * 1024 + j for j in range(1024)],
+                block_hasher=hasher,
+            )
+            for i in range(number)
+        ]
         it = iter(reqs)
 
         def one() -> None:
@@ -186,10 +199,17 @@ def main(argv: list[str] | None = None) -> int:
     ratios = {
         "cycle_vs_naive": res["cycle_caching_on"] / res["baseline_naive_cycle"],
         "touch_vs_naive": res["touch_cached_block"] / res["baseline_naive_touch"],
-        **{f"hash_{k}_vs_floor": res[f"hash_{k}"] / res[f"baseline_floor_{k}"] for k in HASH_FUNCTIONS},
+        **{
+            f"hash_{k}_vs_floor": res[f"hash_{k}"] / res[f"baseline_floor_{k}"]
+            for k in HASH_FUNCTIONS
+        },
     }
-    report = {"us": res, "ratios": ratios, "targets_us": TARGETS,
-              "meets_targets": {k: res[k] <= v for k, v in TARGETS.items()}}
+    report = {
+        "us": res,
+        "ratios": ratios,
+        "targets_us": TARGETS,
+        "meets_targets": {k: res[k] <= v for k, v in TARGETS.items()},
+    }
     if not args.json_only:
         print(f"{'figure':36s} {'µs':>9s} {'target µs':>10s}")
         for k, v in res.items():

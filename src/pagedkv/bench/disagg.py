@@ -59,7 +59,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pagedkv.bench.common import BenchOptionError, add_output_args, int_range, log, ratio, run_and_emit
+from pagedkv.bench.common import (
+    BenchOptionError,
+    add_output_args,
+    int_range,
+    log,
+    ratio,
+    run_and_emit,
+)
 from pagedkv.bench.instances import CLI, Cluster, Instance, free_port, pin_cores, stop_on_sigterm
 from pagedkv.bench.serving import dist, positive_float
 
@@ -162,20 +169,48 @@ def pinning() -> tuple[list[int] | None, list[int] | None, list[int] | None, str
 
 def serve_argv(args: argparse.Namespace, port: int, kv_role: str | None = None) -> list[str]:
     """``pagedkv serve`` on ``port``; with ``kv_role`` a `NixlConnector` instance (pull)."""
-    argv = [*CLI, "serve", "--port", str(port), "--num-kv-blocks", str(args.num_kv_blocks),
-            "--max-model-len", str(args.max_model_len), "--max-num-seqs", str(args.max_num_seqs),
-            "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--log-stats-interval", "0",
-            "--max-queue-size", str(max(args.num_requests, args.kill_test, 1) + 8)]
+    argv = [
+        *CLI,
+        "serve",
+        "--port",
+        str(port),
+        "--num-kv-blocks",
+        str(args.num_kv_blocks),
+        "--max-model-len",
+        str(args.max_model_len),
+        "--max-num-seqs",
+        str(args.max_num_seqs),
+        "--max-num-batched-tokens",
+        str(args.max_num_batched_tokens),
+        "--log-stats-interval",
+        "0",
+        "--max-queue-size",
+        str(max(args.num_requests, args.kill_test, 1) + 8),
+    ]
     if kv_role is not None:
-        extra = {"backend": args.backend, "transfer_mode": "pull", "handshake_timeout_s": 5.0,
-                 "transfer_timeout_s": 10.0}
-        cfg = {"kv_connector": "NixlConnector", "kv_role": kv_role, "kv_connector_extra_config": extra}
-        argv += ["--kv-transfer-config", json.dumps(cfg), "--kv-side-channel-port", str(free_port())]
+        extra = {
+            "backend": args.backend,
+            "transfer_mode": "pull",
+            "handshake_timeout_s": 5.0,
+            "transfer_timeout_s": 10.0,
+        }
+        cfg = {
+            "kv_connector": "NixlConnector",
+            "kv_role": kv_role,
+            "kv_connector_extra_config": extra,
+        }
+        argv += [
+            "--kv-transfer-config",
+            json.dumps(cfg),
+            "--kv-side-channel-port",
+            str(free_port()),
+        ]
     return argv
 
 
-def server(args: argparse.Namespace, logs: Path, name: str, kv_role: str | None,
-           cores: list[int] | None) -> Instance:
+def server(
+    args: argparse.Namespace, logs: Path, name: str, kv_role: str | None, cores: list[int] | None
+) -> Instance:
     port = free_port()
     return Instance(name, serve_argv(args, port, kv_role), port, logs / f"{name}.log", cores)
 
@@ -184,9 +219,24 @@ def proxy(logs: Path, name: str, prefill: list[Instance], decode: list[Instance]
     """``pagedkv proxy`` (unpinned); a short cooldown so a restarted instance is used again soon,
     and a retry window longer than a restart on a loaded 2-core machine (up to ~2 min)."""
     port = free_port()
-    argv = [*CLI, "proxy", "--port", str(port), "--cooldown", "1", "--timeout", "300", "--retry-window", "180",
-            "--log-level", "info",
-            "--prefill", *[p.url for p in prefill], "--decode", *[d.url for d in decode]]
+    argv = [
+        *CLI,
+        "proxy",
+        "--port",
+        str(port),
+        "--cooldown",
+        "1",
+        "--timeout",
+        "300",
+        "--retry-window",
+        "180",
+        "--log-level",
+        "info",
+        "--prefill",
+        *[p.url for p in prefill],
+        "--decode",
+        *[d.url for d in decode],
+    ]
     return Instance(name, argv, port, logs / f"{name}.log")
 
 
@@ -207,11 +257,20 @@ def make_workload(args: argparse.Namespace, n: int, rate: float, seed: int) -> l
     return reqs
 
 
-async def stream_request(client: Any, prompt: list[int], max_tokens: int, model: str) -> RequestResult:
+async def stream_request(
+    client: Any, prompt: list[int], max_tokens: int, model: str
+) -> RequestResult:
     """One streamed completion; ok only with a 200, no error chunk, ``[DONE]`` and exactly
     ``max_tokens`` tokens (``ignore_eos``): anything else is a lost request."""
-    payload = dict(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
-                   stream=True, stream_options=dict(include_usage=True, continuous_usage_stats=True))
+    payload = dict(
+        model=model,
+        prompt=prompt,
+        max_tokens=max_tokens,
+        temperature=0.0,
+        ignore_eos=True,
+        stream=True,
+        stream_options=dict(include_usage=True, continuous_usage_stats=True),
+    )
     res = RequestResult(ok=False)
     t0 = last_t = time.perf_counter()
     done = False
@@ -253,19 +312,25 @@ async def stream_request(client: Any, prompt: list[int], max_tokens: int, model:
     return res
 
 
-async def drive(url: str, reqs: list[Req], max_tokens: int, model: str) -> tuple[list[RequestResult], float]:
+async def drive(
+    url: str, reqs: list[Req], max_tokens: int, model: str
+) -> tuple[list[RequestResult], float]:
     """Every request at its arrival time; (results in workload order, duration in seconds)."""
     import httpx
 
     limits = httpx.Limits(max_connections=len(reqs) + 4, max_keepalive_connections=len(reqs) + 4)
-    async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(HTTP_TIMEOUT_S), limits=limits) as client:
+    async with httpx.AsyncClient(
+        base_url=url, timeout=httpx.Timeout(HTTP_TIMEOUT_S), limits=limits
+    ) as client:
         start = time.perf_counter()
         tasks = []
         for req in reqs:
             delay = start + req.arrival_s - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
-            tasks.append(asyncio.ensure_future(stream_request(client, req.prompt, max_tokens, model)))
+            tasks.append(
+                asyncio.ensure_future(stream_request(client, req.prompt, max_tokens, model))
+            )
         results = await asyncio.gather(*tasks)
         return list(results), time.perf_counter() - start
 
@@ -306,15 +371,26 @@ def summarize(name: str, results: list[RequestResult], duration: float) -> Servi
     ok = [r for r in results if r.ok]
     out_tok = sum(r.output_tokens for r in ok)
     return ServingResult(
-        name=name, completed=len(ok), failed=len(results) - len(ok),
-        errors=sorted({r.error for r in results if r.error})[:3], duration_s=duration,
-        output_tokens=out_tok, output_tok_s=out_tok / duration if duration > 0 else 0.0,
+        name=name,
+        completed=len(ok),
+        failed=len(results) - len(ok),
+        errors=sorted({r.error for r in results if r.error})[:3],
+        duration_s=duration,
+        output_tokens=out_tok,
+        output_tok_s=out_tok / duration if duration > 0 else 0.0,
         ttft_s=dist([r.ttft for r in ok if r.ttft is not None]),
-        itl_s=dist([x for r in ok for x in r.itl]), e2e_s=dist([r.e2e for r in ok]))
+        itl_s=dist([x for r in ok for x in r.itl]),
+        e2e_s=dist([r.e2e for r in ok]),
+    )
 
 
-def measure(name: str, url: str, reqs: list[Req], args: argparse.Namespace,
-            consumers: tuple[Instance, ...] = ()) -> ServingResult:
+def measure(
+    name: str,
+    url: str,
+    reqs: list[Req],
+    args: argparse.Namespace,
+    consumers: tuple[Instance, ...] = (),
+) -> ServingResult:
     model = model_name(url)
     warm_up(url, model, args)
     before = transfer_counters([c.url for c in consumers])
@@ -328,15 +404,22 @@ def measure(name: str, url: str, reqs: list[Req], args: argparse.Namespace,
     return out
 
 
-def run_colocated(args: argparse.Namespace, logs: Path, reqs: list[Req], cores: list[int] | None) -> ServingResult:
+def run_colocated(
+    args: argparse.Namespace, logs: Path, reqs: list[Req], cores: list[int] | None
+) -> ServingResult:
     inst = server(args, logs, "colocated", None, cores)
     log(args, "starting the colocated instance ...")
     with Cluster([inst]):
         return measure("colocated", inst.url, reqs, args)
 
 
-def run_pd(args: argparse.Namespace, logs: Path, reqs: list[Req], prefill_cores: list[int] | None,
-           decode_cores: list[int] | None) -> ServingResult:
+def run_pd(
+    args: argparse.Namespace,
+    logs: Path,
+    reqs: list[Req],
+    prefill_cores: list[int] | None,
+    decode_cores: list[int] | None,
+) -> ServingResult:
     p = server(args, logs, "pd-prefill", "kv_producer", prefill_cores)
     d = server(args, logs, "pd-decode", "kv_consumer", decode_cores)
     front = proxy(logs, "pd-proxy", [p], [d])
@@ -354,19 +437,22 @@ def kv_buffer(num_blocks: int, seed: int, layout: str = "LBNHC") -> Any:
 
     from pagedkv.ops.kv_cache import allocate_kv_cache
 
-    buf, _ = allocate_kv_cache(layout, KV_LAYERS, num_blocks, KV_BLOCK_SIZE, KV_HEADS, HEAD_SIZE, torch.float32)
+    buf, _ = allocate_kv_cache(
+        layout, KV_LAYERS, num_blocks, KV_BLOCK_SIZE, KV_HEADS, HEAD_SIZE, torch.float32
+    )
     buf.view(-1).copy_(torch.arange(buf.numel(), dtype=torch.float32) + seed * 1e6)
     return buf
 
 
-def _remote_agent(backend: str, name: str, num_blocks: int, to_parent: Any, stop: Any,
-                  layout: str = "LBNHC") -> None:
+def _remote_agent(
+    backend: str, name: str, num_blocks: int, to_parent: Any, stop: Any, layout: str = "LBNHC"
+) -> None:
     """The remote engine (a spawned process): registers its KV (pattern 2), sends its metadata,
     then polls its agent until ``stop`` is set, as an engine does every step (UCX needs the
     target to make progress: connection wire-up, and the data itself on transports without
     one-sided reads)."""
-    from pagedkv.transfer import get_transfer_backend
     from pagedkv.kv_transfer.nixl_connector import buffer_regions
+    from pagedkv.transfer import get_transfer_backend
 
     be = get_transfer_backend(name, backend)
     try:
@@ -406,8 +492,8 @@ def run_bandwidth(args: argparse.Namespace) -> BandwidthResult:
     same bytes in this process as the baseline."""
     import torch
 
-    from pagedkv.transfer import get_transfer_backend
     from pagedkv.kv_transfer.nixl_connector import buffer_regions
+    from pagedkv.transfer import get_transfer_backend
 
     layout = getattr(args, "kv_layout", "LBNHC")
     bd = layout.index("B")  # the block dimension of the buffer
@@ -418,9 +504,18 @@ def run_bandwidth(args: argparse.Namespace) -> BandwidthResult:
     local_ids, remote_ids = rng.sample(range(num_blocks), n), rng.sample(range(num_blocks), n)
     ctx = mp.get_context("spawn")
     to_parent, stop = ctx.Queue(), ctx.Event()
-    child = ctx.Process(target=_remote_agent, daemon=True,
-                        args=(args.backend, f"bw-remote-{uuid.uuid4().hex[:8]}", num_blocks, to_parent, stop,
-                              layout))
+    child = ctx.Process(
+        target=_remote_agent,
+        daemon=True,
+        args=(
+            args.backend,
+            f"bw-remote-{uuid.uuid4().hex[:8]}",
+            num_blocks,
+            to_parent,
+            stop,
+            layout,
+        ),
+    )
     child.start()
     be = get_transfer_backend(f"bw-local-{uuid.uuid4().hex[:8]}", args.backend)
     try:
@@ -447,14 +542,28 @@ def run_bandwidth(args: argparse.Namespace) -> BandwidthResult:
             child.kill()
             child.join(timeout=10)
     src, dst = expected, kv_buffer(num_blocks, 3, layout)
-    t_memcpy = _timed_copies(lambda: dst.narrow(bd, 0, n).copy_(src.narrow(bd, n, n)), args.bandwidth_repeats)
-    t_index = _timed_copies(lambda: dst.index_copy_(bd, li, src.index_select(bd, ri)), args.bandwidth_repeats)
+    t_memcpy = _timed_copies(
+        lambda: dst.narrow(bd, 0, n).copy_(src.narrow(bd, n, n)), args.bandwidth_repeats
+    )
+    t_index = _timed_copies(
+        lambda: dst.index_copy_(bd, li, src.index_select(bd, ri)), args.bandwidth_repeats
+    )
     moved = n * block_bytes
     gbps = [moved / t / 1e9 for t in (t_xfer, t_memcpy, t_index)]
-    return BandwidthResult(backend=be.kind, agents="two processes", block_bytes=block_bytes, blocks=n,
-                           bytes_moved=moved, repeats=args.bandwidth_repeats, transfer_gbps=gbps[0],
-                           memcpy_gbps=gbps[1], index_copy_gbps=gbps[2], ratio_vs_memcpy=gbps[0] / gbps[1],
-                           ratio_vs_index_copy=gbps[0] / gbps[2], verified=verified)
+    return BandwidthResult(
+        backend=be.kind,
+        agents="two processes",
+        block_bytes=block_bytes,
+        blocks=n,
+        bytes_moved=moved,
+        repeats=args.bandwidth_repeats,
+        transfer_gbps=gbps[0],
+        memcpy_gbps=gbps[1],
+        index_copy_gbps=gbps[2],
+        ratio_vs_memcpy=gbps[0] / gbps[1],
+        ratio_vs_index_copy=gbps[0] / gbps[2],
+        verified=verified,
+    )
 
 
 # ---- kill test -----------------------------------------------------------------------------------
@@ -499,7 +608,9 @@ class Killer(threading.Thread):
 def run_kill_test(args: argparse.Namespace, logs: Path) -> KillTestResult:
     cores, note = pin_cores(4)
     servers = [server(args, logs, f"kill-prefill{i}", "kv_producer", cores[i]) for i in range(2)]
-    servers += [server(args, logs, f"kill-decode{i}", "kv_consumer", cores[2 + i]) for i in range(2)]
+    servers += [
+        server(args, logs, f"kill-decode{i}", "kv_consumer", cores[2 + i]) for i in range(2)
+    ]
     front = proxy(logs, "kill-proxy", servers[:2], servers[2:])
     reqs = make_workload(args, args.kill_test, args.kill_rate, args.seed + 1)
     log(args, "kill test: starting 2 prefill + 2 decode instances and the proxy ...")
@@ -515,16 +626,24 @@ def run_kill_test(args: argparse.Namespace, logs: Path) -> KillTestResult:
             killer.shutdown()
     ok = sum(r.ok for r in results)
     log(args, f"kill test: {ok} ok, {len(results) - ok} lost, {len(killer.events)} kills")
-    return KillTestResult(requests=len(results), completed=ok, lost=len(results) - ok,
-                          errors=sorted({r.error for r in results if r.error})[:5],
-                          error_counts=error_kinds(r.error for r in results if not r.ok), duration_s=duration,
-                          kills=list(killer.events), pinning=dict(cores=cores, note=note))
+    return KillTestResult(
+        requests=len(results),
+        completed=ok,
+        lost=len(results) - ok,
+        errors=sorted({r.error for r in results if r.error})[:5],
+        error_counts=error_kinds(r.error for r in results if not r.ok),
+        duration_s=duration,
+        kills=list(killer.events),
+        pinning=dict(cores=cores, note=note),
+    )
 
 
 def error_kinds(errors: Iterable[str | None]) -> dict[str, int]:
     """Count errors by kind (the message's first 80 characters with every number masked), most
     frequent first."""
-    return dict(Counter(re.sub(r"\d+", "N", e or "no error recorded")[:80] for e in errors).most_common())
+    return dict(
+        Counter(re.sub(r"\d+", "N", e or "no error recorded")[:80] for e in errors).most_common()
+    )
 
 
 # ---- report --------------------------------------------------------------------------------------
@@ -532,20 +651,36 @@ def error_kinds(errors: Iterable[str | None]) -> dict[str, int]:
 
 def ratios(pd: ServingResult, colo: ServingResult) -> dict[str, float | None]:
     """PD / colocated for each headline figure (< 1 is better for latencies, > 1 for tokens/s)."""
-    return dict(ttft_p50=ratio(pd.ttft_s["p50"], colo.ttft_s["p50"]),
-                ttft_p99=ratio(pd.ttft_s["p99"], colo.ttft_s["p99"]),
-                itl_p50=ratio(pd.itl_s["p50"], colo.itl_s["p50"]),
-                itl_p99=ratio(pd.itl_s["p99"], colo.itl_s["p99"]),
-                output_tok_s=ratio(pd.output_tok_s, colo.output_tok_s))
+    return dict(
+        ttft_p50=ratio(pd.ttft_s["p50"], colo.ttft_s["p50"]),
+        ttft_p99=ratio(pd.ttft_s["p99"], colo.ttft_s["p99"]),
+        itl_p50=ratio(pd.itl_s["p50"], colo.itl_s["p50"]),
+        itl_p99=ratio(pd.itl_s["p99"], colo.itl_s["p99"]),
+        output_tok_s=ratio(pd.output_tok_s, colo.output_tok_s),
+    )
 
 
-def config(args: argparse.Namespace, note: str | None, cores: tuple[Any, Any, Any]) -> dict[str, Any]:
-    return dict(num_requests=args.num_requests, rate=args.rate, seed=args.seed, max_tokens=args.max_tokens,
-                long_fraction=args.long_fraction, long_len=list(args.long_len), short_len=list(args.short_len),
-                backend=args.backend, num_kv_blocks=args.num_kv_blocks, max_model_len=args.max_model_len,
-                max_num_seqs=args.max_num_seqs, cpu_count=os.cpu_count(),
-                pinning=dict(colocated=cores[0], prefill=cores[1], decode=cores[2], proxy=None, note=note),
-                bandwidth_mib=args.bandwidth_mib, kill_test=args.kill_test, kill_rate=args.kill_rate)
+def config(
+    args: argparse.Namespace, note: str | None, cores: tuple[Any, Any, Any]
+) -> dict[str, Any]:
+    return dict(
+        num_requests=args.num_requests,
+        rate=args.rate,
+        seed=args.seed,
+        max_tokens=args.max_tokens,
+        long_fraction=args.long_fraction,
+        long_len=list(args.long_len),
+        short_len=list(args.short_len),
+        backend=args.backend,
+        num_kv_blocks=args.num_kv_blocks,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        cpu_count=os.cpu_count(),
+        pinning=dict(colocated=cores[0], prefill=cores[1], decode=cores[2], proxy=None, note=note),
+        bandwidth_mib=args.bandwidth_mib,
+        kill_test=args.kill_test,
+        kill_rate=args.kill_rate,
+    )
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -574,12 +709,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if "kill" in parts and args.kill_test:
             kill = run_kill_test(args, logs)
             report["kill_test"] = asdict(kill)
-        report["targets"] = dict(itl_p99_ratio=TARGET_ITL_P99_RATIO, bandwidth_ratio=TARGET_BANDWIDTH_RATIO,
-                                 kill_test_lost=0)
+        report["targets"] = dict(
+            itl_p99_ratio=TARGET_ITL_P99_RATIO,
+            bandwidth_ratio=TARGET_BANDWIDTH_RATIO,
+            kill_test_lost=0,
+        )
         report["meets_targets"] = dict(
-            itl_p99=None if rat is None else rat["itl_p99"] is not None and rat["itl_p99"] <= TARGET_ITL_P99_RATIO,
+            itl_p99=None
+            if rat is None
+            else rat["itl_p99"] is not None and rat["itl_p99"] <= TARGET_ITL_P99_RATIO,
             bandwidth=None if bw is None else bw.ratio_vs_memcpy >= TARGET_BANDWIDTH_RATIO,
-            kill_test=None if kill is None else kill.lost == 0)
+            kill_test=None if kill is None else kill.lost == 0,
+        )
     finally:
         if args.keep_logs:
             log(args, f"logs kept in {logs}")
@@ -594,43 +735,73 @@ def table(report: dict[str, Any]) -> str:
 
     c = report["config"]
     pin = c["pinning"]
-    lines = [f"bench_disagg: {c['num_requests']} requests at {c['rate']:g} req/s, {c['max_tokens']} output tokens, "
-             f"{c['long_fraction']:.0%} long prompts ({c['long_len'][0]}-{c['long_len'][1]} tokens), "
-             f"backend {c['backend']}, {c['cpu_count']} CPUs",
-             f"pinning: colocated {pin['colocated']}, prefill {pin['prefill']}, decode {pin['decode']}"
-             + (f" ({pin['note']})" if pin["note"] else ""), "",
-             f"{'setup':<10} {'ok':>4} {'failed':>6} {'out tok/s':>9} {'TTFT p50':>9} {'TTFT p99':>9} "
-             f"{'ITL p50':>8} {'ITL p99':>8}  (latencies in ms)"]
+    lines = [
+        f"bench_disagg: {c['num_requests']} requests at {c['rate']:g} req/s, {c['max_tokens']} output tokens, "
+        f"{c['long_fraction']:.0%} long prompts ({c['long_len'][0]}-{c['long_len'][1]} tokens), "
+        f"backend {c['backend']}, {c['cpu_count']} CPUs",
+        f"pinning: colocated {pin['colocated']}, prefill {pin['prefill']}, decode {pin['decode']}"
+        + (f" ({pin['note']})" if pin["note"] else ""),
+        "",
+        f"{'setup':<10} {'ok':>4} {'failed':>6} {'out tok/s':>9} {'TTFT p50':>9} {'TTFT p99':>9} "
+        f"{'ITL p50':>8} {'ITL p99':>8}  (latencies in ms)",
+    ]
     met = report["meets_targets"]
     for key in ("colocated", "pd") if report["pd"] is not None else ():
         r = report[key]
-        lines.append(f"{key:<10} {r['completed']:>4} {r['failed']:>6} {r['output_tok_s']:>9.1f} "
-                     f"{ms(r['ttft_s']['p50']):>9} {ms(r['ttft_s']['p99']):>9} {ms(r['itl_s']['p50']):>8} "
-                     f"{ms(r['itl_s']['p99']):>8}")
+        lines.append(
+            f"{key:<10} {r['completed']:>4} {r['failed']:>6} {r['output_tok_s']:>9.1f} "
+            f"{ms(r['ttft_s']['p50']):>9} {ms(r['ttft_s']['p99']):>9} {ms(r['itl_s']['p50']):>8} "
+            f"{ms(r['itl_s']['p99']):>8}"
+        )
     rat = report["ratios"]
     if rat is not None:
-        lines.append(f"{'PD/colo':<10} {'':>4} {'':>6} " + " ".join(
-            f"{'-' if rat[k] is None else format(rat[k], '.2f'):>{w}}"
-            for k, w in (("output_tok_s", 9), ("ttft_p50", 9), ("ttft_p99", 9), ("itl_p50", 8), ("itl_p99", 8))))
-        lines.append(f"PD KV transfers: {report['pd']['kv_transfers']}, failures: {report['pd']['kv_transfer_failures']}")
-        lines.append(f"ITL p99 PD/colocated <= {TARGET_ITL_P99_RATIO}: {'met' if met['itl_p99'] else 'NOT met'}")
+        lines.append(
+            f"{'PD/colo':<10} {'':>4} {'':>6} "
+            + " ".join(
+                f"{'-' if rat[k] is None else format(rat[k], '.2f'):>{w}}"
+                for k, w in (
+                    ("output_tok_s", 9),
+                    ("ttft_p50", 9),
+                    ("ttft_p99", 9),
+                    ("itl_p50", 8),
+                    ("itl_p99", 8),
+                )
+            )
+        )
+        lines.append(
+            f"PD KV transfers: {report['pd']['kv_transfers']}, failures: {report['pd']['kv_transfer_failures']}"
+        )
+        lines.append(
+            f"ITL p99 PD/colocated <= {TARGET_ITL_P99_RATIO}: {'met' if met['itl_p99'] else 'NOT met'}"
+        )
     bw = report["bandwidth"]
     if bw is not None:
-        lines += ["", f"transfer ({bw['backend']}, {bw['agents']}): {bw['bytes_moved'] / 2**20:.1f} MiB in "
-                  f"{bw['blocks']} blocks: {bw['transfer_gbps']:.2f} GB/s; memcpy {bw['memcpy_gbps']:.2f} GB/s "
-                  f"(ratio {bw['ratio_vs_memcpy']:.2f}, target >= {TARGET_BANDWIDTH_RATIO}: "
-                  f"{'met' if met['bandwidth'] else 'NOT met'}); index_copy {bw['index_copy_gbps']:.2f} GB/s "
-                  f"(ratio {bw['ratio_vs_index_copy']:.2f}); verified: {bw['verified']}"]
+        lines += [
+            "",
+            f"transfer ({bw['backend']}, {bw['agents']}): {bw['bytes_moved'] / 2**20:.1f} MiB in "
+            f"{bw['blocks']} blocks: {bw['transfer_gbps']:.2f} GB/s; memcpy {bw['memcpy_gbps']:.2f} GB/s "
+            f"(ratio {bw['ratio_vs_memcpy']:.2f}, target >= {TARGET_BANDWIDTH_RATIO}: "
+            f"{'met' if met['bandwidth'] else 'NOT met'}); index_copy {bw['index_copy_gbps']:.2f} GB/s "
+            f"(ratio {bw['ratio_vs_index_copy']:.2f}); verified: {bw['verified']}",
+        ]
     kill = report["kill_test"]
     if kill is not None:
-        lines += ["", f"kill test: {kill['requests']} requests, {kill['lost']} lost, {len(kill['kills'])} kills "
-                  f"({', '.join(k['instance'] for k in kill['kills']) or 'none'}) in {kill['duration_s']:.1f} s"]
+        lines += [
+            "",
+            f"kill test: {kill['requests']} requests, {kill['lost']} lost, {len(kill['kills'])} kills "
+            f"({', '.join(k['instance'] for k in kill['kills']) or 'none'}) in {kill['duration_s']:.1f} s",
+        ]
         pin = kill.get("pinning")  # absent from reports written before instances were pinned
         if pin:
-            lines.append(f"  instances pinned to CPUs {pin['cores']}" + (f" ({pin['note']})" if pin["note"] else ""))
+            lines.append(
+                f"  instances pinned to CPUs {pin['cores']}"
+                + (f" ({pin['note']})" if pin["note"] else "")
+            )
         restarts = sorted(k["restart_s"] for k in kill["kills"] if k["restart_s"] is not None)
         if restarts:
-            lines.append(f"  restarts {restarts[0]:.1f}-{restarts[-1]:.1f} s (median {restarts[len(restarts) // 2]:.1f} s)")
+            lines.append(
+                f"  restarts {restarts[0]:.1f}-{restarts[-1]:.1f} s (median {restarts[len(restarts) // 2]:.1f} s)"
+            )
         lines += [f"  lost {n}: {kind}" for kind, n in kill["error_counts"].items()]
     return "\n".join(lines)
 
@@ -657,39 +828,106 @@ def seconds_range(text: str) -> tuple[float, float]:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-requests", type=int, default=32, help="requests per setup (default 32)")
-    p.add_argument("--rate", type=positive_float, default=2.0, help="Poisson arrival rate, req/s (default 2)")
+    p.add_argument(
+        "--rate", type=positive_float, default=2.0, help="Poisson arrival rate, req/s (default 2)"
+    )
     p.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
-    p.add_argument("--max-tokens", type=int, default=32, help="output tokens per request (default 32)")
-    p.add_argument("--long-fraction", type=float, default=0.5, help="share of long prompts (default 0.5)")
-    p.add_argument("--long-len", type=int_range, default=(400, 800), help="long prompt tokens MIN:MAX (400:800)")
-    p.add_argument("--short-len", type=int_range, default=(8, 32), help="short prompt tokens MIN:MAX (8:32)")
-    p.add_argument("--backend", choices=["nixl", "tcp"], default=None,
-                   help="KV transfer backend (default: nixl when it imports, else tcp)")
+    p.add_argument(
+        "--max-tokens", type=int, default=32, help="output tokens per request (default 32)"
+    )
+    p.add_argument(
+        "--long-fraction", type=float, default=0.5, help="share of long prompts (default 0.5)"
+    )
+    p.add_argument(
+        "--long-len",
+        type=int_range,
+        default=(400, 800),
+        help="long prompt tokens MIN:MAX (400:800)",
+    )
+    p.add_argument(
+        "--short-len", type=int_range, default=(8, 32), help="short prompt tokens MIN:MAX (8:32)"
+    )
+    p.add_argument(
+        "--backend",
+        choices=["nixl", "tcp"],
+        default=None,
+        help="KV transfer backend (default: nixl when it imports, else tcp)",
+    )
     g = p.add_argument_group("engine (every instance)")
-    g.add_argument("--num-kv-blocks", type=int, default=384, help="KV pool per instance in blocks (default 384)")
-    g.add_argument("--max-model-len", type=int, default=1024, help="context length cap (default 1024)")
-    g.add_argument("--max-num-seqs", type=int, default=16, help="max running sequences (default 16)")
-    g.add_argument("--max-num-batched-tokens", type=int, default=1024, help="token budget per step (default 1024)")
+    g.add_argument(
+        "--num-kv-blocks",
+        type=int,
+        default=384,
+        help="KV pool per instance in blocks (default 384)",
+    )
+    g.add_argument(
+        "--max-model-len", type=int, default=1024, help="context length cap (default 1024)"
+    )
+    g.add_argument(
+        "--max-num-seqs", type=int, default=16, help="max running sequences (default 16)"
+    )
+    g.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=1024,
+        help="token budget per step (default 1024)",
+    )
     g = p.add_argument_group("bandwidth and kill test")
-    g.add_argument("--bandwidth-mib", type=positive_float, default=64.0, help="MiB of blocks to move (default 64)")
-    g.add_argument("--bandwidth-repeats", type=int, default=5, help="timed transfers / copies (default 5)")
-    g.add_argument("--kv-layout", default="LBNHC",
-                   help="KV buffer layout of the bandwidth test (default LBNHC, the engine's default; "
-                        "BLNHC makes each block one contiguous range across layers)")
-    g.add_argument("--kill-test", type=int, default=20, metavar="N", help="kill-test requests; 0 skips (default 20)")
-    g.add_argument("--kill-rate", type=positive_float, default=1.0, help="kill-test arrival rate, req/s (default 1)")
-    g.add_argument("--kill-interval", type=seconds_range, default=(2.0, 5.0),
-                   help="seconds between a restart and the next kill, MIN:MAX (default 2:5)")
-    p.add_argument("--only", choices=["all", "serving", "bandwidth", "kill"], default="all",
-                   help="run one part only (default all)")
+    g.add_argument(
+        "--bandwidth-mib",
+        type=positive_float,
+        default=64.0,
+        help="MiB of blocks to move (default 64)",
+    )
+    g.add_argument(
+        "--bandwidth-repeats", type=int, default=5, help="timed transfers / copies (default 5)"
+    )
+    g.add_argument(
+        "--kv-layout",
+        default="LBNHC",
+        help="KV buffer layout of the bandwidth test (default LBNHC, the engine's default; "
+        "BLNHC makes each block one contiguous range across layers)",
+    )
+    g.add_argument(
+        "--kill-test",
+        type=int,
+        default=20,
+        metavar="N",
+        help="kill-test requests; 0 skips (default 20)",
+    )
+    g.add_argument(
+        "--kill-rate",
+        type=positive_float,
+        default=1.0,
+        help="kill-test arrival rate, req/s (default 1)",
+    )
+    g.add_argument(
+        "--kill-interval",
+        type=seconds_range,
+        default=(2.0, 5.0),
+        help="seconds between a restart and the next kill, MIN:MAX (default 2:5)",
+    )
+    p.add_argument(
+        "--only",
+        choices=["all", "serving", "bandwidth", "kill"],
+        default="all",
+        help="run one part only (default all)",
+    )
     p.add_argument("--keep-logs", action="store_true", help="keep the instances' log files")
     add_output_args(p)
 
 
 def check_args(args: argparse.Namespace) -> None:
     """BenchOptionError for inconsistent options; resolves ``--backend``."""
-    if args.num_requests < 1 or args.max_tokens < 1 or args.bandwidth_repeats < 1 or args.kill_test < 0:
-        raise BenchOptionError("--num-requests, --max-tokens and --bandwidth-repeats must be >= 1, --kill-test >= 0")
+    if (
+        args.num_requests < 1
+        or args.max_tokens < 1
+        or args.bandwidth_repeats < 1
+        or args.kill_test < 0
+    ):
+        raise BenchOptionError(
+            "--num-requests, --max-tokens and --bandwidth-repeats must be >= 1, --kill-test >= 0"
+        )
     if not 0 <= args.long_fraction <= 1:
         raise BenchOptionError("--long-fraction must be in [0, 1]")
     if max(args.long_len[1], args.short_len[1]) + args.max_tokens > args.max_model_len:
@@ -708,7 +946,10 @@ def exit_code(report: dict[str, Any]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="bench_disagg", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="bench_disagg",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     add_arguments(p)
     return run_and_emit(run, table, p.parse_args(argv), exit_code)

@@ -70,12 +70,16 @@ def paged_batch(seq_lens: list[int], query_lens: list[int], seed: int = 0) -> di
     qsl = [0]
     for n in query_lens:
         qsl.append(qsl[-1] + n)
-    return dict(query=torch.randn(qsl[-1], HQ, D, dtype=DTYPE, device="cuda"),
-                key_cache=views[0][0], value_cache=views[0][1],
-                query_start_loc=torch.tensor(qsl, dtype=torch.int32, device="cuda"),
-                seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device="cuda"),
-                block_table=table.cuda(), max_query_len=max(query_lens),
-                max_seq_len=max(seq_lens))
+    return dict(
+        query=torch.randn(qsl[-1], HQ, D, dtype=DTYPE, device="cuda"),
+        key_cache=views[0][0],
+        value_cache=views[0][1],
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32, device="cuda"),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device="cuda"),
+        block_table=table.cuda(),
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+    )
 
 
 def bench_decode(copy_bw: float, batch: int = 64, context: int = 4096) -> dict[str, Any]:
@@ -83,10 +87,16 @@ def bench_decode(copy_bw: float, batch: int = 64, context: int = 4096) -> dict[s
 
     b = paged_batch([context] * batch, [1] * batch)
     kv_bytes = batch * context * HKV * 2 * D * torch.finfo(DTYPE).bits // 8
-    t = cuda_time(lambda: unified_attention(scale=D ** -0.5, **b))
-    return dict(batch=batch, context=context, seconds=t, kv_bytes=kv_bytes,
-                kv_bytes_per_s=kv_bytes / t, fraction_of_copy_bw=kv_bytes / t / copy_bw,
-                target=0.70)
+    t = cuda_time(lambda: unified_attention(scale=D**-0.5, **b))
+    return dict(
+        batch=batch,
+        context=context,
+        seconds=t,
+        kv_bytes=kv_bytes,
+        kv_bytes_per_s=kv_bytes / t,
+        fraction_of_copy_bw=kv_bytes / t / copy_bw,
+        target=0.70,
+    )
 
 
 def bench_prefill(num_seqs: int = 4, length: int = 2048) -> dict[str, Any]:
@@ -96,14 +106,21 @@ def bench_prefill(num_seqs: int = 4, length: int = 2048) -> dict[str, Any]:
 
     b = paged_batch([length] * num_seqs, [length] * num_seqs)
     flops = num_seqs * 4 * HQ * D * length * (length + 1) / 2  # QK^T and PV over the causal half
-    t_paged = cuda_time(lambda: unified_attention(scale=D ** -0.5, **b))
+    t_paged = cuda_time(lambda: unified_attention(scale=D**-0.5, **b))
     q = torch.randn(num_seqs, HQ, length, D, dtype=DTYPE, device="cuda")
     k = torch.randn(num_seqs, HKV, length, D, dtype=DTYPE, device="cuda")
     v = torch.randn_like(k)
-    t_sdpa = cuda_time(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                                              enable_gqa=True))
-    return dict(num_seqs=num_seqs, length=length, paged_tflops=flops / t_paged / 1e12,
-                sdpa_tflops=flops / t_sdpa / 1e12, ratio=t_sdpa / t_paged, target=0.60)
+    t_sdpa = cuda_time(
+        lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    )
+    return dict(
+        num_seqs=num_seqs,
+        length=length,
+        paged_tflops=flops / t_paged / 1e12,
+        sdpa_tflops=flops / t_sdpa / 1e12,
+        ratio=t_sdpa / t_paged,
+        target=0.60,
+    )
 
 
 def bench_e2e(batch: int = 64, max_tokens: int = 128) -> dict[str, Any]:
@@ -121,8 +138,13 @@ def bench_e2e(batch: int = 64, max_tokens: int = 128) -> dict[str, Any]:
     torch.cuda.synchronize()
     elapsed = time.perf_counter() - t0
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    return dict(batch=batch, max_tokens=max_tokens, output_tokens=tokens, seconds=elapsed,
-                output_tokens_per_s=tokens / elapsed)
+    return dict(
+        batch=batch,
+        max_tokens=max_tokens,
+        output_tokens=tokens,
+        seconds=elapsed,
+        output_tokens_per_s=tokens / elapsed,
+    )
 
 
 def check_exactness(num_prompts: int = 8, max_tokens: int = 32) -> dict[str, Any]:
@@ -130,15 +152,20 @@ def check_exactness(num_prompts: int = 8, max_tokens: int = 32) -> dict[str, Any
     kernels), prompt by prompt: identical token ids expected."""
     from pagedkv import LLM, SamplingParams
 
-    prompts = [f"Question {i}: explain paged attention and KV caches in {i + 2} sentences."
-               for i in range(num_prompts)]
+    prompts = [
+        f"Question {i}: explain paged attention and KV caches in {i + 2} sentences."
+        for i in range(num_prompts)
+    ]
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     ids = {}
     for device in ("cpu", "cuda"):
         outs = LLM(device=device, num_kv_blocks=256).generate(prompts, params, use_tqdm=False)
         ids[device] = [list(o.outputs[0].token_ids) for o in outs]
-    diffs = [dict(prompt=i, first_diff=next(j for j, (a, b) in enumerate(zip(c, g)) if a != b))
-             for i, (c, g) in enumerate(zip(ids["cpu"], ids["cuda"])) if c != g]
+    diffs = [
+        dict(prompt=i, first_diff=next(j for j, (a, b) in enumerate(zip(c, g)) if a != b))
+        for i, (c, g) in enumerate(zip(ids["cpu"], ids["cuda"]))
+        if c != g
+    ]
     return dict(prompts=num_prompts, max_tokens=max_tokens, identical=not diffs, diffs=diffs)
 
 
@@ -146,20 +173,32 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", help="write the JSON results to this file too")
     ap.add_argument("--skip-e2e", action="store_true")
-    ap.add_argument("--check", action="append", default=[], metavar="NAME=RC",
-                    help="record the exit status of a check run before (gpu/run_checks.sh)")
+    ap.add_argument(
+        "--check",
+        action="append",
+        default=[],
+        metavar="NAME=RC",
+        help="record the exit status of a check run before (gpu/run_checks.sh)",
+    )
     args = ap.parse_args(argv)
     try:
         import triton  # noqa: F401
+
         has_triton = True
     except ImportError:
         has_triton = False
     if not torch.cuda.is_available() or not has_triton:
-        res: dict[str, Any] = dict(gpu=False, reason="no CUDA device" if not torch.cuda.is_available()
-                                   else "triton not installed")
+        res: dict[str, Any] = dict(
+            gpu=False,
+            reason="no CUDA device" if not torch.cuda.is_available() else "triton not installed",
+        )
     else:
-        res = dict(gpu=True, device=torch.cuda.get_device_name(), torch=torch.__version__,
-                   triton=__import__("triton").__version__)
+        res = dict(
+            gpu=True,
+            device=torch.cuda.get_device_name(),
+            torch=torch.__version__,
+            triton=__import__("triton").__version__,
+        )
         bw = copy_bandwidth()
         res["copy_bytes_per_s"] = bw
         res["decode"] = bench_decode(bw)
@@ -167,8 +206,10 @@ def main(argv: list[str] | None = None) -> int:
         res["exactness"] = check_exactness()
         if not args.skip_e2e:
             res["e2e"] = bench_e2e()
-        res["targets_met"] = dict(decode=res["decode"]["fraction_of_copy_bw"] >= 0.70,
-                                  prefill=res["prefill"]["ratio"] >= 0.60)
+        res["targets_met"] = dict(
+            decode=res["decode"]["fraction_of_copy_bw"] >= 0.70,
+            prefill=res["prefill"]["ratio"] >= 0.60,
+        )
     if args.check:
         res["checks"] = {name: int(rc) for name, rc in (c.split("=", 1) for c in args.check)}
     text = json.dumps(res, indent=2)

@@ -48,16 +48,29 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pagedkv.bench.common import BenchOptionError, add_output_args, fmt, log, run_and_emit, user_help
+from pagedkv.bench.common import (
+    BenchOptionError,
+    add_output_args,
+    fmt,
+    log,
+    run_and_emit,
+    user_help,
+)
 
 TARGETS = {  # family -> (min top-1 agreement, max |ΔPPL| in %), issue 14
     "int8": (0.99, 0.5),
     "fp8_per_token_head": (0.98, 1.0),
     "int4": (0.95, 3.0),
 }
-CAPACITY_TARGETS = {"int8_per_token_head": 1.9, "fp8_per_token_head": 1.9, "fp8": 1.9, "int8": 1.9,
-                    "fp8_per_token_head_f16": 1.9,
-                    "int4_per_token_head": 3.4, "int4": 3.4}
+CAPACITY_TARGETS = {
+    "int8_per_token_head": 1.9,
+    "fp8_per_token_head": 1.9,
+    "fp8": 1.9,
+    "int8": 1.9,
+    "fp8_per_token_head_f16": 1.9,
+    "int4_per_token_head": 3.4,
+    "int4": 3.4,
+}
 REFERENCE = "float32"
 KV_TOKENS_PER_REQUEST = 2048  # a "2k-token request" holds this many token slots
 LOGIT_ROWS_PER_PASS = 512  # rows of [rows, vocab] float32 logits computed at once
@@ -108,8 +121,16 @@ MODES_BY_NAME = {m.name: m for m in MODES}
 # fp8 per tensor too: the FP8 format whose page (1 byte a value, no inline scales) reaches 2x;
 # vLLM's per-token-head pages (fp32 scales, 1.88x at head size 64) and pagedkv's fp16-scale ones
 # (1.94x: "int8" and fp8_per_token_head_f16).
-CAPACITY_MODES = ("bfloat16", "fp8", "int8_per_token_head", "int8", "fp8_per_token_head", "fp8_per_token_head_f16",
-                  "int4_per_token_head", "int4")
+CAPACITY_MODES = (
+    "bfloat16",
+    "fp8",
+    "int8_per_token_head",
+    "int8",
+    "fp8_per_token_head",
+    "fp8_per_token_head_f16",
+    "int4_per_token_head",
+    "int4",
+)
 
 # ---- corpus and prompts (fixed lists: the corpus is generated, never downloaded) ------------
 
@@ -125,7 +146,7 @@ CHAT_CORPUS_PROMPTS = (
 )
 PLAIN_CORPUS_PROMPTS = (
     "The city council met on Tuesday evening to discuss the new budget. According to",
-    "def merge_sort(items):\n    \"\"\"Sort a list with merge sort.\"\"\"\n",
+    'def merge_sort(items):\n    """Sort a list with merge sort."""\n',
     "Photosynthesis is the process by which plants convert light into chemical energy.",
     "Chapter 1\n\nThe rain had not stopped for three days when Anna finally opened the door and",
     "In mathematics, a prime number is a natural number greater than 1 that",
@@ -153,14 +174,17 @@ CALIBRATION_PROMPTS = (  # fp8 per-tensor scale calibration: disjoint from every
 
 def chat_prompt_ids(tokenizer: Any, text: str) -> list[int]:
     """A one-turn chat prompt (the model's template, generation prompt added) as token ids."""
-    rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+    rendered = tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True
+    )
     return tokenizer.encode(rendered, add_special_tokens=False)
 
 
 def corpus_prompts(tokenizer: Any) -> list[list[int]]:
     """The corpus prompts as token ids: the chat ones through the chat template."""
-    return ([chat_prompt_ids(tokenizer, t) for t in CHAT_CORPUS_PROMPTS]
-            + [tokenizer.encode(t, add_special_tokens=False) for t in PLAIN_CORPUS_PROMPTS])
+    return [chat_prompt_ids(tokenizer, t) for t in CHAT_CORPUS_PROMPTS] + [
+        tokenizer.encode(t, add_special_tokens=False) for t in PLAIN_CORPUS_PROMPTS
+    ]
 
 
 def make_corpus(llm: Any, num_tokens: int, temperature: float, seed: int) -> list[int]:
@@ -170,8 +194,10 @@ def make_corpus(llm: Any, num_tokens: int, temperature: float, seed: int) -> lis
 
     prompts = corpus_prompts(llm.get_tokenizer())
     per = max(16, -(-num_tokens // len(prompts)))
-    params = [SamplingParams(temperature=temperature, max_tokens=per, ignore_eos=True, seed=seed + i)
-              for i in range(len(prompts))]
+    params = [
+        SamplingParams(temperature=temperature, max_tokens=per, ignore_eos=True, seed=seed + i)
+        for i in range(len(prompts))
+    ]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     stream = [t for p, o in zip(prompts, outs) for t in p + list(o.outputs[0].token_ids)]
     return stream[:num_tokens]
@@ -180,7 +206,7 @@ def make_corpus(llm: Any, num_tokens: int, temperature: float, seed: int) -> lis
 def windows(stream: Sequence[int], size: int, min_size: int = 16) -> list[list[int]]:
     """``stream`` cut into consecutive windows of ``size`` tokens (a tail shorter than
     ``min_size`` is dropped: too little context to score)."""
-    out = [list(stream[i:i + size]) for i in range(0, len(stream), size)]
+    out = [list(stream[i : i + size]) for i in range(0, len(stream), size)]
     return [w for w in out if len(w) >= min_size]
 
 
@@ -209,16 +235,25 @@ def score_window(llm: Any, window: Sequence[int]) -> Any:
 
     model.forward = keep  # nn.Module.__call__ looks forward up on the instance first
     try:
-        llm.generate([{"prompt_token_ids": list(window)}], SamplingParams(max_tokens=1, temperature=0),
-                     use_tqdm=False)
+        llm.generate(
+            [{"prompt_token_ids": list(window)}],
+            SamplingParams(max_tokens=1, temperature=0),
+            use_tqdm=False,
+        )
     finally:
         del model.forward
     if len(captured) != 1 or captured[0].shape[0] != len(window):
         raise RuntimeError(f"window of {len(window)} tokens did not run as one prefill chunk")
     rows = captured[0][: len(window) - 1]
     with torch.inference_mode():
-        return torch.cat([torch.log_softmax(model.compute_logits(rows[i:i + LOGIT_ROWS_PER_PASS]).float(), -1)
-                          for i in range(0, rows.shape[0], LOGIT_ROWS_PER_PASS)])
+        return torch.cat(
+            [
+                torch.log_softmax(
+                    model.compute_logits(rows[i : i + LOGIT_ROWS_PER_PASS]).float(), -1
+                )
+                for i in range(0, rows.shape[0], LOGIT_ROWS_PER_PASS)
+            ]
+        )
 
 
 @dataclass(slots=True)
@@ -238,7 +273,9 @@ class AgreementStats:
         import torch
 
         if ref_lp.shape != lp.shape or ref_lp.shape[0] != len(targets):
-            raise ValueError(f"shape mismatch: {tuple(ref_lp.shape)}, {tuple(lp.shape)}, {len(targets)} targets")
+            raise ValueError(
+                f"shape mismatch: {tuple(ref_lp.shape)}, {tuple(lp.shape)}, {len(targets)} targets"
+            )
         tgt = torch.as_tensor(list(targets), dtype=torch.long).unsqueeze(1)
         self.positions += len(targets)
         self.top1_agree += int((ref_lp.argmax(-1) == lp.argmax(-1)).sum())
@@ -249,11 +286,19 @@ class AgreementStats:
     def summary(self) -> dict[str, Any]:
         n = self.positions or 1
         ppl_ref, ppl = math.exp(self.nll_ref / n), math.exp(self.nll / n)
-        return dict(positions=self.positions, top1_agreement=self.top1_agree / n, mean_kl=self.kl_sum / n,
-                    ppl_ref=ppl_ref, ppl=ppl, ppl_delta_pct=(ppl / ppl_ref - 1) * 100)
+        return dict(
+            positions=self.positions,
+            top1_agreement=self.top1_agree / n,
+            mean_kl=self.kl_sum / n,
+            ppl_ref=ppl_ref,
+            ppl=ppl,
+            ppl_delta_pct=(ppl / ppl_ref - 1) * 100,
+        )
 
 
-def greedy_agreement(ref: Sequence[Sequence[int]], out: Sequence[Sequence[int]]) -> dict[str, float]:
+def greedy_agreement(
+    ref: Sequence[Sequence[int]], out: Sequence[Sequence[int]]
+) -> dict[str, float]:
     """``identical``: fraction of prompts whose tokens equal the reference's; ``prefix_match``:
     mean over prompts of the fraction of reference tokens matched before the first divergence."""
     if len(ref) != len(out) or not ref:
@@ -262,8 +307,10 @@ def greedy_agreement(ref: Sequence[Sequence[int]], out: Sequence[Sequence[int]])
     for r, o in zip(ref, out):
         k = next((i for i, (a, b) in enumerate(zip(r, o)) if a != b), min(len(r), len(o)))
         fracs.append(k / len(r) if r else 1.0)
-    return dict(identical=sum(list(r) == list(o) for r, o in zip(ref, out)) / len(ref),
-                prefix_match=sum(fracs) / len(fracs))
+    return dict(
+        identical=sum(list(r) == list(o) for r, o in zip(ref, out)) / len(ref),
+        prefix_match=sum(fracs) / len(fracs),
+    )
 
 
 def meets(family: str | None, top1: float, ppl_delta_pct: float) -> bool | None:
@@ -304,8 +351,11 @@ def _score_mode(llm: Any, mode: KVMode, corpora: list[Corpus], ref_dir: Path) ->
     log-probs in ``ref_dir`` (written there when ``mode`` is the reference)."""
     import torch
 
-    row: dict[str, Any] = dict(kv_cache_dtype=mode.kv_cache_dtype, kv_rotation=mode.kv_rotation or "none",
-                               family=mode.family)
+    row: dict[str, Any] = dict(
+        kv_cache_dtype=mode.kv_cache_dtype,
+        kv_rotation=mode.kv_rotation or "none",
+        family=mode.family,
+    )
     if mode.calibrated:
         row["kv_scales_source"] = llm.llm_engine.kv_scales_source
     for c in corpora:
@@ -330,7 +380,9 @@ def _families(rows: dict[str, dict[str, Any]], corpora: list[Corpus]) -> dict[st
         for c in corpora:
             cands = [(n, r[c.name]) for n, r in rows.items() if r["family"] == fam]
             if cands:
-                name, best = max(cands, key=lambda x: (bool(x[1]["meets_target"]), x[1]["top1_agreement"]))
+                name, best = max(
+                    cands, key=lambda x: (bool(x[1]["meets_target"]), x[1]["top1_agreement"])
+                )
                 out[f"{fam}/{c.name}"] = dict(best=name, meets_target=best["meets_target"])
     return out
 
@@ -344,17 +396,26 @@ def run_accuracy(args: argparse.Namespace, modes: list[KVMode]) -> dict[str, Any
     seq_len = -(-args.tokens // n_prompts) + 128  # a corpus sequence: prompt + continuation
     window_blocks = -(-(args.window + 16) // 16) + len(GREEDY_CHAT_PROMPTS) * 8
     corpus_blocks = n_prompts * (-(-seq_len // 16) + 1)
-    size = dict(num_kv_blocks=window_blocks, max_model_len=max(args.window, seq_len) + 16,
-                max_num_batched_tokens=args.window)
+    size = dict(
+        num_kv_blocks=window_blocks,
+        max_model_len=max(args.window, seq_len) + 16,
+        max_num_batched_tokens=args.window,
+    )
     ref_mode = MODES_BY_NAME[REFERENCE]
-    log(args, f"loading the {REFERENCE} engine; writing the corpora ({args.tokens} tokens each) ...")
+    log(
+        args, f"loading the {REFERENCE} engine; writing the corpora ({args.tokens} tokens each) ..."
+    )
     t0 = time.perf_counter()
     ref = _engine(ref_mode, **{**size, "num_kv_blocks": window_blocks + corpus_blocks})
-    corpora = [Corpus(name, temp, make_corpus(ref, args.tokens, temp, args.seed))
-               for name, temp in (("greedy", 0.0), ("sampled", 1.0))]
+    corpora = [
+        Corpus(name, temp, make_corpus(ref, args.tokens, temp, args.seed))
+        for name, temp in (("greedy", 0.0), ("sampled", 1.0))
+    ]
     for c in corpora:
         c.windows = windows(c.stream, args.window)
-    chat = [chat_prompt_ids(ref.get_tokenizer(), t) for t in GREEDY_CHAT_PROMPTS[: args.greedy_prompts]]
+    chat = [
+        chat_prompt_ids(ref.get_tokenizer(), t) for t in GREEDY_CHAT_PROMPTS[: args.greedy_prompts]
+    ]
     log(args, f"  corpora written in {time.perf_counter() - t0:.0f}s")
     rows: dict[str, dict[str, Any]] = {}
     ref_greedy: list[list[int]] = []
@@ -367,19 +428,39 @@ def run_accuracy(args: argparse.Namespace, modes: list[KVMode]) -> dict[str, Any
             ref_greedy = ref_greedy or greedy_out
             row["greedy_output"] = greedy_agreement(ref_greedy, greedy_out)
             row["seconds"] = time.perf_counter() - t0
-            log(args, f"  {mode.name:30s} " + "  ".join(
-                f"{c.name}: top1 {row[c.name]['top1_agreement']:.2%} dPPL {row[c.name]['ppl_delta_pct']:+.2f}%"
-                for c in corpora) + f"  greedy output {row['greedy_output']['identical']:.0%}  ({row['seconds']:.0f}s)")
+            log(
+                args,
+                f"  {mode.name:30s} "
+                + "  ".join(
+                    f"{c.name}: top1 {row[c.name]['top1_agreement']:.2%} dPPL {row[c.name]['ppl_delta_pct']:+.2f}%"
+                    for c in corpora
+                )
+                + f"  greedy output {row['greedy_output']['identical']:.0%}  ({row['seconds']:.0f}s)",
+            )
             del llm  # the next engine's cache replaces this one's
     return dict(
-        scoring=("one prefill chunk per window (max_num_batched_tokens = window); pagedkv's prefill "
-                 "attention reads K/V back from the paged cache after writing them, so every scored "
-                 "position sees its context through the quantized cache, as decode does"),
-        corpora={c.name: dict(temperature=c.temperature, seed=args.seed, tokens=len(c.stream),
-                              windows=len(c.windows), window_tokens=max(map(len, c.windows)),
-                              scored_positions=sum(len(w) - 1 for w in c.windows)) for c in corpora},
-        greedy_prompts=len(chat), greedy_tokens=args.greedy_tokens, modes=rows, families=_families(rows, corpora),
-        targets={k: dict(min_top1=a, max_abs_ppl_delta_pct=b) for k, (a, b) in TARGETS.items()})
+        scoring=(
+            "one prefill chunk per window (max_num_batched_tokens = window); pagedkv's prefill "
+            "attention reads K/V back from the paged cache after writing them, so every scored "
+            "position sees its context through the quantized cache, as decode does"
+        ),
+        corpora={
+            c.name: dict(
+                temperature=c.temperature,
+                seed=args.seed,
+                tokens=len(c.stream),
+                windows=len(c.windows),
+                window_tokens=max(map(len, c.windows)),
+                scored_positions=sum(len(w) - 1 for w in c.windows),
+            )
+            for c in corpora
+        },
+        greedy_prompts=len(chat),
+        greedy_tokens=args.greedy_tokens,
+        modes=rows,
+        families=_families(rows, corpora),
+        targets={k: dict(min_top1=a, max_abs_ppl_delta_pct=b) for k, (a, b) in TARGETS.items()},
+    )
 
 
 def _run_until_first_finish(eng: Any, prompts: list[list[int]]) -> tuple[int, int, int]:
@@ -398,8 +479,12 @@ def _run_until_first_finish(eng: Any, prompts: list[list[int]]) -> tuple[int, in
         while not together and eng.has_unfinished_requests():
             outs = eng.step()
             steps += 1
-            resident = max(resident, sum(r.num_computed_tokens >= len(r.prompt_token_ids)
-                                         for r in eng.scheduler.running))
+            resident = max(
+                resident,
+                sum(
+                    r.num_computed_tokens >= len(r.prompt_token_ids) for r in eng.scheduler.running
+                ),
+            )
             together = sum(o.finished for o in outs)
     finally:
         eng.abort_request(ids)
@@ -421,42 +506,79 @@ def run_capacity(args: argparse.Namespace) -> dict[str, Any]:
     budget = (args.capacity_bf16 * per_req_blocks + 1) * bytes_per_block(bf16)
     prompt_len = req_tokens - bs + 1  # all its blocks taken at prefill end; 2 outputs fit in them
     rng = random.Random(args.seed)
-    log(args, f"capacity: KV budget {budget / 2**20:.1f} MiB for every mode (bf16 holds "
-              f"{args.capacity_bf16} requests of {req_tokens} tokens)")
+    log(
+        args,
+        f"capacity: KV budget {budget / 2**20:.1f} MiB for every mode (bf16 holds "
+        f"{args.capacity_bf16} requests of {req_tokens} tokens)",
+    )
     out: dict[str, Any] = {}
     for name in args.capacity_modes:
         mode = MODES_BY_NAME.get(name) or _mode(name)
         t0 = time.perf_counter()
-        probe = get_kv_cache_groups(mc.kv_cache_specs(bs, mode.kv_cache_dtype, torch_dtype="float32",
-                                                      kv_rotation=mode.kv_rotation))
+        probe = get_kv_cache_groups(
+            mc.kv_cache_specs(
+                bs, mode.kv_cache_dtype, torch_dtype="float32", kv_rotation=mode.kv_rotation
+            )
+        )
         planned = (budget // bytes_per_block(probe) - 1) // per_req_blocks
         n_submit = planned + 2
-        llm = LLM(**mode.llm_kwargs(), kv_cache_memory=budget, max_model_len=req_tokens,
-                  max_num_batched_tokens=n_submit * prompt_len, max_num_seqs=n_submit,
-                  enable_prefix_caching=False, block_size=bs)
+        llm = LLM(
+            **mode.llm_kwargs(),
+            kv_cache_memory=budget,
+            max_model_len=req_tokens,
+            max_num_batched_tokens=n_submit * prompt_len,
+            max_num_seqs=n_submit,
+            enable_prefix_caching=False,
+            block_size=bs,
+        )
         eng = llm.llm_engine
-        prompts = [[rng.randrange(mc.vocab_size) for _ in range(prompt_len)] for _ in range(n_submit)]
+        prompts = [
+            [rng.randrange(mc.vocab_size) for _ in range(prompt_len)] for _ in range(n_submit)
+        ]
         resident, together, steps = _run_until_first_finish(eng, prompts)
         stats = llm.make_stats()
-        out[name] = dict(kv_cache_dtype=mode.kv_cache_dtype, kv_rotation=mode.kv_rotation or "none",
-                         num_blocks=eng.kv_cache_config.num_blocks, bytes_per_block=bytes_per_block(probe),
-                         planned=planned, measured=resident, decoded_together=together, submitted=n_submit,
-                         preemptions=stats.num_preemptions, steps=steps, seconds=time.perf_counter() - t0)
-        log(args, f"  {name:24s} planned {planned:3d}  measured {resident:3d}  "
-                  f"({out[name]['seconds']:.0f}s)")
+        out[name] = dict(
+            kv_cache_dtype=mode.kv_cache_dtype,
+            kv_rotation=mode.kv_rotation or "none",
+            num_blocks=eng.kv_cache_config.num_blocks,
+            bytes_per_block=bytes_per_block(probe),
+            planned=planned,
+            measured=resident,
+            decoded_together=together,
+            submitted=n_submit,
+            preemptions=stats.num_preemptions,
+            steps=steps,
+            seconds=time.perf_counter() - t0,
+        )
+        log(
+            args,
+            f"  {name:24s} planned {planned:3d}  measured {resident:3d}  "
+            f"({out[name]['seconds']:.0f}s)",
+        )
         del llm, eng
     base = out.get("bfloat16", {}).get("measured")
     for name, r in out.items():
         r["ratio_vs_bf16"] = r["measured"] / base if base else None
-        r["block_ratio_vs_bf16"] = ((r["num_blocks"] - 1) / (out["bfloat16"]["num_blocks"] - 1)
-                                    if base else None)
+        r["block_ratio_vs_bf16"] = (
+            (r["num_blocks"] - 1) / (out["bfloat16"]["num_blocks"] - 1) if base else None
+        )
         target = CAPACITY_TARGETS.get(name)
         r["target_ratio"] = target
-        r["meets_target"] = None if target is None or r["ratio_vs_bf16"] is None else r["ratio_vs_bf16"] >= target
-    return dict(kv_cache_memory=budget, request_kv_tokens=req_tokens, prompt_tokens=prompt_len,
-                output_tokens=2, block_size=bs, modes=out,
-                method=("planned+2 distinct requests submitted at once, all that fit prefilled in one step; "
-                        "measured = most requests running with their prompt fully in the cache"))
+        r["meets_target"] = (
+            None if target is None or r["ratio_vs_bf16"] is None else r["ratio_vs_bf16"] >= target
+        )
+    return dict(
+        kv_cache_memory=budget,
+        request_kv_tokens=req_tokens,
+        prompt_tokens=prompt_len,
+        output_tokens=2,
+        block_size=bs,
+        modes=out,
+        method=(
+            "planned+2 distinct requests submitted at once, all that fit prefilled in one step; "
+            "measured = most requests running with their prompt fully in the cache"
+        ),
+    )
 
 
 def run_speed(args: argparse.Namespace) -> dict[str, Any]:
@@ -486,29 +608,70 @@ def run_speed(args: argparse.Namespace) -> dict[str, Any]:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--only", default="all", choices=["all", "accuracy", "capacity", "speed"])
-    p.add_argument("--modes", default=None, help=f"comma-separated rows (default: all): {', '.join(MODES_BY_NAME)}")
-    p.add_argument("--tokens", type=int, default=None, help="tokens per corpus (20,480; --quick 1,024)")
-    p.add_argument("--window", type=int, default=None,
-                   help="tokens per scored window = longest context (2,048; --quick 512)")
-    p.add_argument("--greedy-prompts", type=int, default=None, help="chat prompts for greedy output (8; --quick 2)")
-    p.add_argument("--greedy-tokens", type=int, default=None, help="greedy tokens per prompt (48; --quick 8)")
-    p.add_argument("--capacity-bf16", type=int, default=None,
-                   help="requests the bf16 cache holds in the capacity budget (10; --quick 2)")
+    p.add_argument(
+        "--modes",
+        default=None,
+        help=f"comma-separated rows (default: all): {', '.join(MODES_BY_NAME)}",
+    )
+    p.add_argument(
+        "--tokens", type=int, default=None, help="tokens per corpus (20,480; --quick 1,024)"
+    )
+    p.add_argument(
+        "--window",
+        type=int,
+        default=None,
+        help="tokens per scored window = longest context (2,048; --quick 512)",
+    )
+    p.add_argument(
+        "--greedy-prompts",
+        type=int,
+        default=None,
+        help="chat prompts for greedy output (8; --quick 2)",
+    )
+    p.add_argument(
+        "--greedy-tokens", type=int, default=None, help="greedy tokens per prompt (48; --quick 8)"
+    )
+    p.add_argument(
+        "--capacity-bf16",
+        type=int,
+        default=None,
+        help="requests the bf16 cache holds in the capacity budget (10; --quick 2)",
+    )
     p.add_argument("--capacity-modes", default=",".join(CAPACITY_MODES))
-    p.add_argument("--capacity-request-tokens", type=int, default=None,
-                   help="KV token slots one capacity request holds, a multiple of 16 (2,048; --quick 256)")
-    p.add_argument("--speed-script", default=None, metavar="FILE",
-                   help="a file whose run() -> dict to time instead "
-                        "(default: pagedkv.bench.kv_quant_attention)")
+    p.add_argument(
+        "--capacity-request-tokens",
+        type=int,
+        default=None,
+        help="KV token slots one capacity request holds, a multiple of 16 (2,048; --quick 256)",
+    )
+    p.add_argument(
+        "--speed-script",
+        default=None,
+        metavar="FILE",
+        help="a file whose run() -> dict to time instead "
+        "(default: pagedkv.bench.kv_quant_attention)",
+    )
     p.add_argument("--quick", action="store_true", help="CI size: the --quick defaults above")
     p.add_argument("--seed", type=int, default=0)
     add_output_args(p)
 
 
-FULL_SIZE = dict(tokens=20480, window=2048, greedy_prompts=len(GREEDY_CHAT_PROMPTS), greedy_tokens=48,
-                 capacity_bf16=10, capacity_request_tokens=KV_TOKENS_PER_REQUEST)
-QUICK_SIZE = dict(tokens=1024, window=512, greedy_prompts=2, greedy_tokens=8, capacity_bf16=2,
-                  capacity_request_tokens=256)
+FULL_SIZE = dict(
+    tokens=20480,
+    window=2048,
+    greedy_prompts=len(GREEDY_CHAT_PROMPTS),
+    greedy_tokens=48,
+    capacity_bf16=10,
+    capacity_request_tokens=KV_TOKENS_PER_REQUEST,
+)
+QUICK_SIZE = dict(
+    tokens=1024,
+    window=512,
+    greedy_prompts=2,
+    greedy_tokens=8,
+    capacity_bf16=2,
+    capacity_request_tokens=256,
+)
 
 
 def _apply_sizes(args: argparse.Namespace) -> None:
@@ -520,23 +683,41 @@ def _apply_sizes(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     _apply_sizes(args)
-    names = MODES_BY_NAME if args.modes is None else [m.strip() for m in args.modes.split(",") if m.strip()]
+    names = (
+        MODES_BY_NAME
+        if args.modes is None
+        else [m.strip() for m in args.modes.split(",") if m.strip()]
+    )
     unknown = [n for n in names if n not in MODES_BY_NAME]
     if unknown:
-        raise BenchOptionError(f"unknown mode(s) {', '.join(unknown)}; choose from {', '.join(MODES_BY_NAME)}")
+        raise BenchOptionError(
+            f"unknown mode(s) {', '.join(unknown)}; choose from {', '.join(MODES_BY_NAME)}"
+        )
     args.capacity_modes = [m.strip() for m in str(args.capacity_modes).split(",") if m.strip()]
     bad_cap = [n for n in args.capacity_modes if n not in MODES_BY_NAME]
     if bad_cap:
         raise BenchOptionError(f"unknown capacity mode(s) {', '.join(bad_cap)}")
-    if args.tokens < 32 or not 16 <= args.window <= 8192 or args.greedy_tokens < 1 or args.capacity_bf16 < 1:
-        raise BenchOptionError("need --tokens >= 32, 16 <= --window <= 8192, --greedy-tokens >= 1, "
-                               "--capacity-bf16 >= 1")
+    if (
+        args.tokens < 32
+        or not 16 <= args.window <= 8192
+        or args.greedy_tokens < 1
+        or args.capacity_bf16 < 1
+    ):
+        raise BenchOptionError(
+            "need --tokens >= 32, 16 <= --window <= 8192, --greedy-tokens >= 1, "
+            "--capacity-bf16 >= 1"
+        )
     if args.capacity_request_tokens < 32 or args.capacity_request_tokens % 16:
         raise BenchOptionError("--capacity-request-tokens must be a multiple of 16, at least 32")
     if not 1 <= args.greedy_prompts <= len(GREEDY_CHAT_PROMPTS):
         raise BenchOptionError(f"--greedy-prompts must be in 1..{len(GREEDY_CHAT_PROMPTS)}")
-    report: dict[str, Any] = dict(benchmark="kv_quant", model="SmolLM2-135M-Instruct (default)", dtype="float32",
-                                  reference=REFERENCE, quick=args.quick)
+    report: dict[str, Any] = dict(
+        benchmark="kv_quant",
+        model="SmolLM2-135M-Instruct (default)",
+        dtype="float32",
+        reference=REFERENCE,
+        quick=args.quick,
+    )
     if args.only in ("all", "accuracy"):
         report["accuracy"] = run_accuracy(args, [MODES_BY_NAME[n] for n in names])
     if args.only in ("all", "capacity"):
@@ -571,47 +752,79 @@ def table(r: dict[str, Any]) -> str:
     acc = r.get("accuracy")
     if acc:
         for cname, c in acc["corpora"].items():
-            lines += [f"corpus {cname!r}: T={c['temperature']}, {c['tokens']} tokens in {c['windows']} windows of "
-                      f"<= {c['window_tokens']}, {c['scored_positions']} scored positions; "
-                      f"float32 PPL {acc['modes'][REFERENCE][cname]['ppl']:.3f}"]
-        lines += [f"scoring: {acc['scoring']}", "",
-                  f"{'mode':30s}" + "".join(f"{cn + ' top1':>14s}{'KL':>9s}{'dPPL':>9s}{'target':>7s}"
-                                            for cn in acc["corpora"])
-                  + f"{'greedy=':>9s}{'prefix':>8s}"]
+            lines += [
+                f"corpus {cname!r}: T={c['temperature']}, {c['tokens']} tokens in {c['windows']} windows of "
+                f"<= {c['window_tokens']}, {c['scored_positions']} scored positions; "
+                f"float32 PPL {acc['modes'][REFERENCE][cname]['ppl']:.3f}"
+            ]
+        lines += [
+            f"scoring: {acc['scoring']}",
+            "",
+            f"{'mode':30s}"
+            + "".join(
+                f"{cn + ' top1':>14s}{'KL':>9s}{'dPPL':>9s}{'target':>7s}" for cn in acc["corpora"]
+            )
+            + f"{'greedy=':>9s}{'prefix':>8s}",
+        ]
         for name, m in acc["modes"].items():
             line = f"{name:30s}"
             for cn in acc["corpora"]:
                 s = m[cn]
-                line += (f"{_pct(s['top1_agreement']):>14s}{s['mean_kl']:9.5f}{s['ppl_delta_pct']:+8.2f}%"
-                         f"{_tick(s['meets_target']):>7s}")
+                line += (
+                    f"{_pct(s['top1_agreement']):>14s}{s['mean_kl']:9.5f}{s['ppl_delta_pct']:+8.2f}%"
+                    f"{_tick(s['meets_target']):>7s}"
+                )
             g = m["greedy_output"]
             line += f"{_pct(g['identical'], '.0f'):>9s}{_pct(g['prefix_match'], '.0f'):>8s}"
             lines.append(line)
-        lines.append(f"greedy: {acc['greedy_tokens']} tokens on {acc['greedy_prompts']} chat prompts "
-                     "(greedy= all tokens identical; prefix = matched before the first divergence)")
-        lines.append("targets (best row of a family): " + ", ".join(
-            f"{k} {v['best']} {_tick(v['meets_target'])}" for k, v in acc["families"].items()))
+        lines.append(
+            f"greedy: {acc['greedy_tokens']} tokens on {acc['greedy_prompts']} chat prompts "
+            "(greedy= all tokens identical; prefix = matched before the first divergence)"
+        )
+        lines.append(
+            "targets (best row of a family): "
+            + ", ".join(
+                f"{k} {v['best']} {_tick(v['meets_target'])}" for k, v in acc["families"].items()
+            )
+        )
     cap = r.get("capacity")
     if cap:
-        lines += ["", f"capacity: KV budget {cap['kv_cache_memory'] / 2**20:.1f} MiB, requests of "
-                      f"{cap['prompt_tokens']}+{cap['output_tokens']} tokens ({cap['request_kv_tokens']} KV slots)",
-                  f"{'mode':24s}{'blocks':>8s}{'planned':>9s}{'measured':>10s}{'ratio':>8s}{'blocks x':>10s}"
-                  f"{'target':>8s}{'met':>5s}"]
+        lines += [
+            "",
+            f"capacity: KV budget {cap['kv_cache_memory'] / 2**20:.1f} MiB, requests of "
+            f"{cap['prompt_tokens']}+{cap['output_tokens']} tokens ({cap['request_kv_tokens']} KV slots)",
+            f"{'mode':24s}{'blocks':>8s}{'planned':>9s}{'measured':>10s}{'ratio':>8s}{'blocks x':>10s}"
+            f"{'target':>8s}{'met':>5s}",
+        ]
         for name, m in cap["modes"].items():
-            lines.append(f"{name:24s}{m['num_blocks']:8d}{m['planned']:9d}{m['measured']:10d}"
-                         f"{fmt(m['ratio_vs_bf16'], '.2f'):>7s}x{fmt(m['block_ratio_vs_bf16'], '.3f'):>9s}x"
-                         f"{fmt(m['target_ratio'], '.1f'):>8s}{_tick(m['meets_target']):>5s}")
+            lines.append(
+                f"{name:24s}{m['num_blocks']:8d}{m['planned']:9d}{m['measured']:10d}"
+                f"{fmt(m['ratio_vs_bf16'], '.2f'):>7s}x{fmt(m['block_ratio_vs_bf16'], '.3f'):>9s}x"
+                f"{fmt(m['target_ratio'], '.1f'):>8s}{_tick(m['meets_target']):>5s}"
+            )
     sp = r.get("speed")
     if sp:
-        lines += ["", f"speed: {sp.get('skipped') or sp.get('source')}"] + ([sp["table"]] if sp.get("table") else [])
+        lines += ["", f"speed: {sp.get('skipped') or sp.get('source')}"] + (
+            [sp["table"]] if sp.get("table") else []
+        )
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=user_help(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=user_help(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     add_arguments(p)
     return run_and_emit(run, table, p.parse_args(argv))
 
 
-__all__ = ["AgreementStats", "KVMode", "MODES", "greedy_agreement", "main", "make_corpus", "score_window",
-           "windows"]
+__all__ = [
+    "AgreementStats",
+    "KVMode",
+    "MODES",
+    "greedy_agreement",
+    "main",
+    "make_corpus",
+    "score_window",
+    "windows",
+]

@@ -34,7 +34,6 @@ import os
 import random
 import statistics
 import subprocess
-import sys
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -47,29 +46,48 @@ LLAMACPP_DIR = ROOT / "benchmarks" / "llamacpp"
 DEFAULT_VENV = ROOT / ".bench" / "llamacpp-venv"
 # Issue 13's bars: batch-1 decode >= 1.0x llama.cpp in float32-exact mode, >= 1.2x in bfloat16;
 # sequential serving >= 1.0x; per-step overhead outside matmuls and attention <= 1 ms.
-TARGETS = dict(decode_vs_llamacpp_fp32=1.0, decode_vs_llamacpp_bf16=1.2, sequential_vs_llamacpp=1.0,
-               step_overhead_ms=1.0)
+TARGETS = dict(
+    decode_vs_llamacpp_fp32=1.0,
+    decode_vs_llamacpp_bf16=1.2,
+    sequential_vs_llamacpp=1.0,
+    step_overhead_ms=1.0,
+)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from pagedkv.engine.arg_utils import EngineArgs
 
     # llama.cpp runs the same GGUF: its model default, and the two dtypes compared with it.
-    EngineArgs.add_cli_args(p, include=("model", "dtype"), overrides=dict(
-        model=dict(help="a .gguf file (default: SmolLM2-135M's Q4_1 GGUF)"),
-        dtype=dict(choices=("float32", "bfloat16"),
-                   help="pagedkv's activation dtype (float32: exact vs HF)")))
+    EngineArgs.add_cli_args(
+        p,
+        include=("model", "dtype"),
+        overrides=dict(
+            model=dict(help="a .gguf file (default: SmolLM2-135M's Q4_1 GGUF)"),
+            dtype=dict(
+                choices=("float32", "bfloat16"),
+                help="pagedkv's activation dtype (float32: exact vs HF)",
+            ),
+        ),
+    )
     p.add_argument("--prompt-lens", default="32,512", help="comma-separated prompt lengths")
     p.add_argument("--max-tokens", type=int, default=128, help="tokens generated per batch-1 run")
     p.add_argument("--repeats", type=int, default=3, help="batch-1 runs per prompt length (median)")
-    p.add_argument("--sequential", type=int, default=12, help="prompts served one at a time (0: skip)")
+    p.add_argument(
+        "--sequential", type=int, default=12, help="prompts served one at a time (0: skip)"
+    )
     p.add_argument("--sequential-max-tokens", type=int, default=64)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--cores", default=None, help="CPU list to pin both engines to, e.g. 0,1 (default: all)")
+    p.add_argument(
+        "--cores", default=None, help="CPU list to pin both engines to, e.g. 0,1 (default: all)"
+    )
     p.add_argument("--llamacpp-venv", default=str(DEFAULT_VENV))
-    p.add_argument("--setup", action="store_true", help="build llama-cpp-python into --llamacpp-venv first")
+    p.add_argument(
+        "--setup", action="store_true", help="build llama-cpp-python into --llamacpp-venv first"
+    )
     p.add_argument("--skip-llamacpp", action="store_true")
-    p.add_argument("--no-timeline", action="store_true", help="skip the per-op decode step breakdown")
+    p.add_argument(
+        "--no-timeline", action="store_true", help="skip the per-op decode step breakdown"
+    )
     p.add_argument("--seed", type=int, default=0)
     add_output_args(p)
 
@@ -83,8 +101,13 @@ def make_prompts(args: argparse.Namespace, vocab: int) -> dict[str, Any]:
     lens = prompt_lens(args)
     return dict(
         warmup=[random_token_ids(rng, 16, vocab, low=10)],
-        batch1={n: [random_token_ids(rng, n, vocab, low=10) for _ in range(args.repeats)] for n in lens},
-        sequential=[random_token_ids(rng, rng.randint(32, 256), vocab, low=10) for _ in range(args.sequential)],
+        batch1={
+            n: [random_token_ids(rng, n, vocab, low=10) for _ in range(args.repeats)] for n in lens
+        },
+        sequential=[
+            random_token_ids(rng, rng.randint(32, 256), vocab, low=10)
+            for _ in range(args.sequential)
+        ],
     )
 
 
@@ -95,16 +118,21 @@ def prompt_lens(args: argparse.Namespace) -> list[int]:
     except ValueError:
         lens = []
     if not lens or min(lens) < 1 or args.max_tokens < 2 or args.repeats < 1 or args.sequential < 0:
-        raise BenchOptionError("--prompt-lens must be positive integers, --max-tokens >= 2, --repeats >= 1, "
-                               "--sequential >= 0")
+        raise BenchOptionError(
+            "--prompt-lens must be positive integers, --max-tokens >= 2, --repeats >= 1, "
+            "--sequential >= 0"
+        )
     return lens
 
 
 def _stats(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """Median TTFT and decode tok/s of batch-1 runs (each ``ttft_s``, ``decode_s``, ``output``)."""
     tps = [(len(r["output"]) - 1) / r["decode_s"] for r in runs if r["decode_s"] > 0]
-    return dict(ttft_ms=statistics.median(r["ttft_s"] for r in runs) * 1e3,
-                decode_tok_s=statistics.median(tps) if tps else None, runs=len(runs))
+    return dict(
+        ttft_ms=statistics.median(r["ttft_s"] for r in runs) * 1e3,
+        decode_tok_s=statistics.median(tps) if tps else None,
+        runs=len(runs),
+    )
 
 
 # ---------------------------------------------------------------- pagedkv
@@ -114,11 +142,17 @@ def bench_pagedkv(args: argparse.Namespace, llm: Any, prompts: dict[str, Any]) -
     from pagedkv import SamplingParams
 
     def one(ids: list[int], n: int) -> dict[str, Any]:
-        (o,) = llm.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True),
-                            use_tqdm=False)
+        (o,) = llm.generate(
+            {"prompt_token_ids": ids},
+            SamplingParams(temperature=0, max_tokens=n, ignore_eos=True),
+            use_tqdm=False,
+        )
         m = o.metrics
-        return dict(ttft_s=m.time_to_first_token, decode_s=m.finished_time - m.first_token_time,
-                    output=list(o.outputs[0].token_ids))
+        return dict(
+            ttft_s=m.time_to_first_token,
+            decode_s=m.finished_time - m.first_token_time,
+            output=list(o.outputs[0].token_ids),
+        )
 
     for ids in prompts["warmup"]:
         one(ids, 16)
@@ -130,7 +164,10 @@ def bench_pagedkv(args: argparse.Namespace, llm: Any, prompts: dict[str, Any]) -
     llm.reset_prefix_cache()
     if prompts["sequential"]:
         t = time.perf_counter()
-        total = sum(len(ids) + len(one(ids, args.sequential_max_tokens)["output"]) for ids in prompts["sequential"])
+        total = sum(
+            len(ids) + len(one(ids, args.sequential_max_tokens)["output"])
+            for ids in prompts["sequential"]
+        )
         out["sequential_tok_s"] = total / (time.perf_counter() - t)
     return out
 
@@ -141,37 +178,56 @@ def bench_pagedkv(args: argparse.Namespace, llm: Any, prompts: dict[str, Any]) -
 def llamacpp_available(venv: Path) -> bool:
     """Whether ``venv`` holds a finished llama-cpp-python install (not a half-built venv)."""
     return (venv / "bin" / "python").exists() and any(
-        (venv / "lib").glob("python*/site-packages/llama_cpp/__init__.py"))
+        (venv / "lib").glob("python*/site-packages/llama_cpp/__init__.py")
+    )
 
 
-def bench_llamacpp(args: argparse.Namespace, model: Path, prompts: dict[str, Any]) -> dict[str, Any] | None:
+def bench_llamacpp(
+    args: argparse.Namespace, model: Path, prompts: dict[str, Any]
+) -> dict[str, Any] | None:
     py = Path(args.llamacpp_venv) / "bin" / "python"
     if not llamacpp_available(Path(args.llamacpp_venv)):
         return None
-    runs = [dict(tokens=ids, max_tokens=args.max_tokens) for ps in prompts["batch1"].values() for ids in ps]
+    runs = [
+        dict(tokens=ids, max_tokens=args.max_tokens)
+        for ps in prompts["batch1"].values()
+        for ids in ps
+    ]
     seq = [dict(tokens=ids, max_tokens=args.sequential_max_tokens) for ids in prompts["sequential"]]
     n_ctx = max(len(r["tokens"]) + r["max_tokens"] for r in runs + seq) + 16
-    job = dict(model=str(model), threads=args.threads, n_ctx=n_ctx,
-               warmup=[dict(tokens=ids, max_tokens=16) for ids in prompts["warmup"]], runs=runs)
+    job = dict(
+        model=str(model),
+        threads=args.threads,
+        n_ctx=n_ctx,
+        warmup=[dict(tokens=ids, max_tokens=16) for ids in prompts["warmup"]],
+        runs=runs,
+    )
     res = _run_worker(py, job)
     out: dict[str, Any] = {"batch1": {}}
     i = 0
     for n, ps in prompts["batch1"].items():
-        chunk = res[i:i + len(ps)]
+        chunk = res[i : i + len(ps)]
         i += len(ps)
         out["batch1"][str(n)] = _stats(chunk) | {"outputs": [r["output"] for r in chunk]}
     if seq:
         # One process serving them back to back, timed from inside (no process start counted).
         done = _run_worker(py, dict(job, warmup=job["warmup"], runs=seq))
         wall = sum(r["ttft_s"] + r["decode_s"] for r in done)
-        out["sequential_tok_s"] = sum(len(s["tokens"]) + len(r["output"]) for s, r in zip(seq, done)) / wall
+        out["sequential_tok_s"] = (
+            sum(len(s["tokens"]) + len(r["output"]) for s, r in zip(seq, done)) / wall
+        )
     return out
 
 
 def _run_worker(py: Path, job: dict[str, Any]) -> list[dict[str, Any]]:
     env = dict(os.environ, OMP_NUM_THREADS=str(job["threads"]))
-    p = subprocess.run([str(py), str(LLAMACPP_DIR / "worker.py"), json.dumps(job)], capture_output=True,
-                       text=True, env=env, timeout=1800)
+    p = subprocess.run(
+        [str(py), str(LLAMACPP_DIR / "worker.py"), json.dumps(job)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=1800,
+    )
     if p.returncode != 0:
         raise RuntimeError(f"llama.cpp worker failed ({p.returncode}): {p.stderr.strip()[-2000:]}")
     return json.loads(p.stdout.strip().splitlines()[-1])
@@ -211,13 +267,17 @@ class _Timers:
         self.calls: dict[str, int] = defaultdict(int)
         self._saved: list[tuple[Any, str, Any]] = []
         for label, owner, attr in _timer_targets():
-            raw = owner.__dict__.get(attr) if isinstance(owner, type) else getattr(owner, attr, None)
+            raw = (
+                owner.__dict__.get(attr) if isinstance(owner, type) else getattr(owner, attr, None)
+            )
             if raw is None:
                 continue
             self._saved.append((owner, attr, raw))
             fn = raw.__func__ if isinstance(raw, staticmethod) else raw
             wrapped = self._wrap(label, fn)
-            setattr(owner, attr, staticmethod(wrapped) if isinstance(raw, staticmethod) else wrapped)
+            setattr(
+                owner, attr, staticmethod(wrapped) if isinstance(raw, staticmethod) else wrapped
+            )
 
     def _wrap(self, label: str, fn: Any) -> Any:
         total, calls, clock = self.total, self.calls, time.perf_counter
@@ -230,6 +290,7 @@ class _Timers:
             finally:
                 total[label] += clock() - t
                 calls[label] += 1
+
         return timed
 
     def restore(self) -> None:
@@ -257,8 +318,13 @@ def _timer_cost_s() -> float:
 
 # Sections of the native decode step (ops/native_step.SECTIONS) that are matmuls / attention;
 # the rest ("norm+residual") is glue, like the Python path's norms and adds.
-NATIVE_COMPUTE = {"qkv_proj": "linear", "o_proj": "linear", "gate_up+silu": "linear", "down_proj": "linear",
-                  "rope+cache+attention": "attention"}
+NATIVE_COMPUTE = {
+    "qkv_proj": "linear",
+    "o_proj": "linear",
+    "gate_up+silu": "linear",
+    "down_proj": "linear",
+    "rope+cache+attention": "attention",
+}
 
 
 def decode_timeline(llm: Any, prompt: list[int], steps: int) -> dict[str, Any]:
@@ -273,8 +339,11 @@ def decode_timeline(llm: Any, prompt: list[int], steps: int) -> dict[str, Any]:
     from pagedkv.ops import native_step
 
     eng = llm.llm_engine
-    eng.add_request("timeline", {"prompt_token_ids": prompt},
-                    SamplingParams(temperature=0, max_tokens=steps + 1, ignore_eos=True))
+    eng.add_request(
+        "timeline",
+        {"prompt_token_ids": prompt},
+        SamplingParams(temperature=0, max_tokens=steps + 1, ignore_eos=True),
+    )
     eng.step()  # prefill (not timed)
     timers = _Timers()
     prof = native_step.profile = native_step.StepProfile()
@@ -306,13 +375,25 @@ def decode_timeline(llm: Any, prompt: list[int], steps: int) -> dict[str, Any]:
             compute_ms += sec / n * 1e3 if name in NATIVE_COMPUTE else 0.0
         totals["native: Python + ctypes"] = max(call_s - sum(sections.values()), 0.0)
         call_counts["native: Python + ctypes"] = call_n
-    ops = {k: dict(ms_per_step=v / n * 1e3, calls_per_step=call_counts.get(k, 0) / n)
-           for k, v in sorted(totals.items(), key=lambda kv: -kv[1])}
-    compute_ms += sum(ops.get(k, {}).get("ms_per_step", 0.0) for k in ("linear (GEMV/GEMM)", "lm_head", "attention"))
+    ops = {
+        k: dict(ms_per_step=v / n * 1e3, calls_per_step=call_counts.get(k, 0) / n)
+        for k, v in sorted(totals.items(), key=lambda kv: -kv[1])
+    }
+    compute_ms += sum(
+        ops.get(k, {}).get("ms_per_step", 0.0)
+        for k in ("linear (GEMV/GEMM)", "lm_head", "attention")
+    )
     accounted = sum(o["ms_per_step"] for o in ops.values())
-    return dict(steps=n, step_ms=step_ms, ops=ops, timer_cost_us_per_call=per_call * 1e6,
-                calls_per_step=calls / n, native_step=bool(prof.steps), unaccounted_ms=step_ms - accounted,
-                overhead_outside_matmul_attention_ms=step_ms - compute_ms)
+    return dict(
+        steps=n,
+        step_ms=step_ms,
+        ops=ops,
+        timer_cost_us_per_call=per_call * 1e6,
+        calls_per_step=calls / n,
+        native_step=bool(prof.steps),
+        unaccounted_ms=step_ms - accounted,
+        overhead_outside_matmul_attention_ms=step_ms - compute_ms,
+    )
 
 
 # ---------------------------------------------------------------- run
@@ -336,8 +417,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     prompt_lens(args)
     if args.setup:
-        subprocess.run(["bash", str(LLAMACPP_DIR / "setup.sh")], check=True,
-                       env=dict(os.environ, LLAMACPP_VENV=args.llamacpp_venv))
+        subprocess.run(
+            ["bash", str(LLAMACPP_DIR / "setup.sh")],
+            check=True,
+            env=dict(os.environ, LLAMACPP_VENV=args.llamacpp_venv),
+        )
     if args.cores:
         os.sched_setaffinity(0, {int(c) for c in args.cores.split(",")})
     torch.set_num_threads(args.threads)
@@ -348,14 +432,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     prompts = make_prompts(args, llm.llm_engine.model_config.vocab_size)
     log(args, f"pagedkv ({args.dtype}, {args.threads} threads) ...")
     ours = bench_pagedkv(args, llm, prompts)
-    timeline = None if args.no_timeline else decode_timeline(llm, prompts["batch1"][min(prompts["batch1"])][0],
-                                                             args.max_tokens)
+    timeline = (
+        None
+        if args.no_timeline
+        else decode_timeline(llm, prompts["batch1"][min(prompts["batch1"])][0], args.max_tokens)
+    )
     theirs = None
     if not args.skip_llamacpp:
         log(args, f"llama.cpp ({args.llamacpp_venv}) ...")
         theirs = bench_llamacpp(args, model, prompts)
         if theirs is None:
-            log(args, "llama.cpp not measured: no venv (run with --setup, or benchmarks/llamacpp/setup.sh)")
+            log(
+                args,
+                "llama.cpp not measured: no venv (run with --setup, or benchmarks/llamacpp/setup.sh)",
+            )
     ratios: dict[str, Any] = {}
     agree: dict[str, Any] = {}
     if theirs:
@@ -368,19 +458,36 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for side in (ours, theirs or {}):
         for v in side.get("batch1", {}).values():
             v.pop("outputs", None)
-    bar = TARGETS["decode_vs_llamacpp_bf16" if args.dtype == "bfloat16" else "decode_vs_llamacpp_fp32"]
+    bar = TARGETS[
+        "decode_vs_llamacpp_bf16" if args.dtype == "bfloat16" else "decode_vs_llamacpp_fp32"
+    ]
     meets = {
-        "decode_vs_llamacpp": None if not theirs else all(v >= bar for k, v in ratios.items()
-                                                          if k.startswith("decode_") and v is not None),
-        "sequential_vs_llamacpp": None if not theirs or ratios.get("sequential") is None
+        "decode_vs_llamacpp": None
+        if not theirs
+        else all(v >= bar for k, v in ratios.items() if k.startswith("decode_") and v is not None),
+        "sequential_vs_llamacpp": None
+        if not theirs or ratios.get("sequential") is None
         else ratios["sequential"] >= TARGETS["sequential_vs_llamacpp"],
-        "step_overhead_ms": None if timeline is None
+        "step_overhead_ms": None
+        if timeline is None
         else timeline["overhead_outside_matmul_attention_ms"] <= TARGETS["step_overhead_ms"],
     }
-    return dict(benchmark="latency", model=str(model), dtype=args.dtype, threads=args.threads,
-                cores=args.cores, max_tokens=args.max_tokens, repeats=args.repeats, pagedkv=ours,
-                llamacpp=theirs, ratios=ratios, greedy_common_prefix=agree, timeline=timeline,
-                targets=TARGETS, meets_targets=meets)
+    return dict(
+        benchmark="latency",
+        model=str(model),
+        dtype=args.dtype,
+        threads=args.threads,
+        cores=args.cores,
+        max_tokens=args.max_tokens,
+        repeats=args.repeats,
+        pagedkv=ours,
+        llamacpp=theirs,
+        ratios=ratios,
+        greedy_common_prefix=agree,
+        timeline=timeline,
+        targets=TARGETS,
+        meets_targets=meets,
+    )
 
 
 def table(r: dict[str, Any]) -> str:
@@ -389,30 +496,46 @@ def table(r: dict[str, Any]) -> str:
     def f(x: Any, spec: str = ".1f") -> str:
         return "-" if x is None else format(x, spec)
 
-    lines = [f"batch-1 latency: {Path(r['model']).name}, pagedkv {r['dtype']}, {r['threads']} threads, "
-             f"greedy, {r['max_tokens']} tokens, median of {r['repeats']}", "",
-             f"{'figure':28s}{'pagedkv':>10s}{'llama.cpp':>11s}{'ratio':>8s}"]
+    lines = [
+        f"batch-1 latency: {Path(r['model']).name}, pagedkv {r['dtype']}, {r['threads']} threads, "
+        f"greedy, {r['max_tokens']} tokens, median of {r['repeats']}",
+        "",
+        f"{'figure':28s}{'pagedkv':>10s}{'llama.cpp':>11s}{'ratio':>8s}",
+    ]
     for n, a in ours["batch1"].items():
         b = theirs.get("batch1", {}).get(n, {})
-        lines.append(f"{'decode tok/s, ' + n + '-tok prompt':28s}{f(a['decode_tok_s']):>10s}"
-                     f"{f(b.get('decode_tok_s')):>11s}{f(ra.get('decode_' + n), '.2f'):>7s}x")
-        lines.append(f"{'TTFT ms, ' + n + '-tok prompt':28s}{f(a['ttft_ms']):>10s}{f(b.get('ttft_ms')):>11s}"
-                     f"{f(ra.get('ttft_speedup_' + n), '.2f'):>7s}x (llama.cpp / pagedkv)")
+        lines.append(
+            f"{'decode tok/s, ' + n + '-tok prompt':28s}{f(a['decode_tok_s']):>10s}"
+            f"{f(b.get('decode_tok_s')):>11s}{f(ra.get('decode_' + n), '.2f'):>7s}x"
+        )
+        lines.append(
+            f"{'TTFT ms, ' + n + '-tok prompt':28s}{f(a['ttft_ms']):>10s}{f(b.get('ttft_ms')):>11s}"
+            f"{f(ra.get('ttft_speedup_' + n), '.2f'):>7s}x (llama.cpp / pagedkv)"
+        )
     if "sequential_tok_s" in ours:
-        lines.append(f"{'sequential serving tok/s':28s}{f(ours['sequential_tok_s']):>10s}"
-                     f"{f(theirs.get('sequential_tok_s')):>11s}{f(ra.get('sequential'), '.2f'):>7s}x")
+        lines.append(
+            f"{'sequential serving tok/s':28s}{f(ours['sequential_tok_s']):>10s}"
+            f"{f(theirs.get('sequential_tok_s')):>11s}{f(ra.get('sequential'), '.2f'):>7s}x"
+        )
     if not r["llamacpp"]:
-        lines.append("llama.cpp: not measured (no venv; `python benchmarks/bench_latency.py --setup`)")
+        lines.append(
+            "llama.cpp: not measured (no venv; `python benchmarks/bench_latency.py --setup`)"
+        )
     tl = r["timeline"]
     if tl:
-        lines += ["", f"one batch-1 decode step: {tl['step_ms']:.2f} ms ({tl['calls_per_step']:.0f} timed calls, "
-                      f"timer cost {tl['timer_cost_us_per_call']:.2f} us/call subtracted)",
-                  f"{'op':32s}{'ms/step':>9s}{'calls':>7s}"]
+        lines += [
+            "",
+            f"one batch-1 decode step: {tl['step_ms']:.2f} ms ({tl['calls_per_step']:.0f} timed calls, "
+            f"timer cost {tl['timer_cost_us_per_call']:.2f} us/call subtracted)",
+            f"{'op':32s}{'ms/step':>9s}{'calls':>7s}",
+        ]
         for k, v in tl["ops"].items():
             lines.append(f"{k:32s}{v['ms_per_step']:9.3f}{v['calls_per_step']:7.0f}")
-        lines += [f"{'(untimed glue)':32s}{tl['unaccounted_ms']:9.3f}",
-                  f"overhead outside matmuls + attention: {tl['overhead_outside_matmul_attention_ms']:.2f} ms/step "
-                  f"(target <= {TARGETS['step_overhead_ms']:.0f} ms)"]
+        lines += [
+            f"{'(untimed glue)':32s}{tl['unaccounted_ms']:9.3f}",
+            f"overhead outside matmuls + attention: {tl['overhead_outside_matmul_attention_ms']:.2f} ms/step "
+            f"(target <= {TARGETS['step_overhead_ms']:.0f} ms)",
+        ]
     lines.append("meets targets: " + ", ".join(f"{k}={v}" for k, v in r["meets_targets"].items()))
     return "\n".join(lines)
 
@@ -420,6 +543,8 @@ def table(r: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     from pagedkv.bench.common import run_and_emit, user_help
 
-    p = argparse.ArgumentParser(description=user_help(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=user_help(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     add_arguments(p)
     return run_and_emit(run, table, p.parse_args(argv))

@@ -56,8 +56,14 @@ class TraceRequest:
     output_len: int
 
 
-def make_trace(n: int, max_model_len: int, seed: int, prompt_median: float = 256.0,
-               output_median: float = 128.0, sigma: float = 1.0) -> list[TraceRequest]:
+def make_trace(
+    n: int,
+    max_model_len: int,
+    seed: int,
+    prompt_median: float = 256.0,
+    output_median: float = 128.0,
+    sigma: float = 1.0,
+) -> list[TraceRequest]:
     """Log-normal prompt and output lengths (long tail), clipped to fit ``max_model_len``."""
     rng = random.Random(seed)
     trace = []
@@ -68,8 +74,13 @@ def make_trace(n: int, max_model_len: int, seed: int, prompt_median: float = 256
     return trace
 
 
-def simulate(trace: list[TraceRequest], block_size: int, pool_tokens: int, max_model_len: int,
-             max_num_seqs: int) -> dict[str, Any]:
+def simulate(
+    trace: list[TraceRequest],
+    block_size: int,
+    pool_tokens: int,
+    max_model_len: int,
+    max_num_seqs: int,
+) -> dict[str, Any]:
     """Run the trace through a `KVCacheManager`; returns utilisation and scheduling figures."""
     from pagedkv.core.kv_cache_manager import KVCacheManager
     from pagedkv.core.request import KVCacheRequest, RequestStatus
@@ -77,8 +88,11 @@ def simulate(trace: list[TraceRequest], block_size: int, pool_tokens: int, max_m
 
     spec = FullAttentionSpec(block_size=block_size, num_kv_heads=3, head_size=64, dtype="float32")
     num_blocks = pool_tokens // block_size + 1  # + the null block
-    config = KVCacheConfig(num_blocks=num_blocks, kv_cache_groups=[KVCacheGroupSpec(["l0"], spec)],
-                           bytes_per_block=spec.page_size_bytes)
+    config = KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_groups=[KVCacheGroupSpec(["l0"], spec)],
+        bytes_per_block=spec.page_size_bytes,
+    )
     kv = KVCacheManager(config, max_model_len=max_model_len, enable_caching=False)
 
     # Token ids do not matter without caching: a request is its length; token 0 stands for all.
@@ -126,7 +140,9 @@ def simulate(trace: list[TraceRequest], block_size: int, pool_tokens: int, max_m
             r.status, r.num_computed_tokens = RequestStatus.RUNNING, r.num_tokens
             running.append(r)
         if not running and waiting:
-            raise BenchOptionError(f"a request of {waiting[0].num_tokens} tokens does not fit the pool")
+            raise BenchOptionError(
+                f"a request of {waiting[0].num_tokens} tokens does not fit the pool"
+            )
         # Measure after the step's allocations: these slots hold KV this step.
         live = sum(r.num_computed_tokens for r in running)
         reserved = (num_blocks - 1 - kv.num_free_blocks) * block_size
@@ -138,9 +154,14 @@ def simulate(trace: list[TraceRequest], block_size: int, pool_tokens: int, max_m
         running = [r for r in running if not emit_token(r)]
     kv.check_invariants()
     assert kv.num_free_blocks == num_blocks - 1, "blocks leaked"
-    return dict(utilisation=live_sum / reserved_sum, mean_step_utilisation=sum(ratios) / len(ratios),
-                mean_running=running_sum / steps, steps=steps, preemptions=preemptions,
-                tokens_per_step=sum(t.output_len for t in trace) / steps)
+    return dict(
+        utilisation=live_sum / reserved_sum,
+        mean_step_utilisation=sum(ratios) / len(ratios),
+        mean_running=running_sum / steps,
+        steps=steps,
+        preemptions=preemptions,
+        tokens_per_step=sum(t.output_len for t in trace) / steps,
+    )
 
 
 # ---------------------------------------------------------------- hybrid models: bytes per token
@@ -151,8 +172,12 @@ def gemma3_like_specs(block_size: int) -> dict[str, Any]:
     from pagedkv.core.specs import FullAttentionSpec, SlidingWindowSpec
 
     kw = dict(block_size=block_size, num_kv_heads=16, head_size=128, dtype="bfloat16")
-    return {f"model.layers.{i}.self_attn": FullAttentionSpec(**kw) if (i + 1) % 6 == 0
-            else SlidingWindowSpec(**kw, sliding_window=1024) for i in range(62)}
+    return {
+        f"model.layers.{i}.self_attn": FullAttentionSpec(**kw)
+        if (i + 1) % 6 == 0
+        else SlidingWindowSpec(**kw, sliding_window=1024)
+        for i in range(62)
+    }
 
 
 BAMBA_ATTENTION_LAYERS = (9, 18, 27)
@@ -165,11 +190,16 @@ def bamba_like_specs(block_size: int) -> dict[str, Any]:
     from pagedkv.core.specs import FullAttentionSpec, MambaSpec
 
     conv, ssm = (8192 + 2 * 128, 4 - 1), (128, 64, 128)
-    return {(f"model.layers.{i}.self_attn" if i in BAMBA_ATTENTION_LAYERS else f"model.layers.{i}.mamba"):
-            FullAttentionSpec(block_size=block_size, num_kv_heads=8, head_size=128, dtype="bfloat16")
-            if i in BAMBA_ATTENTION_LAYERS else
-            MambaSpec(block_size=block_size, shapes=(conv, ssm), dtypes=("bfloat16", "bfloat16"))
-            for i in range(32)}
+    return {
+        (
+            f"model.layers.{i}.self_attn"
+            if i in BAMBA_ATTENTION_LAYERS
+            else f"model.layers.{i}.mamba"
+        ): FullAttentionSpec(block_size=block_size, num_kv_heads=8, head_size=128, dtype="bfloat16")
+        if i in BAMBA_ATTENTION_LAYERS
+        else MambaSpec(block_size=block_size, shapes=(conv, ssm), dtypes=("bfloat16", "bfloat16"))
+        for i in range(32)
+    }
 
 
 def as_full_attention(specs: dict[str, Any]) -> dict[str, Any]:
@@ -177,8 +207,9 @@ def as_full_attention(specs: dict[str, Any]) -> dict[str, Any]:
     from pagedkv.core.specs import AttentionSpec, FullAttentionSpec
 
     a = next(s for s in specs.values() if isinstance(s, AttentionSpec))
-    full = FullAttentionSpec(block_size=a.block_size, num_kv_heads=a.num_kv_heads, head_size=a.head_size,
-                             dtype=a.dtype)
+    full = FullAttentionSpec(
+        block_size=a.block_size, num_kv_heads=a.num_kv_heads, head_size=a.head_size, dtype=a.dtype
+    )
     return {name: full for name in specs}
 
 
@@ -217,8 +248,11 @@ def measured_bytes(groups: list[Any], context: int, chunk: int) -> int | None:
     # Slack of a block per group: a recurrent group may hold its previous state while a step
     # writes the next one (what is measured is what stays held after the last step).
     num_blocks = planning.blocks_per_request(groups, context, chunk) + len(groups) + 1
-    kv = KVCacheManager(KVCacheConfig(num_blocks=num_blocks, kv_cache_groups=groups, bytes_per_block=bpb),
-                        max_model_len=context, enable_caching=False)
+    kv = KVCacheManager(
+        KVCacheConfig(num_blocks=num_blocks, kv_cache_groups=groups, bytes_per_block=bpb),
+        max_model_len=context,
+        enable_caching=False,
+    )
     req = KVCacheRequest("r", [0] * (context - 1))
     while req.num_computed_tokens < req.num_tokens:
         n = min(chunk, req.num_tokens - req.num_computed_tokens)
@@ -245,19 +279,25 @@ def hybrid_rows(contexts: list[int], block_size: int, chunk: int) -> list[dict[s
         groups = get_kv_cache_groups(specs)
         full_specs = as_full_attention(specs)
         for ctx in contexts:
-            planned = planning.blocks_per_request(groups, ctx, chunk) * planning.bytes_per_block(groups)
+            planned = planning.blocks_per_request(groups, ctx, chunk) * planning.bytes_per_block(
+                groups
+            )
             measured = measured_bytes(groups, ctx, chunk)
             full = formula_bytes(full_specs, ctx)
-            rows.append(dict(
-                model=model, context=ctx, num_groups=len(groups),
-                group_kinds=sorted({g.kv_cache_spec.kind for g in groups}),
-                bytes_per_block=planning.bytes_per_block(groups),
-                formula_bytes_per_token=formula_bytes(specs, ctx) / ctx,
-                planned_bytes_per_token=planned / ctx,
-                measured_bytes_per_token=None if measured is None else measured / ctx,
-                full_attention_bytes_per_token=full / ctx,
-                saving_vs_full=full / (measured if measured is not None else planned),
-            ))
+            rows.append(
+                dict(
+                    model=model,
+                    context=ctx,
+                    num_groups=len(groups),
+                    group_kinds=sorted({g.kv_cache_spec.kind for g in groups}),
+                    bytes_per_block=planning.bytes_per_block(groups),
+                    formula_bytes_per_token=formula_bytes(specs, ctx) / ctx,
+                    planned_bytes_per_token=planned / ctx,
+                    measured_bytes_per_token=None if measured is None else measured / ctx,
+                    full_attention_bytes_per_token=full / ctx,
+                    saving_vs_full=full / (measured if measured is not None else planned),
+                )
+            )
     return rows
 
 
@@ -266,14 +306,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("--num-requests", type=int, default=200)
     p.add_argument("--max-model-len", type=int, default=2048)
-    p.add_argument("--pool-tokens", type=int, default=16384, help="KV slots in the pool (every scheme)")
+    p.add_argument(
+        "--pool-tokens", type=int, default=16384, help="KV slots in the pool (every scheme)"
+    )
     p.add_argument("--block-sizes", default="8,16,32", help="paged block sizes, comma-separated")
     EngineArgs.add_cli_args(p, include=("max_num_seqs",))
     p.add_argument("--seed", type=int, default=0, help="trace seed")
-    p.add_argument("--hybrid-contexts", default="4096,32768,131072",
-                   help="context lengths of the hybrid row, comma-separated ('' to skip it)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=8192,
-                   help="prefill chunk of the hybrid row (its in-flight tokens)")
+    p.add_argument(
+        "--hybrid-contexts",
+        default="4096,32768,131072",
+        help="context lengths of the hybrid row, comma-separated ('' to skip it)",
+    )
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=8192,
+        help="prefill chunk of the hybrid row (its in-flight tokens)",
+    )
     add_output_args(p)
 
 
@@ -281,7 +330,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     try:
         sizes = [int(x) for x in args.block_sizes.split(",") if x.strip()]
     except ValueError:
-        raise BenchOptionError(f"invalid --block-sizes {args.block_sizes!r}: use e.g. 8,16,32") from None
+        raise BenchOptionError(
+            f"invalid --block-sizes {args.block_sizes!r}: use e.g. 8,16,32"
+        ) from None
     if not sizes or min(sizes) < 1 or args.num_requests < 1 or args.max_num_seqs < 1:
         raise BenchOptionError("block sizes, --num-requests and --max-num-seqs must be positive")
     if args.pool_tokens < args.max_model_len:
@@ -289,17 +340,24 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     try:
         contexts = [int(x) for x in args.hybrid_contexts.split(",") if x.strip()]
     except ValueError:
-        raise BenchOptionError(f"invalid --hybrid-contexts {args.hybrid_contexts!r}: use e.g. 4096,32768") from None
+        raise BenchOptionError(
+            f"invalid --hybrid-contexts {args.hybrid_contexts!r}: use e.g. 4096,32768"
+        ) from None
     if any(c < 2 for c in contexts) or args.max_num_batched_tokens < 1:
-        raise BenchOptionError("--hybrid-contexts must be >= 2 and --max-num-batched-tokens positive")
+        raise BenchOptionError(
+            "--hybrid-contexts must be >= 2 and --max-num-batched-tokens positive"
+        )
     trace = make_trace(args.num_requests, args.max_model_len, args.seed)
     schemes: dict[str, dict[str, Any]] = {}
     for bs in sizes:
         log(args, f"simulating paged blocks of {bs} tokens ...")
-        schemes[f"paged_{bs}"] = simulate(trace, bs, args.pool_tokens, args.max_model_len, args.max_num_seqs)
+        schemes[f"paged_{bs}"] = simulate(
+            trace, bs, args.pool_tokens, args.max_model_len, args.max_num_seqs
+        )
     log(args, f"simulating contiguous reservation of {args.max_model_len} tokens per request ...")
-    schemes["contiguous"] = simulate(trace, args.max_model_len, args.pool_tokens, args.max_model_len,
-                                     args.max_num_seqs)
+    schemes["contiguous"] = simulate(
+        trace, args.max_model_len, args.pool_tokens, args.max_model_len, args.max_num_seqs
+    )
     schemes["contiguous"]["block_size"] = args.max_model_len
     for bs in sizes:
         schemes[f"paged_{bs}"]["block_size"] = bs
@@ -308,16 +366,27 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     u16 = schemes.get("paged_16", {}).get("utilisation")
     return dict(
         benchmark="memory",
-        trace=dict(num_requests=len(trace), max_model_len=args.max_model_len, pool_tokens=args.pool_tokens,
-                   seed=args.seed, distribution="log-normal (prompt median 256, output median 128, sigma 1)",
-                   prompt_len=dict(p50=p[len(p) // 2], p99=p[int(len(p) * 0.99)], max=p[-1],
-                                   mean=sum(p) / len(p)),
-                   output_len=dict(p50=o[len(o) // 2], p99=o[int(len(o) * 0.99)], max=o[-1],
-                                   mean=sum(o) / len(o))),
-        schemes=schemes, target_utilisation_bs16=TARGET_UTILISATION_BS16,
+        trace=dict(
+            num_requests=len(trace),
+            max_model_len=args.max_model_len,
+            pool_tokens=args.pool_tokens,
+            seed=args.seed,
+            distribution="log-normal (prompt median 256, output median 128, sigma 1)",
+            prompt_len=dict(
+                p50=p[len(p) // 2], p99=p[int(len(p) * 0.99)], max=p[-1], mean=sum(p) / len(p)
+            ),
+            output_len=dict(
+                p50=o[len(o) // 2], p99=o[int(len(o) * 0.99)], max=o[-1], mean=sum(o) / len(o)
+            ),
+        ),
+        schemes=schemes,
+        target_utilisation_bs16=TARGET_UTILISATION_BS16,
         meets_target=None if u16 is None else u16 >= TARGET_UTILISATION_BS16,
-        hybrid=dict(block_size=16, max_num_batched_tokens=args.max_num_batched_tokens,
-                    rows=hybrid_rows(contexts, 16, args.max_num_batched_tokens)),
+        hybrid=dict(
+            block_size=16,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            rows=hybrid_rows(contexts, 16, args.max_num_batched_tokens),
+        ),
     )
 
 
@@ -333,24 +402,35 @@ def table(r: dict[str, Any]) -> str:
         f"{'preempt':>9s}",
     ]
     for name, s in r["schemes"].items():
-        lines.append(f"{name:14s}{s['utilisation']:12.1%}{s['mean_step_utilisation']:10.1%}{s['mean_running']:9.1f}"
-                     f"{s['steps']:8d}{s['tokens_per_step']:10.1f}{s['preemptions']:9d}")
-    lines.append(f"target: >= {r['target_utilisation_bs16']:.0%} at block size 16 -> meets target: {r['meets_target']}")
+        lines.append(
+            f"{name:14s}{s['utilisation']:12.1%}{s['mean_step_utilisation']:10.1%}{s['mean_running']:9.1f}"
+            f"{s['steps']:8d}{s['tokens_per_step']:10.1f}{s['preemptions']:9d}"
+        )
+    lines.append(
+        f"target: >= {r['target_utilisation_bs16']:.0%} at block size 16 -> meets target: {r['meets_target']}"
+    )
     h = r.get("hybrid") or {}
     if h.get("rows"):
-        lines += ["", f"hybrid models: KV bytes per token of context (one request; block size {h['block_size']}, "
-                  f"prefill chunks of {h['max_num_batched_tokens']})",
-                  f"{'model':13s}{'context':>9s}{'formula':>10s}{'planned':>10s}{'measured':>10s}"
-                  f"{'all-full':>10s}{'saving':>8s}"]
+        lines += [
+            "",
+            f"hybrid models: KV bytes per token of context (one request; block size {h['block_size']}, "
+            f"prefill chunks of {h['max_num_batched_tokens']})",
+            f"{'model':13s}{'context':>9s}{'formula':>10s}{'planned':>10s}{'measured':>10s}"
+            f"{'all-full':>10s}{'saving':>8s}",
+        ]
         for x in h["rows"]:
             m = x["measured_bytes_per_token"]
-            lines.append(f"{x['model']:13s}{x['context']:9d}{x['formula_bytes_per_token']:10,.0f}"
-                         f"{x['planned_bytes_per_token']:10,.0f}{'-' if m is None else f'{m:,.0f}':>10s}"
-                         f"{x['full_attention_bytes_per_token']:10,.0f}{x['saving_vs_full']:7.1f}x")
+            lines.append(
+                f"{x['model']:13s}{x['context']:9d}{x['formula_bytes_per_token']:10,.0f}"
+                f"{x['planned_bytes_per_token']:10,.0f}{'-' if m is None else f'{m:,.0f}':>10s}"
+                f"{x['full_attention_bytes_per_token']:10,.0f}{x['saving_vs_full']:7.1f}x"
+            )
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=user_help(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=user_help(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     add_arguments(p)
     return run_and_emit(run, table, p.parse_args(argv))

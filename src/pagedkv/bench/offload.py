@@ -76,14 +76,19 @@ def bench_bandwidth(num_chunks: int = 256, repeat: int = 5) -> dict[str, float]:
         t = time.perf_counter()
         a.copy_(b)
         copies.append(total / (time.perf_counter() - t))
-    out = {"chunk_bytes": host.chunk_bytes, "cpu_load_GBps": max(loads) / 1e9,
-           "cpu_store_GBps": max(stores) / 1e9, "memcpy_GBps": max(copies) / 1e9}
+    out = {
+        "chunk_bytes": host.chunk_bytes,
+        "cpu_load_GBps": max(loads) / 1e9,
+        "cpu_store_GBps": max(stores) / 1e9,
+        "memcpy_GBps": max(copies) / 1e9,
+    }
     out["cpu_load_vs_memcpy"] = out["cpu_load_GBps"] / out["memcpy_GBps"]
 
     with tempfile.TemporaryDirectory(dir=envs.PAGEDKV_BENCH_DIR) as d:
         n = min(num_chunks, 128)
-        tier = FileSystemTier(d, "be" * 16, capacity_bytes=4 * n * host.chunk_bytes,
-                              chunk_bytes=host.chunk_bytes)
+        tier = FileSystemTier(
+            d, "be" * 16, capacity_bytes=4 * n * host.chunk_bytes, chunk_bytes=host.chunk_bytes
+        )
         keys = [i.to_bytes(32, "big") + b"\0\0\0\0" for i in range(n)]
         assert all(tier.store_batch([(k, host.chunk_view(i)) for i, k in enumerate(keys)]))
         seq = Path(d) / "sequential.bin"
@@ -107,18 +112,28 @@ def bench_bandwidth(num_chunks: int = 256, repeat: int = 5) -> dict[str, float]:
                     pass
             seq_reads.append(n * host.chunk_bytes / (time.perf_counter() - t))
         tier.shutdown()
-    out.update({"disk_read_GBps": max(reads) / 1e9, "sequential_read_GBps": max(seq_reads) / 1e9,
-                "disk_odirect": tier.odirect, "page_cache_dropped": cold})
+    out.update(
+        {
+            "disk_read_GBps": max(reads) / 1e9,
+            "sequential_read_GBps": max(seq_reads) / 1e9,
+            "disk_odirect": tier.odirect,
+            "page_cache_dropped": cold,
+        }
+    )
     out["disk_read_vs_sequential"] = out["disk_read_GBps"] / out["sequential_read_GBps"]
     return out
 
 
-SYSTEM = ("You are the support assistant of a large public library. You help readers find "
-          "books, renew loans, reserve rooms and understand the rules. ") * 12
+SYSTEM = (
+    "You are the support assistant of a large public library. You help readers find "
+    "books, renew loans, reserve rooms and understand the rules. "
+) * 12
 
 
-WORDS = ("atlas catalogue chapter index journal ledger manuscript novel pamphlet quarto "
-         "reference shelf volume archive binding folio margin preface register series").split()
+WORDS = (
+    "atlas catalogue chapter index journal ledger manuscript novel pamphlet quarto "
+    "reference shelf volume archive binding folio margin preface register series"
+).split()
 
 
 def _user_turn(conv: int, turn: int) -> str:
@@ -130,8 +145,9 @@ def _user_turn(conv: int, turn: int) -> str:
     return f"Question {turn}: which shelf holds book number {conv * 31 + turn}?"
 
 
-def run_multiturn(kv_offload: str | None, conversations: int, turns: int, num_kv_blocks: int,
-                  max_tokens: int) -> dict[str, float]:
+def run_multiturn(
+    kv_offload: str | None, conversations: int, turns: int, num_kv_blocks: int, max_tokens: int
+) -> dict[str, float]:
     from pagedkv import LLM, SamplingParams
 
     llm = LLM(num_kv_blocks=num_kv_blocks, max_model_len=4096, kv_offload=kv_offload)
@@ -150,26 +166,40 @@ def run_multiturn(kv_offload: str | None, conversations: int, turns: int, num_kv
             hist.append({"role": "assistant", "content": out.outputs[0].text})
     elapsed = time.perf_counter() - start
     stats = llm.stats()
-    working_set = sum(len(tok.encode(tok.apply_chat_template(h, add_generation_prompt=False),
-                                     add_special_tokens=False)) for h in histories)
+    working_set = sum(
+        len(
+            tok.encode(
+                tok.apply_chat_template(h, add_generation_prompt=False), add_special_tokens=False
+            )
+        )
+        for h in histories
+    )
     llm.llm_engine.shutdown()
     later = ttfts[conversations:]  # turns 2..T: the ones a tier can serve
-    return {"ttft_p50_s": statistics.median(later), "ttft_mean_s": statistics.fmean(later),
-            "throughput_tok_s": tokens / elapsed, "elapsed_s": elapsed,
-            "prefix_hit_tokens": stats["prefix_cache_hits"],
-            "external_hit_tokens": stats["external_cache_hits"],
-            "working_set_tokens": working_set,
-            "device_cache_tokens": (num_kv_blocks - 1) * 16}
+    return {
+        "ttft_p50_s": statistics.median(later),
+        "ttft_mean_s": statistics.fmean(later),
+        "throughput_tok_s": tokens / elapsed,
+        "elapsed_s": elapsed,
+        "prefix_hit_tokens": stats["prefix_cache_hits"],
+        "external_hit_tokens": stats["external_cache_hits"],
+        "working_set_tokens": working_set,
+        "device_cache_tokens": (num_kv_blocks - 1) * 16,
+    }
 
 
 def bench_multiturn(args: argparse.Namespace) -> dict[str, object]:
     base = run_multiturn(None, args.conversations, args.turns, args.num_kv_blocks, args.max_tokens)
-    tiers = run_multiturn(args.kv_offload, args.conversations, args.turns, args.num_kv_blocks,
-                          args.max_tokens)
-    return {"without_tiers": base, "with_tiers": tiers,
-            "ttft_p50_ratio": base["ttft_p50_s"] / tiers["ttft_p50_s"],
-            "throughput_ratio": tiers["throughput_tok_s"] / base["throughput_tok_s"],
-            "working_set_vs_device": base["working_set_tokens"] / base["device_cache_tokens"]}
+    tiers = run_multiturn(
+        args.kv_offload, args.conversations, args.turns, args.num_kv_blocks, args.max_tokens
+    )
+    return {
+        "without_tiers": base,
+        "with_tiers": tiers,
+        "ttft_p50_ratio": base["ttft_p50_s"] / tiers["ttft_p50_s"],
+        "throughput_ratio": tiers["throughput_tok_s"] / base["throughput_tok_s"],
+        "working_set_vs_device": base["working_set_tokens"] / base["device_cache_tokens"],
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -192,8 +222,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"== {section}")
             for k, v in _flatten(values):
                 print(f"  {k:42s} {v:.4g}" if isinstance(v, float) else f"  {k:42s} {v}")
-        print("targets: cpu_load_vs_memcpy >= 0.5, disk_read_vs_sequential >= 0.5, "
-              "ttft_p50_ratio >= 3")
+        print(
+            "targets: cpu_load_vs_memcpy >= 0.5, disk_read_vs_sequential >= 0.5, "
+            "ttft_p50_ratio >= 3"
+        )
     json.dump(report, sys.stdout, indent=1)
     print()
     return 0

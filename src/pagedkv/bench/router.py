@@ -117,7 +117,14 @@ def make_trace(args: argparse.Namespace, seed: int) -> list[list[Turn]]:
         turns = [Turn(c, 0, list(prompt), rng.uniform(0, args.stagger_s * args.conversations))]
         for t in range(1, args.turns):
             prompt = prompt + toks(args.reply_len) + toks(args.user_len)
-            turns.append(Turn(c, t, list(prompt), rng.expovariate(1 / args.think_s) if args.think_s > 0 else 0.0))
+            turns.append(
+                Turn(
+                    c,
+                    t,
+                    list(prompt),
+                    rng.expovariate(1 / args.think_s) if args.think_s > 0 else 0.0,
+                )
+            )
         convs.append(turns)
     return convs
 
@@ -127,8 +134,14 @@ def make_trace(args: argparse.Namespace, seed: int) -> list[list[Turn]]:
 
 async def send_turn(client: Any, turn: Turn, max_tokens: int) -> TurnResult:
     """One streamed completion: TTFT (first chunk with text) and the reported cached tokens."""
-    payload = dict(prompt=turn.prompt, max_tokens=max_tokens, temperature=0.0, ignore_eos=True, stream=True,
-                   stream_options=dict(include_usage=True))
+    payload = dict(
+        prompt=turn.prompt,
+        max_tokens=max_tokens,
+        temperature=0.0,
+        ignore_eos=True,
+        stream=True,
+        stream_options=dict(include_usage=True),
+    )
     res = TurnResult(ok=False, prompt_tokens=len(turn.prompt))
     t0 = time.perf_counter()
     done = False
@@ -152,7 +165,9 @@ async def send_turn(client: Any, turn: Turn, max_tokens: int) -> TurnResult:
                         res.ttft = time.perf_counter() - t0
                     usage = chunk.get("usage")
                     if usage:
-                        res.cached_tokens = ((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+                        res.cached_tokens = (usage.get("prompt_tokens_details") or {}).get(
+                            "cached_tokens"
+                        ) or 0
     except Exception as e:  # any transport failure: the request failed
         res.error = f"{type(e).__name__}: {e}"
         return res
@@ -162,11 +177,14 @@ async def send_turn(client: Any, turn: Turn, max_tokens: int) -> TurnResult:
     return res
 
 
-async def drive(url: str, convs: list[list[Turn]], max_tokens: int) -> tuple[list[TurnResult], float]:
+async def drive(
+    url: str, convs: list[list[Turn]], max_tokens: int
+) -> tuple[list[TurnResult], float]:
     """Every conversation concurrently, its turns in order (think time between)."""
     import httpx
 
     async with httpx.AsyncClient(base_url=url, timeout=HTTP_TIMEOUT_S) as client:
+
         async def conversation(turns: list[Turn]) -> list[TurnResult]:
             out = []
             for turn in turns:
@@ -184,11 +202,27 @@ async def drive(url: str, convs: list[list[Turn]], max_tokens: int) -> tuple[lis
 
 def replica(args: argparse.Namespace, logs: Path, i: int, cores: list[int] | None) -> Instance:
     port = free_port()
-    argv = [*CLI, "serve", "--port", str(port), "--num-kv-blocks", str(args.num_kv_blocks),
-            "--max-model-len", str(args.max_model_len), "--max-num-seqs", str(args.max_num_seqs),
-            "--log-stats-interval", "0", "--max-queue-size", "256", "--enable-kv-cache-events",
-            "--kv-events-endpoint", f"tcp://127.0.0.1:{free_port()}",
-            "--kv-events-replay-endpoint", f"tcp://127.0.0.1:{free_port()}"]
+    argv = [
+        *CLI,
+        "serve",
+        "--port",
+        str(port),
+        "--num-kv-blocks",
+        str(args.num_kv_blocks),
+        "--max-model-len",
+        str(args.max_model_len),
+        "--max-num-seqs",
+        str(args.max_num_seqs),
+        "--log-stats-interval",
+        "0",
+        "--max-queue-size",
+        "256",
+        "--enable-kv-cache-events",
+        "--kv-events-endpoint",
+        f"tcp://127.0.0.1:{free_port()}",
+        "--kv-events-replay-endpoint",
+        f"tcp://127.0.0.1:{free_port()}",
+    ]
     return Instance(f"replica{i}", argv, port, logs / f"replica{i}.log", cores)
 
 
@@ -208,10 +242,25 @@ def parse_policy(spec: str) -> tuple[str, dict[str, float]]:
 def router(logs: Path, spec: str, replicas: list[Instance], rep: int) -> Instance:
     policy, weights = parse_policy(spec)
     port = free_port()
-    flags = {"overlap": "--overlap-weight", "load": "--load-weight", "tier_credit": "--tier-credit",
-             "temperature": "--temperature"}
-    argv = [*CLI, "router", "--port", str(port), "--policy", policy, "--health-interval", "0.5",
-            *[x for k, v in weights.items() for x in (flags[k], str(v))], "--replica", *[r.url for r in replicas]]
+    flags = {
+        "overlap": "--overlap-weight",
+        "load": "--load-weight",
+        "tier_credit": "--tier-credit",
+        "temperature": "--temperature",
+    }
+    argv = [
+        *CLI,
+        "router",
+        "--port",
+        str(port),
+        "--policy",
+        policy,
+        "--health-interval",
+        "0.5",
+        *[x for k, v in weights.items() for x in (flags[k], str(v))],
+        "--replica",
+        *[r.url for r in replicas],
+    ]
     name = re.sub(r"[^A-Za-z0-9_.-]", "_", spec) + f"-{rep}"
     return Instance(f"router-{name}", argv, port, logs / f"router-{name}.log")
 
@@ -234,8 +283,11 @@ def warm_up(replicas: list[Instance], args: argparse.Namespace) -> None:
     rng = random.Random(-1)
     for r in replicas:
         prompt = [rng.randrange(*TOKEN_RANGE) for _ in range(args.system_len + args.user_len)]
-        httpx.post(r.url + "/v1/completions", timeout=HTTP_TIMEOUT_S,
-                   json=dict(prompt=prompt, max_tokens=2, ignore_eos=True))
+        httpx.post(
+            r.url + "/v1/completions",
+            timeout=HTTP_TIMEOUT_S,
+            json=dict(prompt=prompt, max_tokens=2, ignore_eos=True),
+        )
 
 
 def router_metrics(url: str) -> tuple[dict[str, float], dict[str, float]]:
@@ -244,10 +296,16 @@ def router_metrics(url: str) -> tuple[dict[str, float], dict[str, float]]:
 
     text = httpx.get(url + "/metrics", timeout=10).text
     decisions: dict[str, float] = {}
-    for m in re.finditer(r'^pagedkv_router_decisions_total\{[^}]*reason="([^"]+)"[^}]*\} (\S+)$', text, re.M):
+    for m in re.finditer(
+        r'^pagedkv_router_decisions_total\{[^}]*reason="([^"]+)"[^}]*\} (\S+)$', text, re.M
+    ):
         decisions[m.group(1)] = decisions.get(m.group(1), 0.0) + float(m.group(2))
-    predictions = {m.group(1): float(m.group(2)) for m in
-                   re.finditer(r'^pagedkv_router_predictions_total\{outcome="([^"]+)"\} (\S+)$', text, re.M)}
+    predictions = {
+        m.group(1): float(m.group(2))
+        for m in re.finditer(
+            r'^pagedkv_router_predictions_total\{outcome="([^"]+)"\} (\S+)$', text, re.M
+        )
+    }
     return decisions, predictions
 
 
@@ -262,8 +320,14 @@ class PolicyRun:
     predictions: dict[str, float]
 
 
-def run_policy(policy: str, args: argparse.Namespace, logs: Path, replicas: list[Instance],
-               convs: list[list[Turn]], rep: int) -> PolicyRun:
+def run_policy(
+    policy: str,
+    args: argparse.Namespace,
+    logs: Path,
+    replicas: list[Instance],
+    convs: list[list[Turn]],
+    rep: int,
+) -> PolicyRun:
     reset_caches(replicas)
     rt = router(logs, policy, replicas, rep)
     with Cluster([rt]):
@@ -272,8 +336,12 @@ def run_policy(policy: str, args: argparse.Namespace, logs: Path, replicas: list
         if args.keep_logs:  # every decision with its costs, hits and loads, for a post-mortem
             import httpx
 
-            rt.log_path.with_suffix(".state.json").write_text(httpx.get(rt.url + "/router/state", timeout=10).text)
-    return PolicyRun(results, [t.turn > 0 for c in convs for t in c], duration, decisions, predictions)
+            rt.log_path.with_suffix(".state.json").write_text(
+                httpx.get(rt.url + "/router/state", timeout=10).text
+            )
+    return PolicyRun(
+        results, [t.turn > 0 for c in convs for t in c], duration, decisions, predictions
+    )
 
 
 def summarize(policy: str, runs: list[PolicyRun]) -> PolicyResult:
@@ -295,20 +363,33 @@ def summarize(policy: str, runs: list[PolicyRun]) -> PolicyResult:
                 out[k] = out.get(k, 0.0) + v
         return out
 
-    return PolicyResult(policy, len(ok), len(results) - len(ok), sorted({r.error for r in results if r.error})[:5],
-                        sum(run.duration_s for run in runs), prompt_tokens, cached,
-                        cached / prompt_tokens if prompt_tokens else 0.0,
-                        dist([r.ttft for r in ok if r.ttft is not None]),
-                        dist([r.ttft for r in later if r.ttft is not None]), total("decisions"), total("predictions"),
-                        per_replica, [per_run(run) for run in runs])
+    return PolicyResult(
+        policy,
+        len(ok),
+        len(results) - len(ok),
+        sorted({r.error for r in results if r.error})[:5],
+        sum(run.duration_s for run in runs),
+        prompt_tokens,
+        cached,
+        cached / prompt_tokens if prompt_tokens else 0.0,
+        dist([r.ttft for r in ok if r.ttft is not None]),
+        dist([r.ttft for r in later if r.ttft is not None]),
+        total("decisions"),
+        total("predictions"),
+        per_replica,
+        [per_run(run) for run in runs],
+    )
 
 
 def per_run(run: PolicyRun) -> dict[str, float]:
     """One repeat's hit rate and TTFT p50 (to show the spread between repeats)."""
     ok = [r for r in run.results if r.ok]
     prompt = sum(r.prompt_tokens for r in ok)
-    return dict(hit_rate=sum(r.cached_tokens for r in ok) / prompt if prompt else 0.0,
-                ttft_p50=dist([r.ttft for r in ok if r.ttft is not None])["p50"], duration_s=run.duration_s)
+    return dict(
+        hit_rate=sum(r.cached_tokens for r in ok) / prompt if prompt else 0.0,
+        ttft_p50=dist([r.ttft for r in ok if r.ttft is not None])["p50"],
+        duration_s=run.duration_s,
+    )
 
 
 # ---- report -------------------------------------------------------------------------------------
@@ -320,12 +401,24 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     cores, note = pin_cores(3, "replicas")
     logs = Path(tempfile.mkdtemp(prefix="bench_router-"))
     report: dict[str, Any] = {
-        "config": dict(conversations=args.conversations, turns=args.turns, system_len=args.system_len,
-                       user_len=args.user_len, reply_len=args.reply_len, max_tokens=args.max_tokens,
-                       think_s=args.think_s, stagger_s=args.stagger_s, seed=args.seed, repeats=args.repeats,
-                       num_kv_blocks=args.num_kv_blocks, replicas=3, pinning=dict(cores=cores, note=note),
-                       cpu_count=os.cpu_count()),
-        "policies": {}}
+        "config": dict(
+            conversations=args.conversations,
+            turns=args.turns,
+            system_len=args.system_len,
+            user_len=args.user_len,
+            reply_len=args.reply_len,
+            max_tokens=args.max_tokens,
+            think_s=args.think_s,
+            stagger_s=args.stagger_s,
+            seed=args.seed,
+            repeats=args.repeats,
+            num_kv_blocks=args.num_kv_blocks,
+            replicas=3,
+            pinning=dict(cores=cores, note=note),
+            cpu_count=os.cpu_count(),
+        ),
+        "policies": {},
+    }
     try:
         replicas = [replica(args, logs, i, cores[i]) for i in range(3)]
         log(args, "starting 3 replicas ...")
@@ -346,15 +439,25 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             shutil.rmtree(logs, ignore_errors=True)
     pol = report["policies"]
     rr, kv = pol.get("round-robin"), pol.get("kv")
-    report["ratios_vs_round_robin"] = {p: dict(
-        hit_rate=ratio(r["hit_rate"], rr["hit_rate"]) if rr else None,
-        ttft_p50_speedup=ratio(rr["ttft_s"]["p50"], r["ttft_s"]["p50"]) if rr else None,
-        ttft_p99_speedup=ratio(rr["ttft_s"]["p99"], r["ttft_s"]["p99"]) if rr else None) for p, r in pol.items()}
+    report["ratios_vs_round_robin"] = {
+        p: dict(
+            hit_rate=ratio(r["hit_rate"], rr["hit_rate"]) if rr else None,
+            ttft_p50_speedup=ratio(rr["ttft_s"]["p50"], r["ttft_s"]["p50"]) if rr else None,
+            ttft_p99_speedup=ratio(rr["ttft_s"]["p99"], r["ttft_s"]["p99"]) if rr else None,
+        )
+        for p, r in pol.items()
+    }
     report["targets"] = dict(hit_rate_ratio=TARGET_HIT_RATIO, ttft_p50_speedup=TARGET_TTFT_RATIO)
     met = report["ratios_vs_round_robin"].get("kv") if kv and rr else None
-    report["meets_targets"] = None if met is None else dict(
-        hit_rate=met["hit_rate"] is not None and met["hit_rate"] >= TARGET_HIT_RATIO,
-        ttft_p50=met["ttft_p50_speedup"] is not None and met["ttft_p50_speedup"] >= TARGET_TTFT_RATIO)
+    report["meets_targets"] = (
+        None
+        if met is None
+        else dict(
+            hit_rate=met["hit_rate"] is not None and met["hit_rate"] >= TARGET_HIT_RATIO,
+            ttft_p50=met["ttft_p50_speedup"] is not None
+            and met["ttft_p50_speedup"] >= TARGET_TTFT_RATIO,
+        )
+    )
     return report
 
 
@@ -366,25 +469,33 @@ def table(report: dict[str, Any]) -> str:
         return "-" if x is None else format(x, fmt)
 
     c = report["config"]
-    lines = [f"bench_router: {c['repeats']} x {c['conversations']} conversations x {c['turns']} turns over "
-             f"{c['replicas']} replicas ({c['num_kv_blocks']} KV blocks each) "
-             f"(system {c['system_len']}, user {c['user_len']}, reply {c['reply_len']} tokens; "
-             f"{c['max_tokens']} output tokens), {c['cpu_count']} CPUs, pinning {c['pinning']['cores']}"
-             + (f" ({c['pinning']['note']})" if c["pinning"]["note"] else ""), "",
-             f"{'policy':<12} {'ok':>3} {'fail':>4} {'hit rate':>8} {'TTFT p50':>8} {'TTFT p99':>8} "
-             f"{'hit x RR':>8} {'p50 RR/x':>8} {'p99 RR/x':>8} {'pred exact':>10}  per repeat: hit / p50 ms"]
+    lines = [
+        f"bench_router: {c['repeats']} x {c['conversations']} conversations x {c['turns']} turns over "
+        f"{c['replicas']} replicas ({c['num_kv_blocks']} KV blocks each) "
+        f"(system {c['system_len']}, user {c['user_len']}, reply {c['reply_len']} tokens; "
+        f"{c['max_tokens']} output tokens), {c['cpu_count']} CPUs, pinning {c['pinning']['cores']}"
+        + (f" ({c['pinning']['note']})" if c["pinning"]["note"] else ""),
+        "",
+        f"{'policy':<12} {'ok':>3} {'fail':>4} {'hit rate':>8} {'TTFT p50':>8} {'TTFT p99':>8} "
+        f"{'hit x RR':>8} {'p50 RR/x':>8} {'p99 RR/x':>8} {'pred exact':>10}  per repeat: hit / p50 ms",
+    ]
     for p, r in report["policies"].items():
         rat = report["ratios_vs_round_robin"][p]
         n_pred = sum(r["predictions"].values())
         exact = f"{r['predictions'].get('exact', 0):.0f}/{n_pred:.0f}" if n_pred else "-"
-        lines.append(f"{p:<12} {r['completed']:>3} {r['failed']:>4} {r['hit_rate']:>8.1%} {ms(r['ttft_s']['p50']):>8} "
-                     f"{ms(r['ttft_s']['p99']):>8} {num(rat['hit_rate']):>8} {num(rat['ttft_p50_speedup']):>8} "
-                     f"{num(rat['ttft_p99_speedup']):>8} {exact:>10}  "
-                     + ", ".join(f"{x['hit_rate']:.0%}/{ms(x['ttft_p50'])}" for x in r["repeats"]))
+        lines.append(
+            f"{p:<12} {r['completed']:>3} {r['failed']:>4} {r['hit_rate']:>8.1%} {ms(r['ttft_s']['p50']):>8} "
+            f"{ms(r['ttft_s']['p99']):>8} {num(rat['hit_rate']):>8} {num(rat['ttft_p50_speedup']):>8} "
+            f"{num(rat['ttft_p99_speedup']):>8} {exact:>10}  "
+            + ", ".join(f"{x['hit_rate']:.0%}/{ms(x['ttft_p50'])}" for x in r["repeats"])
+        )
     met = report["meets_targets"]
     if met is not None:
-        lines += ["", f"kv hit rate >= {TARGET_HIT_RATIO:g}x round-robin: {'met' if met['hit_rate'] else 'NOT met'}; "
-                  f"kv TTFT p50 >= {TARGET_TTFT_RATIO:g}x lower: {'met' if met['ttft_p50'] else 'NOT met'}"]
+        lines += [
+            "",
+            f"kv hit rate >= {TARGET_HIT_RATIO:g}x round-robin: {'met' if met['hit_rate'] else 'NOT met'}; "
+            f"kv TTFT p50 >= {TARGET_TTFT_RATIO:g}x lower: {'met' if met['ttft_p50'] else 'NOT met'}",
+        ]
     return "\n".join(lines)
 
 
@@ -392,29 +503,64 @@ def table(report: dict[str, Any]) -> str:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--conversations", type=int, default=12, help="concurrent conversations (default 12)")
+    p.add_argument(
+        "--conversations", type=int, default=12, help="concurrent conversations (default 12)"
+    )
     p.add_argument("--turns", type=int, default=5, help="turns per conversation (default 5)")
     p.add_argument("--system-len", type=int, default=32, help="system prompt tokens (default 32)")
     p.add_argument("--user-len", type=int, default=32, help="tokens per user message (default 32)")
-    p.add_argument("--reply-len", type=int, default=48, help="tokens per earlier reply in the prompt (default 48)")
+    p.add_argument(
+        "--reply-len",
+        type=int,
+        default=48,
+        help="tokens per earlier reply in the prompt (default 48)",
+    )
     p.add_argument("--max-tokens", type=int, default=8, help="output tokens per turn (default 8)")
-    p.add_argument("--think-s", type=float, default=2.0, help="mean think time between turns, s (default 2)")
-    p.add_argument("--stagger-s", type=float, default=0.5,
-                   help="conversation starts spread over this many seconds per conversation (default 0.5)")
-    p.add_argument("--seed", type=int, default=0, help="trace seed of the first repeat (repeat r uses seed + r; default 0)")
-    p.add_argument("--repeats", type=int, default=3,
-                   help="traces per policy, policies interleaved; figures pool every repeat's requests (default 3)")
-    p.add_argument("--policies", type=lambda s: s.split(","), default=["kv", "round-robin", "load"],
-                   help="policies to run, comma-separated (default kv,round-robin,load); a kv variant "
-                        "with router weights: kv:overlap=2+load=0.5")
+    p.add_argument(
+        "--think-s", type=float, default=2.0, help="mean think time between turns, s (default 2)"
+    )
+    p.add_argument(
+        "--stagger-s",
+        type=float,
+        default=0.5,
+        help="conversation starts spread over this many seconds per conversation (default 0.5)",
+    )
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="trace seed of the first repeat (repeat r uses seed + r; default 0)",
+    )
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="traces per policy, policies interleaved; figures pool every repeat's requests (default 3)",
+    )
+    p.add_argument(
+        "--policies",
+        type=lambda s: s.split(","),
+        default=["kv", "round-robin", "load"],
+        help="policies to run, comma-separated (default kv,round-robin,load); a kv variant "
+        "with router weights: kv:overlap=2+load=0.5",
+    )
     g = p.add_argument_group("engine (every replica)")
-    g.add_argument("--num-kv-blocks", type=int, default=96,
-                   help="KV pool per replica in blocks (default 96: the conversations' working set fits in the "
-                        "fleet's caches only when each conversation stays on one replica)")
-    g.add_argument("--max-model-len", type=int, default=1024, help="context length cap (default 1024)")
+    g.add_argument(
+        "--num-kv-blocks",
+        type=int,
+        default=96,
+        help="KV pool per replica in blocks (default 96: the conversations' working set fits in the "
+        "fleet's caches only when each conversation stays on one replica)",
+    )
+    g.add_argument(
+        "--max-model-len", type=int, default=1024, help="context length cap (default 1024)"
+    )
     g.add_argument("--max-num-seqs", type=int, default=8, help="max running sequences (default 8)")
-    p.add_argument("--keep-logs", action="store_true",
-                   help="keep the processes' log files (and each router's /router/state)")
+    p.add_argument(
+        "--keep-logs",
+        action="store_true",
+        help="keep the processes' log files (and each router's /router/state)",
+    )
     add_output_args(p)
 
 
@@ -431,8 +577,13 @@ def policy_choices(policies: list[str]) -> str | None:
 
 
 def check_args(args: argparse.Namespace) -> None:
-    if min(args.conversations, args.turns, args.max_tokens, args.user_len, args.repeats) < 1 or args.system_len < 0:
-        raise BenchOptionError("--conversations, --turns, --max-tokens, --user-len and --repeats must be >= 1")
+    if (
+        min(args.conversations, args.turns, args.max_tokens, args.user_len, args.repeats) < 1
+        or args.system_len < 0
+    ):
+        raise BenchOptionError(
+            "--conversations, --turns, --max-tokens, --user-len and --repeats must be >= 1"
+        )
     if args.reply_len < 0 or args.think_s < 0 or args.stagger_s < 0:
         raise BenchOptionError("--reply-len, --think-s and --stagger-s must be >= 0")
     choices = policy_choices([parse_policy(p)[0] for p in args.policies])
@@ -440,7 +591,9 @@ def check_args(args: argparse.Namespace) -> None:
         raise BenchOptionError(f"--policies: choose from {choices}")
     longest = args.system_len + args.turns * args.user_len + (args.turns - 1) * args.reply_len
     if longest + args.max_tokens > args.max_model_len:
-        raise BenchOptionError(f"the last turn ({longest} tokens) + --max-tokens must fit in --max-model-len")
+        raise BenchOptionError(
+            f"the last turn ({longest} tokens) + --max-tokens must fit in --max-model-len"
+        )
 
 
 def exit_code(report: dict[str, Any]) -> int:
@@ -449,7 +602,10 @@ def exit_code(report: dict[str, Any]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="bench_router", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="bench_router",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     add_arguments(p)
     return run_and_emit(run, table, p.parse_args(argv), exit_code)

@@ -67,11 +67,19 @@ TOKEN_RANGE = (1000, 40000)  # ordinary BPE tokens, no special ones
 # ---- workload -------------------------------------------------------------------------------------
 
 
-def make_workload(seed: int, n: int, input_len: int, prefix_len: int, num_prefixes: int) -> list[list[int]]:
+def make_workload(
+    seed: int, n: int, input_len: int, prefix_len: int, num_prefixes: int
+) -> list[list[int]]:
     rng = random.Random(seed)
-    prefixes = [[rng.randrange(*TOKEN_RANGE) for _ in range(prefix_len)] for _ in range(max(num_prefixes, 1))]
-    return [prefixes[i % len(prefixes)] + [rng.randrange(*TOKEN_RANGE) for _ in range(input_len - prefix_len)]
-            for i in range(n)]
+    prefixes = [
+        [rng.randrange(*TOKEN_RANGE) for _ in range(prefix_len)]
+        for _ in range(max(num_prefixes, 1))
+    ]
+    return [
+        prefixes[i % len(prefixes)]
+        + [rng.randrange(*TOKEN_RANGE) for _ in range(input_len - prefix_len)]
+        for i in range(n)
+    ]
 
 
 def percentile(xs: list[float], q: float) -> float:
@@ -84,16 +92,28 @@ def percentile(xs: list[float], q: float) -> float:
 
 
 def dist(xs: list[float]) -> dict[str, float]:
-    return dict(p50=percentile(xs, 50), p99=percentile(xs, 99),
-                mean=statistics.fmean(xs) if xs else float("nan"))
+    return dict(
+        p50=percentile(xs, 50),
+        p99=percentile(xs, 99),
+        mean=statistics.fmean(xs) if xs else float("nan"),
+    )
 
 
 # ---- client -----------------------------------------------------------------------------------------
 
 
-async def one_request(client: Any, prompt: list[int], output_len: int, model: str) -> dict[str, Any]:
-    payload = dict(model=model, prompt=prompt, max_tokens=output_len, temperature=0.0, ignore_eos=True,
-                   stream=True, stream_options=dict(include_usage=True, continuous_usage_stats=True))
+async def one_request(
+    client: Any, prompt: list[int], output_len: int, model: str
+) -> dict[str, Any]:
+    payload = dict(
+        model=model,
+        prompt=prompt,
+        max_tokens=output_len,
+        temperature=0.0,
+        ignore_eos=True,
+        stream=True,
+        stream_options=dict(include_usage=True, continuous_usage_stats=True),
+    )
     t0 = time.perf_counter()
     ttft = None
     itl: list[float] = []
@@ -138,13 +158,18 @@ def scrape(http: Any, base_url: str) -> dict[str, float]:
     return out
 
 
-async def run_load(base_url: str, prompts: list[list[int]], output_len: int, rate: float,
-                   seed: int, model: str) -> dict[str, Any]:
+async def run_load(
+    base_url: str, prompts: list[list[int]], output_len: int, rate: float, seed: int, model: str
+) -> dict[str, Any]:
     import httpx
 
     rng = random.Random(seed)
-    limits = httpx.Limits(max_connections=len(prompts) + 4, max_keepalive_connections=len(prompts) + 4)
-    async with httpx.AsyncClient(base_url=base_url, timeout=httpx.Timeout(600.0), limits=limits) as client:
+    limits = httpx.Limits(
+        max_connections=len(prompts) + 4, max_keepalive_connections=len(prompts) + 4
+    )
+    async with httpx.AsyncClient(
+        base_url=base_url, timeout=httpx.Timeout(600.0), limits=limits
+    ) as client:
         tasks = []
         cpu0 = time.process_time()
         start = time.perf_counter()
@@ -158,8 +183,14 @@ async def run_load(base_url: str, prompts: list[list[int]], output_len: int, rat
     return dict(results=results, duration=duration, client_cpu=client_cpu)
 
 
-def summarize(name: str, rate: float, prompts: list[list[int]], load: dict[str, Any],
-              before: dict[str, float], after: dict[str, float]) -> dict[str, Any]:
+def summarize(
+    name: str,
+    rate: float,
+    prompts: list[list[int]],
+    load: dict[str, Any],
+    before: dict[str, float],
+    after: dict[str, float],
+) -> dict[str, Any]:
     res = load["results"]
     ok = [r for r in res if r["error"] is None]
     dur = load["duration"]
@@ -168,17 +199,23 @@ def summarize(name: str, rate: float, prompts: list[list[int]], load: dict[str, 
     dq = after.get("prefix_cache_queries_total", 0) - before.get("prefix_cache_queries_total", 0)
     dh = after.get("prefix_cache_hits_total", 0) - before.get("prefix_cache_hits_total", 0)
     return dict(
-        name=name, request_rate=rate if math.isfinite(rate) else "inf",
-        completed=len(ok), failed=len(res) - len(ok),
+        name=name,
+        request_rate=rate if math.isfinite(rate) else "inf",
+        completed=len(ok),
+        failed=len(res) - len(ok),
         errors=sorted({r["error"] for r in res if r["error"]})[:3],
-        duration_s=dur, input_tokens=in_tok, output_tokens=out_tok,
-        request_throughput=len(ok) / dur, output_token_throughput=out_tok / dur,
+        duration_s=dur,
+        input_tokens=in_tok,
+        output_tokens=out_tok,
+        request_throughput=len(ok) / dur,
+        output_token_throughput=out_tok / dur,
         total_token_throughput=(in_tok + out_tok) / dur,
         ttft_s=dist([r["ttft"] for r in ok if r["ttft"] is not None]),
         itl_s=dist([x for r in ok for x in r["itl"]]),
         e2e_s=dist([r["e2e"] for r in ok]),
         prefix_hit_rate=dh / dq if dq else 0.0,
-        client_cpu_s=load.get("client_cpu"), server_cpu_s=load.get("server_cpu"),
+        client_cpu_s=load.get("client_cpu"),
+        server_cpu_s=load.get("server_cpu"),
     )
 
 
@@ -186,8 +223,16 @@ def summarize(name: str, rate: float, prompts: list[list[int]], load: dict[str, 
 
 
 def engine_flags(args: argparse.Namespace) -> list[str]:
-    flags = ["--dtype", args.dtype, "--block-size", str(args.block_size),
-             "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+    flags = [
+        "--dtype",
+        args.dtype,
+        "--block-size",
+        str(args.block_size),
+        "--max-num-seqs",
+        str(args.max_num_seqs),
+        "--max-num-batched-tokens",
+        str(args.max_num_batched_tokens),
+    ]
     if args.num_kv_blocks:
         flags += ["--num-kv-blocks", str(args.num_kv_blocks)]
     if args.max_model_len:
@@ -198,17 +243,36 @@ def engine_flags(args: argparse.Namespace) -> list[str]:
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    return dict(dtype=args.dtype, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
-                max_num_batched_tokens=args.max_num_batched_tokens, num_kv_blocks=args.num_kv_blocks,
-                max_model_len=args.max_model_len)
+    return dict(
+        dtype=args.dtype,
+        block_size=args.block_size,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        num_kv_blocks=args.num_kv_blocks,
+        max_model_len=args.max_model_len,
+    )
 
 
 class ServerProcess:
     def __init__(self, args: argparse.Namespace) -> None:
-        cmd = [sys.executable, "-m", "pagedkv.entrypoints.cli", "serve", "--port", "0",
-               "--max-queue-size", str(max(args.num_requests, 1)), *engine_flags(args)]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        cmd = [
+            sys.executable,
+            "-m",
+            "pagedkv.entrypoints.cli",
+            "serve",
+            "--port",
+            "0",
+            "--max-queue-size",
+            str(max(args.num_requests, 1)),
+            *engine_flags(args),
+        ]
+        self.proc = subprocess.Popen(
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
         self.url = None
         self.log: list[str] = []
         deadline = time.monotonic() + 300
@@ -261,9 +325,14 @@ def offline_run(llm: Any, prompts: list[list[int]], output_len: int) -> dict[str
     cpu = time.process_time() - cpu0
     out_tok = sum(len(o.outputs[0].token_ids) for o in outs)
     in_tok = sum(len(p) for p in prompts)
-    return dict(duration_s=dur, output_tokens=out_tok, output_token_throughput=out_tok / dur,
-                total_token_throughput=(in_tok + out_tok) / dur, request_throughput=len(prompts) / dur,
-                cpu_s=cpu)
+    return dict(
+        duration_s=dur,
+        output_tokens=out_tok,
+        output_token_throughput=out_tok / dur,
+        total_token_throughput=(in_tok + out_tok) / dur,
+        request_throughput=len(prompts) / dur,
+        cpu_s=cpu,
+    )
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -272,7 +341,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     check_args(args)
 
-    log = (lambda msg: None) if args.json_only else (lambda msg: print(msg, file=sys.stderr, flush=True))
+    log = (
+        (lambda msg: None)
+        if args.json_only
+        else (lambda msg: print(msg, file=sys.stderr, flush=True))
+    )
     offline = not args.no_saturation and not args.no_offline
     llm = None
     if offline:
@@ -282,8 +355,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         llm = LLM(args.model, **engine_kwargs(args))
         # Warm-up on a workload of the same shape (the server gets the rate run as its warm-up):
         # the first batches of new sizes pay one-time kernel selection and allocation costs.
-        offline_run(llm, make_workload(args.seed + 10_000, args.num_requests, args.input_len, args.prefix_len,
-                                       args.num_prefixes), min(args.output_len, 8))
+        offline_run(
+            llm,
+            make_workload(
+                args.seed + 10_000,
+                args.num_requests,
+                args.input_len,
+                args.prefix_len,
+                args.num_prefixes,
+            ),
+            min(args.output_len, 8),
+        )
     server = None
     if args.base_url:
         base_url = args.base_url.rstrip("/")
@@ -295,23 +377,37 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     offline_runs: list[dict[str, Any]] = []
     plan = [(f"rate={args.request_rate:g}", args.request_rate)]
     if not args.no_saturation:
-        plan += [("saturation" if args.repeats == 1 else f"saturation {k + 1}/{args.repeats}", math.inf)
-                 for k in range(args.repeats)]
+        plan += [
+            ("saturation" if args.repeats == 1 else f"saturation {k + 1}/{args.repeats}", math.inf)
+            for k in range(args.repeats)
+        ]
     try:
         with httpx.Client(timeout=60) as http:
             model = http.get(base_url + "/v1/models").json()["data"][0]["id"]
             # Warm-up (first-call allocations), outside the measurements.
-            http.post(base_url + "/v1/completions", json=dict(model=model, prompt=[1000, 1001, 1002], max_tokens=2))
+            http.post(
+                base_url + "/v1/completions",
+                json=dict(model=model, prompt=[1000, 1001, 1002], max_tokens=2),
+            )
             for k, (name, rate) in enumerate(plan):
-                prompts = make_workload(args.seed + 1 + k, args.num_requests, args.input_len, args.prefix_len,
-                                        args.num_prefixes)
+                prompts = make_workload(
+                    args.seed + 1 + k,
+                    args.num_requests,
+                    args.input_len,
+                    args.prefix_len,
+                    args.num_prefixes,
+                )
                 http.post(base_url + "/reset_prefix_cache")
                 before = scrape(http, base_url)
                 log(f"run {name}: {len(prompts)} requests ...")
                 cpu0 = server.cpu_seconds() if server is not None else None
-                load = asyncio.run(run_load(base_url, prompts, args.output_len, rate, args.seed + k, model))
+                load = asyncio.run(
+                    run_load(base_url, prompts, args.output_len, rate, args.seed + k, model)
+                )
                 failed = sum(r["error"] is not None for r in load["results"])
-                log(f"run {name}: done in {load['duration']:.1f} s ({len(prompts) - failed} ok, {failed} failed)")
+                log(
+                    f"run {name}: done in {load['duration']:.1f} s ({len(prompts) - failed} ok, {failed} failed)"
+                )
                 cpu1 = server.cpu_seconds() if server is not None else None
                 load["server_cpu"] = cpu1 - cpu0 if cpu0 is not None and cpu1 is not None else None
                 runs.append(summarize(name, rate, prompts, load, before, scrape(http, base_url)))
@@ -324,25 +420,41 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if server is not None:
             server.stop()
     report: dict[str, Any] = dict(
-        config=dict(num_requests=args.num_requests, request_rate=args.request_rate, input_len=args.input_len,
-                    prefix_len=args.prefix_len, num_prefixes=args.num_prefixes, output_len=args.output_len,
-                    repeats=args.repeats, seed=args.seed, engine=engine_kwargs(args), cpu_count=os.cpu_count(),
-                    server="external" if args.base_url else "subprocess"),
-        runs=runs)
+        config=dict(
+            num_requests=args.num_requests,
+            request_rate=args.request_rate,
+            input_len=args.input_len,
+            prefix_len=args.prefix_len,
+            num_prefixes=args.num_prefixes,
+            output_len=args.output_len,
+            repeats=args.repeats,
+            seed=args.seed,
+            engine=engine_kwargs(args),
+            cpu_count=os.cpu_count(),
+            server="external" if args.base_url else "subprocess",
+        ),
+        runs=runs,
+    )
     if offline_runs:
         sat = [r for r in runs if r["name"].startswith("saturation")]
         off_tok = sum(o["output_tokens"] for o in offline_runs)
         off_dur = sum(o["duration_s"] for o in offline_runs)
         in_tok = sum(r["input_tokens"] for r in sat)
-        report["offline"] = dict(duration_s=off_dur, output_tokens=off_tok, output_token_throughput=off_tok / off_dur,
-                                 total_token_throughput=(in_tok + off_tok) / off_dur,
-                                 request_throughput=args.num_requests * len(offline_runs) / off_dur)
+        report["offline"] = dict(
+            duration_s=off_dur,
+            output_tokens=off_tok,
+            output_token_throughput=off_tok / off_dur,
+            total_token_throughput=(in_tok + off_tok) / off_dur,
+            request_throughput=args.num_requests * len(offline_runs) / off_dur,
+        )
         report["offline_runs"] = offline_runs
         server_tps = sum(r["output_tokens"] for r in sat) / sum(r["duration_s"] for r in sat)
         ratio = server_tps / report["offline"]["output_token_throughput"]
         report["saturation_vs_offline"] = ratio
         report["saturation_vs_offline_per_repeat"] = [
-            r["output_token_throughput"] / o["output_token_throughput"] for r, o in zip(sat, offline_runs)]
+            r["output_token_throughput"] / o["output_token_throughput"]
+            for r, o in zip(sat, offline_runs)
+        ]
         report["target"] = TARGET_RATIO
         report["meets_target"] = ratio >= TARGET_RATIO
     return report
@@ -353,27 +465,35 @@ def table(report: dict[str, Any]) -> str:
         return "-" if math.isnan(x) else f"{1000 * x:.0f}"
 
     c = report["config"]
-    lines = [f"bench_serving: {c['num_requests']} requests/run, input {c['input_len']} tokens "
-             f"({c['prefix_len']} shared across {c['num_prefixes']} prefixes), output {c['output_len']} tokens, "
-             f"{c['cpu_count']} CPUs",
-             "",
-             f"{'run':<12} {'ok':>4} {'req/s':>7} {'out tok/s':>10} {'tot tok/s':>10} {'TTFT p50':>9} {'TTFT p99':>9} "
-             f"{'ITL p50':>8} {'ITL p99':>8} {'E2E p50':>8} {'hit rate':>8}",
-             f"{'':<12} {'':>4} {'':>7} {'':>10} {'':>10} {'(ms)':>9} {'(ms)':>9} {'(ms)':>8} {'(ms)':>8} {'(ms)':>8} {'':>8}"]
+    lines = [
+        f"bench_serving: {c['num_requests']} requests/run, input {c['input_len']} tokens "
+        f"({c['prefix_len']} shared across {c['num_prefixes']} prefixes), output {c['output_len']} tokens, "
+        f"{c['cpu_count']} CPUs",
+        "",
+        f"{'run':<12} {'ok':>4} {'req/s':>7} {'out tok/s':>10} {'tot tok/s':>10} {'TTFT p50':>9} {'TTFT p99':>9} "
+        f"{'ITL p50':>8} {'ITL p99':>8} {'E2E p50':>8} {'hit rate':>8}",
+        f"{'':<12} {'':>4} {'':>7} {'':>10} {'':>10} {'(ms)':>9} {'(ms)':>9} {'(ms)':>8} {'(ms)':>8} {'(ms)':>8} {'':>8}",  # noqa: E501
+    ]
     for r in report["runs"]:
-        lines.append(f"{r['name']:<12} {r['completed']:>4} {r['request_throughput']:>7.2f} "
-                     f"{r['output_token_throughput']:>10.1f} {r['total_token_throughput']:>10.1f} "
-                     f"{ms(r['ttft_s']['p50']):>9} {ms(r['ttft_s']['p99']):>9} {ms(r['itl_s']['p50']):>8} "
-                     f"{ms(r['itl_s']['p99']):>8} {ms(r['e2e_s']['p50']):>8} {100 * r['prefix_hit_rate']:>7.1f}%")
+        lines.append(
+            f"{r['name']:<12} {r['completed']:>4} {r['request_throughput']:>7.2f} "
+            f"{r['output_token_throughput']:>10.1f} {r['total_token_throughput']:>10.1f} "
+            f"{ms(r['ttft_s']['p50']):>9} {ms(r['ttft_s']['p99']):>9} {ms(r['itl_s']['p50']):>8} "
+            f"{ms(r['itl_s']['p99']):>8} {ms(r['e2e_s']['p50']):>8} {100 * r['prefix_hit_rate']:>7.1f}%"
+        )
     off = report.get("offline")
     if off:
-        lines.append(f"{'offline':<12} {c['num_requests']:>4} {off['request_throughput']:>7.2f} "
-                     f"{off['output_token_throughput']:>10.1f} {off['total_token_throughput']:>10.1f}")
+        lines.append(
+            f"{'offline':<12} {c['num_requests']:>4} {off['request_throughput']:>7.2f} "
+            f"{off['output_token_throughput']:>10.1f} {off['total_token_throughput']:>10.1f}"
+        )
         lines.append("")
         per = ", ".join(f"{x:.3f}" for x in report["saturation_vs_offline_per_repeat"])
-        lines.append(f"saturation / offline output-token throughput: {report['saturation_vs_offline']:.3f} "
-                     f"(per repeat: {per}; target >= {report['target']}: "
-                     f"{'met' if report['meets_target'] else 'NOT met'})")
+        lines.append(
+            f"saturation / offline output-token throughput: {report['saturation_vs_offline']:.3f} "
+            f"(per repeat: {per}; target >= {report['target']}: "
+            f"{'met' if report['meets_target'] else 'NOT met'})"
+        )
     return "\n".join(lines)
 
 
@@ -399,27 +519,66 @@ def positive_int(text: str) -> int:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The benchmark's flags (no heavy imports)."""
-    p.add_argument("--base-url", default=None, help="benchmark this running server instead of starting one")
-    p.add_argument("--num-requests", type=positive_int, default=48, help="requests per run (default 48)")
-    p.add_argument("--request-rate", type=positive_float, default=4.0, help="Poisson arrival rate, req/s (default 4)")
+    p.add_argument(
+        "--base-url", default=None, help="benchmark this running server instead of starting one"
+    )
+    p.add_argument(
+        "--num-requests", type=positive_int, default=48, help="requests per run (default 48)"
+    )
+    p.add_argument(
+        "--request-rate",
+        type=positive_float,
+        default=4.0,
+        help="Poisson arrival rate, req/s (default 4)",
+    )
     p.add_argument("--input-len", type=positive_int, default=96, help="prompt tokens (default 96)")
-    p.add_argument("--prefix-len", type=int, default=64, help="shared prefix tokens of each prompt (default 64)")
-    p.add_argument("--num-prefixes", type=positive_int, default=4, help="distinct shared prefixes (default 4)")
-    p.add_argument("--output-len", type=positive_int, default=32, help="generated tokens per request (default 32)")
+    p.add_argument(
+        "--prefix-len",
+        type=int,
+        default=64,
+        help="shared prefix tokens of each prompt (default 64)",
+    )
+    p.add_argument(
+        "--num-prefixes", type=positive_int, default=4, help="distinct shared prefixes (default 4)"
+    )
+    p.add_argument(
+        "--output-len",
+        type=positive_int,
+        default=32,
+        help="generated tokens per request (default 32)",
+    )
     p.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
-    p.add_argument("--no-saturation", action="store_true", help="skip the saturation run (and offline)")
-    p.add_argument("--no-offline", action="store_true", help="skip the offline LLM.generate comparison")
-    p.add_argument("--repeats", type=positive_int, default=1,
-                   help="saturation runs, each followed by offline on the same requests (default 1)")
+    p.add_argument(
+        "--no-saturation", action="store_true", help="skip the saturation run (and offline)"
+    )
+    p.add_argument(
+        "--no-offline", action="store_true", help="skip the offline LLM.generate comparison"
+    )
+    p.add_argument(
+        "--repeats",
+        type=positive_int,
+        default=1,
+        help="saturation runs, each followed by offline on the same requests (default 1)",
+    )
     from pagedkv.engine.arg_utils import EngineArgs
     from pagedkv.engine.config import FLOAT_DTYPES
 
-    sizes = ("block_size", "num_kv_blocks", "max_model_len", "max_num_seqs",
-             "max_num_batched_tokens")
+    sizes = (
+        "block_size",
+        "num_kv_blocks",
+        "max_model_len",
+        "max_num_seqs",
+        "max_num_batched_tokens",
+    )
     g = p.add_argument_group("engine (server and offline)")
-    EngineArgs.add_cli_args(g, include=("model", "dtype", *sizes),
-                            overrides={"dtype": dict(choices=FLOAT_DTYPES),
-                                       **{name: dict(type=positive_int) for name in sizes}})
+    EngineArgs.add_cli_args(
+        g,
+        include=("model", "dtype", *sizes),
+        overrides={
+            "dtype": dict(choices=FLOAT_DTYPES),
+            **{name: dict(type=positive_int) for name in sizes},
+        },
+    )
     add_output_args(p)
 
 
@@ -434,8 +593,11 @@ def exit_code(report: dict[str, Any]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="bench_serving", description=DESCRIPTION,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="bench_serving",
+        description=DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     add_arguments(p)
     return run_and_emit(run, table, p.parse_args(argv), exit_code)
 

@@ -57,8 +57,7 @@ from pagedkv.bench.common import (
 )
 
 # fraction_of_ceiling: issue 13's bar (75% of the same-run matmul ceiling, float32 and bfloat16 alike).
-TARGETS = {"vs_hf_total": 5.0, "fraction_of_ceiling": 0.75,
-           "batch1_decode_tok_s": 40.0}
+TARGETS = {"vs_hf_total": 5.0, "fraction_of_ceiling": 0.75, "batch1_decode_tok_s": 40.0}
 HF_BATCH1_REFERENCE_TOK_S = 15.0
 WARMUP_PROMPT_LEN, WARMUP_OUTPUT_LEN = 32, 8  # one untimed request first (lazy init, allocator)
 
@@ -77,10 +76,17 @@ class Workload:
         return sum(self.output_lens)
 
 
-def make_workload(num_requests: int, prompt_len: tuple[int, int], output_len: tuple[int, int],
-                  vocab_size: int, seed: int) -> Workload:
+def make_workload(
+    num_requests: int,
+    prompt_len: tuple[int, int],
+    output_len: tuple[int, int],
+    vocab_size: int,
+    seed: int,
+) -> Workload:
     rng = random.Random(seed)
-    prompts = [random_token_ids(rng, rng.randint(*prompt_len), vocab_size) for _ in range(num_requests)]
+    prompts = [
+        random_token_ids(rng, rng.randint(*prompt_len), vocab_size) for _ in range(num_requests)
+    ]
     return Workload(prompts, [rng.randint(*output_len) for _ in range(num_requests)])
 
 
@@ -95,11 +101,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch1-output-len", type=int, default=128)
     p.add_argument("--hf-batch-size", type=int, default=8)
     # float dtypes only: the transformers baseline runs in the same dtype.
-    EngineArgs.add_cli_args(p, include=("dtype", "model"),
-                            overrides=dict(dtype=dict(choices=FLOAT_DTYPES)))
+    EngineArgs.add_cli_args(
+        p, include=("dtype", "model"), overrides=dict(dtype=dict(choices=FLOAT_DTYPES))
+    )
     p.add_argument("--seed", type=int, default=0, help="workload seed")
     p.add_argument("--skip-hf", action="store_true", help="pagedkv only (no transformers baseline)")
-    p.add_argument("--matmul-seconds", type=float, default=2.0, help="time spent measuring the matmul rate")
+    p.add_argument(
+        "--matmul-seconds", type=float, default=2.0, help="time spent measuring the matmul rate"
+    )
     add_output_args(p)
 
 
@@ -143,18 +152,29 @@ def bench_pagedkv(args: argparse.Namespace, w: Workload) -> dict[str, Any]:
     from pagedkv import LLM, SamplingParams
 
     t = time.perf_counter()
-    max_len = max(args.prompt_len[1] + args.output_len[1], args.batch1_prompt_len + args.batch1_output_len,
-                  WARMUP_PROMPT_LEN + WARMUP_OUTPUT_LEN)
+    max_len = max(
+        args.prompt_len[1] + args.output_len[1],
+        args.batch1_prompt_len + args.batch1_output_len,
+        WARMUP_PROMPT_LEN + WARMUP_OUTPUT_LEN,
+    )
     llm = LLM(model=args.model, dtype=args.dtype, max_model_len=max_len)
     load_s = time.perf_counter() - t
     vocab = llm.llm_engine.model_config.vocab_size
-    rng = random.Random(args.seed + 1)  # warm-up and batch-1 prompts share nothing with the workload
-    llm.generate({"prompt_token_ids": random_token_ids(rng, WARMUP_PROMPT_LEN, vocab)},
-                 SamplingParams(temperature=0, max_tokens=WARMUP_OUTPUT_LEN, ignore_eos=True), use_tqdm=False)
+    rng = random.Random(
+        args.seed + 1
+    )  # warm-up and batch-1 prompts share nothing with the workload
+    llm.generate(
+        {"prompt_token_ids": random_token_ids(rng, WARMUP_PROMPT_LEN, vocab)},
+        SamplingParams(temperature=0, max_tokens=WARMUP_OUTPUT_LEN, ignore_eos=True),
+        use_tqdm=False,
+    )
 
     one = {"prompt_token_ids": random_token_ids(rng, args.batch1_prompt_len, vocab)}
-    (o,) = llm.generate(one, SamplingParams(temperature=0, max_tokens=args.batch1_output_len, ignore_eos=True),
-                        use_tqdm=False)
+    (o,) = llm.generate(
+        one,
+        SamplingParams(temperature=0, max_tokens=args.batch1_output_len, ignore_eos=True),
+        use_tqdm=False,
+    )
     m = o.metrics
     decode_s = m.finished_time - m.first_token_time
     batch1 = (len(o.outputs[0].token_ids) - 1) / decode_s if decode_s > 0 else None
@@ -169,13 +189,20 @@ def bench_pagedkv(args: argparse.Namespace, w: Workload) -> dict[str, Any]:
     elapsed = time.perf_counter() - t
     produced = sum(len(o.outputs[0].token_ids) for o in outs)
     if produced != w.output_tokens:
-        raise RuntimeError(f"pagedkv produced {produced} output tokens, {w.output_tokens} requested")
-    return dict(load_s=load_s, elapsed_s=elapsed, total_tok_s=(w.prompt_tokens + w.output_tokens) / elapsed,
-                output_tok_s=w.output_tokens / elapsed, batch1_decode_tok_s=batch1,
-                batch1_ttft_s=m.time_to_first_token,
-                num_preemptions=llm.stats()["num_preemptions"] - before,
-                num_kv_blocks=llm.llm_engine.kv_cache_config.num_blocks,
-                num_params=llm.llm_engine.model_config.num_params)
+        raise RuntimeError(
+            f"pagedkv produced {produced} output tokens, {w.output_tokens} requested"
+        )
+    return dict(
+        load_s=load_s,
+        elapsed_s=elapsed,
+        total_tok_s=(w.prompt_tokens + w.output_tokens) / elapsed,
+        output_tok_s=w.output_tokens / elapsed,
+        batch1_decode_tok_s=batch1,
+        batch1_ttft_s=m.time_to_first_token,
+        num_preemptions=llm.stats()["num_preemptions"] - before,
+        num_kv_blocks=llm.llm_engine.kv_cache_config.num_blocks,
+        num_params=llm.llm_engine.model_config.num_params,
+    )
 
 
 # ---------------------------------------------------------------- transformers
@@ -193,14 +220,21 @@ def load_hf(model: str | None, dtype: Any) -> Any:
     # The GGUF conversion draws a bare tqdm bar on stderr that no transformers switch silences.
     with contextlib.redirect_stderr(io.StringIO()):
         if path.suffix.lower() == ".gguf":
-            net = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
+            net = AutoModelForCausalLM.from_pretrained(
+                path.parent, gguf_file=path.name, dtype=dtype
+            )
         else:
             net = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     return net.eval()
 
 
-def hf_generate(net: Any, prompts: list[list[int]], new_tokens: int, pad_id: int,
-                token_times: list[float] | None = None) -> int:
+def hf_generate(
+    net: Any,
+    prompts: list[list[int]],
+    new_tokens: int,
+    pad_id: int,
+    token_times: list[float] | None = None,
+) -> int:
     """One static, left-padded, greedy batch of exactly ``new_tokens`` tokens per row; returns
     the tokens generated (all rows, padding waste included). ``token_times`` receives the time
     each token step finished."""
@@ -219,9 +253,18 @@ def hf_generate(net: Any, prompts: list[list[int]], new_tokens: int, pad_id: int
     ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
     with torch.inference_mode():
-        out = net.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=new_tokens,
-                           min_new_tokens=new_tokens, pad_token_id=pad_id, temperature=None, top_p=None,
-                           top_k=None, stopping_criteria=StoppingCriteriaList([Clock()]))
+        out = net.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            do_sample=False,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            pad_token_id=pad_id,
+            temperature=None,
+            top_p=None,
+            top_k=None,
+            stopping_criteria=StoppingCriteriaList([Clock()]),
+        )
     return (out.shape[1] - width) * out.shape[0]
 
 
@@ -235,20 +278,35 @@ def bench_hf(args: argparse.Namespace, w: Workload, pad_id: int) -> dict[str, An
     vocab = net.config.vocab_size
     hf_generate(net, [random_token_ids(rng, WARMUP_PROMPT_LEN, vocab)], WARMUP_OUTPUT_LEN, pad_id)
     times: list[float] = []
-    hf_generate(net, [random_token_ids(rng, args.batch1_prompt_len, vocab)], args.batch1_output_len, pad_id, times)
+    hf_generate(
+        net,
+        [random_token_ids(rng, args.batch1_prompt_len, vocab)],
+        args.batch1_output_len,
+        pad_id,
+        times,
+    )
     batch1 = (len(times) - 1) / (times[-1] - times[0]) if len(times) > 1 else None
 
     generated = 0
     bs = args.hf_batch_size
     t = time.perf_counter()
     for i in range(0, len(w.prompts), bs):
-        generated += hf_generate(net, w.prompts[i:i + bs], max(w.output_lens[i:i + bs]), pad_id)
-        log(args, f"transformers: batch {i // bs + 1}/{-(-len(w.prompts) // bs)} done "
-                  f"({time.perf_counter() - t:.1f} s)")
+        generated += hf_generate(net, w.prompts[i : i + bs], max(w.output_lens[i : i + bs]), pad_id)
+        log(
+            args,
+            f"transformers: batch {i // bs + 1}/{-(-len(w.prompts) // bs)} done "
+            f"({time.perf_counter() - t:.1f} s)",
+        )
     elapsed = time.perf_counter() - t
-    return dict(load_s=load_s, elapsed_s=elapsed, total_tok_s=(w.prompt_tokens + w.output_tokens) / elapsed,
-                output_tok_s=w.output_tokens / elapsed, batch1_decode_tok_s=batch1,
-                generated_tokens_incl_waste=generated, batch_size=bs)
+    return dict(
+        load_s=load_s,
+        elapsed_s=elapsed,
+        total_tok_s=(w.prompt_tokens + w.output_tokens) / elapsed,
+        output_tok_s=w.output_tokens / elapsed,
+        batch1_decode_tok_s=batch1,
+        generated_tokens_incl_waste=generated,
+        batch_size=bs,
+    )
 
 
 # ---------------------------------------------------------------- report
@@ -267,8 +325,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from pagedkv.models.config import load_model_config
 
     cfg = load_model_config(args.model)
-    w = make_workload(args.num_requests, args.prompt_len, args.output_len, cfg.vocab_size, args.seed)
-    log(args, f"pagedkv: {args.num_requests} requests, {w.prompt_tokens} prompt + {w.output_tokens} output tokens ...")
+    w = make_workload(
+        args.num_requests, args.prompt_len, args.output_len, cfg.vocab_size, args.seed
+    )
+    log(
+        args,
+        f"pagedkv: {args.num_requests} requests, {w.prompt_tokens} prompt + {w.output_tokens} output tokens ...",
+    )
     ours = bench_pagedkv(args, w)
     gflop_per_token = 2 * ours.pop("num_params") / 1e9
     ceiling = gflops / gflop_per_token
@@ -277,23 +340,40 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if not args.skip_hf:
         log(args, "transformers: same workload ...")
         hf = bench_hf(args, w, pad_id=_pad_id(args.model, cfg))
-    ratios = {k: ratio(ours[k], hf[k]) if hf else None
-              for k in ("total_tok_s", "output_tok_s", "batch1_decode_tok_s")}
+    ratios = {
+        k: ratio(ours[k], hf[k]) if hf else None
+        for k in ("total_tok_s", "output_tok_s", "batch1_decode_tok_s")
+    }
     meets = {
         "vs_hf_total": None if hf is None else ratios["total_tok_s"] >= TARGETS["vs_hf_total"],
         "fraction_of_ceiling": ours["fraction_of_ceiling"] >= TARGETS["fraction_of_ceiling"],
         "batch1_decode_tok_s": (ours["batch1_decode_tok_s"] or 0) >= TARGETS["batch1_decode_tok_s"],
     }
     return dict(
-        benchmark="throughput", dtype=args.dtype,
-        workload=dict(num_requests=args.num_requests, prompt_len=list(args.prompt_len),
-                      output_len=list(args.output_len), prompt_tokens=w.prompt_tokens,
-                      output_tokens=w.output_tokens, seed=args.seed, prompts="random token ids",
-                      batch1=dict(prompt_len=args.batch1_prompt_len, output_len=args.batch1_output_len)),
-        machine=dict(matmul_gflops=gflops, matmul_gflops_by_library=rates, gflop_per_token=gflop_per_token,
-                     ceiling_tok_s=ceiling, torch_threads=torch.get_num_threads(),
-                     dense_linear=dense_linear.backend() if args.dtype == "float32" else "blas"),
-        pagedkv=ours, hf=hf, ratios=ratios, targets=TARGETS | {"hf_batch1_reference_tok_s": HF_BATCH1_REFERENCE_TOK_S},
+        benchmark="throughput",
+        dtype=args.dtype,
+        workload=dict(
+            num_requests=args.num_requests,
+            prompt_len=list(args.prompt_len),
+            output_len=list(args.output_len),
+            prompt_tokens=w.prompt_tokens,
+            output_tokens=w.output_tokens,
+            seed=args.seed,
+            prompts="random token ids",
+            batch1=dict(prompt_len=args.batch1_prompt_len, output_len=args.batch1_output_len),
+        ),
+        machine=dict(
+            matmul_gflops=gflops,
+            matmul_gflops_by_library=rates,
+            gflop_per_token=gflop_per_token,
+            ceiling_tok_s=ceiling,
+            torch_threads=torch.get_num_threads(),
+            dense_linear=dense_linear.backend() if args.dtype == "float32" else "blas",
+        ),
+        pagedkv=ours,
+        hf=hf,
+        ratios=ratios,
+        targets=TARGETS | {"hf_batch1_reference_tok_s": HF_BATCH1_REFERENCE_TOK_S},
         meets_targets=meets,
     )
 
@@ -305,7 +385,11 @@ def _pad_id(model: str | None, cfg: Any) -> int:
 
     path = resolve_model_path(model)
     try:
-        tok = Tokenizer.from_gguf(path) if path.suffix.lower() == ".gguf" else Tokenizer.from_hf_dir(path)
+        tok = (
+            Tokenizer.from_gguf(path)
+            if path.suffix.lower() == ".gguf"
+            else Tokenizer.from_hf_dir(path)
+        )
         pad = tok.pad_token_id
     except (FileNotFoundError, NotImplementedError, KeyError):
         pad = None
@@ -316,8 +400,10 @@ def table(r: dict[str, Any]) -> str:
     ours, hf, ra, mach, w = r["pagedkv"], r["hf"] or {}, r["ratios"], r["machine"], r["workload"]
 
     def row(label: str, key: str, target: str = "") -> str:
-        return (f"{label:24s}{fmt(ours.get(key)):>10s}{fmt(hf.get(key)):>10s}"
-                f"{fmt(ra.get(key), '.2f'):>8s}{'x' if ra.get(key) else ' '}   {target}").rstrip()
+        return (
+            f"{label:24s}{fmt(ours.get(key)):>10s}{fmt(hf.get(key)):>10s}"
+            f"{fmt(ra.get(key), '.2f'):>8s}{'x' if ra.get(key) else ' '}   {target}"
+        ).rstrip()
 
     lines = [
         f"workload: {w['num_requests']} requests, prompts {w['prompt_len'][0]}-{w['prompt_len'][1]} "
@@ -331,21 +417,28 @@ def table(r: dict[str, Any]) -> str:
         f"{'figure':24s}{'pagedkv':>10s}{'HF':>10s}{'ratio':>9s}   target",
         row("total tok/s", "total_tok_s", f">= {TARGETS['vs_hf_total']:.0f}x HF"),
         row("output tok/s", "output_tok_s"),
-        row("batch-1 decode tok/s", "batch1_decode_tok_s",
-            f">= {TARGETS['batch1_decode_tok_s']:.0f} (HF ~{HF_BATCH1_REFERENCE_TOK_S:.0f})"),
+        row(
+            "batch-1 decode tok/s",
+            "batch1_decode_tok_s",
+            f">= {TARGETS['batch1_decode_tok_s']:.0f} (HF ~{HF_BATCH1_REFERENCE_TOK_S:.0f})",
+        ),
         row("elapsed s", "elapsed_s"),
         f"{'fraction of ceiling':24s}{ours['fraction_of_ceiling']:10.1%}{'':19s}   "
         f">= {TARGETS['fraction_of_ceiling']:.0%} (of the {r['dtype']} ceiling)",
         f"pagedkv preemptions: {ours['num_preemptions']}; KV blocks: {ours['num_kv_blocks']}",
     ]
     if hf:
-        lines.append(f"HF generated {hf['generated_tokens_incl_waste']} tokens for {w['output_tokens']} requested "
-                     f"(static batches of {hf['batch_size']}; only requested tokens are counted)")
+        lines.append(
+            f"HF generated {hf['generated_tokens_incl_waste']} tokens for {w['output_tokens']} requested "
+            f"(static batches of {hf['batch_size']}; only requested tokens are counted)"
+        )
     lines.append("meets targets: " + ", ".join(f"{k}={v}" for k, v in r["meets_targets"].items()))
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=user_help(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=user_help(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     add_arguments(p)
     return run_and_emit(run, table, p.parse_args(argv))

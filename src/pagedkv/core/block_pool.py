@@ -263,7 +263,9 @@ class BlockPool:
         if num_gpu_blocks < 1:
             raise ValueError(f"num_gpu_blocks must be >= 1 (the null block), got {num_gpu_blocks}")
         if not isinstance(medium, str) or not medium:
-            raise ValueError(f"medium must be a non-empty string such as 'GPU' or 'CPU', got {medium!r}")
+            raise ValueError(
+                f"medium must be a non-empty string such as 'GPU' or 'CPU', got {medium!r}"
+            )
         self.num_gpu_blocks = num_gpu_blocks
         self.enable_caching = enable_caching
         self.enable_kv_cache_events = enable_kv_cache_events
@@ -327,30 +329,48 @@ class BlockPool:
                 index.insert(key, block)
             stored.append(block_hash)
         if self.enable_kv_cache_events and stored:
-            self._emit_stored(request, block_hashes, stored, num_cached_blocks, num_full_blocks,
-                              block_size, kv_cache_group_id)
+            self._emit_stored(
+                request,
+                block_hashes,
+                stored,
+                num_cached_blocks,
+                num_full_blocks,
+                block_size,
+                kv_cache_group_id,
+            )
 
-    def _emit_stored(self, request: KVCacheRequest, block_hashes: Sequence[BlockHash],
-                     stored: list[BlockHash], start: int, end: int, block_size: int,
-                     group_id: int) -> None:
+    def _emit_stored(
+        self,
+        request: KVCacheRequest,
+        block_hashes: Sequence[BlockHash],
+        stored: list[BlockHash],
+        start: int,
+        end: int,
+        block_size: int,
+        group_id: int,
+    ) -> None:
         parent = block_hashes[start - 1] if start > 0 else None
         extra: list[object] | None = None
         if request.lora_name is not None or request.mm_features or request.cache_salt is not None:
             extra = []
             for i in range(start, end):
-                keys, _ = generate_block_hash_extra_keys(request, i * block_size, (i + 1) * block_size)
+                keys, _ = generate_block_hash_extra_keys(
+                    request, i * block_size, (i + 1) * block_size
+                )
                 extra.append(to_event_extra_keys(keys))
-        self.kv_event_queue.append(BlockStored(
-            block_hashes=[maybe_convert_block_hash(h) for h in stored],
-            parent_block_hash=None if parent is None else maybe_convert_block_hash(parent),
-            token_ids=request.all_token_ids[start * block_size:end * block_size],
-            block_size=block_size,
-            lora_id=request.lora_id,
-            medium=self.medium,
-            lora_name=request.lora_name,
-            extra_keys=extra,
-            group_idx=group_id,
-        ))
+        self.kv_event_queue.append(
+            BlockStored(
+                block_hashes=[maybe_convert_block_hash(h) for h in stored],
+                parent_block_hash=None if parent is None else maybe_convert_block_hash(parent),
+                token_ids=request.all_token_ids[start * block_size : end * block_size],
+                block_size=block_size,
+                lora_id=request.lora_id,
+                medium=self.medium,
+                lora_name=request.lora_name,
+                extra_keys=extra,
+                group_idx=group_id,
+            )
+        )
 
     # ---- allocation -----------------------------------------------------------------------
 
@@ -361,8 +381,10 @@ class BlockPool:
         """Take ``num_blocks`` blocks from the front of the free queue (evicting their cached
         hashes), each with ``ref_cnt == 1``. ValueError if fewer are free."""
         if num_blocks > self.free_block_queue.num_free_blocks:
-            raise ValueError(f"Cannot get {num_blocks} free blocks from the pool "
-                             f"({self.free_block_queue.num_free_blocks} free)")
+            raise ValueError(
+                f"Cannot get {num_blocks} free blocks from the pool "
+                f"({self.free_block_queue.num_free_blocks} free)"
+            )
         if num_blocks == 1:  # the decode hot path: skip the list building of popleft_n
             block = self.free_block_queue.popleft()
             if block._block_hash is not None:
@@ -383,9 +405,13 @@ class BlockPool:
         if self.cached_block_hash_to_block.pop(key, block.block_id) is None:
             return
         if self.enable_kv_cache_events:
-            self.kv_event_queue.append(BlockRemoved(
-                block_hashes=[maybe_convert_block_hash(key[:-4])], medium=self.medium,
-                group_idx=int.from_bytes(key[-4:], "big")))
+            self.kv_event_queue.append(
+                BlockRemoved(
+                    block_hashes=[maybe_convert_block_hash(key[:-4])],
+                    medium=self.medium,
+                    group_idx=int.from_bytes(key[-4:], "big"),
+                )
+            )
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Take a reference on cache-hit blocks, reviving free ones out of the free queue."""
@@ -425,8 +451,9 @@ class BlockPool:
         running request's blocks would otherwise lose their content addresses under it."""
         num_used = self.num_gpu_blocks - self.get_num_free_blocks()
         if num_used != 1:
-            logger.warning("Failed to reset the prefix cache: %d blocks are still in use",
-                           num_used - 1)
+            logger.warning(
+                "Failed to reset the prefix cache: %d blocks are still in use", num_used - 1
+            )
             return False
         self.cached_block_hash_to_block = BlockHashToBlockMap()
         for block in self.blocks:

@@ -71,9 +71,16 @@ class ZmqEventPublisher:
     ``endpoint`` and ``replay_endpoint`` are final (and bind errors raise here).
     """
 
-    def __init__(self, endpoint: str = DEFAULT_ENDPOINT, replay_endpoint: str | None = None,
-                 buffer_steps: int = 10_000, hwm: int = 100_000, max_queue_size: int = 100_000,
-                 topic: str = "", data_parallel_rank: int | None = None) -> None:
+    def __init__(
+        self,
+        endpoint: str = DEFAULT_ENDPOINT,
+        replay_endpoint: str | None = None,
+        buffer_steps: int = 10_000,
+        hwm: int = 100_000,
+        max_queue_size: int = 100_000,
+        topic: str = "",
+        data_parallel_rank: int | None = None,
+    ) -> None:
         if buffer_steps < 1:
             raise ValueError(f"buffer_steps must be >= 1, got {buffer_steps}")
         self.topic = topic.encode()

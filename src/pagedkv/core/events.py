@@ -48,8 +48,17 @@ class BlockStored(KVCacheEvent):
     kv_cache_spec_sliding_window: int | None = None
 
     def __hash__(self) -> int:
-        return hash((tuple(self.block_hashes), self.parent_block_hash, tuple(self.token_ids),
-                     self.block_size, self.lora_id, self.medium, self.group_idx))
+        return hash(
+            (
+                tuple(self.block_hashes),
+                self.parent_block_hash,
+                tuple(self.token_ids),
+                self.block_size,
+                self.lora_id,
+                self.medium,
+                self.group_idx,
+            )
+        )
 
 
 class BlockRemoved(KVCacheEvent):

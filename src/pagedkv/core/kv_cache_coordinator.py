@@ -41,8 +41,10 @@ class BlockHashListWithBlockSize(Sequence[BlockHash]):
 
     def __init__(self, hashes: Sequence[BlockHash], hash_block_size: int, block_size: int) -> None:
         if block_size % hash_block_size:
-            raise ValueError(f"block size {block_size} is not a multiple of the hash block size "
-                             f"{hash_block_size}")
+            raise ValueError(
+                f"block size {block_size} is not a multiple of the hash block size "
+                f"{hash_block_size}"
+            )
         self.hashes = hashes
         self.scale = block_size // hash_block_size
 
@@ -59,7 +61,9 @@ class BlockHashListWithBlockSize(Sequence[BlockHash]):
         return self.hashes[(i + 1) * self.scale - 1]
 
 
-def view_block_hashes(hashes: Sequence[BlockHash], hash_block_size: int, block_size: int) -> Sequence[BlockHash]:
+def view_block_hashes(
+    hashes: Sequence[BlockHash], hash_block_size: int, block_size: int
+) -> Sequence[BlockHash]:
     if block_size == hash_block_size:
         return hashes
     return BlockHashListWithBlockSize(hashes, hash_block_size, block_size)
@@ -78,45 +82,80 @@ class KVCacheCoordinator:
         medium: str = MEDIUM_GPU,
         prefix_cache_retention_interval: int | None = None,
     ) -> None:
-        self.kv_cache_groups = scheduler_kv_cache_groups(kv_cache_groups)  # uniform-type → one layer's spec
+        self.kv_cache_groups = scheduler_kv_cache_groups(
+            kv_cache_groups
+        )  # uniform-type → one layer's spec
         self.hash_block_size = hash_block_size
         self.block_pool = BlockPool(num_blocks, enable_caching, enable_kv_cache_events, medium)
         # Hits (and so cached blocks) end on multiples of the lcm of the group block sizes.
         self.lcm_block_size = math.lcm(*(g.kv_cache_spec.block_size for g in self.kv_cache_groups))
         self.single_type_managers: tuple[SingleTypeKVCacheManager, ...] = tuple(
-            get_manager_class(g.kv_cache_spec)(g.kv_cache_spec, self.block_pool, i, self.lcm_block_size,
-                                               **({"prefix_cache_retention_interval": prefix_cache_retention_interval}
-                                                  if isinstance(g.kv_cache_spec, MambaSpec) else {}))
+            get_manager_class(g.kv_cache_spec)(
+                g.kv_cache_spec,
+                self.block_pool,
+                i,
+                self.lcm_block_size,
+                **(
+                    {"prefix_cache_retention_interval": prefix_cache_retention_interval}
+                    if isinstance(g.kv_cache_spec, MambaSpec)
+                    else {}
+                ),
+            )
             for i, g in enumerate(self.kv_cache_groups)
         )
 
-    def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int,
-                                   new_computed_blocks: tuple[Sequence[KVCacheBlock], ...],
-                                   total_computed_tokens: int) -> int:
-        return sum(m.get_num_blocks_to_allocate(request_id, num_tokens, new_computed_blocks[i],
-                                                total_computed_tokens)
-                   for i, m in enumerate(self.single_type_managers))
+    def get_num_blocks_to_allocate(
+        self,
+        request_id: str,
+        num_tokens: int,
+        new_computed_blocks: tuple[Sequence[KVCacheBlock], ...],
+        total_computed_tokens: int,
+    ) -> int:
+        return sum(
+            m.get_num_blocks_to_allocate(
+                request_id, num_tokens, new_computed_blocks[i], total_computed_tokens
+            )
+            for i, m in enumerate(self.single_type_managers)
+        )
 
-    def get_num_blocks_for_whole_sequence(self, request_id: str, sequence_len: int, step_len: int,
-                                          new_computed_blocks: tuple[Sequence[KVCacheBlock], ...],
-                                          total_computed_tokens: int) -> int:
+    def get_num_blocks_for_whole_sequence(
+        self,
+        request_id: str,
+        sequence_len: int,
+        step_len: int,
+        new_computed_blocks: tuple[Sequence[KVCacheBlock], ...],
+        total_computed_tokens: int,
+    ) -> int:
         """Blocks to admit a request only if its whole sequence (``sequence_len`` tokens) will
         fit: groups that keep every token (full attention) count the whole sequence; windowed
         groups count this step's ``step_len`` slots, since what they hold is trimmed to the
         window as the sequence advances (counting the whole sequence there would refuse, for
         ever, a request that fits)."""
-        return sum(m.get_num_blocks_to_allocate(request_id, sequence_len if m.keeps_all_tokens else step_len,
-                                                new_computed_blocks[i], total_computed_tokens)
-                   for i, m in enumerate(self.single_type_managers))
+        return sum(
+            m.get_num_blocks_to_allocate(
+                request_id,
+                sequence_len if m.keeps_all_tokens else step_len,
+                new_computed_blocks[i],
+                total_computed_tokens,
+            )
+            for i, m in enumerate(self.single_type_managers)
+        )
 
-    def allocate_new_computed_blocks(self, request_id: str,
-                                     new_computed_blocks: tuple[Sequence[KVCacheBlock], ...],
-                                     num_computed_tokens: int) -> None:
+    def allocate_new_computed_blocks(
+        self,
+        request_id: str,
+        new_computed_blocks: tuple[Sequence[KVCacheBlock], ...],
+        num_computed_tokens: int,
+    ) -> None:
         for i, m in enumerate(self.single_type_managers):
             m.allocate_new_computed_blocks(request_id, new_computed_blocks[i], num_computed_tokens)
 
-    def allocate_new_blocks(self, request_id: str, num_tokens: int) -> tuple[list[KVCacheBlock], ...]:
-        return tuple(m.allocate_new_blocks(request_id, num_tokens) for m in self.single_type_managers)
+    def allocate_new_blocks(
+        self, request_id: str, num_tokens: int
+    ) -> tuple[list[KVCacheBlock], ...]:
+        return tuple(
+            m.allocate_new_blocks(request_id, num_tokens) for m in self.single_type_managers
+        )
 
     def cache_blocks(self, request: KVCacheRequest, num_tokens: int) -> None:
         """Register the request's full blocks within its first ``num_tokens`` tokens, rounded
@@ -124,8 +163,11 @@ class KVCacheCoordinator:
         lcm = self.lcm_block_size
         num_tokens = num_tokens // lcm * lcm
         for m in self.single_type_managers:
-            m.cache_blocks(request, view_block_hashes(request.block_hashes, self.hash_block_size,
-                                                      m.block_size), num_tokens)
+            m.cache_blocks(
+                request,
+                view_block_hashes(request.block_hashes, self.hash_block_size, m.block_size),
+                num_tokens,
+            )
 
     def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
         for m in self.single_type_managers:
@@ -144,7 +186,10 @@ class KVCacheCoordinator:
         group (`SingleTypeKVCacheManager.fork`). Returns the ``(src, dst)`` copies of partial
         blocks, or None, with nothing changed, when the pool lacks blocks for them."""
         managers = self.single_type_managers
-        if sum(m.get_num_blocks_to_fork(num_tokens) for m in managers) > self.block_pool.get_num_free_blocks():
+        if (
+            sum(m.get_num_blocks_to_fork(num_tokens) for m in managers)
+            > self.block_pool.get_num_free_blocks()
+        ):
             return None
         copies = []
         for m in managers:
@@ -156,8 +201,9 @@ class KVCacheCoordinator:
     def get_blocks(self, request_id: str) -> tuple[list[KVCacheBlock], ...]:
         return tuple(m.get_blocks(request_id) for m in self.single_type_managers)
 
-    def find_longest_cache_hit(self, block_hashes: Sequence[BlockHash],
-                               max_cache_hit_length: int) -> tuple[tuple[list[KVCacheBlock], ...], int]:
+    def find_longest_cache_hit(
+        self, block_hashes: Sequence[BlockHash], max_cache_hit_length: int
+    ) -> tuple[tuple[list[KVCacheBlock], ...], int]:
         """``(hit blocks per group, hit length in tokens)``; does not touch the blocks."""
         raise NotImplementedError
 
@@ -173,11 +219,19 @@ class UnitaryKVCacheCoordinator(KVCacheCoordinator):
         self.manager = self.single_type_managers[0]
         self.spec = self.kv_cache_groups[0].kv_cache_spec
         if self.spec.block_size != self.hash_block_size:
-            raise ValueError("with one KV cache group the hash block size must equal the block size")
+            raise ValueError(
+                "with one KV cache group the hash block size must equal the block size"
+            )
 
     def find_longest_cache_hit(self, block_hashes, max_cache_hit_length):
         hits = type(self.manager).find_longest_cache_hit(
-            block_hashes, max_cache_hit_length, (0,), self.block_pool, self.spec, self.spec.block_size)
+            block_hashes,
+            max_cache_hit_length,
+            (0,),
+            self.block_pool,
+            self.spec,
+            self.spec.block_size,
+        )
         return hits, len(hits[0]) * self.spec.block_size
 
 
@@ -190,7 +244,8 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
             by_spec.setdefault(g.kv_cache_spec, []).append(i)
         self.spec_groups = sorted(
             ((spec, tuple(ids), get_manager_class(spec)) for spec, ids in by_spec.items()),
-            key=lambda t: t[2] is not FullAttentionManager)  # full attention first
+            key=lambda t: t[2] is not FullAttentionManager,
+        )  # full attention first
 
     def find_longest_cache_hit(self, block_hashes, max_cache_hit_length):
         lcm = self.lcm_block_size
@@ -203,11 +258,12 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
                     # A full-attention hit is downward closed: shrinking only truncates it.
                     hits = found[spec]
                     for hit in hits:
-                        del hit[hit_length // spec.block_size:]
+                        del hit[hit_length // spec.block_size :]
                 else:
                     view = view_block_hashes(block_hashes, self.hash_block_size, spec.block_size)
-                    hits = cls.find_longest_cache_hit(view, hit_length, group_ids, self.block_pool,
-                                                      spec, lcm)
+                    hits = cls.find_longest_cache_hit(
+                        view, hit_length, group_ids, self.block_pool, spec, lcm
+                    )
                     found[spec] = hits
                 hit_length = min(hit_length, len(hits[0]) * spec.block_size)
             if hit_length == start:
@@ -219,15 +275,27 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
         return tuple(out), hit_length
 
 
-def get_kv_cache_coordinator(kv_cache_groups: Sequence[KVCacheGroupSpec], num_blocks: int,
-                             enable_caching: bool, enable_kv_cache_events: bool,
-                             hash_block_size: int, medium: str = MEDIUM_GPU,
-                             prefix_cache_retention_interval: int | None = None) -> KVCacheCoordinator:
+def get_kv_cache_coordinator(
+    kv_cache_groups: Sequence[KVCacheGroupSpec],
+    num_blocks: int,
+    enable_caching: bool,
+    enable_kv_cache_events: bool,
+    hash_block_size: int,
+    medium: str = MEDIUM_GPU,
+    prefix_cache_retention_interval: int | None = None,
+) -> KVCacheCoordinator:
     if not enable_caching:
         cls: type[KVCacheCoordinator] = KVCacheCoordinatorNoPrefixCache
     elif len(kv_cache_groups) == 1:
         cls = UnitaryKVCacheCoordinator
     else:
         cls = HybridKVCacheCoordinator
-    return cls(kv_cache_groups, num_blocks, enable_caching, enable_kv_cache_events, hash_block_size,
-               medium, prefix_cache_retention_interval)
+    return cls(
+        kv_cache_groups,
+        num_blocks,
+        enable_caching,
+        enable_kv_cache_events,
+        hash_block_size,
+        medium,
+        prefix_cache_retention_interval,
+    )

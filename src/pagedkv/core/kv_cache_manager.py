@@ -18,9 +18,9 @@ Token layout of a request during `allocate_slots`::
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Sequence
-import math
 from dataclasses import dataclass
 
 from pagedkv.core.block_pool import BlockPool, KVCacheBlock
@@ -70,7 +70,9 @@ class PrefixCacheStats:
     preempted_hits: int = 0
     external_hits: int = 0
 
-    def record(self, num_tokens: int, num_hits: int, preempted: bool, num_external: int = 0) -> None:
+    def record(
+        self, num_tokens: int, num_hits: int, preempted: bool, num_external: int = 0
+    ) -> None:
         self.external_hits += num_external
         if preempted:
             self.preempted_requests += 1
@@ -82,8 +84,15 @@ class PrefixCacheStats:
             self.hits += num_hits
 
     def merge(self, other: PrefixCacheStats) -> None:
-        for name in ("requests", "queries", "hits", "preempted_requests", "preempted_queries",
-                     "preempted_hits", "external_hits"):
+        for name in (
+            "requests",
+            "queries",
+            "hits",
+            "preempted_requests",
+            "preempted_queries",
+            "preempted_hits",
+            "external_hits",
+        ):
             setattr(self, name, getattr(self, name) + getattr(other, name))
 
     @property
@@ -122,9 +131,15 @@ class KVCacheManager:
         if hash_block_size is None:
             hash_block_size = sizes[0] if len(set(sizes)) == 1 else math.gcd(*sizes)
         self.hash_block_size = hash_block_size
-        self.coordinator = get_kv_cache_coordinator(groups, kv_cache_config.num_blocks, enable_caching,
-                                                    enable_kv_cache_events, hash_block_size, medium,
-                                                    kv_cache_config.prefix_cache_retention_interval)
+        self.coordinator = get_kv_cache_coordinator(
+            groups,
+            kv_cache_config.num_blocks,
+            enable_caching,
+            enable_kv_cache_events,
+            hash_block_size,
+            medium,
+            kv_cache_config.prefix_cache_retention_interval,
+        )
         self.block_pool: BlockPool = self.coordinator.block_pool
         self.kv_cache_groups = groups
         self.num_kv_cache_groups = len(groups)
@@ -159,8 +174,9 @@ class KVCacheManager:
             return self.empty_kv_cache_blocks, 0
         # The last token is always recomputed: its logits are needed to sample.
         max_cache_hit_length = request.num_tokens - 1
-        hits, num_computed = self.coordinator.find_longest_cache_hit(request.block_hashes,
-                                                                     max_cache_hit_length)
+        hits, num_computed = self.coordinator.find_longest_cache_hit(
+            request.block_hashes, max_cache_hit_length
+        )
         return KVCacheBlocks(hits), num_computed
 
     # ---- allocation -----------------------------------------------------------------------------
@@ -188,12 +204,17 @@ class KVCacheManager:
         """
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
-        hits = new_computed_blocks.blocks if new_computed_blocks is not None else self.empty_kv_cache_blocks.blocks
+        hits = (
+            new_computed_blocks.blocks
+            if new_computed_blocks is not None
+            else self.empty_kv_cache_blocks.blocks
+        )
         rid = request.request_id
         num_local_computed = request.num_computed_tokens + num_new_computed_tokens
         total_computed = min(num_local_computed + num_external_computed_tokens, self.max_model_len)
-        num_tokens_need_slot = min(total_computed + num_new_tokens + num_lookahead_tokens,
-                                   self.max_model_len)
+        num_tokens_need_slot = min(
+            total_computed + num_new_tokens + num_lookahead_tokens, self.max_model_len
+        )
         admitting = request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
         watermark = self.watermark_blocks if admitting else 0
         coordinator = self.coordinator
@@ -202,10 +223,17 @@ class KVCacheManager:
         num_free = self.block_pool.get_num_free_blocks()
         if full_sequence_must_fit and admitting:
             full_len = min(max(request.num_tokens, num_tokens_need_slot), self.max_model_len)
-            if coordinator.get_num_blocks_for_whole_sequence(rid, full_len, num_tokens_need_slot, hits,
-                                                             total_computed) + watermark > num_free:
+            if (
+                coordinator.get_num_blocks_for_whole_sequence(
+                    rid, full_len, num_tokens_need_slot, hits, total_computed
+                )
+                + watermark
+                > num_free
+            ):
                 return None
-        num_needed = coordinator.get_num_blocks_to_allocate(rid, num_tokens_need_slot, hits, total_computed)
+        num_needed = coordinator.get_num_blocks_to_allocate(
+            rid, num_tokens_need_slot, hits, total_computed
+        )
         if num_needed + watermark > num_free:
             return None
         if admitting and request.num_computed_tokens == 0:
@@ -214,10 +242,14 @@ class KVCacheManager:
         new_blocks = coordinator.allocate_new_blocks(rid, num_tokens_need_slot)
         if self.enable_caching and not delay_cache_blocks:
             # Capped at num_tokens: lookahead slots hold no verified token yet.
-            coordinator.cache_blocks(request, min(total_computed + num_new_tokens, request.num_tokens))
+            coordinator.cache_blocks(
+                request, min(total_computed + num_new_tokens, request.num_tokens)
+            )
         return KVCacheBlocks(new_blocks)
 
-    def fork_request(self, parent: KVCacheRequest, child: KVCacheRequest) -> list[tuple[int, int]] | None:
+    def fork_request(
+        self, parent: KVCacheRequest, child: KVCacheRequest
+    ) -> list[tuple[int, int]] | None:
         """Give ``child`` the KV of ``parent``'s first ``parent.num_computed_tokens`` tokens
         (parallel sampling, ``n > 1``).
 
@@ -269,7 +301,11 @@ class KVCacheManager:
         events = self.block_pool.take_events()
         for event in events:
             gid = getattr(event, "group_idx", None)
-            if gid is not None and hasattr(event, "kv_cache_spec_kind") and 0 <= gid < self.num_kv_cache_groups:
+            if (
+                gid is not None
+                and hasattr(event, "kv_cache_spec_kind")
+                and 0 <= gid < self.num_kv_cache_groups
+            ):
                 spec = self.kv_cache_groups[gid].kv_cache_spec
                 event.kv_cache_spec_kind = spec.kind
                 event.kv_cache_spec_sliding_window = get_kv_cache_spec_sliding_window(spec)
@@ -302,7 +338,7 @@ class KVCacheManager:
         for block in pool.blocks[1:]:
             assert block.ref_cnt == holders.get(block.block_id, 0), (
                 f"block {block.block_id}: ref_cnt {block.ref_cnt} != "
-                f"{holders.get(block.block_id, 0)} block tables")
+                f"{holders.get(block.block_id, 0)} block tables"
+            )
             used += block.ref_cnt > 0
         assert used + pool.get_num_free_blocks() + 1 == pool.num_gpu_blocks, "blocks leaked"
-

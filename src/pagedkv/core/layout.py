@@ -73,8 +73,15 @@ class _KVCacheLayoutBase(enum.Enum):
             acc *= shape_lbhnc[DIMS.index(d)]
         return tuple(stride[d] for d in DIMS)
 
-    def offset(self, l: int, b: int, h: int, n: int, c: int,  # noqa: E741 (L is the dim name)
-               shape: tuple[int, int, int, int, int]) -> int:
+    def offset(
+        self,
+        l: int,
+        b: int,
+        h: int,
+        n: int,
+        c: int,  # noqa: E741 (L is the dim name)
+        shape: tuple[int, int, int, int, int],
+    ) -> int:
         """Byte offset of element (l, b, h, n, c) in a dense buffer of logical ``shape``."""
         idx = (l, b, h, n, c)
         for i, (x, size) in enumerate(zip(idx, shape)):
@@ -110,11 +117,14 @@ KVCacheLayout = _KVCacheLayoutBase(  # type: ignore[call-overload]
 KVCacheLayout.__doc__ = "Stride order of the ``[L, B, H, N, C]`` KV cache (see module docstring)."
 
 DEFAULT_KV_CACHE_LAYOUT: KVCacheLayout = KVCacheLayout.LBHNC  # type: ignore[attr-defined]
-KERNEL_USABLE_LAYOUTS: tuple[KVCacheLayout, ...] = tuple(m for m in KVCacheLayout if m.is_kernel_usable)
+KERNEL_USABLE_LAYOUTS: tuple[KVCacheLayout, ...] = tuple(
+    m for m in KVCacheLayout if m.is_kernel_usable
+)
 
 
-def logical_shape(num_layers: int, num_blocks: int, num_kv_heads: int, block_size: int,
-                  content_bytes: int) -> tuple[int, int, int, int, int]:
+def logical_shape(
+    num_layers: int, num_blocks: int, num_kv_heads: int, block_size: int, content_bytes: int
+) -> tuple[int, int, int, int, int]:
     """``[L, B, H, N, C]`` for one group's layers (C from ``AttentionSpec.content_bytes``)."""
     shape = (num_layers, num_blocks, num_kv_heads, block_size, content_bytes)
     _check_shape(shape)

@@ -20,6 +20,7 @@ per-layer specs (``dict[layer_name, KVCacheSpec]``), which are grouped first.
 from __future__ import annotations
 
 from dataclasses import dataclass
+
 from pagedkv.core.layout import DEFAULT_KV_CACHE_LAYOUT, KVCacheLayout
 from pagedkv.core.specs import (
     FullAttentionSpec,
@@ -61,32 +62,39 @@ def num_blocks_from_memory(available_bytes: int, groups: GroupsOrSpecs) -> int:
     return max(int(available_bytes) // bpb, 0)
 
 
-def blocks_per_request(groups: GroupsOrSpecs, max_model_len: int, max_num_batched_tokens: int = 0) -> int:
+def blocks_per_request(
+    groups: GroupsOrSpecs, max_model_len: int, max_num_batched_tokens: int = 0
+) -> int:
     """Pool blocks one request of ``max_model_len`` tokens can hold at once, over all groups."""
     return sum(
-        cdiv(g.kv_cache_spec.max_memory_usage_bytes(max_model_len, max_num_batched_tokens),
-             g.kv_cache_spec.page_size_bytes)
+        cdiv(
+            g.kv_cache_spec.max_memory_usage_bytes(max_model_len, max_num_batched_tokens),
+            g.kv_cache_spec.page_size_bytes,
+        )
         for g in as_groups(groups)
     )
 
 
-def get_max_concurrency(num_blocks: int, groups: GroupsOrSpecs, max_model_len: int,
-                        max_num_batched_tokens: int = 0) -> float:
+def get_max_concurrency(
+    num_blocks: int, groups: GroupsOrSpecs, max_model_len: int, max_num_batched_tokens: int = 0
+) -> float:
     """How many max-length requests the usable blocks (``num_blocks − 1``) hold at once."""
     need = blocks_per_request(groups, max_model_len, max_num_batched_tokens)
     usable = max(num_blocks - 1, 0)
     return usable / need if need else float("inf")
 
 
-def get_kv_cache_capacity(num_blocks: int, groups: GroupsOrSpecs, max_model_len: int,
-                          max_num_batched_tokens: int = 0) -> tuple[int, float]:
+def get_kv_cache_capacity(
+    num_blocks: int, groups: GroupsOrSpecs, max_model_len: int, max_num_batched_tokens: int = 0
+) -> tuple[int, float]:
     """(tokens, concurrency) as vLLM reports them: ``int(concurrency × max_model_len)``."""
     conc = get_max_concurrency(num_blocks, groups, max_model_len, max_num_batched_tokens)
     return int(conc * max_model_len), conc
 
 
-def max_num_tokens(num_blocks: int, groups: GroupsOrSpecs, max_model_len: int,
-                   max_num_batched_tokens: int = 0) -> int:
+def max_num_tokens(
+    num_blocks: int, groups: GroupsOrSpecs, max_model_len: int, max_num_batched_tokens: int = 0
+) -> int:
     """Token slots in the cache.
 
     One full-attention group: exactly ``(num_blocks − 1) × block_size``. Hybrid/windowed
@@ -98,12 +106,15 @@ def max_num_tokens(num_blocks: int, groups: GroupsOrSpecs, max_model_len: int,
     return get_kv_cache_capacity(num_blocks, gs, max_model_len, max_num_batched_tokens)[0]
 
 
-def _fits(groups: list[KVCacheGroupSpec], usable_blocks: int, max_model_len: int, mnbt: int) -> bool:
+def _fits(
+    groups: list[KVCacheGroupSpec], usable_blocks: int, max_model_len: int, mnbt: int
+) -> bool:
     return blocks_per_request(groups, max_model_len, mnbt) <= usable_blocks
 
 
-def estimate_max_model_len(groups: GroupsOrSpecs, available_bytes: int, max_model_len: int,
-                           max_num_batched_tokens: int = 0) -> int:
+def estimate_max_model_len(
+    groups: GroupsOrSpecs, available_bytes: int, max_model_len: int, max_num_batched_tokens: int = 0
+) -> int:
     """Largest length in ``[1, max_model_len]`` whose one request fits; 0 if even 1 doesn't.
 
     Binary search; valid because blocks per request never decrease with length.
@@ -122,8 +133,9 @@ def estimate_max_model_len(groups: GroupsOrSpecs, available_bytes: int, max_mode
     return lo
 
 
-def check_enough_kv_cache_memory(groups: GroupsOrSpecs, available_bytes: int, max_model_len: int,
-                                 max_num_batched_tokens: int = 0) -> None:
+def check_enough_kv_cache_memory(
+    groups: GroupsOrSpecs, available_bytes: int, max_model_len: int, max_num_batched_tokens: int = 0
+) -> None:
     """Raise ValueError unless one request of ``max_model_len`` tokens fits in the pool.
 
     The message names the GiB needed (request blocks + the null block) and the estimated
@@ -149,9 +161,14 @@ def check_enough_kv_cache_memory(groups: GroupsOrSpecs, available_bytes: int, ma
     )
 
 
-def make_kv_cache_config(groups: GroupsOrSpecs, available_bytes: int, max_model_len: int | None = None,
-                         max_num_batched_tokens: int = 0, num_blocks_override: int | None = None,
-                         layout: KVCacheLayout | str = DEFAULT_KV_CACHE_LAYOUT) -> KVCacheConfig:
+def make_kv_cache_config(
+    groups: GroupsOrSpecs,
+    available_bytes: int,
+    max_model_len: int | None = None,
+    max_num_batched_tokens: int = 0,
+    num_blocks_override: int | None = None,
+    layout: KVCacheLayout | str = DEFAULT_KV_CACHE_LAYOUT,
+) -> KVCacheConfig:
     """Plan the pool: ``num_blocks = available // bytes_per_block`` (or the override).
 
     With ``max_model_len`` it first checks that one max-length request fits (ValueError).
@@ -159,9 +176,17 @@ def make_kv_cache_config(groups: GroupsOrSpecs, available_bytes: int, max_model_
     gs = as_groups(groups)
     if max_model_len is not None and num_blocks_override is None:
         check_enough_kv_cache_memory(gs, available_bytes, max_model_len, max_num_batched_tokens)
-    n = num_blocks_override if num_blocks_override is not None else num_blocks_from_memory(available_bytes, gs)
-    return KVCacheConfig(num_blocks=n, kv_cache_groups=gs, bytes_per_block=bytes_per_block(gs),
-                         layout=KVCacheLayout.parse(layout))
+    n = (
+        num_blocks_override
+        if num_blocks_override is not None
+        else num_blocks_from_memory(available_bytes, gs)
+    )
+    return KVCacheConfig(
+        num_blocks=n,
+        kv_cache_groups=gs,
+        bytes_per_block=bytes_per_block(gs),
+        layout=KVCacheLayout.parse(layout),
+    )
 
 
 # ---------------------------------------------------------------- device memory (C_tokens)
@@ -192,8 +217,11 @@ def estimate_runtime_bytes(
     * fixed: runtime context, allocator slack, workspaces (default 512 MiB, a guess; measure
       and pass ``--runtime-memory`` when it matters).
     """
-    per_token = (2 * hidden_size + (2 * num_attention_heads + 2 * num_kv_heads) * head_dim
-                 + 3 * intermediate_size) * activation_dtype_bytes
+    per_token = (
+        2 * hidden_size
+        + (2 * num_attention_heads + 2 * num_kv_heads) * head_dim
+        + 3 * intermediate_size
+    ) * activation_dtype_bytes
     activations = per_token * max_num_batched_tokens
     sampling = 2 * 4 * vocab_size * max_num_seqs
     return activations + sampling + fixed_overhead_bytes
@@ -218,13 +246,22 @@ class MemoryBreakdown:
         return max(self.kv_cache, 0) // kv_bytes_per_token if kv_bytes_per_token else 0
 
     def terms(self) -> list[tuple[str, int]]:
-        return [("M_HBM (device memory)", self.device_memory), ("- M_weights", self.weights),
-                ("- M_runtime", self.runtime), ("- M_headroom", self.headroom),
-                ("= KV cache", self.kv_cache)]
+        return [
+            ("M_HBM (device memory)", self.device_memory),
+            ("- M_weights", self.weights),
+            ("- M_runtime", self.runtime),
+            ("- M_headroom", self.headroom),
+            ("= KV cache", self.kv_cache),
+        ]
 
 
-def plan_device_memory(device_memory: int, num_params: int, weight_dtype_bytes: float,
-                       runtime_bytes: int, headroom_fraction: float = 0.1) -> MemoryBreakdown:
+def plan_device_memory(
+    device_memory: int,
+    num_params: int,
+    weight_dtype_bytes: float,
+    runtime_bytes: int,
+    headroom_fraction: float = 0.1,
+) -> MemoryBreakdown:
     """Split ``device_memory`` into weights, runtime, headroom and what is left for KV."""
     if not 0.0 <= headroom_fraction < 1.0:
         raise ValueError(f"headroom_fraction must be in [0, 1), got {headroom_fraction}")

@@ -70,9 +70,14 @@ class SchedulingPolicy(Generic[R]):
     overrides the hooks; `build_batch` never sets ``num_computed_tokens`` past what is already
     computed: the host does it for the chunks it runs."""
 
-    def __init__(self, kv_cache_manager: KVCacheManager, max_num_seqs: int,
-                 max_num_batched_tokens: int, max_model_len: int,
-                 mamba_block_size: int | None = None) -> None:
+    def __init__(
+        self,
+        kv_cache_manager: KVCacheManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        mamba_block_size: int | None = None,
+    ) -> None:
         self.kv_cache_manager = kv_cache_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -222,8 +227,18 @@ class SchedulingPolicy(Generic[R]):
             n = min(req.num_tokens - num_hit - num_ext, budget)
             if self.mamba_block_size is not None:
                 n = self._mamba_block_aligned_split(req, num_hit + num_ext, n)
-        if kv.allocate_slots(req, n, num_hit, hits, num_external_computed_tokens=num_ext,
-                             delay_cache_blocks=load_async, full_sequence_must_fit=True) is None:
+        if (
+            kv.allocate_slots(
+                req,
+                n,
+                num_hit,
+                hits,
+                num_external_computed_tokens=num_ext,
+                delay_cache_blocks=load_async,
+                full_sequence_must_fit=True,
+            )
+            is None
+        ):
             return None
         if not self._allocated(item, num_hit, num_ext, load_async):
             return False

@@ -56,8 +56,13 @@ class SingleTypeKVCacheManager:
     # of a window or chunk are released as it advances): what "the whole sequence fits" counts.
     keeps_all_tokens = True
 
-    def __init__(self, kv_cache_spec: KVCacheSpec, block_pool: BlockPool, kv_cache_group_id: int,
-                 alignment_tokens: int | None = None) -> None:
+    def __init__(
+        self,
+        kv_cache_spec: KVCacheSpec,
+        block_pool: BlockPool,
+        kv_cache_group_id: int,
+        alignment_tokens: int | None = None,
+    ) -> None:
         """``alignment_tokens``: every prefix hit ends on a multiple of it (the lcm of all
         groups' block sizes; a multiple of this group's block size). Defaults to the block
         size (one group)."""
@@ -65,8 +70,10 @@ class SingleTypeKVCacheManager:
         self.block_size = kv_cache_spec.block_size
         alignment_tokens = alignment_tokens or self.block_size
         if alignment_tokens % self.block_size:
-            raise ValueError(f"alignment_tokens {alignment_tokens} is not a multiple of the block "
-                             f"size {self.block_size}")
+            raise ValueError(
+                f"alignment_tokens {alignment_tokens} is not a multiple of the block "
+                f"size {self.block_size}"
+            )
         self.alignment_tokens = alignment_tokens
         self.block_pool = block_pool
         self.kv_cache_group_id = kv_cache_group_id
@@ -118,9 +125,12 @@ class SingleTypeKVCacheManager:
         if request_id in self.num_cached_block:  # running: no new hits
             return max(num_required - num_req_blocks, 0)
         num_skipped_blocks = self.get_num_skipped_tokens(total_computed_tokens) // self.block_size
-        num_new = max(num_required - max(num_skipped_blocks, len(new_computed_blocks) + num_req_blocks), 0)
-        num_evictable = sum(1 for b in new_computed_blocks[num_skipped_blocks:]
-                            if b.ref_cnt == 0 and not b.is_null)
+        num_new = max(
+            num_required - max(num_skipped_blocks, len(new_computed_blocks) + num_req_blocks), 0
+        )
+        num_evictable = sum(
+            1 for b in new_computed_blocks[num_skipped_blocks:] if b.ref_cnt == 0 and not b.is_null
+        )
         return num_new + num_evictable
 
     def allocate_new_computed_blocks(
@@ -152,15 +162,24 @@ class SingleTypeKVCacheManager:
         req_blocks.extend(new_blocks)
         return new_blocks
 
-    def cache_blocks(self, request: KVCacheRequest, block_hashes: Sequence[BlockHash], num_tokens: int) -> None:
+    def cache_blocks(
+        self, request: KVCacheRequest, block_hashes: Sequence[BlockHash], num_tokens: int
+    ) -> None:
         """Register the request's blocks that are full within its first ``num_tokens`` tokens."""
         num_cached = self.num_cached_block.get(request.request_id, 0)
         num_full = min(num_tokens // self.block_size, len(block_hashes))
         if num_cached >= num_full:
             return
         self.block_pool.cache_full_blocks(
-            request, self.req_to_blocks[request.request_id], block_hashes, num_cached, num_full,
-            self.block_size, self.kv_cache_group_id, self.reachable_block_mask(num_cached, num_full))
+            request,
+            self.req_to_blocks[request.request_id],
+            block_hashes,
+            num_cached,
+            num_full,
+            self.block_size,
+            self.kv_cache_group_id,
+            self.reachable_block_mask(num_cached, num_full),
+        )
         self.num_cached_block[request.request_id] = num_full
 
     def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
@@ -228,8 +247,15 @@ class FullAttentionManager(SingleTypeKVCacheManager):
     """Full (causal) attention, also MLA: every token stays readable."""
 
     @classmethod
-    def find_longest_cache_hit(cls, block_hashes, max_length, kv_cache_group_ids, block_pool,
-                               kv_cache_spec, alignment_tokens):
+    def find_longest_cache_hit(
+        cls,
+        block_hashes,
+        max_length,
+        kv_cache_group_ids,
+        block_pool,
+        kv_cache_spec,
+        alignment_tokens,
+    ):
         hits: tuple[list[KVCacheBlock], ...] = tuple([] for _ in kv_cache_group_ids)
         max_blocks = min(max_length // kv_cache_spec.block_size, len(block_hashes))
         for i in range(max_blocks):
@@ -251,8 +277,13 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
 
     keeps_all_tokens = False
 
-    def __init__(self, kv_cache_spec: SlidingWindowSpec, block_pool: BlockPool, kv_cache_group_id: int,
-                 alignment_tokens: int | None = None) -> None:
+    def __init__(
+        self,
+        kv_cache_spec: SlidingWindowSpec,
+        block_pool: BlockPool,
+        kv_cache_group_id: int,
+        alignment_tokens: int | None = None,
+    ) -> None:
         super().__init__(kv_cache_spec, block_pool, kv_cache_group_id, alignment_tokens)
         self.sliding_window = kv_cache_spec.sliding_window
         # A hit ending at aligned block e uses blocks [e - needed, e) (see find_longest_cache_hit),
@@ -275,8 +306,15 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         return [i % seg >= skip for i in range(start, end)]
 
     @classmethod
-    def find_longest_cache_hit(cls, block_hashes, max_length, kv_cache_group_ids, block_pool,
-                               kv_cache_spec, alignment_tokens):
+    def find_longest_cache_hit(
+        cls,
+        block_hashes,
+        max_length,
+        kv_cache_group_ids,
+        block_pool,
+        kv_cache_spec,
+        alignment_tokens,
+    ):
         bs = kv_cache_spec.block_size
         # The next token (at position hit_length) reads the window-1 tokens before it.
         needed = cdiv(kv_cache_spec.sliding_window - 1, bs)
@@ -315,8 +353,13 @@ class ChunkedLocalAttentionManager(SingleTypeKVCacheManager):
 
     keeps_all_tokens = False
 
-    def __init__(self, kv_cache_spec: ChunkedLocalAttentionSpec, block_pool: BlockPool, kv_cache_group_id: int,
-                 alignment_tokens: int | None = None) -> None:
+    def __init__(
+        self,
+        kv_cache_spec: ChunkedLocalAttentionSpec,
+        block_pool: BlockPool,
+        kv_cache_group_id: int,
+        alignment_tokens: int | None = None,
+    ) -> None:
         super().__init__(kv_cache_spec, block_pool, kv_cache_group_id, alignment_tokens)
         self.attention_chunk_size = kv_cache_spec.attention_chunk_size
 
@@ -324,8 +367,15 @@ class ChunkedLocalAttentionManager(SingleTypeKVCacheManager):
         return num_computed_tokens // self.attention_chunk_size * self.attention_chunk_size
 
     @classmethod
-    def find_longest_cache_hit(cls, block_hashes, max_length, kv_cache_group_ids, block_pool,
-                               kv_cache_spec, alignment_tokens):
+    def find_longest_cache_hit(
+        cls,
+        block_hashes,
+        max_length,
+        kv_cache_group_ids,
+        block_pool,
+        kv_cache_spec,
+        alignment_tokens,
+    ):
         bs = kv_cache_spec.block_size
         chunk = kv_cache_spec.attention_chunk_size
         max_blocks = min(max_length // bs, len(block_hashes))
@@ -373,13 +423,21 @@ class MambaManager(SingleTypeKVCacheManager):
 
     keeps_all_tokens = False
 
-    def __init__(self, kv_cache_spec: MambaSpec, block_pool: BlockPool, kv_cache_group_id: int,
-                 alignment_tokens: int | None = None, prefix_cache_retention_interval: int | None = None) -> None:
+    def __init__(
+        self,
+        kv_cache_spec: MambaSpec,
+        block_pool: BlockPool,
+        kv_cache_group_id: int,
+        alignment_tokens: int | None = None,
+        prefix_cache_retention_interval: int | None = None,
+    ) -> None:
         super().__init__(kv_cache_spec, block_pool, kv_cache_group_id, alignment_tokens)
         r = prefix_cache_retention_interval
         if r is not None and (not isinstance(r, int) or r < 0 or r % self.alignment_tokens):
-            raise ValueError(f"prefix_cache_retention_interval must be None, 0 or a multiple of the block "
-                             f"size {self.alignment_tokens}, got {r!r}")
+            raise ValueError(
+                f"prefix_cache_retention_interval must be None, 0 or a multiple of the block "
+                f"size {self.alignment_tokens}, got {r!r}"
+            )
         self.prefix_cache_retention_interval = r
         self.caching = block_pool.enable_caching
 
@@ -390,7 +448,11 @@ class MambaManager(SingleTypeKVCacheManager):
         """Whether full block ``i`` gets a page of its own when a step crosses its end."""
         end = (i + 1) * self.block_size
         r = self.prefix_cache_retention_interval
-        return self.caching and end % self.alignment_tokens == 0 and (r is None or (r > 0 and end % r == 0))
+        return (
+            self.caching
+            and end % self.alignment_tokens == 0
+            and (r is None or (r > 0 and end % r == 0))
+        )
 
     def _pages(self, first: int, num_blocks: int) -> list[bool]:
         """For positions ``first..num_blocks-1``: whether each gets a page (else null)."""
@@ -402,7 +464,9 @@ class MambaManager(SingleTypeKVCacheManager):
             return None
         return [((i + 1) * self.block_size) % r == 0 for i in range(start, end)]
 
-    def get_num_blocks_to_allocate(self, request_id, num_tokens, new_computed_blocks, total_computed_tokens):
+    def get_num_blocks_to_allocate(
+        self, request_id, num_tokens, new_computed_blocks, total_computed_tokens
+    ):
         held = len(self.req_to_blocks.get(request_id, ()))
         evictable = 0
         if request_id not in self.num_cached_block:  # a new request: adopts its hit
@@ -435,8 +499,15 @@ class MambaManager(SingleTypeKVCacheManager):
         self.block_pool.free_blocks(removed)
 
     @classmethod
-    def find_longest_cache_hit(cls, block_hashes, max_length, kv_cache_group_ids, block_pool,
-                               kv_cache_spec, alignment_tokens):
+    def find_longest_cache_hit(
+        cls,
+        block_hashes,
+        max_length,
+        kv_cache_group_ids,
+        block_pool,
+        kv_cache_spec,
+        alignment_tokens,
+    ):
         bs = kv_cache_spec.block_size
         ratio = alignment_tokens // bs
         null = block_pool.null_block

@@ -33,29 +33,44 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any, ClassVar
 
 from pagedkv.core.layout import DEFAULT_KV_CACHE_LAYOUT, KVCacheLayout
 from pagedkv.core.units import cdiv
-from collections.abc import Iterable, Sequence
-from typing import Any, ClassVar
-
 
 # ---------------------------------------------------------------- dtypes and quantization
 
 _DTYPE_ALIASES: dict[str, str] = {
-    "float": "float32", "fp32": "float32", "float32": "float32",
-    "half": "float16", "fp16": "float16", "float16": "float16",
-    "bf16": "bfloat16", "bfloat16": "bfloat16",
-    "fp8": "fp8", "fp8_e4m3": "fp8_e4m3", "fp8_e5m2": "fp8_e5m2",
-    "float8_e4m3fn": "fp8_e4m3", "float8_e5m2": "fp8_e5m2",
-    "int8": "int8", "uint8": "uint8", "int4": "int4",
+    "float": "float32",
+    "fp32": "float32",
+    "float32": "float32",
+    "half": "float16",
+    "fp16": "float16",
+    "float16": "float16",
+    "bf16": "bfloat16",
+    "bfloat16": "bfloat16",
+    "fp8": "fp8",
+    "fp8_e4m3": "fp8_e4m3",
+    "fp8_e5m2": "fp8_e5m2",
+    "float8_e4m3fn": "fp8_e4m3",
+    "float8_e5m2": "fp8_e5m2",
+    "int8": "int8",
+    "uint8": "uint8",
+    "int4": "int4",
 }
 
 # Storage bits per element. int4 is packed two values per byte.
 DTYPE_BITS: dict[str, int] = {
-    "float32": 32, "float16": 16, "bfloat16": 16,
-    "fp8": 8, "fp8_e4m3": 8, "fp8_e5m2": 8, "int8": 8, "uint8": 8,
+    "float32": 32,
+    "float16": 16,
+    "bfloat16": 16,
+    "fp8": 8,
+    "fp8_e4m3": 8,
+    "fp8_e5m2": 8,
+    "int8": 8,
+    "uint8": 8,
     "int4": 4,
 }
 
@@ -136,8 +151,15 @@ class KVQuantMode(enum.Enum):
 
     @property
     def is_per_token_head(self) -> bool:
-        return self in (KVQuantMode.INT8_PER_TOKEN_HEAD, KVQuantMode.FP8_PER_TOKEN_HEAD,
-                        KVQuantMode.INT4_PER_TOKEN_HEAD) or self.has_half_scales
+        return (
+            self
+            in (
+                KVQuantMode.INT8_PER_TOKEN_HEAD,
+                KVQuantMode.FP8_PER_TOKEN_HEAD,
+                KVQuantMode.INT4_PER_TOKEN_HEAD,
+            )
+            or self.has_half_scales
+        )
 
     @property
     def has_half_scales(self) -> bool:
@@ -209,9 +231,19 @@ _DEFAULT_MODE_FOR_DTYPE: dict[str, KVQuantMode] = {
 # then the explicit quantization modes (`KVQuantMode` order). `resolve_kv_cache_dtype` is the
 # validator; it also takes dtype aliases (``bf16``...) and ``fp8_per_tensor``, not listed.
 KV_CACHE_DTYPE_SHORTCUTS: tuple[str, ...] = (
-    "auto", "float32", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2", "int8", "int4")
+    "auto",
+    "float32",
+    "bfloat16",
+    "float16",
+    "fp8",
+    "fp8_e4m3",
+    "fp8_e5m2",
+    "int8",
+    "int4",
+)
 KV_CACHE_DTYPE_MODES: tuple[str, ...] = tuple(
-    m.value for m in KVQuantMode if m.is_per_token_head or m is KVQuantMode.INT4_PER_TOKEN_GROUP)
+    m.value for m in KVQuantMode if m.is_per_token_head or m is KVQuantMode.INT4_PER_TOKEN_GROUP
+)
 KV_CACHE_DTYPES: tuple[str, ...] = KV_CACHE_DTYPE_SHORTCUTS + KV_CACHE_DTYPE_MODES
 # What a value means where its name does not say it (help text and docs); consecutive values
 # with the same note are shown as one group ("fp8 / fp8_e4m3 / fp8_e5m2 (per-tensor scales)").
@@ -249,7 +281,9 @@ def resolve_kv_cache_dtype(
         pass
     if as_mode is not None and as_mode is not KVQuantMode.NONE:
         if mode not in (KVQuantMode.NONE, as_mode):
-            raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} conflicts with kv_quant_mode {mode.value!r}")
+            raise ValueError(
+                f"kv_cache_dtype {kv_cache_dtype!r} conflicts with kv_quant_mode {mode.value!r}"
+            )
         return as_mode.storage_dtype, as_mode  # type: ignore[return-value]
     dtype = normalize_dtype(model_dtype if kv_cache_dtype in ("auto", None) else kv_cache_dtype)
     if mode is KVQuantMode.NONE:
@@ -270,7 +304,9 @@ def resolve_kv_rotation(kv_cache_dtype: str | None, kv_rotation: str | None) -> 
         if r == "none":
             return None
         if r not in KV_ROTATIONS:
-            raise ValueError(f"unknown kv_rotation {kv_rotation!r}; choose one of {KV_ROTATIONS} or 'none'")
+            raise ValueError(
+                f"unknown kv_rotation {kv_rotation!r}; choose one of {KV_ROTATIONS} or 'none'"
+            )
         return r
     return "hadamard" if kv_cache_dtype in ("int8", "int4") else None
 
@@ -346,7 +382,9 @@ class AttentionSpec(KVCacheSpec):
         if want is not None and dtype_bits(self.dtype) != dtype_bits(want):
             raise ValueError(f"{self.kv_quant_mode.name} stores {want}, not {self.dtype}")
         if self.page_size_padded is not None and self.page_size_padded < self.real_page_size_bytes:
-            raise ValueError(f"page_size_padded={self.page_size_padded} < real page {self.real_page_size_bytes}")
+            raise ValueError(
+                f"page_size_padded={self.page_size_padded} < real page {self.real_page_size_bytes}"
+            )
 
     @property
     def content_bytes(self) -> int:
@@ -374,7 +412,10 @@ class AttentionSpec(KVCacheSpec):
         """What one page's bytes mean, as a string: storage dtype, quant mode, rotation (e.g.
         ``"int4:int4_per_token_group:hadamard"``). Tiers, disk files and transfers carry it in
         their fingerprints, so a cache of another format is a miss, never a wrong read."""
-        return ":".join([self.dtype, self.kv_quant_mode.value] + ([self.kv_rotation] if self.kv_rotation else []))
+        return ":".join(
+            [self.dtype, self.kv_quant_mode.value]
+            + ([self.kv_rotation] if self.kv_rotation else [])
+        )
 
     @property
     def bytes_per_token(self) -> int:
@@ -387,7 +428,11 @@ class AttentionSpec(KVCacheSpec):
 
     @property
     def page_size_bytes(self) -> int:
-        return self.page_size_padded if self.page_size_padded is not None else self.real_page_size_bytes
+        return (
+            self.page_size_padded
+            if self.page_size_padded is not None
+            else self.real_page_size_bytes
+        )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -415,16 +460,23 @@ class FullAttentionSpec(AttentionSpec):
         first = specs[0]
         if not all(type(s) is type(first) for s in specs):
             raise ValueError("cannot merge specs of different types")
-        base = [dataclasses.replace(s, sliding_window=None, attention_chunk_size=None) for s in specs]  # type: ignore[call-arg]
+        base = [
+            dataclasses.replace(s, sliding_window=None, attention_chunk_size=None) for s in specs
+        ]  # type: ignore[call-arg]
         KVCacheSpec.merge(base)
         windows = {s.sliding_window for s in specs if s.sliding_window is not None}  # type: ignore[attr-defined]
         chunks = {s.attention_chunk_size for s in specs if s.attention_chunk_size is not None}  # type: ignore[attr-defined]
         if len(windows) > 1 or len(chunks) > 1:
-            raise ValueError(f"cannot merge layers with different windows {windows} / chunks {chunks}")
+            raise ValueError(
+                f"cannot merge layers with different windows {windows} / chunks {chunks}"
+            )
         if windows and chunks:
             raise ValueError("cannot merge sliding-window and chunked-local layers")
-        return dataclasses.replace(base[0], sliding_window=next(iter(windows), None),  # type: ignore[call-arg]
-                                   attention_chunk_size=next(iter(chunks), None))
+        return dataclasses.replace(
+            base[0],
+            sliding_window=next(iter(windows), None),  # type: ignore[call-arg]
+            attention_chunk_size=next(iter(chunks), None),
+        )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -512,7 +564,9 @@ class MambaSpec(KVCacheSpec):
         if self.mamba_cache_mode not in ("none", "align", "all"):
             raise ValueError(f"unknown mamba_cache_mode {self.mamba_cache_mode!r}")
         if self.page_size_padded is not None and self.page_size_padded < self.real_page_size_bytes:
-            raise ValueError(f"page_size_padded={self.page_size_padded} < real page {self.real_page_size_bytes}")
+            raise ValueError(
+                f"page_size_padded={self.page_size_padded} < real page {self.real_page_size_bytes}"
+            )
 
     @property
     def real_page_size_bytes(self) -> int:
@@ -520,7 +574,11 @@ class MambaSpec(KVCacheSpec):
 
     @property
     def page_size_bytes(self) -> int:
-        return self.page_size_padded if self.page_size_padded is not None else self.real_page_size_bytes
+        return (
+            self.page_size_padded
+            if self.page_size_padded is not None
+            else self.real_page_size_bytes
+        )
 
     def max_memory_usage_bytes(self, max_model_len: int, max_num_batched_tokens: int = 0) -> int:
         extra = 2 if self.mamba_cache_mode == "align" else 1
@@ -548,11 +606,15 @@ class UniformTypeKVCacheSpecs(KVCacheSpec):
         if not self.kv_cache_specs:
             raise ValueError("UniformTypeKVCacheSpecs needs at least one layer spec")
         if not self.is_uniform_type(self.kv_cache_specs):
-            raise ValueError("UniformTypeKVCacheSpecs layers must share one attention type (and its window, "
-                             f"chunk or Mamba mode): {sorted({s.kind for s in self.kv_cache_specs.values()})}")
+            raise ValueError(
+                "UniformTypeKVCacheSpecs layers must share one attention type (and its window, "
+                f"chunk or Mamba mode): {sorted({s.kind for s in self.kv_cache_specs.values()})}"
+            )
         sizes = {s.block_size for s in self.kv_cache_specs.values()}
         if sizes != {self.block_size}:
-            raise ValueError(f"UniformTypeKVCacheSpecs block_size {self.block_size} != layer block sizes {sorted(sizes)}")
+            raise ValueError(
+                f"UniformTypeKVCacheSpecs block_size {self.block_size} != layer block sizes {sorted(sizes)}"
+            )
 
     @property
     def representative(self) -> KVCacheSpec:
@@ -570,11 +632,15 @@ class UniformTypeKVCacheSpecs(KVCacheSpec):
     @property
     def bytes_per_token(self) -> int:
         """KV bytes one token writes across the layers (0 for recurrent state)."""
-        return sum(s.bytes_per_token for s in self.kv_cache_specs.values() if isinstance(s, AttentionSpec))
+        return sum(
+            s.bytes_per_token for s in self.kv_cache_specs.values() if isinstance(s, AttentionSpec)
+        )
 
     def max_memory_usage_bytes(self, max_model_len: int, max_num_batched_tokens: int = 0) -> int:
-        blocks = max(cdiv(s.max_memory_usage_bytes(max_model_len, max_num_batched_tokens), s.page_size_bytes)
-                     for s in self.kv_cache_specs.values())
+        blocks = max(
+            cdiv(s.max_memory_usage_bytes(max_model_len, max_num_batched_tokens), s.page_size_bytes)
+            for s in self.kv_cache_specs.values()
+        )
         return blocks * self.page_size_bytes
 
     @classmethod
@@ -583,8 +649,13 @@ class UniformTypeKVCacheSpecs(KVCacheSpec):
         specs = list(kv_cache_specs.values())
         if not specs or any(type(s) is not type(specs[0]) for s in specs):
             return False
-        rule = ("sliding_window", "attention_chunk_size", "mamba_cache_mode", "num_speculative_blocks",
-                "max_num_encoder_input_tokens")
+        rule = (
+            "sliding_window",
+            "attention_chunk_size",
+            "mamba_cache_mode",
+            "num_speculative_blocks",
+            "max_num_encoder_input_tokens",
+        )
         return all(getattr(s, a, None) == getattr(specs[0], a, None) for s in specs for a in rule)
 
     @classmethod
@@ -622,7 +693,9 @@ class KVCacheGroupSpec:
     def page_size_bytes(self) -> int:
         """Bytes one block id takes across the group's layers (the sum of their pages)."""
         spec = self.kv_cache_spec
-        return spec.page_size_bytes * (1 if isinstance(spec, UniformTypeKVCacheSpecs) else len(self.layer_names))
+        return spec.page_size_bytes * (
+            1 if isinstance(spec, UniformTypeKVCacheSpecs) else len(self.layer_names)
+        )
 
     @property
     def bytes_per_token(self) -> int:
@@ -630,7 +703,9 @@ class KVCacheGroupSpec:
         spec = self.kv_cache_spec
         if isinstance(spec, UniformTypeKVCacheSpecs):
             return spec.bytes_per_token
-        return len(self.layer_names) * spec.bytes_per_token if isinstance(spec, AttentionSpec) else 0
+        return (
+            len(self.layer_names) * spec.bytes_per_token if isinstance(spec, AttentionSpec) else 0
+        )
 
 
 @dataclass(slots=True)
@@ -692,8 +767,9 @@ def unify_kv_cache_spec_page_size(layer_specs: dict[str, KVCacheSpec]) -> dict[s
 HYBRID_BLOCK_ALIGNMENT = 16  # attention block sizes of a Mamba hybrid are multiples of this
 
 
-def align_hybrid_block_size(layer_specs: dict[str, KVCacheSpec], block_size: int,
-                            alignment: int = HYBRID_BLOCK_ALIGNMENT) -> int:
+def align_hybrid_block_size(
+    layer_specs: dict[str, KVCacheSpec], block_size: int, alignment: int = HYBRID_BLOCK_ALIGNMENT
+) -> int:
     """The block size of a hybrid attention + Mamba model (vLLM's ``_align_hybrid_block_size``):
     an attention page must hold the largest Mamba state, so the attention block grows to
     ``alignment·cdiv(mamba_page, alignment·attn_bytes_per_token)`` tokens when ``block_size``
@@ -753,12 +829,19 @@ def iter_layer_specs(groups: Iterable[KVCacheGroupSpec]) -> Iterable[tuple[str, 
     for g in groups:
         spec = g.kv_cache_spec
         for name in g.layer_names:
-            yield name, spec.kv_cache_specs[name] if isinstance(spec, UniformTypeKVCacheSpecs) else spec
+            yield (
+                name,
+                spec.kv_cache_specs[name] if isinstance(spec, UniformTypeKVCacheSpecs) else spec,
+            )
 
 
 def scheduler_kv_cache_groups(groups: Iterable[KVCacheGroupSpec]) -> list[KVCacheGroupSpec]:
     """The groups as the block managers see them: a ``UniformTypeKVCacheSpecs`` replaced by its
     representative layer spec (vLLM's ``generate_scheduler_kv_cache_config``); the pool's
     block size in bytes is not their concern."""
-    return [KVCacheGroupSpec(g.layer_names, g.kv_cache_spec.representative)
-            if isinstance(g.kv_cache_spec, UniformTypeKVCacheSpecs) else g for g in groups]
+    return [
+        KVCacheGroupSpec(g.layer_names, g.kv_cache_spec.representative)
+        if isinstance(g.kv_cache_spec, UniformTypeKVCacheSpecs)
+        else g
+        for g in groups
+    ]

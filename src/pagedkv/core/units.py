@@ -15,8 +15,18 @@ MiB = 1 << 20
 GiB = 1 << 30
 TiB = 1 << 40
 
-SIZE_UNITS: dict[str, int] = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-                              "kib": KiB, "mib": MiB, "gib": GiB, "tib": TiB}
+SIZE_UNITS: dict[str, int] = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": KiB,
+    "mib": MiB,
+    "gib": GiB,
+    "tib": TiB,
+}
 _SIZE = re.compile(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*")
 
 
@@ -30,8 +40,10 @@ def parse_size(text: str) -> int:
     text on anything else."""
     m = _SIZE.fullmatch(str(text))
     if m is None or m.group(2).lower() not in SIZE_UNITS:
-        raise ValueError(f"invalid size {text!r}: use a number with B, KB, MB, GB, TB, KiB, MiB, "
-                         "GiB or TiB (e.g. 512MiB, 4GiB, 20GB) or a byte count")
+        raise ValueError(
+            f"invalid size {text!r}: use a number with B, KB, MB, GB, TB, KiB, MiB, "
+            "GiB or TiB (e.g. 512MiB, 4GiB, 20GB) or a byte count"
+        )
     return int(float(m.group(1)) * SIZE_UNITS[m.group(2).lower()])
 
 

@@ -154,10 +154,15 @@ class RequestStream:
 class AsyncLLM:
     """Serve an `LLMEngine` to asyncio code; see the module docstring."""
 
-    def __init__(self, engine: LLMEngine | None = None, *, config: EngineConfig | None = None,
-                 max_queue_size: int = DEFAULT_MAX_QUEUE_SIZE,
-                 event_publisher: EventPublisher | None = None,
-                 stat_loggers: list[StatLogger] | None = None) -> None:
+    def __init__(
+        self,
+        engine: LLMEngine | None = None,
+        *,
+        config: EngineConfig | None = None,
+        max_queue_size: int = DEFAULT_MAX_QUEUE_SIZE,
+        event_publisher: EventPublisher | None = None,
+        stat_loggers: list[StatLogger] | None = None,
+    ) -> None:
         """Drive ``engine``, or build one from ``config`` *on the engine thread* (preferred:
         torch's intra-op thread pool and per-thread kernel caches then belong to the thread
         that steps the model; building the model on one thread and stepping it on another
@@ -181,8 +186,11 @@ class AsyncLLM:
         self._ready = threading.Event()
         self._init_error: BaseException | None = None
         self._tokenizer_pool = concurrent.futures.ThreadPoolExecutor(
-            TOKENIZER_POOL_WORKERS, thread_name_prefix="pagedkv-tokenize")
-        self._thread = threading.Thread(target=self._main, args=(config,), name="pagedkv-engine", daemon=True)
+            TOKENIZER_POOL_WORKERS, thread_name_prefix="pagedkv-tokenize"
+        )
+        self._thread = threading.Thread(
+            target=self._main, args=(config,), name="pagedkv-engine", daemon=True
+        )
         self._thread.start()
         self._ready.wait()
         if self._init_error is not None:
@@ -213,9 +221,15 @@ class AsyncLLM:
 
     # ---- requests ---------------------------------------------------------------------------------
 
-    async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
-                          arrival_time: float | None = None, *,
-                          cache_salt: str | None = None) -> RequestStream:
+    async def add_request(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        arrival_time: float | None = None,
+        *,
+        cache_salt: str | None = None,
+    ) -> RequestStream:
         """Queue a request; returns its stream once the engine accepted it.
 
         The prompt is tokenized and validated here, on a worker thread when it is long, before
@@ -233,7 +247,8 @@ class AsyncLLM:
                 self.num_rejected += 1
                 raise QueueFullError(
                     f"the server is at capacity ({self.engine.config.max_num_seqs} running and "
-                    f"{self.max_queue_size} waiting requests); retry later")
+                    f"{self.max_queue_size} waiting requests); retry later"
+                )
             self._streams[request_id] = stream
         try:
             prompt = await self._process_prompt(loop, prompt)
@@ -251,8 +266,9 @@ class AsyncLLM:
                 _set(fut, None)
                 return
             try:
-                self.engine.add_request(request_id, prompt, params, arrival_time=arrival,
-                                        cache_salt=cache_salt)
+                self.engine.add_request(
+                    request_id, prompt, params, arrival_time=arrival, cache_salt=cache_salt
+                )
             except BaseException as e:
                 with self._cv:
                     self._streams.pop(request_id, None)
@@ -268,20 +284,25 @@ class AsyncLLM:
             raise
         return stream
 
-    async def _process_prompt(self, loop: asyncio.AbstractEventLoop, prompt: PromptType) -> PromptType:
+    async def _process_prompt(
+        self, loop: asyncio.AbstractEventLoop, prompt: PromptType
+    ) -> PromptType:
         """``{"prompt_token_ids", "prompt"}`` for ``prompt``, tokenized and validated by the
         engine's thread-safe `process_prompt` (ValueError for a bad prompt): inline for short
         text and token ids, on the tokenizer pool for long text."""
         process = self.engine.process_prompt
-        text = prompt.get("prompt") if isinstance(prompt, dict) and "prompt_token_ids" not in prompt else prompt
+        text = (
+            prompt.get("prompt")
+            if isinstance(prompt, dict) and "prompt_token_ids" not in prompt
+            else prompt
+        )
         if isinstance(text, str) and len(text) > _INLINE_TOKENIZE_CHARS:
             token_ids, text = await loop.run_in_executor(self._tokenizer_pool, process, prompt)
         else:
             token_ids, text = process(prompt)
         return {"prompt_token_ids": token_ids, "prompt": text}
 
-    async def generate(self, prompt: PromptType, params: SamplingParams,
-                       request_id: str) -> Any:
+    async def generate(self, prompt: PromptType, params: SamplingParams, request_id: str) -> Any:
         """Async generator of `RequestOutput` snapshots; aborts the request if the consumer
         stops early (break, cancellation, error)."""
         stream = await self.add_request(request_id, prompt, params)
@@ -467,7 +488,9 @@ class AsyncLLM:
         self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
 
 
-def _set(fut: concurrent.futures.Future, result: Any = None, error: BaseException | None = None) -> None:
+def _set(
+    fut: concurrent.futures.Future, result: Any = None, error: BaseException | None = None
+) -> None:
     """Complete ``fut`` unless its waiter cancelled it meanwhile."""
     if fut.done():
         return
@@ -490,8 +513,9 @@ def _deliver(items: list[tuple[RequestStream, RequestOutput]]) -> None:
             stream._put(out)
 
 
-def _fail_futures(cmds: list[tuple[Callable[[], None], concurrent.futures.Future | None]],
-                  err: BaseException) -> None:
+def _fail_futures(
+    cmds: list[tuple[Callable[[], None], concurrent.futures.Future | None]], err: BaseException
+) -> None:
     for _, fut in cmds:
         if fut is not None:
             _set(fut, error=err)

@@ -91,13 +91,19 @@ class EngineConfig:
 
         if not isinstance(self.block_size, int) or self.block_size < 1:
             raise bad("block_size", "must be a positive integer")
-        if self.num_kv_blocks is not None and (not isinstance(self.num_kv_blocks, int) or self.num_kv_blocks < 2):
+        if self.num_kv_blocks is not None and (
+            not isinstance(self.num_kv_blocks, int) or self.num_kv_blocks < 2
+        ):
             raise bad("num_kv_blocks", "must be an integer >= 2 (block 0 is the null block)")
-        if self.kv_cache_memory is not None and (not isinstance(self.kv_cache_memory, int) or self.kv_cache_memory <= 0):
+        if self.kv_cache_memory is not None and (
+            not isinstance(self.kv_cache_memory, int) or self.kv_cache_memory <= 0
+        ):
             raise bad("kv_cache_memory", "must be a positive number of bytes")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise bad("gpu_memory_utilization", "must be in (0, 1]")
-        if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 1):
+        if self.max_model_len is not None and (
+            not isinstance(self.max_model_len, int) or self.max_model_len < 1
+        ):
             raise bad("max_model_len", "must be a positive integer")
         if not isinstance(self.max_num_seqs, int) or self.max_num_seqs < 1:
             raise bad("max_num_seqs", "must be a positive integer")
@@ -105,7 +111,9 @@ class EngineConfig:
             raise bad("max_num_batched_tokens", "must be a positive integer")
         r = self.prefix_cache_retention_interval
         if r is not None and (not isinstance(r, int) or isinstance(r, bool) or r < 0):
-            raise bad("prefix_cache_retention_interval", "must be None, 0 or a positive number of tokens")
+            raise bad(
+                "prefix_cache_retention_interval", "must be None, 0 or a positive number of tokens"
+            )
         if self.prefix_caching_hash_algo not in HASH_FUNCTIONS:
             raise bad("prefix_caching_hash_algo", f"choose one of {sorted(HASH_FUNCTIONS)}")
         if self.kv_offload_cache_policy not in KV_OFFLOAD_CACHE_POLICIES:
@@ -118,7 +126,6 @@ class EngineConfig:
         self._resolve_kv_transfer_config()
         if self.dtype not in DTYPES:
             raise bad("dtype", f"choose {one_of(DTYPES)}")
-
 
     def _check_kv_cache_dtype(self, bad: Any) -> None:
         """``kv_cache_dtype``/``kv_rotation`` name a known storage format (clear error early)."""
@@ -139,29 +146,41 @@ class EngineConfig:
 
         names = sorted(m.value for m in KERNEL_USABLE_LAYOUTS)
         if str(getattr(self.kv_cache_layout, "value", self.kv_cache_layout)) not in names:
-            raise bad("kv_cache_layout", "use a permutation of L, B, H, N with C last, e.g. LBNHC (the "
-                                         "default), LBHNC, or BLNHC / BLHNC (each block one range)")
+            raise bad(
+                "kv_cache_layout",
+                "use a permutation of L, B, H, N with C last, e.g. LBNHC (the "
+                "default), LBHNC, or BLNHC / BLHNC (each block one range)",
+            )
 
     def _resolve_kv_transfer_config(self) -> None:
         """``kv_offload`` / ``kv_transfer_config`` → one typed `KVTransferConfig` (or None)."""
         kvt = self.kv_transfer_config
         if kvt is not None and self.kv_offload is not None:
-            raise ValueError("give either kv_offload (--kv-offload) or kv_transfer_config "
-                             "(--kv-transfer-config), not both")
+            raise ValueError(
+                "give either kv_offload (--kv-offload) or kv_transfer_config "
+                "(--kv-transfer-config), not both"
+            )
         if isinstance(kvt, dict):
             kvt = KVTransferConfig.from_dict(kvt)
         elif isinstance(kvt, KVTransferConfig):  # a copy: the caller's object stays as given
             kvt = replace(kvt, kv_connector_extra_config=dict(kvt.kv_connector_extra_config))
         elif kvt is not None and not isinstance(kvt, KVTransferConfig):
-            raise ValueError(f"invalid engine option kv_transfer_config: expected a KVTransferConfig or a "
-                             f"dict, got {type(kvt).__name__}")
+            raise ValueError(
+                f"invalid engine option kv_transfer_config: expected a KVTransferConfig or a "
+                f"dict, got {type(kvt).__name__}"
+            )
         if self.kv_offload is not None:
             try:
                 kvt = offloading_transfer_config(
-                    self.kv_offload, cache_policy=self.kv_offload_cache_policy,
-                    store_threshold=self.kv_offload_store_threshold, preemption_mode=self.preemption_mode)
+                    self.kv_offload,
+                    cache_policy=self.kv_offload_cache_policy,
+                    store_threshold=self.kv_offload_store_threshold,
+                    preemption_mode=self.preemption_mode,
+                )
             except ValueError as e:
-                raise ValueError(f"invalid engine option kv_offload={self.kv_offload!r}: {e}") from None
+                raise ValueError(
+                    f"invalid engine option kv_offload={self.kv_offload!r}: {e}"
+                ) from None
         elif kvt is not None and kvt.kv_connector == OFFLOADING_CONNECTOR:
             try:
                 resolve_offload_config(kvt)
@@ -173,13 +192,23 @@ class EngineConfig:
             extra.setdefault("preemption_mode", self.preemption_mode)
         offloading = kvt is not None and kvt.kv_connector == OFFLOADING_CONNECTOR
         if self.preemption_mode == "swap" and not offloading:
-            raise ValueError(f"invalid engine option preemption_mode={self.preemption_mode!r}: "
-                             "'swap' needs a CPU tier (kv_offload)")
+            raise ValueError(
+                f"invalid engine option preemption_mode={self.preemption_mode!r}: "
+                "'swap' needs a CPU tier (kv_offload)"
+            )
         self.kv_transfer_config = kvt if kvt is not None and kvt.kv_connector is not None else None
 
 
-_DTYPE_ALIASES = {"float32": "float32", "fp32": "float32", "float": "float32", "bfloat16": "bfloat16",
-                  "bf16": "bfloat16", "float16": "float16", "fp16": "float16", "half": "float16"}
+_DTYPE_ALIASES = {
+    "float32": "float32",
+    "fp32": "float32",
+    "float": "float32",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float16": "float16",
+    "fp16": "float16",
+    "half": "float16",
+}
 
 
 def resolve_dtype_name(dtype: str, checkpoint_dtype: str | None) -> str:
@@ -198,7 +227,9 @@ def default_kv_cache_memory(config: EngineConfig) -> int | None:
     return None if config.device.startswith("cuda") else DEFAULT_CPU_KV_CACHE_MEMORY
 
 
-def check_kv_cache_fits(config: EngineConfig, groups: list[Any], max_model_len: int, kv_cache_memory: int) -> None:
+def check_kv_cache_fits(
+    config: EngineConfig, groups: list[Any], max_model_len: int, kv_cache_memory: int
+) -> None:
     """vLLM's start-up rule: one request of ``max_model_len`` tokens must fit in the KV cache.
 
     The cache is ``config.num_kv_blocks`` blocks when set, else ``kv_cache_memory`` bytes.
@@ -209,20 +240,32 @@ def check_kv_cache_fits(config: EngineConfig, groups: list[Any], max_model_len: 
     from pagedkv.core import planning
 
     bpb = planning.bytes_per_block(groups)
-    blocks = config.num_kv_blocks if config.num_kv_blocks is not None else planning.num_blocks_from_memory(
-        kv_cache_memory, groups)
+    blocks = (
+        config.num_kv_blocks
+        if config.num_kv_blocks is not None
+        else planning.num_blocks_from_memory(kv_cache_memory, groups)
+    )
     need = planning.blocks_per_request(groups, max_model_len, config.max_num_batched_tokens)
     if need <= blocks - 1:
         return
-    fits = planning.estimate_max_model_len(groups, blocks * bpb, max_model_len, config.max_num_batched_tokens)
+    fits = planning.estimate_max_model_len(
+        groups, blocks * bpb, max_model_len, config.max_num_batched_tokens
+    )
     if config.num_kv_blocks is not None:
-        have, knob = f"num_kv_blocks={config.num_kv_blocks} ({blocks - 1} usable)", "num_kv_blocks (--num-kv-blocks)"
+        have, knob = (
+            f"num_kv_blocks={config.num_kv_blocks} ({blocks - 1} usable)",
+            "num_kv_blocks (--num-kv-blocks)",
+        )
     else:
         have = f"{kv_cache_memory / GiB:.2f} GiB of KV cache memory ({max(blocks - 1, 0)} usable blocks)"
-        knob = ("gpu_memory_utilization" if config.device.startswith("cuda") and config.kv_cache_memory is None
-                else "kv_cache_memory (--kv-cache-memory)")
+        knob = (
+            "gpu_memory_utilization"
+            if config.device.startswith("cuda") and config.kv_cache_memory is None
+            else "kv_cache_memory (--kv-cache-memory)"
+        )
     raise ValueError(
         f"To serve at least one request with the model's max seq len ({max_model_len}), {need} KV "
         f"blocks are needed, more than {have}. Based on the available KV cache, the estimated "
         f"maximum model length is {fits}. Try decreasing max_model_len (--max-model-len) to at "
-        f"most {fits} or increasing {knob}.")
+        f"most {fits} or increasing {knob}."
+    )

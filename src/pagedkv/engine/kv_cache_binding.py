@@ -28,8 +28,14 @@ from typing import Any
 
 import torch
 
-from pagedkv.core.specs import (KVCacheConfig, KVCacheSpec, KVQuantMode, MambaSpec, UniformTypeKVCacheSpecs,
-                                iter_layer_specs)
+from pagedkv.core.specs import (
+    KVCacheConfig,
+    KVCacheSpec,
+    KVQuantMode,
+    MambaSpec,
+    UniformTypeKVCacheSpecs,
+    iter_layer_specs,
+)
 from pagedkv.ops.kv_cache import allocate_kv_cache, page_kv_views
 from pagedkv.ops.mamba import mamba_state_views, slot_pages
 
@@ -50,7 +56,9 @@ class KVCacheBinding:
     mamba_layers: set[int] = field(default_factory=set)
 
 
-def cache_geometry(spec: KVCacheSpec, model_dtype: torch.dtype) -> tuple[int, int, int, int, torch.dtype]:
+def cache_geometry(
+    spec: KVCacheSpec, model_dtype: torch.dtype
+) -> tuple[int, int, int, int, torch.dtype]:
     """``(block_size, heads, k elems, v elems, storage dtype)`` of an attention spec's page. A
     quantized cache is raw bytes: each token-head's C run is [K part | V part | scales]."""
     if getattr(spec, "kv_quant_mode", KVQuantMode.NONE) is not KVQuantMode.NONE:
@@ -60,15 +68,22 @@ def cache_geometry(spec: KVCacheSpec, model_dtype: torch.dtype) -> tuple[int, in
     return spec.block_size, spec.num_kv_heads, spec.head_size, spec.head_size_v, dtype
 
 
-def bind_kv_cache(kv_cache_config: KVCacheConfig, model_config: Any, model_dtype: torch.dtype,
-                  device: torch.device) -> KVCacheBinding:
+def bind_kv_cache(
+    kv_cache_config: KVCacheConfig,
+    model_config: Any,
+    model_dtype: torch.dtype,
+    device: torch.device,
+) -> KVCacheBinding:
     """Allocate the zero-filled cache ``kv_cache_config`` plans and give every layer its views.
     Raises ValueError if a layer with attention belongs to no group."""
     mc = model_config
     groups = kv_cache_config.kv_cache_groups
     where = {name: (g, j) for g, grp in enumerate(groups) for j, name in enumerate(grp.layer_names)}
-    missing = [mc.layer_name(i) for i in range(mc.num_layers)
-               if mc.owns_kv_cache(i) and mc.layer_name(i) not in where]
+    missing = [
+        mc.layer_name(i)
+        for i in range(mc.num_layers)
+        if mc.owns_kv_cache(i) and mc.layer_name(i) not in where
+    ]
     if missing:
         raise ValueError(f"layers {missing[:4]} belong to no KV cache group")
     specs = dict(iter_layer_specs(groups))
@@ -87,7 +102,9 @@ def bind_kv_cache(kv_cache_config: KVCacheConfig, model_config: Any, model_dtype
     mamba = {i for i in range(mc.num_layers) if isinstance(specs.get(mc.layer_name(i)), MambaSpec)}
     # copy_blocks must copy each piece of memory once (aliased slots would copy twice); an
     # attention view covers its whole page, so it wins over a Mamba layer's states.
-    order = sorted((i for i in range(mc.num_layers) if kv_caches[i][0].numel()), key=lambda i: i in mamba)
+    order = sorted(
+        (i for i in range(mc.num_layers) if kv_caches[i][0].numel()), key=lambda i: i in mamba
+    )
     distinct = list({kv_caches[i][0].data_ptr(): kv_caches[i] for i in order}.values())
     return KVCacheBinding(buffer, kv_caches, layer_groups, distinct, mamba)
 
@@ -100,18 +117,33 @@ def _kv_source(mc: Any, i: int) -> int | None:
     return i if mc.owns_kv_cache(i) else None
 
 
-def _bind_layer_slots(kv_cache_config: KVCacheConfig, specs: dict[str, KVCacheSpec],
-                      where: dict[str, tuple[int, int]], model_dtype: torch.dtype,
-                      device: torch.device) -> tuple[torch.Tensor, dict[str, KVView]]:
+def _bind_layer_slots(
+    kv_cache_config: KVCacheConfig,
+    specs: dict[str, KVCacheSpec],
+    where: dict[str, tuple[int, int]],
+    model_dtype: torch.dtype,
+    device: torch.device,
+) -> tuple[torch.Tensor, dict[str, KVView]]:
     groups = kv_cache_config.kv_cache_groups
     # The attention spec fixes the buffer's geometry (Mamba states live inside its pages).
-    alloc = next((g.kv_cache_spec for g in groups if not isinstance(g.kv_cache_spec, MambaSpec)),
-                 groups[0].kv_cache_spec)
+    alloc = next(
+        (g.kv_cache_spec for g in groups if not isinstance(g.kv_cache_spec, MambaSpec)),
+        groups[0].kv_cache_spec,
+    )
     geometry = cache_geometry(alloc, model_dtype)
     block_size, heads, hk, hv, dtype = geometry
     num_slots = max(len(g.layer_names) for g in groups)
-    buffer, tensors = allocate_kv_cache(kv_cache_config.layout, num_slots, kv_cache_config.num_blocks,
-                                        block_size, heads, hk, dtype, device, head_size_v=hv)
+    buffer, tensors = allocate_kv_cache(
+        kv_cache_config.layout,
+        num_slots,
+        kv_cache_config.num_blocks,
+        block_size,
+        heads,
+        hk,
+        dtype,
+        device,
+        head_size_v=hv,
+    )
     own: dict[str, KVView] = {}
     for name, (_, slot) in where.items():
         spec = specs[name]
@@ -130,24 +162,40 @@ def _bind_layer_slots(kv_cache_config: KVCacheConfig, specs: dict[str, KVCacheSp
     return buffer, own
 
 
-def _bind_uniform_type(kv_cache_config: KVCacheConfig, specs: dict[str, KVCacheSpec],
-                       model_dtype: torch.dtype, device: torch.device
-                       ) -> tuple[torch.Tensor, dict[str, KVView]]:
+def _bind_uniform_type(
+    kv_cache_config: KVCacheConfig,
+    specs: dict[str, KVCacheSpec],
+    model_dtype: torch.dtype,
+    device: torch.device,
+) -> tuple[torch.Tensor, dict[str, KVView]]:
     (group,) = kv_cache_config.kv_cache_groups  # from_specs only forms one group of them
     geometries = {name: cache_geometry(specs[name], model_dtype) for name in group.layer_names}
     dtypes = {g[4] for g in geometries.values()}
     if len(dtypes) != 1:
-        raise NotImplementedError(f"layers of one KV cache group with different cache dtypes: {sorted(map(str, dtypes))}")
+        raise NotImplementedError(
+            f"layers of one KV cache group with different cache dtypes: {sorted(map(str, dtypes))}"
+        )
     dtype = dtypes.pop()
     elem = torch.empty(0, dtype=dtype).element_size()
     page_elems = group.page_size_bytes // elem
-    buffer, _ = allocate_kv_cache(kv_cache_config.layout, 1, kv_cache_config.num_blocks, 1, 1, page_elems,
-                                  dtype, device, head_size_v=0)
-    blocks = buffer.reshape(kv_cache_config.num_blocks, page_elems)  # block-major: only B and C exceed 1
+    buffer, _ = allocate_kv_cache(
+        kv_cache_config.layout,
+        1,
+        kv_cache_config.num_blocks,
+        1,
+        1,
+        page_elems,
+        dtype,
+        device,
+        head_size_v=0,
+    )
+    blocks = buffer.reshape(
+        kv_cache_config.num_blocks, page_elems
+    )  # block-major: only B and C exceed 1
     own: dict[str, KVView] = {}
     offset = 0
     for name in group.layer_names:
         n = specs[name].page_size_bytes // elem
-        own[name] = page_kv_views(blocks[:, offset:offset + n], *geometries[name][:4])
+        own[name] = page_kv_views(blocks[:, offset : offset + n], *geometries[name][:4])
         offset += n
     return buffer, own

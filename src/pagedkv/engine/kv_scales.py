@@ -33,7 +33,9 @@ def load_kv_scales(path: str | os.PathLike[str]) -> Scales:
     """Read a scales file; ValueError naming the file on a malformed one."""
     try:
         data = json.loads(Path(path).read_text())
-        return {name: (float(d["k_scale"]), float(d["v_scale"])) for name, d in data["layers"].items()}
+        return {
+            name: (float(d["k_scale"]), float(d["v_scale"])) for name, d in data["layers"].items()
+        }
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ValueError(f"cannot read KV scales from {path}: {e}") from e
 
@@ -74,11 +76,18 @@ def resolve_kv_scales(engine: Any, checkpoint_scales: Scales) -> tuple[Scales, s
         scales = {n: (max(k, 1e-6) / fp8_max, max(v, 1e-6) / fp8_max) for n, (k, v) in amax.items()}
         source = f"calibration over {len(ids)} prompts"
         if config.kv_scales_path:
-            save_kv_scales(config.kv_scales_path, scales, {"kv_format": spec.kv_format, "fp8_max": fp8_max,
-                                                           "num_prompts": len(ids)})
+            save_kv_scales(
+                config.kv_scales_path,
+                scales,
+                {"kv_format": spec.kv_format, "fp8_max": fp8_max, "num_prompts": len(ids)},
+            )
     else:
-        logger.warning("Using KV cache scaling factor 1.0 for %s (no checkpoint scales, no "
-                       "--kv-scales-calibration): values beyond ±%g saturate", spec.dtype, fp8_max)
+        logger.warning(
+            "Using KV cache scaling factor 1.0 for %s (no checkpoint scales, no "
+            "--kv-scales-calibration): values beyond ±%g saturate",
+            spec.dtype,
+            fp8_max,
+        )
         return {}, "default 1.0"
     engine.runner.set_kv_scales(scales)
     logger.info("fp8 KV scales from %s", source)

@@ -23,7 +23,9 @@ def _show_speed(bar: Any, in_toks: int, out_toks: int) -> None:
     if bar.disable:
         return
     elapsed = bar.format_dict["elapsed"] or 1e-9
-    bar.postfix = f"est. speed input: {in_toks / elapsed:.2f} toks/s, output: {out_toks / elapsed:.2f} toks/s"
+    bar.postfix = (
+        f"est. speed input: {in_toks / elapsed:.2f} toks/s, output: {out_toks / elapsed:.2f} toks/s"
+    )
 
 
 class LLM:
@@ -42,13 +44,18 @@ class LLM:
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
-    def generate(self, prompts: PromptType | Sequence[PromptType],
-                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
         """Generate for every prompt (strings or ``{"prompt_token_ids": [...]}`` dicts); outputs
         come back in input order. All prompts are validated before any runs: a bad one raises
         ValueError and nothing is left queued."""
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, (str, dict)) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
             prompts = [prompts]  # type: ignore[list-item]
         prompts = list(prompts)  # type: ignore[arg-type]
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
@@ -67,25 +74,38 @@ class LLM:
             raise
         return self._run(ids, use_tqdm)
 
-    def chat(self, messages: list[Message] | list[list[Message]],
-             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
+    def chat(
+        self,
+        messages: list[Message] | list[list[Message]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them, rendered with the model's
         chat template."""
         tok = self.llm_engine.tokenizer
         if tok is None:
             raise ValueError("this model has no tokenizer, so no chat template")
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [tok.apply_chat_template(c, add_generation_prompt=add_generation_prompt) for c in convs]  # type: ignore[arg-type]
-        token_prompts = [{"prompt_token_ids": tok.encode(p, add_special_tokens=False), "prompt": p}
-                         for p in prompts]
+        prompts = [
+            tok.apply_chat_template(c, add_generation_prompt=add_generation_prompt) for c in convs
+        ]  # type: ignore[arg-type]
+        token_prompts = [
+            {"prompt_token_ids": tok.encode(p, add_special_tokens=False), "prompt": p}
+            for p in prompts
+        ]
         return self.generate(token_prompts, sampling_params, use_tqdm)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine
         done: dict[str, RequestOutput] = {}
-        bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm or len(ids) < 2,
-                   dynamic_ncols=True, postfix="est. speed input: 0.00 toks/s, output: 0.00 toks/s")
+        bar = tqdm(
+            total=len(ids),
+            desc="Processed prompts",
+            disable=not use_tqdm or len(ids) < 2,
+            dynamic_ncols=True,
+            postfix="est. speed input: 0.00 toks/s, output: 0.00 toks/s",
+        )
         in_toks = out_toks = 0
         try:
             while len(done) < len(ids):

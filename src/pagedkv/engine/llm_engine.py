@@ -29,6 +29,7 @@ from pagedkv.core.planning import blocks_per_request, make_kv_cache_config
 from pagedkv.core.request import RequestStatus, get_request_block_hasher
 from pagedkv.core.specs import KVCacheConfig, align_hybrid_block_size, get_kv_cache_groups
 from pagedkv.engine.config import DEFAULT_CPU_KV_CACHE_MEMORY, EngineConfig, check_kv_cache_fits
+from pagedkv.engine.kv_scales import resolve_kv_scales
 from pagedkv.engine.model_runner import ModelRunner, PromptLogprobsOutput, layer_kv_quants
 from pagedkv.engine.output_processor import OutputProcessor
 from pagedkv.engine.outputs import RequestOutput
@@ -36,9 +37,12 @@ from pagedkv.engine.request import Request
 from pagedkv.engine.sampler import Sampler
 from pagedkv.engine.sampling_params import SamplingParams
 from pagedkv.engine.scheduler import Scheduler
-from pagedkv.engine.scheduler_output import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput, SchedulerOutput
+from pagedkv.engine.scheduler_output import (
+    EMPTY_MODEL_RUNNER_OUTPUT,
+    ModelRunnerOutput,
+    SchedulerOutput,
+)
 from pagedkv.engine.stats import KVConnectorStats, SchedulerStats
-from pagedkv.engine.kv_scales import resolve_kv_scales
 from pagedkv.kv_transfer.base import KVConnectorBase, KVConnectorRole
 from pagedkv.kv_transfer.factory import KVConnectorFactory
 from pagedkv.models.config import ModelConfig
@@ -59,17 +63,21 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        loaded = get_model(config.model, config.dtype, config.device, kv_quants=self._layer_kv_quants)
+        loaded = get_model(
+            config.model, config.dtype, config.device, kv_quants=self._layer_kv_quants
+        )
         self.model = loaded.model
         self.model_config = mc = loaded.config
         self.tokenizer = loaded.tokenizer
         self.dtype = loaded.dtype
         self.device = torch.device(config.device)
         if self.device.type == "cpu" and not native.cpu_has_half_matmul(self.dtype):
-            logger.warning("dtype %s on a CPU without %s matmuls (no AVX-512 or AMX for it): linear layers "
-                           "compute in float32 and round to %s (torch would emulate the %s matmul, several "
-                           "times slower); other ops stay %s, so dtype='float32' is as fast and exact",
-                           *[str(self.dtype).split(".")[-1]] * 5)
+            logger.warning(
+                "dtype %s on a CPU without %s matmuls (no AVX-512 or AMX for it): linear layers "
+                "compute in float32 and round to %s (torch would emulate the %s matmul, several "
+                "times slower); other ops stay %s, so dtype='float32' is as fast and exact",
+                *[str(self.dtype).split(".")[-1]] * 5,
+            )
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
         self.config = config = self._align_hybrid_block_size(config)
         self.block_size = config.block_size
@@ -79,44 +87,63 @@ class LLMEngine:
         self.runner.initialize_kv_cache(self.kv_cache_config)
         self.kv_scales, self.kv_scales_source = resolve_kv_scales(self, loaded.kv_scales)
         self.scheduler = Scheduler(
-            self.kv_cache_config, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
-            self.connector, enable_caching=config.enable_prefix_caching,
+            self.kv_cache_config,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            self.max_model_len,
+            self.connector,
+            enable_caching=config.enable_prefix_caching,
             enable_kv_cache_events=config.enable_kv_cache_events,
             # KV events report where the blocks live: host memory on a CPU engine, not "GPU".
-            kv_cache_medium="CPU" if self.device.type == "cpu" else "GPU")
+            kv_cache_medium="CPU" if self.device.type == "cpu" else "GPU",
+        )
         self.sampler = Sampler(config.seed)
         # Groups of different block sizes hash at the gcd of them (vLLM's hash_block_size).
         self.block_hasher = get_request_block_hasher(
-            self.scheduler.kv_cache_manager.hash_block_size, get_hash_fn_by_name(config.prefix_caching_hash_algo))
+            self.scheduler.kv_cache_manager.hash_block_size,
+            get_hash_fn_by_name(config.prefix_caching_hash_algo),
+        )
         self.eos_token_id = self.tokenizer.eos_token_id if self.tokenizer else mc.eos_token_id
         self.output_processor = OutputProcessor(self.tokenizer)
         self.num_generated_tokens = 0
         self.num_prompt_tokens = 0
         kv_buffer = self.runner.kv_buffer
-        logger.info("KV cache: %d blocks of %d tokens (%.2f GiB), max_model_len %d",
-                    self.kv_cache_config.num_blocks, config.block_size,
-                    kv_buffer.numel() * kv_buffer.element_size() / 2**30, self.max_model_len)
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%.2f GiB), max_model_len %d",
+            self.kv_cache_config.num_blocks,
+            config.block_size,
+            kv_buffer.numel() * kv_buffer.element_size() / 2**30,
+            self.max_model_len,
+        )
 
     def _layer_kv_quants(self, mc: ModelConfig, dtype: torch.dtype) -> dict[str, KVQuant]:
         """The KV formats the model's attention layers are built with: those of the specs
         `_plan_kv_cache` will allocate (same dtype, quant mode and rotation; a format does not
         depend on the block size, which is not final yet)."""
         config = self.config
-        specs = mc.kv_cache_specs(config.block_size, config.kv_cache_dtype, torch_dtype=str(dtype).split(".")[-1],
-                                  kv_rotation=config.kv_rotation)
+        specs = mc.kv_cache_specs(
+            config.block_size,
+            config.kv_cache_dtype,
+            torch_dtype=str(dtype).split(".")[-1],
+            kv_rotation=config.kv_rotation,
+        )
         return layer_kv_quants(mc, specs, config.device)
 
     def _align_hybrid_block_size(self, config: EngineConfig) -> EngineConfig:
         """A Mamba hybrid needs attention pages that hold a Mamba state: raise the block size
         as vLLM does (`align_hybrid_block_size`), and say so."""
-        specs = self.model_config.kv_cache_specs(1, config.kv_cache_dtype,
-                                                 torch_dtype=str(self.dtype).split(".")[-1])
+        specs = self.model_config.kv_cache_specs(
+            1, config.kv_cache_dtype, torch_dtype=str(self.dtype).split(".")[-1]
+        )
         block_size = align_hybrid_block_size(specs, config.block_size)
         if block_size == config.block_size:
             return config
-        logger.info("hybrid Mamba model: block size %d -> %d tokens, so that one attention page holds "
-                    "one Mamba state (prefix hits and Mamba checkpoints fall on multiples of it)",
-                    config.block_size, block_size)
+        logger.info(
+            "hybrid Mamba model: block size %d -> %d tokens, so that one attention page holds "
+            "one Mamba state (prefix hits and Mamba checkpoints fall on multiples of it)",
+            config.block_size,
+            block_size,
+        )
         config = copy.copy(config)  # not replace(): that would validate (and resolve) it twice
         config.block_size = block_size
         return config
@@ -126,17 +153,27 @@ class LLMEngine:
         Refuses (ValueError) when one ``max_model_len`` request cannot fit (vLLM's rule, also
         with an explicit ``num_kv_blocks``, which would otherwise start and thrash later)."""
         config = self.config
-        specs = self.model_config.kv_cache_specs(config.block_size, config.kv_cache_dtype,
-                                                 torch_dtype=str(self.dtype).split(".")[-1],
-                                                 kv_rotation=config.kv_rotation)
+        specs = self.model_config.kv_cache_specs(
+            config.block_size,
+            config.kv_cache_dtype,
+            torch_dtype=str(self.dtype).split(".")[-1],
+            kv_rotation=config.kv_rotation,
+        )
         groups = get_kv_cache_groups(specs)
         if config.kv_transfer_config is not None:  # a connector's limits come before sizing
-            KVConnectorFactory.get_connector_class(config.kv_transfer_config).check_kv_cache_groups(groups)
+            KVConnectorFactory.get_connector_class(config.kv_transfer_config).check_kv_cache_groups(
+                groups
+            )
         kv_memory = self._kv_cache_memory()
         check_kv_cache_fits(config, groups, self.max_model_len, kv_memory)
-        kv_cache_config = make_kv_cache_config(groups, kv_memory, self.max_model_len, config.max_num_batched_tokens,
-                                               num_blocks_override=config.num_kv_blocks,
-                                               layout=config.kv_cache_layout)
+        kv_cache_config = make_kv_cache_config(
+            groups,
+            kv_memory,
+            self.max_model_len,
+            config.max_num_batched_tokens,
+            num_blocks_override=config.num_kv_blocks,
+            layout=config.kv_cache_layout,
+        )
         kv_cache_config.prefix_cache_retention_interval = config.prefix_cache_retention_interval
         return kv_cache_config
 
@@ -146,8 +183,13 @@ class LLMEngine:
             return None
         algo = self.config.prefix_caching_hash_algo
         seed = f"{algo}:{resolve_none_hash_seed(get_hash_fn_by_name(algo))}"
-        return KVConnectorFactory.create_connector(kvt, KVConnectorRole.SCHEDULER, self.kv_cache_config,
-                                                   model_identity=identity, hash_seed=seed)
+        return KVConnectorFactory.create_connector(
+            kvt,
+            KVConnectorRole.SCHEDULER,
+            self.kv_cache_config,
+            model_identity=identity,
+            hash_seed=seed,
+        )
 
     @property
     def kv_cache_manager(self) -> KVCacheManager:
@@ -192,8 +234,14 @@ class LLMEngine:
             return list(prompt), None
         raise ValueError(f"unsupported prompt type {type(prompt).__name__}")
 
-    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
-                    arrival_time: float | None = None, cache_salt: str | None = None) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+        cache_salt: str | None = None,
+    ) -> None:
         """Validate and queue a request. ValueError (nothing queued) on bad input."""
         params = params or SamplingParams()
         if self.output_processor.has_request(request_id):
@@ -201,8 +249,9 @@ class LLMEngine:
         token_ids, text = self.process_prompt(prompt)
         limit = self.max_model_len - len(token_ids)
         max_tokens = limit if params.max_tokens is None else min(params.max_tokens, limit)
-        req = self._new_request(request_id, token_ids, text, params, max(max_tokens, 1),
-                                arrival_time, cache_salt)
+        req = self._new_request(
+            request_id, token_ids, text, params, max(max_tokens, 1), arrival_time, cache_salt
+        )
         req.fork_pending = params.n - 1
         self.output_processor.add_request(req)
         self.num_prompt_tokens += len(token_ids)
@@ -221,19 +270,33 @@ class LLMEngine:
         if n == 0:
             raise ValueError("the prompt is empty")
         if n > self.max_model_len:
-            raise ValueError(f"the prompt ({n} tokens) is longer than the maximum model length "
-                             f"of {self.max_model_len} tokens")
+            raise ValueError(
+                f"the prompt ({n} tokens) is longer than the maximum model length "
+                f"of {self.max_model_len} tokens"
+            )
         usable = self.kv_cache_config.num_usable_blocks
-        need = blocks_per_request(self.kv_cache_config.kv_cache_groups, n, self.config.max_num_batched_tokens)
+        need = blocks_per_request(
+            self.kv_cache_config.kv_cache_groups, n, self.config.max_num_batched_tokens
+        )
         if need > usable:
-            raise ValueError(f"the prompt ({n} tokens) is longer than the whole KV cache "
-                             f"({self.num_usable_kv_tokens} tokens in {usable} blocks; it needs {need})")
+            raise ValueError(
+                f"the prompt ({n} tokens) is longer than the whole KV cache "
+                f"({self.num_usable_kv_tokens} tokens in {usable} blocks; it needs {need})"
+            )
         vocab = self.model_config.vocab_size
         if any(not isinstance(t, int) or not 0 <= t < vocab for t in token_ids):
             raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
 
-    def _new_request(self, rid: str, token_ids: list[int], text: str | None, params: SamplingParams,
-                     max_tokens: int, arrival_time: float | None, cache_salt: str | None) -> Request:
+    def _new_request(
+        self,
+        rid: str,
+        token_ids: list[int],
+        text: str | None,
+        params: SamplingParams,
+        max_tokens: int,
+        arrival_time: float | None,
+        cache_salt: str | None,
+    ) -> Request:
         """Sample 0 of a user request; the scheduler forks the others (`Request.make_child`).
 
         A request with ``prompt_logprobs`` never reads the prefix cache (vLLM's rule, its
@@ -241,13 +304,24 @@ class LLMEngine:
         position is not computed, so it would have no logits to score its prompt token. Its
         blocks are still cached for later requests."""
         ktp = params.kv_transfer_params or {}
-        skip_cache = bool(ktp.get("skip_reading_prefix_cache")) or params.prompt_logprobs is not None
-        req = Request(request_id=rid, prompt_token_ids=token_ids, block_hasher=self.block_hasher,
-                      cache_salt=cache_salt, sampling_params=params, prompt=text,
-                      kv_transfer_params=params.kv_transfer_params,
-                      skip_reading_prefix_cache=skip_cache,
-                      eos_token_id=self.eos_token_id, parent_id=rid, sample_index=0,
-                      max_tokens=max_tokens, seed=params.seed)
+        skip_cache = (
+            bool(ktp.get("skip_reading_prefix_cache")) or params.prompt_logprobs is not None
+        )
+        req = Request(
+            request_id=rid,
+            prompt_token_ids=token_ids,
+            block_hasher=self.block_hasher,
+            cache_salt=cache_salt,
+            sampling_params=params,
+            prompt=text,
+            kv_transfer_params=params.kv_transfer_params,
+            skip_reading_prefix_cache=skip_cache,
+            eos_token_id=self.eos_token_id,
+            parent_id=rid,
+            sample_index=0,
+            max_tokens=max_tokens,
+            seed=params.seed,
+        )
         if arrival_time is not None:
             req.metrics.arrival_time = arrival_time
         return req
@@ -256,8 +330,9 @@ class LLMEngine:
         """Abort user requests (all their samples) and free their blocks. Unknown ids are ignored."""
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
         for rid in ids:
-            self.scheduler.finish_requests(self.output_processor.abort_requests([rid]),
-                                           RequestStatus.FINISHED_ABORTED)
+            self.scheduler.finish_requests(
+                self.output_processor.abort_requests([rid]), RequestStatus.FINISHED_ABORTED
+            )
 
     def has_unfinished_requests(self) -> bool:
         return self.output_processor.has_unfinished_requests()
@@ -265,7 +340,10 @@ class LLMEngine:
     def has_work(self) -> bool:
         """Unfinished requests, or KV transfers whose completion the connector must still hear
         of (blocks held for a consumer, loads in flight): the serving loop steps while true."""
-        return self.output_processor.has_unfinished_requests() or self.scheduler.has_pending_kv_transfers()
+        return (
+            self.output_processor.has_unfinished_requests()
+            or self.scheduler.has_pending_kv_transfers()
+        )
 
     def get_num_unfinished_requests(self) -> int:
         return self.output_processor.get_num_unfinished_requests()
@@ -302,7 +380,9 @@ class LLMEngine:
             mro, prompt_lps = self._execute(so)
             return self._update(so, mro, prompt_lps)
         except BaseException as e:
-            logger.exception("engine step failed; failing the %d requests of its batch", len(so.scheduled))
+            logger.exception(
+                "engine step failed; failing the %d requests of its batch", len(so.scheduled)
+            )
             failed = self._fail_batch(so, e)
             if not isinstance(e, Exception):
                 raise
@@ -322,12 +402,18 @@ class LLMEngine:
         if so.forks:
             logits, reqs = self._fork_rows(logits, reqs, so.forks)
         out = self.sampler(logits, reqs)
-        return ModelRunnerOutput([r.request_id for r in reqs], out.token_ids, out.logprobs,
-                                 out.sampled_logprobs, kv_connector_output), prompt_lps
+        return ModelRunnerOutput(
+            [r.request_id for r in reqs],
+            out.token_ids,
+            out.logprobs,
+            out.sampled_logprobs,
+            kv_connector_output,
+        ), prompt_lps
 
     @staticmethod
-    def _fork_rows(logits: torch.Tensor, reqs: list[Request], forks: list[tuple[Request, Request]]
-                   ) -> tuple[torch.Tensor, list[Request]]:
+    def _fork_rows(
+        logits: torch.Tensor, reqs: list[Request], forks: list[tuple[Request, Request]]
+    ) -> tuple[torch.Tensor, list[Request]]:
         """Each child sampled right after its parent, from the parent's logits row."""
         children: dict[str, list[Request]] = {}
         for parent, child in forks:
@@ -342,8 +428,12 @@ class LLMEngine:
                 rows_reqs.append(child)
         return logits[torch.tensor(rows)], rows_reqs
 
-    def _update(self, so: SchedulerOutput, mro: ModelRunnerOutput,
-                prompt_lps: PromptLogprobsOutput | None = None) -> list[RequestOutput]:
+    def _update(
+        self,
+        so: SchedulerOutput,
+        mro: ModelRunnerOutput,
+        prompt_lps: PromptLogprobsOutput | None = None,
+    ) -> list[RequestOutput]:
         """The scheduler applies the sampled tokens; the output processor turns them into
         outputs (keeping the prompt logprobs scored this step, also of prefill chunks that
         sample nothing), and requests it stopped on a stop string are finished in the scheduler."""
@@ -365,7 +455,9 @@ class LLMEngine:
         message = f"{type(err).__name__}: {err}"
         op = self.output_processor
         # Already finished and reported before the failure: nothing to fail.
-        parents = [p for p in dict.fromkeys(s.request.parent_id for s in so.scheduled) if op.has_request(p)]
+        parents = [
+            p for p in dict.fromkeys(s.request.parent_id for s in so.scheduled) if op.has_request(p)
+        ]
         self.scheduler.fail_requests(so, parents)
         return op.fail_requests(parents, message, time.monotonic())
 
@@ -387,12 +479,18 @@ class LLMEngine:
         mutable state with the engine, so other threads may read it. Call on the engine thread."""
         kv = self.kv_cache_manager
         return SchedulerStats(
-            num_running_reqs=self.scheduler.num_running, num_waiting_reqs=self.scheduler.num_waiting,
-            kv_cache_usage=kv.usage, num_blocks=self.kv_cache_config.num_blocks, block_size=self.block_size,
-            num_free_blocks=kv.num_free_blocks, num_preemptions=self.scheduler.num_preemptions,
-            prompt_tokens=self.num_prompt_tokens, generation_tokens=self.num_generated_tokens,
+            num_running_reqs=self.scheduler.num_running,
+            num_waiting_reqs=self.scheduler.num_waiting,
+            kv_cache_usage=kv.usage,
+            num_blocks=self.kv_cache_config.num_blocks,
+            block_size=self.block_size,
+            num_free_blocks=kv.num_free_blocks,
+            num_preemptions=self.scheduler.num_preemptions,
+            prompt_tokens=self.num_prompt_tokens,
+            generation_tokens=self.num_generated_tokens,
             prefix_cache_stats=replace(kv.total_prefix_cache_stats),
-            kv_connector_stats=self._kv_connector_stats())
+            kv_connector_stats=self._kv_connector_stats(),
+        )
 
     def _kv_connector_stats(self) -> KVConnectorStats | None:
         """The connector's counters (`KVConnectorBase.get_kv_connector_stats`); None without one."""

@@ -61,8 +61,14 @@ class ModelRunner:
     ids never overlap, since they come from one pool).
     """
 
-    def __init__(self, model: torch.nn.Module, model_config: Any, dtype: torch.dtype,
-                 device: torch.device | str = "cpu", connector: KVConnectorBase | None = None) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        model_config: Any,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+        connector: KVConnectorBase | None = None,
+    ) -> None:
         self.model = model
         self.model_config = model_config
         self.dtype = dtype
@@ -89,12 +95,20 @@ class ModelRunner:
         self.distinct_kv_caches = b.distinct
         self.group_block_sizes = [g.kv_cache_spec.block_size for g in groups]
         # The attention groups' block size (the pool's tokens per block where they agree).
-        self.block_size = next((g.kv_cache_spec.block_size for g in groups if not isinstance(g.kv_cache_spec, MambaSpec)),
-                               self.group_block_sizes[0])
+        self.block_size = next(
+            (
+                g.kv_cache_spec.block_size
+                for g in groups
+                if not isinstance(g.kv_cache_spec, MambaSpec)
+            ),
+            self.group_block_sizes[0],
+        )
         self.kv_quants = self._layer_kv_quants(groups)
         if self.connector is not None:
             owned = (i for i in range(mc.num_layers) if mc.owns_kv_cache(i))
-            self.connector.register_kv_caches({mc.layer_name(i): self.kv_caches[i] for i in owned}, self.kv_buffer)
+            self.connector.register_kv_caches(
+                {mc.layer_name(i): self.kv_caches[i] for i in owned}, self.kv_buffer
+            )
 
     def _layer_kv_quants(self, groups: list[Any]) -> dict[str, KVQuant]:
         """The :class:`KVQuant` each attention layer of a quantized or rotated cache was built
@@ -109,8 +123,10 @@ class ModelRunner:
             want = KVQuantFormat.from_spec(specs[name]) if _wants_kv_quant(specs[name]) else None
             have = module.kv_quant.fmt if module.kv_quant is not None else None
             if have != want:
-                raise ValueError(f"{name}: built for KV format {have}, but its cache spec stores {want} "
-                                 "(build the model with get_model(..., kv_quants=...) from the same specs)")
+                raise ValueError(
+                    f"{name}: built for KV format {have}, but its cache spec stores {want} "
+                    "(build the model with get_model(..., kv_quants=...) from the same specs)"
+                )
             if module.kv_quant is not None:
                 quants[name] = module.kv_quant
         return quants
@@ -139,14 +155,31 @@ class ModelRunner:
                 self._layer(name).kv_quant = probe
             for ids in prompts:
                 n = len(ids)
-                caches = [allocate_kv_cache("LBNHC", 1, 2, n, max(mc.layer_kv_heads(i), 1), mc.layer_head_dim(i),
-                                            torch.float32, self.device)[1][0] for i in range(mc.num_layers)]
+                caches = [
+                    allocate_kv_cache(
+                        "LBNHC",
+                        1,
+                        2,
+                        n,
+                        max(mc.layer_kv_heads(i), 1),
+                        mc.layer_head_dim(i),
+                        torch.float32,
+                        self.device,
+                    )[1][0]
+                    for i in range(mc.num_layers)
+                ]
                 dev = self.device
                 md = AttentionMetadata(
-                    slot_mapping=torch.arange(n, 2 * n, device=dev), query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=dev),
+                    slot_mapping=torch.arange(n, 2 * n, device=dev),
+                    query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=dev),
                     seq_lens=torch.tensor([n], dtype=torch.int32, device=dev),
-                    block_table=torch.tensor([[1]], dtype=torch.int32, device=dev), block_size=n,
-                    max_query_len=n, max_seq_len=n, query_start_loc_cpu=[0, n], seq_lens_cpu=[n])
+                    block_table=torch.tensor([[1]], dtype=torch.int32, device=dev),
+                    block_size=n,
+                    max_query_len=n,
+                    max_seq_len=n,
+                    query_start_loc_cpu=[0, n],
+                    seq_lens_cpu=[n],
+                )
                 self.model(torch.tensor(ids, device=dev), torch.arange(n, device=dev), caches, md)
         finally:
             for name, q in saved.items():
@@ -154,11 +187,15 @@ class ModelRunner:
         return {name: (a[0], a[1]) for name, a in amax.items()}
 
     def _layer(self, name: str) -> Any:
-        return next(m for m in self.model.modules() if getattr(m, "layer_name", None) == name
-                    and hasattr(m, "kv_quant"))
+        return next(
+            m
+            for m in self.model.modules()
+            if getattr(m, "layer_name", None) == name and hasattr(m, "kv_quant")
+        )
 
-    def prepare_inputs(self, so: SchedulerOutput
-                       ) -> tuple[torch.Tensor, torch.Tensor, list[AttentionMetadata], list[int]]:
+    def prepare_inputs(
+        self, so: SchedulerOutput
+    ) -> tuple[torch.Tensor, torch.Tensor, list[AttentionMetadata], list[int]]:
         """``(input_ids, positions, attn_metadata per group, logits_indices)`` for the step."""
         token_ids: list[int] = []
         positions: list[int] = []
@@ -167,7 +204,7 @@ class ModelRunner:
         logits_indices: list[int] = []
         for s in so.scheduled:
             end = s.start + s.num_tokens
-            token_ids.extend(s.request.all_token_ids[s.start:end])
+            token_ids.extend(s.request.all_token_ids[s.start : end])
             positions.extend(range(s.start, end))
             query_start_loc.append(query_start_loc[-1] + s.num_tokens)
             seq_lens.append(end)
@@ -181,31 +218,48 @@ class ModelRunner:
         decode_only = len(token_ids) == len(so.scheduled)
         if not decode_only:
             counts = torch.tensor([s.num_tokens for s in so.scheduled], device=dev)
-            req_indices = torch.repeat_interleave(torch.arange(len(so.scheduled), device=dev), counts)
+            req_indices = torch.repeat_interleave(
+                torch.arange(len(so.scheduled), device=dev), counts
+            )
         qsl = torch.tensor(query_start_loc, dtype=torch.int32, device=dev)
         lens = torch.tensor(seq_lens, dtype=torch.int32, device=dev)
         max_query_len = max(s.num_tokens for s in so.scheduled)
         mds = []
         for g in range(len(self.group_block_sizes)):
             max_blocks = max(len(s.block_ids[g]) for s in so.scheduled)
-            block_table = torch.tensor([s.block_ids[g] + [0] * (max_blocks - len(s.block_ids[g]))
-                                        for s in so.scheduled], dtype=torch.int32, device=dev)
+            block_table = torch.tensor(
+                [s.block_ids[g] + [0] * (max_blocks - len(s.block_ids[g])) for s in so.scheduled],
+                dtype=torch.int32,
+                device=dev,
+            )
             bs = self.group_block_sizes[g]
             if decode_only:
-                slots = torch.tensor([s.block_ids[g][s.start // bs] * bs + s.start % bs for s in so.scheduled],
-                                     dtype=torch.int64, device=dev)
+                slots = torch.tensor(
+                    [s.block_ids[g][s.start // bs] * bs + s.start % bs for s in so.scheduled],
+                    dtype=torch.int64,
+                    device=dev,
+                )
             else:
                 slots = compute_slot_mapping(block_table, req_indices, pos, bs)
-            mds.append(AttentionMetadata(
-                slot_mapping=slots,
-                query_start_loc=qsl, seq_lens=lens, block_table=block_table, block_size=bs,
-                max_query_len=max_query_len, max_seq_len=max(seq_lens),
-                query_start_loc_cpu=query_start_loc, seq_lens_cpu=seq_lens))
+            mds.append(
+                AttentionMetadata(
+                    slot_mapping=slots,
+                    query_start_loc=qsl,
+                    seq_lens=lens,
+                    block_table=block_table,
+                    block_size=bs,
+                    max_query_len=max_query_len,
+                    max_seq_len=max(seq_lens),
+                    query_start_loc_cpu=query_start_loc,
+                    seq_lens_cpu=seq_lens,
+                )
+            )
         return input_ids, pos, mds, logits_indices
 
     @torch.inference_mode()
-    def execute_model(self, so: SchedulerOutput
-                      ) -> tuple[torch.Tensor, KVConnectorOutput | None, PromptLogprobsOutput]:
+    def execute_model(
+        self, so: SchedulerOutput
+    ) -> tuple[torch.Tensor, KVConnectorOutput | None, PromptLogprobsOutput]:
         """Run one forward pass (none for an empty step) with the connector's worker side
         around it. Returns float32 logits ``[num_sampling_requests, vocab]`` in the order of
         ``so.scheduled`` (requests that do not sample this step are skipped), the connector's
@@ -226,7 +280,9 @@ class ModelRunner:
                     logits = self._forward(so, prompt_lps)
             c.wait_for_save()
             sending, recving = c.get_finished(so.finished_req_ids)
-            out = KVConnectorOutput(sending or set(), recving or set(), c.get_block_ids_with_load_errors())
+            out = KVConnectorOutput(
+                sending or set(), recving or set(), c.get_block_ids_with_load_errors()
+            )
         finally:
             c.clear_connector_metadata()
         return logits, out, prompt_lps
@@ -240,11 +296,15 @@ class ModelRunner:
         self._score_prompts(so, hidden, prompt_lps)
         if not logits_indices:
             return hidden.new_empty((0, 0), dtype=torch.float32)
-        if len(logits_indices) < hidden.shape[0]:  # else every row samples (a decode step): no gather
+        if (
+            len(logits_indices) < hidden.shape[0]
+        ):  # else every row samples (a decode step): no gather
             hidden = hidden[torch.tensor(logits_indices, device=hidden.device)]
         return self.model.compute_logits(hidden)
 
-    def _score_prompts(self, so: SchedulerOutput, hidden: torch.Tensor, out: PromptLogprobsOutput) -> None:
+    def _score_prompts(
+        self, so: SchedulerOutput, hidden: torch.Tensor, out: PromptLogprobsOutput
+    ) -> None:
         """Prompt logprobs of this step's prompt rows, for requests asking for them (into ``out``)."""
         offset = 0
         for s in so.scheduled:
@@ -252,15 +312,27 @@ class ModelRunner:
             if span is not None:
                 first, last = span
                 req = s.request
-                targets = torch.tensor(req.prompt_token_ids[first + 1:last + 1], dtype=torch.long,
-                                       device=hidden.device)
-                rows = hidden[offset + first - s.start:offset + last - s.start]
+                targets = torch.tensor(
+                    req.prompt_token_ids[first + 1 : last + 1],
+                    dtype=torch.long,
+                    device=hidden.device,
+                )
+                rows = hidden[offset + first - s.start : offset + last - s.start]
                 k, n = req.sampling_params.prompt_logprobs, PROMPT_LOGPROBS_ROWS_PER_PASS
-                parts = [compute_prompt_logprobs(self.model.compute_logits(rows[i:i + n]), targets[i:i + n], k)
-                         for i in range(0, last - first, n)]
-                out[req.request_id] = (first, LogprobsTensors(
-                    torch.cat([p.token_ids for p in parts]), torch.cat([p.logprobs for p in parts]),
-                    torch.cat([p.ranks for p in parts])))
+                parts = [
+                    compute_prompt_logprobs(
+                        self.model.compute_logits(rows[i : i + n]), targets[i : i + n], k
+                    )
+                    for i in range(0, last - first, n)
+                ]
+                out[req.request_id] = (
+                    first,
+                    LogprobsTensors(
+                        torch.cat([p.token_ids for p in parts]),
+                        torch.cat([p.logprobs for p in parts]),
+                        torch.cat([p.ranks for p in parts]),
+                    ),
+                )
                 self.num_prompt_logprobs_done[req.request_id] = last
             offset += s.num_tokens
 
@@ -289,15 +361,19 @@ def _wants_kv_quant(spec: KVCacheSpec) -> bool:
     return mode is not KVQuantMode.NONE or getattr(spec, "kv_rotation", None) is not None
 
 
-def layer_kv_quants(model_config: Any, specs: Mapping[str, KVCacheSpec],
-                    device: torch.device | str = "cpu") -> dict[str, KVQuant]:
+def layer_kv_quants(
+    model_config: Any, specs: Mapping[str, KVCacheSpec], device: torch.device | str = "cpu"
+) -> dict[str, KVQuant]:
     """The :class:`KVQuant` of every attention layer whose cache ``specs`` (layer name → spec,
     ``ModelConfig.kv_cache_specs``) quantize or rotate, by layer name: what the model class
     is built with (``get_model(..., kv_quants=...)``), each layer receiving its own. A layer
     reading another layer's cache (KV sharing) gets that layer's object: it reads that format.
     The format does not depend on the block size, so specs of any block size give the same."""
-    quants = {name: KVQuant.for_spec(spec, device) for name, spec in specs.items()  # type: ignore[arg-type]
-              if _wants_kv_quant(spec)}
+    quants = {
+        name: KVQuant.for_spec(spec, device)
+        for name, spec in specs.items()  # type: ignore[arg-type]
+        if _wants_kv_quant(spec)
+    }
     for i in range(model_config.num_layers):
         target = model_config.kv_sharing_target(i)
         if target is not None and model_config.layer_name(target) in quants:

@@ -23,7 +23,6 @@ from pagedkv.engine.sampler import LogprobsTensors
 from pagedkv.engine.scheduler_output import EngineCoreOutput, EngineCoreOutputs
 from pagedkv.models.tokenizer import DetokenizeState
 
-
 # Decoded token texts kept for logprobs (one decode per distinct token id, up to this many).
 MAX_DECODED_TOKEN_CACHE = 200_000
 
@@ -109,7 +108,7 @@ class OutputProcessor:
             held = len(state.prompt_logprobs) - 1  # prompt positions scored so far
             state.prompt_logprobs.extend([None] * (first - held))
             rows = t.to_dicts(self._decode if self.tokenizer is not None else None)
-            state.prompt_logprobs.extend(rows[max(held - first, 0):])
+            state.prompt_logprobs.extend(rows[max(held - first, 0) :])
 
     def _decode(self, token_id: int) -> str:
         """The text of one token (special tokens included), as vLLM's ``decoded_token``."""
@@ -120,7 +119,9 @@ class OutputProcessor:
                 self._decoded[token_id] = text
         return text
 
-    def process_outputs(self, engine_core_outputs: EngineCoreOutputs, now: float) -> OutputProcessorOutput:
+    def process_outputs(
+        self, engine_core_outputs: EngineCoreOutputs, now: float
+    ) -> OutputProcessorOutput:
         """Detokenize, apply stop strings, and return the cumulative output of every user
         request that progressed (in the order of ``outputs``). Finished user requests are
         forgotten once returned."""
@@ -139,7 +140,9 @@ class OutputProcessor:
         result.request_outputs = [self._make_output(pid) for pid in touched]
         return result
 
-    def _update(self, state: RequestState, out: EngineCoreOutput, now: float, reqs_to_abort: list[str]) -> None:
+    def _update(
+        self, state: RequestState, out: EngineCoreOutput, now: float, reqs_to_abort: list[str]
+    ) -> None:
         req = state.request
         finish_reason, stop_reason = out.finish_reason, out.stop_reason
         if out.new_token_ids:
@@ -153,7 +156,9 @@ class OutputProcessor:
                 state.logprobs.append(out.new_logprobs)
                 state.cumulative_logprob += out.new_sampled_logprob or 0.0
             if state.detok_state is not None:
-                state.output_text += self.tokenizer.decode_incremental(state.detok_state, out.new_token_ids)
+                state.output_text += self.tokenizer.decode_incremental(
+                    state.detok_state, out.new_token_ids
+                )
             p = req.sampling_params
             # EOS and stop token ids win over stop strings; a stop string wins over a length cap.
             if p.stop_strings and finish_reason != "stop" and req.num_output_tokens >= p.min_tokens:
@@ -176,7 +181,9 @@ class OutputProcessor:
         for stop in p.stop_strings:
             at = text.find(stop)
             if at >= 0:
-                state.output_text = text[:at + len(stop)] if p.include_stop_str_in_output else text[:at]
+                state.output_text = (
+                    text[: at + len(stop)] if p.include_stop_str_in_output else text[:at]
+                )
                 return stop
         return None
 
@@ -184,7 +191,9 @@ class OutputProcessor:
         """A sample just finished: flush text held back for an incomplete character (not
         after a stop string: the text was cut there on purpose) and stamp the finish time."""
         if state.detok_state is not None and not isinstance(state.stop_reason, str):
-            state.output_text += self.tokenizer.decode_incremental(state.detok_state, [], final=True)
+            state.output_text += self.tokenizer.decode_incremental(
+                state.detok_state, [], final=True
+            )
         state.request.metrics.finished_time = now
 
     def fail_requests(self, parent_ids: list[str], error: str, now: float) -> list[RequestOutput]:
@@ -205,24 +214,39 @@ class OutputProcessor:
         states = self.parent_requests[parent_id]
         first = states[0].request
         n = first.sampling_params.n
-        finished = error is not None or (len(states) == n and all(s.finish_reason is not None for s in states))
-        outputs = [CompletionOutput(
-            index=s.request.sample_index, text=s.output_text, token_ids=list(s.request.output_token_ids),
-            finish_reason=s.finish_reason, stop_reason=s.stop_reason, logprobs=s.logprobs,
-            cumulative_logprob=s.cumulative_logprob if s.logprobs is not None else None)
-            for s in states]
+        finished = error is not None or (
+            len(states) == n and all(s.finish_reason is not None for s in states)
+        )
+        outputs = [
+            CompletionOutput(
+                index=s.request.sample_index,
+                text=s.output_text,
+                token_ids=list(s.request.output_token_ids),
+                finish_reason=s.finish_reason,
+                stop_reason=s.stop_reason,
+                logprobs=s.logprobs,
+                cumulative_logprob=s.cumulative_logprob if s.logprobs is not None else None,
+            )
+            for s in states
+        ]
         if finished:
             del self.parent_requests[parent_id]
             for s in states:
                 self.request_states.pop(s.request.request_id, None)
             if error is None and any(s.finish_reason == "error" for s in states):
                 error = KV_LOAD_ERROR
-        return RequestOutput(request_id=parent_id, prompt=first.prompt,
-                             prompt_token_ids=first.prompt_token_ids, outputs=outputs,
-                             prompt_logprobs=_copy(states[0].prompt_logprobs),
-                             finished=finished, num_cached_tokens=max(first.num_cached_tokens, 0),
-                             metrics=first.metrics, error=error,
-                             kv_transfer_params=states[0].kv_transfer_params)
+        return RequestOutput(
+            request_id=parent_id,
+            prompt=first.prompt,
+            prompt_token_ids=first.prompt_token_ids,
+            outputs=outputs,
+            prompt_logprobs=_copy(states[0].prompt_logprobs),
+            finished=finished,
+            num_cached_tokens=max(first.num_cached_tokens, 0),
+            metrics=first.metrics,
+            error=error,
+            kv_transfer_params=states[0].kv_transfer_params,
+        )
 
 
 def _copy(prompt_logprobs: PromptLogprobs | None) -> PromptLogprobs | None:

@@ -49,11 +49,19 @@ class Request(KVCacheRequest):
         same prompt, parameters and arrival time, its own id and seed."""
         p = self.sampling_params
         child = Request(
-            request_id=f"{self.parent_id}#{index}", prompt_token_ids=self.prompt_token_ids,
-            block_hasher=self.block_hasher, cache_salt=self.cache_salt, sampling_params=p,
-            prompt=self.prompt, kv_transfer_params=self.kv_transfer_params,
+            request_id=f"{self.parent_id}#{index}",
+            prompt_token_ids=self.prompt_token_ids,
+            block_hasher=self.block_hasher,
+            cache_salt=self.cache_salt,
+            sampling_params=p,
+            prompt=self.prompt,
+            kv_transfer_params=self.kv_transfer_params,
             skip_reading_prefix_cache=self.skip_reading_prefix_cache,
-            eos_token_id=self.eos_token_id, parent_id=self.parent_id, sample_index=index,
-            max_tokens=self.max_tokens, seed=None if p.seed is None else p.seed + index)
+            eos_token_id=self.eos_token_id,
+            parent_id=self.parent_id,
+            sample_index=index,
+            max_tokens=self.max_tokens,
+            seed=None if p.seed is None else p.seed + index,
+        )
         child.metrics.arrival_time = self.metrics.arrival_time
         return child

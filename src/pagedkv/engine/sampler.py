@@ -44,7 +44,9 @@ class LogprobsTensors:
         """One dict per row: the scored token first, then the top-k not already in it (each
         top-k entry keeps its own rank, 1..k). ``decode`` fills ``decoded_token``."""
         out: list[dict[int, Logprob]] = []
-        for ids, lps, rank in zip(self.token_ids.tolist(), self.logprobs.tolist(), self.ranks.tolist()):
+        for ids, lps, rank in zip(
+            self.token_ids.tolist(), self.logprobs.tolist(), self.ranks.tolist()
+        ):
             d = {ids[0]: Logprob(lps[0], rank, decode(ids[0]) if decode else None)}
             for r, (t, v) in enumerate(zip(ids[1:], lps[1:]), start=1):
                 if t not in d:
@@ -116,8 +118,13 @@ class Sampler:
                     lps[i], sampled[i] = _logprobs(raw_logprobs[i], token_list[i], k)
         return SamplerOutput(token_list, lps, sampled)
 
-    def _sample_random(self, logits: torch.Tensor, requests: Sequence[Request], rows: list[int],
-                       tokens: torch.Tensor) -> None:
+    def _sample_random(
+        self,
+        logits: torch.Tensor,
+        requests: Sequence[Request],
+        rows: list[int],
+        tokens: torch.Tensor,
+    ) -> None:
         idx = torch.tensor(rows)
         x = logits[idx]
         temps = torch.tensor([requests[i].sampling_params.temperature for i in rows])
@@ -140,7 +147,12 @@ class Sampler:
 def _argmax(logits: torch.Tensor) -> torch.Tensor:
     """Greedy tokens of ``logits [rows, vocab]``: the native kernel on CPU float32 rows (same
     result as torch's argmax, a tenth of its time at batch 1), else torch."""
-    if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.stride(-1) == 1 and native.available():
+    if (
+        logits.device.type == "cpu"
+        and logits.dtype == torch.float32
+        and logits.stride(-1) == 1
+        and native.available()
+    ):
         return native.argmax_rows(logits)
     return logits.argmax(dim=-1)
 

@@ -85,7 +85,9 @@ class SamplingParams:
             raise bad("presence_penalty", "must be in [-2, 2]")
         if not -2 <= self.frequency_penalty <= 2:
             raise bad("frequency_penalty", "must be in [-2, 2]")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+        if self.max_tokens is not None and (
+            not isinstance(self.max_tokens, int) or self.max_tokens < 1
+        ):
             raise bad("max_tokens", "must be an integer >= 1")
         if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
             raise bad("min_tokens", "must be an integer >= 0")
@@ -93,8 +95,9 @@ class SamplingParams:
             raise bad("min_tokens", "must be <= max_tokens")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
             raise bad("logprobs", "must be an integer >= 0")
-        if self.prompt_logprobs is not None and (not isinstance(self.prompt_logprobs, int)
-                                                 or self.prompt_logprobs < 0):
+        if self.prompt_logprobs is not None and (
+            not isinstance(self.prompt_logprobs, int) or self.prompt_logprobs < 0
+        ):
             raise bad("prompt_logprobs", "must be an integer >= 0")
         if self.seed is not None and not isinstance(self.seed, int):
             raise bad("seed", "must be an integer")
@@ -110,7 +113,9 @@ class SamplingParams:
             if unknown:
                 raise bad("kv_transfer_params", f"unknown keys {sorted(unknown)}")
             if ktp.get("offload_policy", "BLOCK_LEVEL") not in ("BLOCK_LEVEL", "REQUEST_LEVEL"):
-                raise bad("kv_transfer_params", "offload_policy must be BLOCK_LEVEL or REQUEST_LEVEL")
+                raise bad(
+                    "kv_transfer_params", "offload_policy must be BLOCK_LEVEL or REQUEST_LEVEL"
+                )
             mot = ktp.get("max_offload_tokens")
             if mot is not None and (not isinstance(mot, int) or mot < 0):
                 raise bad("kv_transfer_params", "max_offload_tokens must be an integer >= 0")
@@ -125,13 +130,22 @@ class SamplingParams:
 
     @property
     def needs_penalties(self) -> bool:
-        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
-                or self.frequency_penalty != 0.0)
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )
 
 
 # Every float field: each must be a finite number (NaN and ±inf are refused, naming the field).
-_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
-                 "frequency_penalty")
+_FLOAT_FIELDS = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+)
 
 
 def _is_finite_number(x: object) -> bool:

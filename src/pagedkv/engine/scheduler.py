@@ -53,7 +53,6 @@ from pagedkv.core.request import RequestStatus
 from pagedkv.core.scheduling import Admission, SchedulingPolicy
 from pagedkv.core.specs import KVCacheConfig, MambaSpec
 from pagedkv.engine.request import FINISHED_REASONS, Request
-from pagedkv.kv_transfer.base import KVConnectorBase, KVConnectorOutput
 from pagedkv.engine.scheduler_output import (
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -61,7 +60,7 @@ from pagedkv.engine.scheduler_output import (
     ScheduledRequest,
     SchedulerOutput,
 )
-
+from pagedkv.kv_transfer.base import KVConnectorBase, KVConnectorOutput
 
 __all__ = ["Scheduler", "SchedulerOutput", "ScheduledRequest"]  # re-exported for compatibility
 
@@ -74,23 +73,43 @@ class Scheduler(SchedulingPolicy[Request]):
     events). ``connector``: the engine's KV connector, if any. The batch decisions are the
     shared `SchedulingPolicy`'s (the simulator's replicas run the same code)."""
 
-    def __init__(self, kv_cache_config: KVCacheConfig, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, connector: KVConnectorBase | None = None, *,
-                 enable_caching: bool = True, enable_kv_cache_events: bool = False,
-                 kv_cache_medium: str = "GPU") -> None:
+    def __init__(
+        self,
+        kv_cache_config: KVCacheConfig,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        connector: KVConnectorBase | None = None,
+        *,
+        enable_caching: bool = True,
+        enable_kv_cache_events: bool = False,
+        kv_cache_medium: str = "GPU",
+    ) -> None:
         kv_cache_manager = KVCacheManager(
-            kv_cache_config, max_model_len, enable_caching=enable_caching,
-            enable_kv_cache_events=enable_kv_cache_events, medium=kv_cache_medium)
+            kv_cache_config,
+            max_model_len,
+            enable_caching=enable_caching,
+            enable_kv_cache_events=enable_kv_cache_events,
+            medium=kv_cache_medium,
+        )
         # Block size of a Mamba group that caches checkpoints (see `SchedulingPolicy`).
         mamba_block_size = None
         if enable_caching:
-            mamba_block_size = next((g.kv_cache_spec.block_size
-                                     for g in kv_cache_config.kv_cache_groups
-                                     if isinstance(g.kv_cache_spec, MambaSpec)), None)
-        super().__init__(kv_cache_manager, max_num_seqs, max_num_batched_tokens, max_model_len,
-                         mamba_block_size)
+            mamba_block_size = next(
+                (
+                    g.kv_cache_spec.block_size
+                    for g in kv_cache_config.kv_cache_groups
+                    if isinstance(g.kv_cache_spec, MambaSpec)
+                ),
+                None,
+            )
+        super().__init__(
+            kv_cache_manager, max_num_seqs, max_num_batched_tokens, max_model_len, mamba_block_size
+        )
         self.connector = connector
-        self.kv_load_failure_policy = connector.config.kv_load_failure_policy if connector else "recompute"
+        self.kv_load_failure_policy = (
+            connector.config.kv_load_failure_policy if connector else "recompute"
+        )
         # Requests whose asynchronous load the worker reported done, not yet promoted.
         self.finished_recving_kv_req_ids: set[str] = set()
         # Promoted from WAITING_FOR_REMOTE_KVS, holding their blocks, not yet running.
@@ -129,7 +148,9 @@ class Scheduler(SchedulingPolicy[Request]):
     def has_pending_kv_transfers(self) -> bool:
         """Blocks held for a connector's transfer (or its own pending work): the engine keeps
         stepping until they are settled."""
-        return bool(self.delayed_free) or (self.connector is not None and self.connector.has_pending_work())
+        return bool(self.delayed_free) or (
+            self.connector is not None and self.connector.has_pending_work()
+        )
 
     @property
     def num_waiting(self) -> int:
@@ -237,9 +258,12 @@ class Scheduler(SchedulingPolicy[Request]):
     def _stop_cache_exhausted(self, req: Request) -> None:
         kv = self.kv_cache_manager
         pool = kv.block_pool
-        logger.warning("request %s stopped at %d tokens: the whole KV cache (%d tokens) cannot "
-                       "hold more", req.request_id, req.num_tokens,
-                       (pool.num_gpu_blocks - 1) * kv.kv_cache_groups[0].kv_cache_spec.block_size)
+        logger.warning(
+            "request %s stopped at %d tokens: the whole KV cache (%d tokens) cannot hold more",
+            req.request_id,
+            req.num_tokens,
+            (pool.num_gpu_blocks - 1) * kv.kv_cache_groups[0].kv_cache_spec.block_size,
+        )
         self._free_request(req, RequestStatus.FINISHED_LENGTH_CAPPED)
 
     def _release(self, req: Request, was_loading: bool = False) -> dict | None:
@@ -251,7 +275,9 @@ class Scheduler(SchedulingPolicy[Request]):
         self.promoted_req_ids.discard(rid)
         params = None
         if self.connector is not None:
-            delay, params = self.connector.request_finished(req, self.kv_cache_manager.get_block_ids(rid))
+            delay, params = self.connector.request_finished(
+                req, self.kv_cache_manager.get_block_ids(rid)
+            )
             pending = {"send"} if delay else set()
             if was_loading and rid not in self.finished_recving_kv_req_ids:
                 pending.add("recv")
@@ -290,8 +316,9 @@ class Scheduler(SchedulingPolicy[Request]):
 
     # ---- after the forward pass -------------------------------------------------------------------
 
-    def update_from_output(self, scheduler_output: SchedulerOutput,
-                           model_runner_output: ModelRunnerOutput) -> EngineCoreOutputs:
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
+    ) -> EngineCoreOutputs:
         """Apply one step's sampled tokens: fork the step's children, append one token per
         row, stop and free the requests that hit EOS, a stop token id, ``max_tokens`` or
         ``max_model_len``. Returns one `EngineCoreOutput` per request that got a token, after
@@ -303,8 +330,14 @@ class Scheduler(SchedulingPolicy[Request]):
         output) reports what the failed call did not.
         """
         so = scheduler_output
-        outputs = [EngineCoreOutput(r.request_id, [], finish_reason=FINISHED_REASONS[r.status])
-                   for r in so.finished] if so.finished else []
+        outputs = (
+            [
+                EngineCoreOutput(r.request_id, [], finish_reason=FINISHED_REASONS[r.status])
+                for r in so.finished
+            ]
+            if so.finished
+            else []
+        )
         mro = model_runner_output
         kco = mro.kv_connector_output
         dropped: set[str] = set()
@@ -316,8 +349,11 @@ class Scheduler(SchedulingPolicy[Request]):
         if so.forks:
             forks, so.forks = so.forks, []
             # Before any parent may finish (and free its blocks) below.
-            forked = [child for parent, child in forks
-                      if self._fork_unless_dropped(parent, child, dropped)]
+            forked = [
+                child
+                for parent, child in forks
+                if self._fork_unless_dropped(parent, child, dropped)
+            ]
         if mro.req_ids:
             self._append_tokens(mro, outputs, dropped)
         if so.finished:
@@ -334,7 +370,9 @@ class Scheduler(SchedulingPolicy[Request]):
 
     # ---- KV connector reports ---------------------------------------------------------------------
 
-    def _handle_invalid_blocks(self, invalid: set[int], outputs: list[EngineCoreOutput]) -> set[str]:
+    def _handle_invalid_blocks(
+        self, invalid: set[int], outputs: list[EngineCoreOutput]
+    ) -> set[str]:
         """Blocks whose load failed: each request holding one keeps only the KV before its
         first invalid block. Policy "recompute": its prefix-cache hashes from there are dropped
         and ``num_computed_tokens`` rewinds to there (a running request's token sampled this
@@ -349,12 +387,18 @@ class Scheduler(SchedulingPolicy[Request]):
             kv.invalidate(req, valid)
             dropped.add(req.request_id)
             if self.kv_load_failure_policy == "fail":
-                logger.error("request %s: its KV failed to load (kv_load_failure_policy=fail)", req.request_id)
+                logger.error(
+                    "request %s: its KV failed to load (kv_load_failure_policy=fail)",
+                    req.request_id,
+                )
                 self._free_request(req, RequestStatus.FINISHED_ERROR)
                 outputs.append(EngineCoreOutput(req.request_id, [], finish_reason="error"))
             else:
-                logger.warning("request %s: KV load failed after %d tokens; recomputing the rest",
-                               req.request_id, valid)
+                logger.warning(
+                    "request %s: KV load failed after %d tokens; recomputing the rest",
+                    req.request_id,
+                    valid,
+                )
                 req.num_computed_tokens = min(req.num_computed_tokens, valid)
         return dropped
 
@@ -393,8 +437,12 @@ class Scheduler(SchedulingPolicy[Request]):
             del self.delayed_free[rid]
             self.kv_cache_manager.free(req)
 
-    def _append_tokens(self, mro: ModelRunnerOutput, outputs: list[EngineCoreOutput],
-                       dropped: set[str] = frozenset()) -> None:  # type: ignore[assignment]
+    def _append_tokens(
+        self,
+        mro: ModelRunnerOutput,
+        outputs: list[EngineCoreOutput],
+        dropped: set[str] = frozenset(),
+    ) -> None:  # type: ignore[assignment]
         """Append each row's token to its request and apply the token-level stops (rows of
         ``dropped`` requests are skipped: their KV is being recomputed)."""
         requests = self.requests
@@ -410,8 +458,11 @@ class Scheduler(SchedulingPolicy[Request]):
                 outputs.append(EngineCoreOutput(rid, [token], lp, slp))
             else:
                 params = self._free_request(req, status)
-                outputs.append(EngineCoreOutput(rid, [token], lp, slp, FINISHED_REASONS[status],
-                                                req.stop_reason, params))
+                outputs.append(
+                    EngineCoreOutput(
+                        rid, [token], lp, slp, FINISHED_REASONS[status], req.stop_reason, params
+                    )
+                )
 
     def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
         """The token-level stop ``token`` (just appended) triggers, if any. EOS and stop token
@@ -448,7 +499,9 @@ class Scheduler(SchedulingPolicy[Request]):
         self.running.append(child)
         return True
 
-    def fail_requests(self, scheduler_output: SchedulerOutput, parent_ids: Iterable[str]) -> list[Request]:
+    def fail_requests(
+        self, scheduler_output: SchedulerOutput, parent_ids: Iterable[str]
+    ) -> list[Request]:
         """The step of ``scheduler_output`` failed: finish (aborted) every unfinished request of
         the user requests ``parent_ids`` and free their blocks; returns them.
 
@@ -470,7 +523,9 @@ class Scheduler(SchedulingPolicy[Request]):
             live = by_parent.pop(pid, [])
             block_ids = {b for r in live for group in kv.get_block_ids(r.request_id) for b in group}
             kv.evict_blocks(sorted(block_ids))
-            self.pending_copies = [(src, dst) for src, dst in self.pending_copies if dst not in block_ids]
+            self.pending_copies = [
+                (src, dst) for src, dst in self.pending_copies if dst not in block_ids
+            ]
             for r in live:
                 self._free_request(r, RequestStatus.FINISHED_ABORTED)
             failed.extend(live)

@@ -40,7 +40,9 @@ class ScheduledRequest:
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
-    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) before the pass
+    blocks_to_copy: list[tuple[int, int]] = field(
+        default_factory=list
+    )  # (src, dst) before the pass
     # Running requests stopped because their sequence no longer fits even the empty cache;
     # `Scheduler.update_from_output` reports them (finish reason "length").
     finished: list[Request] = field(default_factory=list)

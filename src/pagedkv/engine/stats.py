@@ -12,7 +12,7 @@ the keys they have always had (``num_running``, ``prefix_cache_hits``, ``offload
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from pagedkv.core.kv_cache_manager import PrefixCacheStats
@@ -76,7 +76,9 @@ class SchedulerStats:
             "num_waiting": self.num_waiting_reqs,
             "prompt_tokens": self.prompt_tokens,
             "generation_tokens": self.generation_tokens,
-            "offload": self.kv_connector_stats.to_dict() if self.kv_connector_stats is not None else {},
+            "offload": self.kv_connector_stats.to_dict()
+            if self.kv_connector_stats is not None
+            else {},
         }
 
 

@@ -82,9 +82,14 @@ def block_details(engine: LLMEngine) -> dict[str, Any]:
     docstring). Call on the engine thread."""
     pool = engine.kv_cache_manager.block_pool
     ref_cnt = [b.ref_cnt for b in pool.blocks]
-    hashes = {str(b.block_id): get_block_hash(b.block_hash).hex()[:HASH_HEX_DIGITS]
-              for b in pool.blocks if b.block_hash is not None}
-    block_groups = {str(b.block_id): get_group_id(b.block_hash) for b in pool.blocks if b.block_hash is not None}
+    hashes = {
+        str(b.block_id): get_block_hash(b.block_hash).hex()[:HASH_HEX_DIGITS]
+        for b in pool.blocks
+        if b.block_hash is not None
+    }
+    block_groups = {
+        str(b.block_id): get_group_id(b.block_hash) for b in pool.blocks if b.block_hash is not None
+    }
     owner_ids: list[str] = []
     owners: dict[str, list[int]] = {}
     kv = engine.kv_cache_manager
@@ -101,7 +106,13 @@ def block_details(engine: LLMEngine) -> dict[str, Any]:
                     block_groups[str(block_id)] = gid
         for block_id in {b for group in groups for b in group if b}:
             owners.setdefault(str(block_id), []).append(index)
-    return dict(ref_cnt=ref_cnt, hashes=hashes, owner_ids=owner_ids, owners=owners, block_groups=block_groups)
+    return dict(
+        ref_cnt=ref_cnt,
+        hashes=hashes,
+        owner_ids=owner_ids,
+        owners=owners,
+        block_groups=block_groups,
+    )
 
 
 def kv_cache_groups_info(engine: LLMEngine) -> list[dict[str, Any]]:
@@ -111,11 +122,19 @@ def kv_cache_groups_info(engine: LLMEngine) -> list[dict[str, Any]]:
     out = []
     for g in engine.kv_cache_config.kv_cache_groups:
         spec = g.kv_cache_spec
-        rep = getattr(spec, "representative", spec)  # a UniformTypeKVCacheSpecs' rules are its layers'
-        out.append(dict(kind=spec.kind, num_layers=len(g.layer_names), block_size=spec.block_size,
-                        sliding_window=getattr(rep, "sliding_window", None),
-                        attention_chunk_size=getattr(rep, "attention_chunk_size", None),
-                        page_size_bytes=spec.page_size_bytes))
+        rep = getattr(
+            spec, "representative", spec
+        )  # a UniformTypeKVCacheSpecs' rules are its layers'
+        out.append(
+            dict(
+                kind=spec.kind,
+                num_layers=len(g.layer_names),
+                block_size=spec.block_size,
+                sliding_window=getattr(rep, "sliding_window", None),
+                attention_chunk_size=getattr(rep, "attention_chunk_size", None),
+                page_size_bytes=spec.page_size_bytes,
+            )
+        )
     return out
 
 
@@ -138,9 +157,15 @@ def kv_transfer_state(stats: SchedulerStats) -> dict[str, Any] | None:
     t = kcs.transfer if kcs is not None else None
     if t is None:
         return None
-    return dict(role=t.role, peers=list(t.peers), transfers_in_flight=t.transfers_in_flight,
-                transfers=t.num_transfers, failures=t.num_failed, leases_expired=t.num_leases_expired,
-                bytes=t.num_bytes)
+    return dict(
+        role=t.role,
+        peers=list(t.peers),
+        transfers_in_flight=t.transfers_in_flight,
+        transfers=t.num_transfers,
+        failures=t.num_failed,
+        leases_expired=t.num_leases_expired,
+        bytes=t.num_bytes,
+    )
 
 
 def dashboard_state(engine: LLMEngine, extra: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -155,23 +180,38 @@ def dashboard_state(engine: LLMEngine, extra: dict[str, Any] | None = None) -> d
             nblocks = len(kv.get_block_ids(req.request_id)[0])
         except Exception:
             nblocks = 0
-        running.append(dict(id=req.request_id, prompt_tokens=req.num_prompt_tokens,
-                            output_tokens=req.num_output_tokens, computed_tokens=req.num_computed_tokens,
-                            cached_tokens=max(getattr(req, "num_cached_tokens", 0), 0), blocks=nblocks))
-    waiting = [dict(id=r.request_id, prompt_tokens=r.num_prompt_tokens, preempted=r.num_preemptions > 0)
-               for r in list(sched.waiting)[:MAX_LISTED_REQUESTS]]
+        running.append(
+            dict(
+                id=req.request_id,
+                prompt_tokens=req.num_prompt_tokens,
+                output_tokens=req.num_output_tokens,
+                computed_tokens=req.num_computed_tokens,
+                cached_tokens=max(getattr(req, "num_cached_tokens", 0), 0),
+                blocks=nblocks,
+            )
+        )
+    waiting = [
+        dict(id=r.request_id, prompt_tokens=r.num_prompt_tokens, preempted=r.num_preemptions > 0)
+        for r in list(sched.waiting)[:MAX_LISTED_REQUESTS]
+    ]
     counts = {name: blocks.count(ch) for name, ch in STATE_CHARS.items() if name != "null"}
     pc = stats.prefix_cache_stats
     tiers = stats.kv_connector_stats.tier_dicts() if stats.kv_connector_stats is not None else {}
     state = dict(
         time=time.time(),
-        num_blocks=len(blocks), block_size=engine.block_size, blocks=blocks, counts=counts,
+        num_blocks=len(blocks),
+        block_size=engine.block_size,
+        blocks=blocks,
+        counts=counts,
         usage=stats.kv_cache_usage,
         prefix_cache=dict(queries=pc.queries, hits=pc.hits, hit_rate=pc.hit_rate),
-        num_running=stats.num_running_reqs, num_waiting=stats.num_waiting_reqs,
-        num_preemptions=stats.num_preemptions, prompt_tokens=stats.prompt_tokens,
+        num_running=stats.num_running_reqs,
+        num_waiting=stats.num_waiting_reqs,
+        num_preemptions=stats.num_preemptions,
+        prompt_tokens=stats.prompt_tokens,
         generation_tokens=stats.generation_tokens,
-        running=running, waiting=waiting,
+        running=running,
+        waiting=waiting,
         tiers=tiers or None,
         kv_transfer=kv_transfer_state(stats),
         **block_details(engine),
@@ -183,7 +223,9 @@ def dashboard_state(engine: LLMEngine, extra: dict[str, Any] | None = None) -> d
 
 
 def dashboard_html() -> str:
-    return resources.files("pagedkv.entrypoints").joinpath("static/dashboard.html").read_text("utf-8")
+    return (
+        resources.files("pagedkv.entrypoints").joinpath("static/dashboard.html").read_text("utf-8")
+    )
 
 
 def add_routes(app: FastAPI) -> None:
@@ -201,12 +243,20 @@ def add_routes(app: FastAPI) -> None:
         st = request.app.state.pagedkv
         llm = st.async_llm
         pub = st.kv_event_publisher
-        extra = dict(model=st.served_model_name, healthy=llm.is_healthy,
-                     latency=st.metrics.latency_summary(time.monotonic()),
-                     max_num_seqs=llm.engine.config.max_num_seqs, max_queue_size=llm.max_queue_size,
-                     num_aborted=llm.num_aborted, num_rejected=llm.num_rejected,
-                     kv_events=None if pub is None else dict(
-                         endpoint=pub.endpoint, replay_endpoint=pub.replay_endpoint, next_seq=pub.next_seq))
+        extra = dict(
+            model=st.served_model_name,
+            healthy=llm.is_healthy,
+            latency=st.metrics.latency_summary(time.monotonic()),
+            max_num_seqs=llm.engine.config.max_num_seqs,
+            max_queue_size=llm.max_queue_size,
+            num_aborted=llm.num_aborted,
+            num_rejected=llm.num_rejected,
+            kv_events=None
+            if pub is None
+            else dict(
+                endpoint=pub.endpoint, replay_endpoint=pub.replay_endpoint, next_seq=pub.next_seq
+            ),
+        )
         data = await llm.run_in_engine(lambda engine: dashboard_state(engine, extra))
         return JSONResponse(data, headers={"Cache-Control": "no-store"})
 

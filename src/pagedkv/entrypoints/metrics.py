@@ -50,7 +50,12 @@ from typing import TYPE_CHECKING, Any
 
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
@@ -68,12 +73,74 @@ METRICS_PREFIXES = ("pagedkv", "vllm")
 PREFIX = DEFAULT_METRICS_PREFIX + ":"  # the default, for readers of the exposition
 
 # vLLM's buckets (seconds, tokens).
-TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
-                7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
-ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
-               10.0, 20.0, 40.0, 80.0]
-E2E_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
-               120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
+TTFT_BUCKETS = [
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+]
+ITL_BUCKETS = [
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+]
+E2E_BUCKETS = [
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+]
 REQUEST_LATENCY_BUCKETS = E2E_BUCKETS
 ITERATION_TOKENS_BUCKETS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
 
@@ -84,8 +151,12 @@ _MAX_RECENT = 20_000
 # (field of TierStats, metric suffix, kind, help)
 TIER_FIELDS = [
     ("usage_bytes", "offload_usage_bytes", "gauge", "Bytes held by the offload tier."),
-    ("capacity_bytes", "offload_capacity_bytes", "gauge",
-     "Capacity of the offload tier in bytes (+Inf: the tier has no size limit)."),
+    (
+        "capacity_bytes",
+        "offload_capacity_bytes",
+        "gauge",
+        "Capacity of the offload tier in bytes (+Inf: the tier has no size limit).",
+    ),
     ("healthy", "offload_healthy", "gauge", "1 if the offload tier is reachable, else 0."),
     ("hits", "offload_hits", "counter", "Lookups that found the chunk in the tier."),
     ("misses", "offload_misses", "counter", "Lookups that did not find the chunk in the tier."),
@@ -95,15 +166,37 @@ TIER_FIELDS = [
 
 # (field of KVTransferStats, metric suffix, kind, help): a PD connector's transfers.
 TRANSFER_FIELDS = [
-    ("num_transfers", "kv_transfer_transfers", "counter", "KV cache transfers completed by the PD connector."),
-    ("num_blocks", "kv_transfer_blocks", "counter", "KV cache blocks moved by completed transfers."),
+    (
+        "num_transfers",
+        "kv_transfer_transfers",
+        "counter",
+        "KV cache transfers completed by the PD connector.",
+    ),
+    (
+        "num_blocks",
+        "kv_transfer_blocks",
+        "counter",
+        "KV cache blocks moved by completed transfers.",
+    ),
     ("num_bytes", "kv_transfer_bytes", "counter", "Bytes moved by completed KV cache transfers."),
-    ("num_failed", "kv_transfer_failures", "counter",
-     "Failed KV cache transfers; each request is recomputed locally or failed, per kv_load_failure_policy."),
-    ("num_leases_expired", "kv_transfer_leases_expired", "counter",
-     "Producer block leases that expired before a consumer fetched the blocks."),
-    ("transfers_in_flight", "kv_transfer_in_flight", "gauge",
-     "KV cache transfers in flight (handshaking, receiving or sending)."),
+    (
+        "num_failed",
+        "kv_transfer_failures",
+        "counter",
+        "Failed KV cache transfers; each request is recomputed locally or failed, per kv_load_failure_policy.",
+    ),
+    (
+        "num_leases_expired",
+        "kv_transfer_leases_expired",
+        "counter",
+        "Producer block leases that expired before a consumer fetched the blocks.",
+    ),
+    (
+        "transfers_in_flight",
+        "kv_transfer_in_flight",
+        "gauge",
+        "KV cache transfers in flight (handshaking, receiving or sending).",
+    ),
 ]
 
 
@@ -122,7 +215,9 @@ def build_1_2_5_buckets(max_value: int) -> list[int]:
 def check_metrics_prefix(prefix: str) -> str:
     """``prefix`` if it is one of `METRICS_PREFIXES`, else ValueError naming it."""
     if prefix not in METRICS_PREFIXES:
-        raise ValueError(f"invalid metrics prefix {prefix!r}: choose one of {', '.join(METRICS_PREFIXES)}")
+        raise ValueError(
+            f"invalid metrics prefix {prefix!r}: choose one of {', '.join(METRICS_PREFIXES)}"
+        )
     return prefix
 
 
@@ -167,8 +262,13 @@ class ServerMetrics:
     """The metrics of one server; ``registry`` is exposed at ``/metrics``. Implements the
     engine's `StatLogger` protocol (``record_step``, ``record_abort``)."""
 
-    def __init__(self, async_llm: AsyncLLM, model_name: str,
-                 registry: CollectorRegistry | None = None, prefix: str = DEFAULT_METRICS_PREFIX) -> None:
+    def __init__(
+        self,
+        async_llm: AsyncLLM,
+        model_name: str,
+        registry: CollectorRegistry | None = None,
+        prefix: str = DEFAULT_METRICS_PREFIX,
+    ) -> None:
         prometheus_client.disable_created_metrics()  # process-wide; see the module docstring
         self.model_name = model_name
         self.async_llm = async_llm
@@ -208,31 +308,64 @@ class ServerMetrics:
         token_buckets = build_1_2_5_buckets(max(max_len, 1))
 
         def hist(name: str, doc: str, buckets: list[float]) -> Any:
-            return Histogram(self.prefix + name, doc, labels, buckets=buckets, registry=reg).labels(*values)
+            return Histogram(self.prefix + name, doc, labels, buckets=buckets, registry=reg).labels(
+                *values
+            )
 
         self._m = _Instruments(
             registry=reg,
-            ttft=hist("time_to_first_token_seconds", "Histogram of time to first token in seconds.",
-                      TTFT_BUCKETS),
-            itl=hist("inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
-                     ITL_BUCKETS),
-            e2e=hist("e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
-                     E2E_BUCKETS),
-            queue_time=hist("request_queue_time_seconds",
-                            "Histogram of time spent in WAITING phase for request.", REQUEST_LATENCY_BUCKETS),
-            prefill_time=hist("request_prefill_time_seconds",
-                              "Histogram of time spent in PREFILL phase for request.", REQUEST_LATENCY_BUCKETS),
-            decode_time=hist("request_decode_time_seconds",
-                             "Histogram of time spent in DECODE phase for request.", REQUEST_LATENCY_BUCKETS),
-            inference_time=hist("request_inference_time_seconds",
-                                "Histogram of time spent in RUNNING phase for request.", REQUEST_LATENCY_BUCKETS),
-            prompt_tokens=hist("request_prompt_tokens", "Number of prefill tokens processed.", token_buckets),
-            generation_tokens=hist("request_generation_tokens", "Number of generation tokens processed.",
-                                   token_buckets),
-            iteration_tokens=hist("iteration_tokens_total", "Histogram of number of tokens per engine_step.",
-                                  ITERATION_TOKENS_BUCKETS),
-            request_success=Counter(self.prefix + "request_success", "Count of successfully processed requests.",
-                                    labels + ["finished_reason"], registry=reg),
+            ttft=hist(
+                "time_to_first_token_seconds",
+                "Histogram of time to first token in seconds.",
+                TTFT_BUCKETS,
+            ),
+            itl=hist(
+                "inter_token_latency_seconds",
+                "Histogram of inter-token latency in seconds.",
+                ITL_BUCKETS,
+            ),
+            e2e=hist(
+                "e2e_request_latency_seconds",
+                "Histogram of e2e request latency in seconds.",
+                E2E_BUCKETS,
+            ),
+            queue_time=hist(
+                "request_queue_time_seconds",
+                "Histogram of time spent in WAITING phase for request.",
+                REQUEST_LATENCY_BUCKETS,
+            ),
+            prefill_time=hist(
+                "request_prefill_time_seconds",
+                "Histogram of time spent in PREFILL phase for request.",
+                REQUEST_LATENCY_BUCKETS,
+            ),
+            decode_time=hist(
+                "request_decode_time_seconds",
+                "Histogram of time spent in DECODE phase for request.",
+                REQUEST_LATENCY_BUCKETS,
+            ),
+            inference_time=hist(
+                "request_inference_time_seconds",
+                "Histogram of time spent in RUNNING phase for request.",
+                REQUEST_LATENCY_BUCKETS,
+            ),
+            prompt_tokens=hist(
+                "request_prompt_tokens", "Number of prefill tokens processed.", token_buckets
+            ),
+            generation_tokens=hist(
+                "request_generation_tokens", "Number of generation tokens processed.", token_buckets
+            ),
+            iteration_tokens=hist(
+                "iteration_tokens_total",
+                "Histogram of number of tokens per engine_step.",
+                ITERATION_TOKENS_BUCKETS,
+            ),
+            request_success=Counter(
+                self.prefix + "request_success",
+                "Count of successfully processed requests.",
+                labels + ["finished_reason"],
+                registry=reg,
+            ),
         )
         reg.register(_EngineCollector(self))
 
@@ -310,9 +443,15 @@ class ServerMetrics:
         with self._lock:
             ttft = sorted(v for t, v in self._recent_ttft if t >= since)
             itl = sorted(v for t, v in self._recent_itl if t >= since)
-        return dict(window_s=window_s, ttft_count=len(ttft), itl_count=len(itl),
-                    ttft_p50=percentile(ttft, 0.5), ttft_p99=percentile(ttft, 0.99),
-                    itl_p50=percentile(itl, 0.5), itl_p99=percentile(itl, 0.99))
+        return dict(
+            window_s=window_s,
+            ttft_count=len(ttft),
+            itl_count=len(itl),
+            ttft_p50=percentile(ttft, 0.5),
+            ttft_p99=percentile(ttft, 0.99),
+            itl_p50=percentile(itl, 0.5),
+            itl_p99=percentile(itl, 0.99),
+        )
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -327,10 +466,14 @@ def cache_config_labels(engine: Any) -> dict[str, str]:
     """The labels of ``cache_config_info`` (vLLM's CacheConfig fields that pagedkv has)."""
     config = engine.config
     kv_buffer = getattr(engine, "kv_buffer", None)
-    cache_dtype = str(kv_buffer.dtype).removeprefix("torch.") if kv_buffer is not None else str(config.dtype)
+    cache_dtype = (
+        str(kv_buffer.dtype).removeprefix("torch.") if kv_buffer is not None else str(config.dtype)
+    )
     if getattr(config, "kv_cache_dtype", "auto") != "auto":
         cache_dtype = str(config.kv_cache_dtype)  # vLLM reports the --kv-cache-dtype given
-    num_blocks = getattr(getattr(engine, "kv_cache_config", None), "num_blocks", config.num_kv_blocks)
+    num_blocks = getattr(
+        getattr(engine, "kv_cache_config", None), "num_blocks", config.num_kv_blocks
+    )
     return {
         "block_size": str(config.block_size),
         "cache_dtype": cache_dtype,
@@ -344,15 +487,18 @@ def cache_config_labels(engine: Any) -> dict[str, str]:
         "kv_offload": str(config.kv_offload),
         # vLLM's KVTransferConfig.kv_connector ("None" without a connector; --kv-offload and
         # --kv-transfer-config both name it, only the first sets kv_offload).
-        "kv_connector": str(getattr(getattr(config, "kv_transfer_config", None), "kv_connector", None)),
+        "kv_connector": str(
+            getattr(getattr(config, "kv_transfer_config", None), "kv_connector", None)
+        ),
         # KVTransferConfig.kv_role: kv_producer / kv_consumer / kv_both ("None" without one).
         "kv_role": str(getattr(getattr(config, "kv_transfer_config", None), "kv_role", None)),
         "device": str(config.device),
     }
 
 
-def kv_transfer_metrics(stats: SchedulerStats, prefix: str, labels: list[str],
-                        values: list[str]) -> list[Metric]:
+def kv_transfer_metrics(
+    stats: SchedulerStats, prefix: str, labels: list[str], values: list[str]
+) -> list[Metric]:
     """A PD connector's transfer metrics (`TRANSFER_FIELDS` and ``kv_transfer_latency_seconds``),
     each one sample with ``labels`` = ``values``; empty unless ``stats.kv_connector_stats.transfer``
     is set (no connector, or an offloading one)."""
@@ -370,10 +516,14 @@ def kv_transfer_metrics(stats: SchedulerStats, prefix: str, labels: list[str],
     return out
 
 
-def _latency_histogram(t: KVTransferStats, name: str, labels: list[str], values: list[str]) -> Metric:
+def _latency_histogram(
+    t: KVTransferStats, name: str, labels: list[str], values: list[str]
+) -> Metric:
     """``t.latency_buckets`` (a count per bucket) as a Prometheus histogram: cumulative counts per
     ``le`` bound of `TRANSFER_LATENCY_BUCKETS`, then +Inf (every observation), and the sum."""
-    fam = HistogramMetricFamily(name, "Latency of completed KV cache transfers in seconds.", labels=labels)
+    fam = HistogramMetricFamily(
+        name, "Latency of completed KV cache transfers in seconds.", labels=labels
+    )
     bounds = [floatToGoString(b) for b in TRANSFER_LATENCY_BUCKETS] + ["+Inf"]
     counts = list(t.latency_buckets) + [0] * max(len(bounds) - len(t.latency_buckets), 0)
     cumulative: list[tuple[str, float]] = []
@@ -410,26 +560,67 @@ class _EngineCollector(Collector):
             return c
 
         pc = s.prefix_cache_stats
-        yield gauge("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", s.kv_cache_usage)
-        yield gauge("kv_cache_total_blocks", "Usable KV cache blocks (the null block excluded).",
-                    s.num_usable_blocks)
-        yield gauge("kv_cache_free_blocks", "Free KV cache blocks (including cached, evictable ones).",
-                    s.num_free_blocks)
+        yield gauge(
+            "kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", s.kv_cache_usage
+        )
+        yield gauge(
+            "kv_cache_total_blocks",
+            "Usable KV cache blocks (the null block excluded).",
+            s.num_usable_blocks,
+        )
+        yield gauge(
+            "kv_cache_free_blocks",
+            "Free KV cache blocks (including cached, evictable ones).",
+            s.num_free_blocks,
+        )
         yield gauge("kv_cache_used_blocks", "KV cache blocks held by requests.", s.num_used_blocks)
-        yield gauge("num_requests_running", "Number of requests in model execution batches.", s.num_running_reqs)
-        yield gauge("num_requests_waiting", "Number of requests waiting to be processed.", s.num_waiting_reqs)
-        yield gauge("engine_healthy", "1 while the engine loop is running, else 0.", 1.0 if llm.is_healthy else 0.0)
-        yield counter("prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
-                      pc.queries)
-        yield counter("prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", pc.hits)
-        yield counter("external_prefix_cache_hits",
-                      "External prefix cache hits (offload tiers), in terms of number of loaded tokens.",
-                      pc.external_hits)
-        yield counter("num_preemptions", "Cumulative number of preemptions from the engine.", s.num_preemptions)
+        yield gauge(
+            "num_requests_running",
+            "Number of requests in model execution batches.",
+            s.num_running_reqs,
+        )
+        yield gauge(
+            "num_requests_waiting",
+            "Number of requests waiting to be processed.",
+            s.num_waiting_reqs,
+        )
+        yield gauge(
+            "engine_healthy",
+            "1 while the engine loop is running, else 0.",
+            1.0 if llm.is_healthy else 0.0,
+        )
+        yield counter(
+            "prefix_cache_queries",
+            "Prefix cache queries, in terms of number of queried tokens.",
+            pc.queries,
+        )
+        yield counter(
+            "prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", pc.hits
+        )
+        yield counter(
+            "external_prefix_cache_hits",
+            "External prefix cache hits (offload tiers), in terms of number of loaded tokens.",
+            pc.external_hits,
+        )
+        yield counter(
+            "num_preemptions",
+            "Cumulative number of preemptions from the engine.",
+            s.num_preemptions,
+        )
         yield counter("prompt_tokens", "Number of prefill tokens processed.", s.prompt_tokens)
-        yield counter("generation_tokens", "Number of generation tokens processed.", s.generation_tokens)
-        yield counter("request_aborted", "Requests aborted (client disconnects, cancellations).", llm.num_aborted)
-        yield counter("request_rejected", "Requests refused because the waiting queue was full.", llm.num_rejected)
+        yield counter(
+            "generation_tokens", "Number of generation tokens processed.", s.generation_tokens
+        )
+        yield counter(
+            "request_aborted",
+            "Requests aborted (client disconnects, cancellations).",
+            llm.num_aborted,
+        )
+        yield counter(
+            "request_rejected",
+            "Requests refused because the waiting queue was full.",
+            llm.num_rejected,
+        )
         yield self._cache_config_info()
         if s.tier_stats:
             yield from self._tier_metrics(s.tier_stats)
@@ -454,11 +645,22 @@ class _EngineCollector(Collector):
         m = self.metrics
         info = cache_config_labels(m.async_llm.engine)
         info["engine"] = "0"
-        g = GaugeMetricFamily(m.prefix + "cache_config_info", "Information of the LLMEngine CacheConfig",
-                              labels=list(info))
+        g = GaugeMetricFamily(
+            m.prefix + "cache_config_info",
+            "Information of the LLMEngine CacheConfig",
+            labels=list(info),
+        )
         g.add_metric(list(info.values()), 1.0)
         return g
 
 
-__all__ = ["DEFAULT_METRICS_PREFIX", "METRICS_PREFIXES", "ServerMetrics", "build_1_2_5_buckets",
-           "cache_config_labels", "check_metrics_prefix", "kv_transfer_metrics", "percentile"]
+__all__ = [
+    "DEFAULT_METRICS_PREFIX",
+    "METRICS_PREFIXES",
+    "ServerMetrics",
+    "build_1_2_5_buckets",
+    "cache_config_labels",
+    "check_metrics_prefix",
+    "kv_transfer_metrics",
+    "percentile",
+]

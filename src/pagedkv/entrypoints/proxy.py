@@ -59,8 +59,13 @@ from pagedkv.forwarding import (
 __all__ = ["create_proxy_app"]
 
 
-def create_proxy_app(prefill: list[str], decode: list[str], cooldown: float = 5.0,
-                     timeout: float = 600.0, retry_window: float = 30.0) -> Any:
+def create_proxy_app(
+    prefill: list[str],
+    decode: list[str],
+    cooldown: float = 5.0,
+    timeout: float = 600.0,
+    retry_window: float = 30.0,
+) -> Any:
     """The proxy's FastAPI app over instance base URLs (``http://host:port``); ``timeout``
     bounds each read from an instance (seconds), connecting is bounded by 10 s;
     ``retry_window``: how long a request keeps retrying when every instance fails."""
@@ -72,9 +77,12 @@ def create_proxy_app(prefill: list[str], decode: list[str], cooldown: float = 5.
     if not prefill or not decode:
         raise ValueError("the proxy needs at least one prefill and one decode instance")
     client = instance_client(timeout)
-    state = ProxyState(prefill=InstancePool.from_urls("prefill", prefill, cooldown),
-                       decode=InstancePool.from_urls("decode", decode, cooldown),
-                       client=client, retry_window=retry_window)
+    state = ProxyState(
+        prefill=InstancePool.from_urls("prefill", prefill, cooldown),
+        decode=InstancePool.from_urls("decode", decode, cooldown),
+        client=client,
+        retry_window=retry_window,
+    )
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

@@ -43,7 +43,9 @@ DEFAULT_LOG_STATS_INTERVAL_S = 10.0
 class LoggingStatLogger:
     """Logs vLLM's stats line every ``interval_s`` seconds while the engine is busy."""
 
-    def __init__(self, async_llm: AsyncLLM, interval_s: float = DEFAULT_LOG_STATS_INTERVAL_S) -> None:
+    def __init__(
+        self, async_llm: AsyncLLM, interval_s: float = DEFAULT_LOG_STATS_INTERVAL_S
+    ) -> None:
         if not interval_s > 0:
             raise ValueError(f"invalid log stats interval {interval_s!r}: must be > 0 seconds")
         self.async_llm = async_llm
@@ -96,11 +98,13 @@ class LoggingStatLogger:
         queries, hits = pc.queries - prev_pc.queries, pc.hits - prev_pc.hits
         hit_rate = hits / queries if queries > 0 else pc.hit_rate
         running, waiting = snap.num_running_reqs, snap.num_waiting_reqs
-        line = (f"Avg prompt throughput: {prompt_tokens / elapsed:.1f} tokens/s, "
-                f"Avg generation throughput: {gen_tokens / elapsed:.1f} tokens/s, "
-                f"Running: {running} reqs, Waiting: {waiting} reqs, "
-                f"KV cache usage: {100 * snap.kv_cache_usage:.1f}%, "
-                f"Prefix cache hit rate: {100 * hit_rate:.1f}%")
+        line = (
+            f"Avg prompt throughput: {prompt_tokens / elapsed:.1f} tokens/s, "
+            f"Avg generation throughput: {gen_tokens / elapsed:.1f} tokens/s, "
+            f"Running: {running} reqs, Waiting: {waiting} reqs, "
+            f"KV cache usage: {100 * snap.kv_cache_usage:.1f}%, "
+            f"Prefix cache hit rate: {100 * hit_rate:.1f}%"
+        )
         busy = bool(prompt_tokens or gen_tokens or running or waiting)
         # As vLLM: the first idle interval after a busy one still shows (its throughput is 0).
         level = logging.INFO if busy or self._last_busy else logging.DEBUG
@@ -115,7 +119,9 @@ class LoggingStatLogger:
     def start(self) -> LoggingStatLogger:
         """Start the daemon thread; it stops with `stop` or once the engine is down."""
         if self._thread is None:
-            self._thread = threading.Thread(target=self._loop, name="pagedkv-stat-logger", daemon=True)
+            self._thread = threading.Thread(
+                target=self._loop, name="pagedkv-stat-logger", daemon=True
+            )
             self._thread.start()
         return self
 
@@ -134,14 +140,19 @@ class LoggingStatLogger:
             self._thread.join(5)
 
 
-def configure_server_stats(state: Any, metrics_prefix: str = DEFAULT_METRICS_PREFIX,
-                           log_stats_interval: float = DEFAULT_LOG_STATS_INTERVAL_S) -> LoggingStatLogger | None:
+def configure_server_stats(
+    state: Any,
+    metrics_prefix: str = DEFAULT_METRICS_PREFIX,
+    log_stats_interval: float = DEFAULT_LOG_STATS_INTERVAL_S,
+) -> LoggingStatLogger | None:
     """Apply ``serve``'s observability flags to a built app's state (``app.state.pagedkv``):
     the metrics prefix, and the stats line every ``log_stats_interval`` seconds (0: none).
     Call before serving traffic. Returns the stat logger (started), if any. Raises ValueError
     naming a bad value."""
     if log_stats_interval < 0:
-        raise ValueError(f"invalid --log-stats-interval {log_stats_interval}: must be >= 0 (0 turns it off)")
+        raise ValueError(
+            f"invalid --log-stats-interval {log_stats_interval}: must be >= 0 (0 turns it off)"
+        )
     if metrics_prefix != state.metrics.prefix.rstrip(":"):
         state.metrics.use_prefix(metrics_prefix)
     if not log_stats_interval:
@@ -150,7 +161,10 @@ def configure_server_stats(state: Any, metrics_prefix: str = DEFAULT_METRICS_PRE
     stat_logger = LoggingStatLogger(llm, log_stats_interval)
     # The engine thread iterates stat_loggers: change the list on that thread.
     llm.call_in_engine(lambda _engine: llm.stat_loggers.append(stat_logger)).result(30)
-    if logger.getEffectiveLevel() > logging.INFO and logging.getLogger().getEffectiveLevel() <= logging.WARNING:
+    if (
+        logger.getEffectiveLevel() > logging.INFO
+        and logging.getLogger().getEffectiveLevel() <= logging.WARNING
+    ):
         # The line is what an operator watches: shown at the default --log-level warning too.
         logger.setLevel(logging.INFO)
     state.stat_logger = stat_logger

@@ -35,8 +35,28 @@ from pagedkv.forwarding.pd import (
 from pagedkv.forwarding.relay import pump, relay_stream, resume_choice
 from pagedkv.forwarding.stream_resume import ChoiceState, StreamTracker
 
-__all__ = ["PREFILL_KV_TRANSFER_PARAMS", "RETRY_PAUSE_S", "ChoiceState", "Instance",
-           "InstanceFailed", "InstancePool", "ProxyState", "StreamTracker", "check_health",
-           "forward_headers", "handle_completion", "instance_client", "invalid_body", "passthrough",
-           "prefill_body", "pump", "read_body", "relay_stream", "resume_choice", "run_decode",
-           "run_prefill", "send_request", "unavailable"]
+__all__ = [
+    "PREFILL_KV_TRANSFER_PARAMS",
+    "RETRY_PAUSE_S",
+    "ChoiceState",
+    "Instance",
+    "InstanceFailed",
+    "InstancePool",
+    "ProxyState",
+    "StreamTracker",
+    "check_health",
+    "forward_headers",
+    "handle_completion",
+    "instance_client",
+    "invalid_body",
+    "passthrough",
+    "prefill_body",
+    "pump",
+    "read_body",
+    "relay_stream",
+    "resume_choice",
+    "run_decode",
+    "run_prefill",
+    "send_request",
+    "unavailable",
+]

@@ -9,8 +9,16 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["InstanceFailed", "forward_headers", "instance_client", "invalid_body", "passthrough",
-           "read_body", "send_request", "unavailable"]
+__all__ = [
+    "InstanceFailed",
+    "forward_headers",
+    "instance_client",
+    "invalid_body",
+    "passthrough",
+    "read_body",
+    "send_request",
+    "unavailable",
+]
 
 
 class InstanceFailed(Exception):
@@ -26,8 +34,14 @@ def instance_client(timeout: float) -> Any:
     return httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=10.0), limits=limits)
 
 
-async def send_request(client: Any, url: str, method: str, path: str, body: dict[str, Any] | None,
-                       headers: dict[str, str]) -> Any:
+async def send_request(
+    client: Any,
+    url: str,
+    method: str,
+    path: str,
+    body: dict[str, Any] | None,
+    headers: dict[str, str],
+) -> Any:
     """The response of the instance at ``url`` to one request, its body not read yet
     (``stream=True``); a 5xx or a transport error raises `InstanceFailed` (the response closed)."""
     import httpx
@@ -59,26 +73,46 @@ def passthrough(status: int, content: bytes, headers: Any) -> Any:
     """A response with an instance's status, body and content type."""
     from fastapi.responses import Response
 
-    return Response(content=content, status_code=status,
-                    media_type=headers.get("content-type", "application/json"))
+    return Response(
+        content=content,
+        status_code=status,
+        media_type=headers.get("content-type", "application/json"),
+    )
 
 
 def unavailable(message: str) -> Any:
     """503 with OpenAI's error JSON and ``Retry-After: 1``: no instance could take the request."""
     from fastapi.responses import JSONResponse
 
-    return JSONResponse({"error": {"message": message, "type": "server_error", "param": None,
-                                   "code": "no_instance_available"}},
-                        status_code=503, headers={"Retry-After": "1"})
+    return JSONResponse(
+        {
+            "error": {
+                "message": message,
+                "type": "server_error",
+                "param": None,
+                "code": "no_instance_available",
+            }
+        },
+        status_code=503,
+        headers={"Retry-After": "1"},
+    )
 
 
 def invalid_body() -> Any:
     """400 with OpenAI's error JSON: the request body is not a JSON object."""
     from fastapi.responses import JSONResponse
 
-    return JSONResponse({"error": {"message": "the request body must be a JSON object",
-                                   "type": "invalid_request_error", "param": None, "code": None}},
-                        status_code=400)
+    return JSONResponse(
+        {
+            "error": {
+                "message": "the request body must be a JSON object",
+                "type": "invalid_request_error",
+                "param": None,
+                "code": None,
+            }
+        },
+        status_code=400,
+    )
 
 
 def forward_headers(request: Any, request_id: str) -> dict[str, str]:

@@ -52,8 +52,13 @@ class InstancePool:
 
     def mark_failed(self, inst: Instance, why: str) -> None:
         inst.unhealthy_until = time.monotonic() + self.cooldown
-        logger.warning("%s instance %s failed (%s): skipped for %.1f s", self.role, inst.url, why,
-                       self.cooldown)
+        logger.warning(
+            "%s instance %s failed (%s): skipped for %.1f s",
+            self.role,
+            inst.url,
+            why,
+            self.cooldown,
+        )
 
     def mark_ok(self, inst: Instance) -> None:
         inst.unhealthy_until = 0.0
@@ -75,4 +80,5 @@ class ProxyState:
     retry_window: float = 30.0
     # The last requests' (request id, prefill URL or None, decode URL or None), newest last.
     served: deque[tuple[str, str | None, str | None]] = field(
-        default_factory=lambda: deque(maxlen=1000))
+        default_factory=lambda: deque(maxlen=1000)
+    )

@@ -25,15 +25,25 @@ from pagedkv.forwarding.client import (
 from pagedkv.forwarding.instances import RETRY_PAUSE_S, Instance, ProxyState
 from pagedkv.forwarding.relay import relay_stream
 
-__all__ = ["PREFILL_KV_TRANSFER_PARAMS", "check_health", "handle_completion", "prefill_body",
-           "run_decode", "run_prefill"]
+__all__ = [
+    "PREFILL_KV_TRANSFER_PARAMS",
+    "check_health",
+    "handle_completion",
+    "prefill_body",
+    "run_decode",
+    "run_prefill",
+]
 
 logger = logging.getLogger(__name__)
 
 # What the prefill instance gets as kv_transfer_params (vLLM's toy proxy, pull mode).
 PREFILL_KV_TRANSFER_PARAMS: dict[str, Any] = {
-    "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
-    "remote_block_ids": None, "remote_host": None, "remote_port": None,
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
 }
 
 
@@ -48,8 +58,9 @@ def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-async def run_prefill(state: ProxyState, path: str, body: dict[str, Any], headers: dict[str, str]
-                      ) -> tuple[Instance | None, dict[str, Any] | None, Any]:
+async def run_prefill(
+    state: ProxyState, path: str, body: dict[str, Any], headers: dict[str, str]
+) -> tuple[Instance | None, dict[str, Any] | None, Any]:
     """Prefill on the first prefill instance that does not fail: ``(instance, its
     kv_transfer_params, None)``; ``(None, None, None)`` when every one failed (colocated
     fallback); ``(instance, None, response)`` when it answered 4xx (for the client as it is)."""
@@ -73,8 +84,14 @@ async def run_prefill(state: ProxyState, path: str, body: dict[str, Any], header
     return None, None, None
 
 
-async def run_decode(state: ProxyState, method: str, path: str, body: dict[str, Any] | None,
-                     headers: dict[str, str], stream: bool) -> tuple[Instance | None, Any]:
+async def run_decode(
+    state: ProxyState,
+    method: str,
+    path: str,
+    body: dict[str, Any] | None,
+    headers: dict[str, str],
+    stream: bool,
+) -> tuple[Instance | None, Any]:
     """The client's response from the first decode instance that does not fail (SSE passed
     through chunk by chunk when ``stream``, resumed elsewhere if it breaks: `relay_stream`), or
     a 503 when every one failed. After a failure the body goes on without
@@ -102,15 +119,19 @@ async def run_decode(state: ProxyState, method: str, path: str, body: dict[str, 
             state.decode.mark_ok(inst)
             assert body is not None
             media_type = resp.headers.get("content-type", "text/event-stream")
-            return inst, StreamingResponse(relay_stream(state, resp, inst, body, path, headers),
-                                           status_code=resp.status_code, media_type=media_type,
-                                           headers={"Cache-Control": "no-cache",
-                                                    "X-Accel-Buffering": "no"})
+            return inst, StreamingResponse(
+                relay_stream(state, resp, inst, body, path, headers),
+                status_code=resp.status_code,
+                media_type=media_type,
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            )
         if time.monotonic() + RETRY_PAUSE_S >= deadline:
             break
         await asyncio.sleep(RETRY_PAUSE_S)  # every one failed: one may be restarting
-    return None, unavailable(f"no {state.decode.role} instance is available "
-                             f"({len(state.decode.instances)} tried for {state.retry_window:g} s)")
+    return None, unavailable(
+        f"no {state.decode.role} instance is available "
+        f"({len(state.decode.instances)} tried for {state.retry_window:g} s)"
+    )
 
 
 async def handle_completion(state: ProxyState, request: Any, path: str) -> Any:
@@ -125,8 +146,9 @@ async def handle_completion(state: ProxyState, request: Any, path: str) -> Any:
     headers = forward_headers(request, request_id)
     p_inst, params, early = await run_prefill(state, path, body, headers)
     if early is not None:
-        logger.debug("request %s: prefill %s answered %s", request_id, p_inst.url,
-                     early.status_code)
+        logger.debug(
+            "request %s: prefill %s answered %s", request_id, p_inst.url, early.status_code
+        )
         return early
     dbody = copy.copy(body)
     if params is not None:

@@ -20,8 +20,14 @@ __all__ = ["pump", "relay_stream", "resume_choice"]
 logger = logging.getLogger(__name__)
 
 
-async def relay_stream(state: ProxyState, resp: Any, inst: Instance, body: dict[str, Any],
-                       path: str, headers: dict[str, str]) -> AsyncIterator[bytes]:
+async def relay_stream(
+    state: ProxyState,
+    resp: Any,
+    inst: Instance,
+    body: dict[str, Any],
+    path: str,
+    headers: dict[str, str],
+) -> AsyncIterator[bytes]:
     """The client's SSE stream: ``resp``'s events as they come; if it breaks (transport error,
     no ``[DONE]``, an error event), each unfinished choice is continued on another instance
     (`resume_choice`) until every choice finished, or ``state.retry_window`` seconds passed
@@ -42,12 +48,17 @@ async def relay_stream(state: ProxyState, resp: Any, inst: Instance, body: dict[
             if not tracker.choices[idx].finished:
                 await asyncio.sleep(RETRY_PAUSE_S)  # every instance failed: one may be restarting
     if tracker.unfinished():
-        logger.warning("a broken stream could not be resumed within %.0f s (%d choices unfinished)",
-                       state.retry_window, len(tracker.unfinished()))
+        logger.warning(
+            "a broken stream could not be resumed within %.0f s (%d choices unfinished)",
+            state.retry_window,
+            len(tracker.unfinished()),
+        )
         # Always an error event before [DONE]: a stream that just stopped would read as a
         # complete (short) answer to an OpenAI client.
-        message = (f"the engine serving this stream failed and no instance could resume it "
-                   f"within {state.retry_window:g} s")
+        message = (
+            f"the engine serving this stream failed and no instance could resume it "
+            f"within {state.retry_window:g} s"
+        )
         error = {"error": {"message": message, "type": "server_error", "param": None, "code": 503}}
         yield tracker.error_event or ("data: " + json.dumps(error) + "\n\n").encode()
         yield b"data: [DONE]\n\n"
@@ -56,8 +67,9 @@ async def relay_stream(state: ProxyState, resp: Any, inst: Instance, body: dict[
         yield ev
 
 
-async def resume_choice(state: ProxyState, tracker: StreamTracker, idx: int,
-                        headers: dict[str, str]) -> AsyncIterator[bytes]:
+async def resume_choice(
+    state: ProxyState, tracker: StreamTracker, idx: int, headers: dict[str, str]
+) -> AsyncIterator[bytes]:
     """One round: continue choice ``idx`` on the instances in turn (decode ones first, then
     prefill ones: any engine can continue) until one streams it to its end. A continuation
     that breaks too is continued on the next from where it broke."""
@@ -85,8 +97,13 @@ async def resume_choice(state: ProxyState, tracker: StreamTracker, idx: int,
                 pool.mark_failed(nxt, "stream broke")
 
 
-async def pump(tracker: StreamTracker, resp: Any, url: str, choice_map: dict[int, int] | None,
-               continuation: bool) -> AsyncIterator[bytes]:
+async def pump(
+    tracker: StreamTracker,
+    resp: Any,
+    url: str,
+    choice_map: dict[int, int] | None,
+    continuation: bool,
+) -> AsyncIterator[bytes]:
     """``resp``'s events through ``tracker`` until it ends, breaks or sends an error event."""
     import httpx
 

@@ -29,9 +29,24 @@ from dataclasses import dataclass, field
 from typing import Any
 
 # Sampling fields a continuation keeps as the client sent them.
-CONTINUED_FIELDS = ("model", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
-                    "ignore_eos", "presence_penalty", "frequency_penalty", "repetition_penalty",
-                    "include_stop_str_in_output", "skip_special_tokens", "cache_salt", "user")
+CONTINUED_FIELDS = (
+    "model",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "include_stop_str_in_output",
+    "skip_special_tokens",
+    "cache_salt",
+    "user",
+)
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 
@@ -75,11 +90,21 @@ class StreamTracker:
     def for_request(cls, body: dict[str, Any], chat: bool) -> StreamTracker:
         prompt = body.get("prompt")
         num_prompts = 1
-        if not chat and isinstance(prompt, list) and prompt and not all(isinstance(x, int) for x in prompt):
+        if (
+            not chat
+            and isinstance(prompt, list)
+            and prompt
+            and not all(isinstance(x, int) for x in prompt)
+        ):
             num_prompts = len(prompt)
         n = body.get("n", 1) if isinstance(body.get("n", 1), int) else 1
-        return cls(body=body, chat=chat, num_prompts=num_prompts, n=max(n, 1),
-                   client_ids=body.get("return_token_ids") is True)
+        return cls(
+            body=body,
+            chat=chat,
+            num_prompts=num_prompts,
+            n=max(n, 1),
+            client_ids=body.get("return_token_ids") is True,
+        )
 
     # ---- the instance's stream -------------------------------------------------------------
 
@@ -92,10 +117,15 @@ class StreamTracker:
         """Usage of what the client got: each prompt once, every choice's tokens."""
         prompt = sum(len(self.prompt_ids.get(pi, [])) for pi in range(self.num_prompts))
         completion = sum(len(st.token_ids) for st in self.choices.values())
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+        }
 
-    def feed(self, raw: bytes, choice_map: dict[int, int] | None = None,
-             continuation: bool = False) -> list[bytes]:
+    def feed(
+        self, raw: bytes, choice_map: dict[int, int] | None = None, continuation: bool = False
+    ) -> list[bytes]:
         """Events to send the client for ``raw`` bytes of the current stream. ``choice_map``
         maps the stream's choice index to the client's (a continuation has one choice);
         ``continuation``: the stream is a /v1/completions continuation to reshape."""
@@ -108,8 +138,12 @@ class StreamTracker:
                 out.append(sent)
         return out
 
-    def _event(self, event: str, choice_map: dict[int, int] | None, continuation: bool) -> bytes | None:
-        data = "\n".join(line[5:].lstrip() for line in event.splitlines() if line.startswith("data:"))
+    def _event(
+        self, event: str, choice_map: dict[int, int] | None, continuation: bool
+    ) -> bytes | None:
+        data = "\n".join(
+            line[5:].lstrip() for line in event.splitlines() if line.startswith("data:")
+        )
         if not data:
             return None
         if data == "[DONE]":
@@ -137,9 +171,12 @@ class StreamTracker:
             return None  # usage-only, kv_transfer_params-only or a repeated prelude
         return _sse(self._chunk(chunk, choices, continuation))
 
-    def _choice(self, ch: dict[str, Any], choice_map: dict[int, int] | None,
-                continuation: bool) -> dict[str, Any] | None:
-        idx = choice_map.get(ch.get("index", 0), -1) if choice_map is not None else ch.get("index", 0)
+    def _choice(
+        self, ch: dict[str, Any], choice_map: dict[int, int] | None, continuation: bool
+    ) -> dict[str, Any] | None:
+        idx = (
+            choice_map.get(ch.get("index", 0), -1) if choice_map is not None else ch.get("index", 0)
+        )
         if idx < 0:
             return None
         st = self.choices.setdefault(idx, ChoiceState())
@@ -148,13 +185,23 @@ class StreamTracker:
         pi = 0 if self.chat else idx // self.n
         if isinstance(ch.get("prompt_token_ids"), list) and not continuation:
             self.prompt_ids[pi] = list(ch["prompt_token_ids"])
-        if self.chat and not continuation and ch.get("delta", {}).get("role") and not ch.get("token_ids") \
-                and not ch["delta"].get("content") and ch.get("finish_reason") is None:
+        if (
+            self.chat
+            and not continuation
+            and ch.get("delta", {}).get("role")
+            and not ch.get("token_ids")
+            and not ch["delta"].get("content")
+            and ch.get("finish_reason") is None
+        ):
             if self.prelude_sent:
                 return None  # a retried chat stream's role chunk: the client has it
             self.prelude_sent = True
         new_ids = [int(t) for t in ch.get("token_ids") or []]
-        text = ch.get("text", "") if not self.chat or continuation else (ch.get("delta") or {}).get("content") or ""
+        text = (
+            ch.get("text", "")
+            if not self.chat or continuation
+            else (ch.get("delta") or {}).get("content") or ""
+        )
         out = self._reshape(ch, idx, text, continuation)
         first = not st.started and (new_ids or text or ch.get("finish_reason") is not None)
         if self.client_ids:
@@ -167,7 +214,9 @@ class StreamTracker:
         st.finished = ch.get("finish_reason") is not None
         return out
 
-    def _reshape(self, ch: dict[str, Any], idx: int, text: str, continuation: bool) -> dict[str, Any]:
+    def _reshape(
+        self, ch: dict[str, Any], idx: int, text: str, continuation: bool
+    ) -> dict[str, Any]:
         """The choice as the client's endpoint shapes it, at the client's index."""
         drop = ("token_ids", "prompt_token_ids")
         if not continuation:
@@ -177,18 +226,33 @@ class StreamTracker:
         st = self.choices[idx]
         lp = ch.get("logprobs")
         if self.chat:
-            return {"index": idx, "delta": {"content": text} if text else {},
-                    "logprobs": _chat_logprobs(lp) if lp is not None else None,
-                    "finish_reason": ch.get("finish_reason"), "stop_reason": ch.get("stop_reason")}
+            return {
+                "index": idx,
+                "delta": {"content": text} if text else {},
+                "logprobs": _chat_logprobs(lp) if lp is not None else None,
+                "finish_reason": ch.get("finish_reason"),
+                "stop_reason": ch.get("stop_reason"),
+            }
         if lp is not None and isinstance(lp.get("text_offset"), list):
             lp = dict(lp, text_offset=[o + st.text_len for o in lp["text_offset"]])
-        return {"index": idx, "text": text, "logprobs": lp,
-                "finish_reason": ch.get("finish_reason"), "stop_reason": ch.get("stop_reason")}
+        return {
+            "index": idx,
+            "text": text,
+            "logprobs": lp,
+            "finish_reason": ch.get("finish_reason"),
+            "stop_reason": ch.get("stop_reason"),
+        }
 
-    def _chunk(self, chunk: dict[str, Any], choices: list[dict[str, Any]],
-               continuation: bool = False) -> dict[str, Any]:
-        out = {"id": self.response_id, "object": "chat.completion.chunk" if self.chat else "text_completion",
-               "created": self.created, "model": chunk.get("model"), "choices": choices}
+    def _chunk(
+        self, chunk: dict[str, Any], choices: list[dict[str, Any]], continuation: bool = False
+    ) -> dict[str, Any]:
+        out = {
+            "id": self.response_id,
+            "object": "chat.completion.chunk" if self.chat else "text_completion",
+            "created": self.created,
+            "model": chunk.get("model"),
+            "choices": choices,
+        }
         if chunk.get("usage") is not None and not continuation and not self.resumed:
             out["usage"] = chunk["usage"]  # continuous_usage_stats, the unbroken stream's own
         elif (self.body.get("stream_options") or {}).get("continuous_usage_stats"):
@@ -204,7 +268,9 @@ class StreamTracker:
 
     def unfinished(self) -> list[int]:
         """The client's choices still to be generated."""
-        return [i for i in self.all_choice_indices() if not self.choices.get(i, ChoiceState()).finished]
+        return [
+            i for i in self.all_choice_indices() if not self.choices.get(i, ChoiceState()).finished
+        ]
 
     def continuation(self, idx: int) -> tuple[str, dict[str, Any]] | None:
         """``(path, body)`` continuing choice ``idx`` on another instance, or None when it has
@@ -214,7 +280,11 @@ class StreamTracker:
         body = {k: self.body[k] for k in CONTINUED_FIELDS if k in self.body}
         body.update(n=1, stream=True, return_token_ids=True)
         if self.chat and pi not in self.prompt_ids:  # nothing arrived: restart the chat request
-            restart = {k: v for k, v in self.body.items() if k not in ("kv_transfer_params", "stream_options")}
+            restart = {
+                k: v
+                for k, v in self.body.items()
+                if k not in ("kv_transfer_params", "stream_options")
+            }
             restart.update(n=1, stream=True, return_token_ids=True)
             return "/v1/chat/completions", restart
         remaining = self._max_tokens()
@@ -252,8 +322,11 @@ class StreamTracker:
         """An event ending choice ``idx`` (its token budget ran out at the break)."""
         st = self.choices.setdefault(idx, ChoiceState())
         st.finished = True
-        ch: dict[str, Any] = ({"index": idx, "delta": {}, "logprobs": None} if self.chat
-                              else {"index": idx, "text": "", "logprobs": None})
+        ch: dict[str, Any] = (
+            {"index": idx, "delta": {}, "logprobs": None}
+            if self.chat
+            else {"index": idx, "text": "", "logprobs": None}
+        )
         ch.update(finish_reason=reason, stop_reason=None)
         return _sse(self._chunk({"model": self.body.get("model")}, [ch]))
 
@@ -265,9 +338,18 @@ class StreamTracker:
             usage = self.usage()
             if not self.resumed and self.usage_seen is not None:
                 usage = self.usage_seen  # the unbroken stream's own (with cached_tokens)
-            out.append(_sse({"id": self.response_id, "object": "chat.completion.chunk" if self.chat
-                             else "text_completion", "created": self.created,
-                             "model": self.body.get("model"), "choices": [], "usage": usage}))
+            out.append(
+                _sse(
+                    {
+                        "id": self.response_id,
+                        "object": "chat.completion.chunk" if self.chat else "text_completion",
+                        "created": self.created,
+                        "model": self.body.get("model"),
+                        "choices": [],
+                        "usage": usage,
+                    }
+                )
+            )
         out.append(b"data: [DONE]\n\n")
         return out
 
@@ -275,12 +357,22 @@ class StreamTracker:
 def _chat_logprobs(lp: dict[str, Any]) -> dict[str, Any]:
     """Completions' logprobs (tokens, token_logprobs, top_logprobs) in chat's shape."""
     content = []
-    for tok, logprob, top in zip(lp.get("tokens") or [], lp.get("token_logprobs") or [],
-                                 lp.get("top_logprobs") or [None] * len(lp.get("tokens") or [])):
-        content.append({"token": tok, "logprob": logprob if logprob is not None else float("-inf"),
-                        "bytes": list(tok.encode()),
-                        "top_logprobs": [{"token": t, "logprob": v, "bytes": list(t.encode())}
-                                         for t, v in (top or {}).items()]})
+    for tok, logprob, top in zip(
+        lp.get("tokens") or [],
+        lp.get("token_logprobs") or [],
+        lp.get("top_logprobs") or [None] * len(lp.get("tokens") or []),
+    ):
+        content.append(
+            {
+                "token": tok,
+                "logprob": logprob if logprob is not None else float("-inf"),
+                "bytes": list(tok.encode()),
+                "top_logprobs": [
+                    {"token": t, "logprob": v, "bytes": list(t.encode())}
+                    for t, v in (top or {}).items()
+                ],
+            }
+        )
     return {"content": content}
 
 

@@ -76,9 +76,15 @@ class KVConnectorOutput:
 class KVConnectorBase(ABC):
     """Base class of every KV connector (see the module docstring for the contract)."""
 
-    def __init__(self, config: KVTransferConfig, role: KVConnectorRole,
-                 kv_cache_config: KVCacheConfig | None = None, *, model_identity: str = "",
-                 hash_seed: str = "") -> None:
+    def __init__(
+        self,
+        config: KVTransferConfig,
+        role: KVConnectorRole,
+        kv_cache_config: KVCacheConfig | None = None,
+        *,
+        model_identity: str = "",
+        hash_seed: str = "",
+    ) -> None:
         """``model_identity`` names the weights (`models.loader.model_identity`): KV made by
         other weights must never be loaded, so connectors fold it into their fingerprints.
         ``hash_seed`` names how this engine hashes blocks (algorithm and ``NONE_HASH`` seed):
@@ -99,8 +105,9 @@ class KVConnectorBase(ABC):
     # ---- scheduler side ---------------------------------------------------------------------------
 
     @abstractmethod
-    def get_num_new_matched_tokens(self, request: KVCacheRequest,
-                                   num_computed_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(
+        self, request: KVCacheRequest, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
         """``(tokens, load_async)``: how many tokens after the local hit of
         ``num_computed_tokens`` (block aligned) can be loaded from outside, and whether they
         arrive asynchronously (the request then waits in ``WAITING_FOR_REMOTE_KVS``).
@@ -109,8 +116,9 @@ class KVConnectorBase(ABC):
         asked and then not admitted (no room)."""
 
     @abstractmethod
-    def update_state_after_alloc(self, request: KVCacheRequest, block_ids: BlockIds,
-                                 num_external_tokens: int) -> None:
+    def update_state_after_alloc(
+        self, request: KVCacheRequest, block_ids: BlockIds, num_external_tokens: int
+    ) -> None:
         """Blocks were allocated for ``request`` (``block_ids``: all of its blocks, per group;
         ``request.num_computed_tokens`` is the local hit): queue the load of its
         ``num_external_tokens`` external tokens into them. Called with 0 too."""
@@ -124,8 +132,9 @@ class KVConnectorBase(ABC):
         """The worker side's report of a step, before the scheduler acts on it."""
 
     @abstractmethod
-    def request_finished(self, request: KVCacheRequest,
-                         block_ids: BlockIds) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(
+        self, request: KVCacheRequest, block_ids: BlockIds
+    ) -> tuple[bool, dict[str, Any] | None]:
         """``request`` finished (or was aborted): called once, before its blocks are freed.
         Returns ``(delay_free, kv_transfer_params)``: with ``delay_free`` the blocks stay
         allocated until the request appears in ``finished_sending``; the params (or None) are
@@ -195,4 +204,3 @@ class KVConnectorBase(ABC):
 
     def shutdown(self) -> None:
         """Stop background work and release resources."""
-

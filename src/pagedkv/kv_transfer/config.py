@@ -20,11 +20,27 @@ from pagedkv.offload.spec import OffloadConfig, parse_offload_spec
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
 # Per-request ``kv_transfer_params`` keys a connector reads (`SamplingParams.kv_transfer_params`):
 # the offloading connector's, and vLLM's prefill/decode disaggregation keys (pd-disaggregation §4).
-OFFLOAD_PARAM_KEYS = frozenset({"max_offload_tokens", "offload_policy", "skip_reading_prefix_cache"})
-PD_PARAM_KEYS = frozenset({
-    "do_remote_decode", "do_remote_prefill", "remote_engine_id", "remote_block_ids", "remote_host",
-    "remote_port", "remote_request_id", "remote_num_tokens", "remote_blocks_expiry_time",
-    "transfer_mode", "tp_size", "dcp_size", "pp_size", "remote_registration_generation"})
+OFFLOAD_PARAM_KEYS = frozenset(
+    {"max_offload_tokens", "offload_policy", "skip_reading_prefix_cache"}
+)
+PD_PARAM_KEYS = frozenset(
+    {
+        "do_remote_decode",
+        "do_remote_prefill",
+        "remote_engine_id",
+        "remote_block_ids",
+        "remote_host",
+        "remote_port",
+        "remote_request_id",
+        "remote_num_tokens",
+        "remote_blocks_expiry_time",
+        "transfer_mode",
+        "tp_size",
+        "dcp_size",
+        "pp_size",
+        "remote_registration_generation",
+    }
+)
 KV_TRANSFER_PARAM_KEYS = OFFLOAD_PARAM_KEYS | PD_PARAM_KEYS
 KV_LOAD_FAILURE_POLICIES = ("recompute", "fail")
 OFFLOADING_CONNECTOR = "OffloadingConnector"
@@ -34,8 +50,9 @@ OFFLOADING_CONNECTOR = "OffloadingConnector"
 class KVTransferConfig:
     """vLLM's fields. ``kv_role``: ``kv_producer`` (computes KV for others: a prefill
     instance), ``kv_consumer`` (receives it: a decode instance) or ``kv_both``; required with a
-    connector. ``kv_load_failure_policy``: a failed load is ``"recompute"``d locally (pagedkv's default: a
-    dead producer costs time, never a request) or ``"fail"``s the request (vLLM 0.33's default). ``engine_id`` defaults to a fresh uuid4. ``kv_ip`` /
+    connector. ``kv_load_failure_policy``: a failed load is ``"recompute"``d locally (pagedkv's
+    default: a dead producer costs time, never a request) or ``"fail"``s the request (vLLM 0.33's
+    default). ``engine_id`` defaults to a fresh uuid4. ``kv_ip`` /
     ``kv_port``: where a connector's side channel listens (PD disaggregation).
     ``kv_connector_module_path``: a module that defines a `KVConnectorBase` subclass named
     ``kv_connector`` (connectors outside pagedkv, as in vLLM)."""
@@ -91,7 +108,9 @@ class KVTransferConfig:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
-            raise ValueError(f"unknown kv_transfer_config field(s) {unknown}; known: {sorted(known)}")
+            raise ValueError(
+                f"unknown kv_transfer_config field(s) {unknown}; known: {sorted(known)}"
+            )
         data = dict(data)
         if isinstance(data.get("kv_connector_extra_config"), dict):  # never share the caller's dict
             data["kv_connector_extra_config"] = dict(data["kv_connector_extra_config"])
@@ -103,19 +122,33 @@ class KVTransferConfig:
         try:
             data = json.loads(text)
         except json.JSONDecodeError as e:
-            raise ValueError(f"--kv-transfer-config is not valid JSON ({e.msg} at char {e.pos}): {text!r}") from None
+            raise ValueError(
+                f"--kv-transfer-config is not valid JSON ({e.msg} at char {e.pos}): {text!r}"
+            ) from None
         return cls.from_dict(data)
 
 
-def offloading_transfer_config(spec: str | OffloadConfig, *, cache_policy: str = "lru",
-                               store_threshold: int = 0, preemption_mode: str = "recompute") -> KVTransferConfig:
+def offloading_transfer_config(
+    spec: str | OffloadConfig,
+    *,
+    cache_policy: str = "lru",
+    store_threshold: int = 0,
+    preemption_mode: str = "recompute",
+) -> KVTransferConfig:
     """The `KVTransferConfig` that ``--kv-offload SPEC`` stands for. The spec is parsed here,
     once; a failed load from a tier is recomputed (a dead tier costs time, never a request)."""
     offload = spec if isinstance(spec, OffloadConfig) else parse_offload_spec(spec)
     return KVTransferConfig(
-        kv_connector=OFFLOADING_CONNECTOR, kv_role="kv_both", kv_load_failure_policy="recompute",
-        kv_connector_extra_config={"offload_config": offload, "cache_policy": cache_policy,
-                                   "store_threshold": store_threshold, "preemption_mode": preemption_mode})
+        kv_connector=OFFLOADING_CONNECTOR,
+        kv_role="kv_both",
+        kv_load_failure_policy="recompute",
+        kv_connector_extra_config={
+            "offload_config": offload,
+            "cache_policy": cache_policy,
+            "store_threshold": store_threshold,
+            "preemption_mode": preemption_mode,
+        },
+    )
 
 
 def resolve_offload_config(config: KVTransferConfig) -> OffloadConfig | None:
@@ -130,7 +163,9 @@ def resolve_offload_config(config: KVTransferConfig) -> OffloadConfig | None:
         return oc
     spec = extra.get("kv_offload")
     if not isinstance(spec, str):
-        raise ValueError("the OffloadingConnector needs kv_connector_extra_config.kv_offload, a tier spec "
-                         "such as 'cpu:4GiB,disk:/var/cache/pagedkv:20GiB'")
+        raise ValueError(
+            "the OffloadingConnector needs kv_connector_extra_config.kv_offload, a tier spec "
+            "such as 'cpu:4GiB,disk:/var/cache/pagedkv:20GiB'"
+        )
     extra["offload_config"] = oc = parse_offload_spec(spec)
     return oc

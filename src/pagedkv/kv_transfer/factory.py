@@ -41,28 +41,41 @@ class KVConnectorFactory:
             try:
                 module = importlib.import_module(config.kv_connector_module_path)
             except ImportError as e:
-                raise ValueError(f"cannot import kv_connector_module_path "
-                                 f"{config.kv_connector_module_path!r}: {e}") from None
+                raise ValueError(
+                    f"cannot import kv_connector_module_path "
+                    f"{config.kv_connector_module_path!r}: {e}"
+                ) from None
             connector = getattr(module, name, None)
         elif name in cls._registry:
             connector = cls._registry[name]()
         else:
-            raise ValueError(f"unknown kv_connector {name!r}; built in: {sorted(cls._registry)} "
-                             "(or give kv_connector_module_path)")
+            raise ValueError(
+                f"unknown kv_connector {name!r}; built in: {sorted(cls._registry)} "
+                "(or give kv_connector_module_path)"
+            )
         if not (isinstance(connector, type) and issubclass(connector, KVConnectorBase)):
             raise ValueError(f"kv_connector {name!r} is not a KVConnectorBase subclass")
         return connector
 
     @classmethod
-    def create_connector(cls, config: KVTransferConfig, role: KVConnectorRole,
-                         kv_cache_config: KVCacheConfig, model_identity: str = "",
-                         hash_seed: str = "") -> KVConnectorBase:
+    def create_connector(
+        cls,
+        config: KVTransferConfig,
+        role: KVConnectorRole,
+        kv_cache_config: KVCacheConfig,
+        model_identity: str = "",
+        hash_seed: str = "",
+    ) -> KVConnectorBase:
         """The connector ``config`` names, built for ``role`` (scheduler side; the worker side
         is ready once the runner called `register_kv_caches`)."""
-        return cls.get_connector_class(config)(config, role, kv_cache_config, model_identity=model_identity,
-                                                       hash_seed=hash_seed)
+        return cls.get_connector_class(config)(
+            config, role, kv_cache_config, model_identity=model_identity, hash_seed=hash_seed
+        )
 
 
 KVConnectorFactory.register_connector(
-    "OffloadingConnector", "pagedkv.kv_transfer.offloading_connector", "OffloadingConnector")
-KVConnectorFactory.register_connector("NixlConnector", "pagedkv.kv_transfer.nixl_connector", "NixlConnector")
+    "OffloadingConnector", "pagedkv.kv_transfer.offloading_connector", "OffloadingConnector"
+)
+KVConnectorFactory.register_connector(
+    "NixlConnector", "pagedkv.kv_transfer.nixl_connector", "NixlConnector"
+)

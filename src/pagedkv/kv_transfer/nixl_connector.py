@@ -56,8 +56,6 @@ from pagedkv.core.events import MEDIUM_REMOTE, BlockStored
 from pagedkv.core.hashing import maybe_convert_block_hash
 from pagedkv.core.request import KVCacheRequest, RequestStatus
 from pagedkv.core.units import cdiv
-from pagedkv.transfer import get_transfer_backend
-from pagedkv.transfer.base import KVTransferBackend, MemoryRegion
 from pagedkv.kv_transfer.base import (
     BlockIds,
     KVConnectorBase,
@@ -75,6 +73,8 @@ from pagedkv.kv_transfer.side_channel import (
     fetch_agent_metadata,
 )
 from pagedkv.kv_transfer.stats import KVConnectorStats, KVTransferStats
+from pagedkv.transfer import get_transfer_backend
+from pagedkv.transfer.base import KVTransferBackend, MemoryRegion
 
 if TYPE_CHECKING:
     from pagedkv.core.specs import KVCacheConfig
@@ -134,10 +134,18 @@ class _Peer:
 
 
 class NixlConnector(KVConnectorBase):
-    def __init__(self, config: KVTransferConfig, role: KVConnectorRole,
-                 kv_cache_config: KVCacheConfig | None = None, *, model_identity: str = "",
-                 hash_seed: str = "") -> None:
-        super().__init__(config, role, kv_cache_config, model_identity=model_identity, hash_seed=hash_seed)
+    def __init__(
+        self,
+        config: KVTransferConfig,
+        role: KVConnectorRole,
+        kv_cache_config: KVCacheConfig | None = None,
+        *,
+        model_identity: str = "",
+        hash_seed: str = "",
+    ) -> None:
+        super().__init__(
+            config, role, kv_cache_config, model_identity=model_identity, hash_seed=hash_seed
+        )
         if kv_cache_config is None:
             raise ValueError("the NixlConnector needs the KV cache config")
         self.check_kv_cache_groups(kv_cache_config.kv_cache_groups)
@@ -183,39 +191,58 @@ class NixlConnector(KVConnectorBase):
     @classmethod
     def check_kv_cache_groups(cls, kv_cache_groups: list[Any]) -> None:
         if len(kv_cache_groups) != 1:
-            raise ValueError("the NixlConnector supports models with one KV cache group; this model has "
-                             f"{len(kv_cache_groups)} (hybrid full + sliding-window attention)")
+            raise ValueError(
+                "the NixlConnector supports models with one KV cache group; this model has "
+                f"{len(kv_cache_groups)} (hybrid full + sliding-window attention)"
+            )
 
     # ---- scheduler side ---------------------------------------------------------------------------
 
     def _remote(self, request: KVCacheRequest) -> dict[str, Any] | None:
         """The request's consumer params, if it is to fetch its KV (and has not yet)."""
         p = request.kv_transfer_params or {}
-        if (not self.config.is_kv_consumer or not p.get("do_remote_prefill")
-                or p.get("remote_request_id") in self._recv_started):
+        if (
+            not self.config.is_kv_consumer
+            or not p.get("do_remote_prefill")
+            or p.get("remote_request_id") in self._recv_started
+        ):
             return None
         missing = [k for k in _REQUIRED_PARAMS if p.get(k) is None]
         if missing:
-            logger.warning("request %s: kv_transfer_params lack %s; computing its prompt locally",
-                           request.request_id, missing)
+            logger.warning(
+                "request %s: kv_transfer_params lack %s; computing its prompt locally",
+                request.request_id,
+                missing,
+            )
             return None
         if p.get("transfer_mode", "pull") == "pull" and not p.get("remote_block_ids"):
-            logger.warning("request %s: no remote_block_ids; computing its prompt locally", request.request_id)
+            logger.warning(
+                "request %s: no remote_block_ids; computing its prompt locally", request.request_id
+            )
             return None
         n = p.get("remote_num_tokens")
         if n is not None and n != request.num_prompt_tokens:
-            logger.warning("request %s: the producer computed %s prompt tokens, this prompt has %d; "
-                           "computing it locally", request.request_id, n, request.num_prompt_tokens)
+            logger.warning(
+                "request %s: the producer computed %s prompt tokens, this prompt has %d; "
+                "computing it locally",
+                request.request_id,
+                n,
+                request.num_prompt_tokens,
+            )
             return None
         return p
 
-    def get_num_new_matched_tokens(self, request: KVCacheRequest, num_computed_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(
+        self, request: KVCacheRequest, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
         if request.num_output_tokens or self._remote(request) is None:
             return 0, False
         ext = request.num_prompt_tokens - num_computed_tokens
         return (ext, True) if ext > 0 else (0, False)
 
-    def update_state_after_alloc(self, request: KVCacheRequest, block_ids: BlockIds, num_external_tokens: int) -> None:
+    def update_state_after_alloc(
+        self, request: KVCacheRequest, block_ids: BlockIds, num_external_tokens: int
+    ) -> None:
         p = self._remote(request) if num_external_tokens > 0 else None
         if p is None:
             return
@@ -228,8 +255,16 @@ class NixlConnector(KVConnectorBase):
         if mode == "pull":
             remote = list(p["remote_block_ids"])[first:last]
         self._pending_recv[request.request_id] = RecvReq(
-            request.request_id, rrid, p["remote_engine_id"], p["remote_host"], int(p["remote_port"]), first,
-            list(block_ids[0][first:last]), remote, mode)
+            request.request_id,
+            rrid,
+            p["remote_engine_id"],
+            p["remote_host"],
+            int(p["remote_port"]),
+            first,
+            list(block_ids[0][first:last]),
+            remote,
+            mode,
+        )
         self._record_recv(request, list(block_ids[0][first:last]), first)
 
     def _record_recv(self, request: KVCacheRequest, local_ids: list[int], first: int) -> None:
@@ -239,11 +274,19 @@ class NixlConnector(KVConnectorBase):
             return  # only a partial block moves: nothing content-addressed to report
         hashes = request.block_hashes
         bs = self.block_size
-        self._recv_records[request.request_id] = (local_ids, BlockStored(
-            block_hashes=[maybe_convert_block_hash(h) for h in hashes[first:full]],
-            parent_block_hash=maybe_convert_block_hash(hashes[first - 1]) if first > 0 else None,
-            token_ids=list(request.all_token_ids[first * bs:full * bs]), block_size=bs,
-            lora_id=None, medium=MEDIUM_REMOTE))
+        self._recv_records[request.request_id] = (
+            local_ids,
+            BlockStored(
+                block_hashes=[maybe_convert_block_hash(h) for h in hashes[first:full]],
+                parent_block_hash=maybe_convert_block_hash(hashes[first - 1])
+                if first > 0
+                else None,
+                token_ids=list(request.all_token_ids[first * bs : full * bs]),
+                block_size=bs,
+                lora_id=None,
+                medium=MEDIUM_REMOTE,
+            ),
+        )
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         """Completed reads become KV events (failed ones, with invalid blocks, do not)."""
@@ -261,27 +304,53 @@ class NixlConnector(KVConnectorBase):
         self._pending_recv, self._early_frees = {}, []
         return meta
 
-    def request_finished(self, request: KVCacheRequest, block_ids: BlockIds) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(
+        self, request: KVCacheRequest, block_ids: BlockIds
+    ) -> tuple[bool, dict[str, Any] | None]:
         p = request.kv_transfer_params or {}
         if p.get("do_remote_prefill") and p.get("remote_request_id") not in self._recv_started:
             consumer = self._remote(request)
             if consumer is not None:  # never fetched (aborted while queued): let the producer free
                 self._recv_started.add(consumer["remote_request_id"])
-                self._early_frees.append(RecvReq(
-                    request.request_id, consumer["remote_request_id"], consumer["remote_engine_id"],
-                    consumer["remote_host"], int(consumer["remote_port"]), 0, [], None))
+                self._early_frees.append(
+                    RecvReq(
+                        request.request_id,
+                        consumer["remote_request_id"],
+                        consumer["remote_engine_id"],
+                        consumer["remote_host"],
+                        int(consumer["remote_port"]),
+                        0,
+                        [],
+                        None,
+                    )
+                )
         # Only sample 0 of an n > 1 request hands its prompt over (the samples share its blocks).
-        if not self.config.is_kv_producer or not p.get("do_remote_decode") or getattr(request, "sample_index", 0):
+        if (
+            not self.config.is_kv_producer
+            or not p.get("do_remote_decode")
+            or getattr(request, "sample_index", 0)
+        ):
             return False, None
-        if request.status not in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED):
+        if request.status not in (
+            RequestStatus.FINISHED_STOPPED,
+            RequestStatus.FINISHED_LENGTH_CAPPED,
+        ):
             return False, None  # aborted or failed: nothing to hand over
-        blocks = list(block_ids[0][:cdiv(request.num_prompt_tokens, self.block_size)])
-        self._sending[request.request_id] = SendReq(request.request_id, blocks, time.monotonic() + self.lease_s)
+        blocks = list(block_ids[0][: cdiv(request.num_prompt_tokens, self.block_size)])
+        self._sending[request.request_id] = SendReq(
+            request.request_id, blocks, time.monotonic() + self.lease_s
+        )
         return True, {
-            "do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": self.engine_id,
-            "remote_block_ids": blocks, "remote_host": self.host, "remote_port": self.port,
-            "remote_request_id": request.request_id, "remote_num_tokens": request.num_prompt_tokens,
-            "transfer_mode": self.transfer_mode}
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_engine_id": self.engine_id,
+            "remote_block_ids": blocks,
+            "remote_host": self.host,
+            "remote_port": self.port,
+            "remote_request_id": request.request_id,
+            "remote_num_tokens": request.num_prompt_tokens,
+            "transfer_mode": self.transfer_mode,
+        }
 
     def has_pending_work(self) -> bool:
         return bool(self._sending or self._recving or self._waiting_peer)
@@ -295,19 +364,36 @@ class NixlConnector(KVConnectorBase):
         layout = self.kv_cache_config.layout
         regions = buffer_regions(kv_buffer, layout.name if hasattr(layout, "name") else str(layout))
         self.backend = get_transfer_backend(
-            self.engine_id, self._backend_name,
-            nixl_progress_thread=bool(self.config.get_from_extra_config("nixl_progress_thread", True)))
+            self.engine_id,
+            self._backend_name,
+            nixl_progress_thread=bool(
+                self.config.get_from_extra_config("nixl_progress_thread", True)
+            ),
+        )
         self.backend.register_kv_memory(regions)
         spec = self.kv_cache_config.kv_cache_groups[0].kv_cache_spec
         self.local_meta = KVAgentMetadata(
-            engine_id=self.engine_id, backend=self.backend.kind, agent_metadata=self.backend.get_agent_metadata(),
-            model=self.model_identity, hash_seed=self.hash_seed, block_size=self.block_size,
-            kv_dtype=getattr(spec, "kv_format", str(spec.dtype)), kv_cache_layout=regions_layout_name(layout),
-            num_blocks=self.kv_cache_config.num_blocks, block_lens=tuple(r.block_len for r in regions))
+            engine_id=self.engine_id,
+            backend=self.backend.kind,
+            agent_metadata=self.backend.get_agent_metadata(),
+            model=self.model_identity,
+            hash_seed=self.hash_seed,
+            block_size=self.block_size,
+            kv_dtype=getattr(spec, "kv_format", str(spec.dtype)),
+            kv_cache_layout=regions_layout_name(layout),
+            num_blocks=self.kv_cache_config.num_blocks,
+            block_lens=tuple(r.block_len for r in regions),
+        )
         self._bytes_per_block = sum(r.block_len for r in regions)
         self._listener = SideChannelListener(self.host, self.port, self.local_meta.encode())
-        logger.info("NixlConnector %s (%s): side channel %s:%d, transfer backend %s", self.engine_id,
-                    self.config.kv_role, self.host, self.port, self.backend.kind)
+        logger.info(
+            "NixlConnector %s (%s): side channel %s:%d, transfer backend %s",
+            self.engine_id,
+            self.config.kv_role,
+            self.host,
+            self.port,
+            self.backend.kind,
+        )
 
     # ---- worker side: per step --------------------------------------------------------------------
 
@@ -342,8 +428,9 @@ class NixlConnector(KVConnectorBase):
         key = (req.engine_id, req.host, req.port)
         peer = self._peers.get(key)
         if peer is None or peer.error is not None:
-            peer = self._peers[key] = _Peer(future=self._executor.submit(
-                self._handshake, req.host, req.port, req.engine_id))
+            peer = self._peers[key] = _Peer(
+                future=self._executor.submit(self._handshake, req.host, req.port, req.engine_id)
+            )
 
     def _handshake(self, host: str, port: int, engine_id: str) -> KVAgentMetadata:
         """On the handshake thread: fetch and check the peer's metadata (no backend calls)."""
@@ -392,8 +479,11 @@ class NixlConnector(KVConnectorBase):
         for rid, req in list(self._recving.items()):
             if req.handle is None:  # push: waiting for the producer's write
                 if now > req.deadline:
-                    logger.error("request %s: the producer's push did not arrive within %.0f s; recomputing",
-                                 rid, self.push_timeout_s)
+                    logger.error(
+                        "request %s: the producer's push did not arrive within %.0f s; recomputing",
+                        rid,
+                        self.push_timeout_s,
+                    )
                     del self._recving[rid]
                     self._fail(req)
                 continue
@@ -409,18 +499,28 @@ class NixlConnector(KVConnectorBase):
                 self._fail(req)
 
     def _record(self, req: RecvReq, num_blocks: int) -> None:
-        self.xfer_stats.record(num_blocks, num_blocks * self._bytes_per_block, time.monotonic() - req.started)
+        self.xfer_stats.record(
+            num_blocks, num_blocks * self._bytes_per_block, time.monotonic() - req.started
+        )
 
     def _start_transfer(self, req: RecvReq, peer: str) -> None:
         notif = DONE + req.remote_request_id.encode()
         req.started = time.monotonic()
         if req.mode == "push":
-            reg = {"rid": req.remote_request_id, "engine_id": self.engine_id, "host": self.host,
-                   "port": self.port, "first_block": req.first_block, "block_ids": req.local_block_ids}
+            reg = {
+                "rid": req.remote_request_id,
+                "engine_id": self.engine_id,
+                "host": self.host,
+                "port": self.port,
+                "first_block": req.first_block,
+                "block_ids": req.local_block_ids,
+            }
             self.backend.send_notif(peer, PUSH_REG + msgspec.msgpack.encode(reg))
             req.deadline = time.monotonic() + self.push_timeout_s
         else:
-            req.handle = self.backend.read_blocks(peer, req.local_block_ids, req.remote_block_ids or [], notif)
+            req.handle = self.backend.read_blocks(
+                peer, req.local_block_ids, req.remote_block_ids or [], notif
+            )
             req.deadline = time.monotonic() + self.transfer_timeout_s
         self._recving[req.request_id] = req
 
@@ -437,16 +537,16 @@ class NixlConnector(KVConnectorBase):
         for msgs in self.backend.get_new_notifs().values():
             for msg in msgs:
                 if msg.startswith(DONE):
-                    self._release_send(msg[len(DONE):].decode())
+                    self._release_send(msg[len(DONE) :].decode())
                 elif msg.startswith(HEARTBEAT):
-                    for rid in msg[len(HEARTBEAT):].decode().split(","):
+                    for rid in msg[len(HEARTBEAT) :].decode().split(","):
                         send = self._sending.get(rid)
                         if send is not None:
                             send.expiry = max(send.expiry, now + self.lease_s * 2 / 3)
                 elif msg.startswith(PUSH_REG):
-                    self._on_push_registration(msgspec.msgpack.decode(msg[len(PUSH_REG):]))
+                    self._on_push_registration(msgspec.msgpack.decode(msg[len(PUSH_REG) :]))
                 elif msg.startswith(PUSHED):
-                    req = by_remote.get(msg[len(PUSHED):].decode())
+                    req = by_remote.get(msg[len(PUSHED) :].decode())
                     if req is not None and req.handle is None:
                         del self._recving[req.request_id]
                         self._done_recving.add(req.request_id)
@@ -465,7 +565,9 @@ class NixlConnector(KVConnectorBase):
         now = time.monotonic()
         for rid, send in list(self._sending.items()):
             if now > send.expiry and send.push_handle is None:
-                logger.warning("Releasing expired KV blocks of request %s (no consumer within the lease)", rid)
+                logger.warning(
+                    "Releasing expired KV blocks of request %s (no consumer within the lease)", rid
+                )
                 self.xfer_stats.num_leases_expired += 1
                 self._release_send(rid)
 
@@ -488,7 +590,9 @@ class NixlConnector(KVConnectorBase):
     def _on_push_registration(self, reg: dict[str, Any]) -> None:
         """A consumer registered its blocks for one of our requests: connect back to it."""
         self._push_regs[reg["rid"]] = (reg, time.monotonic())
-        self._connect(RecvReq("", reg["rid"], reg["engine_id"], reg["host"], int(reg["port"]), 0, [], None))
+        self._connect(
+            RecvReq("", reg["rid"], reg["engine_id"], reg["host"], int(reg["port"]), 0, [], None)
+        )
 
     def _progress_pushes(self) -> None:
         now = time.monotonic()
@@ -496,11 +600,15 @@ class NixlConnector(KVConnectorBase):
             send = self._sending.get(rid)
             if send is None:  # not finished yet, or already released
                 if now - arrived > self.push_timeout_s:
-                    logger.warning("push registration for unknown or released request %s dropped", rid)
+                    logger.warning(
+                        "push registration for unknown or released request %s dropped", rid
+                    )
                     del self._push_regs[rid]
                 continue
             if send.push_handle is None:
-                probe = RecvReq("", rid, reg["engine_id"], reg["host"], int(reg["port"]), 0, [], None)
+                probe = RecvReq(
+                    "", rid, reg["engine_id"], reg["host"], int(reg["port"]), 0, [], None
+                )
                 try:
                     peer = self._peer_name(probe)
                 except HandshakeError:
@@ -509,9 +617,11 @@ class NixlConnector(KVConnectorBase):
                 if peer is None:
                     continue
                 first, dst = reg["first_block"], list(reg["block_ids"])
-                src = send.block_ids[first:first + len(dst)]
+                src = send.block_ids[first : first + len(dst)]
                 send.push_started = time.monotonic()
-                send.push_handle = self.backend.write_blocks(peer, src, dst[:len(src)], PUSHED + rid.encode())
+                send.push_handle = self.backend.write_blocks(
+                    peer, src, dst[: len(src)], PUSHED + rid.encode()
+                )
                 continue
             state = self.backend.check_xfer_state(send.push_handle)
             if state == "PROC":
@@ -523,7 +633,9 @@ class NixlConnector(KVConnectorBase):
                 self.xfer_stats.num_failed += 1
             else:
                 n = len(send.block_ids)
-                self.xfer_stats.record(n, n * self._bytes_per_block, time.monotonic() - send.push_started)
+                self.xfer_stats.record(
+                    n, n * self._bytes_per_block, time.monotonic() - send.push_started
+                )
             self._release_send(rid)
 
     # ---- introspection --------------------------------------------------------------------------------
@@ -543,7 +655,9 @@ class NixlConnector(KVConnectorBase):
     def get_kv_connector_stats(self) -> KVConnectorStats:
         st = self.xfer_stats.copy()
         st.transfers_in_flight = len(self._recving) + len(self._waiting_peer) + len(self._sending)
-        st.peers = sorted(f"{e}@{h}:{p}" for (e, h, p), peer in self._peers.items() if peer.name is not None)
+        st.peers = sorted(
+            f"{e}@{h}:{p}" for (e, h, p), peer in self._peers.items() if peer.name is not None
+        )
         return KVConnectorStats(transfer=st)
 
     def shutdown(self) -> None:
@@ -566,12 +680,14 @@ def buffer_regions(kv_buffer: Any, layout: str) -> list[MemoryRegion]:
     for d in sizes[:k]:
         num_regions *= d
     block_len = kv_buffer.element_size()
-    for d in sizes[k + 1:]:
+    for d in sizes[k + 1 :]:
         block_len *= d
     num_blocks = sizes[k]
     base = kv_buffer.data_ptr()
-    return [MemoryRegion(base + r * num_blocks * block_len, num_blocks, block_len, block_len)
-            for r in range(num_regions)]
+    return [
+        MemoryRegion(base + r * num_blocks * block_len, num_blocks, block_len, block_len)
+        for r in range(num_regions)
+    ]
 
 
 def regions_layout_name(layout: Any) -> str:

@@ -51,15 +51,19 @@ from typing import TYPE_CHECKING, Any
 
 from pagedkv.core.request import KVCacheRequest as Request
 from pagedkv.kv_transfer.base import BlockIds, KVConnectorBase, KVConnectorMetadata, KVConnectorRole
-from pagedkv.kv_transfer.config import KVTransferConfig, offloading_transfer_config, resolve_offload_config
+from pagedkv.kv_transfer.config import (
+    KVTransferConfig,
+    offloading_transfer_config,
+    resolve_offload_config,
+)
 from pagedkv.kv_transfer.stats import KVConnectorStats
 from pagedkv.offload.base import (
     GPULoadStoreSpec,
     OffloadingManager,
     TierStats,
 )
-from pagedkv.offload.fingerprint import OffloadFingerprint
 from pagedkv.offload.factory import build_offloading
+from pagedkv.offload.fingerprint import OffloadFingerprint
 from pagedkv.offload.kv_groups import OffloadGroupLayout
 from pagedkv.offload.spec import CPUTierConfig, OffloadConfig
 from pagedkv.offload.worker import OffloadingWorker
@@ -128,21 +132,32 @@ class OffloadingConnector(KVConnectorBase):
     "arc"), ``store_threshold`` (admit a block after this many offers), ``preemption_mode``
     ("recompute", or "swap": a preempted request's KV goes to the CPU tier)."""
 
-    def __init__(self, config: KVTransferConfig, role: KVConnectorRole,
-                 kv_cache_config: KVCacheConfig | None = None, *, model_identity: str = "",
-                 hash_seed: str = "") -> None:
-        super().__init__(config, role, kv_cache_config, model_identity=model_identity, hash_seed=hash_seed)
+    def __init__(
+        self,
+        config: KVTransferConfig,
+        role: KVConnectorRole,
+        kv_cache_config: KVCacheConfig | None = None,
+        *,
+        model_identity: str = "",
+        hash_seed: str = "",
+    ) -> None:
+        super().__init__(
+            config, role, kv_cache_config, model_identity=model_identity, hash_seed=hash_seed
+        )
         if kv_cache_config is None:
             raise ValueError("the OffloadingConnector needs the KV cache config")
         self.check_kv_cache_groups(kv_cache_config.kv_cache_groups)
         self.layout = OffloadGroupLayout.from_kv_cache_groups(
-            kv_cache_config.kv_cache_groups, kv_cache_config.prefix_cache_retention_interval)
+            kv_cache_config.kv_cache_groups, kv_cache_config.prefix_cache_retention_interval
+        )
         self.offload_config = resolve_offload_config(config)
         self.cache_policy = config.get_from_extra_config("cache_policy", "lru")
         self.store_threshold = int(config.get_from_extra_config("store_threshold", 0))
         preemption_mode = config.get_from_extra_config("preemption_mode", "recompute")
         if preemption_mode not in ("recompute", "swap"):
-            raise ValueError(f"invalid preemption_mode {preemption_mode!r}: use 'recompute' or 'swap'")
+            raise ValueError(
+                f"invalid preemption_mode {preemption_mode!r}: use 'recompute' or 'swap'"
+            )
         self.preemption_mode = preemption_mode
         self.block_size = kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
         self.manager: OffloadingManager | None = None  # built by register_kv_caches
@@ -166,15 +181,25 @@ class OffloadingConnector(KVConnectorBase):
         OffloadGroupLayout.from_kv_cache_groups(kv_cache_groups)
 
     @classmethod
-    def from_parts(cls, manager: OffloadingManager, worker: OffloadingWorker, block_size: int,
-                   preemption_mode: str = "recompute") -> OffloadingConnector:
+    def from_parts(
+        cls,
+        manager: OffloadingManager,
+        worker: OffloadingWorker,
+        block_size: int,
+        preemption_mode: str = "recompute",
+    ) -> OffloadingConnector:
         """A connector over a ready manager and worker (tests that build their own tiers)."""
         from pagedkv.core.specs import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 
-        spec = FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=1, dtype="float32")
-        kv_config = KVCacheConfig(num_blocks=1, kv_cache_groups=[KVCacheGroupSpec(["layer.0"], spec)],
-                                  bytes_per_block=1)
-        config = offloading_transfer_config(OffloadConfig(CPUTierConfig(1)), preemption_mode=preemption_mode)
+        spec = FullAttentionSpec(
+            block_size=block_size, num_kv_heads=1, head_size=1, dtype="float32"
+        )
+        kv_config = KVCacheConfig(
+            num_blocks=1, kv_cache_groups=[KVCacheGroupSpec(["layer.0"], spec)], bytes_per_block=1
+        )
+        config = offloading_transfer_config(
+            OffloadConfig(CPUTierConfig(1)), preemption_mode=preemption_mode
+        )
         self = cls(config, KVConnectorRole.SCHEDULER, kv_config)
         self.manager, self.worker = manager, worker
         return self
@@ -188,9 +213,15 @@ class OffloadingConnector(KVConnectorBase):
             raise ValueError("the OffloadingConnector needs the contiguous KV buffer")
         fingerprint = self.fingerprint(kv_buffer)
         self.manager, self.worker = build_offloading(
-            self.offload_config, fingerprint, kv_buffer, self.kv_cache_config.layout,
-            cache_policy=self.cache_policy, store_threshold=self.store_threshold,
-            hash_seed=self.hash_seed, p2p_backend=self.config.get_from_extra_config("p2p_backend"))
+            self.offload_config,
+            fingerprint,
+            kv_buffer,
+            self.kv_cache_config.layout,
+            cache_policy=self.cache_policy,
+            store_threshold=self.store_threshold,
+            hash_seed=self.hash_seed,
+            p2p_backend=self.config.get_from_extra_config("p2p_backend"),
+        )
         # Blocks of windowed groups are freed while their requests run: a CUDA store must be
         # done before the next forward pass may reuse them (`OffloadingWorker.fence_stores`).
         self.worker.fence_stores = any(g.kind != "full" for g in self.layout.groups)
@@ -201,14 +232,22 @@ class OffloadingConnector(KVConnectorBase):
         kvc = self.kv_cache_config
         groups = kvc.kv_cache_groups
         # The attention spec fixes the page geometry (Mamba states live inside its pages).
-        spec = next((g.kv_cache_spec for g in groups if hasattr(g.kv_cache_spec, "num_kv_heads")),
-                    groups[0].kv_cache_spec)
+        spec = next(
+            (g.kv_cache_spec for g in groups if hasattr(g.kv_cache_spec, "num_kv_heads")),
+            groups[0].kv_cache_spec,
+        )
         spec = getattr(spec, "representative", spec)
         return OffloadFingerprint.create(
-            self.model_identity, kv_buffer.dtype, self.block_size, kvc.layout,
-            max(len(g.layer_names) for g in groups), spec.num_kv_heads, spec.head_size,
+            self.model_identity,
+            kv_buffer.dtype,
+            self.block_size,
+            kvc.layout,
+            max(len(g.layer_names) for g in groups),
+            spec.num_kv_heads,
+            spec.head_size,
             kv_quant=getattr(spec, "kv_format", "none"),  # quantized pages never meet other formats
-            kv_cache_groups=self.layout.describe())
+            kv_cache_groups=self.layout.describe(),
+        )
 
     # ---- scheduler side ---------------------------------------------------------------------------
 
@@ -229,7 +268,9 @@ class OffloadingConnector(KVConnectorBase):
         """The scheduler starts a step: the deferral clocks tell consecutive steps apart."""
         self._step += 1
 
-    def get_num_new_matched_tokens(self, req: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(
+        self, req: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
         """External hit tokens after ``num_computed_tokens`` (block aligned), loaded
         synchronously; ``(None, False)`` to retry.
 
@@ -241,8 +282,10 @@ class OffloadingConnector(KVConnectorBase):
         # Always compute at least the last token; a hit ends where every group hits.
         max_tokens = min(req.num_tokens - 1, len(req.block_hashes) * self.layout.hash_block_size)
         n, blocked = self.layout.find_hit(
-            num_computed_tokens, max_tokens,
-            lambda gid, blocks: self.manager.lookup_many(self._keys(req, gid, blocks)))
+            num_computed_tokens,
+            max_tokens,
+            lambda gid, blocks: self.manager.lookup_many(self._keys(req, gid, blocks)),
+        )
         if blocked and self._defer(self._state(req)):
             return None, False
         st = self._reqs.get(req.request_id)
@@ -258,10 +301,14 @@ class OffloadingConnector(KVConnectorBase):
         else:  # first blocked answer, or after a pass-over: a new episode, nothing to charge
             st.deferral_episodes += 1
         st.blocked_at, st.blocked_step = now, self._step
-        return (st.deferred_s < self.max_deferral_s
-                and st.deferral_episodes <= self.max_deferral_episodes)
+        return (
+            st.deferred_s < self.max_deferral_s
+            and st.deferral_episodes <= self.max_deferral_episodes
+        )
 
-    def update_state_after_alloc(self, req: Request, block_ids: BlockIds, num_external_tokens: int) -> None:
+    def update_state_after_alloc(
+        self, req: Request, block_ids: BlockIds, num_external_tokens: int
+    ) -> None:
         """Pin every group's hit chunks and queue one load into the blocks just allocated."""
         if num_external_tokens <= 0:
             return
@@ -269,9 +316,13 @@ class OffloadingConnector(KVConnectorBase):
         keys: list[bytes] = []
         dst: list[int] = []
         for gid in range(len(self.layout.groups)):
-            blocks = self.layout.required_blocks(gid, num_computed, num_computed + num_external_tokens)
+            blocks = self.layout.required_blocks(
+                gid, num_computed, num_computed + num_external_tokens
+            )
             ids = [block_ids[gid][i] for i in blocks]
-            if NULL_BLOCK_ID in ids:  # the scheduler allocates every required block: a broken contract
+            if (
+                NULL_BLOCK_ID in ids
+            ):  # the scheduler allocates every required block: a broken contract
                 raise RuntimeError(f"group {gid} has no device block for a loaded position")
             keys += self._keys(req, gid, blocks)
             dst += ids
@@ -292,7 +343,9 @@ class OffloadingConnector(KVConnectorBase):
                     meta.stores[next(self._jobs)] = job
         return meta
 
-    def request_finished(self, req: Request, block_ids: BlockIds) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(
+        self, req: Request, block_ids: BlockIds
+    ) -> tuple[bool, dict[str, Any] | None]:
         """Before the request's blocks are freed: settle what it owes the tiers (synchronously,
         so the free is never delayed)."""
         if self._params(req).get("offload_policy", BLOCK_LEVEL) == REQUEST_LEVEL:
@@ -347,8 +400,9 @@ class OffloadingConnector(KVConnectorBase):
 
     # ---- stores -------------------------------------------------------------------------------------
 
-    def _prepare_store(self, req: Request, block_ids: BlockIds, num_computed: int,
-                       force: bool = False) -> _StoreJob | None:
+    def _prepare_store(
+        self, req: Request, block_ids: BlockIds, num_computed: int, force: bool = False
+    ) -> _StoreJob | None:
         """Reserve CPU chunks for every group's blocks of ``req`` full after ``num_computed``
         tokens (aligned down to the lcm of the block sizes) that were not offered yet (all of
         them with ``force``); positions a group holds no block for (released, or a Mamba
@@ -359,7 +413,10 @@ class OffloadingConnector(KVConnectorBase):
         if limit is not None:
             num_tokens = min(num_tokens, int(limit))
         layout = self.layout
-        end = min(layout.store_range(num_tokens), layout.store_range(len(req.block_hashes) * layout.hash_block_size))
+        end = min(
+            layout.store_range(num_tokens),
+            layout.store_range(len(req.block_hashes) * layout.hash_block_size),
+        )
         start = 0 if force else st.offered_tokens
         if end <= start:
             return None
@@ -367,7 +424,11 @@ class OffloadingConnector(KVConnectorBase):
         keys: list[bytes] = []
         src: dict[bytes, int] = {}
         for gid, ids in enumerate(block_ids):
-            blocks = [i for i in layout.store_blocks(gid, start, end) if i < len(ids) and ids[i] != NULL_BLOCK_ID]
+            blocks = [
+                i
+                for i in layout.store_blocks(gid, start, end)
+                if i < len(ids) and ids[i] != NULL_BLOCK_ID
+            ]
             for key, i in zip(self._keys(req, gid, blocks), blocks):
                 keys.append(key)
                 src[key] = ids[i]
@@ -377,7 +438,9 @@ class OffloadingConnector(KVConnectorBase):
         if out is None or not out.keys_to_store:
             return None
         dev = tuple(src[k] for k in out.keys_to_store)
-        return _StoreJob(req.request_id, list(out.keys_to_store), GPULoadStoreSpec(dev), out.store_spec)
+        return _StoreJob(
+            req.request_id, list(out.keys_to_store), GPULoadStoreSpec(dev), out.store_spec
+        )
 
     def _submit_store(self, job_id: int, job: _StoreJob) -> None:
         self._stores[job_id] = (job.request_id, job.keys)
@@ -404,8 +467,11 @@ class OffloadingConnector(KVConnectorBase):
                 job = self._loads.pop(result.job_id)
                 self.manager.complete_load(job.keys)
                 if not result.success:
-                    logger.error("offload load job %d failed: its %d blocks are recomputed",
-                                 result.job_id, len(job.dst_block_ids))
+                    logger.error(
+                        "offload load job %d failed: its %d blocks are recomputed",
+                        result.job_id,
+                        len(job.dst_block_ids),
+                    )
                     self._load_errors.update(job.dst_block_ids)
             elif result.job_id in self._stores:
                 rid, keys = self._stores.pop(result.job_id)
@@ -429,8 +495,9 @@ class OffloadingConnector(KVConnectorBase):
         return self.manager.get_stats()
 
     def get_kv_connector_stats(self) -> KVConnectorStats:
-        return KVConnectorStats.from_tiers(self.manager.get_stats(), self.num_loaded_tokens,
-                                           self.num_stored_blocks)
+        return KVConnectorStats.from_tiers(
+            self.manager.get_stats(), self.num_loaded_tokens, self.num_stored_blocks
+        )
 
     def shutdown(self) -> None:
         if self.manager is not None:

@@ -61,21 +61,34 @@ class KVAgentMetadata:
 
 
 # Checked in this order; the first mismatch is reported.
-_COMPAT_FIELDS = ("version", "model", "hash_seed", "block_size", "kv_dtype", "kv_cache_layout",
-                  "block_lens", "backend")
+_COMPAT_FIELDS = (
+    "version",
+    "model",
+    "hash_seed",
+    "block_size",
+    "kv_dtype",
+    "kv_cache_layout",
+    "block_lens",
+    "backend",
+)
 
 
-def check_compatible(local: KVAgentMetadata, remote: KVAgentMetadata,
-                     expected_engine_id: str | None = None) -> None:
+def check_compatible(
+    local: KVAgentMetadata, remote: KVAgentMetadata, expected_engine_id: str | None = None
+) -> None:
     """Raise `HandshakeError` naming the first field on which the engines disagree."""
     if expected_engine_id is not None and remote.engine_id != expected_engine_id:
-        raise HandshakeError(f"engine_id mismatch: expected {expected_engine_id!r}, the peer is "
-                             f"{remote.engine_id!r} (is the side-channel host/port right?)")
+        raise HandshakeError(
+            f"engine_id mismatch: expected {expected_engine_id!r}, the peer is "
+            f"{remote.engine_id!r} (is the side-channel host/port right?)"
+        )
     for name in _COMPAT_FIELDS:
         mine, theirs = getattr(local, name), getattr(remote, name)
         if mine != theirs:
-            raise HandshakeError(f"peer {remote.engine_id} is incompatible: {name} differs "
-                                 f"(local {mine!r}, remote {theirs!r})")
+            raise HandshakeError(
+                f"peer {remote.engine_id} is incompatible: {name} differs "
+                f"(local {mine!r}, remote {theirs!r})"
+            )
 
 
 class SideChannelListener:
@@ -89,8 +102,10 @@ class SideChannelListener:
             self._sock.bind(f"tcp://{host}:{port}")
         except zmq.ZMQError as e:
             self._sock.close()
-            raise ValueError(f"cannot listen for KV handshakes on {host}:{port}: {e} "
-                             "(set kv_connector_extra_config.side_channel_port or --kv-side-channel-port)") from None
+            raise ValueError(
+                f"cannot listen for KV handshakes on {host}:{port}: {e} "
+                "(set kv_connector_extra_config.side_channel_port or --kv-side-channel-port)"
+            ) from None
         self.host, self.port = host, port
         self._payload = payload
         self._stop = threading.Event()
@@ -120,7 +135,9 @@ class SideChannelListener:
         self._thread.join(timeout=2.0)
 
 
-def fetch_agent_metadata(host: str, port: int, timeout_s: float = DEFAULT_HANDSHAKE_TIMEOUT_S) -> KVAgentMetadata:
+def fetch_agent_metadata(
+    host: str, port: int, timeout_s: float = DEFAULT_HANDSHAKE_TIMEOUT_S
+) -> KVAgentMetadata:
     """Ask the peer at ``host:port`` for its metadata; `HandshakeError` if it does not answer in
     ``timeout_s`` (a dead or absent peer never blocks longer)."""
     ctx = zmq.Context.instance()
@@ -133,8 +150,9 @@ def fetch_agent_metadata(host: str, port: int, timeout_s: float = DEFAULT_HANDSH
         sock.send(HANDSHAKE_REQUEST)
         reply = sock.recv()
     except zmq.ZMQError as e:
-        raise HandshakeError(f"KV peer {host}:{port} did not answer the handshake within "
-                             f"{timeout_s:g} s ({e})") from None
+        raise HandshakeError(
+            f"KV peer {host}:{port} did not answer the handshake within {timeout_s:g} s ({e})"
+        ) from None
     finally:
         sock.close()
     if not reply:

@@ -8,9 +8,22 @@ from typing import Any
 
 from pagedkv.offload.base import TierStats
 
-
 # Upper bounds (seconds) of the transfer latency histogram (Prometheus ``le`` buckets).
-TRANSFER_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+TRANSFER_LATENCY_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+)
 
 
 @dataclass(slots=True)
@@ -27,7 +40,9 @@ class KVTransferStats:
     num_failed: int = 0
     num_leases_expired: int = 0
     latency_sum_s: float = 0.0
-    latency_buckets: list[int] = field(default_factory=lambda: [0] * (len(TRANSFER_LATENCY_BUCKETS) + 1))
+    latency_buckets: list[int] = field(
+        default_factory=lambda: [0] * (len(TRANSFER_LATENCY_BUCKETS) + 1)
+    )
     transfers_in_flight: int = 0
     peers: list[str] = field(default_factory=list)
 
@@ -36,7 +51,10 @@ class KVTransferStats:
         self.num_blocks += num_blocks
         self.num_bytes += num_bytes
         self.latency_sum_s += latency_s
-        i = next((i for i, b in enumerate(TRANSFER_LATENCY_BUCKETS) if latency_s <= b), len(TRANSFER_LATENCY_BUCKETS))
+        i = next(
+            (i for i, b in enumerate(TRANSFER_LATENCY_BUCKETS) if latency_s <= b),
+            len(TRANSFER_LATENCY_BUCKETS),
+        )
         self.latency_buckets[i] += 1
 
     def copy(self) -> KVTransferStats:
@@ -68,8 +86,13 @@ class KVConnectorStats:
         return out
 
     @classmethod
-    def from_tiers(cls, tiers: dict[str, TierStats], loaded_tokens: int, stored_blocks: int) -> KVConnectorStats:
+    def from_tiers(
+        cls, tiers: dict[str, TierStats], loaded_tokens: int, stored_blocks: int
+    ) -> KVConnectorStats:
         """A snapshot of ``tiers`` (a connector's ``get_stats()``, which may hand out the live
         objects): each `TierStats` is copied, named by its key."""
-        return cls(loaded_tokens=loaded_tokens, stored_blocks=stored_blocks,
-                   tiers=[replace(st, name=name) for name, st in tiers.items()])
+        return cls(
+            loaded_tokens=loaded_tokens,
+            stored_blocks=stored_blocks,
+            tiers=[replace(st, name=name) for name, st in tiers.items()],
+        )

@@ -53,8 +53,14 @@ class BambaAttention(nn.Module):
     """GQA attention with partial RoPE (the first ``rotary_dim`` dims of each head; none when
     ``rope`` is False: NoPE) and scale ``scale`` (default head_dim^-0.5)."""
 
-    def __init__(self, config: ModelConfig, layer_name: str = "", scale: float | None = None,
-                 rope: bool = True, kv_quant: KVQuant | None = None) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer_name: str = "",
+        scale: float | None = None,
+        rope: bool = True,
+        kv_quant: KVQuant | None = None,
+    ) -> None:
         super().__init__()
         self.layer_name = layer_name
         self.num_heads = config.num_attention_heads
@@ -64,12 +70,21 @@ class BambaAttention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim**-0.5 if scale is None else scale
         self.rotary_dim = int(self.head_dim * config.mamba.partial_rotary_factor) if rope else 0  # type: ignore[union-attr]
-        self.kv_quant = kv_quant  # its cache's quantized/rotated format, given when built (None: plain)
-        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
+        self.kv_quant = (
+            kv_quant  # its cache's quantized/rotated format, given when built (None: plain)
+        )
+        self.qkv_proj = Linear(
+            config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias
+        )
         self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.attention_bias)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, kv_cache: KVCache,
-                md: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor] | None,
+        kv_cache: KVCache,
+        md: AttentionMetadata,
+    ) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.qkv_proj(x)
         qk = qkv[:, : self.q_size + self.kv_size].view(t, -1, self.head_dim)
@@ -100,8 +115,11 @@ class BambaMixer(nn.Module):
         self.chunk_size = m.chunk_size
         self.time_step_limit = m.time_step_limit
         self.eps = config.rms_norm_eps
-        self.in_proj = Linear(config.hidden_size, self.intermediate_size + self.conv_dim + self.num_heads,
-                              bias=m.proj_bias)
+        self.in_proj = Linear(
+            config.hidden_size,
+            self.intermediate_size + self.conv_dim + self.num_heads,
+            bias=m.proj_bias,
+        )
         self.conv1d = nn.Module()
         self.conv1d.weight = _param(self.conv_dim, 1, m.d_conv)
         self.conv1d.bias = _param(self.conv_dim) if m.conv_bias else None
@@ -120,13 +138,20 @@ class BambaMixer(nn.Module):
         gn = self.n_groups * self.d_state
         x, B, C = xbc.split([self.intermediate_size, gn, gn], dim=-1)
         t = xbc.shape[0]
-        return (x.reshape(t, self.num_heads, self.head_dim), B.reshape(t, self.n_groups, self.d_state),
-                C.reshape(t, self.n_groups, self.d_state))
+        return (
+            x.reshape(t, self.num_heads, self.head_dim),
+            B.reshape(t, self.n_groups, self.d_state),
+            C.reshape(t, self.n_groups, self.d_state),
+        )
 
-    def forward(self, x: torch.Tensor, cache: tuple[torch.Tensor, torch.Tensor], md: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cache: tuple[torch.Tensor, torch.Tensor], md: AttentionMetadata
+    ) -> torch.Tensor:
         conv_states, ssm_states = cache
         proj = self.in_proj(x)
-        gate, xbc_all, dt_all = proj.split([self.intermediate_size, self.conv_dim, self.num_heads], dim=-1)
+        gate, xbc_all, dt_all = proj.split(
+            [self.intermediate_size, self.conv_dim, self.num_heads], dim=-1
+        )
         A = -torch.exp(self.A_log.float())
         w = self.conv1d.weight[:, 0]
         y = torch.empty(x.shape[0], self.intermediate_size, dtype=torch.float32, device=x.device)
@@ -150,26 +175,39 @@ class BambaMixer(nn.Module):
                 src = row[(start - 1) // bs]
                 conv, ssm = conv_states[src].clone(), ssm_states[src].clone()
             # Split at the end of every block that keeps a state, and at the end.
-            cuts = [p for p in range((start // bs + 1) * bs, end, bs) if row[p // bs - 1] != 0] + [end]
+            cuts = [p for p in range((start // bs + 1) * bs, end, bs) if row[p // bs - 1] != 0] + [
+                end
+            ]
             u = start
             for v in cuts:
                 i, j = a + u - start, a + v - start
                 xbc, conv = causal_conv1d(xbc_all[i:j], conv, w, self.conv1d.bias)
                 xs, B, C = self._split(F.silu(xbc))
-                out, ssm = ssd_chunk_scan(xs, self._dt(dt_all[i:j]), A, B, C, self.chunk_size, self.D, ssm)
+                out, ssm = ssd_chunk_scan(
+                    xs, self._dt(dt_all[i:j]), A, B, C, self.chunk_size, self.D, ssm
+                )
                 y[i:j] = out.reshape(v - u, -1)
                 dst = row[(v - 1) // bs]
                 if dst != 0:
                     conv_states[dst].copy_(conv)
                     ssm_states[dst].copy_(ssm)
                 u = v
-        y = gated_rms_norm(y, gate, self.norm.weight, self.intermediate_size // self.n_groups, self.eps)
+        y = gated_rms_norm(
+            y, gate, self.norm.weight, self.intermediate_size // self.n_groups, self.eps
+        )
         return self.out_proj(y.to(x.dtype))
 
-
-    def _decode(self, decode: list[tuple[int, int, int]], xbc_all: torch.Tensor, dt_all: torch.Tensor,
-                A: torch.Tensor, w: torch.Tensor, conv_states: torch.Tensor, ssm_states: torch.Tensor,
-                y: torch.Tensor) -> None:
+    def _decode(
+        self,
+        decode: list[tuple[int, int, int]],
+        xbc_all: torch.Tensor,
+        dt_all: torch.Tensor,
+        A: torch.Tensor,
+        w: torch.Tensor,
+        conv_states: torch.Tensor,
+        ssm_states: torch.Tensor,
+        y: torch.Tensor,
+    ) -> None:
         """One token for each of ``decode``'s sequences, batched: gather their states from the
         source blocks, run the conv and the recurrent step, store into the destination blocks
         (the same block while inside it, the next one when crossing a boundary)."""
@@ -178,13 +216,17 @@ class BambaMixer(nn.Module):
         xbc, conv = causal_conv1d_update(xbc_all[tok], conv_states[src], w, self.conv1d.bias)
         xs, B, C = self._split(F.silu(xbc))
         ssm = ssm_states[src]  # a gathered copy, updated in place
-        y[tok] = selective_state_update(ssm, xs, self._dt(dt_all[tok]), A, B, C, self.D).reshape(len(decode), -1)
+        y[tok] = selective_state_update(ssm, xs, self._dt(dt_all[tok]), A, B, C, self.D).reshape(
+            len(decode), -1
+        )
         conv_states.index_copy_(0, dst, conv.to(conv_states.dtype))
         ssm_states.index_copy_(0, dst, ssm)
 
 
 class BambaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int, kv_quant: KVQuant | None = None) -> None:
+    def __init__(
+        self, config: ModelConfig, layer_idx: int, kv_quant: KVQuant | None = None
+    ) -> None:
         super().__init__()
         name = config.layer_name(layer_idx)
         self.is_mamba = config.mamba.is_mamba_layer(layer_idx)  # type: ignore[union-attr]
@@ -196,8 +238,13 @@ class BambaDecoderLayer(nn.Module):
         self.pre_ff_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.feed_forward = LlamaMLP(config)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv_cache: KVCache,
-                md: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: KVCache,
+        md: AttentionMetadata,
+    ) -> torch.Tensor:
         h = self.input_layernorm(x)
         h = self.mamba(h, kv_cache, md) if self.is_mamba else self.self_attn(h, rope, kv_cache, md)
         x = x + h
@@ -209,15 +256,23 @@ class BambaModel(nn.Module):
         super().__init__()
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
         quants = kv_quants or {}  # layer name → its cache's KVQuant
-        self.layers = nn.ModuleList(BambaDecoderLayer(config, i, quants.get(config.layer_name(i)))
-                                    for i in range(config.num_layers))
+        self.layers = nn.ModuleList(
+            BambaDecoderLayer(config, i, quants.get(config.layer_name(i)))
+            for i in range(config.num_layers)
+        )
         self.final_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         rotary_dim = int(config.head_dim * config.mamba.partial_rotary_factor)  # type: ignore[union-attr]
-        self.rotary_emb = RotaryEmbedding(rotary_dim, config.max_position_embeddings, config.rope_theta,
-                                          config.rope_scaling)
+        self.rotary_emb = RotaryEmbedding(
+            rotary_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
+        )
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
-                md: AttentionMetadata | list[AttentionMetadata]) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[KVCache],
+        md: AttentionMetadata | list[AttentionMetadata],
+    ) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         rope = self.rotary_emb.cos_sin(positions)
         mds = md if isinstance(md, list) else [md] * len(self.layers)
@@ -239,10 +294,16 @@ class BambaForCausalLM(LlamaForCausalLM):
         self.config = config
         self.model = BambaModel(config, kv_quants)
         tied = config.tie_word_embeddings
-        self.lm_head = self.model.embed_tokens if tied else Embedding(config.vocab_size, config.hidden_size)
+        self.lm_head = (
+            self.model.embed_tokens if tied else Embedding(config.vocab_size, config.hidden_size)
+        )
 
     def _shard(self, shard: str | int, rows: int) -> tuple[int, int]:
         if isinstance(shard, int):
             return shard * rows, rows
         a = next(layer.self_attn for layer in self.model.layers if not layer.is_mamba)
-        return {"q": (0, a.q_size), "k": (a.q_size, a.kv_size), "v": (a.q_size + a.kv_size, a.kv_size)}[shard]
+        return {
+            "q": (0, a.q_size),
+            "k": (a.q_size, a.kv_size),
+            "v": (a.q_size + a.kv_size, a.kv_size),
+        }[shard]

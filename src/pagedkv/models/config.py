@@ -40,7 +40,13 @@ from pagedkv.core.specs import (
     resolve_kv_cache_dtype,
     resolve_kv_rotation,
 )
-
+from pagedkv.models.deci_config import (
+    DECI_ARCHITECTURES,
+    DeciParams,
+    deci_hf_dict,
+    deci_layer_fields,
+    deci_num_params,
+)
 from pagedkv.models.gemma4_config import (
     GEMMA4_ARCHITECTURES,
     Gemma4Params,
@@ -48,7 +54,6 @@ from pagedkv.models.gemma4_config import (
     gemma4_layer_fields,
     gemma4_num_params,
 )
-from pagedkv.models.deci_config import DECI_ARCHITECTURES, DeciParams, deci_hf_dict, deci_layer_fields, deci_num_params
 from pagedkv.models.mla_config import MLA_ARCHITECTURES, MLAParams
 
 FULL_ATTENTION = "full_attention"
@@ -64,8 +69,12 @@ _ARCHS_WITH_QK_NORM = frozenset({"gemma3", "gemma3_text"})
 # transformers' defaults for keys released config.json files leave out (Gemma 3's multimodal
 # checkpoints, e.g. gemma-3-27b-it, write a sparse text_config: no vocabulary size or theta).
 _HF_DEFAULTS: dict[str, dict[str, Any]] = {
-    "gemma3_text": dict(vocab_size=262208, max_position_embeddings=131072, rms_norm_eps=1e-6,
-                        tie_word_embeddings=True),
+    "gemma3_text": dict(
+        vocab_size=262208,
+        max_position_embeddings=131072,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+    ),
 }
 _HF_ROPE_DEFAULTS: dict[str, dict[str, Any]] = {
     "gemma3_text": dict(rope_theta=1_000_000.0, rope_local_base_freq=10_000.0),
@@ -107,13 +116,17 @@ class Llama4Params:
             raise ValueError(f"no_rope_layers has {len(no_rope)} entries, expected {n}")
         step = d.get("interleave_moe_layer_step") or 1
         moe = d.get("moe_layers")
-        return cls(no_rope_layers=[int(x) for x in no_rope],
-                   moe_layers=list(range(step - 1, n, step)) if moe is None else list(moe),
-                   num_local_experts=d.get("num_local_experts", 16), num_experts_per_tok=d.get("num_experts_per_tok", 1),
-                   intermediate_size_mlp=d.get("intermediate_size_mlp", 16384),
-                   use_qk_norm=bool(d.get("use_qk_norm", True)),
-                   attn_temperature_tuning=bool(d.get("attn_temperature_tuning", True)),
-                   floor_scale=float(d.get("floor_scale", 8192)), attn_scale=float(d.get("attn_scale", 0.1)))
+        return cls(
+            no_rope_layers=[int(x) for x in no_rope],
+            moe_layers=list(range(step - 1, n, step)) if moe is None else list(moe),
+            num_local_experts=d.get("num_local_experts", 16),
+            num_experts_per_tok=d.get("num_experts_per_tok", 1),
+            intermediate_size_mlp=d.get("intermediate_size_mlp", 16384),
+            use_qk_norm=bool(d.get("use_qk_norm", True)),
+            attn_temperature_tuning=bool(d.get("attn_temperature_tuning", True)),
+            floor_scale=float(d.get("floor_scale", 8192)),
+            attn_scale=float(d.get("attn_scale", 0.1)),
+        )
 
     def layer_types(self, attention_chunk_size: int | None) -> list[str]:
         """RoPE layers are chunked when there is a chunk size; NoPE layers are global."""
@@ -123,7 +136,10 @@ class Llama4Params:
     def mlp_params(self, hidden: int, intermediate: int) -> int:
         """Feed-forward weights of all layers: MoE layers (router, experts, shared expert) and
         dense ones."""
-        moe = hidden * self.num_local_experts + (self.num_local_experts + 1) * 3 * hidden * intermediate
+        moe = (
+            hidden * self.num_local_experts
+            + (self.num_local_experts + 1) * 3 * hidden * intermediate
+        )
         dense = 3 * hidden * self.intermediate_size_mlp
         n_moe = len(self.moe_layers)
         return n_moe * moe + (len(self.no_rope_layers) - n_moe) * dense
@@ -168,9 +184,12 @@ class MambaParams:
         return i not in self.attn_layer_indices
 
     def kv_cache_spec(self, block_size: int, mamba_cache_mode: str = "align") -> MambaSpec:
-        return MambaSpec(block_size=block_size, shapes=((self.conv_dim, self.d_conv - 1),
-                                                        (self.n_heads, self.d_head, self.d_state)),
-                         dtypes=(self.state_dtype, self.state_dtype), mamba_cache_mode=mamba_cache_mode)
+        return MambaSpec(
+            block_size=block_size,
+            shapes=((self.conv_dim, self.d_conv - 1), (self.n_heads, self.d_head, self.d_state)),
+            dtypes=(self.state_dtype, self.state_dtype),
+            mamba_cache_mode=mamba_cache_mode,
+        )
 
     def layer_params(self, hidden: int) -> int:
         """Weights of one mixer: in_proj, conv, dt_bias/A_log/D, gated norm, out_proj."""
@@ -187,26 +206,48 @@ class MambaParams:
         "attention" / "full_attention" entries of GraniteMoeHybrid's ``layer_types``."""
         arch = d.get("model_type")
         if arch == "granitemoehybrid":
-            types = d.get("layer_types") or d.get("layers_block_type") or ["mamba"] * d["num_hidden_layers"]
+            types = (
+                d.get("layer_types")
+                or d.get("layers_block_type")
+                or ["mamba"] * d["num_hidden_layers"]
+            )
             attn = [i for i, t in enumerate(types) if t in ("attention", "full_attention")]
         else:
             attn = list(d.get("attn_layer_indices") or [])
-        n_heads, expand, hidden = d.get("mamba_n_heads", 128), d.get("mamba_expand", 2), d["hidden_size"]
+        n_heads, expand, hidden = (
+            d.get("mamba_n_heads", 128),
+            d.get("mamba_expand", 2),
+            d["hidden_size"],
+        )
         d_head = d.get("mamba_d_head", "auto")
         if d_head in (None, "auto"):
             d_head = expand * hidden // n_heads
         if n_heads * d_head != expand * hidden:
-            raise ValueError(f"mamba_n_heads·mamba_d_head = {n_heads * d_head} != mamba_expand·hidden_size "
-                             f"= {expand * hidden}")
+            raise ValueError(
+                f"mamba_n_heads·mamba_d_head = {n_heads * d_head} != mamba_expand·hidden_size "
+                f"= {expand * hidden}"
+            )
         limit = d.get("time_step_limit") or (0.0, float("inf"))
         rope = d.get("rope_parameters") or {}
-        return cls(attn_layer_indices=attn, n_heads=n_heads, d_head=d_head,
-                   n_groups=d.get("mamba_n_groups", 1), d_state=d.get("mamba_d_state", 256),
-                   d_conv=d.get("mamba_d_conv", 4), expand=expand, chunk_size=d.get("mamba_chunk_size", 256),
-                   conv_bias=bool(d.get("mamba_conv_bias", True)), proj_bias=bool(d.get("mamba_proj_bias", False)),
-                   time_step_limit=(_json_float(limit[0]), _json_float(limit[1])),
-                   partial_rotary_factor=float(rope.get("partial_rotary_factor", d.get(
-                       "partial_rotary_factor", 0.5 if arch == "bamba" else 1.0))))
+        return cls(
+            attn_layer_indices=attn,
+            n_heads=n_heads,
+            d_head=d_head,
+            n_groups=d.get("mamba_n_groups", 1),
+            d_state=d.get("mamba_d_state", 256),
+            d_conv=d.get("mamba_d_conv", 4),
+            expand=expand,
+            chunk_size=d.get("mamba_chunk_size", 256),
+            conv_bias=bool(d.get("mamba_conv_bias", True)),
+            proj_bias=bool(d.get("mamba_proj_bias", False)),
+            time_step_limit=(_json_float(limit[0]), _json_float(limit[1])),
+            partial_rotary_factor=float(
+                rope.get(
+                    "partial_rotary_factor",
+                    d.get("partial_rotary_factor", 0.5 if arch == "bamba" else 1.0),
+                )
+            ),
+        )
 
 
 @dataclass(slots=True)
@@ -230,14 +271,16 @@ class GraniteParams:
 
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any]) -> GraniteParams:
-        return cls(embedding_multiplier=float(d.get("embedding_multiplier", 1.0)),
-                   residual_multiplier=float(d.get("residual_multiplier", 1.0)),
-                   attention_multiplier=float(d.get("attention_multiplier", 1.0)),
-                   logits_scaling=float(d.get("logits_scaling", 1.0)),
-                   shared_intermediate_size=int(d.get("shared_intermediate_size", 1024)),
-                   num_local_experts=int(d.get("num_local_experts") or 0),
-                   num_experts_per_tok=int(d.get("num_experts_per_tok") or 2),
-                   rope=d.get("position_embedding_type") == "rope")
+        return cls(
+            embedding_multiplier=float(d.get("embedding_multiplier", 1.0)),
+            residual_multiplier=float(d.get("residual_multiplier", 1.0)),
+            attention_multiplier=float(d.get("attention_multiplier", 1.0)),
+            logits_scaling=float(d.get("logits_scaling", 1.0)),
+            shared_intermediate_size=int(d.get("shared_intermediate_size", 1024)),
+            num_local_experts=int(d.get("num_local_experts") or 0),
+            num_experts_per_tok=int(d.get("num_experts_per_tok") or 2),
+            rope=d.get("position_embedding_type") == "rope",
+        )
 
     def mlp_params(self, hidden: int, intermediate: int) -> int:
         """Feed-forward weights of one layer: shared MLP, experts and router."""
@@ -322,7 +365,9 @@ class ModelConfig:
             )
         if self.layer_types is not None:
             if len(self.layer_types) != self.num_layers:
-                raise ValueError(f"layer_types has {len(self.layer_types)} entries, expected {self.num_layers}")
+                raise ValueError(
+                    f"layer_types has {len(self.layer_types)} entries, expected {self.num_layers}"
+                )
             bad = set(self.layer_types) - {FULL_ATTENTION, SLIDING_ATTENTION, CHUNKED_ATTENTION}
             if bad:
                 raise ValueError(f"unknown layer types {sorted(bad)}")
@@ -335,19 +380,30 @@ class ModelConfig:
         for field in ("layer_num_kv_heads", "layer_head_dims", "kv_sharing_targets"):
             per_layer = getattr(self, field)
             if per_layer is not None and len(per_layer) != self.num_layers:
-                raise ValueError(f"{field} has {len(per_layer)} entries, expected {self.num_layers}")
+                raise ValueError(
+                    f"{field} has {len(per_layer)} entries, expected {self.num_layers}"
+                )
         for i in range(self.num_layers):
             heads = self.layer_kv_heads(i)
             if heads < 0 or (heads and self.num_attention_heads % heads):
-                raise ValueError(f"layer {i}: num_attention_heads={self.num_attention_heads} is not a "
-                                 f"multiple of its {heads} KV heads")
+                raise ValueError(
+                    f"layer {i}: num_attention_heads={self.num_attention_heads} is not a "
+                    f"multiple of its {heads} KV heads"
+                )
             target = self.kv_sharing_target(i)
-            if target is not None and not (0 <= target < i and self.kv_sharing_target(target) is None
-                                           and self.layer_kv_heads(target)):
-                raise ValueError(f"layer {i} shares the KV cache of layer {target}, which must be an "
-                                 "earlier layer owning one")
+            if target is not None and not (
+                0 <= target < i
+                and self.kv_sharing_target(target) is None
+                and self.layer_kv_heads(target)
+            ):
+                raise ValueError(
+                    f"layer {i} shares the KV cache of layer {target}, which must be an "
+                    "earlier layer owning one"
+                )
         if self.deci is not None:
-            self.deci.validate(self.num_layers, [self.layer_kv_heads(i) for i in range(self.num_layers)])
+            self.deci.validate(
+                self.num_layers, [self.layer_kv_heads(i) for i in range(self.num_layers)]
+            )
         if self.num_params == 0:
             self.num_params = self.estimate_num_params()
 
@@ -374,7 +430,7 @@ class ModelConfig:
         return self.num_attention_heads // self.num_kv_heads
 
     def layer_type(self, i: int) -> str:
-        """"full_attention" or "sliding_attention" for layer ``i``.
+        """ "full_attention" or "sliding_attention" for layer ``i``.
 
         Without ``layer_types``, a set ``sliding_window`` applies to every layer (Mistral-style).
         """
@@ -397,8 +453,15 @@ class ModelConfig:
         if self.deci is not None:
             return deci_num_params(self)
         if self.mla is not None:
-            return self.mla.num_params(self.hidden_size, self.num_attention_heads, self.intermediate_size,
-                                       self.vocab_size, self.num_layers, self.tie_word_embeddings, self.attention_bias)
+            return self.mla.num_params(
+                self.hidden_size,
+                self.num_attention_heads,
+                self.intermediate_size,
+                self.vocab_size,
+                self.num_layers,
+                self.tie_word_embeddings,
+                self.attention_bias,
+            )
         h, hd = self.hidden_size, self.head_dim
         q, kv = self.num_attention_heads * hd, self.num_kv_heads * hd
         attn = h * q + 2 * h * kv + q * h + ((q + 2 * kv) if self.attention_bias else 0)
@@ -416,8 +479,12 @@ class ModelConfig:
             embed += self.num_layers * (self.granite.mlp_params(h, self.intermediate_size) - mlp)
         return embed + self.num_layers * per_layer + h + lm_head
 
-    def kv_bytes_per_token(self, kv_cache_dtype: str = "auto", kv_quant_mode: KVQuantMode | str | None = None,
-                           torch_dtype: Any = None) -> int:
+    def kv_bytes_per_token(
+        self,
+        kv_cache_dtype: str = "auto",
+        kv_quant_mode: KVQuantMode | str | None = None,
+        torch_dtype: Any = None,
+    ) -> int:
         """KV bytes one token occupies summed over all layers (block_size 1, no window; a Mamba
         layer's state is per request, not per token, and counts 0)."""
         specs = self.kv_cache_specs(1, kv_cache_dtype, kv_quant_mode, torch_dtype)
@@ -442,21 +509,40 @@ class ModelConfig:
         """
         model_dtype = torch_dtype if torch_dtype is not None else (self.dtype or "bfloat16")
         dtype, mode = resolve_kv_cache_dtype(kv_cache_dtype, model_dtype, kv_quant_mode)
-        common = dict(block_size=block_size, num_kv_heads=self.num_kv_heads, head_size=self.head_dim,
-                      dtype=dtype, kv_quant_mode=mode,
-                      kv_rotation=resolve_kv_rotation(kv_cache_dtype, kv_rotation))
-        full = MLAAttentionSpec if self.mla is not None else FullAttentionSpec  # MLA: one latent row per token
+        common = dict(
+            block_size=block_size,
+            num_kv_heads=self.num_kv_heads,
+            head_size=self.head_dim,
+            dtype=dtype,
+            kv_quant_mode=mode,
+            kv_rotation=resolve_kv_rotation(kv_cache_dtype, kv_rotation),
+        )
+        full = (
+            MLAAttentionSpec if self.mla is not None else FullAttentionSpec
+        )  # MLA: one latent row per token
         by_type: dict[str, KVCacheSpec] = {FULL_ATTENTION: full(**common)}
         if self.sliding_window:
-            by_type[SLIDING_ATTENTION] = SlidingWindowSpec(**common, sliding_window=self.sliding_window)
+            by_type[SLIDING_ATTENTION] = SlidingWindowSpec(
+                **common, sliding_window=self.sliding_window
+            )
         if self.attention_chunk_size:
             by_type[CHUNKED_ATTENTION] = ChunkedLocalAttentionSpec(
-                **common, attention_chunk_size=self.attention_chunk_size)
-        specs = {self.layer_name(i): self._layer_spec(by_type[self.layer_type(i)], i)
-                 for i in range(self.num_layers) if self.owns_kv_cache(i)}
+                **common, attention_chunk_size=self.attention_chunk_size
+            )
+        specs = {
+            self.layer_name(i): self._layer_spec(by_type[self.layer_type(i)], i)
+            for i in range(self.num_layers)
+            if self.owns_kv_cache(i)
+        }
         if self.mamba is not None:  # recurrent state pages for the mixer layers
             mamba = self.mamba.kv_cache_spec(block_size)
-            specs.update({self.layer_name(i): mamba for i in range(self.num_layers) if self.mamba.is_mamba_layer(i)})
+            specs.update(
+                {
+                    self.layer_name(i): mamba
+                    for i in range(self.num_layers)
+                    if self.mamba.is_mamba_layer(i)
+                }
+            )
         return specs
 
     def _layer_spec(self, spec: KVCacheSpec, i: int) -> KVCacheSpec:
@@ -464,7 +550,9 @@ class ModelConfig:
         heads, head_size = self.layer_kv_heads(i), self.layer_head_dim(i)
         if (heads, head_size) == (self.num_kv_heads, self.head_dim) or self.mla is not None:
             return spec
-        return dataclasses.replace(spec, num_kv_heads=heads, head_size=head_size, head_size_v=head_size)
+        return dataclasses.replace(
+            spec, num_kv_heads=heads, head_size=head_size, head_size_v=head_size
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -500,7 +588,14 @@ class ModelConfig:
         if isinstance(d.get("granite"), dict):
             d["granite"] = GraniteParams(**d["granite"])
         if isinstance(d.get("mamba"), dict):
-            d["mamba"] = MambaParams(**{**d["mamba"], "time_step_limit": tuple(d["mamba"].get("time_step_limit", (0.0, float("inf"))))})
+            d["mamba"] = MambaParams(
+                **{
+                    **d["mamba"],
+                    "time_step_limit": tuple(
+                        d["mamba"].get("time_step_limit", (0.0, float("inf")))
+                    ),
+                }
+            )
         return cls(**d)
 
     @classmethod
@@ -517,9 +612,14 @@ class ModelConfig:
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any]) -> ModelConfig:
         """Translate transformers config keys (v4 and v5 spellings) into a ModelConfig."""
-        if "text_config" in d and "num_hidden_layers" not in d:  # multimodal wrapper: the LM's config
-            d = {"_name_or_path": d.get("_name_or_path"), "torch_dtype": d.get("torch_dtype"),
-                 **d["text_config"]}
+        if (
+            "text_config" in d and "num_hidden_layers" not in d
+        ):  # multimodal wrapper: the LM's config
+            d = {
+                "_name_or_path": d.get("_name_or_path"),
+                "torch_dtype": d.get("torch_dtype"),
+                **d["text_config"],
+            }
         arch = d.get("model_type", "llama")
         if arch in DECI_ARCHITECTURES:  # fills the null model-wide sizes; per-layer fields below
             d = deci_hf_dict(d)
@@ -534,7 +634,9 @@ class ModelConfig:
         heads = d["num_attention_heads"]
         hidden = d["hidden_size"]
         rope_params = d.get("rope_parameters") or {}  # transformers v5 moves rope_theta here
-        local_theta = (rope_params.get(SLIDING_ATTENTION) or {}).get("rope_theta") or d.get("rope_local_base_freq")
+        local_theta = (rope_params.get(SLIDING_ATTENTION) or {}).get("rope_theta") or d.get(
+            "rope_local_base_freq"
+        )
         if FULL_ATTENTION in rope_params:  # per-layer-type RoPE (Gemma-3): keep the global one
             rope_params = rope_params[FULL_ATTENTION] or {}
         rope_theta = d.get("rope_theta") or rope_params.get("rope_theta") or 10000.0
@@ -551,10 +653,14 @@ class ModelConfig:
         layer_types = d.get("layer_types") or _default_layer_types(arch, d)
         if llama4 is not None and not d.get("layer_types"):
             layer_types = llama4.layer_types(chunk)
-        if layer_types is not None and not {SLIDING_ATTENTION, CHUNKED_ATTENTION} & set(layer_types):
+        if layer_types is not None and not {SLIDING_ATTENTION, CHUNKED_ATTENTION} & set(
+            layer_types
+        ):
             layer_types = None  # all full: keep the simple form
             if d.get("layer_types") and arch != "mistral":
-                sliding = None  # layer types rule (transformers masks by them); Mistral ignores them
+                sliding = (
+                    None  # layer types rule (transformers masks by them); Mistral ignores them
+                )
         if layer_types is not None and sliding is None:
             sliding = d.get("sliding_window")
         return cls(
@@ -571,8 +677,11 @@ class ModelConfig:
             rope_theta=float(rope_theta),
             rope_scaling=rope_scaling,
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            attention_bias=bool(arch in _ARCHS_WITH_QKV_BIAS if d.get("attention_bias") is None
-                                else d["attention_bias"]),
+            attention_bias=bool(
+                arch in _ARCHS_WITH_QKV_BIAS
+                if d.get("attention_bias") is None
+                else d["attention_bias"]
+            ),
             sliding_window=sliding,
             layer_types=list(layer_types) if layer_types is not None else None,
             bos_token_id=_first(d.get("bos_token_id")),
@@ -612,7 +721,10 @@ def _default_layer_types(arch: str, d: dict[str, Any]) -> list[str] | None:
     period = {"gemma2": 2, "gemma3_text": d.get("sliding_window_pattern") or 6}.get(arch)
     if period is None or not d.get("sliding_window"):
         return None
-    return [FULL_ATTENTION if (i + 1) % period == 0 else SLIDING_ATTENTION for i in range(d["num_hidden_layers"])]
+    return [
+        FULL_ATTENTION if (i + 1) % period == 0 else SLIDING_ATTENTION
+        for i in range(d["num_hidden_layers"])
+    ]
 
 
 def _json_float(v: Any) -> float:
@@ -647,9 +759,14 @@ def _read_gguf_header(path: str, size: int, mtime_ns: int) -> dict[str, Any]:
         raise ValueError(f"{path}: not a model GGUF (no general.architecture)")
     if is_hf_mapped_arch(arch):  # Gemma 2/3, DeepSeek2, ...: through the HF translation
         cfg = ModelConfig.from_hf_dict(
-            hf_config_from_gguf(meta, {n: t.shape for n, t in gguf.tensors.items()}, path))
-        return cfg.to_dict() | dict(num_params=sum(math.prod(t.shape) for t in gguf.tensors.values()),
-                                    name=str(get("general.name", pathlib.Path(path).stem)), path=path, dtype=None)
+            hf_config_from_gguf(meta, {n: t.shape for n, t in gguf.tensors.items()}, path)
+        )
+        return cfg.to_dict() | dict(
+            num_params=sum(math.prod(t.shape) for t in gguf.tensors.values()),
+            name=str(get("general.name", pathlib.Path(path).stem)),
+            path=path,
+            dtype=None,
+        )
     a = arch
     heads = int(get(f"{a}.attention.head_count"))
     hidden = int(get(f"{a}.embedding_length"))
@@ -664,7 +781,10 @@ def _read_gguf_header(path: str, size: int, mtime_ns: int) -> dict[str, Any]:
     rope_scaling = None
     scaling_type = get(f"{a}.rope.scaling.type")
     if scaling_type not in (None, "none"):
-        rope_scaling = {"rope_type": scaling_type, "factor": float(get(f"{a}.rope.scaling.factor", 1.0))}
+        rope_scaling = {
+            "rope_type": scaling_type,
+            "factor": float(get(f"{a}.rope.scaling.factor", 1.0)),
+        }
         orig = get(f"{a}.rope.scaling.original_context_length")
         if orig is not None:
             rope_scaling["original_max_position_embeddings"] = int(orig)
@@ -719,4 +839,6 @@ def load_model_config(model: str | os.PathLike[str] | None = None) -> ModelConfi
         return ModelConfig.from_gguf(p)
     if p.is_dir() or p.suffix.lower() == ".json":
         return ModelConfig.from_hf_config(p)
-    raise ValueError(f"don't know how to read a model config from {str(model)!r} (want .gguf, config.json or a directory)")
+    raise ValueError(
+        f"don't know how to read a model config from {str(model)!r} (want .gguf, config.json or a directory)"
+    )

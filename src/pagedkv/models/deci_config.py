@@ -22,8 +22,13 @@ ATTENTION, LINEAR, NO_OP = "attention", "linear", "no_op"  # what a layer's sub-
 MLP = "mlp"
 # Attention options of the NAS search space that change the computation; none is used by the
 # released checkpoints, so a config setting one is refused rather than silently misread.
-_UNSUPPORTED_ATTENTION = ("num_sink_tokens", "sparsify", "unshifted_sink", "window_length",
-                          "use_prefill_window_in_sink_attention")
+_UNSUPPORTED_ATTENTION = (
+    "num_sink_tokens",
+    "sparsify",
+    "unshifted_sink",
+    "window_length",
+    "use_prefill_window_in_sink_attention",
+)
 
 
 def ffn_mult_to_intermediate_size(ffn_mult: float, hidden_size: int) -> int:
@@ -46,9 +51,12 @@ class DeciParams:
         """Lengths match, kinds are known, and exactly the attention layers have KV heads."""
         for name in ("attention", "ffn", "intermediate_sizes"):
             if len(getattr(self, name)) != num_layers:
-                raise ValueError(f"deci.{name} has {len(getattr(self, name))} entries, expected {num_layers}")
-        for i, (a, f, size, heads) in enumerate(zip(self.attention, self.ffn, self.intermediate_sizes,
-                                                    layer_kv_heads, strict=True)):
+                raise ValueError(
+                    f"deci.{name} has {len(getattr(self, name))} entries, expected {num_layers}"
+                )
+        for i, (a, f, size, heads) in enumerate(
+            zip(self.attention, self.ffn, self.intermediate_sizes, layer_kv_heads, strict=True)
+        ):
             if a not in (ATTENTION, LINEAR, NO_OP) or f not in (MLP, LINEAR, NO_OP):
                 raise ValueError(f"layer {i}: unknown sub-blocks attention={a!r}, ffn={f!r}")
             if (heads > 0) != (a == ATTENTION) or (size > 0) != (f == MLP):
@@ -59,20 +67,30 @@ class DeciParams:
         """``(params, KV heads per layer)`` from an HF config dict with ``block_configs``."""
         blocks, n = d.get("block_configs"), d["num_hidden_layers"]
         if not isinstance(blocks, list) or len(blocks) != n:
-            raise ValueError(f"nemotron-nas: block_configs must list {n} layers, got {blocks!r:.80}")
+            raise ValueError(
+                f"nemotron-nas: block_configs must list {n} layers, got {blocks!r:.80}"
+            )
         heads, hidden = d["num_attention_heads"], d["hidden_size"]
         attn, ffn, sizes, kv = [], [], [], []
         for i, b in enumerate(blocks):
             a, f = b.get("attention") or {}, b.get("ffn") or {}
             bad = [k for k in _UNSUPPORTED_ATTENTION if a.get(k)]
             if bad:
-                raise NotImplementedError(f"nemotron-nas layer {i}: attention options {bad} are not supported")
+                raise NotImplementedError(
+                    f"nemotron-nas layer {i}: attention options {bad} are not supported"
+                )
             if f.get("sparsify") or f.get("hidden_act", "silu") != "silu":
-                raise NotImplementedError(f"nemotron-nas layer {i}: only a dense SiLU FFN is supported")
+                raise NotImplementedError(
+                    f"nemotron-nas layer {i}: only a dense SiLU FFN is supported"
+                )
             group = a.get("n_heads_in_group")
-            kind = NO_OP if a.get("no_op") else LINEAR if a.get("replace_with_linear") else ATTENTION
+            kind = (
+                NO_OP if a.get("no_op") else LINEAR if a.get("replace_with_linear") else ATTENTION
+            )
             if kind == ATTENTION and (not group or heads % group):
-                raise ValueError(f"nemotron-nas layer {i}: n_heads_in_group={group} does not divide {heads} heads")
+                raise ValueError(
+                    f"nemotron-nas layer {i}: n_heads_in_group={group} does not divide {heads} heads"
+                )
             attn.append(kind)
             kv.append(heads // group if kind == ATTENTION else 0)
             kind = NO_OP if f.get("no_op") else LINEAR if f.get("replace_with_linear") else MLP
@@ -91,10 +109,16 @@ def deci_hf_dict(d: dict[str, Any]) -> dict[str, Any]:
     (the widest MLP) and ``num_key_value_heads`` (the most KV heads of any layer; each layer's own
     count is in ``layer_num_kv_heads``)."""
     if d.get("hidden_act", "silu") != "silu" or d.get("mlp_bias") or d.get("attention_bias"):
-        raise NotImplementedError("nemotron-nas: only SiLU MLPs without biases and bias-free attention")
+        raise NotImplementedError(
+            "nemotron-nas: only SiLU MLPs without biases and bias-free attention"
+        )
     params, kv = DeciParams.from_block_configs(d)
-    return {**d, "intermediate_size": d.get("intermediate_size") or max(params.intermediate_sizes, default=0),
-            "num_key_value_heads": max(kv, default=0) or d["num_attention_heads"]}
+    return {
+        **d,
+        "intermediate_size": d.get("intermediate_size")
+        or max(params.intermediate_sizes, default=0),
+        "num_key_value_heads": max(kv, default=0) or d["num_attention_heads"],
+    }
 
 
 def deci_layer_fields(d: dict[str, Any]) -> dict[str, Any]:
@@ -112,6 +136,8 @@ def deci_num_params(cfg: Any) -> int:
     total = cfg.vocab_size * h * (1 if cfg.tie_word_embeddings else 2) + h
     for i in range(cfg.num_layers):
         kv = cfg.layer_kv_heads(i) * cfg.head_dim
-        total += {ATTENTION: 2 * h * q + 2 * h * kv + h, LINEAR: h * h + h, NO_OP: 0}[g.attention[i]]
+        total += {ATTENTION: 2 * h * q + 2 * h * kv + h, LINEAR: h * h + h, NO_OP: 0}[
+            g.attention[i]
+        ]
         total += {MLP: 3 * h * g.intermediate_sizes[i] + h, LINEAR: h * h + h, NO_OP: 0}[g.ffn[i]]
     return total

@@ -54,11 +54,15 @@ LATENT_NORM_EPS = 1e-6
 
 def mla_params(config: ModelConfig) -> MLAParams:
     if config.mla is None:
-        raise ValueError(f"{config.name or config.architecture}: a DeepSeek model needs ModelConfig.mla")
+        raise ValueError(
+            f"{config.name or config.architecture}: a DeepSeek model needs ModelConfig.mla"
+        )
     return config.mla
 
 
-def yarn_inv_freq(dim: int, theta: float, rs: dict[str, Any], max_positions: int) -> tuple[torch.Tensor, float]:
+def yarn_inv_freq(
+    dim: int, theta: float, rs: dict[str, Any], max_positions: int
+) -> tuple[torch.Tensor, float]:
     """YaRN inverse frequencies ``[dim/2]`` and the cos/sin attention factor, computed as
     transformers' ``_compute_yarn_parameters`` does (float32)."""
     factor = rs.get("factor") or max_positions / rs["original_max_position_embeddings"]
@@ -70,7 +74,9 @@ def yarn_inv_freq(dim: int, theta: float, rs: dict[str, Any], max_positions: int
     attention_factor = rs.get("attention_factor")
     if attention_factor is None:
         m, m_all = rs.get("mscale"), rs.get("mscale_all_dim")
-        attention_factor = float(mscale(factor, m) / mscale(factor, m_all)) if m and m_all else mscale(factor)
+        attention_factor = (
+            float(mscale(factor, m) / mscale(factor, m_all)) if m and m_all else mscale(factor)
+        )
     beta_fast, beta_slow = rs.get("beta_fast") or 32, rs.get("beta_slow") or 1
 
     def correction_dim(rotations: float) -> float:
@@ -103,19 +109,30 @@ class DeepseekRotary(nn.Module):
         dim, rs = p.qk_rope_head_dim, config.rope_scaling or {}
         kind = rs.get("rope_type", rs.get("type", "default"))
         if kind == "default":
-            inv_freq, factor = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)), 1.0
+            inv_freq, factor = (
+                1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)),
+                1.0,
+            )
         elif kind == "yarn":
-            inv_freq, factor = yarn_inv_freq(dim, config.rope_theta, rs, config.max_position_embeddings)
+            inv_freq, factor = yarn_inv_freq(
+                dim, config.rope_theta, rs, config.max_position_embeddings
+            )
         else:
-            raise NotImplementedError(f"rope scaling type {kind!r} is not supported for DeepSeek models")
+            raise NotImplementedError(
+                f"rope scaling type {kind!r} is not supported for DeepSeek models"
+            )
         self.style = p.rope_style
         self.attention_factor = factor
-        freqs = torch.outer(torch.arange(config.max_position_embeddings, dtype=torch.float32), inv_freq)
+        freqs = torch.outer(
+            torch.arange(config.max_position_embeddings, dtype=torch.float32), inv_freq
+        )
         self.register_buffer("freqs", freqs, persistent=False)
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         f = self.freqs[positions].unsqueeze(1)
-        if self.style == "complex":  # transformers: polar(1, f) * factor, as real and imaginary parts
+        if (
+            self.style == "complex"
+        ):  # transformers: polar(1, f) * factor, as real and imaginary parts
             c = torch.polar(torch.ones_like(f), f) * self.attention_factor
             return c.real, c.imag
         return f.cos() * self.attention_factor, f.sin() * self.attention_factor
@@ -137,10 +154,14 @@ class DeepseekMLAAttention(nn.Module):
     prefill / absorbed decode (:func:`~pagedkv.ops.mla_attention.mla_attention`), o_proj.
     ``kv_quant`` must be None: a ValueError otherwise (the latent cache is always plain)."""
 
-    def __init__(self, config: ModelConfig, layer_idx: int, kv_quant: KVQuant | None = None) -> None:
+    def __init__(
+        self, config: ModelConfig, layer_idx: int, kv_quant: KVQuant | None = None
+    ) -> None:
         if kv_quant is not None:
-            raise ValueError("kv_cache_dtype: the MLA latent cache is not quantized or rotated yet; "
-                             "use 'auto', 'float32', 'bfloat16' or 'float16'")
+            raise ValueError(
+                "kv_cache_dtype: the MLA latent cache is not quantized or rotated yet; "
+                "use 'auto', 'float32', 'bfloat16' or 'float16'"
+            )
         super().__init__()
         p = mla_params(config)
         h, hidden = config.num_attention_heads, config.hidden_size
@@ -164,20 +185,33 @@ class DeepseekMLAAttention(nn.Module):
         """Always None: the latent cache is plain (a format is refused when the layer is built)."""
         return None
 
-    def forward(self, x: torch.Tensor, rotary: DeepseekRotary, rope: tuple[torch.Tensor, torch.Tensor],
-                kv_cache: KVCache, md: AttentionMetadata, decode_md: AttentionMetadata | None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        rotary: DeepseekRotary,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: KVCache,
+        md: AttentionMetadata,
+        decode_md: AttentionMetadata | None,
+    ) -> torch.Tensor:
         t, h, p = x.shape[0], self.num_heads, self.p
-        q = self.q_proj(x) if p.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = (
+            self.q_proj(x)
+            if p.q_lora_rank is None
+            else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        )
         q = q.view(t, h, p.qk_head_dim)
-        q_nope, q_pe = q[..., : p.qk_nope_head_dim], q[..., p.qk_nope_head_dim:]
+        q_nope, q_pe = q[..., : p.qk_nope_head_dim], q[..., p.qk_nope_head_dim :]
         kv = self.kv_a_proj_with_mqa(x)
         kv_c = self.kv_a_layernorm(kv[:, : p.kv_lora_rank])
         # q's rope part and the one shared rope key rotate together: [T, H + 1, R].
-        qk_pe = rotary.apply(torch.cat([q_pe, kv[:, None, p.kv_lora_rank:]], dim=1), *rope)
+        qk_pe = rotary.apply(torch.cat([q_pe, kv[:, None, p.kv_lora_rank :]], dim=1), *rope)
         latent_cache = kv_cache[0]  # [NB, BS, 1, L + R]; kv_cache[1] is an empty V view
         wait_for_kv_layer_load(self.layer_name)
         concat_and_cache_mla(kv_c, qk_pe[:, h], latent_cache, md.slot_mapping)
-        out = mla_attention(q_nope, qk_pe[:, :h], latent_cache, md, self.kv_b_proj.weight, self.scale, decode_md)
+        out = mla_attention(
+            q_nope, qk_pe[:, :h], latent_cache, md, self.kv_b_proj.weight, self.scale, decode_md
+        )
         save_kv_layer(self.layer_name, kv_cache, md)
         return self.o_proj(out.reshape(t, h * p.v_head_dim))
 
@@ -189,10 +223,13 @@ class DeepseekRouter(nn.Module):
     def __init__(self, hidden: int, p: MLAParams) -> None:
         super().__init__()
         self.p = p
-        self.weight = nn.Parameter(torch.empty(p.n_routed_experts, hidden, dtype=torch.float32), requires_grad=False)
+        self.weight = nn.Parameter(
+            torch.empty(p.n_routed_experts, hidden, dtype=torch.float32), requires_grad=False
+        )
         if p.topk_method == "noaux_tc":
-            self.e_score_correction_bias = nn.Parameter(torch.empty(p.n_routed_experts, dtype=torch.float32),
-                                                        requires_grad=False)
+            self.e_score_correction_bias = nn.Parameter(
+                torch.empty(p.n_routed_experts, dtype=torch.float32), requires_grad=False
+            )
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         p, e = self.p, self.p.n_routed_experts
@@ -232,7 +269,9 @@ class DeepseekMoE(nn.Module):
         self.gate = DeepseekRouter(hidden, p)
         self.gate_up_proj = _param(p.n_routed_experts, 2 * i, hidden)
         self.down_proj = _param(p.n_routed_experts, hidden, i)
-        self.shared_experts = DeepseekMLP(hidden, i * p.n_shared_experts) if p.n_shared_experts else None
+        self.shared_experts = (
+            DeepseekMLP(hidden, i * p.n_shared_experts) if p.n_shared_experts else None
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, experts = self.gate(x)
@@ -246,18 +285,30 @@ class DeepseekMoE(nn.Module):
 
 
 class DeepseekDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int, kv_quant: KVQuant | None = None) -> None:
+    def __init__(
+        self, config: ModelConfig, layer_idx: int, kv_quant: KVQuant | None = None
+    ) -> None:
         super().__init__()
         p = mla_params(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = DeepseekMLAAttention(config, layer_idx, kv_quant)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp: nn.Module = (DeepseekMoE(config.hidden_size, p) if p.is_moe_layer(layer_idx)
-                               else DeepseekMLP(config.hidden_size, config.intermediate_size))
+        self.mlp: nn.Module = (
+            DeepseekMoE(config.hidden_size, p)
+            if p.is_moe_layer(layer_idx)
+            else DeepseekMLP(config.hidden_size, config.intermediate_size)
+        )
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rotary: DeepseekRotary,
-                rope: tuple[torch.Tensor, torch.Tensor], kv_cache: KVCache, md: AttentionMetadata,
-                decode_md: AttentionMetadata | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        rotary: DeepseekRotary,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: KVCache,
+        md: AttentionMetadata,
+        decode_md: AttentionMetadata | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Pre-norm block, residual fused into the norms as in ``LlamaDecoderLayer``."""
         if residual is None:
             residual, x = x, self.input_layernorm(x)
@@ -273,20 +324,31 @@ class DeepseekV2Model(nn.Module):
         super().__init__()
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
         quants = kv_quants or {}  # layer name → its cache's KVQuant
-        self.layers = nn.ModuleList(DeepseekDecoderLayer(config, i, quants.get(config.layer_name(i)))
-                                    for i in range(config.num_layers))
+        self.layers = nn.ModuleList(
+            DeepseekDecoderLayer(config, i, quants.get(config.layer_name(i)))
+            for i in range(config.num_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = DeepseekRotary(config, mla_params(config))
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
-                md: AttentionMetadata | list[AttentionMetadata]) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[KVCache],
+        md: AttentionMetadata | list[AttentionMetadata],
+    ) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         rope = self.rotary_emb.cos_sin(positions)
         mds = md if isinstance(md, list) else [md] * len(self.layers)
-        decode_mds = {id(m): mla_decode_metadata(m) for m in mds}  # once per step, shared by the layers
+        decode_mds = {
+            id(m): mla_decode_metadata(m) for m in mds
+        }  # once per step, shared by the layers
         residual = None
         for layer, kv_cache, layer_md in zip(self.layers, kv_caches, mds, strict=True):
-            x, residual = layer(x, residual, self.rotary_emb, rope, kv_cache, layer_md, decode_mds[id(layer_md)])
+            x, residual = layer(
+                x, residual, self.rotary_emb, rope, kv_cache, layer_md, decode_mds[id(layer_md)]
+            )
         x, _ = self.norm(x, residual)
         return x
 
@@ -312,7 +374,9 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
         self.config = config
         self.model = DeepseekV2Model(config, kv_quants)
         tied = config.tie_word_embeddings
-        self.lm_head = self.model.embed_tokens if tied else Embedding(config.vocab_size, config.hidden_size)
+        self.lm_head = (
+            self.model.embed_tokens if tied else Embedding(config.vocab_size, config.hidden_size)
+        )
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
@@ -332,10 +396,14 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
                 m = one or fused
                 part = m.group(3) if one else m.group(2)
                 target = f"{m.group(1)}.{'down_proj' if part == 'down_proj' else 'gate_up_proj'}"
-                if target not in params or (one is not None and int(m.group(2)) >= params[target].shape[0]):
+                if target not in params or (
+                    one is not None and int(m.group(2)) >= params[target].shape[0]
+                ):
                     raise ValueError(f"checkpoint tensor {name!r} has no matching model parameter")
                 dst = params[target]
-                if one is not None:  # one expert's gate, up or down: its slice of the stacked tensor
+                if (
+                    one is not None
+                ):  # one expert's gate, up or down: its slice of the stacked tensor
                     dst = dst[int(m.group(2))]
                     if part != "down_proj":
                         dst = dst.chunk(2)[part == "up_proj"]

@@ -31,8 +31,8 @@ from pagedkv.models.layers import Embedding, Linear, RotaryEmbedding, _param
 from pagedkv.models.llama import KVCache, LlamaForCausalLM
 from pagedkv.ops.attention import paged_attention
 from pagedkv.ops.cache import reshape_and_cache
-from pagedkv.ops.kv_quant import KVQuant, LayerKVQuants
 from pagedkv.ops.forward_context import save_kv_layer, wait_for_kv_layer_load
+from pagedkv.ops.kv_quant import KVQuant, LayerKVQuants
 from pagedkv.ops.metadata import AttentionMetadata
 
 
@@ -59,8 +59,13 @@ class GemmaRMSNorm(nn.Module):
 class Gemma2Attention(nn.Module):
     """GQA self-attention with Gemma's scale and score soft cap; paged cache write + read."""
 
-    def __init__(self, config: ModelConfig, sliding_window: int | None, layer_name: str = "",
-                 kv_quant: KVQuant | None = None) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        sliding_window: int | None,
+        layer_name: str = "",
+        kv_quant: KVQuant | None = None,
+    ) -> None:
         super().__init__()
         self.layer_name = layer_name
         self.qk_norm = config.qk_norm
@@ -72,29 +77,47 @@ class Gemma2Attention(nn.Module):
         self.scale = (config.query_pre_attn_scalar or self.head_dim) ** -0.5
         self.soft_cap = None if config.qk_norm else config.attn_logit_softcapping  # Gemma 3: none
         self.sliding_window = sliding_window
-        self.kv_quant = kv_quant  # its cache's quantized/rotated format, given when built (None: plain)
-        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
+        self.kv_quant = (
+            kv_quant  # its cache's quantized/rotated format, given when built (None: plain)
+        )
+        self.qkv_proj = Linear(
+            config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias
+        )
         self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.attention_bias)
         if config.qk_norm:
             self.q_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)
 
     def forward(
-        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv_cache: KVCache, md: AttentionMetadata
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: KVCache,
+        md: AttentionMetadata,
     ) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.qkv_proj(x)
         qk = qkv[:, : self.q_size + self.kv_size].view(t, -1, self.head_dim)
         if self.qk_norm:
-            qk = torch.cat([self.q_norm(qk[:, : self.num_heads]), self.k_norm(qk[:, self.num_heads :])], dim=1)
+            qk = torch.cat(
+                [self.q_norm(qk[:, : self.num_heads]), self.k_norm(qk[:, self.num_heads :])], dim=1
+            )
         qk = RotaryEmbedding.apply(qk, *rope)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
         key_cache, value_cache = kv_cache
         wait_for_kv_layer_load(self.layer_name)
         reshape_and_cache(k, v, key_cache, value_cache, md.slot_mapping, self.kv_quant)
-        out = paged_attention(q, key_cache, value_cache, md, self.scale, sliding_window=self.sliding_window,
-                              logits_soft_cap=self.soft_cap, kv_quant=self.kv_quant)
+        out = paged_attention(
+            q,
+            key_cache,
+            value_cache,
+            md,
+            self.scale,
+            sliding_window=self.sliding_window,
+            logits_soft_cap=self.soft_cap,
+            kv_quant=self.kv_quant,
+        )
         save_kv_layer(self.layer_name, kv_cache, md)
         return self.o_proj(out.reshape(t, self.q_size))
 
@@ -115,9 +138,13 @@ class Gemma2MLP(nn.Module):
 class Gemma2DecoderLayer(nn.Module):
     """Sandwich-norm block: ``h += post_attn(attn(in(h)))``; ``h += post_ff(mlp(pre_ff(h)))``."""
 
-    def __init__(self, config: ModelConfig, layer_idx: int, kv_quant: KVQuant | None = None) -> None:
+    def __init__(
+        self, config: ModelConfig, layer_idx: int, kv_quant: KVQuant | None = None
+    ) -> None:
         super().__init__()
-        window = config.sliding_window if config.layer_type(layer_idx) == SLIDING_ATTENTION else None
+        window = (
+            config.sliding_window if config.layer_type(layer_idx) == SLIDING_ATTENTION else None
+        )
         self.local_rope = window is not None and config.rope_local_theta is not None
         h, eps = config.hidden_size, config.rms_norm_eps
         self.input_layernorm = GemmaRMSNorm(h, eps)
@@ -128,9 +155,15 @@ class Gemma2DecoderLayer(nn.Module):
         self.post_feedforward_layernorm = GemmaRMSNorm(h, eps)
 
     def forward(
-        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv_cache: KVCache, md: AttentionMetadata
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: KVCache,
+        md: AttentionMetadata,
     ) -> torch.Tensor:
-        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), rope, kv_cache, md))
+        x = x + self.post_attention_layernorm(
+            self.self_attn(self.input_layernorm(x), rope, kv_cache, md)
+        )
         return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
 
 
@@ -140,19 +173,28 @@ class Gemma2Model(nn.Module):
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
         self.embed_scale = config.hidden_size**0.5
         quants = kv_quants or {}  # layer name → its cache's KVQuant
-        self.layers = nn.ModuleList(Gemma2DecoderLayer(config, i, quants.get(config.layer_name(i)))
-                                    for i in range(config.num_layers))
+        self.layers = nn.ModuleList(
+            Gemma2DecoderLayer(config, i, quants.get(config.layer_name(i)))
+            for i in range(config.num_layers)
+        )
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(
             config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
         )
         # Gemma 3's sliding layers rotate with their own (unscaled) theta.
-        self.rotary_emb_local = None if config.rope_local_theta is None else RotaryEmbedding(
-            config.head_dim, config.max_position_embeddings, config.rope_local_theta, None
+        self.rotary_emb_local = (
+            None
+            if config.rope_local_theta is None
+            else RotaryEmbedding(
+                config.head_dim, config.max_position_embeddings, config.rope_local_theta, None
+            )
         )
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[KVCache],
         md: AttentionMetadata | list[AttentionMetadata],
     ) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
@@ -177,7 +219,9 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
         self.config = config
         self.model = Gemma2Model(config, kv_quants)
         tied = config.tie_word_embeddings
-        self.lm_head = self.model.embed_tokens if tied else Embedding(config.vocab_size, config.hidden_size)
+        self.lm_head = (
+            self.model.embed_tokens if tied else Embedding(config.vocab_size, config.hidden_size)
+        )
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

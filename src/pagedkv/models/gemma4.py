@@ -41,16 +41,24 @@ from pagedkv.ops.forward_context import save_kv_layer, wait_for_kv_layer_load
 from pagedkv.ops.kv_quant import KVQuant, LayerKVQuants
 from pagedkv.ops.metadata import AttentionMetadata
 
-
 # Multimodal checkpoints' towers and their projections into the text model.
-_NOT_TEXT = ("model.vision_tower.", "model.audio_tower.", "model.embed_vision.", "model.embed_audio.")
+_NOT_TEXT = (
+    "model.vision_tower.",
+    "model.audio_tower.",
+    "model.embed_vision.",
+    "model.embed_audio.",
+)
 
 
-def proportional_inv_freq(head_dim: int, theta: float, partial_rotary_factor: float) -> torch.Tensor:
+def proportional_inv_freq(
+    head_dim: int, theta: float, partial_rotary_factor: float
+) -> torch.Tensor:
     """transformers' "proportional" RoPE frequencies ``[head_dim/2]``: the first
     ``int(factor·head_dim//2)`` as default RoPE over the whole ``head_dim``, then zeros."""
     angles = int(partial_rotary_factor * head_dim // 2)
-    rotated = 1.0 / (theta ** (torch.arange(0, 2 * angles, 2, dtype=torch.int64).float() / head_dim))
+    rotated = 1.0 / (
+        theta ** (torch.arange(0, 2 * angles, 2, dtype=torch.int64).float() / head_dim)
+    )
     return torch.cat([rotated, torch.zeros(head_dim // 2 - angles)])
 
 
@@ -73,7 +81,9 @@ class Gemma4Attention(nn.Module):
     sharing layer has only q (and o) and attends over its target's cache without writing it
     (``kv_quant``: then its target's format, which it reads)."""
 
-    def __init__(self, config: ModelConfig, layer_idx: int, kv_quant: KVQuant | None = None) -> None:
+    def __init__(
+        self, config: ModelConfig, layer_idx: int, kv_quant: KVQuant | None = None
+    ) -> None:
         super().__init__()
         g = config.gemma4
         self.layer_name = config.layer_name(layer_idx)
@@ -87,7 +97,9 @@ class Gemma4Attention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         n_kv = 0 if self.shared else (1 if self.k_eq_v else 2)
-        self.kv_quant = kv_quant  # its cache's quantized/rotated format, given when built (None: plain)
+        self.kv_quant = (
+            kv_quant  # its cache's quantized/rotated format, given when built (None: plain)
+        )
         self.qkv_proj = Linear(config.hidden_size, self.q_size + n_kv * self.kv_size)
         self.o_proj = Linear(self.q_size, config.hidden_size)
         eps = config.rms_norm_eps
@@ -97,20 +109,41 @@ class Gemma4Attention(nn.Module):
             self.v_norm = Gemma4RMSNorm(self.head_dim, eps, scale=False)
 
     def forward(
-        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv_cache: KVCache, md: AttentionMetadata
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: KVCache,
+        md: AttentionMetadata,
     ) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.qkv_proj(x)
-        q = RotaryEmbedding.apply(self.q_norm(qkv[:, : self.q_size].view(t, self.num_heads, self.head_dim)), *rope)
+        q = RotaryEmbedding.apply(
+            self.q_norm(qkv[:, : self.q_size].view(t, self.num_heads, self.head_dim)), *rope
+        )
         key_cache, value_cache = kv_cache
         if not self.shared:  # a sharing layer's K/V are already in its target's cache
-            k_raw = qkv[:, self.q_size: self.q_size + self.kv_size].view(t, self.num_kv_heads, self.head_dim)
-            v = k_raw if self.k_eq_v else qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, self.head_dim)
+            k_raw = qkv[:, self.q_size : self.q_size + self.kv_size].view(
+                t, self.num_kv_heads, self.head_dim
+            )
+            v = (
+                k_raw
+                if self.k_eq_v
+                else qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
+            )
             k = RotaryEmbedding.apply(self.k_norm(k_raw), *rope)
             wait_for_kv_layer_load(self.layer_name)
-            reshape_and_cache(k, self.v_norm(v), key_cache, value_cache, md.slot_mapping, self.kv_quant)
-        out = paged_attention(q, key_cache, value_cache, md, 1.0, sliding_window=self.sliding_window,
-                              kv_quant=self.kv_quant)
+            reshape_and_cache(
+                k, self.v_norm(v), key_cache, value_cache, md.slot_mapping, self.kv_quant
+            )
+        out = paged_attention(
+            q,
+            key_cache,
+            value_cache,
+            md,
+            1.0,
+            sliding_window=self.sliding_window,
+            kv_quant=self.kv_quant,
+        )
         if not self.shared:
             save_kv_layer(self.layer_name, kv_cache, md)
         return self.o_proj(out.reshape(t, self.q_size))
@@ -160,7 +193,9 @@ class Gemma4Experts(nn.Module):
         self.gate_up_proj = _param(num_experts, 2 * intermediate, hidden)
         self.down_proj = _param(num_experts, hidden, intermediate)
 
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
+    ) -> torch.Tensor:
         out = torch.zeros_like(x)
         for e in experts.unique().tolist():
             rows, slot = (experts == e).nonzero(as_tuple=True)
@@ -174,7 +209,9 @@ class Gemma4DecoderLayer(nn.Module):
     """Gemma 2's sandwich-norm block (with MoE: the dense MLP's and the experts' outputs each
     normed, summed, then post-normed), then the PLE gate (when configured), times ``layer_scalar``."""
 
-    def __init__(self, config: ModelConfig, layer_idx: int, kv_quant: KVQuant | None = None) -> None:
+    def __init__(
+        self, config: ModelConfig, layer_idx: int, kv_quant: KVQuant | None = None
+    ) -> None:
         super().__init__()
         g, h, eps = config.gemma4, config.hidden_size, config.rms_norm_eps
         self.layer_type = config.layer_type(layer_idx)
@@ -200,10 +237,16 @@ class Gemma4DecoderLayer(nn.Module):
             self.post_per_layer_input_norm = Gemma4RMSNorm(h, eps)
 
     def forward(
-        self, x: torch.Tensor, per_layer_input: torch.Tensor | None, rope: tuple[torch.Tensor, torch.Tensor],
-        kv_cache: KVCache, md: AttentionMetadata,
+        self,
+        x: torch.Tensor,
+        per_layer_input: torch.Tensor | None,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: KVCache,
+        md: AttentionMetadata,
     ) -> torch.Tensor:
-        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), rope, kv_cache, md))
+        x = x + self.post_attention_layernorm(
+            self.self_attn(self.input_layernorm(x), rope, kv_cache, md)
+        )
         ff = self.mlp(self.pre_feedforward_layernorm(x))
         if self.moe:
             moe = self.experts(self.pre_feedforward_layernorm_2(x), *self.router(x))
@@ -222,8 +265,9 @@ class Gemma4Model(nn.Module):
         self.embed_tokens = Embedding(config.vocab_size, h)
         self.embed_scale = h**0.5
         quants = kv_quants or {}  # layer name → its cache's KVQuant
-        self.layers = nn.ModuleList(Gemma4DecoderLayer(config, i, quants.get(config.layer_name(i)))
-                                    for i in range(n))
+        self.layers = nn.ModuleList(
+            Gemma4DecoderLayer(config, i, quants.get(config.layer_name(i))) for i in range(n)
+        )
         self.norm = Gemma4RMSNorm(h, config.rms_norm_eps)
         self.ple = g.hidden_size_per_layer_input
         if self.ple:
@@ -238,13 +282,16 @@ class Gemma4Model(nn.Module):
                 continue
             dim = config.layer_head_dim(i)
             if kind == SLIDING_ATTENTION:
-                self.rotary[kind] = RotaryEmbedding(dim, config.max_position_embeddings,
-                                                    config.rope_local_theta or 10_000.0, None)
+                self.rotary[kind] = RotaryEmbedding(
+                    dim, config.max_position_embeddings, config.rope_local_theta or 10_000.0, None
+                )
             else:
                 rope = RotaryEmbedding(dim, config.max_position_embeddings, config.rope_theta, None)
                 if (config.rope_scaling or {}).get("rope_type") == "proportional":
-                    rope.set_inv_freq(proportional_inv_freq(dim, config.rope_theta, g.partial_rotary_factor)
-                                      / float(config.rope_scaling.get("factor", 1.0)))
+                    rope.set_inv_freq(
+                        proportional_inv_freq(dim, config.rope_theta, g.partial_rotary_factor)
+                        / float(config.rope_scaling.get("factor", 1.0))
+                    )
                 self.rotary[kind] = rope
 
     def per_layer_inputs(self, input_ids: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -256,7 +303,10 @@ class Gemma4Model(nn.Module):
         return (self.per_layer_projection_norm(proj.view(t, n, self.ple)) + table) * 2.0**-0.5
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[KVCache],
         md: AttentionMetadata | list[AttentionMetadata],
     ) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
@@ -264,8 +314,12 @@ class Gemma4Model(nn.Module):
         ple = self.per_layer_inputs(input_ids, x) if self.ple else None
         ropes = {kind: rope.cos_sin(positions) for kind, rope in self.rotary.items()}
         mds = md if isinstance(md, list) else [md] * len(self.layers)
-        for i, (layer, kv_cache, layer_md) in enumerate(zip(self.layers, kv_caches, mds, strict=True)):
-            x = layer(x, None if ple is None else ple[:, i], ropes[layer.layer_type], kv_cache, layer_md)
+        for i, (layer, kv_cache, layer_md) in enumerate(
+            zip(self.layers, kv_caches, mds, strict=True)
+        ):
+            x = layer(
+                x, None if ple is None else ple[:, i], ropes[layer.layer_type], kv_cache, layer_md
+            )
         return self.norm(x)
 
 
@@ -281,16 +335,22 @@ class Gemma4ForCausalLM(Gemma2ForCausalLM):
         if config.gemma4 is None:
             raise ValueError("Gemma4ForCausalLM needs a Gemma 4 config (config.gemma4)")
         g = config.gemma4
-        if g.enable_moe_block and not (0 < g.top_k_experts <= g.num_experts and g.moe_intermediate_size > 0):
-            raise ValueError(f"Gemma 4 MoE needs 0 < top_k_experts ({g.top_k_experts}) <= num_experts "
-                             f"({g.num_experts}) and moe_intermediate_size > 0")
+        if g.enable_moe_block and not (
+            0 < g.top_k_experts <= g.num_experts and g.moe_intermediate_size > 0
+        ):
+            raise ValueError(
+                f"Gemma 4 MoE needs 0 < top_k_experts ({g.top_k_experts}) <= num_experts "
+                f"({g.num_experts}) and moe_intermediate_size > 0"
+            )
         if config.attention_bias:
             raise NotImplementedError("Gemma 4 attention_bias=True is not supported")
         nn.Module.__init__(self)
         self.config = config
         self.model = Gemma4Model(config, kv_quants)
         tied = config.tie_word_embeddings
-        self.lm_head = self.model.embed_tokens if tied else Embedding(config.vocab_size, config.hidden_size)
+        self.lm_head = (
+            self.model.embed_tokens if tied else Embedding(config.vocab_size, config.hidden_size)
+        )
 
     # compute_logits: Gemma 2's (final soft cap), inherited.
 
@@ -301,15 +361,25 @@ class Gemma4ForCausalLM(Gemma2ForCausalLM):
                 if isinstance(shard, int):
                     return name.replace(part, fused), shard * rows
                 a = self.model.layers[int(name.split(".")[2])].self_attn
-                return name.replace(part, fused), {"q": 0, "k": a.q_size, "v": a.q_size + a.kv_size}[shard]
+                return name.replace(part, fused), {
+                    "q": 0,
+                    "k": a.q_size,
+                    "v": a.q_size + a.kv_size,
+                }[shard]
         return name, 0
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         return super().load_weights(self._text_weights(weights))
 
-    def _text_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
-        shared_kv = {f"model.layers.{i}.self_attn.{p}." for i, layer in enumerate(self.model.layers)
-                     if layer.self_attn.shared for p in ("k_proj", "v_proj", "k_norm", "v_norm")}
+    def _text_weights(
+        self, weights: Iterable[tuple[str, torch.Tensor]]
+    ) -> Iterable[tuple[str, torch.Tensor]]:
+        shared_kv = {
+            f"model.layers.{i}.self_attn.{p}."
+            for i, layer in enumerate(self.model.layers)
+            if layer.self_attn.shared
+            for p in ("k_proj", "v_proj", "k_norm", "v_norm")
+        }
         for name, w in weights:
             if name.startswith("model.language_model."):
                 name = "model." + name.removeprefix("model.language_model.")

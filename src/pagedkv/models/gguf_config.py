@@ -68,9 +68,14 @@ def _common(m: _Meta, shapes: Shapes) -> dict[str, Any]:
         d["head_dim"] = int(m.get("attention.key_length"))
     scaling = m.get("rope.scaling.type")
     if scaling not in (None, "none"):
-        rs: dict[str, Any] = {"rope_type": scaling, "factor": float(m.get("rope.scaling.factor", 1.0))}
+        rs: dict[str, Any] = {
+            "rope_type": scaling,
+            "factor": float(m.get("rope.scaling.factor", 1.0)),
+        }
         if m.get("rope.scaling.original_context_length") is not None:
-            rs["original_max_position_embeddings"] = int(m.get("rope.scaling.original_context_length"))
+            rs["original_max_position_embeddings"] = int(
+                m.get("rope.scaling.original_context_length")
+            )
         for key, hf in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow")):
             if m.get(f"rope.scaling.{key}") is not None:
                 rs[hf] = float(m.get(f"rope.scaling.{key}"))
@@ -107,7 +112,10 @@ def _deepseek2(m: _Meta, shapes: Shapes) -> dict[str, Any]:
     rope = int(m.need("rope.dimension_count"))
     kv_lora = int(m.need("attention.kv_lora_rank"))
     if m.get("attention.key_length_mla") is not None:  # converters since 2025: MLA stored as MQA
-        qk_head, v_head = int(m.get("attention.key_length_mla")), int(m.need("attention.value_length_mla"))
+        qk_head, v_head = (
+            int(m.get("attention.key_length_mla")),
+            int(m.need("attention.value_length_mla")),
+        )
     else:  # older files: key/value lengths are the per-head ones
         qk_head, v_head = int(m.need("attention.key_length")), int(m.need("attention.value_length"))
     v3 = m.get("expert_gating_func") == _GATING_SIGMOID
@@ -139,16 +147,24 @@ def _llama4(m: _Meta, shapes: Shapes) -> dict[str, Any]:
     (llama.cpp's converter writes none of them)."""
     d = _common(m, shapes)
     experts = int(m.need("expert_count"))
-    d.update(model_type="llama4_text", intermediate_size=int(m.need("expert_feed_forward_length")),
-             intermediate_size_mlp=d["intermediate_size"], num_local_experts=experts,
-             num_experts_per_tok=int(m.get("expert_used_count", 1)),
-             interleave_moe_layer_step=int(m.get("interleave_moe_layer_step", 1)), use_qk_norm=experts != 128,
-             floor_scale=float(m.get("attention.temperature_length", 8192)),
-             attn_scale=float(m.get("attention.temperature_scale", 0.1)))
+    d.update(
+        model_type="llama4_text",
+        intermediate_size=int(m.need("expert_feed_forward_length")),
+        intermediate_size_mlp=d["intermediate_size"],
+        num_local_experts=experts,
+        num_experts_per_tok=int(m.get("expert_used_count", 1)),
+        interleave_moe_layer_step=int(m.get("interleave_moe_layer_step", 1)),
+        use_qk_norm=experts != 128,
+        floor_scale=float(m.get("attention.temperature_length", 8192)),
+        attn_scale=float(m.get("attention.temperature_scale", 0.1)),
+    )
     window = m.get("attention.sliding_window")
     if window == 0:  # MobileLLM-style: all layers full attention with RoPE
-        d.update(attention_chunk_size=None, no_rope_layers=[1] * d["num_hidden_layers"],
-                 attn_temperature_tuning=False)
+        d.update(
+            attention_chunk_size=None,
+            no_rope_layers=[1] * d["num_hidden_layers"],
+            attn_temperature_tuning=False,
+        )
     else:
         d.update(attention_chunk_size=int(window or 8192), no_rope_layer_interval=4)
     return d
@@ -159,7 +175,9 @@ def granite_hybrid_is_bamba(meta: Mapping[str, Any]) -> bool:
     (``rope.scaling.finetuned`` true) and has none of Granite's multipliers."""
     a = "granitehybrid"
     scales = ("embedding_scale", "residual_scale", "logit_scale", "attention.scale")
-    return bool(meta.get(f"{a}.rope.scaling.finetuned")) and not any(f"{a}.{k}" in meta for k in scales)
+    return bool(meta.get(f"{a}.rope.scaling.finetuned")) and not any(
+        f"{a}.{k}" in meta for k in scales
+    )
 
 
 def _granitehybrid(m: _Meta, shapes: Shapes) -> dict[str, Any]:
@@ -172,25 +190,40 @@ def _granitehybrid(m: _Meta, shapes: Shapes) -> dict[str, Any]:
     attn = [i for i, n in enumerate(kv) if n > 0]
     heads, inner = int(m.need("ssm.time_step_rank")), int(m.need("ssm.inner_size"))
     d.pop("head_dim", None)  # the Granite converter drops head_dim: hidden / heads
-    d.update(num_key_value_heads=max(kv) if attn else d["num_attention_heads"], mamba_n_heads=heads,
-             mamba_d_head=inner // heads, mamba_expand=inner // d["hidden_size"],
-             mamba_n_groups=int(m.get("ssm.group_count", 1)), mamba_d_state=int(m.need("ssm.state_size")),
-             mamba_d_conv=int(m.need("ssm.conv_kernel")), mamba_chunk_size=256,
-             mamba_conv_bias=any(n.endswith("ssm_conv1d.bias") for n in shapes),
-             mamba_proj_bias=any(n.endswith("ssm_in.bias") for n in shapes))
+    d.update(
+        num_key_value_heads=max(kv) if attn else d["num_attention_heads"],
+        mamba_n_heads=heads,
+        mamba_d_head=inner // heads,
+        mamba_expand=inner // d["hidden_size"],
+        mamba_n_groups=int(m.get("ssm.group_count", 1)),
+        mamba_d_state=int(m.need("ssm.state_size")),
+        mamba_d_conv=int(m.need("ssm.conv_kernel")),
+        mamba_chunk_size=256,
+        mamba_conv_bias=any(n.endswith("ssm_conv1d.bias") for n in shapes),
+        mamba_proj_bias=any(n.endswith("ssm_in.bias") for n in shapes),
+    )
     if m.get("rope.dimension_count"):
-        d["partial_rotary_factor"] = int(m.get("rope.dimension_count")) / (d["hidden_size"] // d["num_attention_heads"])
+        d["partial_rotary_factor"] = int(m.get("rope.dimension_count")) / (
+            d["hidden_size"] // d["num_attention_heads"]
+        )
     if granite_hybrid_is_bamba(m.meta):
         d.update(model_type="bamba", attn_layer_indices=attn)
         return d
     experts = int(m.get("expert_count", 0) or 0)
-    d.update(model_type="granitemoehybrid", layer_types=["attention" if i in attn else "mamba" for i in range(len(kv))],
-             embedding_multiplier=float(m.get("embedding_scale", 1.0)),
-             residual_multiplier=float(m.get("residual_scale", 1.0)),
-             attention_multiplier=float(m.get("attention.scale", 1.0)), logits_scaling=float(m.get("logit_scale", 1.0)),
-             shared_intermediate_size=int(m.get("expert_shared_feed_forward_length", d["intermediate_size"])),
-             num_local_experts=experts, num_experts_per_tok=int(m.get("expert_used_count", 0) or 0) or None,
-             position_embedding_type="rope" if m.get("rope.scaling.finetuned") else "nope")
+    d.update(
+        model_type="granitemoehybrid",
+        layer_types=["attention" if i in attn else "mamba" for i in range(len(kv))],
+        embedding_multiplier=float(m.get("embedding_scale", 1.0)),
+        residual_multiplier=float(m.get("residual_scale", 1.0)),
+        attention_multiplier=float(m.get("attention.scale", 1.0)),
+        logits_scaling=float(m.get("logit_scale", 1.0)),
+        shared_intermediate_size=int(
+            m.get("expert_shared_feed_forward_length", d["intermediate_size"])
+        ),
+        num_local_experts=experts,
+        num_experts_per_tok=int(m.get("expert_used_count", 0) or 0) or None,
+        position_embedding_type="rope" if m.get("rope.scaling.finetuned") else "nope",
+    )
     return d
 
 
@@ -212,5 +245,7 @@ def hf_config_from_gguf(meta: Mapping[str, Any], shapes: Shapes, path: str = "")
         raise ValueError(f"{path}: GGUF tensor token_embd.weight is missing")
     arch = str(meta["general.architecture"])
     if arch not in _BUILDERS:
-        raise ValueError(f"{path}: GGUF architecture {arch!r} has no HF mapping; supported: {sorted(_BUILDERS)}")
+        raise ValueError(
+            f"{path}: GGUF architecture {arch!r} has no HF mapping; supported: {sorted(_BUILDERS)}"
+        )
     return _BUILDERS[arch](_Meta(meta, arch, path), shapes)

@@ -148,10 +148,19 @@ _GRANITE_HYBRID_NAMES = _LAYER_NAMES | _SSM_NAMES | {
 _SSM_SPECIAL = {"ssm_a": "mamba.A_log", "ssm_d": "mamba.D", "ssm_dt.bias": "mamba.dt_bias"}
 # Per GGUF architecture: layer tensor names that differ from Llama's, and whole-name exceptions.
 # Keys: GGUF general.architecture, except "bamba" for a granitehybrid file holding Bamba (_arch_key).
-_ARCH_LAYER_NAMES = {"gemma2": _GEMMA_NAMES, "gemma3": _GEMMA_NAMES, "deepseek2": _DEEPSEEK2_NAMES,
-                     "llama4": _LLAMA4_NAMES, "bamba": _BAMBA_NAMES, "granitehybrid": _GRANITE_HYBRID_NAMES}
-_ARCH_SPECIAL = {"deepseek2": {"exp_probs_b.bias": "mlp.gate.e_score_correction_bias"},
-                 "bamba": _SSM_SPECIAL, "granitehybrid": _SSM_SPECIAL}
+_ARCH_LAYER_NAMES = {
+    "gemma2": _GEMMA_NAMES,
+    "gemma3": _GEMMA_NAMES,
+    "deepseek2": _DEEPSEEK2_NAMES,
+    "llama4": _LLAMA4_NAMES,
+    "bamba": _BAMBA_NAMES,
+    "granitehybrid": _GRANITE_HYBRID_NAMES,
+}
+_ARCH_SPECIAL = {
+    "deepseek2": {"exp_probs_b.bias": "mlp.gate.e_score_correction_bias"},
+    "bamba": _SSM_SPECIAL,
+    "granitehybrid": _SSM_SPECIAL,
+}
 _ARCH_GLOBAL_NAMES = {"bamba": {"output_norm.weight": "model.final_layernorm.weight"}}
 # Layer tensors several of which make one HF tensor (see _grouped): GGUF leaf -> (HF leaf, part).
 _GROUPED = {
@@ -171,7 +180,9 @@ _GROUPED = {
                "ffn_up_exps.weight": ("feed_forward.experts.gate_up_proj", "up"),
                "ffn_down_exps.weight": ("feed_forward.experts.down_proj", "down")},
 }  # fmt: skip
-_LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+?)(?:\.(weight|bias))?")  # Mamba's ssm_a / ssm_d have no suffix
+_LAYER_RE = re.compile(
+    r"blk\.(\d+)\.(\w+?)(?:\.(weight|bias))?"
+)  # Mamba's ssm_a / ssm_d have no suffix
 # Gemma stores RMSNorm weights as w with the norm computing x·(1 + w); the converter wrote w + 1.
 _NORM_PLUS_ONE_ARCHS = frozenset({"gemma2", "gemma3"})
 # Mamba-2 tensors the converter reshaped (A also stored as -exp(A_log)): HF leaf -> inverse.
@@ -206,7 +217,9 @@ def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
     return f"model.layers.{layer}.{names[leaf]}.{kind}" if kind and leaf in names else None
 
 
-def _loadable(gguf: GGUFFile) -> Iterator[tuple[str, GGUFTensor, Callable[[torch.Tensor], torch.Tensor]]]:
+def _loadable(
+    gguf: GGUFFile,
+) -> Iterator[tuple[str, GGUFTensor, Callable[[torch.Tensor], torch.Tensor]]]:
     """``(hf_name, tensor, fix)`` for every tensor a model loads on its own; ``fix`` undoes
     llama.cpp's q/k row permutation on anything with the tensor's rows and Gemma's ``+1`` on
     norms (identity elsewhere)."""
@@ -219,7 +232,11 @@ def _loadable(gguf: GGUFFile) -> Iterator[tuple[str, GGUFTensor, Callable[[torch
         target = hf_name(name, key)
         if target is None:
             continue
-        heads = (n_head if ".q_proj." in target else n_kv if ".k_proj." in target else 0) if permuted else 0
+        heads = (
+            (n_head if ".q_proj." in target else n_kv if ".k_proj." in target else 0)
+            if permuted
+            else 0
+        )
         ssm_fix = _SSM_FIXES.get(target.split(".", 3)[-1])
         if heads:
             yield target, t, lambda w, h=heads: unpermute_qk(w, h)
@@ -269,8 +286,10 @@ def _grouped(gguf: GGUFFile) -> Iterator[tuple[str, torch.Tensor]]:
     for (layer, hf_leaf), parts in sorted(groups.items()):
         missing = [leaf for part, leaf in needed[hf_leaf].items() if part not in parts]
         if missing:
-            raise ValueError(f"{gguf.path}: GGUF tensor blk.{layer}.{missing[0]} is missing "
-                             f"(needed with {sorted(needed[hf_leaf][p] for p in parts)} for {hf_leaf})")
+            raise ValueError(
+                f"{gguf.path}: GGUF tensor blk.{layer}.{missing[0]} is missing "
+                f"(needed with {sorted(needed[hf_leaf][p] for p in parts)} for {hf_leaf})"
+            )
         tensors = {part: dequantize(t) for part, t in parts.items()}
         yield f"model.layers.{layer}.{hf_leaf}", _combine(arch, hf_leaf, tensors)
 
@@ -288,14 +307,22 @@ def iter_gguf_weights(gguf: GGUFFile) -> Iterator[tuple[str, torch.Tensor]]:
     yield from _grouped(gguf)
 
 
-def iter_gguf_quantized(gguf: GGUFFile, qtypes: frozenset[int]) -> Iterator[tuple[str, int, torch.Tensor]]:
+def iter_gguf_quantized(
+    gguf: GGUFFile, qtypes: frozenset[int]
+) -> Iterator[tuple[str, int, torch.Tensor]]:
     """Yield ``(hf_name, qtype, rows)`` for every 2-D loadable tensor stored in one of ``qtypes``:
     ``rows`` is a uint8 ``[out_features, bytes_per_row]`` copy of the file's ggml blocks, with
     q/k rows un-permuted exactly like :func:`iter_gguf_weights` (the permutation moves whole
     rows), so row ``i`` dequantizes to row ``i`` of the float weight.
     """
-    if gguf.architecture in _ARCH_LAYER_NAMES:  # Gemma, DeepSeek2, ...: their models run dense weights
+    if (
+        gguf.architecture in _ARCH_LAYER_NAMES
+    ):  # Gemma, DeepSeek2, ...: their models run dense weights
         return
     for target, t, fix_rows in _loadable(gguf):
         if len(t.shape) == 2 and int(t.qtype) in qtypes:
-            yield target, int(t.qtype), fix_rows(torch.from_numpy(t.raw).view(t.shape[0], -1)).contiguous()
+            yield (
+                target,
+                int(t.qtype),
+                fix_rows(torch.from_numpy(t.raw).view(t.shape[0], -1)).contiguous(),
+            )

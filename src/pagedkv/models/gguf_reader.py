@@ -24,6 +24,7 @@ _SCALAR = {
 }  # fmt: skip
 _NP_SCALAR = {t: np.dtype(f) for t, f in _SCALAR.items()}
 
+
 @dataclass(slots=True)
 class GGUFTensor:
     """One tensor's header: ``shape`` in torch order (rows, cols) and its raw bytes (mapped)."""
@@ -83,14 +84,18 @@ class _Cursor:
 def read_gguf(path: str | Path) -> GGUFFile:
     """Parse a GGUF (v2/v3, little-endian) header and map its tensor data (nothing is read yet)."""
     path = Path(path)
-    data = np.memmap(path, dtype=np.uint8, mode="c")  # copy-on-write: writable views, file untouched
+    data = np.memmap(
+        path, dtype=np.uint8, mode="c"
+    )  # copy-on-write: writable views, file untouched
     cur = _Cursor(memoryview(data))
     if bytes(cur.buf[:4]) != _GGUF_MAGIC:
         raise ValueError(f"{path} is not a GGUF file")
     cur.pos = 4
     version = cur.scalar("<I")
     if version not in (2, 3):
-        raise ValueError(f"{path}: unsupported GGUF version {version} (big-endian files are not supported)")
+        raise ValueError(
+            f"{path}: unsupported GGUF version {version} (big-endian files are not supported)"
+        )
     n_tensors, n_kv = cur.scalar("<Q"), cur.scalar("<Q")
     meta: dict[str, Any] = {}
     for _ in range(n_kv):
@@ -100,12 +105,16 @@ def read_gguf(path: str | Path) -> GGUFFile:
     for _ in range(n_tensors):
         name = cur.string()
         dims = [cur.scalar("<Q") for _ in range(cur.scalar("<I"))]
-        infos.append((name, tuple(reversed(dims)), GGMLQuantizationType(cur.scalar("<I")), cur.scalar("<Q")))
+        infos.append(
+            (name, tuple(reversed(dims)), GGMLQuantizationType(cur.scalar("<I")), cur.scalar("<Q"))
+        )
     align = int(meta.get("general.alignment", _DEFAULT_ALIGNMENT))
     start = -(-cur.pos // align) * align
     tensors = {}
     for name, shape, qtype, offset in infos:
         block, type_size = GGML_QUANT_SIZES[qtype]
         nbytes = int(np.prod(shape)) // block * type_size
-        tensors[name] = GGUFTensor(name, shape, qtype, data[start + offset : start + offset + nbytes])
+        tensors[name] = GGUFTensor(
+            name, shape, qtype, data[start + offset : start + offset + nbytes]
+        )
     return GGUFFile(path, version, meta, tensors)

@@ -71,7 +71,9 @@ class GraniteMoeHybridMoE(nn.Module):
 
 
 class GraniteMoeHybridDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int, kv_quant: KVQuant | None = None) -> None:
+    def __init__(
+        self, config: ModelConfig, layer_idx: int, kv_quant: KVQuant | None = None
+    ) -> None:
         super().__init__()
         g = config.granite
         assert g is not None and config.mamba is not None
@@ -82,16 +84,29 @@ class GraniteMoeHybridDecoderLayer(nn.Module):
         if self.is_mamba:
             self.mamba = BambaMixer(config, name)
         else:
-            self.self_attn = BambaAttention(config, name, scale=g.attention_multiplier, rope=g.rope,
-                                            kv_quant=kv_quant)
+            self.self_attn = BambaAttention(
+                config, name, scale=g.attention_multiplier, rope=g.rope, kv_quant=kv_quant
+            )
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.shared_mlp = GraniteMoeHybridMLP(config.hidden_size, g.shared_intermediate_size)
-        self.block_sparse_moe = (GraniteMoeHybridMoE(config.hidden_size, config.intermediate_size,
-                                                     g.num_local_experts, g.num_experts_per_tok)
-                                 if g.num_local_experts > 0 else None)
+        self.block_sparse_moe = (
+            GraniteMoeHybridMoE(
+                config.hidden_size,
+                config.intermediate_size,
+                g.num_local_experts,
+                g.num_experts_per_tok,
+            )
+            if g.num_local_experts > 0
+            else None
+        )
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, kv_cache: KVCache,
-                md: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor] | None,
+        kv_cache: KVCache,
+        md: AttentionMetadata,
+    ) -> torch.Tensor:
         h = self.input_layernorm(x)
         h = self.mamba(h, kv_cache, md) if self.is_mamba else self.self_attn(h, rope, kv_cache, md)
         x = x + h * self.residual_multiplier
@@ -110,14 +125,29 @@ class GraniteMoeHybridModel(nn.Module):
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
         self.embedding_multiplier = g.embedding_multiplier
         quants = kv_quants or {}  # layer name → its cache's KVQuant
-        self.layers = nn.ModuleList(GraniteMoeHybridDecoderLayer(config, i, quants.get(config.layer_name(i)))
-                                    for i in range(config.num_layers))
+        self.layers = nn.ModuleList(
+            GraniteMoeHybridDecoderLayer(config, i, quants.get(config.layer_name(i)))
+            for i in range(config.num_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.rotary_emb = RotaryEmbedding(int(config.head_dim * m.partial_rotary_factor), config.max_position_embeddings,
-                                          config.rope_theta, config.rope_scaling) if g.rope else None
+        self.rotary_emb = (
+            RotaryEmbedding(
+                int(config.head_dim * m.partial_rotary_factor),
+                config.max_position_embeddings,
+                config.rope_theta,
+                config.rope_scaling,
+            )
+            if g.rope
+            else None
+        )
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
-                md: AttentionMetadata | list[AttentionMetadata]) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[KVCache],
+        md: AttentionMetadata | list[AttentionMetadata],
+    ) -> torch.Tensor:
         x = self.embed_tokens(input_ids) * self.embedding_multiplier
         rope = self.rotary_emb.cos_sin(positions) if self.rotary_emb is not None else None
         mds = md if isinstance(md, list) else [md] * len(self.layers)
@@ -137,7 +167,9 @@ class GraniteMoeHybridForCausalLM(BambaForCausalLM):
         self.config = config
         self.model = GraniteMoeHybridModel(config, kv_quants)
         tied = config.tie_word_embeddings
-        self.lm_head = self.model.embed_tokens if tied else Embedding(config.vocab_size, config.hidden_size)
+        self.lm_head = (
+            self.model.embed_tokens if tied else Embedding(config.vocab_size, config.hidden_size)
+        )
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -27,7 +27,9 @@ NATIVE_GEMV_MAX_ROWS_KQUANT = 8
 @functools.cache
 def _emulated_half_dtypes() -> frozenset[torch.dtype]:
     """The 16-bit dtypes whose matmuls this CPU lacks (see ``native.cpu_has_half_matmul``)."""
-    return frozenset(d for d in (torch.bfloat16, torch.float16) if not native.cpu_has_half_matmul(d))
+    return frozenset(
+        d for d in (torch.bfloat16, torch.float16) if not native.cpu_has_half_matmul(d)
+    )
 
 
 def _param(*shape: int) -> nn.Parameter:
@@ -55,7 +57,9 @@ class QuantizedRows:
 
     def set_qsegments(self, segments: list[QSegment] | None) -> None:
         self.qsegments = segments
-        self.qkquant = bool(segments) and any(native.block_weights(t) > 32 for _, _, t, _ in segments)
+        self.qkquant = bool(segments) and any(
+            native.block_weights(t) > 32 for _, _, t, _ in segments
+        )
 
     def project(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         segs = self.qsegments
@@ -76,7 +80,9 @@ class QuantizedRows:
         else:
             y = torch.empty(x.shape[0], self.weight.shape[0], dtype=torch.float32)
             for start, stop, qtype, rows in segs:
-                native.gemv_q(xf, rows, qtype, None if bf is None else bf[start:stop], out=y[:, start:stop])
+                native.gemv_q(
+                    xf, rows, qtype, None if bf is None else bf[start:stop], out=y[:, start:stop]
+                )
         return y if x.dtype == torch.float32 else y.to(x.dtype)
 
 
@@ -167,7 +173,9 @@ class RotaryEmbedding(nn.Module):
     ``cos_sin(positions)`` gathers rows once per forward; ``apply`` rotates q/k heads with them.
     """
 
-    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any] | None) -> None:
+    def __init__(
+        self, head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any] | None
+    ) -> None:
         super().__init__()
         self.head_dim = head_dim
         self.max_positions = max_positions
@@ -181,7 +189,9 @@ class RotaryEmbedding(nn.Module):
         device = old.device if old is not None else inv_freq.device  # stay where the model lives
         t = torch.arange(self.max_positions, dtype=torch.float32, device=device)
         freqs = torch.outer(t, inv_freq.to(device=device, dtype=torch.float32))
-        self.register_buffer("cos_sin_cache", torch.cat([freqs.cos(), freqs.sin()], dim=-1), persistent=False)
+        self.register_buffer(
+            "cos_sin_cache", torch.cat([freqs.cos(), freqs.sin()], dim=-1), persistent=False
+        )
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(cos, sin)``, each ``[T, 1, D/2]`` float32, for int64 ``positions [T]``."""

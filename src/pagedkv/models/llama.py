@@ -32,8 +32,8 @@ from pagedkv.models.layers import (
 from pagedkv.ops import native_step
 from pagedkv.ops.attention import paged_attention
 from pagedkv.ops.cache import reshape_and_cache
-from pagedkv.ops.kv_quant import KVQuant, LayerKVQuants
 from pagedkv.ops.forward_context import save_kv_layer, wait_for_kv_layer_load
+from pagedkv.ops.kv_quant import KVQuant, LayerKVQuants
 from pagedkv.ops.metadata import AttentionMetadata
 from pagedkv.ops.step_description import DecoderLayerDesc, DecoderStackDesc
 
@@ -43,8 +43,13 @@ KVCache = tuple[torch.Tensor, torch.Tensor]
 class LlamaAttention(nn.Module):
     """GQA self-attention: fused qkv, rope on q/k, paged cache write + read, output projection."""
 
-    def __init__(self, config: ModelConfig, sliding_window: int | None, layer_name: str = "",
-                 kv_quant: KVQuant | None = None) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        sliding_window: int | None,
+        layer_name: str = "",
+        kv_quant: KVQuant | None = None,
+    ) -> None:
         super().__init__()
         self.layer_name = layer_name  # the KV cache groups' name for it (KV connector hooks)
         self.num_heads = config.num_attention_heads
@@ -54,24 +59,41 @@ class LlamaAttention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim**-0.5
         self.sliding_window = sliding_window
-        self.kv_quant = kv_quant  # its cache's quantized/rotated format, given when built (None: plain)
-        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
+        self.kv_quant = (
+            kv_quant  # its cache's quantized/rotated format, given when built (None: plain)
+        )
+        self.qkv_proj = Linear(
+            config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias
+        )
         self.o_proj = Linear(self.q_size, config.hidden_size)
 
     def forward(
-        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv_cache: KVCache, md: AttentionMetadata
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: KVCache,
+        md: AttentionMetadata,
     ) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.qkv_proj(x)
         # q and k heads sit side by side in qkv: rotate them in one pass.
-        qk = RotaryEmbedding.apply(qkv[:, : self.q_size + self.kv_size].view(t, -1, self.head_dim), *rope)
+        qk = RotaryEmbedding.apply(
+            qkv[:, : self.q_size + self.kv_size].view(t, -1, self.head_dim), *rope
+        )
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
         key_cache, value_cache = kv_cache
         wait_for_kv_layer_load(self.layer_name)
         reshape_and_cache(k, v, key_cache, value_cache, md.slot_mapping, self.kv_quant)
-        out = paged_attention(q, key_cache, value_cache, md, self.scale, sliding_window=self.sliding_window,
-                              kv_quant=self.kv_quant)
+        out = paged_attention(
+            q,
+            key_cache,
+            value_cache,
+            md,
+            self.scale,
+            sliding_window=self.sliding_window,
+            kv_quant=self.kv_quant,
+        )
         save_kv_layer(self.layer_name, kv_cache, md)
         return self.o_proj(out.reshape(t, self.q_size))
 
@@ -98,9 +120,13 @@ class LlamaMLP(SwiGLUMLP):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int, kv_quant: KVQuant | None = None) -> None:
+    def __init__(
+        self, config: ModelConfig, layer_idx: int, kv_quant: KVQuant | None = None
+    ) -> None:
         super().__init__()
-        window = config.sliding_window if config.layer_type(layer_idx) == SLIDING_ATTENTION else None
+        window = (
+            config.sliding_window if config.layer_type(layer_idx) == SLIDING_ATTENTION else None
+        )
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = LlamaAttention(config, window, config.layer_name(layer_idx), kv_quant)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -129,11 +155,21 @@ class LlamaDecoderLayer(nn.Module):
         attn, mlp = self.self_attn, self.mlp
         n1, n2 = self.input_layernorm, self.post_attention_layernorm
         return DecoderLayerDesc(
-            input_norm=n1.weight, input_eps=n1.eps, post_norm=n2.weight, post_eps=n2.eps,
-            qkv=attn.qkv_proj.step_description(), o=attn.o_proj.step_description(),
-            gate_up=mlp.gate_up_proj.step_description(), down=mlp.down_proj.step_description(),
-            num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads, head_dim=attn.head_dim,
-            scale=attn.scale, sliding_window=attn.sliding_window, kv_quant=attn.kv_quant)
+            input_norm=n1.weight,
+            input_eps=n1.eps,
+            post_norm=n2.weight,
+            post_eps=n2.eps,
+            qkv=attn.qkv_proj.step_description(),
+            o=attn.o_proj.step_description(),
+            gate_up=mlp.gate_up_proj.step_description(),
+            down=mlp.down_proj.step_description(),
+            num_heads=attn.num_heads,
+            num_kv_heads=attn.num_kv_heads,
+            head_dim=attn.head_dim,
+            scale=attn.scale,
+            sliding_window=attn.sliding_window,
+            kv_quant=attn.kv_quant,
+        )
 
 
 class LlamaModel(nn.Module):
@@ -141,21 +177,33 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
         quants = kv_quants or {}  # layer name → its cache's KVQuant
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, quants.get(config.layer_name(i)))
-                                    for i in range(config.num_layers))
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i, quants.get(config.layer_name(i)))
+            for i in range(config.num_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(
             config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
         )
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[KVCache],
         md: AttentionMetadata | list[AttentionMetadata],
     ) -> torch.Tensor:
         if input_ids.shape[0] <= native_step.MAX_ROWS and type(self) is LlamaModel:
             # A small decode-only step: every layer in one native call where it applies.
-            hidden = native_step.decode_step(self, input_ids, positions, kv_caches, md, _layers.NATIVE_GEMV_MAX_ROWS,
-                                             _layers.NATIVE_GEMV_MAX_ROWS_KQUANT)
+            hidden = native_step.decode_step(
+                self,
+                input_ids,
+                positions,
+                kv_caches,
+                md,
+                _layers.NATIVE_GEMV_MAX_ROWS,
+                _layers.NATIVE_GEMV_MAX_ROWS_KQUANT,
+            )
             if hidden is not None:
                 return hidden
         x = self.embed_tokens(input_ids)
@@ -171,9 +219,12 @@ class LlamaModel(nn.Module):
         """The stack for the native decode step (``ops.step_description.NativeStepModel``): the
         model's own tensors, read by ``native_step.decode_step`` in ``forward``."""
         return DecoderStackDesc(
-            embed=self.embed_tokens.weight, rope_cos_sin=self.rotary_emb.cos_sin_cache,
+            embed=self.embed_tokens.weight,
+            rope_cos_sin=self.rotary_emb.cos_sin_cache,
             layers=[layer.step_description() for layer in self.layers],
-            final_norm=self.norm.weight, final_eps=self.norm.eps)
+            final_norm=self.norm.weight,
+            final_eps=self.norm.eps,
+        )
 
 
 class LlamaForCausalLM(nn.Module):
@@ -205,7 +256,9 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.model = LlamaModel(config, kv_quants)
         tied = config.tie_word_embeddings
-        self.lm_head = self.model.embed_tokens if tied else Embedding(config.vocab_size, config.hidden_size)
+        self.lm_head = (
+            self.model.embed_tokens if tied else Embedding(config.vocab_size, config.hidden_size)
+        )
 
     @torch.inference_mode()
     def forward(
@@ -227,7 +280,11 @@ class LlamaForCausalLM(nn.Module):
         if isinstance(shard, int):  # gate (0) / up (1): halves of gate_up_proj
             return shard * rows, rows
         a = self.model.layers[0].self_attn
-        return {"q": (0, a.q_size), "k": (a.q_size, a.kv_size), "v": (a.q_size + a.kv_size, a.kv_size)}[shard]
+        return {
+            "q": (0, a.q_size),
+            "k": (a.q_size, a.kv_size),
+            "v": (a.q_size + a.kv_size, a.kv_size),
+        }[shard]
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
@@ -250,7 +307,11 @@ class LlamaForCausalLM(nn.Module):
             param = _param_of(params, target, name)
             _copy(param.narrow(0, start, size) if target != name else param, w, name)
             rows_written[target] = rows_written.get(target, 0) + size
-        loaded = {n for n, rows in rows_written.items() if rows == (params[n].shape[0] if params[n].dim() else 1)}
+        loaded = {
+            n
+            for n, rows in rows_written.items()
+            if rows == (params[n].shape[0] if params[n].dim() else 1)
+        }
         if self.config.tie_word_embeddings and "model.embed_tokens.weight" in loaded:
             loaded.add("lm_head.weight")
         return loaded
@@ -285,7 +346,11 @@ class LlamaForCausalLM(nn.Module):
             for start, qtype, rows in parts:
                 if start != end:
                     break  # a gap: some rows are in a type the kernel lacks
-                if segments and segments[-1][2] == qtype and segments[-1][3].shape[1] == rows.shape[1]:
+                if (
+                    segments
+                    and segments[-1][2] == qtype
+                    and segments[-1][3].shape[1] == rows.shape[1]
+                ):
                     s0, _, _, prev = segments.pop()
                     segments.append((s0, start + rows.shape[0], qtype, torch.cat([prev, rows])))
                 else:
@@ -309,5 +374,7 @@ def _param_of(params: dict[str, nn.Parameter], target: str, name: str) -> nn.Par
 
 def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
     if dst.shape != src.shape:
-        raise ValueError(f"{name}: checkpoint shape {tuple(src.shape)} != parameter shape {tuple(dst.shape)}")
+        raise ValueError(
+            f"{name}: checkpoint shape {tuple(src.shape)} != parameter shape {tuple(dst.shape)}"
+        )
     dst.copy_(src)

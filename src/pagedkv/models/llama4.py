@@ -37,7 +37,9 @@ from pagedkv.ops.metadata import AttentionMetadata
 
 def llama4_params(config: ModelConfig) -> Llama4Params:
     if config.llama4 is None:
-        raise ValueError(f"{config.name or config.architecture}: a Llama 4 model needs ModelConfig.llama4")
+        raise ValueError(
+            f"{config.name or config.architecture}: a Llama 4 model needs ModelConfig.llama4"
+        )
     return config.llama4
 
 
@@ -80,7 +82,9 @@ class Llama4Attention(nn.Module):
     """GQA self-attention: chunked local with RoPE and L2 q/k norm, or NoPE global with the
     attention temperature on q; paged cache write + read."""
 
-    def __init__(self, config: ModelConfig, layer_idx: int, kv_quant: KVQuant | None = None) -> None:
+    def __init__(
+        self, config: ModelConfig, layer_idx: int, kv_quant: KVQuant | None = None
+    ) -> None:
         super().__init__()
         p = llama4_params(config)
         self.layer_name = config.layer_name(layer_idx)
@@ -93,15 +97,29 @@ class Llama4Attention(nn.Module):
         self.use_rope = bool(p.no_rope_layers[layer_idx])
         self.qk_norm_eps = config.rms_norm_eps if (p.use_qk_norm and self.use_rope) else None
         # Temperature tuning applies to NoPE layers only.
-        self.temperature = (p.floor_scale, p.attn_scale) if (p.attn_temperature_tuning and not self.use_rope) else None
+        self.temperature = (
+            (p.floor_scale, p.attn_scale)
+            if (p.attn_temperature_tuning and not self.use_rope)
+            else None
+        )
         chunked = config.layer_type(layer_idx) == CHUNKED_ATTENTION
         self.attention_chunk_size = config.attention_chunk_size if chunked else None
-        self.kv_quant = kv_quant  # its cache's quantized/rotated format, given when built (None: plain)
-        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
+        self.kv_quant = (
+            kv_quant  # its cache's quantized/rotated format, given when built (None: plain)
+        )
+        self.qkv_proj = Linear(
+            config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias
+        )
         self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.attention_bias)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, freqs_cis: torch.Tensor, kv_cache: KVCache,
-                md: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        freqs_cis: torch.Tensor,
+        kv_cache: KVCache,
+        md: AttentionMetadata,
+    ) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.qkv_proj(x)
         qk = qkv[:, : self.q_size + self.kv_size].view(t, -1, self.head_dim)
@@ -112,14 +130,23 @@ class Llama4Attention(nn.Module):
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         if self.temperature is not None:
             floor_scale, attn_scale = self.temperature
-            scales = torch.log1p(torch.floor((positions.float() + 1.0) / floor_scale)) * attn_scale + 1.0
+            scales = (
+                torch.log1p(torch.floor((positions.float() + 1.0) / floor_scale)) * attn_scale + 1.0
+            )
             q = (q * scales.view(t, 1, 1)).to(q.dtype)
         v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
         key_cache, value_cache = kv_cache
         wait_for_kv_layer_load(self.layer_name)
         reshape_and_cache(k, v, key_cache, value_cache, md.slot_mapping, self.kv_quant)
-        out = paged_attention(q, key_cache, value_cache, md, self.scale, kv_quant=self.kv_quant,
-                              attention_chunk_size=self.attention_chunk_size)
+        out = paged_attention(
+            q,
+            key_cache,
+            value_cache,
+            md,
+            self.scale,
+            kv_quant=self.kv_quant,
+            attention_chunk_size=self.attention_chunk_size,
+        )
         save_kv_layer(self.layer_name, kv_cache, md)
         return self.o_proj(out.reshape(t, self.q_size))
 
@@ -133,7 +160,9 @@ class Llama4Experts(nn.Module):
         self.gate_up_proj = _param(num_experts, hidden, 2 * intermediate)
         self.down_proj = _param(num_experts, intermediate, hidden)
 
-    def forward(self, x: torch.Tensor, scores: torch.Tensor, selected: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, scores: torch.Tensor, selected: torch.Tensor
+    ) -> torch.Tensor:
         """Sum over each token's selected experts of ``expert(x · score)`` (the score scales the
         input, as in transformers), added in expert order. ``scores [T, E]``, ``selected [T, k]``."""
         out = torch.zeros_like(x)
@@ -151,7 +180,9 @@ class Llama4MoE(nn.Module):
     def __init__(self, config: ModelConfig, p: Llama4Params) -> None:
         super().__init__()
         self.top_k = p.num_experts_per_tok
-        self.experts = Llama4Experts(p.num_local_experts, config.hidden_size, config.intermediate_size)
+        self.experts = Llama4Experts(
+            p.num_local_experts, config.hidden_size, config.intermediate_size
+        )
         self.router = Linear(config.hidden_size, p.num_local_experts)
         self.shared_expert = Llama4MLP(config.hidden_size, config.intermediate_size)
 
@@ -164,18 +195,29 @@ class Llama4MoE(nn.Module):
 
 
 class Llama4DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int, kv_quant: KVQuant | None = None) -> None:
+    def __init__(
+        self, config: ModelConfig, layer_idx: int, kv_quant: KVQuant | None = None
+    ) -> None:
         super().__init__()
         p = llama4_params(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = Llama4Attention(config, layer_idx, kv_quant)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.feed_forward: nn.Module = (Llama4MoE(config, p) if layer_idx in p.moe_layers
-                                        else Llama4MLP(config.hidden_size, p.intermediate_size_mlp))
+        self.feed_forward: nn.Module = (
+            Llama4MoE(config, p)
+            if layer_idx in p.moe_layers
+            else Llama4MLP(config.hidden_size, p.intermediate_size_mlp)
+        )
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
-                freqs_cis: torch.Tensor, kv_cache: KVCache, md: AttentionMetadata
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        positions: torch.Tensor,
+        freqs_cis: torch.Tensor,
+        kv_cache: KVCache,
+        md: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Pre-norm block, residual fused into the norms as in ``LlamaDecoderLayer``."""
         if residual is None:
             residual, x = x, self.input_layernorm(x)
@@ -191,13 +233,20 @@ class Llama4Model(nn.Module):
         super().__init__()
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
         quants = kv_quants or {}  # layer name → its cache's KVQuant
-        self.layers = nn.ModuleList(Llama4DecoderLayer(config, i, quants.get(config.layer_name(i)))
-                                    for i in range(config.num_layers))
+        self.layers = nn.ModuleList(
+            Llama4DecoderLayer(config, i, quants.get(config.layer_name(i)))
+            for i in range(config.num_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = Llama4Rotary(config)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
-                md: AttentionMetadata | list[AttentionMetadata]) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[KVCache],
+        md: AttentionMetadata | list[AttentionMetadata],
+    ) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         freqs_cis = self.rotary_emb.freqs_cis(positions)
         residual = None
@@ -218,4 +267,6 @@ class Llama4ForCausalLM(LlamaForCausalLM):
         self.config = config
         self.model = Llama4Model(config, kv_quants)
         tied = config.tie_word_embeddings
-        self.lm_head = self.model.embed_tokens if tied else Embedding(config.vocab_size, config.hidden_size)
+        self.lm_head = (
+            self.model.embed_tokens if tied else Embedding(config.vocab_size, config.hidden_size)
+        )

@@ -7,18 +7,23 @@ one ``*.gguf``. Nothing is downloaded.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from pagedkv.models.config import ModelConfig, default_model_path, load_model_config
-from pagedkv.models.gguf_loader import gguf_tokenizer, iter_gguf_quantized, iter_gguf_weights, read_gguf
+from pagedkv.models.gguf_loader import (
+    gguf_tokenizer,
+    iter_gguf_quantized,
+    iter_gguf_weights,
+    read_gguf,
+)
 from pagedkv.models.hf_loader import is_hf_dir, iter_safetensors_weights
 from pagedkv.models.registry import CausalLM, get_model_class
 from pagedkv.models.tokenizer import Tokenizer
@@ -90,7 +95,9 @@ def resolve_model_path(model: str | Path | None) -> Path:
         ggufs = sorted(p.glob("*.gguf"))
         if len(ggufs) == 1:
             return ggufs[0]
-    raise FileNotFoundError(f"{model!r} is not a .gguf file, an HF model directory or a directory with one .gguf")
+    raise FileNotFoundError(
+        f"{model!r} is not a .gguf file, an HF model directory or a directory with one .gguf"
+    )
 
 
 @contextmanager
@@ -105,7 +112,9 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 
 def get_model(
-    model: str | Path | None = None, dtype: torch.dtype | str = torch.float32, device: str | torch.device = "cpu",
+    model: str | Path | None = None,
+    dtype: torch.dtype | str = torch.float32,
+    device: str | torch.device = "cpu",
     kv_quants: KVQuantsFor | None = None,
 ) -> LoadedModel:
     """Load weights, config and tokenizer. Raises ``ValueError`` if the checkpoint leaves any
@@ -132,22 +141,33 @@ def get_model(
         net = get_model_class(config.architecture)(config, kv_quants=layer_quants)
     missing = net.param_names() - net.load_weights(weights)
     if missing:
-        raise ValueError(f"{path}: checkpoint did not provide {sorted(missing)[:8]} ({len(missing)} missing)")
-    if (path.suffix.lower() == ".gguf" and torch.device(device).type == "cpu"
-            and hasattr(net, "load_quantized") and native.available()):
+        raise ValueError(
+            f"{path}: checkpoint did not provide {sorted(missing)[:8]} ({len(missing)} missing)"
+        )
+    if (
+        path.suffix.lower() == ".gguf"
+        and torch.device(device).type == "cpu"
+        and hasattr(net, "load_quantized")
+        and native.available()
+    ):
         # Small-batch steps stream the file's 4/8-bit blocks instead of the dense weights.
         net.load_quantized(iter_gguf_quantized(gguf, native.SUPPORTED_QTYPES))
     net.eval()
-    scales = {name: (d.get("k_scale", d.get("kv_scale", 1.0)), d.get("v_scale", d.get("kv_scale", 1.0)))
-              for name, d in kv_scales.items()}
-    return LoadedModel(net, config, tokenizer, torch_dtype, path, time.perf_counter() - start, scales)
+    scales = {
+        name: (d.get("k_scale", d.get("kv_scale", 1.0)), d.get("v_scale", d.get("kv_scale", 1.0)))
+        for name, d in kv_scales.items()
+    }
+    return LoadedModel(
+        net, config, tokenizer, torch_dtype, path, time.perf_counter() - start, scales
+    )
 
 
 KV_SCALE_NAMES = ("k_scale", "v_scale", "kv_scale")
 
 
-def _split_kv_scales(weights: Iterator[tuple[str, torch.Tensor]],
-                     into: dict[str, dict[str, float]]) -> Iterator[tuple[str, torch.Tensor]]:
+def _split_kv_scales(
+    weights: Iterator[tuple[str, torch.Tensor]], into: dict[str, dict[str, float]]
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Pass weights through, collecting fp8 KV-cache scales (``<layer>.k_scale`` etc., also
     under ``<layer>.attn.`` as some exporters write them) into ``into[layer][name]``."""
     for name, t in weights:

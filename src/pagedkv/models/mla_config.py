@@ -54,7 +54,9 @@ class MLAParams:
 
     def __post_init__(self) -> None:
         if self.rope_style not in ("complex", "interleave", "neox"):
-            raise ValueError(f"mla.rope_style must be 'complex', 'interleave' or 'neox', got {self.rope_style!r}")
+            raise ValueError(
+                f"mla.rope_style must be 'complex', 'interleave' or 'neox', got {self.rope_style!r}"
+            )
         if self.topk_method not in ("noaux_tc", "greedy", "group_limited_greedy"):
             raise ValueError(f"mla.topk_method {self.topk_method!r} is not supported")
         for name in ("kv_lora_rank", "qk_rope_head_dim", "v_head_dim"):
@@ -64,11 +66,15 @@ class MLAParams:
             raise ValueError(f"mla.qk_rope_head_dim must be even, got {self.qk_rope_head_dim}")
         if self.n_routed_experts:
             if not 0 < self.num_experts_per_tok <= self.n_routed_experts:
-                raise ValueError(f"mla.num_experts_per_tok={self.num_experts_per_tok} must be in "
-                                 f"[1, n_routed_experts={self.n_routed_experts}]")
+                raise ValueError(
+                    f"mla.num_experts_per_tok={self.num_experts_per_tok} must be in "
+                    f"[1, n_routed_experts={self.n_routed_experts}]"
+                )
             if self.n_routed_experts % self.n_group or not 0 < self.topk_group <= self.n_group:
-                raise ValueError(f"mla.n_group={self.n_group} must divide n_routed_experts="
-                                 f"{self.n_routed_experts} and topk_group={self.topk_group} lie in [1, n_group]")
+                raise ValueError(
+                    f"mla.n_group={self.n_group} must divide n_routed_experts="
+                    f"{self.n_routed_experts} and topk_group={self.topk_group} lie in [1, n_group]"
+                )
 
     @property
     def qk_head_dim(self) -> int:
@@ -92,18 +98,41 @@ class MLAParams:
             scale = scale * m * m
         return scale
 
-    def num_params(self, hidden: int, heads: int, intermediate: int, vocab: int, num_layers: int,
-                   tied: bool, bias: bool) -> int:
+    def num_params(
+        self,
+        hidden: int,
+        heads: int,
+        intermediate: int,
+        vocab: int,
+        num_layers: int,
+        tied: bool,
+        bias: bool,
+    ) -> int:
         """Every weight element: embeddings, per layer (MLA projections and norms, MLP or MoE
         with router and shared experts, two norms), the final norm and the untied head."""
         h, n = hidden, heads
-        q = (h * self.q_lora_rank + self.q_lora_rank + self.q_lora_rank * n * self.qk_head_dim
-             + (self.q_lora_rank if bias else 0)) if self.q_lora_rank else h * n * self.qk_head_dim
-        kv = h * self.latent_size + self.kv_lora_rank + self.kv_lora_rank * n * (self.qk_nope_head_dim + self.v_head_dim)
+        q = (
+            (
+                h * self.q_lora_rank
+                + self.q_lora_rank
+                + self.q_lora_rank * n * self.qk_head_dim
+                + (self.q_lora_rank if bias else 0)
+            )
+            if self.q_lora_rank
+            else h * n * self.qk_head_dim
+        )
+        kv = (
+            h * self.latent_size
+            + self.kv_lora_rank
+            + self.kv_lora_rank * n * (self.qk_nope_head_dim + self.v_head_dim)
+        )
         attn = q + kv + n * self.v_head_dim * h + ((self.latent_size + h) if bias else 0)
         dense = 3 * h * intermediate
-        moe = (3 * h * self.moe_intermediate_size * (self.n_routed_experts + self.n_shared_experts)
-               + self.n_routed_experts * h + (self.n_routed_experts if self.topk_method == "noaux_tc" else 0))
+        moe = (
+            3 * h * self.moe_intermediate_size * (self.n_routed_experts + self.n_shared_experts)
+            + self.n_routed_experts * h
+            + (self.n_routed_experts if self.topk_method == "noaux_tc" else 0)
+        )
         mlps = sum(moe if self.is_moe_layer(i) else dense for i in range(num_layers))
         return vocab * h * (1 if tied else 2) + num_layers * (attn + 2 * h) + mlps + h
 

@@ -26,7 +26,9 @@ from pagedkv.ops.metadata import AttentionMetadata
 class DeciAttention(LlamaAttention):
     """Llama attention with layer ``i``'s own KV head count."""
 
-    def __init__(self, config: ModelConfig, layer_idx: int, kv_quant: KVQuant | None = None) -> None:
+    def __init__(
+        self, config: ModelConfig, layer_idx: int, kv_quant: KVQuant | None = None
+    ) -> None:
         super().__init__(config, None, config.layer_name(layer_idx), kv_quant)
         self.num_kv_heads = config.layer_kv_heads(layer_idx)
         self.kv_size = self.num_kv_heads * self.head_dim
@@ -40,8 +42,13 @@ class LinearAttention(nn.Module):
         super().__init__()
         self.linear_attn = Linear(hidden, hidden)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv_cache: KVCache,
-                md: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: KVCache,
+        md: AttentionMetadata,
+    ) -> torch.Tensor:
         return self.linear_attn(x)
 
 
@@ -60,17 +67,25 @@ class DeciDecoderLayer(nn.Module):
     """A pre-norm Llama block whose sub-blocks may be absent (no-op: neither it nor its norm
     exists, the stream passes through) or linear."""
 
-    def __init__(self, config: ModelConfig, layer_idx: int, kv_quant: KVQuant | None = None) -> None:
+    def __init__(
+        self, config: ModelConfig, layer_idx: int, kv_quant: KVQuant | None = None
+    ) -> None:
         super().__init__()
         g, h, eps = config.deci, config.hidden_size, config.rms_norm_eps
         self.has_attn, self.has_ffn = g.attention[layer_idx] != NO_OP, g.ffn[layer_idx] != NO_OP
         if self.has_attn:
             self.input_layernorm = RMSNorm(h, eps)
             linear = g.attention[layer_idx] != ATTENTION
-            self.self_attn = LinearAttention(h) if linear else DeciAttention(config, layer_idx, kv_quant)
+            self.self_attn = (
+                LinearAttention(h) if linear else DeciAttention(config, layer_idx, kv_quant)
+            )
         if self.has_ffn:
             self.post_attention_layernorm = RMSNorm(h, eps)
-            self.mlp = SwiGLUMLP(h, g.intermediate_sizes[layer_idx]) if g.ffn[layer_idx] == MLP else LinearMLP(h)
+            self.mlp = (
+                SwiGLUMLP(h, g.intermediate_sizes[layer_idx])
+                if g.ffn[layer_idx] == MLP
+                else LinearMLP(h)
+            )
 
     def forward(
         self,
@@ -91,7 +106,9 @@ class DeciDecoderLayer(nn.Module):
         return x, residual
 
 
-def _add_norm(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+def _add_norm(
+    norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(norm(stream), stream)`` with the stream ``x + residual`` (or ``x``)."""
     return (norm(x), x) if residual is None else norm(x, residual)
 
@@ -103,8 +120,10 @@ class DeciModel(LlamaModel):
         nn.Module.__init__(self)
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
         quants = kv_quants or {}  # layer name → its cache's KVQuant
-        self.layers = nn.ModuleList(DeciDecoderLayer(config, i, quants.get(config.layer_name(i)))
-                                    for i in range(config.num_layers))
+        self.layers = nn.ModuleList(
+            DeciDecoderLayer(config, i, quants.get(config.layer_name(i)))
+            for i in range(config.num_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(
             config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
@@ -118,12 +137,16 @@ class DeciLMForCausalLM(LlamaForCausalLM):
         if config.deci is None:
             raise ValueError("DeciLMForCausalLM needs a nemotron-nas config (config.deci)")
         if not any(a == ATTENTION for a in config.deci.attention):
-            raise ValueError("nemotron-nas: a model without any attention layer has no KV cache to page")
+            raise ValueError(
+                "nemotron-nas: a model without any attention layer has no KV cache to page"
+            )
         nn.Module.__init__(self)
         self.config = config
         self.model = DeciModel(config, kv_quants)
         tied = config.tie_word_embeddings
-        self.lm_head = self.model.embed_tokens if tied else Embedding(config.vocab_size, config.hidden_size)
+        self.lm_head = (
+            self.model.embed_tokens if tied else Embedding(config.vocab_size, config.hidden_size)
+        )
 
     def _target(self, name: str, rows: int) -> tuple[str, int]:
         """Like Llama's, but q/k/v offsets are those of the tensor's own layer (KV heads differ)."""
@@ -134,5 +157,9 @@ class DeciLMForCausalLM(LlamaForCausalLM):
                 a = getattr(self.model.layers[int(name.split(".")[2])], "self_attn", None)
                 if not isinstance(a, DeciAttention):  # q/k/v for a layer without attention
                     return name, 0  # load_weights reports the stray tensor
-                return name.replace(part, fused), {"q": 0, "k": a.q_size, "v": a.q_size + a.kv_size}[shard]
+                return name.replace(part, fused), {
+                    "q": 0,
+                    "k": a.q_size,
+                    "v": a.q_size + a.kv_size,
+                }[shard]
         return name, 0

@@ -7,8 +7,8 @@ from typing import Protocol
 
 import torch
 
-from pagedkv.models.config import ModelConfig
 from pagedkv.models.bamba import BambaForCausalLM
+from pagedkv.models.config import ModelConfig
 from pagedkv.models.deepseek_v2 import DeepseekV2ForCausalLM
 from pagedkv.models.gemma2 import Gemma2ForCausalLM
 from pagedkv.models.gemma4 import Gemma4ForCausalLM

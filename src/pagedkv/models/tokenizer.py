@@ -26,7 +26,14 @@ _CONTROL, _USER_DEFINED = 3, 4
 _GIL_FREE_ENCODE_CHARS = 8192
 
 # End-of-turn markers that stop generation besides eos (chat models end a reply with these).
-_END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>")
+_END_OF_TURN = (
+    "<|im_end|>",
+    "<|eot_id|>",
+    "<|eom_id|>",
+    "<|end|>",
+    "<end_of_turn>",
+    "<|endoftext|>",
+)
 
 # Split regexes for `tokenizer.ggml.pre` values that transformers' GGUF conversion maps to a
 # custom split. Every other value (e.g. "smollm", "gpt2") keeps GPT-2's ByteLevel regex, which is
@@ -40,7 +47,9 @@ _QWEN2_SPLIT = (
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 _PRE_SPLITS = {
-    **dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "falcon3", "dbrx", "smaug-bpe"), _LLAMA3_SPLIT),
+    **dict.fromkeys(
+        ("llama3", "llama-v3", "llama-bpe", "falcon3", "dbrx", "smaug-bpe"), _LLAMA3_SPLIT
+    ),
     **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "megrez"), _QWEN2_SPLIT),
 }
 
@@ -48,7 +57,11 @@ _PRE_SPLITS = {
 @lru_cache(maxsize=1)
 def bytes_to_unicode() -> dict[int, str]:
     """GPT-2's byte -> printable character map, the alphabet byte-level BPE vocabularies use."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
     chars, extra = {}, 0
     for b in range(256):
         if b in printable:
@@ -67,25 +80,32 @@ def build_gguf_backend(meta: Mapping[str, Any]) -> BackendTokenizer:
     """
     kind = meta.get("tokenizer.ggml.model")
     if kind != "gpt2":
-        raise NotImplementedError(f"GGUF tokenizer model {kind!r} is not supported (only 'gpt2' byte-level BPE)")
+        raise NotImplementedError(
+            f"GGUF tokenizer model {kind!r} is not supported (only 'gpt2' byte-level BPE)"
+        )
     tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
     types: Sequence[int] = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
     spell = bytes_to_unicode()
     alphabet = set(spell.values())
     # A token outside the byte alphabet is stored as plain text: respell it in bytes, as HF does.
     vocab = {
-        (t if set(t) <= alphabet else "".join(spell[b] for b in t.encode("utf-8"))): i for i, t in enumerate(tokens)
+        (t if set(t) <= alphabet else "".join(spell[b] for b in t.encode("utf-8"))): i
+        for i, t in enumerate(tokens)
     }
     merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
-    backend = BackendTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
+    backend = BackendTokenizer(
+        models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False)
+    )
     split = _PRE_SPLITS.get(meta.get("tokenizer.ggml.pre", ""))
     if split is None:
         backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     else:
-        backend.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(split), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ])
+        backend.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
     backend.decoder = decoders.ByteLevel()
     # Control tokens (<|im_start|>...) must match whole; one spelled outside the byte alphabet is a
     # llama.cpp mislabel that transformers skips, and so do we.
@@ -101,6 +121,7 @@ def build_gguf_backend(meta: Mapping[str, Any]) -> BackendTokenizer:
 def _add_bos_eos(backend: BackendTokenizer, meta: Mapping[str, Any], tokens: Sequence[str]) -> None:
     """Install a post-processor adding bos/eos when the file asks for them (``add_bos_token``),
     so ``encode(..., add_special_tokens=True)`` behaves as with an HF ``tokenizer.json``."""
+
     def wanted(flag: str, key: str) -> tuple[str, int] | None:
         token_id = meta.get(f"tokenizer.ggml.{key}")
         if not meta.get(f"tokenizer.ggml.{flag}") or token_id is None:
@@ -159,7 +180,9 @@ class Tokenizer:
         self.chat_template = chat_template
         stops = [] if eos_token_id is None else [eos_token_id]
         stops += [i for i in extra_stop_ids if i not in stops]
-        stops += [i for t in _END_OF_TURN if (i := backend.token_to_id(t)) is not None and i not in stops]
+        stops += [
+            i for t in _END_OF_TURN if (i := backend.token_to_id(t)) is not None and i not in stops
+        ]
         self.stop_token_ids: tuple[int, ...] = tuple(stops)
 
     # ---- construction ---------------------------------------------------------------------
@@ -238,7 +261,9 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def decode_incremental(self, state: DetokenizeState, new_ids: Sequence[int], *, final: bool = False) -> str:
+    def decode_incremental(
+        self, state: DetokenizeState, new_ids: Sequence[int], *, final: bool = False
+    ) -> str:
         """Append ``new_ids`` to ``state`` and return the newly completed text.
 
         Never returns a partial UTF-8 character: while the decoded tail ends in U+FFFD (bytes of a
@@ -264,7 +289,10 @@ class Tokenizer:
 
     # ---- chat -----------------------------------------------------------------------------
     def apply_chat_template(
-        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        **kwargs: Any,
     ) -> str:
         """Render the model's chat template (as transformers does) to prompt text.
 
@@ -279,7 +307,10 @@ class Tokenizer:
             "pad_token": self._token_text(self.pad_token_id),
         }
         return _compile_template(self.chat_template).render(
-            messages=[dict(m) for m in messages], add_generation_prompt=add_generation_prompt, **specials, **kwargs
+            messages=[dict(m) for m in messages],
+            add_generation_prompt=add_generation_prompt,
+            **specials,
+            **kwargs,
         )
 
     def _token_text(self, token_id: int | None) -> str:
@@ -296,12 +327,21 @@ def _compile_template(source: str) -> Any:
     def raise_exception(message: str) -> None:
         raise TemplateError(message)
 
-    def tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
-               sort_keys: bool = False) -> str:
+    def tojson(
+        x: Any,
+        ensure_ascii: bool = False,
+        indent: int | None = None,
+        separators: Any = None,
+        sort_keys: bool = False,
+    ) -> str:
         # jinja's built-in tojson HTML-escapes; templates expect plain JSON.
-        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+        return json.dumps(
+            x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+        )
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols]
+    )
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)

@@ -134,13 +134,23 @@ class OffloadingEvent:
         for key in self.keys:
             groups.setdefault(get_offload_group_idx(key), []).append(get_offload_block_hash(key))
         if self.removed:
-            return [BlockRemoved(block_hashes=h, medium=self.medium, group_idx=g)
-                    for g, h in groups.items()]
+            return [
+                BlockRemoved(block_hashes=h, medium=self.medium, group_idx=g)
+                for g, h in groups.items()
+            ]
         sizes = block_size if isinstance(block_size, Sequence) else None
-        return [BlockStored(block_hashes=h, parent_block_hash=None, token_ids=[],
-                            block_size=sizes[g] if sizes is not None else block_size, lora_id=None,
-                            medium=self.medium, group_idx=g)
-                for g, h in groups.items()]
+        return [
+            BlockStored(
+                block_hashes=h,
+                parent_block_hash=None,
+                token_ids=[],
+                block_size=sizes[g] if sizes is not None else block_size,
+                lora_id=None,
+                medium=self.medium,
+                group_idx=g,
+            )
+            for g, h in groups.items()
+        ]
 
 
 @dataclass(slots=True)
@@ -154,14 +164,14 @@ class TierStats:
     # capacity_bytes is 0 and means "unbounded", not "full".
     capacity_unbounded: bool = False
     usage_bytes: int = 0
-    hits: int = 0             # lookups / existence checks that found the key
+    hits: int = 0  # lookups / existence checks that found the key
     misses: int = 0
-    stores: int = 0           # chunks written and readable
-    store_failures: int = 0   # stores dropped: no room, disk full, tier down, backpressure
+    stores: int = 0  # chunks written and readable
+    store_failures: int = 0  # stores dropped: no room, disk full, tier down, backpressure
     evictions: int = 0
-    loads: int = 0            # chunks read back successfully
-    load_failures: int = 0    # reads that failed (missing, I/O error, tier down, corrupt)
-    corrupted: int = 0        # records that failed verification and were deleted
+    loads: int = 0  # chunks read back successfully
+    load_failures: int = 0  # reads that failed (missing, I/O error, tier down, corrupt)
+    corrupted: int = 0  # records that failed verification and were deleted
     bytes_read: int = 0
     bytes_written: int = 0
     healthy: bool = True
@@ -316,8 +326,20 @@ def unique(keys: Iterable[OffloadKey]) -> list[OffloadKey]:
 
 
 __all__ = [
-    "CPULoadStoreSpec", "ChunkItems", "GPULoadStoreSpec", "LoadStoreSpec", "LookupResult",
-    "OffloadKey", "OffloadingEvent", "OffloadingManager", "PrepareStoreOutput",
-    "RateLimitedWarning", "SecondaryTier", "TierStats", "get_offload_block_hash",
-    "get_offload_group_idx", "make_offload_key", "unique",
+    "CPULoadStoreSpec",
+    "ChunkItems",
+    "GPULoadStoreSpec",
+    "LoadStoreSpec",
+    "LookupResult",
+    "OffloadKey",
+    "OffloadingEvent",
+    "OffloadingManager",
+    "PrepareStoreOutput",
+    "RateLimitedWarning",
+    "SecondaryTier",
+    "TierStats",
+    "get_offload_block_hash",
+    "get_offload_group_idx",
+    "make_offload_key",
+    "unique",
 ]

@@ -47,9 +47,17 @@ class ChunkStatus:
 class CPUOffloadingManager(OffloadingManager):
     """The primary (host memory) tier: the only one whose slots the device cache reads/writes."""
 
-    def __init__(self, num_chunks: int, cache_policy: str = "lru", *, chunk_bytes: int = 0,
-                 enable_events: bool = True, store_threshold: int = 0,
-                 max_tracker_size: int | None = None, name: str = "cpu") -> None:
+    def __init__(
+        self,
+        num_chunks: int,
+        cache_policy: str = "lru",
+        *,
+        chunk_bytes: int = 0,
+        enable_events: bool = True,
+        store_threshold: int = 0,
+        max_tracker_size: int | None = None,
+        name: str = "cpu",
+    ) -> None:
         if num_chunks <= 0:
             raise ValueError(f"num_chunks must be positive, got {num_chunks}")
         self.num_chunks = num_chunks
@@ -59,11 +67,13 @@ class CPUOffloadingManager(OffloadingManager):
         self.max_tracker_size = max_tracker_size or max(1024, 4 * num_chunks)
         self.policy = make_cache_policy(cache_policy, num_chunks)
         self._entries: dict[OffloadKey, ChunkStatus] = {}
-        self._num_fresh = 0                      # slots [0, _num_fresh) have been handed out
-        self._free_list: list[int] = []          # returned slots, reused LIFO
+        self._num_fresh = 0  # slots [0, _num_fresh) have been handed out
+        self._free_list: list[int] = []  # returned slots, reused LIFO
         self._offer_counts: OrderedDict[OffloadKey, int] = OrderedDict()
         self._events: list[OffloadingEvent] = []
-        self.stats = TierStats(name=name, medium=MEDIUM_CPU, capacity_bytes=num_chunks * chunk_bytes)
+        self.stats = TierStats(
+            name=name, medium=MEDIUM_CPU, capacity_bytes=num_chunks * chunk_bytes
+        )
 
     # ----------------------------------------------------------------------------- queries
     @property
@@ -124,13 +134,19 @@ class CPUOffloadingManager(OffloadingManager):
     def touch(self, keys: Sequence[OffloadKey]) -> None:
         # Reversed so that keys[0] (the prefix head) ends up most recent; only ready chunks,
         # so an in-flight store cannot be promoted to ARC's frequent list.
-        ready = [k for k in reversed(keys) if (s := self._entries.get(k)) is not None and s.is_ready]
+        ready = [
+            k for k in reversed(keys) if (s := self._entries.get(k)) is not None and s.is_ready
+        ]
         self.policy.touch(ready)
 
     # ------------------------------------------------------------------------------ stores
-    def prepare_store(self, keys: Sequence[OffloadKey], *,
-                      protected: Collection[OffloadKey] = (),
-                      admit_all: bool = False) -> PrepareStoreOutput | None:
+    def prepare_store(
+        self,
+        keys: Sequence[OffloadKey],
+        *,
+        protected: Collection[OffloadKey] = (),
+        admit_all: bool = False,
+    ) -> PrepareStoreOutput | None:
         """See `OffloadingManager.prepare_store`. ``protected`` keys are never evicted either
         (a request's other chunks); ``admit_all`` skips the store threshold (promotions)."""
         offer = unique(keys)
@@ -143,8 +159,10 @@ class CPUOffloadingManager(OffloadingManager):
         evicted: list[OffloadKey] = []
         if need > 0:
             offered = set(offer)
-            victims = self.policy.evict(need, lambda k: self._entries[k].ref_cnt == 0
-                                        and k not in offered and k not in protected)
+            victims = self.policy.evict(
+                need,
+                lambda k: self._entries[k].ref_cnt == 0 and k not in offered and k not in protected,
+            )
             if victims is None:
                 return None
             for key in victims:
@@ -225,4 +243,6 @@ class CPUOffloadingManager(OffloadingManager):
         assert len(set(self._free_list)) == len(self._free_list), "free list has duplicates"
         assert len(ids) + len(self._free_list) == self._num_fresh, "a slot leaked"
         assert all(s.ref_cnt >= -1 for s in self._entries.values())
-        assert len(self.policy) == len(self._entries) and all(k in self.policy for k in self._entries)
+        assert len(self.policy) == len(self._entries) and all(
+            k in self.policy for k in self._entries
+        )

@@ -29,8 +29,12 @@ class DualQueueThreadPool:
         self._shutdown = False
         self._busy = 0
         self._threads = [
-            threading.Thread(target=self._run, args=(num_threads > 1 and i == num_threads - 1,),
-                             name=f"{name}-{i}", daemon=True)
+            threading.Thread(
+                target=self._run,
+                args=(num_threads > 1 and i == num_threads - 1,),
+                name=f"{name}-{i}",
+                daemon=True,
+            )
             for i in range(num_threads)
         ]
         for t in self._threads:
@@ -68,7 +72,9 @@ class DualQueueThreadPool:
         with self._cond:
             while not (self._reads or self._writes or self._shutdown):
                 self._cond.wait()
-            first, second = (self._writes, self._reads) if writes_first else (self._reads, self._writes)
+            first, second = (
+                (self._writes, self._reads) if writes_first else (self._reads, self._writes)
+            )
             queue = first if first else second
             if not queue:  # shut down and drained
                 return None
@@ -92,9 +98,13 @@ class DualQueueThreadPool:
     def wait_idle(self, timeout: float | None = None) -> bool:
         """Block until both queues are empty and no job runs; False on timeout (tests, shutdown)."""
         with self._cond:
-            return self._cond.wait_for(lambda: not (self._reads or self._writes or self._busy), timeout)
+            return self._cond.wait_for(
+                lambda: not (self._reads or self._writes or self._busy), timeout
+            )
 
-    def shutdown(self, wait: bool = True, cancel_pending: bool = False, timeout: float | None = None) -> None:
+    def shutdown(
+        self, wait: bool = True, cancel_pending: bool = False, timeout: float | None = None
+    ) -> None:
         """Stop accepting jobs; run (or cancel) what is queued; join the threads if ``wait``."""
         with self._cond:
             self._shutdown = True

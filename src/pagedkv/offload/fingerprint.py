@@ -56,13 +56,29 @@ class OffloadFingerprint:
     format_version: int = FORMAT_VERSION
 
     @classmethod
-    def create(cls, model: str, dtype: Any, block_size: int, layout: Any, num_layers: int,
-               num_kv_heads: int, head_size: int, **kw: Any) -> OffloadFingerprint:
+    def create(
+        cls,
+        model: str,
+        dtype: Any,
+        block_size: int,
+        layout: Any,
+        num_layers: int,
+        num_kv_heads: int,
+        head_size: int,
+        **kw: Any,
+    ) -> OffloadFingerprint:
         """Normalising constructor: ``dtype`` may be a torch dtype, ``layout`` an enum."""
         layout_str = layout if isinstance(layout, str) else getattr(layout, "name", str(layout))
-        return cls(model=model, dtype=_dtype_name(dtype), block_size=block_size,
-                   layout=layout_str.upper(), num_layers=num_layers, num_kv_heads=num_kv_heads,
-                   head_size=head_size, **kw)
+        return cls(
+            model=model,
+            dtype=_dtype_name(dtype),
+            block_size=block_size,
+            layout=layout_str.upper(),
+            num_layers=num_layers,
+            num_kv_heads=num_kv_heads,
+            head_size=head_size,
+            **kw,
+        )
 
     def to_json(self) -> str:
         fields = asdict(self)
@@ -107,8 +123,16 @@ class RecordHeader:
     def pack(self) -> bytes:
         if len(self.key) > _KEY_MAX:
             raise ValueError(f"key longer than {_KEY_MAX} bytes")
-        body = _BODY.pack(_MAGIC, FORMAT_VERSION, HEADER_SIZE, bytes.fromhex(self.fingerprint),
-                          len(self.key), self.key, self.payload_len, self.payload_checksum)
+        body = _BODY.pack(
+            _MAGIC,
+            FORMAT_VERSION,
+            HEADER_SIZE,
+            bytes.fromhex(self.fingerprint),
+            len(self.key),
+            self.key,
+            self.payload_len,
+            self.payload_checksum,
+        )
         return body + _TAIL.pack(checksum(body))
 
     @classmethod
@@ -117,11 +141,16 @@ class RecordHeader:
         buf = memoryview(data)[:HEADER_SIZE]
         if buf.nbytes < HEADER_SIZE:
             raise RecordError("short header")
-        body = buf[:_BODY.size]
-        if _TAIL.unpack(buf[_BODY.size:])[0] != checksum(body):
+        body = buf[: _BODY.size]
+        if _TAIL.unpack(buf[_BODY.size :])[0] != checksum(body):
             raise RecordError("header checksum mismatch")
         magic, version, size, fp, key_len, key, plen, pcs = _BODY.unpack(body)
-        if magic != _MAGIC or version != FORMAT_VERSION or size != HEADER_SIZE or key_len > _KEY_MAX:
+        if (
+            magic != _MAGIC
+            or version != FORMAT_VERSION
+            or size != HEADER_SIZE
+            or key_len > _KEY_MAX
+        ):
             raise RecordError("not a pagedkv record of this format version")
         return cls(fp.hex(), key[:key_len], plen, pcs)
 

@@ -33,10 +33,10 @@ import logging
 import mmap
 import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -120,9 +120,18 @@ def _write_all(fd: int, bufs: Sequence[Any]) -> None:
 class FileSystemTier(SecondaryTier):
     """See the module docstring."""
 
-    def __init__(self, root: str | os.PathLike[str], fingerprint: OffloadFingerprint | str,
-                 capacity_bytes: int, chunk_bytes: int, *, use_odirect: bool | None = None,
-                 fsync: bool = True, num_threads: int = 4, name: str = "disk") -> None:
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        fingerprint: OffloadFingerprint | str,
+        capacity_bytes: int,
+        chunk_bytes: int,
+        *,
+        use_odirect: bool | None = None,
+        fsync: bool = True,
+        num_threads: int = 4,
+        name: str = "disk",
+    ) -> None:
         super().__init__(name, MEDIUM_STORAGE, capacity_bytes)
         self.fingerprint = fingerprint if isinstance(fingerprint, str) else fingerprint.hexdigest
         self.chunk_bytes = chunk_bytes
@@ -138,8 +147,8 @@ class FileSystemTier(SecondaryTier):
             logger.warning("%s: O_DIRECT unsupported on %s, using buffered I/O", name, self.dir)
         self.odirect = probed if use_odirect is None else bool(use_odirect and probed)
         self._index: OrderedDict[OffloadKey, int] = OrderedDict()  # key → file bytes, LRU first
-        self._used = 0       # bytes of indexed files
-        self._reserved = 0   # bytes of writes in flight
+        self._used = 0  # bytes of indexed files
+        self._reserved = 0  # bytes of writes in flight
         self._writing: set[OffloadKey] = set()
         self._made_dirs: set[Path] = set()
         self._local = threading.local()
@@ -180,8 +189,9 @@ class FileSystemTier(SecondaryTier):
             self._used += size
         self._evict_to_fit(0)
 
-    def _scan_entry(self, entry: os.DirEntry[str], now: float,
-                    found: list[tuple[float, OffloadKey, int]]) -> None:
+    def _scan_entry(
+        self, entry: os.DirEntry[str], now: float, found: list[tuple[float, OffloadKey, int]]
+    ) -> None:
         name = entry.name
         try:
             st = entry.stat()
@@ -189,14 +199,18 @@ class FileSystemTier(SecondaryTier):
             return
         if _TMP in name:
             pid = name.rsplit(".", 2)[-2]
-            if not pid.isdigit() or not _pid_alive(int(pid)) or now - st.st_mtime > _STALE_TMP_AGE_S:
+            if (
+                not pid.isdigit()
+                or not _pid_alive(int(pid))
+                or now - st.st_mtime > _STALE_TMP_AGE_S
+            ):
                 self._unlink(Path(entry.path))
                 self.num_tmp_removed += 1
             return
         if not name.endswith(_SUFFIX):
             return
         try:
-            key = bytes.fromhex(name[:-len(_SUFFIX)])
+            key = bytes.fromhex(name[: -len(_SUFFIX)])
         except ValueError:
             return
         if st.st_size != self.file_bytes:  # torn or foreign: never index it
@@ -245,7 +259,13 @@ class FileSystemTier(SecondaryTier):
 
     def _store(self, key: OffloadKey, data: memoryview) -> bool:
         if data.nbytes != self.chunk_bytes:
-            _warn("size", "%s: refusing a %d B chunk (expected %d B)", self.name, data.nbytes, self.chunk_bytes)
+            _warn(
+                "size",
+                "%s: refusing a %d B chunk (expected %d B)",
+                self.name,
+                data.nbytes,
+                self.chunk_bytes,
+            )
             self.count_dropped(1)
             return False
         with self._lock:
@@ -262,7 +282,9 @@ class FileSystemTier(SecondaryTier):
             self._writing.add(key)
         ok = False
         try:
-            self._write_file(self.path_for(key), RecordHeader.for_payload(self.fingerprint, key, data), data)
+            self._write_file(
+                self.path_for(key), RecordHeader.for_payload(self.fingerprint, key, data), data
+            )
             ok = True
         except OSError as exc:
             topic = "full" if exc.errno in _DISK_FULL else "write"
@@ -326,8 +348,8 @@ class FileSystemTier(SecondaryTier):
                     buf[:HEADER_BLOCK] = head + bytes(HEADER_BLOCK - len(head))
                     end = HEADER_BLOCK + data.nbytes
                     buf[HEADER_BLOCK:end] = data
-                    buf[end:self.file_bytes] = bytes(self.file_bytes - end)
-                    _write_all(fd, [buf[:self.file_bytes]])
+                    buf[end : self.file_bytes] = bytes(self.file_bytes - end)
+                    _write_all(fd, [buf[: self.file_bytes]])
                 else:
                     pad = bytes(self.file_bytes - HEADER_BLOCK - data.nbytes)
                     _write_all(fd, [head + bytes(HEADER_BLOCK - len(head)), data, pad])
@@ -389,9 +411,9 @@ class FileSystemTier(SecondaryTier):
         fd = os.open(path, flags)
         try:
             if self.odirect:
-                buf = self._bounce()[:self.file_bytes]
+                buf = self._bounce()[: self.file_bytes]
                 n = os.preadv(fd, [buf], 0)
-                payload = buf[HEADER_BLOCK:HEADER_BLOCK + self.chunk_bytes]
+                payload = buf[HEADER_BLOCK : HEADER_BLOCK + self.chunk_bytes]
                 head = buf[:HEADER_SIZE]
             else:
                 head_buf = bytearray(HEADER_BLOCK)

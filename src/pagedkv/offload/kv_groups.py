@@ -103,8 +103,11 @@ class OffloadGroupLayout:
     prefix_cache_retention_interval: int | None = None
 
     @classmethod
-    def from_kv_cache_groups(cls, kv_cache_groups: Sequence[KVCacheGroupSpec],
-                             prefix_cache_retention_interval: int | None = None) -> OffloadGroupLayout:
+    def from_kv_cache_groups(
+        cls,
+        kv_cache_groups: Sequence[KVCacheGroupSpec],
+        prefix_cache_retention_interval: int | None = None,
+    ) -> OffloadGroupLayout:
         groups = scheduler_kv_cache_groups(kv_cache_groups)  # uniform-type → one layer's spec
         if not groups:
             raise ValueError("kv_offload needs at least one KV cache group")
@@ -134,13 +137,19 @@ class OffloadGroupLayout:
         if len(self.groups) == 1 and self.groups[0].kind == FULL:
             return ""
         r = self.prefix_cache_retention_interval if self.has_mamba else None
-        return ";".join(g.describe() for g in self.groups) + (f";retention:{r}" if r is not None else "")
+        return ";".join(g.describe() for g in self.groups) + (
+            f";retention:{r}" if r is not None else ""
+        )
 
     # ---- keys -----------------------------------------------------------------------------------
 
-    def keys(self, block_hashes: Sequence[bytes], group_idx: int, blocks: Sequence[int]) -> list[OffloadKey]:
+    def keys(
+        self, block_hashes: Sequence[bytes], group_idx: int, blocks: Sequence[int]
+    ) -> list[OffloadKey]:
         """Keys of blocks ``blocks`` of group ``group_idx`` (hashes at `hash_block_size`)."""
-        view = view_block_hashes(block_hashes, self.hash_block_size, self.groups[group_idx].block_size)
+        view = view_block_hashes(
+            block_hashes, self.hash_block_size, self.groups[group_idx].block_size
+        )
         return [make_offload_key(view[i], group_idx) for i in blocks]
 
     def num_full_blocks(self, block_hashes: Sequence[bytes], group_idx: int) -> int:
@@ -156,7 +165,9 @@ class OffloadGroupLayout:
         first = max(num_computed_tokens, g.skipped_tokens(hit_tokens)) // g.block_size
         return range(first, hit_tokens // g.block_size)
 
-    def find_hit(self, num_computed_tokens: int, max_tokens: int, lookup: GroupLookup) -> tuple[int, bool]:
+    def find_hit(
+        self, num_computed_tokens: int, max_tokens: int, lookup: GroupLookup
+    ) -> tuple[int, bool]:
         """``(hit tokens past num_computed_tokens, blocked)``: the largest aligned ``L`` with
         ``num_computed_tokens <= L <= max_tokens`` whose required blocks are HIT in every
         group, minus ``num_computed_tokens``. ``blocked``: some group's answer for a block of
@@ -173,7 +184,9 @@ class OffloadGroupLayout:
                 if not blocks:
                     continue
                 results = lookup(gid, blocks)
-                n = next((i for i, r in enumerate(results) if r is not LookupResult.HIT), len(results))
+                n = next(
+                    (i for i, r in enumerate(results) if r is not LookupResult.HIT), len(results)
+                )
                 if n == len(results):
                     continue
                 blocked |= results[n] in (LookupResult.RETRY, LookupResult.HIT_PENDING)

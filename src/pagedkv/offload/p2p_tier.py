@@ -37,10 +37,10 @@ import numpy as np
 import xxhash
 import zmq
 
-from pagedkv.transfer import get_transfer_backend
-from pagedkv.transfer.base import KVTransferBackend, MemoryRegion
 from pagedkv.offload.base import ChunkItems, OffloadKey, RateLimitedWarning, SecondaryTier
 from pagedkv.offload.dual_queue_pool import DualQueueThreadPool
+from pagedkv.transfer import get_transfer_backend
+from pagedkv.transfer.base import KVTransferBackend, MemoryRegion
 
 logger = logging.getLogger(__name__)
 _warn = RateLimitedWarning(logger)
@@ -64,7 +64,9 @@ class ChunkStore:
         self.evicted: list[OffloadKey] = []  # for events, drained by the tier
 
     def region(self) -> MemoryRegion:
-        return MemoryRegion(self.buffer.ctypes.data, self.buffer.shape[0], self.chunk_bytes, self.chunk_bytes)
+        return MemoryRegion(
+            self.buffer.ctypes.data, self.buffer.shape[0], self.chunk_bytes, self.chunk_bytes
+        )
 
     def _take_slot(self, now: float) -> int | None:
         if self._free:
@@ -168,10 +170,23 @@ class P2PTier(SecondaryTier):
     """See the module docstring. ``fingerprint``: the offload fingerprint's hex digest;
     ``hash_seed``: how block hashes (hence offload keys) are made."""
 
-    def __init__(self, peers: Sequence[tuple[str, int]], fingerprint: str, hash_seed: str, chunk_bytes: int, *,
-                 listen_host: str = "127.0.0.1", listen_port: int = 0, capacity_bytes: int = 0,
-                 backend: str | None = None, timeout_s: float = 2.0, lease_s: float = 10.0,
-                 cooldown_s: float = 10.0, num_threads: int = 2, name: str = "p2p") -> None:
+    def __init__(
+        self,
+        peers: Sequence[tuple[str, int]],
+        fingerprint: str,
+        hash_seed: str,
+        chunk_bytes: int,
+        *,
+        listen_host: str = "127.0.0.1",
+        listen_port: int = 0,
+        capacity_bytes: int = 0,
+        backend: str | None = None,
+        timeout_s: float = 2.0,
+        lease_s: float = 10.0,
+        cooldown_s: float = 10.0,
+        num_threads: int = 2,
+        name: str = "p2p",
+    ) -> None:
         super().__init__(name, MEDIUM_P2P, capacity_bytes)
         self.fingerprint, self.hash_seed, self.chunk_bytes = fingerprint, hash_seed, chunk_bytes
         self.timeout_s, self.lease_s, self.cooldown_s = timeout_s, lease_s, cooldown_s
@@ -179,7 +194,9 @@ class P2PTier(SecondaryTier):
         num_slots = max(capacity_bytes // chunk_bytes, 64)
         self.store = ChunkStore(num_slots, chunk_bytes)
         self.serving = listen_port > 0
-        self.backend: KVTransferBackend = get_transfer_backend(f"p2p-{id(self):x}-{listen_port}", backend)
+        self.backend: KVTransferBackend = get_transfer_backend(
+            f"p2p-{id(self):x}-{listen_port}", backend
+        )
         self.backend.register_kv_memory([self.store.region()])
         self._backend_lock = threading.Lock()  # NIXL is not thread-safe
         self._peers = [_Peer(h, p) for h, p in peers]
@@ -193,20 +210,30 @@ class P2PTier(SecondaryTier):
                 self._server_sock.bind(f"tcp://{listen_host}:{listen_port}")
             except zmq.ZMQError as e:
                 self._server_sock.close()
-                raise ValueError(f"p2p-listen: cannot listen on {listen_host}:{listen_port}: {e}") from None
+                raise ValueError(
+                    f"p2p-listen: cannot listen on {listen_host}:{listen_port}: {e}"
+                ) from None
             self._server = threading.Thread(target=self._serve, name="p2p-server", daemon=True)
             self._server.start()
         self.pool = DualQueueThreadPool(num_threads, f"{name}-io")
-        logger.info("P2P tier: serving %s, %d peer(s), transfer backend %s",
-                    f"{listen_host}:{listen_port}" if self.serving else "nothing", len(self._peers),
-                    self.backend.kind)
+        logger.info(
+            "P2P tier: serving %s, %d peer(s), transfer backend %s",
+            f"{listen_host}:{listen_port}" if self.serving else "nothing",
+            len(self._peers),
+            self.backend.kind,
+        )
 
     # ---- serving (ZMQ thread) ---------------------------------------------------------------------
 
     def _hello(self) -> dict[str, Any]:
-        return {"version": PROTOCOL_VERSION, "fingerprint": self.fingerprint, "hash_seed": self.hash_seed,
-                "chunk_bytes": self.chunk_bytes, "backend": self.backend.kind,
-                "agent_metadata": self.backend.get_agent_metadata()}
+        return {
+            "version": PROTOCOL_VERSION,
+            "fingerprint": self.fingerprint,
+            "hash_seed": self.hash_seed,
+            "chunk_bytes": self.chunk_bytes,
+            "backend": self.backend.kind,
+            "agent_metadata": self.backend.get_agent_metadata(),
+        }
 
     def _answer(self, msg: dict[str, Any]) -> dict[str, Any]:
         kind = msg.get("type")
@@ -259,8 +286,15 @@ class P2PTier(SecondaryTier):
     def _down(self, peer: _Peer, why: str) -> None:
         peer.down_until = time.monotonic() + self.cooldown_s
         peer.error = why
-        _warn(f"p2p-{peer.host}:{peer.port}", "%s: peer %s:%d skipped for %.0f s: %s", self.name,
-              peer.host, peer.port, self.cooldown_s, why)
+        _warn(
+            f"p2p-{peer.host}:{peer.port}",
+            "%s: peer %s:%d skipped for %.0f s: %s",
+            self.name,
+            peer.host,
+            peer.port,
+            self.cooldown_s,
+            why,
+        )
 
     def _connected(self, peer: _Peer) -> bool:
         """Connect (handshake) once; False while the peer is down or refused."""
@@ -317,8 +351,12 @@ class P2PTier(SecondaryTier):
                 self._down(peer, "lookup failed")
                 continue
             try:
-                self._read(peer, [(i, s, c) for i, s, c in zip(todo, reply["slots"], reply["sums"]) if s >= 0],
-                           items, out)
+                self._read(
+                    peer,
+                    [(i, s, c) for i, s, c in zip(todo, reply["slots"], reply["sums"]) if s >= 0],
+                    items,
+                    out,
+                )
             finally:
                 self._request(peer, {"type": "release", "keys": keys})
         with self._lock:
@@ -327,9 +365,13 @@ class P2PTier(SecondaryTier):
             self.stats.bytes_read += sum(out) * self.chunk_bytes
         return out
 
-    def _read(self, peer: _Peer, hits: list[tuple[int, int, int]], items: ChunkItems, out: list[bool]) -> None:
+    def _read(
+        self, peer: _Peer, hits: list[tuple[int, int, int]], items: ChunkItems, out: list[bool]
+    ) -> None:
         """Read the peer's leased slots into reserved local slots, verify, copy out."""
-        local: list[tuple[int, int, int, int]] = []  # (item index, local slot, remote slot, checksum)
+        local: list[
+            tuple[int, int, int, int]
+        ] = []  # (item index, local slot, remote slot, checksum)
         for i, rslot, checksum in hits:
             slot = self.store.reserve(items[i][0], self.lease_s)
             if slot is not None:
@@ -337,7 +379,9 @@ class P2PTier(SecondaryTier):
         if not local:
             return
         with self._backend_lock:
-            handle = self.backend.read_blocks(peer.name, [s for _, s, _, _ in local], [r for _, _, r, _ in local])
+            handle = self.backend.read_blocks(
+                peer.name, [s for _, s, _, _ in local], [r for _, _, r, _ in local]
+            )
         deadline = time.monotonic() + self.timeout_s
         while True:
             with self._backend_lock:
@@ -365,8 +409,14 @@ class P2PTier(SecondaryTier):
         if corrupted:
             with self._lock:
                 self.stats.corrupted += corrupted
-            _warn("p2p-corrupt", "%s: %d chunks from %s:%d failed their checksum", self.name, corrupted,
-                  peer.host, peer.port)
+            _warn(
+                "p2p-corrupt",
+                "%s: %d chunks from %s:%d failed their checksum",
+                self.name,
+                corrupted,
+                peer.host,
+                peer.port,
+            )
 
     def store_batch(self, items: ChunkItems) -> list[bool]:
         """Keep a copy of this instance's chunks for its peers (nothing to do when not serving)."""
@@ -405,7 +455,11 @@ def compat_error(local: dict[str, Any], remote: dict[str, Any]) -> str | None:
     interchangeable), as a message naming it; None if they agree."""
     for name in ("version", "fingerprint", "hash_seed", "chunk_bytes", "backend"):
         if local.get(name) != remote.get(name):
-            hint = " (ensure PYTHONHASHSEED and the hash algorithm match)" if name == "hash_seed" else ""
+            hint = (
+                " (ensure PYTHONHASHSEED and the hash algorithm match)"
+                if name == "hash_seed"
+                else ""
+            )
             return f"{name} differs (local {local.get(name)!r}, peer {remote.get(name)!r}){hint}"
     return None
 

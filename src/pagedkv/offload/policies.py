@@ -196,4 +196,6 @@ def make_cache_policy(name: str, capacity: int) -> CachePolicy:
     try:
         return CACHE_POLICIES[name.lower()](capacity)
     except KeyError:
-        raise ValueError(f"unknown cache policy {name!r}; choose from {sorted(CACHE_POLICIES)}") from None
+        raise ValueError(
+            f"unknown cache policy {name!r}; choose from {sorted(CACHE_POLICIES)}"
+        ) from None

@@ -41,7 +41,13 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from pagedkv.core.events import MEDIUM_REMOTE
-from pagedkv.offload.base import ChunkItems, OffloadKey, RateLimitedWarning, SecondaryTier, TierStats
+from pagedkv.offload.base import (
+    ChunkItems,
+    OffloadKey,
+    RateLimitedWarning,
+    SecondaryTier,
+    TierStats,
+)
 from pagedkv.offload.dual_queue_pool import DualQueueThreadPool
 from pagedkv.offload.fingerprint import HEADER_SIZE, OffloadFingerprint, RecordError, RecordHeader
 
@@ -55,11 +61,24 @@ _USAGE_REFRESH_S = 5.0
 class RedisTier(SecondaryTier):
     """See the module docstring."""
 
-    def __init__(self, host: str, port: int, fingerprint: OffloadFingerprint | str, chunk_bytes: int,
-                 *, db: int = 0, ttl_s: int | None = None, password: str | None = None,
-                 namespace: str = "pagedkv", socket_timeout_s: float = 1.0,
-                 connect_timeout_s: float = 0.5, backoff_base_s: float = 0.5,
-                 backoff_max_s: float = 30.0, num_threads: int = 2, name: str = "redis") -> None:
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        fingerprint: OffloadFingerprint | str,
+        chunk_bytes: int,
+        *,
+        db: int = 0,
+        ttl_s: int | None = None,
+        password: str | None = None,
+        namespace: str = "pagedkv",
+        socket_timeout_s: float = 1.0,
+        connect_timeout_s: float = 0.5,
+        backoff_base_s: float = 0.5,
+        backoff_max_s: float = 30.0,
+        num_threads: int = 2,
+        name: str = "redis",
+    ) -> None:
         super().__init__(name, MEDIUM_REMOTE)
         self.fingerprint = fingerprint if isinstance(fingerprint, str) else fingerprint.hexdigest
         self.chunk_bytes = chunk_bytes
@@ -68,9 +87,16 @@ class RedisTier(SecondaryTier):
         self.backoff_base_s = backoff_base_s
         self.backoff_max_s = backoff_max_s
         self.client = redis.Redis(
-            host=host, port=port, db=db, password=password, socket_timeout=socket_timeout_s,
-            socket_connect_timeout=connect_timeout_s, retry=Retry(NoBackoff(), 0),
-            health_check_interval=0, max_connections=num_threads + 2)
+            host=host,
+            port=port,
+            db=db,
+            password=password,
+            socket_timeout=socket_timeout_s,
+            socket_connect_timeout=connect_timeout_s,
+            retry=Retry(NoBackoff(), 0),
+            health_check_interval=0,
+            max_connections=num_threads + 2,
+        )
         self._healthy = True
         self._failures = 0
         self._next_attempt = 0.0
@@ -113,8 +139,14 @@ class RedisTier(SecondaryTier):
                 self._healthy = False
                 self._next_attempt = time.monotonic() + self._backoff()
                 backoff = self._backoff()
-            _warn("down", "%s: %s failed (%s); tier marked unhealthy, retrying in %.1f s",
-                  self.name, what, exc, backoff)
+            _warn(
+                "down",
+                "%s: %s failed (%s); tier marked unhealthy, retrying in %.1f s",
+                self.name,
+                what,
+                exc,
+                backoff,
+            )
             return None
         with self._lock:
             recovered = not self._healthy
@@ -128,6 +160,7 @@ class RedisTier(SecondaryTier):
             pipe = self.client.pipeline(transaction=False)
             build(pipe)
             return pipe.execute(raise_on_error=False)
+
         # Connection errors abort the whole pipeline (raised); only server replies such as
         # OOM come back per command, as exception objects in the list.
         return self._call(what, run)
@@ -135,7 +168,11 @@ class RedisTier(SecondaryTier):
     # ---------------------------------------------------------------------------- batches
     def exists_batch(self, keys: Sequence[OffloadKey]) -> list[bool]:
         results = self._pipeline("EXISTS", lambda p: [p.exists(self.redis_key(k)) for k in keys])
-        out = [bool(r) and not isinstance(r, Exception) for r in results] if results else [False] * len(keys)
+        out = (
+            [bool(r) and not isinstance(r, Exception) for r in results]
+            if results
+            else [False] * len(keys)
+        )
         with self._lock:
             self.stats.hits += sum(out)
             self.stats.misses += len(out) - sum(out)
@@ -143,14 +180,27 @@ class RedisTier(SecondaryTier):
 
     def store_batch(self, items: ChunkItems) -> list[bool]:
         good = [(k, d) for k, d in items if d.nbytes == self.chunk_bytes]
-        values = [b"".join((RecordHeader.for_payload(self.fingerprint, k, d).pack(), d))
-                  for k, d in good]  # one copy
-        results = self._pipeline("SET", lambda p: [p.set(self.redis_key(k), v, ex=self.ttl_s)
-                                                    for (k, _), v in zip(good, values)]) if good else []
+        values = [
+            b"".join((RecordHeader.for_payload(self.fingerprint, k, d).pack(), d)) for k, d in good
+        ]  # one copy
+        results = (
+            self._pipeline(
+                "SET",
+                lambda p: [
+                    p.set(self.redis_key(k), v, ex=self.ttl_s) for (k, _), v in zip(good, values)
+                ],
+            )
+            if good
+            else []
+        )
         done = {k for (k, _), r in zip(good, results or []) if r is True}
         errors = [r for r in results or [] if isinstance(r, Exception)]
-        if errors:  # e.g. OOM under maxmemory-policy noeviction: the server is fine, the store is not
-            _warn("set", "%s: %d stores refused by the server (%s)", self.name, len(errors), errors[0])
+        if (
+            errors
+        ):  # e.g. OOM under maxmemory-policy noeviction: the server is fine, the store is not
+            _warn(
+                "set", "%s: %d stores refused by the server (%s)", self.name, len(errors), errors[0]
+            )
         out = [k in done for k, _ in items]
         with self._lock:
             self.stats.stores += len(done)

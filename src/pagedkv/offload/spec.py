@@ -22,8 +22,16 @@ from urllib.parse import parse_qs, urlsplit
 
 from pagedkv.core.units import format_size, parse_size
 
-__all__ = ["CPUTierConfig", "DiskTierConfig", "OffloadConfig", "P2PTierConfig", "RedisTierConfig", "format_size",
-           "parse_offload_spec", "parse_size"]
+__all__ = [
+    "CPUTierConfig",
+    "DiskTierConfig",
+    "OffloadConfig",
+    "P2PTierConfig",
+    "RedisTierConfig",
+    "format_size",
+    "parse_offload_spec",
+    "parse_size",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,7 +86,9 @@ class OffloadConfig:
             p = self.p2p
             parts.extend(f"p2p:{h}:{port}" for h, port in p.peers)
             if p.listen_port:
-                parts.append(f"p2p-listen:{p.listen_host}:{p.listen_port}:{format_size(p.capacity_bytes)}")
+                parts.append(
+                    f"p2p-listen:{p.listen_host}:{p.listen_port}:{format_size(p.capacity_bytes)}"
+                )
         return ",".join(parts)
 
 
@@ -150,7 +160,9 @@ def parse_offload_spec(spec: str) -> OffloadConfig:
         elif kind == "redis":
             tiers[kind] = _parse_redis(raw)
         else:
-            raise ValueError(f"unknown tier {kind!r} in {spec!r} (cpu, disk, redis, p2p, p2p-listen)")
+            raise ValueError(
+                f"unknown tier {kind!r} in {spec!r} (cpu, disk, redis, p2p, p2p-listen)"
+            )
     if "cpu" not in tiers:
         raise ValueError(f"{spec!r} has no cpu:<size> tier (the gateway of every other tier)")
     if peers or listen:

@@ -58,7 +58,13 @@ from pagedkv.offload.base import (
 )
 from pagedkv.offload.cpu_manager import CPUOffloadingManager
 
-__all__ = ["AsyncLookupManager", "ChunkBuffer", "ChunkItems", "SecondaryTier", "TieringOffloadingManager"]
+__all__ = [
+    "AsyncLookupManager",
+    "ChunkBuffer",
+    "ChunkItems",
+    "SecondaryTier",
+    "TieringOffloadingManager",
+]
 
 logger = logging.getLogger(__name__)
 _warn = RateLimitedWarning(logger)
@@ -73,7 +79,7 @@ class ChunkBuffer(Protocol):
 
 
 def _batches(items: Sequence[Any], size: int) -> list[Sequence[Any]]:
-    return [items[i:i + size] for i in range(0, len(items), size)]
+    return [items[i : i + size] for i in range(0, len(items), size)]
 
 
 @dataclass(slots=True)
@@ -93,9 +99,14 @@ class AsyncLookupManager:
     instance stores the key) and at most ``max_answers`` are kept.
     """
 
-    def __init__(self, tiers: Sequence[SecondaryTier], timeout_s: float = 2.0,
-                 answer_ttl_s: float = 1.0, max_answers: int = 100_000,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        tiers: Sequence[SecondaryTier],
+        timeout_s: float = 2.0,
+        answer_ttl_s: float = 1.0,
+        max_answers: int = 100_000,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.tiers = list(tiers)
         self.timeout_s = timeout_s
         self.answer_ttl_s = answer_ttl_s
@@ -103,7 +114,9 @@ class AsyncLookupManager:
         self._clock = clock
         self._pending: OrderedDict[OffloadKey, _Check] = OrderedDict()  # deadline order
         self._answers: OrderedDict[OffloadKey, tuple[int, float]] = OrderedDict()
-        self._done: queue.SimpleQueue[tuple[int, Sequence[OffloadKey], list[bool] | None]] = queue.SimpleQueue()
+        self._done: queue.SimpleQueue[tuple[int, Sequence[OffloadKey], list[bool] | None]] = (
+            queue.SimpleQueue()
+        )
         self.num_timeouts = 0
 
     @property
@@ -112,7 +125,9 @@ class AsyncLookupManager:
 
     def request(self, keys: Sequence[OffloadKey]) -> None:
         now = self._clock()
-        new = [k for k in dict.fromkeys(keys) if k not in self._pending and self._fresh(k, now) is None]
+        new = [
+            k for k in dict.fromkeys(keys) if k not in self._pending and self._fresh(k, now) is None
+        ]
         if not new:
             return
         for key in new:
@@ -124,8 +139,11 @@ class AsyncLookupManager:
                 except RuntimeError:  # pool shut down
                     self._done.put((i, batch, None))
                     continue
-                fut.add_done_callback(lambda f, i=i, b=batch: self._done.put(
-                    (i, b, None if f.cancelled() or f.exception() else f.result())))
+                fut.add_done_callback(
+                    lambda f, i=i, b=batch: self._done.put(
+                        (i, b, None if f.cancelled() or f.exception() else f.result())
+                    )
+                )
 
     def poll(self) -> int:
         """Fold completed checks in and time out late ones; returns how many keys resolved."""
@@ -190,18 +208,28 @@ class TieringOffloadingManager(OffloadingManager):
     ``answer_ttl_s``. Not thread-safe: the scheduler's thread calls it, I/O threads never do.
     """
 
-    def __init__(self, primary: CPUOffloadingManager, host: ChunkBuffer,
-                 tiers: Sequence[SecondaryTier], *, lookup_timeout_s: float = 2.0,
-                 answer_ttl_s: float = 1.0, max_cascade_fraction: float = 0.5,
-                 max_pending_write_batches: int = 64, max_backlog: int | None = None,
-                 max_watched: int = 1024) -> None:
+    def __init__(
+        self,
+        primary: CPUOffloadingManager,
+        host: ChunkBuffer,
+        tiers: Sequence[SecondaryTier],
+        *,
+        lookup_timeout_s: float = 2.0,
+        answer_ttl_s: float = 1.0,
+        max_cascade_fraction: float = 0.5,
+        max_pending_write_batches: int = 64,
+        max_backlog: int | None = None,
+        max_watched: int = 1024,
+    ) -> None:
         self.primary = primary
         self.host = host
         self.tiers = list(tiers)
         self.lookups = AsyncLookupManager(self.tiers, lookup_timeout_s, answer_ttl_s)
         self.max_cascade_pins = max(1, int(primary.num_chunks * max_cascade_fraction))
         self.max_pending_write_batches = max_pending_write_batches
-        self._completions: queue.SimpleQueue[tuple[str, int, list[OffloadKey], list[bool]]] = queue.SimpleQueue()
+        self._completions: queue.SimpleQueue[tuple[str, int, list[OffloadKey], list[bool]]] = (
+            queue.SimpleQueue()
+        )
         self._cascade_pins = 0
         self._jobs_in_flight = 0
         self.max_backlog = max_backlog or 4 * primary.num_chunks
@@ -226,7 +254,10 @@ class TieringOffloadingManager(OffloadingManager):
             failed = f.cancelled() or f.exception() is not None
             if failed and not f.cancelled():  # a tier broke its never-raise contract: a bug
                 _warn(f"{tier.name}-{kind}", "%s: %s job raised %r", tier.name, kind, f.exception())
-            self._completions.put((kind, tier_idx, keys, [False] * len(keys) if failed else f.result()))
+            self._completions.put(
+                (kind, tier_idx, keys, [False] * len(keys) if failed else f.result())
+            )
+
         fut.add_done_callback(done)
 
     def _poll(self) -> None:
@@ -281,11 +312,17 @@ class TieringOffloadingManager(OffloadingManager):
             if backlog and not tier.healthy:
                 tier.count_dropped(len(backlog))
                 backlog.clear()
-            while (backlog and self._cascade_pins < self.max_cascade_pins
-                   and tier.pool.num_pending_writes < self.max_pending_write_batches):
+            while (
+                backlog
+                and self._cascade_pins < self.max_cascade_pins
+                and tier.pool.num_pending_writes < self.max_pending_write_batches
+            ):
                 take: list[OffloadKey] = []
-                while (backlog and len(take) < tier.max_batch
-                       and self._cascade_pins + len(take) < self.max_cascade_pins):
+                while (
+                    backlog
+                    and len(take) < tier.max_batch
+                    and self._cascade_pins + len(take) < self.max_cascade_pins
+                ):
                     key = backlog.popleft()
                     if self.primary.peek(key) is LookupResult.HIT:
                         take.append(key)
@@ -295,7 +332,9 @@ class TieringOffloadingManager(OffloadingManager):
                     continue
                 chunk_ids = self.primary.pin(take)
                 self._cascade_pins += len(take)
-                self._submit("store", ti, [(k, self.host.chunk_view(c)) for k, c in zip(take, chunk_ids)])
+                self._submit(
+                    "store", ti, [(k, self.host.chunk_view(c)) for k, c in zip(take, chunk_ids)]
+                )
 
     # ------------------------------------------------------------------------------ lookup
     def lookup(self, key: OffloadKey) -> LookupResult:
@@ -328,7 +367,10 @@ class TieringOffloadingManager(OffloadingManager):
         prefix once none of its answers is outstanding (or its time is up)."""
         now = time.monotonic()
         for keys, until in list(self._watched.items()):
-            if self._resolve_prefix(keys, count=False)[-1] is not LookupResult.RETRY or until <= now:
+            if (
+                self._resolve_prefix(keys, count=False)[-1] is not LookupResult.RETRY
+                or until <= now
+            ):
                 del self._watched[keys]
 
     def _resolve_prefix(self, keys: Sequence[OffloadKey], count: bool = True) -> list[LookupResult]:
@@ -357,9 +399,13 @@ class TieringOffloadingManager(OffloadingManager):
         results.extend([results[-1]] * (len(keys) - len(results)))
         return results
 
-    def _promote(self, run: list[tuple[OffloadKey, int]], protected: Collection[OffloadKey]) -> bool:
+    def _promote(
+        self, run: list[tuple[OffloadKey, int]], protected: Collection[OffloadKey]
+    ) -> bool:
         """Prepare CPU slots for ``run`` and read them from their tiers; False if no room."""
-        out = self.primary.prepare_store([k for k, _ in run], protected=set(protected), admit_all=True)
+        out = self.primary.prepare_store(
+            [k for k, _ in run], protected=set(protected), admit_all=True
+        )
         if out is None:
             return False
         slot = dict(zip(out.keys_to_store, out.store_spec.ids))
@@ -425,8 +471,11 @@ class TieringOffloadingManager(OffloadingManager):
         deadline = time.monotonic() + timeout_s
         while True:
             self._poll()
-            if (self._jobs_in_flight == 0 and self.lookups.num_pending == 0
-                    and not any(self._backlog)):
+            if (
+                self._jobs_in_flight == 0
+                and self.lookups.num_pending == 0
+                and not any(self._backlog)
+            ):
                 return True
             if time.monotonic() >= deadline:
                 return False

@@ -59,32 +59,51 @@ class HostChunkBuffer:
     ``c*bpc .. c*bpc+bpc-1``. `chunk_view` hands lower tiers a writable zero-copy memoryview.
     """
 
-    def __init__(self, num_chunks: int, blocks_per_chunk: int, block_shape: Sequence[int],
-                 dtype: torch.dtype, pin_memory: bool = False) -> None:
+    def __init__(
+        self,
+        num_chunks: int,
+        blocks_per_chunk: int,
+        block_shape: Sequence[int],
+        dtype: torch.dtype,
+        pin_memory: bool = False,
+    ) -> None:
         if num_chunks <= 0 or blocks_per_chunk <= 0:
             raise ValueError("num_chunks and blocks_per_chunk must be positive")
         self.num_chunks = num_chunks
         self.blocks_per_chunk = blocks_per_chunk
         self.block_shape = tuple(block_shape)
         # zeros, not empty: fault every page in now rather than during the first transfers.
-        self.tensor = torch.zeros((num_chunks * blocks_per_chunk, *self.block_shape),
-                                  dtype=dtype, pin_memory=pin_memory)
+        self.tensor = torch.zeros(
+            (num_chunks * blocks_per_chunk, *self.block_shape), dtype=dtype, pin_memory=pin_memory
+        )
         self.block_bytes = self.tensor[0].numel() * self.tensor.element_size()
         self.chunk_bytes = self.block_bytes * blocks_per_chunk
         self._chunks = self.tensor.view(torch.uint8).numpy().reshape(num_chunks, self.chunk_bytes)
 
     @classmethod
-    def for_kv_cache(cls, kv_buffer: torch.Tensor, layout: str | Any, capacity_bytes: int,
-                     blocks_per_chunk: int = 1) -> HostChunkBuffer:
+    def for_kv_cache(
+        cls,
+        kv_buffer: torch.Tensor,
+        layout: str | Any,
+        capacity_bytes: int,
+        blocks_per_chunk: int = 1,
+    ) -> HostChunkBuffer:
         """As many slots as fit in ``capacity_bytes`` for chunks of ``kv_buffer``'s blocks;
         pinned when the device cache is on CUDA."""
         blocks = block_major_view(kv_buffer, layout)
         block_bytes = blocks[0].numel() * blocks.element_size()
         num_chunks = capacity_bytes // (block_bytes * blocks_per_chunk)
         if num_chunks <= 0:
-            raise ValueError(f"{capacity_bytes} B holds no chunk of {block_bytes * blocks_per_chunk} B")
-        return cls(num_chunks, blocks_per_chunk, blocks.shape[1:], blocks.dtype,
-                   pin_memory=kv_buffer.is_cuda)
+            raise ValueError(
+                f"{capacity_bytes} B holds no chunk of {block_bytes * blocks_per_chunk} B"
+            )
+        return cls(
+            num_chunks,
+            blocks_per_chunk,
+            blocks.shape[1:],
+            blocks.dtype,
+            pin_memory=kv_buffer.is_cuda,
+        )
 
     def chunk_view(self, chunk_id: int) -> memoryview:
         return memoryview(self._chunks[chunk_id])
@@ -98,8 +117,8 @@ class HostChunkBuffer:
 class TransferResult:
     job_id: int
     success: bool
-    size: int      # bytes moved
-    time: float    # seconds from submit to completion
+    size: int  # bytes moved
+    time: float  # seconds from submit to completion
 
 
 @dataclass(slots=True)
@@ -127,9 +146,14 @@ class OffloadingWorker:
 
     def __init__(self, kv_buffer: torch.Tensor, layout: str | Any, host: HostChunkBuffer) -> None:
         self.device_blocks = block_major_view(kv_buffer, layout)
-        if tuple(self.device_blocks.shape[1:]) != host.block_shape or self.device_blocks.dtype != host.tensor.dtype:
-            raise ValueError(f"host blocks {host.block_shape}/{host.tensor.dtype} do not match device "
-                             f"blocks {tuple(self.device_blocks.shape[1:])}/{self.device_blocks.dtype}")
+        if (
+            tuple(self.device_blocks.shape[1:]) != host.block_shape
+            or self.device_blocks.dtype != host.tensor.dtype
+        ):
+            raise ValueError(
+                f"host blocks {host.block_shape}/{host.tensor.dtype} do not match device "
+                f"blocks {tuple(self.device_blocks.shape[1:])}/{self.device_blocks.dtype}"
+            )
         self.host = host
         self.blocks_per_chunk = host.blocks_per_chunk
         self.num_device_blocks = self.device_blocks.shape[0]
@@ -138,7 +162,10 @@ class OffloadingWorker:
         self._cuda_jobs: deque[_CudaJob] = deque()
         self._last_event: Any = None
         if self.is_cuda:
-            self._streams = {"store": torch.cuda.Stream(kv_buffer.device), "load": torch.cuda.Stream(kv_buffer.device)}
+            self._streams = {
+                "store": torch.cuda.Stream(kv_buffer.device),
+                "load": torch.cuda.Stream(kv_buffer.device),
+            }
         else:
             self._dev_np = _byte_array(self.device_blocks)
             self._host_np = _byte_array(host.tensor)
@@ -163,7 +190,9 @@ class OffloadingWorker:
     def _pairs(self, dev: GPULoadStoreSpec, host: CPULoadStoreSpec) -> tuple[list[int], list[int]]:
         bpc = self.blocks_per_chunk
         if len(dev.ids) != len(host.ids) * bpc:
-            raise ValueError(f"{len(dev.ids)} device blocks for {len(host.ids)} chunks of {bpc} blocks")
+            raise ValueError(
+                f"{len(dev.ids)} device blocks for {len(host.ids)} chunks of {bpc} blocks"
+            )
         if any(not 0 <= b < self.num_device_blocks for b in dev.ids):
             raise ValueError("device block id out of range")
         if any(not 0 <= c < self.host.num_chunks for c in host.ids):
@@ -177,30 +206,38 @@ class OffloadingWorker:
         if self.is_cuda:
             self._transfer_cuda(job_id, direction, runs, size, start)
             return
-        src_np, dst_np = (self._dev_np, self._host_np) if direction == "store" else (self._host_np, self._dev_np)
+        src_np, dst_np = (
+            (self._dev_np, self._host_np) if direction == "store" else (self._host_np, self._dev_np)
+        )
         try:
             for s0, d0, n in runs:
-                dst_np[d0:d0 + n] = src_np[s0:s0 + n]
+                dst_np[d0 : d0 + n] = src_np[s0 : s0 + n]
             ok = True
         except Exception:  # noqa: BLE001 - a failed copy is a failed job, not an engine crash
             logger.exception("offload %s job %d failed", direction, job_id)
             ok = False
         self._count(direction, size if ok else 0)
-        self._finished.append(TransferResult(job_id, ok, size if ok else 0, time.perf_counter() - start))
+        self._finished.append(
+            TransferResult(job_id, ok, size if ok else 0, time.perf_counter() - start)
+        )
 
-    def _transfer_cuda(self, job_id: int, direction: str, runs: list[tuple[int, int, int]],
-                       size: int, start: float) -> None:
+    def _transfer_cuda(
+        self, job_id: int, direction: str, runs: list[tuple[int, int, int]], size: int, start: float
+    ) -> None:
         stream = self._streams[direction]
         # KV written by the model (store) or blocks still read by it (load) must be done first,
         # and jobs run in submission order so a block is never loaded under a pending store.
         stream.wait_stream(torch.cuda.current_stream(self.device_blocks.device))
         if self._last_event is not None:
             stream.wait_event(self._last_event)
-        src_t, dst_t = ((self.device_blocks, self.host.tensor) if direction == "store"
-                        else (self.host.tensor, self.device_blocks))
+        src_t, dst_t = (
+            (self.device_blocks, self.host.tensor)
+            if direction == "store"
+            else (self.host.tensor, self.device_blocks)
+        )
         with torch.cuda.stream(stream):
             for s0, d0, n in runs:
-                dst_t[d0:d0 + n].copy_(src_t[s0:s0 + n], non_blocking=True)
+                dst_t[d0 : d0 + n].copy_(src_t[s0 : s0 + n], non_blocking=True)
             event = torch.cuda.Event()
             event.record(stream)
         self._last_event = event
@@ -220,7 +257,9 @@ class OffloadingWorker:
         """Jobs finished since the last call (in completion order)."""
         while self._cuda_jobs and self._cuda_jobs[0].event.query():
             job = self._cuda_jobs.popleft()
-            self._finished.append(TransferResult(job.job_id, True, job.size, time.perf_counter() - job.start))
+            self._finished.append(
+                TransferResult(job.job_id, True, job.size, time.perf_counter() - job.start)
+            )
         out, self._finished = self._finished, []
         return out
 

@@ -60,11 +60,18 @@ PREFILL_TILE_TOKENS = 128
 PREFILL_TILE_BYTES = 16 << 20
 
 
-def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                    attn_metadata: AttentionMetadata, scale: float,
-                    sliding_window: int | None = None, logits_soft_cap: float | None = None,
-                    num_kv_splits: int | None = None, kv_quant: KVQuant | None = None,
-                    attention_chunk_size: int | None = None) -> torch.Tensor:
+def paged_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    attn_metadata: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
+    num_kv_splits: int | None = None,
+    kv_quant: KVQuant | None = None,
+    attention_chunk_size: int | None = None,
+) -> torch.Tensor:
     """Causal attention of a flat batch of queries over their paged K/V.
 
     ``query [T, Hq, D]``; ``key_cache [NB, BS, Hkv, D]``, ``value_cache [NB, BS, Hkv, Dv]``
@@ -88,38 +95,91 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     if num_kv_splits is not None and num_kv_splits < 0:
         raise ValueError(f"num_kv_splits must be >= 0, got {num_kv_splits}")
     if query.shape[1] % key_cache.shape[2]:
-        raise ValueError(f"{query.shape[1]} query heads is not a multiple of "
-                         f"{key_cache.shape[2]} KV heads")
+        raise ValueError(
+            f"{query.shape[1]} query heads is not a multiple of {key_cache.shape[2]} KV heads"
+        )
     if kv_quant is not None and (kv_quant.fmt.quantized or kv_quant.rotation is not None):
         # Rotated keys: q·k = (Rq)·(Rk); the output Σp·Rv is rotated back.
         q = kv_quant.rotate(query)
         if use_triton:
             from pagedkv.ops.triton.unified_attention import paged_attention_triton
-            out = paged_attention_triton(q, key_cache, value_cache, attn_metadata, scale, sliding_window,
-                                         logits_soft_cap, num_kv_splits, kv_quant=kv_quant)
+
+            out = paged_attention_triton(
+                q,
+                key_cache,
+                value_cache,
+                attn_metadata,
+                scale,
+                sliding_window,
+                logits_soft_cap,
+                num_kv_splits,
+                kv_quant=kv_quant,
+            )
         else:
-            out = _attention(q, PagedKV.of(key_cache, value_cache, kv_quant), attn_metadata, scale,
-                             sliding_window, logits_soft_cap, num_kv_splits, attention_chunk_size)
+            out = _attention(
+                q,
+                PagedKV.of(key_cache, value_cache, kv_quant),
+                attn_metadata,
+                scale,
+                sliding_window,
+                logits_soft_cap,
+                num_kv_splits,
+                attention_chunk_size,
+            )
         return kv_quant.unrotate(out).to(query.dtype)
     if use_triton:
         from pagedkv.ops.triton.unified_attention import paged_attention_triton
-        return paged_attention_triton(query, key_cache, value_cache, attn_metadata, scale,
-                                      sliding_window, logits_soft_cap, num_kv_splits)
-    return _attention(query, PagedKV.of(key_cache, value_cache), attn_metadata, scale,
-                      sliding_window, logits_soft_cap, num_kv_splits, attention_chunk_size)
+
+        return paged_attention_triton(
+            query,
+            key_cache,
+            value_cache,
+            attn_metadata,
+            scale,
+            sliding_window,
+            logits_soft_cap,
+            num_kv_splits,
+        )
+    return _attention(
+        query,
+        PagedKV.of(key_cache, value_cache),
+        attn_metadata,
+        scale,
+        sliding_window,
+        logits_soft_cap,
+        num_kv_splits,
+        attention_chunk_size,
+    )
 
 
-def _attention(query: torch.Tensor, paged: PagedKV, md: AttentionMetadata, scale: float,
-               sliding_window: int | None, soft_cap: float | None,
-               num_kv_splits: int | None, chunk_size: int | None = None) -> torch.Tensor:
+def _attention(
+    query: torch.Tensor,
+    paged: PagedKV,
+    md: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None,
+    soft_cap: float | None,
+    num_kv_splits: int | None,
+    chunk_size: int | None = None,
+) -> torch.Tensor:
     """The CPU/torch path of :func:`paged_attention` over ``paged`` (maybe quantized);
     ``chunk_size``: the attention chunk size (chunked local attention) or None."""
     num_tokens, num_heads, _ = query.shape
     out = query.new_empty(num_tokens, num_heads, paged.head_size_v)
     rows = md.rows()
     if rows.decode:
-        _decode(query, out, paged, md, rows.decode, scale, sliding_window, soft_cap, num_kv_splits,
-                chunk_size)
+        _decode(
+            query,
+            out,
+            paged,
+            md,
+            rows.decode,
+            scale,
+            sliding_window,
+            soft_cap,
+            num_kv_splits,
+            chunk_size,
+        )
     for i in rows.prefill:
         _prefill(query, out, paged, md, i, scale, sliding_window, soft_cap, chunk_size)
     return out
@@ -134,8 +194,12 @@ def _first_key(p: int, sliding_window: int | None, chunk_size: int | None) -> in
     return 0
 
 
-def _key_mask(key_pos: torch.Tensor, query_pos: torch.Tensor,
-              sliding_window: int | None, chunk_size: int | None = None) -> torch.Tensor:
+def _key_mask(
+    key_pos: torch.Tensor,
+    query_pos: torch.Tensor,
+    sliding_window: int | None,
+    chunk_size: int | None = None,
+) -> torch.Tensor:
     """``valid[..., r, l]``: key position ``k <= p`` and, with a window, ``p - k < w``; with
     an attention chunk size ``c``, ``k // c == p // c``.
 
@@ -150,8 +214,14 @@ def _key_mask(key_pos: torch.Tensor, query_pos: torch.Tensor,
     return valid
 
 
-def _decode_chunks(seq_lens: list[int], rows: list[int], token_bytes: int, budget: int,
-                   sliding_window: int | None = None, chunk_size: int | None = None) -> list[list[int]]:
+def _decode_chunks(
+    seq_lens: list[int],
+    rows: list[int],
+    token_bytes: int,
+    budget: int,
+    sliding_window: int | None = None,
+    chunk_size: int | None = None,
+) -> list[list[int]]:
     """Cut decode rows, sorted by length, into chunks whose padded gather fits ``budget``.
 
     A chunk gathers keys from the first one its shortest row sees (``len - w`` with a window,
@@ -184,25 +254,37 @@ def _auto_kv_splits(num_rows: int, num_kv_heads: int, num_keys: int) -> int:
     return max(1, min(want, num_keys // MIN_SPLIT_TOKENS))
 
 
-def _decode(query: torch.Tensor, out: torch.Tensor, paged: PagedKV, md: AttentionMetadata,
-            rows: list[int], scale: float, sliding_window: int | None, soft_cap: float | None,
-            num_kv_splits: int | None, chunk_size: int | None = None) -> None:
+def _decode(
+    query: torch.Tensor,
+    out: torch.Tensor,
+    paged: PagedKV,
+    md: AttentionMetadata,
+    rows: list[int],
+    scale: float,
+    sliding_window: int | None,
+    soft_cap: float | None,
+    num_kv_splits: int | None,
+    chunk_size: int | None = None,
+) -> None:
     """Attention of all decode rows (one query token each), written into ``out``.
 
     Per-row tensors are built once, in chunk order; each chunk works on slices of them. A
     chunk's key range is read in pieces of at most :data:`KV_CHUNK_BYTES` (only a lone long
     row needs more than one), each cut into ``splits`` segments computed in one kernel call.
     """
-    if soft_cap is None and num_kv_splits in (None, 0) and _native_decode(
-            query, out, paged, md.rows(), scale, sliding_window, chunk_size):
+    if (
+        soft_cap is None
+        and num_kv_splits in (None, 0)
+        and _native_decode(query, out, paged, md.rows(), scale, sliding_window, chunk_size)
+    ):
         return
     bs, dev = md.block_size, query.device
-    chunks = _decode_chunks(md.seq_lens_cpu, rows, paged.token_bytes, KV_CHUNK_BYTES,
-                            sliding_window, chunk_size)
+    chunks = _decode_chunks(
+        md.seq_lens_cpu, rows, paged.token_bytes, KV_CHUNK_BYTES, sliding_window, chunk_size
+    )
     order = [i for chunk in chunks for i in chunk]
     rows_t = torch.tensor(order, dtype=torch.int64, device=dev)
-    tokens = torch.tensor([md.query_start_loc_cpu[i] for i in order], dtype=torch.int64,
-                          device=dev)
+    tokens = torch.tensor([md.query_start_loc_cpu[i] for i in order], dtype=torch.int64, device=dev)
     q = query[tokens].unsqueeze(2)  # [S, Hq, 1, D]
     q_pos = (md.seq_lens[rows_t].to(torch.int64) - 1).view(-1, 1)  # [S, 1]
     table = md.block_table[rows_t]
@@ -214,14 +296,29 @@ def _decode(query: torch.Tensor, out: torch.Tensor, paged: PagedKV, md: Attentio
         lens = [md.seq_lens_cpu[i] for i in chunk]  # ascending
         lo = _first_key(lens[0] - 1, sliding_window, chunk_size)
         b0, b1 = lo // bs, -(-lens[-1] // bs)  # blocks holding a key some row can see
-        splits = min(b1 - b0, num_kv_splits or
-                     _auto_kv_splits(len(chunk), paged.num_kv_heads, (b1 - b0) * bs))
+        splits = min(
+            b1 - b0,
+            num_kv_splits or _auto_kv_splits(len(chunk), paged.num_kv_heads, (b1 - b0) * bs),
+        )
         piece = KV_CHUNK_BYTES // (len(chunk) * bs * paged.token_bytes)  # blocks per gather
         piece = max(splits, piece // splits * splits)
-        parts = [_decode_piece(q[rs], q_pos[rs], table[rs], paged, p0, min(b1, p0 + piece),
-                               splits, scale, sliding_window, soft_cap,
-                               exact_lse=piece < b1 - b0, chunk_size=chunk_size)
-                 for p0 in range(b0, b1, piece)]
+        parts = [
+            _decode_piece(
+                q[rs],
+                q_pos[rs],
+                table[rs],
+                paged,
+                p0,
+                min(b1, p0 + piece),
+                splits,
+                scale,
+                sliding_window,
+                soft_cap,
+                exact_lse=piece < b1 - b0,
+                chunk_size=chunk_size,
+            )
+            for p0 in range(b0, b1, piece)
+        ]
         if len(parts) == 1:
             res[rs] = parts[0][0]
         else:
@@ -229,8 +326,15 @@ def _decode(query: torch.Tensor, out: torch.Tensor, paged: PagedKV, md: Attentio
     out[tokens] = res.squeeze(2)
 
 
-def _native_decode(query: torch.Tensor, out: torch.Tensor, paged: PagedKV, rows: StepRows,
-                   scale: float, sliding_window: int | None, chunk_size: int | None = None) -> bool:
+def _native_decode(
+    query: torch.Tensor,
+    out: torch.Tensor,
+    paged: PagedKV,
+    rows: StepRows,
+    scale: float,
+    sliding_window: int | None,
+    chunk_size: int | None = None,
+) -> bool:
     """All decode rows through the native kernel (reads K/V in place: no gather, no padding,
     online softmax in float32; a quantized cache's codes are converted in registers, never
     dequantized into a copy). ``query`` is already rotated for a rotated cache. Returns False,
@@ -247,13 +351,23 @@ def _native_decode(query: torch.Tensor, out: torch.Tensor, paged: PagedKV, rows:
         bs = paged.key_cache.shape[1]
         if chunk_size % bs:
             return False
-        skip = (lens.to(torch.int64) - 1) // chunk_size * (chunk_size // bs)  # blocks before its chunk
+        skip = (
+            (lens.to(torch.int64) - 1) // chunk_size * (chunk_size // bs)
+        )  # blocks before its chunk
         cols = torch.arange(table.shape[1], device=table.device) + skip.unsqueeze(1)
         table = table.gather(1, cols.clamp_(max=table.shape[1] - 1))
         lens = lens - (skip * bs).to(lens.dtype)
     q = query if rows.all_decode else query[rows.tokens]
-    res = native.paged_decode(q, paged.key_cache, paged.value_cache, table, lens,
-                              scale, sliding_window, kv_quant=paged.quant)
+    res = native.paged_decode(
+        q,
+        paged.key_cache,
+        paged.value_cache,
+        table,
+        lens,
+        scale,
+        sliding_window,
+        kv_quant=paged.quant,
+    )
     if res is None:
         return False
     if rows.all_decode:
@@ -263,10 +377,20 @@ def _native_decode(query: torch.Tensor, out: torch.Tensor, paged: PagedKV, rows:
     return True
 
 
-def _decode_piece(q: torch.Tensor, q_pos: torch.Tensor, table: torch.Tensor, paged: PagedKV,
-                  p0: int, p1: int, splits: int, scale: float, sliding_window: int | None,
-                  soft_cap: float | None, exact_lse: bool, chunk_size: int | None = None
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
+def _decode_piece(
+    q: torch.Tensor,
+    q_pos: torch.Tensor,
+    table: torch.Tensor,
+    paged: PagedKV,
+    p0: int,
+    p1: int,
+    splits: int,
+    scale: float,
+    sliding_window: int | None,
+    soft_cap: float | None,
+    exact_lse: bool,
+    chunk_size: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode rows ``q [B, Hq, 1, D]`` over their key blocks ``[p0, p1)``, as ``splits``
     segments batched into one kernel call (flash-decoding) and merged by log-sum-exp.
 
@@ -288,8 +412,9 @@ def _decode_piece(q: torch.Tensor, q_pos: torch.Tensor, table: torch.Tensor, pag
         v = v.reshape(b * splits, seg_len, *v.shape[2:])
         valid = valid.view(b * splits, 1, seg_len)
         q = q.unsqueeze(1).expand(b, splits, *q.shape[1:]).reshape(b * splits, *q.shape[1:])
-    o, lse = attend(q, k, v, scale, valid, soft_cap=soft_cap,
-                    exact_empty_lse=exact_lse or splits > 1)
+    o, lse = attend(
+        q, k, v, scale, valid, soft_cap=soft_cap, exact_empty_lse=exact_lse or splits > 1
+    )
     if splits == 1:
         return o, lse
     o = o.view(b, splits, *o.shape[1:]).transpose(0, 1)  # [splits, B, Hq, 1, Dv]
@@ -297,9 +422,17 @@ def _decode_piece(q: torch.Tensor, q_pos: torch.Tensor, table: torch.Tensor, pag
     return merge_attn_states_multi(o, lse)
 
 
-def _prefill(query: torch.Tensor, out: torch.Tensor, paged: PagedKV, md: AttentionMetadata,
-             row: int, scale: float, sliding_window: int | None,
-             soft_cap: float | None, chunk_size: int | None = None) -> None:
+def _prefill(
+    query: torch.Tensor,
+    out: torch.Tensor,
+    paged: PagedKV,
+    md: AttentionMetadata,
+    row: int,
+    scale: float,
+    sliding_window: int | None,
+    soft_cap: float | None,
+    chunk_size: int | None = None,
+) -> None:
     """Attention of one prefill chunk: ``q_len`` new tokens after ``ctx`` cached ones."""
     bs, dev = md.block_size, query.device
     t0, t1 = md.query_start_loc_cpu[row], md.query_start_loc_cpu[row + 1]
@@ -307,26 +440,43 @@ def _prefill(query: torch.Tensor, out: torch.Tensor, paged: PagedKV, md: Attenti
     ctx = seq_len - q_len
     lo = _first_key(ctx, sliding_window, chunk_size)
     base = lo // bs * bs  # absolute position of gathered key 0
-    k, v = paged.gather(md.block_table[row: row + 1, base // bs: -(-seq_len // bs)])
+    k, v = paged.gather(md.block_table[row : row + 1, base // bs : -(-seq_len // bs)])
     q = query[t0:t1].transpose(0, 1).unsqueeze(0)  # [1, Hq, Lq, D] view
-    tile = max(1, min(PREFILL_TILE_TOKENS,
-                      PREFILL_TILE_BYTES // (4 * query.shape[1] * (seq_len - base))))
+    tile = max(
+        1, min(PREFILL_TILE_TOKENS, PREFILL_TILE_BYTES // (4 * query.shape[1] * (seq_len - base)))
+    )
     for i0 in range(0, q_len, tile):
         i1 = min(q_len, i0 + tile)
         p0, p1 = ctx + i0, ctx + i1  # absolute positions of this tile's queries
         qt = q[:, :, i0:i1]
         if sliding_window is None and chunk_size is None:
             # Keys [0, p0) are visible to every row; [p0, p1) form a causal square.
-            o, lse = attend(qt, k[:, p0 - base: p1 - base], v[:, p0 - base: p1 - base], scale,
-                            causal=True, soft_cap=soft_cap)
+            o, lse = attend(
+                qt,
+                k[:, p0 - base : p1 - base],
+                v[:, p0 - base : p1 - base],
+                scale,
+                causal=True,
+                soft_cap=soft_cap,
+            )
             if p0 > 0:
-                o_ctx, lse_ctx = attend(qt, k[:, : p0 - base], v[:, : p0 - base], scale,
-                                        soft_cap=soft_cap)
+                o_ctx, lse_ctx = attend(
+                    qt, k[:, : p0 - base], v[:, : p0 - base], scale, soft_cap=soft_cap
+                )
                 o, lse = merge_attn_states(o_ctx, lse_ctx, o, lse)
         else:
-            k0 = max(base, _first_key(p0, sliding_window, chunk_size))  # first key the first row sees
+            k0 = max(
+                base, _first_key(p0, sliding_window, chunk_size)
+            )  # first key the first row sees
             key_pos = torch.arange(k0, p1, device=dev)
             valid = _key_mask(key_pos, torch.arange(p0, p1, device=dev), sliding_window, chunk_size)
-            o, _ = attend(qt, k[:, k0 - base: p1 - base], v[:, k0 - base: p1 - base], scale,
-                          valid, soft_cap=soft_cap, exact_empty_lse=False)
-        out[t0 + i0: t0 + i1] = o[0].transpose(0, 1)
+            o, _ = attend(
+                qt,
+                k[:, k0 - base : p1 - base],
+                v[:, k0 - base : p1 - base],
+                scale,
+                valid,
+                soft_cap=soft_cap,
+                exact_empty_lse=False,
+            )
+        out[t0 + i0 : t0 + i1] = o[0].transpose(0, 1)

@@ -13,8 +13,9 @@ from pagedkv.ops.kv_quant import KVQuant
 from pagedkv.ops.triton import available as triton_available
 
 
-def compute_slot_mapping(block_table: torch.Tensor, req_indices: torch.Tensor,
-                         positions: torch.Tensor, block_size: int) -> torch.Tensor:
+def compute_slot_mapping(
+    block_table: torch.Tensor, req_indices: torch.Tensor, positions: torch.Tensor, block_size: int
+) -> torch.Tensor:
     """Slots of ``T`` tokens: ``block_table[req, pos // bs] * bs + pos % bs``.
 
     ``block_table`` is ``[S, max_blocks]`` (int32), ``req_indices`` and ``positions`` are
@@ -25,9 +26,14 @@ def compute_slot_mapping(block_table: torch.Tensor, req_indices: torch.Tensor,
     return block_ids * block_size + positions % block_size
 
 
-def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
-                      value_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                      kv_quant: KVQuant | None = None) -> None:
+def reshape_and_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    kv_quant: KVQuant | None = None,
+) -> None:
     """Write the rows ``key[t]``/``value[t]`` to slot ``slot_mapping[t]`` of the caches.
 
     Shapes: ``key [T, Hkv, D]``, ``value [T, Hkv, Dv]``, ``key_cache [NB, BS, Hkv, D]``,
@@ -41,6 +47,7 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.T
     on_gpu = key_cache.device.type == "cuda" and triton_available()
     if kv_quant is not None and kv_quant.fmt.quantized and on_gpu:
         from pagedkv.ops.triton.reshape_and_cache import reshape_and_cache_triton
+
         key, value = kv_quant.prepare(key, value)  # the kernel quantizes, in the codec's bytes
         reshape_and_cache_triton(key, value, key_cache, value_cache, slot_mapping, kv_quant)
         return
@@ -48,6 +55,7 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.T
         key, value = kv_quant.quantize(key, value)
     elif on_gpu:
         from pagedkv.ops.triton.reshape_and_cache import reshape_and_cache_triton
+
         reshape_and_cache_triton(key, value, key_cache, value_cache, slot_mapping)
         return
     block_size = key_cache.shape[1]

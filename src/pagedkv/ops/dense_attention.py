@@ -23,10 +23,16 @@ except (AttributeError, RuntimeError):
     _flash_cpu = None
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-           mask: torch.Tensor | None = None, causal: bool = False,
-           soft_cap: float | None = None, exact_empty_lse: bool = True,
-           ) -> tuple[torch.Tensor, torch.Tensor]:
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    mask: torch.Tensor | None = None,
+    causal: bool = False,
+    soft_cap: float | None = None,
+    exact_empty_lse: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of ``q [B, Hq, M, D]`` over ``k [B, L, Hkv, D]``, ``v [B, L, Hkv, Dv]``.
 
     ``Hq = G·Hkv`` (query head ``h`` uses KV head ``h // G``). K/V may be strided views (unit
@@ -39,9 +45,13 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
     """
     if mask is not None and mask.dim() == 2:
         mask = mask.unsqueeze(0)
-    if (_flash_cpu is not None and soft_cap is None and q.device.type == "cpu"
-            and k.shape[-1] == v.shape[-1]
-            and q.dtype in (torch.float32, torch.bfloat16, torch.float16)):
+    if (
+        _flash_cpu is not None
+        and soft_cap is None
+        and q.device.type == "cpu"
+        and k.shape[-1] == v.shape[-1]
+        and q.dtype in (torch.float32, torch.bfloat16, torch.float16)
+    ):
         return _attend_flash_cpu(q, k, v, scale, mask, causal, exact_empty_lse)
     return _attend_matmul(q, k, v, scale, mask, causal, soft_cap)
 
@@ -51,9 +61,15 @@ def _causal_mask(m: int, n: int, device: torch.device) -> torch.Tensor:
     return torch.ones(m, n, dtype=torch.bool, device=device).tril()
 
 
-def _attend_flash_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                      mask: torch.Tensor | None, causal: bool, exact_empty_lse: bool
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
+def _attend_flash_cpu(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    mask: torch.Tensor | None,
+    causal: bool,
+    exact_empty_lse: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
     b, hq, m, d = q.shape
     hkv = k.shape[2]
     g = hq // hkv
@@ -74,16 +90,23 @@ def _attend_flash_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
     if hidden is not None and exact_empty_lse:
         empty = hidden.all(dim=-1)  # [B|1, M|1]
         if bool(empty.any()):
-            lse = lse.masked_fill(empty.view(-1, 1, 1) if fold else empty.unsqueeze(-2),
-                                  float("-inf"))
+            lse = lse.masked_fill(
+                empty.view(-1, 1, 1) if fold else empty.unsqueeze(-2), float("-inf")
+            )
     if fold:
         out, lse = out.reshape(b, hq, 1, d), lse.reshape(b, hq, 1)
     return out, lse
 
 
-def _attend_matmul(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                   mask: torch.Tensor | None, causal: bool, soft_cap: float | None
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
+def _attend_matmul(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    mask: torch.Tensor | None,
+    causal: bool,
+    soft_cap: float | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     b, hq, m, d = q.shape
     n_keys, hkv, dv = k.shape[1], k.shape[2], v.shape[-1]
     g = hq // hkv
@@ -108,5 +131,4 @@ def _attend_matmul(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
     out = torch.empty(hkv, b, g * m, dv, device=q.device)
     for h in range(hkv):
         torch.bmm(p[h], v[:, :, h], out=out[h])
-    return (out.transpose(0, 1).reshape(b, hq, m, dv),
-            lse.transpose(0, 1).reshape(b, hq, m))
+    return (out.transpose(0, 1).reshape(b, hq, m, dv), lse.transpose(0, 1).reshape(b, hq, m))

@@ -59,7 +59,9 @@ def backend() -> str:
     unknown value."""
     env = envs.PAGEDKV_DENSE_LINEAR
     if env not in (*BACKENDS, "auto"):
-        raise ValueError(f"PAGEDKV_DENSE_LINEAR={env!r}: expected one of auto, {', '.join(BACKENDS)}")
+        raise ValueError(
+            f"PAGEDKV_DENSE_LINEAR={env!r}: expected one of auto, {', '.join(BACKENDS)}"
+        )
     if env == "blas" or not torch.backends.mkldnn.is_available():
         return "blas"
     gen = torch.Generator().manual_seed(0)
@@ -84,7 +86,14 @@ def backend() -> str:
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, w, b)`` for float32 CPU tensors, through :func:`backend`'s library; other
     dtypes, devices and shapes (oneDNN's op wants a 2-D contiguous input) take ``F.linear``."""
-    if (backend() != "onednn" or x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2
-            or w.dtype != torch.float32 or not x.is_contiguous() or not w.is_contiguous()):
+    if (
+        backend() != "onednn"
+        or x.dtype != torch.float32
+        or x.device.type != "cpu"
+        or x.dim() != 2
+        or w.dtype != torch.float32
+        or not x.is_contiguous()
+        or not w.is_contiguous()
+    ):
         return F.linear(x, w, b)
     return onednn_linear(x, w, b)

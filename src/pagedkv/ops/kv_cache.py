@@ -68,8 +68,14 @@ def advise_huge_pages(t: torch.Tensor) -> bool:
         return False
     try:
         libc = ctypes.CDLL(None, use_errno=True)
-        return libc.madvise(ctypes.c_void_p(lo), ctypes.c_size_t((end - lo) // HUGE_PAGE * HUGE_PAGE),
-                            MADV_HUGEPAGE) == 0
+        return (
+            libc.madvise(
+                ctypes.c_void_p(lo),
+                ctypes.c_size_t((end - lo) // HUGE_PAGE * HUGE_PAGE),
+                MADV_HUGEPAGE,
+            )
+            == 0
+        )
     except (OSError, AttributeError):
         return False
 
@@ -95,8 +101,13 @@ def allocate_kv_cache(
     """
     name = layout_name(layout)
     head_size_v = head_size if head_size_v is None else head_size_v
-    sizes = {"L": num_layers, "B": num_blocks, "H": num_kv_heads, "N": block_size,
-             "C": head_size + head_size_v}
+    sizes = {
+        "L": num_layers,
+        "B": num_blocks,
+        "H": num_kv_heads,
+        "N": block_size,
+        "C": head_size + head_size_v,
+    }
     buffer = torch.empty([sizes[d] for d in name], dtype=dtype, device=device)
     advise_huge_pages(buffer)  # before the first touch: zero_ then faults 2 MiB pages
     buffer.zero_()
@@ -105,8 +116,9 @@ def allocate_kv_cache(
     return buffer, views
 
 
-def page_kv_views(pages: torch.Tensor, block_size: int, num_kv_heads: int, head_size: int,
-                  head_size_v: int) -> tuple[torch.Tensor, torch.Tensor]:
+def page_kv_views(
+    pages: torch.Tensor, block_size: int, num_kv_heads: int, head_size: int, head_size_v: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(K, V) views of one layer whose pages are ``pages [num_blocks, page_elems]`` (unit stride
     on the last dim, in the cache's element dtype): each page read as ``[N, H, C]`` (the NHC
     order ``LBNHC`` uses inside a page), so ``key_cache`` is ``[num_blocks, block_size,
@@ -118,10 +130,15 @@ def page_kv_views(pages: torch.Tensor, block_size: int, num_kv_heads: int, head_
     c = head_size + head_size_v
     need = block_size * num_kv_heads * c
     if pages.dim() != 2 or pages.stride(1) != 1 or need > pages.shape[1]:
-        raise ValueError(f"a page of {tuple(pages.shape[1:])} elements cannot hold {block_size} tokens x "
-                         f"{num_kv_heads} heads x {c}")
-    base = pages.as_strided((pages.shape[0], block_size, num_kv_heads, c),
-                            (pages.stride(0), num_kv_heads * c, c, 1), pages.storage_offset())
+        raise ValueError(
+            f"a page of {tuple(pages.shape[1:])} elements cannot hold {block_size} tokens x "
+            f"{num_kv_heads} heads x {c}"
+        )
+    base = pages.as_strided(
+        (pages.shape[0], block_size, num_kv_heads, c),
+        (pages.stride(0), num_kv_heads * c, c, 1),
+        pages.storage_offset(),
+    )
     return base[..., :head_size], base[..., head_size:]
 
 
@@ -132,21 +149,28 @@ def kv_combined_view(key_cache: torch.Tensor, value_cache: torch.Tensor) -> torc
     returns ``None`` for separately allocated caches. Lets one gather/copy move K and V at once.
     """
     d = key_cache.shape[-1]
-    if (key_cache.dim() != 4 or value_cache.shape[:-1] != key_cache.shape[:-1]
-            or key_cache.stride() != value_cache.stride() or key_cache.stride(-1) != 1
-            or key_cache.dtype != value_cache.dtype or key_cache.device != value_cache.device
-            or key_cache.untyped_storage().data_ptr() != value_cache.untyped_storage().data_ptr()
-            or value_cache.storage_offset() != key_cache.storage_offset() + d):
+    if (
+        key_cache.dim() != 4
+        or value_cache.shape[:-1] != key_cache.shape[:-1]
+        or key_cache.stride() != value_cache.stride()
+        or key_cache.stride(-1) != 1
+        or key_cache.dtype != value_cache.dtype
+        or key_cache.device != value_cache.device
+        or key_cache.untyped_storage().data_ptr() != value_cache.untyped_storage().data_ptr()
+        or value_cache.storage_offset() != key_cache.storage_offset() + d
+    ):
         return None
     c = d + value_cache.shape[-1]
     if key_cache.stride(-2) < c:  # the (head) rows would overlap: not a K|V interleave
         return None
-    return key_cache.as_strided((*key_cache.shape[:-1], c), key_cache.stride(),
-                                key_cache.storage_offset())
+    return key_cache.as_strided(
+        (*key_cache.shape[:-1], c), key_cache.stride(), key_cache.storage_offset()
+    )
 
 
-def _as_pairs(block_mapping: Sequence[tuple[int, int]] | torch.Tensor,
-              device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def _as_pairs(
+    block_mapping: Sequence[tuple[int, int]] | torch.Tensor, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``[(src, dst), ...]`` or ``Tensor[K, 2]`` → (src ids, dst ids) as int64 on ``device``."""
     pairs = torch.as_tensor(block_mapping, dtype=torch.int64).reshape(-1, 2).to(device)
     return pairs[:, 0], pairs[:, 1]
@@ -168,8 +192,9 @@ def _block_tensors(cache: torch.Tensor | Sequence[Any], merge: bool = True) -> l
     return out
 
 
-def copy_blocks(kv_caches: KVCacheViews,
-                src_to_dst: Sequence[tuple[int, int]] | torch.Tensor) -> None:
+def copy_blocks(
+    kv_caches: KVCacheViews, src_to_dst: Sequence[tuple[int, int]] | torch.Tensor
+) -> None:
     """Copy whole blocks ``src → dst`` in every layer (copy-on-write for n > 1 sampling).
 
     All reads happen before any write, so a block may be both a source and a destination.
@@ -179,9 +204,14 @@ def copy_blocks(kv_caches: KVCacheViews,
     if not tensors or len(src_to_dst) == 0:
         return
     src, dst = _as_pairs(src_to_dst, tensors[0].device)
-    if (tensors[0].device.type == "cuda" and triton_available()
-            and all(_can_copy(t) for t in tensors) and not _overlap(src_to_dst)):
+    if (
+        tensors[0].device.type == "cuda"
+        and triton_available()
+        and all(_can_copy(t) for t in tensors)
+        and not _overlap(src_to_dst)
+    ):
         from pagedkv.ops.triton.copy_blocks import copy_blocks_triton
+
         copy_blocks_triton(tensors, src, dst)
         return
     for t in tensors:
@@ -200,8 +230,11 @@ def _overlap(src_to_dst: Sequence[tuple[int, int]] | torch.Tensor) -> bool:
     return bool(torch.isin(pairs[:, 1], pairs[:, 0]).any())
 
 
-def swap_blocks(src_views: torch.Tensor | Sequence[Any], dst_views: torch.Tensor | Sequence[Any],
-                block_mapping: Sequence[tuple[int, int]] | torch.Tensor) -> None:
+def swap_blocks(
+    src_views: torch.Tensor | Sequence[Any],
+    dst_views: torch.Tensor | Sequence[Any],
+    block_mapping: Sequence[tuple[int, int]] | torch.Tensor,
+) -> None:
     """Copy blocks ``src_views[s] → dst_views[d]`` for each ``(s, d)``, across devices.
 
     ``src_views``/``dst_views`` are matching caches: a block-major tensor, a list of per-layer

@@ -36,8 +36,9 @@ class Workspace:
             bufs = self._local.bufs = {}
         return bufs
 
-    def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype,
-            device: torch.device) -> torch.Tensor:
+    def get(
+        self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
         numel = math.prod(shape)
         bufs = self._bufs()
         key = (name, device, dtype, torch.is_inference_mode_enabled())
@@ -70,7 +71,9 @@ class PagedKV:
     quant: KVQuant | None = None
 
     @classmethod
-    def of(cls, key_cache: torch.Tensor, value_cache: torch.Tensor, quant: KVQuant | None = None) -> PagedKV:
+    def of(
+        cls, key_cache: torch.Tensor, value_cache: torch.Tensor, quant: KVQuant | None = None
+    ) -> PagedKV:
         if quant is not None and not quant.fmt.quantized:
             quant = None  # rotation only: the cache holds plain (rotated) values
         return cls(key_cache, value_cache, kv_combined_view(key_cache, value_cache), quant)

@@ -40,7 +40,11 @@ import torch
 
 from pagedkv.core.specs import AttentionSpec, KVQuantMode, int4_group_size
 
-FP8_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+FP8_DTYPES = {
+    "fp8": torch.float8_e4m3fn,
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+}
 FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 MIN_SCALE = 1e-6
 FP16_MAX = 65504.0
@@ -61,11 +65,20 @@ class KVQuantFormat:
 
     @classmethod
     def from_spec(cls, spec: AttentionSpec) -> KVQuantFormat:
-        fp8 = FP8_DTYPES.get(spec.dtype) if spec.kv_quant_mode is KVQuantMode.FP8_PER_TENSOR else None
+        fp8 = (
+            FP8_DTYPES.get(spec.dtype) if spec.kv_quant_mode is KVQuantMode.FP8_PER_TENSOR else None
+        )
         if spec.kv_quant_mode.is_fp8_per_token_head:
             fp8 = torch.float8_e4m3fn  # per-token-head fp8 is e4m3 (vLLM)
-        return cls(spec.kv_quant_mode, spec.head_size, spec.head_size_v, spec.k_part_bytes,  # type: ignore[arg-type]
-                   spec.v_part_bytes, fp8, spec.kv_rotation)
+        return cls(
+            spec.kv_quant_mode,
+            spec.head_size,
+            spec.head_size_v,
+            spec.k_part_bytes,  # type: ignore[arg-type]
+            spec.v_part_bytes,
+            fp8,
+            spec.kv_rotation,
+        )
 
     @property
     def quantized(self) -> bool:
@@ -149,15 +162,21 @@ class KVQuant:
         f = self.fmt
         if not f.quantized:
             return key, value
-        return (quantize_part(key, f, self.k_scale, f.k_bytes), quantize_part(value, f, self.v_scale, f.v_bytes))
+        return (
+            quantize_part(key, f, self.k_scale, f.k_bytes),
+            quantize_part(value, f, self.v_scale, f.v_bytes),
+        )
 
-    def dequantize(self, k_raw: torch.Tensor, v_raw: torch.Tensor,
-                   dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    def dequantize(
+        self, k_raw: torch.Tensor, v_raw: torch.Tensor, dtype: torch.dtype = torch.float32
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Parts ``uint8 [..., k_bytes]``/``[..., v_bytes]`` → ``(k [..., D], v [..., Dv])`` in
         ``dtype``, still rotated (attention rotates the query instead of un-rotating keys)."""
         f = self.fmt
-        return (dequantize_part(k_raw, f, f.head_size, self.k_scale, dtype),
-                dequantize_part(v_raw, f, f.head_size_v, self.v_scale, dtype))
+        return (
+            dequantize_part(k_raw, f, f.head_size, self.k_scale, dtype),
+            dequantize_part(v_raw, f, f.head_size_v, self.v_scale, dtype),
+        )
 
 
 # ---------------------------------------------------------------- codecs
@@ -178,7 +197,9 @@ def _scale_from(raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return raw.contiguous().view(dtype)
 
 
-def quantize_part(x: torch.Tensor, fmt: KVQuantFormat, tensor_scale: float, part_bytes: int) -> torch.Tensor:
+def quantize_part(
+    x: torch.Tensor, fmt: KVQuantFormat, tensor_scale: float, part_bytes: int
+) -> torch.Tensor:
     """One part (K or V) ``x [..., d]`` → ``uint8 [..., part_bytes]`` in ``fmt``."""
     mode, d = fmt.mode, x.shape[-1]
     xf = x.float()
@@ -231,7 +252,9 @@ def _pack_scale_f32(s: torch.Tensor):
 def _round_up_f16(s: torch.Tensor) -> torch.Tensor:
     """float32 ``s`` (at most 65504) rounded up to the nearest fp16, as float32."""
     h = s.to(torch.float16)
-    return torch.where(h.float() < s, torch.nextafter(h, torch.tensor(float("inf"), dtype=torch.float16)), h).float()
+    return torch.where(
+        h.float() < s, torch.nextafter(h, torch.tensor(float("inf"), dtype=torch.float16)), h
+    ).float()
 
 
 def _pack_scale_f16(s: torch.Tensor):
@@ -243,23 +266,35 @@ def _pack_scale_f16(s: torch.Tensor):
     return s, lambda z: (bits.squeeze(-1) | z).to(torch.int16).view(torch.float16)
 
 
-def dequantize_part(raw: torch.Tensor, fmt: KVQuantFormat, d: int, tensor_scale: float,
-                    dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def dequantize_part(
+    raw: torch.Tensor,
+    fmt: KVQuantFormat,
+    d: int,
+    tensor_scale: float,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
     """``uint8 [..., part_bytes]`` → ``[..., d]`` in ``dtype`` (inverse of :func:`quantize_part`)."""
     mode = fmt.mode
     if mode is KVQuantMode.FP8_PER_TENSOR:
         return (raw[..., :d].contiguous().view(fmt.fp8_dtype).float() * tensor_scale).to(dtype)
     if mode.is_int8_per_token_head or mode.is_fp8_per_token_head:
-        vals = raw[..., :d].contiguous().view(torch.int8 if mode.is_int8_per_token_head else torch.float8_e4m3fn)
-        scale = (_scale_from(raw[..., d:d + 2], torch.float16).float() if mode.has_half_scales
-                 else _scale_from(raw[..., d:d + 4], torch.float32))
+        vals = (
+            raw[..., :d]
+            .contiguous()
+            .view(torch.int8 if mode.is_int8_per_token_head else torch.float8_e4m3fn)
+        )
+        scale = (
+            _scale_from(raw[..., d : d + 2], torch.float16).float()
+            if mode.has_half_scales
+            else _scale_from(raw[..., d : d + 4], torch.float32)
+        )
         return (vals.float() * scale).to(dtype)
     g = _int4_group(fmt, d, raw.shape[-1])
     nv = (d + 1) // 2
     packed = raw[..., :nv]
     q = torch.stack([packed & 15, packed >> 4], dim=-1).reshape(*raw.shape[:-1], 2 * nv)[..., :d]
     if mode is KVQuantMode.INT4_PER_TOKEN_HEAD:
-        bits = _scale_from(raw[..., nv:nv + 4], torch.int32)
+        bits = _scale_from(raw[..., nv : nv + 4], torch.int32)
         s = (bits & ~15).view(torch.float32)
     else:
         bits = _scale_from(raw[..., nv:], torch.int16).to(torch.int32)
@@ -283,7 +318,7 @@ def hadamard_rotation(d: int) -> torch.Tensor:
         h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
     gen = torch.Generator().manual_seed(RHT_SEED)
     signs = torch.where(torch.rand(d, generator=gen, dtype=torch.float64) < 0.5, -1.0, 1.0)
-    r = torch.block_diag(*[h] * (d // b)) / b ** 0.5
+    r = torch.block_diag(*[h] * (d // b)) / b**0.5
     return (r * signs).float()  # R·x = H·(D·x): column j scaled by sign j
 
 

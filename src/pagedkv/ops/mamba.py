@@ -27,8 +27,12 @@ import torch
 import torch.nn.functional as F
 
 
-def causal_conv1d(x: torch.Tensor, conv_state: torch.Tensor | None, weight: torch.Tensor,
-                  bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+def causal_conv1d(
+    x: torch.Tensor,
+    conv_state: torch.Tensor | None,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Depthwise causal conv of ``x [T, C]`` continuing from ``conv_state [C, K-1]`` (None:
     zeros, a sequence start); ``weight [C, K]``. Returns ``(out [T, C]`` before activation,
     ``new conv_state [C, K-1])``; the inputs are not modified."""
@@ -38,14 +42,17 @@ def causal_conv1d(x: torch.Tensor, conv_state: torch.Tensor | None, weight: torc
         conv_state = xt.new_zeros(c, k - 1)
     full = torch.cat([conv_state.to(weight.dtype), xt], dim=1)  # [C, K-1+T]
     out = F.conv1d(full.unsqueeze(0), weight.unsqueeze(1), bias, groups=c)[0]  # [C, T]
-    return out.t(), full[:, full.shape[1] - (k - 1):].clone()
+    return out.t(), full[:, full.shape[1] - (k - 1) :].clone()
 
 
-def causal_conv1d_update(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor,
-                         bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+def causal_conv1d_update(
+    x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One step of the conv for ``S`` sequences: ``x [S, C]``, ``conv_state [S, C, K-1]``.
     Returns ``(out [S, C]`` before activation, ``new conv_state [S, C, K-1])``."""
-    full = torch.cat([conv_state.to(weight.dtype), x.to(weight.dtype)[:, :, None]], dim=2)  # [S, C, K]
+    full = torch.cat(
+        [conv_state.to(weight.dtype), x.to(weight.dtype)[:, :, None]], dim=2
+    )  # [S, C, K]
     out = (full * weight).sum(-1)
     if bias is not None:
         out = out + bias
@@ -63,9 +70,16 @@ def segment_sum(x: torch.Tensor) -> torch.Tensor:
     return out.masked_fill(~keep, -torch.inf)
 
 
-def ssd_chunk_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
-                   chunk_size: int, D: torch.Tensor | None = None,
-                   initial_state: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def ssd_chunk_scan(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    chunk_size: int,
+    D: torch.Tensor | None = None,
+    initial_state: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Chunked SSD over one sequence, in float32.
 
     ``x [T, H, P]``, ``dt [T, H]`` (already softplus'd and clamped), ``A [H]`` (negative),
@@ -99,8 +113,11 @@ def ssd_chunk_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.
     B_decay = Bc * decay_states.permute(0, -2, -1, 1)[..., None]
     states = torch.einsum("bclhn,bclhp->bchpn", B_decay, X)
     # 3. inter-chunk recurrence: the state at every chunk start, and the final state
-    prev = (initial_state.float()[None, None] if initial_state is not None
-            else torch.zeros_like(states[:, :1]))
+    prev = (
+        initial_state.float()[None, None]
+        if initial_state is not None
+        else torch.zeros_like(states[:, :1])
+    )
     states = torch.cat([prev, states], dim=1)
     decay_chunk = torch.exp(segment_sum(F.pad(A_cumsum[:, :, :, -1], (1, 0)))).transpose(1, 3)
     new_states = torch.einsum("bzch,bzhpn->bchpn", decay_chunk, states)
@@ -114,8 +131,15 @@ def ssd_chunk_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.
     return y, final_state[0]
 
 
-def selective_state_update(state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor,
-                           B: torch.Tensor, C: torch.Tensor, D: torch.Tensor | None = None) -> torch.Tensor:
+def selective_state_update(
+    state: torch.Tensor,
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor | None = None,
+) -> torch.Tensor:
     """One recurrent step (decode) for ``S`` sequences: ``state [S, H, P, N]`` float32 is
     updated in place; ``x [S, H, P]``, ``dt [S, H]`` (softplus'd, clamped), ``A [H]``,
     ``B``/``C [S, G, N]``, ``D [H]``. Returns ``y [S, H, P]`` float32."""
@@ -135,22 +159,33 @@ def selective_state_update(state: torch.Tensor, x: torch.Tensor, dt: torch.Tenso
     return y
 
 
-def ssd_sequential(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
-                   D: torch.Tensor | None = None,
-                   initial_state: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def ssd_sequential(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor | None = None,
+    initial_state: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The reference: the recurrence one token at a time (float64 inside for a tight oracle).
     Same arguments and results as :func:`ssd_chunk_scan` (without ``chunk_size``)."""
     t, h, p = x.shape
     g, n = B.shape[1], B.shape[2]
-    state = (torch.zeros(h, p, n, dtype=torch.float64) if initial_state is None
-             else initial_state.double().clone())
+    state = (
+        torch.zeros(h, p, n, dtype=torch.float64)
+        if initial_state is None
+        else initial_state.double().clone()
+    )
     Bh = B.double().repeat_interleave(h // g, dim=1)
     Ch = C.double().repeat_interleave(h // g, dim=1)
     ys = []
     for i in range(t):
         dti = dt[i].double()
-        state = state * torch.exp(dti * A.double())[:, None, None] \
+        state = (
+            state * torch.exp(dti * A.double())[:, None, None]
             + (dti[:, None] * Bh[i])[:, None, :] * x[i].double()[..., None]
+        )
         y = torch.einsum("hpn,hn->hp", state, Ch[i])
         if D is not None:
             y = y + D.double()[:, None] * x[i].double()
@@ -158,8 +193,9 @@ def ssd_sequential(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.
     return torch.stack(ys).float() if ys else x.new_zeros(0, h, p).float(), state.float()
 
 
-def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, group_size: int,
-                   eps: float) -> torch.Tensor:
+def gated_rms_norm(
+    x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, group_size: int, eps: float
+) -> torch.Tensor:
     """Mamba-2's norm after the scan: ``x·silu(gate)``, RMS-normalised per group of
     ``group_size`` channels (float32), then scaled by ``weight`` (HF ``MambaRMSNormGated``)."""
     dtype = x.dtype
@@ -170,8 +206,9 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, gr
     return weight * hg.view(shape).to(dtype)
 
 
-def mamba_state_views(pages: torch.Tensor, shapes: tuple[tuple[int, ...], ...],
-                      dtypes: tuple[str, ...]) -> tuple[torch.Tensor, ...]:
+def mamba_state_views(
+    pages: torch.Tensor, shapes: tuple[tuple[int, ...], ...], dtypes: tuple[str, ...]
+) -> tuple[torch.Tensor, ...]:
     """Views of one Mamba layer's states inside its KV-cache pages: ``pages [num_blocks,
     page_bytes]`` uint8 (one raw page per block id, vLLM's sharing of the attention layer slot)
     → one ``[num_blocks, *shape]`` tensor per state, packed one after the other from the start
@@ -183,7 +220,7 @@ def mamba_state_views(pages: torch.Tensor, shapes: tuple[tuple[int, ...], ...],
         nbytes = math.prod(shape) * torch.empty(0, dtype=tdtype).element_size()
         if offset + nbytes > pages.shape[1]:
             raise ValueError(f"Mamba states need more than the {pages.shape[1]}-byte page")
-        out.append(pages[:, offset:offset + nbytes].view(tdtype).view(pages.shape[0], *shape))
+        out.append(pages[:, offset : offset + nbytes].view(tdtype).view(pages.shape[0], *shape))
         offset += nbytes
     return tuple(out)
 
@@ -199,6 +236,8 @@ def slot_pages(buffer: torch.Tensor, layout: str, slot: int) -> torch.Tensor:
     elif name.startswith("BL"):
         layer = buffer[:, slot]
     else:
-        raise NotImplementedError(f"this model needs a KV cache layout with a contiguous page per layer and "
-                                  f"block (LBNHC, LBHNC, BLNHC or BLHNC), not {name}")
+        raise NotImplementedError(
+            f"this model needs a KV cache layout with a contiguous page per layer and "
+            f"block (LBNHC, LBHNC, BLNHC or BLHNC), not {name}"
+        )
     return layer.reshape(layer.shape[0], -1).view(torch.uint8)

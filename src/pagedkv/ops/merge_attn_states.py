@@ -18,9 +18,10 @@ from collections.abc import Sequence
 import torch
 
 
-def merge_attn_states_multi(outs: Sequence[torch.Tensor] | torch.Tensor,
-                            lses: Sequence[torch.Tensor] | torch.Tensor,
-                            ) -> tuple[torch.Tensor, torch.Tensor]:
+def merge_attn_states_multi(
+    outs: Sequence[torch.Tensor] | torch.Tensor,
+    lses: Sequence[torch.Tensor] | torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Merge ``K`` partial results: ``outs [K, ..., D]`` and ``lses [K, ...]`` (or lists)."""
     outs = torch.stack(list(outs)) if not isinstance(outs, torch.Tensor) else outs
     lses = torch.stack(list(lses)) if not isinstance(lses, torch.Tensor) else lses
@@ -35,8 +36,9 @@ def merge_attn_states_multi(outs: Sequence[torch.Tensor] | torch.Tensor,
     return out.to(outs.dtype), torch.log(total) + m_safe
 
 
-def merge_attn_states(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
-                      lse_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def merge_attn_states(
+    out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Merge two partial results (vLLM's ``merge_attn_states``, prefix + suffix).
 
     ``m = max(lse_a, lse_b)``; ``w_a = e^(lse_a−m) / (e^(lse_a−m) + e^(lse_b−m))``;

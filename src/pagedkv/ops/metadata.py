@@ -64,9 +64,13 @@ class AttentionMetadata:
             dev = self.seq_lens.device
             idx = torch.tensor(decode, dtype=torch.int64, device=dev)
             self._rows = StepRows(
-                decode, prefill, torch.tensor([qsl[i] for i in decode], dtype=torch.int64, device=dev),
-                self.block_table[idx].to(torch.int32).contiguous(), self.seq_lens[idx].to(torch.int32),
-                all_decode=len(decode) == self.num_tokens)
+                decode,
+                prefill,
+                torch.tensor([qsl[i] for i in decode], dtype=torch.int64, device=dev),
+                self.block_table[idx].to(torch.int32).contiguous(),
+                self.seq_lens[idx].to(torch.int32),
+                all_decode=len(decode) == self.num_tokens,
+            )
         return self._rows
 
     @property

@@ -38,8 +38,9 @@ from pagedkv.ops.metadata import AttentionMetadata
 MLA_CONTEXT_CHUNK_TOKENS = 1024
 
 
-def concat_and_cache_mla(kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
-                         slot_mapping: torch.Tensor) -> None:
+def concat_and_cache_mla(
+    kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
     """Write row ``[kv_c[t] | k_pe[t]]`` to slot ``slot_mapping[t]`` (vLLM's op of that name).
 
     ``kv_c [T, L]``, ``k_pe [T, R]``, ``kv_cache [NB, BS, 1, L + R]`` (any strides); a negative
@@ -64,14 +65,28 @@ def mla_decode_metadata(md: AttentionMetadata) -> AttentionMetadata | None:
     n, dev = len(rows.decode), md.seq_lens.device
     lens = [md.seq_lens_cpu[i] for i in rows.decode]
     return AttentionMetadata(
-        slot_mapping=md.slot_mapping[rows.tokens], query_start_loc=torch.arange(n + 1, dtype=torch.int32, device=dev),
-        seq_lens=rows.seq_lens, block_table=rows.block_table, block_size=md.block_size, max_query_len=1,
-        max_seq_len=max(lens), query_start_loc_cpu=list(range(n + 1)), seq_lens_cpu=lens)
+        slot_mapping=md.slot_mapping[rows.tokens],
+        query_start_loc=torch.arange(n + 1, dtype=torch.int32, device=dev),
+        seq_lens=rows.seq_lens,
+        block_table=rows.block_table,
+        block_size=md.block_size,
+        max_query_len=1,
+        max_seq_len=max(lens),
+        query_start_loc_cpu=list(range(n + 1)),
+        seq_lens_cpu=lens,
+    )
 
 
-def mla_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata,
-                  kv_b_weight: torch.Tensor, scale: float, decode_md: AttentionMetadata | None = None,
-                  num_kv_splits: int | None = None) -> torch.Tensor:
+def mla_attention(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    kv_cache: torch.Tensor,
+    md: AttentionMetadata,
+    kv_b_weight: torch.Tensor,
+    scale: float,
+    decode_md: AttentionMetadata | None = None,
+    num_kv_splits: int | None = None,
+) -> torch.Tensor:
     """Causal MLA of a flat batch over the paged latent cache (already holding this step's rows:
     call :func:`concat_and_cache_mla` first).
 
@@ -86,7 +101,9 @@ def mla_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tens
     if kv_cache.dim() != 4 or kv_cache.shape[2] != 1:
         raise ValueError(f"MLA cache must be [NB, BS, 1, L + R], got {tuple(kv_cache.shape)}")
     if kv_b_weight.shape[1] != lat or kv_b_weight.shape[0] % h:
-        raise ValueError(f"kv_b_weight {tuple(kv_b_weight.shape)} does not fit {h} heads and latent {lat}")
+        raise ValueError(
+            f"kv_b_weight {tuple(kv_b_weight.shape)} does not fit {h} heads and latent {lat}"
+        )
     v_dim = kv_b_weight.shape[0] // h - p
     w = kv_b_weight.view(h, p + v_dim, lat)
     out = q_nope.new_empty(t, h, v_dim)
@@ -98,8 +115,12 @@ def mla_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tens
         qp = q_pe if tokens is None else q_pe[tokens]
         ql = torch.bmm(qn.transpose(0, 1), w[:, :p]).transpose(0, 1)  # q_nope·W_UK: [S, H, L]
         q = torch.cat([ql, qp.to(ql.dtype)], dim=-1)
-        o = paged_attention(q, kv_cache, kv_cache[..., :lat], dmd, scale, num_kv_splits=num_kv_splits)
-        o = torch.bmm(o.transpose(0, 1), w[:, p:].transpose(1, 2)).transpose(0, 1)  # ·W_UVᵀ: [S, H, V]
+        o = paged_attention(
+            q, kv_cache, kv_cache[..., :lat], dmd, scale, num_kv_splits=num_kv_splits
+        )
+        o = torch.bmm(o.transpose(0, 1), w[:, p:].transpose(1, 2)).transpose(
+            0, 1
+        )  # ·W_UVᵀ: [S, H, V]
         if tokens is None:
             out.copy_(o)
         else:
@@ -109,8 +130,9 @@ def mla_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tens
     return out
 
 
-def expand_kv(latent: torch.Tensor, kv_b_weight: torch.Tensor, num_heads: int, nope: int,
-              pad_v_to: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def expand_kv(
+    latent: torch.Tensor, kv_b_weight: torch.Tensor, num_heads: int, nope: int, pad_v_to: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-head ``(k [N, H, P + R], v [N, H, max(V, pad_v_to)])`` from latent rows
     ``[N, L + R]``: ``k = [kv_c·W_UKᵀ | k_pe]``, ``v = kv_c·W_UVᵀ`` (zero-padded so torch's flash
     kernel, which wants ``Dv == D``, takes it; the padding's output columns are 0)."""
@@ -124,8 +146,16 @@ def expand_kv(latent: torch.Tensor, kv_b_weight: torch.Tensor, num_heads: int, n
     return k, v
 
 
-def _prefill(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata,
-             row: int, kv_b_weight: torch.Tensor, scale: float, out: torch.Tensor) -> None:
+def _prefill(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    kv_cache: torch.Tensor,
+    md: AttentionMetadata,
+    row: int,
+    kv_b_weight: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+) -> None:
     """Expanded attention of prefill chunk ``row``: its new tokens' causal square, merged by
     log-sum-exp with its cached context taken :data:`MLA_CONTEXT_CHUNK_TOKENS` at a time."""
     t0, t1 = md.query_start_loc_cpu[row], md.query_start_loc_cpu[row + 1]
@@ -134,7 +164,11 @@ def _prefill(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, m
     nb = -(-seq_len // bs)
     blocks = md.block_table[row, :nb].to(device=kv_cache.device, dtype=torch.int64)
     latent = kv_cache.index_select(0, blocks).reshape(nb * bs, kv_cache.shape[-1])[:seq_len]
-    q = torch.cat([q_nope[t0:t1], q_pe[t0:t1].to(q_nope.dtype)], dim=-1).transpose(0, 1).unsqueeze(0)
+    q = (
+        torch.cat([q_nope[t0:t1], q_pe[t0:t1].to(q_nope.dtype)], dim=-1)
+        .transpose(0, 1)
+        .unsqueeze(0)
+    )
     d, v_dim = q.shape[-1], out.shape[-1]
 
     def part(k0: int, k1: int, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:

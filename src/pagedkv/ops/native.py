@@ -65,8 +65,10 @@ def _cpu_flags() -> str:
 
 
 # CPU feature flags (x86 /proc/cpuinfo ``flags``, Arm ``Features``) of native 16-bit matmuls.
-_HALF_MATMUL_FLAGS = {torch.bfloat16: {"avx512_bf16", "amx_bf16", "bf16"},
-                      torch.float16: {"avx512_fp16", "amx_fp16", "asimdhp"}}
+_HALF_MATMUL_FLAGS = {
+    torch.bfloat16: {"avx512_bf16", "amx_bf16", "bf16"},
+    torch.float16: {"avx512_fp16", "amx_fp16", "asimdhp"},
+}
 
 
 def cpu_has_half_matmul(dtype: torch.dtype) -> bool:
@@ -93,7 +95,9 @@ def _sources_digest() -> bytes:
 
 
 def _build(cc: str, flags: list[str]) -> Path:
-    key = hashlib.sha256(_sources_digest() + " ".join([cc, *flags]).encode() + _cpu_flags().encode())
+    key = hashlib.sha256(
+        _sources_digest() + " ".join([cc, *flags]).encode() + _cpu_flags().encode()
+    )
     out = cache_dir() / f"cpu_kernels-{key.hexdigest()[:16]}.so"
     if out.exists():
         return out
@@ -101,8 +105,13 @@ def _build(cc: str, flags: list[str]) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        subprocess.run([cc, *flags, str(SOURCE), "-o", tmp, "-lm"], check=True, capture_output=True, text=True,
-                       timeout=120)
+        subprocess.run(
+            [cc, *flags, str(SOURCE), "-o", tmp, "-lm"],
+            check=True,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         os.replace(tmp, out)
     finally:
         if os.path.exists(tmp):
@@ -118,10 +127,37 @@ def _bind(so: ctypes.CDLL) -> ctypes.CDLL:
     for f in (so.pkv_block_bytes, so.pkv_block_weights):
         f.argtypes = [ctypes.c_int]
         f.restype = ctypes.c_int
-    so.pkv_paged_decode.argtypes = [_ptr, _i64, _i64, _i64, _i64, _i64, _i64,
-                                    _ptr, _i64, _i64, _i64, _ptr, _i64, _i64, _i64, _i64,
-                                    _ptr, _i64, _ptr, _i64, _f32, _ptr, _i64, _ptr, ctypes.c_int,
-                                    _f32, _f32, _i64, _i64]
+    so.pkv_paged_decode.argtypes = [
+        _ptr,
+        _i64,
+        _i64,
+        _i64,
+        _i64,
+        _i64,
+        _i64,
+        _ptr,
+        _i64,
+        _i64,
+        _i64,
+        _ptr,
+        _i64,
+        _i64,
+        _i64,
+        _i64,
+        _ptr,
+        _i64,
+        _ptr,
+        _i64,
+        _f32,
+        _ptr,
+        _i64,
+        _ptr,
+        ctypes.c_int,
+        _f32,
+        _f32,
+        _i64,
+        _i64,
+    ]
     so.pkv_paged_decode.restype = ctypes.c_int
     # The whole-layer decode step (ops/native_step.py builds its pkv_model tables).
     so.pkv_decode_layers.argtypes = [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr]
@@ -156,13 +192,17 @@ def lib() -> ctypes.CDLL | None:
         return None
     isa_env = envs.PAGEDKV_NATIVE_ISA
     if isa_env and isa_env not in (*BUILD_FLAGS, "native"):
-        raise ValueError(f"PAGEDKV_NATIVE_ISA={isa_env!r}: expected one of native, {', '.join(BUILD_FLAGS)}")
+        raise ValueError(
+            f"PAGEDKV_NATIVE_ISA={isa_env!r}: expected one of native, {', '.join(BUILD_FLAGS)}"
+        )
     try:
         return build(BUILD_FLAGS.get(isa_env, ()))
     except (OSError, subprocess.SubprocessError, AttributeError) as e:
         detail = getattr(e, "stderr", "") or e
         if mode == "on":
-            raise RuntimeError(f"PAGEDKV_NATIVE=1 but the native kernels failed to build: {detail}") from e
+            raise RuntimeError(
+                f"PAGEDKV_NATIVE=1 but the native kernels failed to build: {detail}"
+            ) from e
         log.warning("native CPU kernels unavailable (%s); using the torch path", detail)
         return None
 
@@ -213,8 +253,13 @@ def row_bytes(qtype: int, k: int) -> int:
     return k // bw * size if bw and k % bw == 0 else 0
 
 
-def gemv_q(x: torch.Tensor, qweight: torch.Tensor, qtype: int, bias: torch.Tensor | None = None,
-           out: torch.Tensor | None = None) -> torch.Tensor:
+def gemv_q(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    qtype: int,
+    bias: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """``x [M, K] @ W.T (+ bias)`` with ``W [N, K]`` held as ggml blocks ``qweight [N, bytes]``
     (uint8, contiguous rows). float32 in and out; the weights are exactly the values the GGUF
     dequantizer gives (see the C file). ``out`` may be a column slice ``[M, N]`` of a wider
@@ -232,12 +277,25 @@ def gemv_q(x: torch.Tensor, qweight: torch.Tensor, qtype: int, bias: torch.Tenso
     if expect == 0:
         raise ValueError(f"K={k} is not a whole number of type-{qtype} blocks")
     if qweight.shape[1] != expect or not qweight.is_contiguous():
-        raise ValueError(f"qweight {tuple(qweight.shape)} does not hold {n} rows of {k} type-{qtype} weights")
+        raise ValueError(
+            f"qweight {tuple(qweight.shape)} does not hold {n} rows of {k} type-{qtype} weights"
+        )
     if out is None:
         out = torch.empty(m, n, dtype=torch.float32)
     elif out.shape != (m, n) or out.dtype != torch.float32 or out.stride(1) != 1:
         raise ValueError(f"out must be float32 [{m}, {n}] with unit column stride")
-    so.pkv_gemv_q(qtype, x.data_ptr(), m, k, qweight.data_ptr(), n, expect, _addr(bias), out.data_ptr(), out.stride(0))
+    so.pkv_gemv_q(
+        qtype,
+        x.data_ptr(),
+        m,
+        k,
+        qweight.data_ptr(),
+        n,
+        expect,
+        _addr(bias),
+        out.data_ptr(),
+        out.stride(0),
+    )
     return out
 
 
@@ -257,7 +315,9 @@ def dequant(qweight: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
     """float32 ``[N, k]`` from ggml rows, computed by the kernel's own dequantizer."""
     so = _require()
     out = torch.empty(qweight.shape[0], k, dtype=torch.float32)
-    if so.pkv_dequant(qtype, qweight.data_ptr(), qweight.shape[0], k, qweight.shape[1], out.data_ptr()):
+    if so.pkv_dequant(
+        qtype, qweight.data_ptr(), qweight.shape[0], k, qweight.shape[1], out.data_ptr()
+    ):
         raise ValueError(f"unsupported ggml type {qtype} or K={k} not a whole number of its blocks")
     return out
 
@@ -265,9 +325,14 @@ def dequant(qweight: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
 # KV cache dtypes the decode kernel reads (converted exactly to float32 in registers).
 KV_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 # Quantized cache formats it reads in place (csrc enum KV_I8_TH ...); fp8 per-tensor by fp8 dtype.
-KV_QUANT_TYPES = {KVQuantMode.INT8_PER_TOKEN_HEAD: 3, KVQuantMode.FP8_PER_TOKEN_HEAD: 4,
-                  KVQuantMode.INT4_PER_TOKEN_HEAD: 7, KVQuantMode.INT4_PER_TOKEN_GROUP: 8,
-                  KVQuantMode.INT8_PER_TOKEN_HEAD_F16: 9, KVQuantMode.FP8_PER_TOKEN_HEAD_F16: 10}
+KV_QUANT_TYPES = {
+    KVQuantMode.INT8_PER_TOKEN_HEAD: 3,
+    KVQuantMode.FP8_PER_TOKEN_HEAD: 4,
+    KVQuantMode.INT4_PER_TOKEN_HEAD: 7,
+    KVQuantMode.INT4_PER_TOKEN_GROUP: 8,
+    KVQuantMode.INT8_PER_TOKEN_HEAD_F16: 9,
+    KVQuantMode.FP8_PER_TOKEN_HEAD_F16: 10,
+}
 KV_FP8_TYPES = {torch.float8_e4m3fn: 5, torch.float8_e5m2: 6}
 
 
@@ -279,10 +344,17 @@ def _quant_type(kv_quant: KVQuant) -> int | None:
     return KV_QUANT_TYPES.get(fmt.mode)
 
 
-def paged_decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_table: torch.Tensor,
-                 seq_lens: torch.Tensor, scale: float, sliding_window: int | None = None,
-                 return_lse: bool = False, kv_quant: KVQuant | None = None
-                 ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+def paged_decode(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    return_lse: bool = False,
+    kv_quant: KVQuant | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """Decode attention read straight from the paged cache, float32 math.
 
     ``q [R, Hq, D]`` (one query per row, at position ``seq_lens[r] - 1``; any float dtype),
@@ -299,14 +371,24 @@ def paged_decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Te
     rotated like the keys (``paged_attention`` does both around it).
     """
     so = lib()
-    if so is None or q.device.type != "cpu" or key_cache.stride(-1) != 1 or value_cache.stride(-1) != 1:
+    if (
+        so is None
+        or q.device.type != "cpu"
+        or key_cache.stride(-1) != 1
+        or value_cache.stride(-1) != 1
+    ):
         return None
     k_scale = v_scale = 1.0
     if kv_quant is not None and kv_quant.fmt.quantized:
         fmt = kv_quant.fmt
         kvt = _quant_type(kv_quant)
-        if (kvt is None or key_cache.dtype != torch.uint8 or value_cache.dtype != torch.uint8
-                or key_cache.shape[3] != fmt.k_bytes or value_cache.shape[3] != fmt.v_bytes):
+        if (
+            kvt is None
+            or key_cache.dtype != torch.uint8
+            or value_cache.dtype != torch.uint8
+            or key_cache.shape[3] != fmt.k_bytes
+            or value_cache.shape[3] != fmt.v_bytes
+        ):
             return None
         d, dv = fmt.head_size, fmt.head_size_v
         k_group, v_group = fmt.k_group, fmt.v_group
@@ -327,24 +409,66 @@ def paged_decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Te
     out = torch.empty(rows, hq, dv, dtype=torch.float32)
     lse = torch.empty(rows, hq, dtype=torch.float32) if return_lse else None
     ks, vs = key_cache.stride(), value_cache.stride()
-    rc = so.pkv_paged_decode(q.data_ptr(), hq * d, rows, hq, hkv, d, dv,
-                             key_cache.data_ptr(), ks[0], ks[1], ks[2],
-                             value_cache.data_ptr(), vs[0], vs[1], vs[2], key_cache.shape[1],
-                             table.data_ptr(), table.stride(0), lens.data_ptr(),
-                             sliding_window or 0, scale, out.data_ptr(), hq * dv, _addr(lse), kvt,
-                             k_scale, v_scale, k_group, v_group)
+    rc = so.pkv_paged_decode(
+        q.data_ptr(),
+        hq * d,
+        rows,
+        hq,
+        hkv,
+        d,
+        dv,
+        key_cache.data_ptr(),
+        ks[0],
+        ks[1],
+        ks[2],
+        value_cache.data_ptr(),
+        vs[0],
+        vs[1],
+        vs[2],
+        key_cache.shape[1],
+        table.data_ptr(),
+        table.stride(0),
+        lens.data_ptr(),
+        sliding_window or 0,
+        scale,
+        out.data_ptr(),
+        hq * dv,
+        _addr(lse),
+        kvt,
+        k_scale,
+        v_scale,
+        k_group,
+        v_group,
+    )
     return None if rc else (out, lse)
 
 
-def decode_layers(so: ctypes.CDLL, model_addr: int, input_ids: torch.Tensor, out: torch.Tensor,
-                  positions: torch.Tensor, slot_mapping: torch.Tensor, block_table: torch.Tensor,
-                  seq_lens: torch.Tensor, profile_addr: int | None = None) -> int:
+def decode_layers(
+    so: ctypes.CDLL,
+    model_addr: int,
+    input_ids: torch.Tensor,
+    out: torch.Tensor,
+    positions: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    profile_addr: int | None = None,
+) -> int:
     """One call of ``pkv_decode_layers`` (see the C file) on the ``pkv_model`` at ``model_addr``:
     ``input_ids``/``positions``/``slot_mapping [M]`` int64, ``out [M, hidden]`` float32 (the
     final-normed hidden states), ``block_table [M, max_blocks]`` int32 with unit column stride,
     ``seq_lens [M]`` int32, all contiguous CPU tensors (the caller checks); ``profile_addr``:
     None or the address of the kernel's per-section seconds (6 doubles, added to). Returns the
     kernel's code: 0, or -1/-2 (nothing done: shape not covered / argument out of range)."""
-    return so.pkv_decode_layers(model_addr, out.shape[0], input_ids.data_ptr(), out.data_ptr(), positions.data_ptr(),
-                                slot_mapping.data_ptr(), block_table.data_ptr(), block_table.stride(0),
-                                seq_lens.data_ptr(), profile_addr)
+    return so.pkv_decode_layers(
+        model_addr,
+        out.shape[0],
+        input_ids.data_ptr(),
+        out.data_ptr(),
+        positions.data_ptr(),
+        slot_mapping.data_ptr(),
+        block_table.data_ptr(),
+        block_table.stride(0),
+        seq_lens.data_ptr(),
+        profile_addr,
+    )

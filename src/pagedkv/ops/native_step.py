@@ -59,26 +59,70 @@ _i64, _i32, _ptr = ctypes.c_int64, ctypes.c_int32, ctypes.c_void_p
 
 # Mirrors of the structs in ops/csrc/layer_step.h (_build checks pkv_step_struct_size).
 class _Segment(ctypes.Structure):
-    _fields_ = [("start", _i64), ("end", _i64), ("w", _ptr), ("row_stride", _i64), ("qtype", _i32), ("pad_", _i32)]
+    _fields_ = [
+        ("start", _i64),
+        ("end", _i64),
+        ("w", _ptr),
+        ("row_stride", _i64),
+        ("qtype", _i32),
+        ("pad_", _i32),
+    ]
 
 
 class _Linear(ctypes.Structure):
-    _fields_ = [("N", _i64), ("K", _i64), ("dense", _ptr), ("ldw", _i64), ("bias", _ptr), ("nseg", _i32),
-                ("max_rows", _i32), ("seg", _Segment * MAX_SEGS)]
+    _fields_ = [
+        ("N", _i64),
+        ("K", _i64),
+        ("dense", _ptr),
+        ("ldw", _i64),
+        ("bias", _ptr),
+        ("nseg", _i32),
+        ("max_rows", _i32),
+        ("seg", _Segment * MAX_SEGS),
+    ]
 
 
 class _Layer(ctypes.Structure):
-    _fields_ = [("input_norm", _ptr), ("post_norm", _ptr), ("qkv", _Linear), ("o", _Linear), ("gate_up", _Linear),
-                ("down", _Linear), ("k_cache", _ptr), ("v_cache", _ptr), ("kb", _i64), ("kt", _i64), ("kh", _i64),
-                ("vb", _i64), ("vt", _i64), ("vh", _i64), ("window", _i64)]
+    _fields_ = [
+        ("input_norm", _ptr),
+        ("post_norm", _ptr),
+        ("qkv", _Linear),
+        ("o", _Linear),
+        ("gate_up", _Linear),
+        ("down", _Linear),
+        ("k_cache", _ptr),
+        ("v_cache", _ptr),
+        ("kb", _i64),
+        ("kt", _i64),
+        ("kh", _i64),
+        ("vb", _i64),
+        ("vt", _i64),
+        ("vh", _i64),
+        ("window", _i64),
+    ]
 
 
 class _Model(ctypes.Structure):
-    _fields_ = [("num_layers", _i64), ("hidden", _i64), ("num_heads", _i64), ("num_kv_heads", _i64),
-                ("head_dim", _i64), ("intermediate", _i64), ("block_size", _i64), ("num_slots", _i64),
-                ("max_pos", _i64), ("rope", _ptr), ("vocab", _i64), ("embed", _ptr), ("final_norm", _ptr),
-                ("layers", _ptr), ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("kv_type", _i32),
-                ("pad_", _i32)]
+    _fields_ = [
+        ("num_layers", _i64),
+        ("hidden", _i64),
+        ("num_heads", _i64),
+        ("num_kv_heads", _i64),
+        ("head_dim", _i64),
+        ("intermediate", _i64),
+        ("block_size", _i64),
+        ("num_slots", _i64),
+        ("max_pos", _i64),
+        ("rope", _ptr),
+        ("vocab", _i64),
+        ("embed", _ptr),
+        ("final_norm", _ptr),
+        ("layers", _ptr),
+        ("eps", ctypes.c_float),
+        ("scale", ctypes.c_float),
+        ("kv_type", _i32),
+        ("pad_", _i32),
+    ]
 
 
 @dataclass(slots=True)
@@ -95,12 +139,21 @@ class NativeStep:
     addr: int = 0  # ctypes.addressof(table)
     kv_list: Any = None  # the kv_caches list the cache pointers came from
     kv_ok: bool = False  # the kernel can run over it
-    row_cap: int = MAX_ROWS  # most rows a step may have (a half-precision model has no float32 rows)
+    row_cap: int = (
+        MAX_ROWS  # most rows a step may have (a half-precision model has no float32 rows)
+    )
     out_dtype: torch.dtype = torch.float32  # the model dtype the hidden states are returned in
 
 
 # The kernel's sections (prof[i] in pkv_decode_layers), in its order.
-SECTIONS = ("norm+residual", "qkv_proj", "rope+cache+attention", "o_proj", "gate_up+silu", "down_proj")
+SECTIONS = (
+    "norm+residual",
+    "qkv_proj",
+    "rope+cache+attention",
+    "o_proj",
+    "gate_up+silu",
+    "down_proj",
+)
 
 
 @dataclass(slots=True)
@@ -129,7 +182,9 @@ def enabled() -> bool:
 
 
 def _f32(t: torch.Tensor | None) -> bool:
-    return t is not None and t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous()
+    return (
+        t is not None and t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous()
+    )
 
 
 _HALF = (torch.bfloat16, torch.float16)
@@ -149,11 +204,18 @@ def _as_f32(t: torch.Tensor | None, keep: list[torch.Tensor]) -> torch.Tensor | 
     return out
 
 
-def _linear(desc: LinearDesc, max_rows: int, kquant_rows: int, keep: list[torch.Tensor]) -> _Linear | None:
+def _linear(
+    desc: LinearDesc, max_rows: int, kquant_rows: int, keep: list[torch.Tensor]
+) -> _Linear | None:
     """The kernel's view of a linear (float32 rows, plus its ggml segments when it has them)."""
     w = desc.weight
     half = w.dtype in _HALF  # no float32 rows: every row must be in ggml segments
-    if w.dim() != 2 or not (half or w.dtype == torch.float32) or w.device.type != "cpu" or w.stride(1) != 1:
+    if (
+        w.dim() != 2
+        or not (half or w.dtype == torch.float32)
+        or w.device.type != "cpu"
+        or w.stride(1) != 1
+    ):
         return None
     lin = _Linear(N=w.shape[0], K=w.shape[1], dense=0 if half else w.data_ptr(), ldw=w.stride(0))
     keep.append(w)
@@ -169,8 +231,13 @@ def _linear(desc: LinearDesc, max_rows: int, kquant_rows: int, keep: list[torch.
     end = 0
     for i, (start, stop, qtype, rows) in enumerate(segs):
         rb = native.row_bytes(qtype, w.shape[1]) if qtype in native.SUPPORTED_QTYPES else 0
-        if (start != end or rb == 0 or rows.dtype != torch.uint8 or not rows.is_contiguous()
-                or rows.shape != (stop - start, rb)):
+        if (
+            start != end
+            or rb == 0
+            or rows.dtype != torch.uint8
+            or not rows.is_contiguous()
+            or rows.shape != (stop - start, rb)
+        ):
             return None
         lin.seg[i] = _Segment(start=start, end=stop, w=rows.data_ptr(), row_stride=rb, qtype=qtype)
         keep.append(rows)
@@ -193,7 +260,13 @@ def _build(so: ctypes.CDLL, desc: DecoderStackDesc, limits: tuple[int, int]) -> 
     keep: list[torch.Tensor] = []
     embed, rope = _as_f32(desc.embed, keep), _as_f32(desc.rope_cos_sin, keep)
     final_norm = _as_f32(desc.final_norm, keep)
-    if not layers or embed is None or rope is None or final_norm is None or out_dtype not in (torch.float32, *_HALF):
+    if (
+        not layers
+        or embed is None
+        or rope is None
+        or final_norm is None
+        or out_dtype not in (torch.float32, *_HALF)
+    ):
         return None
     a0 = layers[0]
     hq, hkv, d = a0.num_heads, a0.num_kv_heads, a0.head_dim
@@ -202,8 +275,13 @@ def _build(so: ctypes.CDLL, desc: DecoderStackDesc, limits: tuple[int, int]) -> 
     arr = (_Layer * len(layers))()
     for i, layer in enumerate(layers):
         w1, w2 = _as_f32(layer.input_norm, keep), _as_f32(layer.post_norm, keep)
-        if ((layer.num_heads, layer.num_kv_heads, layer.head_dim) != (hq, hkv, d) or layer.scale != a0.scale
-                or {layer.input_eps, layer.post_eps} != {desc.final_eps} or w1 is None or w2 is None):
+        if (
+            (layer.num_heads, layer.num_kv_heads, layer.head_dim) != (hq, hkv, d)
+            or layer.scale != a0.scale
+            or {layer.input_eps, layer.post_eps} != {desc.final_eps}
+            or w1 is None
+            or w2 is None
+        ):
             return None
         lins = [_linear(x, *limits, keep) for x in (layer.qkv, layer.o, layer.gate_up, layer.down)]
         if any(x is None for x in lins):
@@ -214,21 +292,49 @@ def _build(so: ctypes.CDLL, desc: DecoderStackDesc, limits: tuple[int, int]) -> 
         e.window = layer.sliding_window or 0
     qkv, gu = arr[0].qkv, arr[0].gate_up
     hidden, inter = embed.shape[1], gu.N // 2
-    if qkv.N != (hq + 2 * hkv) * d or qkv.K != hidden or gu.K != hidden or gu.N % 2 or final_norm.shape[0] != hidden:
+    if (
+        qkv.N != (hq + 2 * hkv) * d
+        or qkv.K != hidden
+        or gu.K != hidden
+        or gu.N % 2
+        or final_norm.shape[0] != hidden
+    ):
         return None
-    if any((e.o.N, e.o.K, e.down.N, e.down.K, e.gate_up.N) != (hidden, hq * d, hidden, inter, 2 * inter) for e in arr):
+    if any(
+        (e.o.N, e.o.K, e.down.N, e.down.K, e.gate_up.N)
+        != (hidden, hq * d, hidden, inter, 2 * inter)
+        for e in arr
+    ):
         return None
-    table = _Model(num_layers=len(layers), hidden=hidden, num_heads=hq, num_kv_heads=hkv, head_dim=d,
-                   intermediate=inter, max_pos=rope.shape[0], rope=rope.data_ptr(), vocab=embed.shape[0],
-                   embed=embed.data_ptr(), final_norm=final_norm.data_ptr(), layers=ctypes.addressof(arr),
-                   eps=desc.final_eps, scale=a0.scale)
+    table = _Model(
+        num_layers=len(layers),
+        hidden=hidden,
+        num_heads=hq,
+        num_kv_heads=hkv,
+        head_dim=d,
+        intermediate=inter,
+        max_pos=rope.shape[0],
+        rope=rope.data_ptr(),
+        vocab=embed.shape[0],
+        embed=embed.data_ptr(),
+        final_norm=final_norm.data_ptr(),
+        layers=ctypes.addressof(arr),
+        eps=desc.final_eps,
+        scale=a0.scale,
+    )
     # Without float32 rows a projection must stay on its segments: no step above its row limit.
-    row_cap = min([MAX_ROWS] + [lin.max_rows for e in arr for lin in (e.qkv, e.o, e.gate_up, e.down) if not lin.dense])
-    return NativeStep(so, table, arr, limits, keep, ctypes.addressof(table), row_cap=row_cap, out_dtype=out_dtype)
+    row_cap = min(
+        [MAX_ROWS]
+        + [lin.max_rows for e in arr for lin in (e.qkv, e.o, e.gate_up, e.down) if not lin.dense]
+    )
+    return NativeStep(
+        so, table, arr, limits, keep, ctypes.addressof(table), row_cap=row_cap, out_dtype=out_dtype
+    )
 
 
-def _point_at_caches(plan: NativeStep, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                     desc: DecoderStackDesc) -> None:
+def _point_at_caches(
+    plan: NativeStep, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], desc: DecoderStackDesc
+) -> None:
     """Point the tables at ``kv_caches`` (``plan.kv_ok``: whether the kernel can run over them:
     unquantized float32/bfloat16/float16 caches of the model's shape, and no layer of ``desc``
     with a quantized or rotated cache format)."""
@@ -239,8 +345,16 @@ def _point_at_caches(plan: NativeStep, kv_caches: list[tuple[torch.Tensor, torch
     shape = None
     for e, (k, v) in zip(plan.layers, kv_caches):
         kvt = native.KV_TYPES.get(k.dtype)
-        if (kvt is None or v.dtype != k.dtype or k.device.type != "cpu" or k.dim() != 4 or v.shape != k.shape
-                or k.stride(3) != 1 or v.stride(3) != 1 or k.shape[2:] != (t.num_kv_heads, t.head_dim)):
+        if (
+            kvt is None
+            or v.dtype != k.dtype
+            or k.device.type != "cpu"
+            or k.dim() != 4
+            or v.shape != k.shape
+            or k.stride(3) != 1
+            or v.stride(3) != 1
+            or k.shape[2:] != (t.num_kv_heads, t.head_dim)
+        ):
             return
         if shape is None:
             shape, t.kv_type = k.shape, kvt
@@ -253,8 +367,12 @@ def _point_at_caches(plan: NativeStep, kv_caches: list[tuple[torch.Tensor, torch
     plan.kv_ok = True
 
 
-def plan_for(model: NativeStepModel, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-             max_rows: int = MAX_ROWS, kquant_rows: int = MAX_ROWS) -> NativeStep | None:
+def plan_for(
+    model: NativeStepModel,
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    max_rows: int = MAX_ROWS,
+    kquant_rows: int = MAX_ROWS,
+) -> NativeStep | None:
     """The model's :class:`NativeStep` pointed at ``kv_caches``, or None when the kernel cannot
     run this model or cache. The weight tables are built from the model's description on first
     use (and again only for another library or other row limits); the cache pointers whenever
@@ -283,9 +401,15 @@ def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t if t.dtype is dtype and t.is_contiguous() else t.to(dtype).contiguous()
 
 
-def decode_step(model: NativeStepModel, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], md: AttentionMetadata | list[AttentionMetadata],
-                max_rows: int = MAX_ROWS, kquant_rows: int = MAX_ROWS) -> torch.Tensor | None:
+def decode_step(
+    model: NativeStepModel,
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    md: AttentionMetadata | list[AttentionMetadata],
+    max_rows: int = MAX_ROWS,
+    kquant_rows: int = MAX_ROWS,
+) -> torch.Tensor | None:
     """``model.forward`` of a plain Llama-family model (a :class:`NativeStepModel`, in
     ``models/``: ``LlamaModel``) for a decode-only step of at most
     ``min(max_rows, MAX_ROWS)`` rows in one native call: returns the final-normed hidden states
@@ -303,12 +427,22 @@ def decode_step(model: NativeStepModel, input_ids: torch.Tensor, positions: torc
         if any(m is not md[0] for m in md):
             return None
         md = md[0]
-    if (md.max_query_len != 1 or md.query_start_loc_cpu[-1] != n or len(md.seq_lens_cpu) != n
-            or forward_context._kv_connector is not None or input_ids.device.type != "cpu"):
+    if (
+        md.max_query_len != 1
+        or md.query_start_loc_cpu[-1] != n
+        or len(md.seq_lens_cpu) != n
+        or forward_context._kv_connector is not None
+        or input_ids.device.type != "cpu"
+    ):
         return None
     plan = _PLANS.get(id(model))
-    if (plan is None or plan.kv_list is not kv_caches or not plan.kv_ok or plan.limits != (max_rows, kquant_rows)
-            or plan.so is not native.lib()):
+    if (
+        plan is None
+        or plan.kv_list is not kv_caches
+        or not plan.kv_ok
+        or plan.limits != (max_rows, kquant_rows)
+        or plan.so is not native.lib()
+    ):
         plan = plan_for(model, kv_caches, max_rows, kquant_rows)
         if plan is None:
             return None
@@ -319,9 +453,17 @@ def decode_step(model: NativeStepModel, input_ids: torch.Tensor, positions: torc
         table = table.to(torch.int32).contiguous()
     out = torch.empty(n, plan.table.hidden, dtype=torch.float32)
     prof = profile
-    rc = native.decode_layers(plan.so, plan.addr, _as(input_ids, torch.int64), out, _as(positions, torch.int64),
-                              _as(md.slot_mapping, torch.int64), table, _as(md.seq_lens, torch.int32),
-                              None if prof is None else ctypes.addressof(prof.seconds))
+    rc = native.decode_layers(
+        plan.so,
+        plan.addr,
+        _as(input_ids, torch.int64),
+        out,
+        _as(positions, torch.int64),
+        _as(md.slot_mapping, torch.int64),
+        table,
+        _as(md.seq_lens, torch.int32),
+        None if prof is None else ctypes.addressof(prof.seconds),
+    )
     if rc != 0:
         return None
     if prof is not None:

@@ -29,9 +29,14 @@ def to_external(block_hash: bytes | int) -> int:
     return int.from_bytes(block_hash, "big") & _MASK64
 
 
-def prompt_block_hashes(token_ids: Sequence[int], block_size: int, hash_fn_name: str,
-                        hash_seed: str | None, cache_salt: str | None = None,
-                        lora: tuple[str, str | None] | None = None) -> list[int]:
+def prompt_block_hashes(
+    token_ids: Sequence[int],
+    block_size: int,
+    hash_fn_name: str,
+    hash_seed: str | None,
+    cache_salt: str | None = None,
+    lora: tuple[str, str | None] | None = None,
+) -> list[int]:
     """The external (64-bit int) hashes of every full block of ``token_ids``: the ints the
     replica puts in its BlockStored events for these tokens.
 
@@ -52,7 +57,7 @@ def prompt_block_hashes(token_ids: Sequence[int], block_size: int, hash_fn_name:
             keys.append(("lora", lora[0], lora[1]))
         if i == 0 and cache_salt is not None:
             keys.append(("cache_salt", cache_salt))
-        block = tuple(token_ids[i * block_size:(i + 1) * block_size])
+        block = tuple(token_ids[i * block_size : (i + 1) * block_size])
         parent = hash_fn((parent, block, tuple(keys) if keys else None))
         out.append(to_external(parent))
     return out

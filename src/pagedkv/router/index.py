@@ -157,7 +157,9 @@ class PrefixIndex:
         first = self._replicas_of.get(block_hashes[0]) if block_hashes else None
         return self._match_from(block_hashes, set(first)) if first else {}
 
-    def match_replicas(self, block_hashes: Sequence[int], replicas: Iterable[str]) -> dict[str, PrefixMatch]:
+    def match_replicas(
+        self, block_hashes: Sequence[int], replicas: Iterable[str]
+    ) -> dict[str, PrefixMatch]:
         """`match` restricted to ``replicas``: the same PrefixMatch for each of them that holds
         block 0 (the others are absent), at a cost in the number of ``replicas``, not of all the
         replicas holding the prompt's first blocks."""
@@ -197,8 +199,9 @@ class PrefixIndex:
             device[r] = i
         return {r: PrefixMatch(device.get(r, 0), n - device.get(r, 0)) for r, n in total.items()}
 
-    def deepest_holders(self, block_hashes: Sequence[int], k: int,
-                        exclude: frozenset[str] | set[str] = frozenset()) -> list[str]:
+    def deepest_holders(
+        self, block_hashes: Sequence[int], k: int, exclude: frozenset[str] | set[str] = frozenset()
+    ) -> list[str]:
         """Up to ``k`` replicas (not in ``exclude``) holding the deepest blocks of the prompt,
         deepest first: the candidates for the longest prefix match, found without touching the
         replicas that only hold a short common prefix (a shared system prompt held by the whole

@@ -12,6 +12,7 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
+from typing import Any
 
 from pagedkv.router.index import PrefixIndex
 from pagedkv.router.metrics import RouterMetrics, parse_replica_load
@@ -56,15 +57,18 @@ def read_configs(specs: Sequence[ReplicaSpec], timeout: float) -> dict[str, Repl
             time.sleep(0.5)
 
 
-def check_compatible(spec: ReplicaSpec, cfg: ReplicaConfig, ref: ReplicaConfig, ref_url: str,
-                     policy: str) -> str | None:
+def check_compatible(
+    spec: ReplicaSpec, cfg: ReplicaConfig, ref: ReplicaConfig, ref_url: str, policy: str
+) -> str | None:
     """Why ``cfg`` cannot be routed with the reference (None: it can)."""
     diffs = cfg.differences(ref)
     if diffs:
         return f"replica {spec.url} differs from {ref_url}: " + "; ".join(diffs)
     if policy == "kv" and cfg.events is None:
-        return (f"replica {spec.url} publishes no KV events: start it with --enable-kv-cache-events "
-                f"--kv-events-replay-endpoint tcp://HOST:PORT, or give --replica URL,events=tcp://HOST:PORT")
+        return (
+            f"replica {spec.url} publishes no KV events: start it with --enable-kv-cache-events "
+            f"--kv-events-replay-endpoint tcp://HOST:PORT, or give --replica URL,events=tcp://HOST:PORT"
+        )
     return None
 
 
@@ -72,8 +76,15 @@ def start_feed(state: RouterState, rep: Replica) -> EventFeed | None:
     cfg = rep.config
     if cfg is None or cfg.events is None:
         return None
-    return EventFeed(rep.url, cfg.events, cfg.replay, state.index, state.lock,
-                     on_batch=state.metrics.on_batch, on_resync=state.metrics.on_resync).start()
+    return EventFeed(
+        rep.url,
+        cfg.events,
+        cfg.replay,
+        state.index,
+        state.lock,
+        on_batch=state.metrics.on_batch,
+        on_resync=state.metrics.on_resync,
+    ).start()
 
 
 async def bring_up(state: RouterState, rep: Replica) -> None:
@@ -97,9 +108,14 @@ async def bring_up(state: RouterState, rep: Replica) -> None:
         return
     rep.config, rep.refused = cfg, None
     feed = start_feed(state, rep)
-    if feed is not None and not await asyncio.to_thread(feed.wait_synced, state.options.sync_timeout):
-        logger.warning("replica %s: no KV event replay within %.0f s; routing to it on load only until it comes",
-                       rep.url, state.options.sync_timeout)
+    if feed is not None and not await asyncio.to_thread(
+        feed.wait_synced, state.options.sync_timeout
+    ):
+        logger.warning(
+            "replica %s: no KV event replay within %.0f s; routing to it on load only until it comes",
+            rep.url,
+            state.options.sync_timeout,
+        )
     rep.feed, rep.up = feed, True
     logger.warning("replica %s is up (%d blocks indexed)", rep.url, state.index.num_blocks(rep.url))
 
@@ -152,7 +168,9 @@ async def _probe(state: RouterState, rep: Replica) -> None:
 
 async def health_loop(state: RouterState) -> None:
     while True:
-        await asyncio.gather(*(probe(state, r) for r in state.replicas.values()), return_exceptions=True)
+        await asyncio.gather(
+            *(probe(state, r) for r in state.replicas.values()), return_exceptions=True
+        )
         await asyncio.sleep(state.options.health_interval)
 
 
@@ -177,8 +195,10 @@ def build_state(specs: Sequence[ReplicaSpec], options: RouterOptions) -> RouterS
     configs = read_configs(specs, options.startup_timeout)
     answered = [(s, c) for s, c in ((s, configs[s.url]) for s in specs) if c is not None]
     if not answered:
-        raise RouterConfigError(f"no replica answered GET {CONFIG_PATH} within {options.startup_timeout:g} s: "
-                                f"{', '.join(urls)}")
+        raise RouterConfigError(
+            f"no replica answered GET {CONFIG_PATH} within {options.startup_timeout:g} s: "
+            f"{', '.join(urls)}"
+        )
     ref_spec, ref = answered[0]
     for spec, cfg in answered:
         why = check_compatible(spec, cfg, ref, ref_spec.url, options.policy)
@@ -191,8 +211,16 @@ def build_state(specs: Sequence[ReplicaSpec], options: RouterOptions) -> RouterS
     replicas = {s.url: Replica(s, configs[s.url]) for s in specs}
     # The reference first: `bring_up` compares against the first replica's URL in messages.
     replicas = {ref_spec.url: replicas[ref_spec.url], **replicas}
-    state = RouterState(replicas, ref, tokenizer, RoutingPolicy(options.policy, options.weights, options.seed),
-                        options, PrefixIndex(), threading.Lock(), RouterMetrics())
+    state = RouterState(
+        replicas,
+        ref,
+        tokenizer,
+        RoutingPolicy(options.policy, options.weights, options.seed),
+        options,
+        PrefixIndex(),
+        threading.Lock(),
+        RouterMetrics(),
+    )
     state.metrics._refresh = lambda m: refresh_gauges(state, m)
     return state
 
@@ -206,7 +234,9 @@ def start_replicas(state: RouterState) -> None:
         rep.up = True
     for rep in state.replicas.values():
         if rep.feed is not None and not rep.feed.wait_synced(state.options.sync_timeout):
-            logger.warning("replica %s: no KV event replay within %.0f s", rep.url, state.options.sync_timeout)
+            logger.warning(
+                "replica %s: no KV event replay within %.0f s", rep.url, state.options.sync_timeout
+            )
 
 
 def stop_replicas(state: RouterState) -> None:

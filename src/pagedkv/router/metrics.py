@@ -43,26 +43,60 @@ class RouterMetrics:
         prometheus_client.disable_created_metrics()  # process-wide, as the server's metrics do
         self.registry = r = CollectorRegistry(auto_describe=True)
         p = "pagedkv_router_"
-        self.decisions = Counter(p + "decisions", "Routing decisions.", ["policy", "reason", "replica"], registry=r)
-        self.index_blocks = Gauge(p + "index_blocks", "Distinct block hashes in the global index.", registry=r)
-        self.replica_blocks = Gauge(p + "replica_indexed_blocks", "Indexed blocks per replica.", ["replica"],
-                                    registry=r)
-        self.replica_up = Gauge(p + "replica_up", "1 while the replica answers and is indexed.", ["replica"],
-                                registry=r)
-        self.replica_refused = Gauge(p + "replica_refused", "1 while the replica's KV cache config differs.",
-                                     ["replica"], registry=r)
-        self.predicted = Counter(p + "predicted_hit_tokens", "Prompt tokens predicted to hit the cache.",
-                                 ["replica"], registry=r)
-        self.reported = Counter(p + "reported_cached_tokens", "Cached prompt tokens the replicas reported.",
-                                ["replica"], registry=r)
-        self.predictions = Counter(p + "predictions", "Predictions checked against a reported usage.",
-                                   ["outcome"], registry=r)
-        self.retries = Counter(p + "retries", "Requests retried elsewhere after a replica failed.", ["replica"],
-                               registry=r)
-        self.events = Counter(p + "kv_events", "KV events applied to the index.", ["replica"], registry=r)
-        self.event_lag = Histogram(p + "kv_event_lag_seconds", "Delay from a replica's event batch to the index.",
-                                   buckets=LAG_BUCKETS, registry=r)
-        self.resyncs = Counter(p + "kv_resyncs", "Index rebuilds of a replica.", ["replica", "why"], registry=r)
+        self.decisions = Counter(
+            p + "decisions", "Routing decisions.", ["policy", "reason", "replica"], registry=r
+        )
+        self.index_blocks = Gauge(
+            p + "index_blocks", "Distinct block hashes in the global index.", registry=r
+        )
+        self.replica_blocks = Gauge(
+            p + "replica_indexed_blocks", "Indexed blocks per replica.", ["replica"], registry=r
+        )
+        self.replica_up = Gauge(
+            p + "replica_up", "1 while the replica answers and is indexed.", ["replica"], registry=r
+        )
+        self.replica_refused = Gauge(
+            p + "replica_refused",
+            "1 while the replica's KV cache config differs.",
+            ["replica"],
+            registry=r,
+        )
+        self.predicted = Counter(
+            p + "predicted_hit_tokens",
+            "Prompt tokens predicted to hit the cache.",
+            ["replica"],
+            registry=r,
+        )
+        self.reported = Counter(
+            p + "reported_cached_tokens",
+            "Cached prompt tokens the replicas reported.",
+            ["replica"],
+            registry=r,
+        )
+        self.predictions = Counter(
+            p + "predictions",
+            "Predictions checked against a reported usage.",
+            ["outcome"],
+            registry=r,
+        )
+        self.retries = Counter(
+            p + "retries",
+            "Requests retried elsewhere after a replica failed.",
+            ["replica"],
+            registry=r,
+        )
+        self.events = Counter(
+            p + "kv_events", "KV events applied to the index.", ["replica"], registry=r
+        )
+        self.event_lag = Histogram(
+            p + "kv_event_lag_seconds",
+            "Delay from a replica's event batch to the index.",
+            buckets=LAG_BUCKETS,
+            registry=r,
+        )
+        self.resyncs = Counter(
+            p + "kv_resyncs", "Index rebuilds of a replica.", ["replica", "why"], registry=r
+        )
         self._refresh = refresh
 
     def on_batch(self, replica: str, lag: float | None, num_events: int) -> None:
@@ -76,7 +110,9 @@ class RouterMetrics:
     def record_usage(self, replica: str, predicted: int, reported: int) -> None:
         self.predicted.labels(replica).inc(predicted)
         self.reported.labels(replica).inc(reported)
-        outcome = "exact" if predicted == reported else ("over" if predicted > reported else "under")
+        outcome = (
+            "exact" if predicted == reported else ("over" if predicted > reported else "under")
+        )
         self.predictions.labels(outcome).inc()
 
     def render(self) -> bytes:

@@ -40,9 +40,15 @@ class ReplicaSpec:
         kw: dict[str, str] = {}
         for opt in opts:
             key, sep, value = opt.partition("=")
-            if not sep or key not in ("events", "replay") or not value.startswith(("tcp://", "ipc://")):
-                raise ValueError(f"invalid replica option {opt!r} in {text!r}: use events=tcp://HOST:PORT "
-                                 f"or replay=tcp://HOST:PORT")
+            if (
+                not sep
+                or key not in ("events", "replay")
+                or not value.startswith(("tcp://", "ipc://"))
+            ):
+                raise ValueError(
+                    f"invalid replica option {opt!r} in {text!r}: use events=tcp://HOST:PORT "
+                    f"or replay=tcp://HOST:PORT"
+                )
             kw[key] = value
         return cls(url.rstrip("/"), **kw)
 
@@ -68,16 +74,28 @@ class ReplicaConfig:
     def from_json(cls, d: dict[str, Any], spec: ReplicaSpec) -> ReplicaConfig:
         ev = d.get("kv_events") or {}
         host = urlsplit(spec.url).hostname or "127.0.0.1"
-        return cls(int(d["block_size"]), str(d["hash_algo"]), str(d["hash_seed"]), str(d["model"]),
-                   str(d["model_path"]), str(d["model_identity"]), d.get("tokenizer"), int(d["num_blocks"]),
-                   bool(d.get("enable_prefix_caching", True)),
-                   spec.events or reachable(ev.get("endpoint"), host),
-                   spec.replay or reachable(ev.get("replay_endpoint"), host), d.get("started"))
+        return cls(
+            int(d["block_size"]),
+            str(d["hash_algo"]),
+            str(d["hash_seed"]),
+            str(d["model"]),
+            str(d["model_path"]),
+            str(d["model_identity"]),
+            d.get("tokenizer"),
+            int(d["num_blocks"]),
+            bool(d.get("enable_prefix_caching", True)),
+            spec.events or reachable(ev.get("endpoint"), host),
+            spec.replay or reachable(ev.get("replay_endpoint"), host),
+            d.get("started"),
+        )
 
     def differences(self, ref: ReplicaConfig) -> list[str]:
         """``"field: mine != reference"`` for every `MUST_AGREE` field that differs."""
-        return [f"{k}: {getattr(self, k)!r} != {getattr(ref, k)!r}" for k in MUST_AGREE
-                if getattr(self, k) != getattr(ref, k)]
+        return [
+            f"{k}: {getattr(self, k)!r} != {getattr(ref, k)!r}"
+            for k in MUST_AGREE
+            if getattr(self, k) != getattr(ref, k)
+        ]
 
 
 def reachable(endpoint: str | None, host: str) -> str | None:
@@ -135,5 +153,9 @@ class Replica:
     def current_load(self) -> ReplicaLoad:
         """The scraped load corrected by the router's deltas (see the class docstring)."""
         ld = self.load
-        return ReplicaLoad(max(0, ld.num_running + self.delta_requests), ld.num_waiting, ld.kv_usage,
-                           max(0, ld.active_blocks + self.delta_blocks))
+        return ReplicaLoad(
+            max(0, ld.num_running + self.delta_requests),
+            ld.num_waiting,
+            ld.kv_usage,
+            max(0, ld.active_blocks + self.delta_blocks),
+        )

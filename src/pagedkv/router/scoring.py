@@ -47,7 +47,9 @@ class ReplicaLoad:
 class RoutingWeights:
     """The ``pagedkv router`` weight flags (Dynamo's defaults)."""
 
-    overlap: float = 1.0  # Dynamo overlap_score_weight: cost = overlap * prefill_blocks + decode_blocks
+    overlap: float = (
+        1.0  # Dynamo overlap_score_weight: cost = overlap * prefill_blocks + decode_blocks
+    )
     tier_credit: float = 0.75  # a tier-held block counts this fraction of a device block
     load: float = 1.0  # weight of the decode/load term
     temperature: float = 0.0  # 0: argmin; > 0 softmax sampling over -cost
@@ -61,12 +63,15 @@ class RoutingDecision:
     cost: float = 0.0
 
 
-def kv_cost(prompt_blocks: int, match: PrefixMatch | None, load: ReplicaLoad,
-            weights: RoutingWeights) -> float:
+def kv_cost(
+    prompt_blocks: int, match: PrefixMatch | None, load: ReplicaLoad, weights: RoutingWeights
+) -> float:
     """The ``kv`` policy's cost of one replica (see the module docstring), in blocks."""
     hit = 0.0
     if match is not None:
-        hit = min(float(prompt_blocks), match.device_blocks + weights.tier_credit * match.tier_blocks)
+        hit = min(
+            float(prompt_blocks), match.device_blocks + weights.tier_credit * match.tier_blocks
+        )
     active = load.active_blocks
     if active == 0 and load.num_running > 0:
         active = load.num_running * prompt_blocks
@@ -79,7 +84,9 @@ class RoutingPolicy:
 
     def __init__(self, policy: str, weights: RoutingWeights | None = None, seed: int = 0) -> None:
         if policy not in POLICIES:
-            raise ValueError(f"unknown routing policy {policy!r}; choose one of {', '.join(POLICIES)}")
+            raise ValueError(
+                f"unknown routing policy {policy!r}; choose one of {', '.join(POLICIES)}"
+            )
         self.policy = policy
         self.weights = weights or RoutingWeights()
         if self.weights.temperature < 0:
@@ -87,8 +94,14 @@ class RoutingPolicy:
         self._rng = random.Random(seed)
         self._cursor = 0
 
-    def choose(self, replicas: Sequence[str], prompt_blocks: int, matches: dict[str, PrefixMatch],
-               loads: dict[str, ReplicaLoad], block_size: int) -> RoutingDecision:
+    def choose(
+        self,
+        replicas: Sequence[str],
+        prompt_blocks: int,
+        matches: dict[str, PrefixMatch],
+        loads: dict[str, ReplicaLoad],
+        block_size: int,
+    ) -> RoutingDecision:
         """Pick one of ``replicas`` (non-empty) for a prompt of ``prompt_blocks`` full blocks.
         ``matches``/``loads`` may lack replicas (no prefix held / load unknown: zero).
         ``block_size`` is part of the interface for block-size-aware policies; these three work
@@ -108,13 +121,17 @@ class RoutingPolicy:
         if self.policy == "round-robin":
             return RoutingDecision(order[0], "round_robin", hit(order[0]))
         if self.policy == "load":
+
             def key(r: str) -> tuple[int, float]:
                 ld = loads.get(r) or ReplicaLoad()
                 return ld.num_running + ld.num_waiting, ld.kv_usage
+
             best = min(order, key=key)  # min keeps the first of equals: round-robin ties
             return RoutingDecision(best, "load", hit(best))
-        costs = {r: kv_cost(prompt_blocks, matches.get(r), loads.get(r) or ReplicaLoad(), self.weights)
-                 for r in order}
+        costs = {
+            r: kv_cost(prompt_blocks, matches.get(r), loads.get(r) or ReplicaLoad(), self.weights)
+            for r in order
+        }
         if self.weights.temperature > 0:
             lo = min(costs.values())
             ws = [math.exp(-(costs[r] - lo) / self.weights.temperature) for r in order]
@@ -122,5 +139,7 @@ class RoutingPolicy:
         else:  # equal costs: the longer prefix (the same load estimate, less to compute), then round-robin
             best = min(order, key=lambda r: (round(costs[r], 9), -hit(r)))
         longest = max(hit(r) for r in order)
-        reason = "load" if longest == 0 else "kv_hit" if hit(best) == longest else "load_over_prefix"
+        reason = (
+            "load" if longest == 0 else "kv_hit" if hit(best) == longest else "load_over_prefix"
+        )
         return RoutingDecision(best, reason, hit(best), costs[best])

@@ -75,8 +75,9 @@ def predicted_tokens(hit_blocks: int, num_prompt_tokens: int, block_size: int) -
     return min(hit_blocks, max(0, num_prompt_tokens - 1) // block_size) * block_size
 
 
-def decide(state: RouterState, hashes: list[int]
-           ) -> tuple[Replica, RoutingDecision, dict[str, PrefixMatch], dict[str, ReplicaLoad]] | None:
+def decide(
+    state: RouterState, hashes: list[int]
+) -> tuple[Replica, RoutingDecision, dict[str, PrefixMatch], dict[str, ReplicaLoad]] | None:
     """The policy's choice among the replicas that are up (None: none is), and the matches."""
     candidates = state.up()
     if not candidates:
@@ -84,7 +85,9 @@ def decide(state: RouterState, hashes: list[int]
     with state.lock:
         matches = state.index.match(hashes)
     loads = {r.url: r.current_load() for r in candidates}
-    d = state.policy.choose([r.url for r in candidates], len(hashes), matches, loads, state.block_size)
+    d = state.policy.choose(
+        [r.url for r in candidates], len(hashes), matches, loads, state.block_size
+    )
     state.metrics.decisions.labels(state.policy.policy, d.reason, d.replica).inc()
     return state.replicas[d.replica], d, matches, loads
 
@@ -123,8 +126,9 @@ class Routed:
     def serve(self, url: str) -> None:
         m = self.matches.get(url)
         self.served = url
-        self.predicted = predicted_tokens(m.total_blocks if m else 0, self.num_prompt_tokens,
-                                          self.state.block_size)
+        self.predicted = predicted_tokens(
+            m.total_blocks if m else 0, self.num_prompt_tokens, self.state.block_size
+        )
 
     def dispatch(self) -> None:
         self.rep.started(self.num_blocks)
@@ -138,17 +142,30 @@ class Routed:
         reported = cached_tokens(usage)
         if reported is not None:
             self.state.metrics.record_usage(self.served, self.predicted, reported)
-        self.state.decisions.append({
-            "request_id": self.request_id, "replica": self.served, "chosen": self.rep.url,
-            "reason": self.decision.reason,
-            "prompt_tokens": self.num_prompt_tokens, "predicted_cached_tokens": self.predicted,
-            "reported_cached_tokens": reported, "cost": round(self.decision.cost, 3),
-            "hit_blocks": {u: m.total_blocks for u, m in self.matches.items()},
-            "loads": {u: [ld.num_running, ld.num_waiting, ld.active_blocks] for u, ld in self.loads.items()}})
+        self.state.decisions.append(
+            {
+                "request_id": self.request_id,
+                "replica": self.served,
+                "chosen": self.rep.url,
+                "reason": self.decision.reason,
+                "prompt_tokens": self.num_prompt_tokens,
+                "predicted_cached_tokens": self.predicted,
+                "reported_cached_tokens": reported,
+                "cost": round(self.decision.cost, 3),
+                "hit_blocks": {u: m.total_blocks for u, m in self.matches.items()},
+                "loads": {
+                    u: [ld.num_running, ld.num_waiting, ld.active_blocks]
+                    for u, ld in self.loads.items()
+                },
+            }
+        )
 
     def headers(self) -> dict[str, str]:
-        return {"x-pagedkv-replica": self.served, "x-pagedkv-route-reason": self.decision.reason,
-                "x-pagedkv-predicted-cached-tokens": str(self.predicted)}
+        return {
+            "x-pagedkv-replica": self.served,
+            "x-pagedkv-route-reason": self.decision.reason,
+            "x-pagedkv-predicted-cached-tokens": str(self.predicted),
+        }
 
 
 def _usage_in_sse(lines: list[bytes]) -> Any:
@@ -164,7 +181,9 @@ def _usage_in_sse(lines: list[bytes]) -> Any:
     return usage
 
 
-async def _watched(routed: Routed, body: AsyncIterator[bytes], record: bool) -> AsyncIterator[bytes]:
+async def _watched(
+    routed: Routed, body: AsyncIterator[bytes], record: bool
+) -> AsyncIterator[bytes]:
     """A stream's bytes as they come, watching its SSE lines for a usage object; the request's
     bookkeeping ends with the stream (also when the client goes away)."""
     usage: Any = None
@@ -198,7 +217,9 @@ def watch(routed: Routed, response: Any, record: bool) -> Any:
     return response
 
 
-def fallback_order(state: RouterState, chosen: Replica, matches: dict[str, PrefixMatch]) -> list[Replica]:
+def fallback_order(
+    state: RouterState, chosen: Replica, matches: dict[str, PrefixMatch]
+) -> list[Replica]:
     """The policy's choice, then the other replicas that are up, longest predicted prefix first:
     where a request goes when its choice fails."""
     rest = [r for r in state.up() if r is not chosen]
@@ -222,8 +243,14 @@ def _after_failover(state: RouterState, routed: Routed, served_url: str | None) 
         routed.serve(served_url)
 
 
-async def route_colocated(state: RouterState, request: Any, path: str, body: dict[str, Any],
-                          prompt: PromptInfo | None, hashes: list[int]) -> Any:
+async def route_colocated(
+    state: RouterState,
+    request: Any,
+    path: str,
+    body: dict[str, Any],
+    prompt: PromptInfo | None,
+    hashes: list[int],
+) -> Any:
     """The policy's choice serves the request; the proxy's `run_decode` forwards it (streams
     passed through, resumed elsewhere if they break), trying `fallback_order` on failure."""
     picked = decide(state, hashes)
@@ -231,13 +258,27 @@ async def route_colocated(state: RouterState, request: Any, path: str, body: dic
         return unavailable(f"no replica is available ({len(state.replicas)} configured)")
     rep, d, matches, loads = picked
     headers = forward_headers(request, str(uuid.uuid4()))
-    routed = Routed(state, rep, d, headers["X-Request-Id"], len(prompt.token_ids) if prompt else 0,
-                    len(hashes), matches, loads)
+    routed = Routed(
+        state,
+        rep,
+        d,
+        headers["X-Request-Id"],
+        len(prompt.token_ids) if prompt else 0,
+        len(hashes),
+        matches,
+        loads,
+    )
     pool = _pool("replica", fallback_order(state, rep, matches), state.options.cooldown)
     routed.dispatch()
     try:
-        inst, response = await run_decode(ProxyState(prefill=pool, decode=pool, client=state.client),
-                                          "POST", path, body, headers, bool(body.get("stream")))
+        inst, response = await run_decode(
+            ProxyState(prefill=pool, decode=pool, client=state.client),
+            "POST",
+            path,
+            body,
+            headers,
+            bool(body.get("stream")),
+        )
     except BaseException:
         routed.finish(None)
         raise
@@ -245,17 +286,23 @@ async def route_colocated(state: RouterState, request: Any, path: str, body: dic
     return watch(routed, response, inst is not None)
 
 
-async def route_disaggregated(state: RouterState, request: Any, path: str, prompt: PromptInfo | None,
-                              hashes: list[int]) -> Any:
+async def route_disaggregated(
+    state: RouterState, request: Any, path: str, prompt: PromptInfo | None, hashes: list[int]
+) -> Any:
     """PD pools: the KV policy orders the prefill instances (its choice first); the proxy's
     `handle_completion` then prefills there and decodes on the decode pool (round-robin)."""
     picked = decide(state, hashes)
     if picked is None:
         return unavailable("no prefill instance is available")
     rep, d, matches, loads = picked
-    pstate = ProxyState(prefill=_pool("prefill", fallback_order(state, rep, matches), state.options.cooldown),
-                        decode=state.decode, client=state.client)
-    routed = Routed(state, rep, d, "", len(prompt.token_ids) if prompt else 0, len(hashes), matches, loads)
+    pstate = ProxyState(
+        prefill=_pool("prefill", fallback_order(state, rep, matches), state.options.cooldown),
+        decode=state.decode,
+        client=state.client,
+    )
+    routed = Routed(
+        state, rep, d, "", len(prompt.token_ids) if prompt else 0, len(hashes), matches, loads
+    )
     routed.dispatch()
     try:
         response = await handle_completion(pstate, request, path)
@@ -266,7 +313,9 @@ async def route_disaggregated(state: RouterState, request: Any, path: str, promp
     if pstate.served:
         routed.request_id, prefill_url, _ = pstate.served[-1]
     _after_failover(state, routed, prefill_url)
-    return watch(routed, response, False)  # the usage is the decode's; the prefill's stays in the proxy
+    return watch(
+        routed, response, False
+    )  # the usage is the decode's; the prefill's stays in the proxy
 
 
 async def handle(state: RouterState, request: Any, path: str) -> Any:
@@ -278,8 +327,17 @@ async def handle(state: RouterState, request: Any, path: str) -> Any:
         return invalid_body()
     prompt = await asyncio.to_thread(state.tokenizer.prompt, path, body)
     ref = state.reference
-    hashes = [] if prompt is None else prompt_block_hashes(prompt.token_ids, ref.block_size, ref.hash_algo,
-                                                            ref.hash_seed, cache_salt=prompt.cache_salt)
+    hashes = (
+        []
+        if prompt is None
+        else prompt_block_hashes(
+            prompt.token_ids,
+            ref.block_size,
+            ref.hash_algo,
+            ref.hash_seed,
+            cache_salt=prompt.cache_salt,
+        )
+    )
     if state.decode is not None:
         return await route_disaggregated(state, request, path, prompt, hashes)
     return await route_colocated(state, request, path, body, prompt, hashes)
@@ -291,19 +349,35 @@ def state_json(state: RouterState) -> dict[str, Any]:
         blocks = {u: state.index.num_blocks(u) for u in state.replicas}
         size = len(state.index)
     return {
-        "policy": state.policy.policy, "block_size": state.block_size, "hash_algo": state.reference.hash_algo,
+        "policy": state.policy.policy,
+        "block_size": state.block_size,
+        "hash_algo": state.reference.hash_algo,
         "index_blocks": size,
-        "replicas": [{"url": r.url, "up": r.up, "refused": r.refused, "indexed_blocks": blocks[r.url],
-                      "inflight": r.inflight, "load": {"num_running": r.load.num_running,
-                                                       "num_waiting": r.load.num_waiting,
-                                                       "kv_usage": r.load.kv_usage},
-                      "events": describe(r.feed)} for r in state.replicas.values()],
+        "replicas": [
+            {
+                "url": r.url,
+                "up": r.up,
+                "refused": r.refused,
+                "indexed_blocks": blocks[r.url],
+                "inflight": r.inflight,
+                "load": {
+                    "num_running": r.load.num_running,
+                    "num_waiting": r.load.num_waiting,
+                    "kv_usage": r.load.kv_usage,
+                },
+                "events": describe(r.feed),
+            }
+            for r in state.replicas.values()
+        ],
         "decisions": list(state.decisions)[-200:],
     }
 
 
-def create_router_app(replicas: Sequence[str | ReplicaSpec], options: RouterOptions | None = None,
-                      decode: Sequence[str] | None = None) -> Any:
+def create_router_app(
+    replicas: Sequence[str | ReplicaSpec],
+    options: RouterOptions | None = None,
+    decode: Sequence[str] | None = None,
+) -> Any:
     """The router's FastAPI app over ``replicas`` (``URL[,events=...][,replay=...]`` or
     `ReplicaSpec`s). With ``decode`` (instance URLs) the replicas are the prefill pool of a PD
     deployment. Raises `RouterConfigError` (see the module docstring) before serving."""
@@ -349,8 +423,16 @@ def create_router_app(replicas: Sequence[str | ReplicaSpec], options: RouterOpti
             return unavailable("no replica is available")
         pool = state.decode or InstancePool("replica", [Instance(r.url) for r in up])
         pstate = ProxyState(prefill=pool, decode=pool, client=client)
-        return (await run_decode(pstate, "GET", "/v1/models", None,
-                                 forward_headers(request, str(uuid.uuid4())), stream=False))[1]
+        return (
+            await run_decode(
+                pstate,
+                "GET",
+                "/v1/models",
+                None,
+                forward_headers(request, str(uuid.uuid4())),
+                stream=False,
+            )
+        )[1]
 
     @app.get("/health")
     async def health() -> Response:

@@ -41,9 +41,19 @@ class EventFeed:
     replay (or, without one, the first subscription) is applied: `wait_synced` lets a caller
     route only on a complete view."""
 
-    def __init__(self, replica: str, endpoint: str, replay_endpoint: str | None, index: PrefixIndex,
-                 lock: threading.Lock, *, topic: str = "", on_batch: BatchHook | None = None,
-                 on_resync: ResyncHook | None = None, replay_timeout: float = 5.0) -> None:
+    def __init__(
+        self,
+        replica: str,
+        endpoint: str,
+        replay_endpoint: str | None,
+        index: PrefixIndex,
+        lock: threading.Lock,
+        *,
+        topic: str = "",
+        on_batch: BatchHook | None = None,
+        on_resync: ResyncHook | None = None,
+        replay_timeout: float = 5.0,
+    ) -> None:
         self.replica = replica
         self.endpoint, self.replay_endpoint, self.topic = endpoint, replay_endpoint, topic
         self.index, self.lock = index, lock
@@ -53,7 +63,9 @@ class EventFeed:
         self._beyond_replay = False  # a live batch newer than the last replay came
         self.synced = threading.Event()
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=f"router-feed-{replica}", daemon=True)
+        self._thread = threading.Thread(
+            target=self._run, name=f"router-feed-{replica}", daemon=True
+        )
 
     def start(self) -> EventFeed:
         self._thread.start()
@@ -134,7 +146,9 @@ class EventFeed:
             try:
                 batches = sub.replay(0, self.replay_timeout)
             except TimeoutError:
-                logger.warning("replica %s: no KV event replay from %s", self.replica, self.replay_endpoint)
+                logger.warning(
+                    "replica %s: no KV event replay from %s", self.replica, self.replay_endpoint
+                )
                 with self.lock:
                     self.index.remove_replica(self.replica)
                 return False
@@ -145,8 +159,12 @@ class EventFeed:
         self.last_seq = batches[-1][0] if batches else -1
         self._beyond_replay = False
         if batches and batches[0][0] > 0:
-            logger.info("replica %s: replay starts at batch %d (older ones left its buffer): blocks "
-                        "cached before it are not indexed", self.replica, batches[0][0])
+            logger.info(
+                "replica %s: replay starts at batch %d (older ones left its buffer): blocks "
+                "cached before it are not indexed",
+                self.replica,
+                batches[0][0],
+            )
         if self.on_resync:
             self.on_resync(self.replica, why)
         if self.on_batch and batches:
@@ -159,5 +177,10 @@ def describe(feed: Any) -> dict[str, Any]:
     """JSON-ready state of a feed (for ``/router/state``)."""
     if feed is None:
         return {"subscribed": False}
-    return {"subscribed": True, "endpoint": feed.endpoint, "replay_endpoint": feed.replay_endpoint,
-            "last_seq": feed.last_seq, "synced": feed.synced.is_set()}
+    return {
+        "subscribed": True,
+        "endpoint": feed.endpoint,
+        "replay_endpoint": feed.replay_endpoint,
+        "last_seq": feed.last_seq,
+        "synced": feed.synced.is_set(),
+    }

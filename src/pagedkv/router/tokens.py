@@ -51,8 +51,9 @@ class PromptTokenizer:
         try:
             if path.endswith("/chat/completions"):
                 chat = P.ChatCompletionRequest.model_validate(body)
-                text = self.tok.apply_chat_template(chat.conversation(),
-                                                    add_generation_prompt=chat.add_generation_prompt)
+                text = self.tok.apply_chat_template(
+                    chat.conversation(), add_generation_prompt=chat.add_generation_prompt
+                )
                 return PromptInfo(self.tok.encode(text, add_special_tokens=False), chat.cache_salt)
             comp = P.CompletionRequest.model_validate(body)
             first = comp.prompts()[0]

@@ -40,14 +40,19 @@ def _shape(so: Any) -> tuple[int, int, int]:
     return prefill, decode, ctx
 
 
-def measure(engine_kwargs: dict[str, Any], prompt_lens: tuple[int, ...] = (32, 128, 512, 1024),
-            batch_sizes: tuple[int, ...] = (1, 4, 16), decode_tokens: int = 24,
-            long_context: int = 768, seed: int = 0) -> tuple[list[StepSample], dict[str, Any]]:
+def measure(
+    engine_kwargs: dict[str, Any],
+    prompt_lens: tuple[int, ...] = (32, 128, 512, 1024),
+    batch_sizes: tuple[int, ...] = (1, 4, 16),
+    decode_tokens: int = 24,
+    long_context: int = 768,
+    seed: int = 0,
+) -> tuple[list[StepSample], dict[str, Any]]:
     """Run the workloads on a real engine; returns the step samples and engine facts."""
     import random
 
-    from pagedkv.engine.llm_engine import LLMEngine
     from pagedkv.engine.config import EngineConfig
+    from pagedkv.engine.llm_engine import LLMEngine
     from pagedkv.engine.sampling_params import SamplingParams
 
     engine = LLMEngine(EngineConfig(**engine_kwargs))
@@ -71,8 +76,11 @@ def measure(engine_kwargs: dict[str, Any], prompt_lens: tuple[int, ...] = (32, 1
 
     def run(prompts: list[dict], max_tokens: int, record: bool = True) -> None:
         for p in prompts:
-            engine.add_request(f"cal-{next(ids)}", p, SamplingParams(max_tokens=max_tokens, ignore_eos=True,
-                                                                    temperature=0.0))
+            engine.add_request(
+                f"cal-{next(ids)}",
+                p,
+                SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0),
+            )
         while engine.has_unfinished_requests():
             last.clear()
             t = time.perf_counter()
@@ -90,8 +98,12 @@ def measure(engine_kwargs: dict[str, Any], prompt_lens: tuple[int, ...] = (32, 1
         run([prompt(48) for _ in range(b)], decode_tokens)
     run([prompt(long_context) for _ in range(4)], decode_tokens // 2)
     cfg = engine.kv_cache_config
-    facts = {"block_size": engine.config.block_size, "bytes_per_block": cfg.bytes_per_block,
-             "num_blocks": cfg.num_blocks, "max_num_batched_tokens": engine.config.max_num_batched_tokens}
+    facts = {
+        "block_size": engine.config.block_size,
+        "bytes_per_block": cfg.bytes_per_block,
+        "num_blocks": cfg.num_blocks,
+        "max_num_batched_tokens": engine.config.max_num_batched_tokens,
+    }
     engine.shutdown()
     return samples, facts
 
@@ -118,17 +130,34 @@ def fit(samples: list[StepSample]) -> tuple[list[float], float]:
     return [float(c) for c in coef], err
 
 
-def calibrate(engine_kwargs: dict[str, Any], out: str | Path | None = None, name: str = "calibrated") -> dict:
+def calibrate(
+    engine_kwargs: dict[str, Any], out: str | Path | None = None, name: str = "calibrated"
+) -> dict:
     t0 = time.perf_counter()
     samples, facts = measure(engine_kwargs)
     coef, err = fit(samples)
-    model = CostModel(name=name, base_s=coef[0], prefill_token_s=coef[1], decode_seq_s=coef[2],
-                      context_token_s=coef[3], block_size=facts["block_size"],
-                      block_bytes=facts["bytes_per_block"], host_bw_bytes_s=20e9,
-                      source=f"pagedkv simulate calibrate on this machine ({engine_kwargs})")
-    report = {"cost_model": model.to_json(), "fit_mean_relative_error": err, "num_steps": len(samples),
-              "engine": facts, "wall_s": time.perf_counter() - t0,
-              "steps": [[s.prefill_tokens, s.decode_seqs, s.context_tokens, round(s.seconds, 6)] for s in samples]}
+    model = CostModel(
+        name=name,
+        base_s=coef[0],
+        prefill_token_s=coef[1],
+        decode_seq_s=coef[2],
+        context_token_s=coef[3],
+        block_size=facts["block_size"],
+        block_bytes=facts["bytes_per_block"],
+        host_bw_bytes_s=20e9,
+        source=f"pagedkv simulate calibrate on this machine ({engine_kwargs})",
+    )
+    report = {
+        "cost_model": model.to_json(),
+        "fit_mean_relative_error": err,
+        "num_steps": len(samples),
+        "engine": facts,
+        "wall_s": time.perf_counter() - t0,
+        "steps": [
+            [s.prefill_tokens, s.decode_seqs, s.context_tokens, round(s.seconds, 6)]
+            for s in samples
+        ],
+    }
     if out is not None:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
         Path(out).write_text(json.dumps(report, indent=1) + "\n")
@@ -142,8 +171,14 @@ def _stream_times(url: str, model: str, tokens: list[int], max_tokens: int) -> l
     """Arrival times (perf_counter) of the streamed chunks of one completion."""
     import httpx
 
-    body = {"model": model, "prompt": tokens, "max_tokens": max_tokens, "ignore_eos": True,
-            "temperature": 0.0, "stream": True}
+    body = {
+        "model": model,
+        "prompt": tokens,
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "temperature": 0.0,
+        "stream": True,
+    }
     times: list[float] = []
     with httpx.stream("POST", url + "/v1/completions", json=body, timeout=300) as r:
         r.raise_for_status()
@@ -153,9 +188,14 @@ def _stream_times(url: str, model: str, tokens: list[int], max_tokens: int) -> l
     return times
 
 
-def measure_server(serve_flags: list[str], threads: int = 1, prompt_lens: tuple[int, ...] = (32, 128, 256, 512),
-                   batch_sizes: tuple[int, ...] = (1, 4, 8, 16), decode_tokens: int = 24,
-                   seed: int = 0) -> tuple[list[tuple[list[float], float]], dict[str, Any]]:
+def measure_server(
+    serve_flags: list[str],
+    threads: int = 1,
+    prompt_lens: tuple[int, ...] = (32, 128, 256, 512),
+    batch_sizes: tuple[int, ...] = (1, 4, 8, 16),
+    decode_tokens: int = 24,
+    seed: int = 0,
+) -> tuple[list[tuple[list[float], float]], dict[str, Any]]:
     """Start ``pagedkv serve`` (``OMP_NUM_THREADS=threads``), then measure as a client: the TTFT
     of single requests (idle server) and the inter-chunk gaps of ``B`` concurrent streams
     (decode steps). Returns fit rows ``([overhead, base, P, D, C], seconds)`` and facts."""
@@ -173,8 +213,17 @@ def measure_server(serve_flags: list[str], threads: int = 1, prompt_lens: tuple[
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     url = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "pagedkv.entrypoints.cli", "serve", "--port", str(port),
-           "--log-stats-interval", "0", *serve_flags]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pagedkv.entrypoints.cli",
+        "serve",
+        "--port",
+        str(port),
+        "--log-stats-interval",
+        "0",
+        *serve_flags,
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     rows: list[tuple[list[float], float]] = []
@@ -182,7 +231,9 @@ def measure_server(serve_flags: list[str], threads: int = 1, prompt_lens: tuple[
         deadline = time.monotonic() + 180
         while True:
             if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"pagedkv serve did not start (rc={proc.poll()}): {' '.join(cmd)}")
+                raise RuntimeError(
+                    f"pagedkv serve did not start (rc={proc.poll()}): {' '.join(cmd)}"
+                )
             try:
                 if httpx.get(url + "/health", timeout=2).status_code == 200:
                     break
@@ -222,8 +273,13 @@ def measure_server(serve_flags: list[str], threads: int = 1, prompt_lens: tuple[
                 # one gap per step per stream: the median is the step time of a b-sequence batch
                 ctx = b * (plen + decode_tokens // 2)
                 rows.append(([0.0, 1.0, 0.0, b, ctx], statistics.median(gaps)))
-        facts = {"block_size": info.get("block_size", 16), "bytes_per_block": info.get("bytes_per_block", 0),
-                 "num_blocks": info.get("num_blocks"), "threads": threads, "serve_flags": serve_flags}
+        facts = {
+            "block_size": info.get("block_size", 16),
+            "bytes_per_block": info.get("bytes_per_block", 0),
+            "num_blocks": info.get("num_blocks"),
+            "threads": threads,
+            "serve_flags": serve_flags,
+        }
     finally:
         if proc.poll() is None:
             proc.terminate()
@@ -254,21 +310,37 @@ def fit_rows(rows: list[tuple[list[float], float]]) -> tuple[list[float], float]
     return [float(c) for c in coef], err
 
 
-def calibrate_server(serve_flags: list[str], threads: int = 1, out: str | Path | None = None,
-                     name: str = "calibrated-server") -> dict:
+def calibrate_server(
+    serve_flags: list[str],
+    threads: int = 1,
+    out: str | Path | None = None,
+    name: str = "calibrated-server",
+) -> dict:
     """Fit a `CostModel` (with ``request_overhead_s``) to a real ``pagedkv serve`` process."""
     t0 = time.perf_counter()
     rows, facts = measure_server(serve_flags, threads)
     coef, err = fit_rows(rows)
-    model = CostModel(name=name, base_s=coef[1], prefill_token_s=coef[2], decode_seq_s=coef[3],
-                      context_token_s=coef[4], block_size=facts["block_size"],
-                      block_bytes=facts["bytes_per_block"], host_bw_bytes_s=20e9,
-                      request_overhead_s=coef[0],
-                      source=f"pagedkv simulate calibrate --server on this machine ({' '.join(serve_flags)}, "
-                             f"OMP_NUM_THREADS={threads})")
-    report = {"cost_model": model.to_json(), "fit_mean_relative_error": err, "num_steps": len(rows),
-              "engine": facts, "wall_s": time.perf_counter() - t0,
-              "rows": [[*r[0], round(r[1], 6)] for r in rows]}
+    model = CostModel(
+        name=name,
+        base_s=coef[1],
+        prefill_token_s=coef[2],
+        decode_seq_s=coef[3],
+        context_token_s=coef[4],
+        block_size=facts["block_size"],
+        block_bytes=facts["bytes_per_block"],
+        host_bw_bytes_s=20e9,
+        request_overhead_s=coef[0],
+        source=f"pagedkv simulate calibrate --server on this machine ({' '.join(serve_flags)}, "
+        f"OMP_NUM_THREADS={threads})",
+    )
+    report = {
+        "cost_model": model.to_json(),
+        "fit_mean_relative_error": err,
+        "num_steps": len(rows),
+        "engine": facts,
+        "wall_s": time.perf_counter() - t0,
+        "rows": [[*r[0], round(r[1], 6)] for r in rows],
+    }
     if out is not None:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
         Path(out).write_text(json.dumps(report, indent=1) + "\n")

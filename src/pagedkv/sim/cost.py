@@ -51,7 +51,7 @@ class CostModel:
     decode_seq_s: float
     context_token_s: float
     block_size: int = 16
-    block_bytes: int = 0          # bytes of one KV block over all layers (tier loads, memory)
+    block_bytes: int = 0  # bytes of one KV block over all layers (tier loads, memory)
     host_bw_bytes_s: float = 50e9  # device <-> CPU tier bandwidth for loads
     # Client-visible latency outside the engine steps (HTTP, request intake, first chunk out),
     # added to every request's TTFT and e2e. Fitted by `calibrate --server`; 0 for raw engine.
@@ -61,8 +61,12 @@ class CostModel:
     source: str = ""
 
     def step_time(self, prefill_tokens: int, decode_seqs: int, context_tokens: int) -> float:
-        return (self.base_s + self.prefill_token_s * prefill_tokens + self.decode_seq_s * decode_seqs
-                + self.context_token_s * context_tokens)
+        return (
+            self.base_s
+            + self.prefill_token_s * prefill_tokens
+            + self.decode_seq_s * decode_seqs
+            + self.context_token_s * context_tokens
+        )
 
     def decode_run_time(self, num_seqs: int, context_tokens: int, steps: int) -> float:
         """Total time of ``steps`` pure-decode steps of ``num_seqs`` sequences whose summed
@@ -94,11 +98,18 @@ class CostModel:
         return CostModel(**{k: d[k] for k in CostModel.__dataclass_fields__ if k in d})
 
 
-def _roofline(name: str, hbm_bw: float, peak_flops: float, weight_bytes: float, flop_per_token: float,
-              kv_bytes_per_token: int, block_size: int = 16) -> CostModel:
+def _roofline(
+    name: str,
+    hbm_bw: float,
+    peak_flops: float,
+    weight_bytes: float,
+    flop_per_token: float,
+    kv_bytes_per_token: int,
+    block_size: int = 16,
+) -> CostModel:
     return CostModel(
         name=name,
-        base_s=weight_bytes / (0.8 * hbm_bw),             # weights read once per step
+        base_s=weight_bytes / (0.8 * hbm_bw),  # weights read once per step
         prefill_token_s=flop_per_token / (0.5 * peak_flops),
         decode_seq_s=flop_per_token / (0.35 * peak_flops),  # small-M GEMMs run far from peak
         context_token_s=kv_bytes_per_token / (0.8 * hbm_bw),
@@ -106,7 +117,8 @@ def _roofline(name: str, hbm_bw: float, peak_flops: float, weight_bytes: float, 
         block_bytes=kv_bytes_per_token * block_size,
         host_bw_bytes_s=50e9,
         source="roofline approximation from NVIDIA datasheets, checked against public vLLM "
-               "Llama-3.1-8B H100 figures (see pagedkv/sim/cost.py)")
+        "Llama-3.1-8B H100 figures (see pagedkv/sim/cost.py)",
+    )
 
 
 # Llama-3.1-8B BF16 on one GPU (see the module docstring for sources).
@@ -122,4 +134,6 @@ def resolve_cost_model(spec: str) -> CostModel:
         return GPU_TABLE[spec]
     if Path(spec).exists():
         return CostModel.load(spec)
-    raise ValueError(f"unknown cost model {spec!r}: a calibration JSON path or one of {sorted(GPU_TABLE)}")
+    raise ValueError(
+        f"unknown cost model {spec!r}: a calibration JSON path or one of {sorted(GPU_TABLE)}"
+    )

@@ -30,7 +30,14 @@ from pagedkv.router.index import PrefixIndex
 from pagedkv.router.scoring import RoutingPolicy, RoutingWeights
 from pagedkv.sim.cost import CostModel
 from pagedkv.sim.hashes import PrefixHasher
-from pagedkv.sim.replica import HostShare, Replica, ReplicaConfig, SimRequest, handoff_request, make_sim_request
+from pagedkv.sim.replica import (
+    HostShare,
+    Replica,
+    ReplicaConfig,
+    SimRequest,
+    handoff_request,
+    make_sim_request,
+)
 from pagedkv.sim.report import Histogram, summarize
 from pagedkv.sim.trace import TraceRequest
 
@@ -70,20 +77,24 @@ class Fleet:
         self.itl = Histogram()
         self.index = PrefixIndex() if cfg.policy == "kv" else None
         host = HostShare(cfg.host_cores) if cfg.host_cores > 0 else None
-        self.replicas = [Replica(f"r{i}", cfg.replica, cost, self.index, self.itl, host)
-                         for i in range(cfg.replicas)]
+        self.replicas = [
+            Replica(f"r{i}", cfg.replica, cost, self.index, self.itl, host)
+            for i in range(cfg.replicas)
+        ]
         for r in self.replicas:
             r.report_active_blocks = cfg.exact_active_blocks
         if not 0 <= cfg.pd_prefill < cfg.replicas:
-            raise ValueError(f"pd_prefill must leave at least one decode replica, got {cfg.pd_prefill}"
-                             f" of {cfg.replicas}")
+            raise ValueError(
+                f"pd_prefill must leave at least one decode replica, got {cfg.pd_prefill}"
+                f" of {cfg.replicas}"
+            )
         self.names = [r.name for r in self.replicas]
         self.decode_names: list[str] = []
         if cfg.pd_prefill:
-            for r in self.replicas[:cfg.pd_prefill]:
+            for r in self.replicas[: cfg.pd_prefill]:
                 r.prefill_only = True
-            self.decode_names = self.names[cfg.pd_prefill:]
-            self.names = self.names[:cfg.pd_prefill]
+            self.decode_names = self.names[cfg.pd_prefill :]
+            self.names = self.names[: cfg.pd_prefill]
             self.decode_policy = RoutingPolicy("load", seed=cfg.seed)
         self._decode_set = set(self.decode_names)
         self._transfers: dict[int, SimRequest] = {}
@@ -108,15 +119,20 @@ class Fleet:
             if self.index is not None:
                 picked.update(self.index.deepest_holders(req.ext_hashes, k, self._decode_set))
                 matches = self.index.match_replicas(req.ext_hashes, picked)
-            names = [n for n in names if n in picked] if len(picked) > 64 else sorted(
-                picked, key=lambda n: int(n[1:]))
+            names = (
+                [n for n in names if n in picked]
+                if len(picked) > 64
+                else sorted(picked, key=lambda n: int(n[1:]))
+            )
         elif self.index is None:
             matches = {}
         else:
             matches = self.index.match(req.ext_hashes)
             if self.decode_names and matches:  # PD: only prefill replicas are candidates
                 matches = {n: m for n, m in matches.items() if n not in self._decode_set}
-        d = self.policy.choose(names, len(req.ext_hashes), matches, self.loads, cfg.replica.block_size)
+        d = self.policy.choose(
+            names, len(req.ext_hashes), matches, self.loads, cfg.replica.block_size
+        )
         req.predicted_hit_blocks = d.predicted_hit_blocks
         req.route_reason = d.reason
         self.reasons[d.reason] += 1
@@ -156,8 +172,13 @@ class Fleet:
                 now = tr.arrival
                 hashes = self.hasher.hashes(tr)
                 reply = self.hasher.reply_hashes(tr, tr.output_len) if self.cfg.reply_hashes else []
-                req = make_sim_request(tr, hashes, reply, materialize_tokens=real_tokens,
-                                       external=self.index is not None)
+                req = make_sim_request(
+                    tr,
+                    hashes,
+                    reply,
+                    materialize_tokens=real_tokens,
+                    external=self.index is not None,
+                )
                 rep = self.route(req)
                 req.replica = int(rep.name[1:])
                 rep.add(req)
@@ -189,7 +210,9 @@ class Fleet:
                     push(heap, (end, seq, ri, rep.version))
                 while rep.handoff:  # PD: prefill done, ship the KV to a decode replica
                     req = handoff_request(rep.handoff.pop())
-                    d = self.decode_policy.choose(self.decode_names, 0, {}, self.loads, self.cfg.replica.block_size)
+                    d = self.decode_policy.choose(
+                        self.decode_names, 0, {}, self.loads, self.cfg.replica.block_size
+                    )
                     drep = self.by_name[d.replica]
                     req.replica = int(d.replica[1:])
                     blocks = -(-req.kv.num_prompt_tokens // self.cfg.replica.block_size)
@@ -201,8 +224,12 @@ class Fleet:
             self.events += 1
             if not self.events & 4095 and time.perf_counter() > next_progress:
                 next_progress += progress_s
-                print(f"[simulate] {ai}/{n} arrived, {self.events} events, sim t={now:.1f}s, "
-                      f"{time.process_time() - c0:.0f}s CPU", file=sys.stderr, flush=True)
+                print(
+                    f"[simulate] {ai}/{n} arrived, {self.events} events, sim t={now:.1f}s, "
+                    f"{time.process_time() - c0:.0f}s CPU",
+                    file=sys.stderr,
+                    flush=True,
+                )
         wall = time.perf_counter() - t0
         self.cpu_s = time.process_time() - c0
         return self.report(trace, wall)
@@ -213,7 +240,7 @@ class Fleet:
         done: list[SimRequest] = [r for rep in self.replicas for r in rep.finished]
         pcs = PrefixCacheStats()
         # With a PD split only the prefill replicas look prompts up (decode replicas load them).
-        for rep in self.replicas[:self.cfg.pd_prefill or len(self.replicas)]:
+        for rep in self.replicas[: self.cfg.pd_prefill or len(self.replicas)]:
             pcs.merge(rep.mgr.total_prefix_cache_stats)
         start = min((t.arrival for t in trace), default=0.0)
         end = max((r.finish for r in done), default=start)
@@ -225,23 +252,35 @@ class Fleet:
         rc = self.cfg.replica
         steps = sum(rep.stats.steps for rep in self.replicas)
         busy = sum(rep.stats.busy_s for rep in self.replicas)
-        usage_mean = (sum(rep.stats.usage_time_integral for rep in self.replicas) / busy) if busy else 0.0
+        usage_mean = (
+            (sum(rep.stats.usage_time_integral for rep in self.replicas) / busy) if busy else 0.0
+        )
         tier_stored = [rep.tier.num_stored for rep in self.replicas if rep.tier is not None]
         q = pcs.queries or 1
         predicted = sum(r.predicted_hit_blocks for r in done) * rc.block_size
         return {
-            "requests": {"total": len(trace), "finished": len(done),
-                         "length_capped": sum(rep.stats.length_capped for rep in self.replicas)},
-            "fleet": {"replicas": self.cfg.replicas, "policy": self.cfg.policy,
-                      "route_candidates": self.cfg.route_candidates, "hash_mode": self.cfg.hash_mode,
-                      "replica": asdict(rc), "weights": asdict(self.cfg.weights)},
+            "requests": {
+                "total": len(trace),
+                "finished": len(done),
+                "length_capped": sum(rep.stats.length_capped for rep in self.replicas),
+            },
+            "fleet": {
+                "replicas": self.cfg.replicas,
+                "policy": self.cfg.policy,
+                "route_candidates": self.cfg.route_candidates,
+                "hash_mode": self.cfg.hash_mode,
+                "replica": asdict(rc),
+                "weights": asdict(self.cfg.weights),
+            },
             "cost_model": cost.to_json(),
             "sim_time_s": span,
             "hit_rate": {
-                "device": pcs.hits / q, "cpu_tier": pcs.external_hits / q,
+                "device": pcs.hits / q,
+                "cpu_tier": pcs.external_hits / q,
                 "total": (pcs.hits + pcs.external_hits) / q,
                 "router_predicted": predicted / q,
-                "queries_tokens": pcs.queries, "device_hit_tokens": pcs.hits,
+                "queries_tokens": pcs.queries,
+                "device_hit_tokens": pcs.hits,
                 "cpu_tier_hit_tokens": pcs.external_hits,
                 "preempted_recompute_queries": pcs.preempted_queries,
             },
@@ -250,32 +289,55 @@ class Fleet:
                 "itl": self.itl.summary(),
                 "e2e": summarize([r.finish - r.arrival + overhead for r in done]),
             },
-            "throughput": {"requests_per_s": len(done) / span, "output_tokens_per_s": out_tokens / span,
-                           "input_tokens_per_s": in_tokens / span},
+            "throughput": {
+                "requests_per_s": len(done) / span,
+                "output_tokens_per_s": out_tokens / span,
+                "input_tokens_per_s": in_tokens / span,
+            },
             "preemptions": sum(rep.stats.preemptions for rep in self.replicas),
             "memory": {
-                "device": {"blocks_per_replica": rc.num_blocks, "block_bytes": cost.block_bytes,
-                           "capacity_bytes_per_replica": rc.num_blocks * cost.block_bytes,
-                           "mean_usage_while_busy": usage_mean,
-                           "peak_used_blocks_max": max(rep.stats.peak_used_blocks for rep in self.replicas)},
-                "cpu_tier": {"blocks_per_replica": rc.cpu_tier_blocks,
-                             "capacity_bytes_per_replica": rc.cpu_tier_blocks * cost.block_bytes,
-                             "stored_blocks_mean_at_end": (sum(tier_stored) / len(tier_stored)) if tier_stored else 0,
-                             "peak_stored_blocks_max": max((rep.stats.peak_tier_blocks for rep in self.replicas),
-                                                           default=0),
-                             "loaded_blocks": sum(rep.stats.tier_load_blocks for rep in self.replicas)},
+                "device": {
+                    "blocks_per_replica": rc.num_blocks,
+                    "block_bytes": cost.block_bytes,
+                    "capacity_bytes_per_replica": rc.num_blocks * cost.block_bytes,
+                    "mean_usage_while_busy": usage_mean,
+                    "peak_used_blocks_max": max(
+                        rep.stats.peak_used_blocks for rep in self.replicas
+                    ),
+                },
+                "cpu_tier": {
+                    "blocks_per_replica": rc.cpu_tier_blocks,
+                    "capacity_bytes_per_replica": rc.cpu_tier_blocks * cost.block_bytes,
+                    "stored_blocks_mean_at_end": (sum(tier_stored) / len(tier_stored))
+                    if tier_stored
+                    else 0,
+                    "peak_stored_blocks_max": max(
+                        (rep.stats.peak_tier_blocks for rep in self.replicas), default=0
+                    ),
+                    "loaded_blocks": sum(rep.stats.tier_load_blocks for rep in self.replicas),
+                },
             },
             "routing": dict(self.reasons),
-            "pd": {"prefill_replicas": self.cfg.pd_prefill,
-                   "decode_replicas": len(self.decode_names), "transferred_blocks": self.transfer_blocks,
-                   "transferred_bytes": self.transfer_blocks * cost.block_bytes} if self.cfg.pd_prefill else None,
+            "pd": {
+                "prefill_replicas": self.cfg.pd_prefill,
+                "decode_replicas": len(self.decode_names),
+                "transferred_blocks": self.transfer_blocks,
+                "transferred_bytes": self.transfer_blocks * cost.block_bytes,
+            }
+            if self.cfg.pd_prefill
+            else None,
             "per_replica_requests": [len(rep.finished) for rep in self.replicas],
             # cpu_s: this process's CPU time (the machine may be shared: wall time then overstates).
-            "perf": {"events": self.events, "wall_s": wall_s, "cpu_s": self.cpu_s,
-                     "events_per_s": self.events / max(wall_s, 1e-9),
-                     "events_per_cpu_s": self.events / max(self.cpu_s, 1e-9),
-                     "engine_steps": steps, "decode_runs": sum(rep.stats.decode_runs for rep in self.replicas),
-                     "requests_per_s_wall": len(done) / max(wall_s, 1e-9)},
+            "perf": {
+                "events": self.events,
+                "wall_s": wall_s,
+                "cpu_s": self.cpu_s,
+                "events_per_s": self.events / max(wall_s, 1e-9),
+                "events_per_cpu_s": self.events / max(self.cpu_s, 1e-9),
+                "engine_steps": steps,
+                "decode_runs": sum(rep.stats.decode_runs for rep in self.replicas),
+                "requests_per_s_wall": len(done) / max(wall_s, 1e-9),
+            },
         }
 
 

@@ -62,12 +62,12 @@ class PrefixHasher:
             return []
         prompt = self._walk(req.segments)
         full = self._child(prompt, (req.reply, num_output))
-        return self._collect(full)[prompt.num_blocks:]
+        return self._collect(full)[prompt.num_blocks :]
 
     def token_hashes(self, tokens: list[int], parent: bytes | None = None) -> list[bytes]:
         bs, out = self.block_size, []
         for i in range(len(tokens) // bs):
-            parent = hash_block_tokens(self.hash_fn, parent, tokens[i * bs:(i + 1) * bs])
+            parent = hash_block_tokens(self.hash_fn, parent, tokens[i * bs : (i + 1) * bs])
             out.append(parent)
         return out
 

@@ -23,10 +23,14 @@ def plot_sweep(points: list[dict], x_key: str, x_label: str, out: str | Path, ti
         hit = [p["report"]["hit_rate"] for p in pts]
         ax_hit.plot(xs, [h["total"] for h in hit], marker="o", label=f"{policy}: total")
         if any(h["cpu_tier"] for h in hit):
-            ax_hit.plot(xs, [h["device"] for h in hit], ls="--", marker=".", label=f"{policy}: device")
+            ax_hit.plot(
+                xs, [h["device"] for h in hit], ls="--", marker=".", label=f"{policy}: device"
+            )
         ttft = [p["report"]["latency_s"]["ttft"] for p in pts]
         ax_ttft.plot(xs, [t["p50"] * 1000 for t in ttft], marker="o", label=f"{policy}: p50")
-        ax_ttft.plot(xs, [t["p99"] * 1000 for t in ttft], ls="--", marker="^", label=f"{policy}: p99")
+        ax_ttft.plot(
+            xs, [t["p99"] * 1000 for t in ttft], ls="--", marker="^", label=f"{policy}: p99"
+        )
     xs_all = [p[x_key] for p in points]
     for ax in (ax_hit, ax_ttft):  # cache sizes grow geometrically: log2 axis (symlog with a 0)
         if min(xs_all) > 0:

@@ -66,14 +66,14 @@ _UNIQUE_BASE = 1 << 63
 class ReplicaConfig:
     """Shape of one replica (the engine's flags of the same names)."""
 
-    num_blocks: int = 4096          # KV pool blocks, the null block included
+    num_blocks: int = 4096  # KV pool blocks, the null block included
     block_size: int = DEFAULT_BLOCK_SIZE
     max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
     max_model_len: int = 32768
-    cpu_tier_blocks: int = 0        # CPU offload tier capacity in blocks (0: none)
+    cpu_tier_blocks: int = 0  # CPU offload tier capacity in blocks (0: none)
     enable_caching: bool = True
-    decode_runs: bool = True        # run repeated all-decode steps as one event (same result, faster)
+    decode_runs: bool = True  # run repeated all-decode steps as one event (same result, faster)
 
 
 @dataclass(slots=True, eq=False)
@@ -82,21 +82,21 @@ class SimRequest:
 
     trace: TraceRequest
     kv: KVCacheRequest
-    ext_hashes: list[int]            # prompt block hashes as the router keys them
-    reply_hashes: list[bytes]        # hashes for output blocks (may be shorter than needed)
+    ext_hashes: list[int]  # prompt block hashes as the router keys them
+    reply_hashes: list[bytes]  # hashes for output blocks (may be shorter than needed)
     arrival: float
     output_len: int
     replica: int = -1
     first_token: float = -1.0
     last_token: float = -1.0
     finish: float = -1.0
-    hit_tokens: int = -1             # device prefix hit at first admission
-    tier_tokens: int = 0             # tokens loaded from the CPU tier at first admission
+    hit_tokens: int = -1  # device prefix hit at first admission
+    tier_tokens: int = 0  # tokens loaded from the CPU tier at first admission
     predicted_hit_blocks: int = 0
-    offered_blocks: int = 0          # blocks offered to the CPU tier so far
+    offered_blocks: int = 0  # blocks offered to the CPU tier so far
     route_reason: str = ""
-    pd_external: int = 0             # PD split: prompt tokens whose KV arrives from the prefill replica
-    num_output: int = 0              # output tokens when finished (its KVCacheRequest is dropped then)
+    pd_external: int = 0  # PD split: prompt tokens whose KV arrives from the prefill replica
+    num_output: int = 0  # output tokens when finished (its KVCacheRequest is dropped then)
 
 
 @dataclass(slots=True)
@@ -109,7 +109,7 @@ class ReplicaStats:
     prefill_tokens: int = 0
     decode_tokens: int = 0
     tier_load_blocks: int = 0
-    usage_time_integral: float = 0.0   # sum of kv usage * step time (for the mean)
+    usage_time_integral: float = 0.0  # sum of kv usage * step time (for the mean)
     peak_used_blocks: int = 0
     peak_tier_blocks: int = 0
 
@@ -133,26 +133,45 @@ class Replica(SchedulingPolicy[SimRequest]):
     `interrupt` when an arrival lands during a decode run. ``index`` (optional) receives this
     replica's KV events as they happen."""
 
-    def __init__(self, name: str, cfg: ReplicaConfig, cost: CostModel, index: PrefixIndex | None = None,
-                 itl: Histogram | None = None, host: HostShare | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        cfg: ReplicaConfig,
+        cost: CostModel,
+        index: PrefixIndex | None = None,
+        itl: Histogram | None = None,
+        host: HostShare | None = None,
+    ) -> None:
         self.name = name
         self.host = host
         self.cfg = cfg
         self.cost = cost
         self.index = index
-        spec = FullAttentionSpec(block_size=cfg.block_size, num_kv_heads=1, head_size=1, dtype="float16")
-        kv_cfg = KVCacheConfig(cfg.num_blocks, [KVCacheGroupSpec(["sim"], spec)],
-                               cost.block_bytes or spec.page_size_bytes)
-        self.mgr = KVCacheManager(kv_cfg, cfg.max_model_len, enable_caching=cfg.enable_caching,
-                                  enable_kv_cache_events=index is not None)
+        spec = FullAttentionSpec(
+            block_size=cfg.block_size, num_kv_heads=1, head_size=1, dtype="float16"
+        )
+        kv_cfg = KVCacheConfig(
+            cfg.num_blocks,
+            [KVCacheGroupSpec(["sim"], spec)],
+            cost.block_bytes or spec.page_size_bytes,
+        )
+        self.mgr = KVCacheManager(
+            kv_cfg,
+            cfg.max_model_len,
+            enable_caching=cfg.enable_caching,
+            enable_kv_cache_events=index is not None,
+        )
         self._blocks_of = self.mgr.coordinator.single_type_managers[0].req_to_blocks
         self._num_cached = self.mgr.coordinator.single_type_managers[0].num_cached_block
         super().__init__(self.mgr, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_model_len)
-        self._now = 0.0                 # the time `schedule` runs at (for the hooks)
-        self._load_blocks = 0           # tier blocks loaded by this step's admissions
+        self._now = 0.0  # the time `schedule` runs at (for the hooks)
+        self._load_blocks = 0  # tier blocks loaded by this step's admissions
         self._ext_keys: list[bytes] = []  # the tier hits of the admission being decided
-        self.tier = (CPUOffloadingManager(cfg.cpu_tier_blocks, enable_events=index is not None)
-                     if cfg.cpu_tier_blocks > 0 else None)
+        self.tier = (
+            CPUOffloadingManager(cfg.cpu_tier_blocks, enable_events=index is not None)
+            if cfg.cpu_tier_blocks > 0
+            else None
+        )
         self.load = ReplicaLoad()
         # The router reads num_running / num_waiting / kv_usage from /metrics; active_blocks only
         # when told (else 0: `kv_cost` estimates it from num_running).
@@ -218,7 +237,13 @@ class Replica(SchedulingPolicy[SimRequest]):
             else:
                 prefill += s.n
         k = 1
-        if cfg.decode_runs and self.host is None and decode == len(batch) and not preempted and not admitted:
+        if (
+            cfg.decode_runs
+            and self.host is None
+            and decode == len(batch)
+            and not preempted
+            and not admitted
+        ):
             k = self._decode_run_length(batch)
         if k > 1:
             dt = self.cost.decode_run_time(decode, ctx, k) / k
@@ -262,8 +287,9 @@ class Replica(SchedulingPolicy[SimRequest]):
     def _run_blocks(self, batch: list[Chunk[SimRequest]], k: int) -> int:
         """New blocks the steps 2..k of a decode run allocate (step 1 already did)."""
         bs, blocks_of = self.cfg.block_size, self._blocks_of
-        return sum(max(0, -(-(s.start + k) // bs) - len(blocks_of[s.request.kv.request_id]))
-                   for s in batch)
+        return sum(
+            max(0, -(-(s.start + k) // bs) - len(blocks_of[s.request.kv.request_id])) for s in batch
+        )
 
     # ---- the policy's hooks (`SchedulingPolicy`): what its decisions do to a `SimRequest` -------
 
@@ -280,7 +306,7 @@ class Replica(SchedulingPolicy[SimRequest]):
         if self.tier is not None:
             kv, bs = req.kv, self.cfg.block_size
             last = (kv.num_tokens - 1) // bs  # leave the last token to compute
-            for h in kv.block_hashes[num_hit // bs:last]:
+            for h in kv.block_hashes[num_hit // bs : last]:
                 key = make_offload_key(h)
                 if self.tier.peek(key) is not LookupResult.HIT:
                     break
@@ -321,7 +347,9 @@ class Replica(SchedulingPolicy[SimRequest]):
                 self._hash_output_blocks(req)
                 kv.num_computed_tokens = s.start + k - 1
                 if self.mgr.allocate_slots(kv, 1) is None:
-                    raise AssertionError("a decode run's allocation failed (the run length bounds it)")
+                    raise AssertionError(
+                        "a decode run's allocation failed (the run length bounds it)"
+                    )
                 kv.num_computed_tokens = s.start + k
             elif kv.status != RequestStatus.RUNNING or kv.num_computed_tokens < kv.num_tokens:
                 continue  # mid-prefill chunk
@@ -344,8 +372,13 @@ class Replica(SchedulingPolicy[SimRequest]):
                 self._stop(req, now, RequestStatus.FINISHED_STOPPED)
                 done.append(req)
             elif kv.num_output_tokens >= req.output_len or kv.num_tokens >= self.cfg.max_model_len:
-                self._stop(req, now, RequestStatus.FINISHED_LENGTH_CAPPED if kv.num_output_tokens < req.output_len
-                           else RequestStatus.FINISHED_STOPPED)
+                self._stop(
+                    req,
+                    now,
+                    RequestStatus.FINISHED_LENGTH_CAPPED
+                    if kv.num_output_tokens < req.output_len
+                    else RequestStatus.FINISHED_STOPPED,
+                )
                 done.append(req)
         self.batch = []
         self.busy = False
@@ -368,7 +401,9 @@ class Replica(SchedulingPolicy[SimRequest]):
                 hashes.append(req.reply_hashes[j])
             else:
                 self._unique += 1
-                hashes.append((_UNIQUE_BASE | (id(self) & 0xFFFFFF) << 32 | self._unique).to_bytes(8, "big"))
+                hashes.append(
+                    (_UNIQUE_BASE | (id(self) & 0xFFFFFF) << 32 | self._unique).to_bytes(8, "big")
+                )
 
     def _offer(self, req: SimRequest) -> None:
         """Offer the request's registered full blocks to the CPU tier (see module docstring)."""
@@ -377,7 +412,7 @@ class Replica(SchedulingPolicy[SimRequest]):
         upto = self._num_cached.get(req.kv.request_id, 0)
         if upto <= req.offered_blocks:
             return
-        keys = [make_offload_key(h) for h in req.kv.block_hashes[req.offered_blocks:upto]]
+        keys = [make_offload_key(h) for h in req.kv.block_hashes[req.offered_blocks : upto]]
         req.offered_blocks = upto
         if self.tier.prepare_store(keys) is not None:
             self.tier.complete_store(keys)
@@ -406,7 +441,11 @@ class Replica(SchedulingPolicy[SimRequest]):
         self.mgr.free(kv)
         if req.first_token < 0:
             req.first_token = now
-        if self.prefill_only and kv.num_output_tokens < req.output_len and status == RequestStatus.FINISHED_STOPPED:
+        if (
+            self.prefill_only
+            and kv.num_output_tokens < req.output_len
+            and status == RequestStatus.FINISHED_STOPPED
+        ):
             self.handoff.append(req)
             return
         req.finish = now
@@ -450,8 +489,13 @@ def handoff_request(req: SimRequest) -> SimRequest:
     return req
 
 
-def make_sim_request(trace: TraceRequest, hashes: list[bytes], reply_hashes: list[bytes],
-                     materialize_tokens: bool = False, external: bool = True) -> SimRequest:
+def make_sim_request(
+    trace: TraceRequest,
+    hashes: list[bytes],
+    reply_hashes: list[bytes],
+    materialize_tokens: bool = False,
+    external: bool = True,
+) -> SimRequest:
     """A `SimRequest` whose `KVCacheRequest` carries ``hashes`` as its block hashes (no hasher:
     output blocks are hashed by the replica). Token ids are placeholders unless
     ``materialize_tokens`` (KV events then carry the real tokens). ``external``: compute the

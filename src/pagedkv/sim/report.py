@@ -73,12 +73,18 @@ def format_table(report: dict) -> str:
     ]
     for name in ("ttft", "itl", "e2e"):
         s = lat[name]
-        lines.append(f"{name:8}" + "".join(f"{s[k] * 1000:>9.1f}m" for k in ("mean", "p50", "p90", "p99")))
+        lines.append(
+            f"{name:8}" + "".join(f"{s[k] * 1000:>9.1f}m" for k in ("mean", "p50", "p90", "p99"))
+        )
     th = report["throughput"]
-    lines.append(f"throughput: {th['requests_per_s']:.2f} req/s, {th['output_tokens_per_s']:.1f} out tok/s; "
-                 f"preemptions {report['preemptions']}")
+    lines.append(
+        f"throughput: {th['requests_per_s']:.2f} req/s, {th['output_tokens_per_s']:.1f} out tok/s; "
+        f"preemptions {report['preemptions']}"
+    )
     perf = report.get("perf")
     if perf:
-        lines.append(f"simulator: {perf['events']} events in {perf['wall_s']:.1f}s = "
-                     f"{perf['events_per_s']:.0f} events/s ({perf['engine_steps']} engine steps)")
+        lines.append(
+            f"simulator: {perf['events']} events in {perf['wall_s']:.1f}s = "
+            f"{perf['events_per_s']:.0f} events/s ({perf['engine_steps']} engine steps)"
+        )
     return "\n".join(lines)

@@ -59,7 +59,11 @@ class TraceRequest:
         return materialize(self.segments or [])
 
     def to_json(self) -> dict:
-        d: dict = {"id": self.request_id, "t": round(self.arrival, 6), "output_len": self.output_len}
+        d: dict = {
+            "id": self.request_id,
+            "t": round(self.arrival, 6),
+            "output_len": self.output_len,
+        }
         if self.prompt_token_ids is not None:
             d["prompt_token_ids"] = self.prompt_token_ids
         else:
@@ -73,10 +77,15 @@ class TraceRequest:
     @staticmethod
     def from_json(d: dict) -> TraceRequest:
         segs = d.get("segments")
-        return TraceRequest(str(d["id"]), float(d["t"]), int(d["output_len"]),
-                            d.get("prompt_token_ids"),
-                            None if segs is None else [(int(a), int(b)) for a, b in segs],
-                            d.get("reply"), d.get("session"))
+        return TraceRequest(
+            str(d["id"]),
+            float(d["t"]),
+            int(d["output_len"]),
+            d.get("prompt_token_ids"),
+            None if segs is None else [(int(a), int(b)) for a, b in segs],
+            d.get("reply"),
+            d.get("session"),
+        )
 
 
 _segment_cache: dict[int, list[int]] = {}
@@ -119,6 +128,7 @@ def read_trace(path: str | Path) -> list[TraceRequest]:
 
 # ---------------------------------------------------------------------------------- generators
 
+
 @dataclass(slots=True)
 class _Ids:
     next_id: int = 1_000_000
@@ -140,6 +150,7 @@ def _zipf_cdf(n: int, s: float) -> list[float]:
 
 def _pick(rng: random.Random, cdf: list[float]) -> int:
     import bisect
+
     return min(bisect.bisect_left(cdf, rng.random()), len(cdf) - 1)
 
 
@@ -148,9 +159,18 @@ def _around(rng: random.Random, mean: int) -> int:
     return max(1, int(rng.uniform(0.5, 1.5) * mean))
 
 
-def _session(rng: random.Random, ids: _Ids, session: str, step_tag: str, t: float, segs: list[Segment],
-             n: int, new_segment: Callable[[int], Segment | None], output_len: int,
-             gap: float) -> list[TraceRequest]:
+def _session(
+    rng: random.Random,
+    ids: _Ids,
+    session: str,
+    step_tag: str,
+    t: float,
+    segs: list[Segment],
+    n: int,
+    new_segment: Callable[[int], Segment | None],
+    output_len: int,
+    gap: float,
+) -> list[TraceRequest]:
     """``n`` calls of one session from ``t``: call k re-sends ``segs`` plus ``new_segment(k)``
     (None: nothing new), and its reply joins the context of call k+1; calls are ``gap``
     (exponential mean; 0: none) apart."""
@@ -161,16 +181,34 @@ def _session(rng: random.Random, ids: _Ids, session: str, step_tag: str, t: floa
             segs = segs + [seg]
         reply = ids.new()
         olen = _around(rng, output_len)
-        out.append(TraceRequest(f"{session}-{step_tag}{k}", t, olen, segments=list(segs), reply=reply,
-                                session=session))
+        out.append(
+            TraceRequest(
+                f"{session}-{step_tag}{k}",
+                t,
+                olen,
+                segments=list(segs),
+                reply=reply,
+                session=session,
+            )
+        )
         segs = segs + [(reply, olen)]
         t += rng.expovariate(1.0 / gap) if gap > 0 else 0.0
     return out
 
 
-def gen_chat(num_requests: int, rate: float, seed: int = 0, *, num_system_prompts: int = 4,
-             system_len: int = 256, turns: int = 4, user_len: int = 64, output_len: int = 64,
-             think_time: float = 5.0, zipf_s: float = 1.0) -> list[TraceRequest]:
+def gen_chat(
+    num_requests: int,
+    rate: float,
+    seed: int = 0,
+    *,
+    num_system_prompts: int = 4,
+    system_len: int = 256,
+    turns: int = 4,
+    user_len: int = 64,
+    output_len: int = 64,
+    think_time: float = 5.0,
+    zipf_s: float = 1.0,
+) -> list[TraceRequest]:
     """Multi-turn chat: sessions start as a Poisson process (``rate / turns`` sessions/s, so
     requests arrive at about ``rate``/s). Each session picks a system prompt (Zipf) and runs
     ``turns`` turns: turn k's prompt is the system prompt, every earlier user message and reply,
@@ -184,16 +222,34 @@ def gen_chat(num_requests: int, rate: float, seed: int = 0, *, num_system_prompt
     session_rate = rate / turns
     while len(out) < num_requests:
         t += rng.expovariate(session_rate)
-        out += _session(rng, ids, f"s{s}", "t", t, [systems[_pick(rng, cdf)]], turns,
-                        lambda k: (ids.new(), _around(rng, user_len)), output_len, think_time)
+        out += _session(
+            rng,
+            ids,
+            f"s{s}",
+            "t",
+            t,
+            [systems[_pick(rng, cdf)]],
+            turns,
+            lambda k: (ids.new(), _around(rng, user_len)),
+            output_len,
+            think_time,
+        )
         s += 1
     out.sort(key=lambda r: r.arrival)
     return out[:num_requests]
 
 
-def gen_system_prompt(num_requests: int, rate: float, seed: int = 0, *, num_system_prompts: int = 100,
-                      system_len: int = 1024, user_len: int = 128, output_len: int = 128,
-                      zipf_s: float = 1.1) -> list[TraceRequest]:
+def gen_system_prompt(
+    num_requests: int,
+    rate: float,
+    seed: int = 0,
+    *,
+    num_system_prompts: int = 100,
+    system_len: int = 1024,
+    user_len: int = 128,
+    output_len: int = 128,
+    zipf_s: float = 1.1,
+) -> list[TraceRequest]:
     """Single-turn requests: a system prompt drawn by Zipf(``zipf_s``) popularity from
     ``num_system_prompts``, then a unique user message. Poisson arrivals at ``rate``/s."""
     rng = random.Random(seed)
@@ -208,9 +264,19 @@ def gen_system_prompt(num_requests: int, rate: float, seed: int = 0, *, num_syst
     return out
 
 
-def gen_agentic(num_requests: int, rate: float, seed: int = 0, *, num_system_prompts: int = 8,
-                system_len: int = 2048, task_len: int = 256, tool_len: int = 512, steps: int = 8,
-                output_len: int = 48, tool_time: float = 1.0) -> list[TraceRequest]:
+def gen_agentic(
+    num_requests: int,
+    rate: float,
+    seed: int = 0,
+    *,
+    num_system_prompts: int = 8,
+    system_len: int = 2048,
+    task_len: int = 256,
+    tool_len: int = 512,
+    steps: int = 8,
+    output_len: int = 48,
+    tool_time: float = 1.0,
+) -> list[TraceRequest]:
     """Agentic tool loops: a task (system prompt + task) then ``steps`` model calls; each call
     re-sends the whole context plus the last tool result; the model's (short) answer is the next
     tool call. Calls of one loop are ``tool_time`` (exponential mean) apart after arrival."""
@@ -223,8 +289,18 @@ def gen_agentic(num_requests: int, rate: float, seed: int = 0, *, num_system_pro
     while len(out) < num_requests:
         t += rng.expovariate(rate / steps)
         first: list[Segment] = [systems[_pick(rng, cdf)], (ids.new(), _around(rng, task_len))]
-        out += _session(rng, ids, f"a{s}", "k", t, first, steps,
-                        lambda k: (ids.new(), _around(rng, tool_len)) if k else None, output_len, tool_time)
+        out += _session(
+            rng,
+            ids,
+            f"a{s}",
+            "k",
+            t,
+            first,
+            steps,
+            lambda k: (ids.new(), _around(rng, tool_len)) if k else None,
+            output_len,
+            tool_time,
+        )
         s += 1
     out.sort(key=lambda r: r.arrival)
     return out[:num_requests]
@@ -243,5 +319,15 @@ def iter_segment_ids(requests: Iterable[TraceRequest]) -> Iterator[int]:
             yield seg_id
 
 
-__all__ = ["TraceRequest", "Segment", "GENERATORS", "gen_chat", "gen_system_prompt", "gen_agentic",
-           "read_trace", "write_trace", "materialize", "segment_tokens"]
+__all__ = [
+    "TraceRequest",
+    "Segment",
+    "GENERATORS",
+    "gen_chat",
+    "gen_system_prompt",
+    "gen_agentic",
+    "read_trace",
+    "write_trace",
+    "materialize",
+    "segment_tokens",
+]

@@ -15,8 +15,13 @@ from typing import Any
 
 from pagedkv.transfer.base import KVTransferBackend, MemoryRegion, XferState
 
-__all__ = ["KVTransferBackend", "MemoryRegion", "XferState", "get_transfer_backend",
-           "nixl_import_error"]
+__all__ = [
+    "KVTransferBackend",
+    "MemoryRegion",
+    "XferState",
+    "get_transfer_backend",
+    "nixl_import_error",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -33,8 +38,9 @@ def nixl_import_error() -> str | None:
     return None
 
 
-def get_transfer_backend(name: str, preferred: str | None = None, *, nixl_progress_thread: bool = True,
-                         **kw: Any) -> KVTransferBackend:
+def get_transfer_backend(
+    name: str, preferred: str | None = None, *, nixl_progress_thread: bool = True, **kw: Any
+) -> KVTransferBackend:
     """A backend for agent ``name``: ``preferred`` "nixl" | "tcp", or None for NIXL when
     ``nixl_cu12`` imports, else TCP. ``kw`` goes to the backend (``timeout_s``; TCP ``host``);
     ``nixl_progress_thread`` to NIXL only. "nixl" asked for explicitly but not importable

@@ -75,14 +75,24 @@ class KVTransferBackend(ABC):
         """Forget a peer (its transfers in flight end ``"ERR"``)."""
 
     @abstractmethod
-    def read_blocks(self, peer: str, local_block_ids: Sequence[int], remote_block_ids: Sequence[int],
-                    notif: bytes = b"") -> int:
+    def read_blocks(
+        self,
+        peer: str,
+        local_block_ids: Sequence[int],
+        remote_block_ids: Sequence[int],
+        notif: bytes = b"",
+    ) -> int:
         """Start copying the peer's ``remote_block_ids`` into our ``local_block_ids`` (same
         length, pairwise, every region); ``notif`` reaches the peer when done. Returns a handle."""
 
     @abstractmethod
-    def write_blocks(self, peer: str, local_block_ids: Sequence[int], remote_block_ids: Sequence[int],
-                     notif: bytes = b"") -> int:
+    def write_blocks(
+        self,
+        peer: str,
+        local_block_ids: Sequence[int],
+        remote_block_ids: Sequence[int],
+        notif: bytes = b"",
+    ) -> int:
         """Start copying our ``local_block_ids`` into the peer's ``remote_block_ids``."""
 
     @abstractmethod

@@ -41,18 +41,23 @@ def regions_from_wire(wire: Sequence[Sequence[int]]) -> list[MemoryRegion]:
     return [MemoryRegion(int(a), int(n), int(bl), int(bs)) for a, n, bl, bs in wire]
 
 
-def check_regions_pair(local: Sequence[MemoryRegion], remote: Sequence[MemoryRegion],
-                       peer: str) -> None:
+def check_regions_pair(
+    local: Sequence[MemoryRegion], remote: Sequence[MemoryRegion], peer: str
+) -> None:
     """ValueError naming the mismatch unless the two region lists can exchange blocks."""
     if not local:
         raise ValueError("register_kv_memory must be called before add_remote_agent")
     if len(local) != len(remote):
-        raise ValueError(f"peer {peer!r} registered {len(remote)} KV regions, we have "
-                         f"{len(local)}: region counts must be equal")
+        raise ValueError(
+            f"peer {peer!r} registered {len(remote)} KV regions, we have "
+            f"{len(local)}: region counts must be equal"
+        )
     for i, (lo, re) in enumerate(zip(local, remote)):
         if lo.block_len != re.block_len:
-            raise ValueError(f"peer {peer!r} region {i} has block_len {re.block_len}, ours is "
-                             f"{lo.block_len}: block_len must be equal")
+            raise ValueError(
+                f"peer {peer!r} region {i} has block_len {re.block_len}, ours is "
+                f"{lo.block_len}: block_len must be equal"
+            )
 
 
 def block_indices(regions: Sequence[MemoryRegion], block_ids: Sequence[int]) -> list[int] | None:
@@ -74,7 +79,9 @@ def block_descs(regions: Sequence[MemoryRegion]) -> list[tuple[int, int, int]]:
 
 def region_span(region: MemoryRegion) -> int:
     """Bytes from the region's base to the end of its last block."""
-    return (region.num_blocks - 1) * region.block_stride + region.block_len if region.num_blocks else 0
+    return (
+        (region.num_blocks - 1) * region.block_stride + region.block_len if region.num_blocks else 0
+    )
 
 
 def registration_spans(regions: Sequence[MemoryRegion]) -> list[tuple[int, int]]:
@@ -119,8 +126,15 @@ class NixlBackend(KVTransferBackend):
 
     kind = "nixl"
 
-    def __init__(self, name: str, *, timeout_s: float = 10.0, backends: Sequence[str] = ("UCX",),
-                 num_threads: int = 0, progress_thread: bool = True) -> None:
+    def __init__(
+        self,
+        name: str,
+        *,
+        timeout_s: float = 10.0,
+        backends: Sequence[str] = ("UCX",),
+        num_threads: int = 0,
+        progress_thread: bool = True,
+    ) -> None:
         """``progress_thread``: NIXL's own progress thread (default on). Without it a peer
         that is not being polled (an idle engine, a blocked agent) stalls the transfers that
         target it until they time out; with it an idle agent spins ~20% of a core on a
@@ -132,8 +146,9 @@ class NixlBackend(KVTransferBackend):
         from nixl_cu12 import nixl_agent, nixl_agent_config  # lazy: optional dependency
 
         self.timeout_s = timeout_s
-        config = nixl_agent_config(enable_prog_thread=progress_thread, backends=list(backends),
-                                   num_threads=num_threads)
+        config = nixl_agent_config(
+            enable_prog_thread=progress_thread, backends=list(backends), num_threads=num_threads
+        )
         self._agent = nixl_agent(name, config)
         self._s = _State()
         self._ids = itertools.count(1)
@@ -147,16 +162,21 @@ class NixlBackend(KVTransferBackend):
         if not regions:
             raise ValueError("no KV regions to register")
         s.reg_descs = self._agent.register_memory(
-            [(addr, n, 0, "") for addr, n in registration_spans(regions)], "DRAM")
+            [(addr, n, 0, "") for addr, n in registration_spans(regions)], "DRAM"
+        )
         s.regions = list(regions)
         s.local_dlist = self._agent.prep_xfer_dlist(_LOCAL, block_descs(regions), "DRAM")
 
     def get_agent_metadata(self) -> bytes:
         if not self._s.regions:
             raise RuntimeError("register_kv_memory must be called before get_agent_metadata")
-        return msgspec.msgpack.encode({"name": self.name,
-                                       "agent_metadata": self._agent.get_agent_metadata(),
-                                       "regions": regions_to_wire(self._s.regions)})
+        return msgspec.msgpack.encode(
+            {
+                "name": self.name,
+                "agent_metadata": self._agent.get_agent_metadata(),
+                "regions": regions_to_wire(self._s.regions),
+            }
+        )
 
     def add_remote_agent(self, metadata: bytes) -> str:
         md = msgspec.msgpack.decode(metadata)
@@ -174,7 +194,7 @@ class NixlBackend(KVTransferBackend):
         p = self._s.peers.pop(peer, None)
         if p is None:
             return
-        for handle, x in list(self._s.xfers.items()):
+        for _handle, x in list(self._s.xfers.items()):
             if x.peer == peer and x.state == "PROC":
                 x.state = "ERR"
                 self._release_nixl(x)
@@ -183,16 +203,27 @@ class NixlBackend(KVTransferBackend):
 
     # -- transfers ---------------------------------------------------------------------------
 
-    def read_blocks(self, peer: str, local_block_ids: Sequence[int], remote_block_ids: Sequence[int],
-                    notif: bytes = b"") -> int:
+    def read_blocks(
+        self,
+        peer: str,
+        local_block_ids: Sequence[int],
+        remote_block_ids: Sequence[int],
+        notif: bytes = b"",
+    ) -> int:
         return self._start("READ", peer, local_block_ids, remote_block_ids, notif)
 
-    def write_blocks(self, peer: str, local_block_ids: Sequence[int], remote_block_ids: Sequence[int],
-                     notif: bytes = b"") -> int:
+    def write_blocks(
+        self,
+        peer: str,
+        local_block_ids: Sequence[int],
+        remote_block_ids: Sequence[int],
+        notif: bytes = b"",
+    ) -> int:
         return self._start("WRITE", peer, local_block_ids, remote_block_ids, notif)
 
-    def _start(self, op: str, peer: str, local_ids: Sequence[int], remote_ids: Sequence[int],
-               notif: bytes) -> int:
+    def _start(
+        self, op: str, peer: str, local_ids: Sequence[int], remote_ids: Sequence[int], notif: bytes
+    ) -> int:
         """Post one prepped transfer; out-of-range ids or a NIXL refusal give an ERR handle."""
         p = self._peer(peer)
         if len(local_ids) != len(remote_ids):
@@ -210,8 +241,9 @@ class NixlBackend(KVTransferBackend):
             x.state = "ERR"
             return handle
         try:
-            x.nixl_handle = self._agent.make_prepped_xfer(op, self._s.local_dlist, l_idx,
-                                                          p.dlist, r_idx, notif)
+            x.nixl_handle = self._agent.make_prepped_xfer(
+                op, self._s.local_dlist, l_idx, p.dlist, r_idx, notif
+            )
             x.state = self._map(self._agent.transfer(x.nixl_handle))
         except Exception as e:  # a NIXL error (peer gone, bad params) fails this transfer only
             logger.warning("NIXL %s to %s failed to post: %s", op, peer, e)

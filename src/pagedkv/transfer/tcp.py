@@ -36,9 +36,9 @@ import numpy as np
 import zmq
 
 from pagedkv.transfer.base import KVTransferBackend, MemoryRegion, XferState
+
 # Shared region helpers; importing nixl.py is safe without NIXL (it imports nixl_cu12 lazily).
-from pagedkv.transfer.nixl import (check_regions_pair, regions_from_wire,
-                                               regions_to_wire)
+from pagedkv.transfer.nixl import check_regions_pair, regions_from_wire, regions_to_wire
 
 logger = logging.getLogger(__name__)
 
@@ -59,8 +59,14 @@ def _libc_vm() -> tuple[object, object] | None:
         return None
     for fn in fns:
         fn.restype = ctypes.c_ssize_t
-        fn.argtypes = [ctypes.c_int, ctypes.POINTER(_Iovec), ctypes.c_ulong,
-                       ctypes.POINTER(_Iovec), ctypes.c_ulong, ctypes.c_ulong]
+        fn.argtypes = [
+            ctypes.c_int,
+            ctypes.POINTER(_Iovec),
+            ctypes.c_ulong,
+            ctypes.POINTER(_Iovec),
+            ctypes.c_ulong,
+            ctypes.c_ulong,
+        ]
     return fns
 
 
@@ -74,7 +80,7 @@ def vm_copy(write: bool, pid: int, pairs: Sequence[tuple[int, int, int]]) -> Non
         raise OSError(38, "process_vm_readv unavailable")
     fn = _VM[1] if write else _VM[0]
     for start in range(0, len(pairs), _IOV_MAX):
-        chunk = pairs[start:start + _IOV_MAX]
+        chunk = pairs[start : start + _IOV_MAX]
         local = (_Iovec * len(chunk))(*[_Iovec(a, n) for a, _, n in chunk])
         remote = (_Iovec * len(chunk))(*[_Iovec(r, n) for _, r, n in chunk])
         want = sum(n for _, _, n in chunk)
@@ -144,8 +150,15 @@ class TcpBackend(KVTransferBackend):
 
     kind = "tcp"
 
-    def __init__(self, name: str, *, host: str = "127.0.0.1", timeout_s: float = 10.0,
-                 num_threads: int = 4, fast_path: bool = True) -> None:
+    def __init__(
+        self,
+        name: str,
+        *,
+        host: str = "127.0.0.1",
+        timeout_s: float = 10.0,
+        num_threads: int = 4,
+        fast_path: bool = True,
+    ) -> None:
         super().__init__(name)
         self.host, self.timeout_s, self.fast_path = host, timeout_s, fast_path
         self._s = _State()
@@ -175,18 +188,31 @@ class TcpBackend(KVTransferBackend):
     def get_agent_metadata(self) -> bytes:
         if not self._s.regions:
             raise RuntimeError("register_kv_memory must be called before get_agent_metadata")
-        return msgspec.msgpack.encode({
-            "name": self.name, "host": self.host, "port": self.port, "pid": os.getpid(),
-            "nonce_addr": ctypes.addressof(self._nonce), "nonce": self._nonce.raw,
-            "regions": regions_to_wire(self._s.regions)})
+        return msgspec.msgpack.encode(
+            {
+                "name": self.name,
+                "host": self.host,
+                "port": self.port,
+                "pid": os.getpid(),
+                "nonce_addr": ctypes.addressof(self._nonce),
+                "nonce": self._nonce.raw,
+                "regions": regions_to_wire(self._s.regions),
+            }
+        )
 
     def add_remote_agent(self, metadata: bytes) -> str:
         md = msgspec.msgpack.decode(metadata)
         regions = regions_from_wire(md["regions"])
         check_regions_pair(self._s.regions, regions, md["name"])
         fast = self.fast_path and self._probe_fast(md["pid"], md["nonce_addr"], md["nonce"])
-        self._s.peers[md["name"]] = _Peer(f"tcp://{md['host']}:{md['port']}", md["pid"],
-                                          md["nonce_addr"], md["nonce"], regions, fast)
+        self._s.peers[md["name"]] = _Peer(
+            f"tcp://{md['host']}:{md['port']}",
+            md["pid"],
+            md["nonce_addr"],
+            md["nonce"],
+            regions,
+            fast,
+        )
         return md["name"]
 
     def uses_fast_path(self, peer: str) -> bool:
@@ -216,16 +242,32 @@ class TcpBackend(KVTransferBackend):
 
     # -- transfers ---------------------------------------------------------------------------
 
-    def read_blocks(self, peer: str, local_block_ids: Sequence[int], remote_block_ids: Sequence[int],
-                    notif: bytes = b"") -> int:
+    def read_blocks(
+        self,
+        peer: str,
+        local_block_ids: Sequence[int],
+        remote_block_ids: Sequence[int],
+        notif: bytes = b"",
+    ) -> int:
         return self._start(False, peer, local_block_ids, remote_block_ids, notif)
 
-    def write_blocks(self, peer: str, local_block_ids: Sequence[int], remote_block_ids: Sequence[int],
-                     notif: bytes = b"") -> int:
+    def write_blocks(
+        self,
+        peer: str,
+        local_block_ids: Sequence[int],
+        remote_block_ids: Sequence[int],
+        notif: bytes = b"",
+    ) -> int:
         return self._start(True, peer, local_block_ids, remote_block_ids, notif)
 
-    def _start(self, write: bool, peer: str, local_ids: Sequence[int], remote_ids: Sequence[int],
-               notif: bytes) -> int:
+    def _start(
+        self,
+        write: bool,
+        peer: str,
+        local_ids: Sequence[int],
+        remote_ids: Sequence[int],
+        notif: bytes,
+    ) -> int:
         p = self._peer(peer)
         if len(local_ids) != len(remote_ids):
             raise ValueError(f"{len(local_ids)} local vs {len(remote_ids)} remote block ids")
@@ -240,12 +282,20 @@ class TcpBackend(KVTransferBackend):
         elif not local_ids and not notif:
             x.state = "DONE"
         else:
-            x.future = self._pool.submit(self._run, write, p, local_ids, remote_ids, notif,
-                                         deadline)
+            x.future = self._pool.submit(
+                self._run, write, p, local_ids, remote_ids, notif, deadline
+            )
         return handle
 
-    def _run(self, write: bool, p: _Peer, local_ids: list[int], remote_ids: list[int],
-             notif: bytes, deadline: float) -> XferState:
+    def _run(
+        self,
+        write: bool,
+        p: _Peer,
+        local_ids: list[int],
+        remote_ids: list[int],
+        notif: bytes,
+        deadline: float,
+    ) -> XferState:
         """Worker thread: move the blocks, then make sure the notif reached the peer."""
         try:
             if local_ids and p.fast and self._try_fast(write, p, local_ids, remote_ids):
@@ -254,8 +304,9 @@ class TcpBackend(KVTransferBackend):
                 return self._notify(p, notif, deadline)
             if write:
                 frames = [gather(r, local_ids) for r in self._s.regions]
-                reply = self._request(p, b"WRITE", {"ids": remote_ids, "notif": notif}, frames,
-                                      deadline)
+                reply = self._request(
+                    p, b"WRITE", {"ids": remote_ids, "notif": notif}, frames, deadline
+                )
                 return "DONE" if reply is not None else "ERR"
             reply = self._request(p, b"READ", {"ids": remote_ids}, [], deadline)
             if reply is None or len(reply) != len(self._s.regions):
@@ -269,9 +320,11 @@ class TcpBackend(KVTransferBackend):
 
     def _try_fast(self, write: bool, p: _Peer, local_ids: list[int], remote_ids: list[int]) -> bool:
         """Copy with process_vm_*; False if this peer must use TCP. Other errors raise."""
-        pairs = [(lo.block_addr(a), ro.block_addr(b), lo.block_len)
-                 for lo, ro in zip(self._s.regions, p.regions)
-                 for a, b in zip(local_ids, remote_ids)]
+        pairs = [
+            (lo.block_addr(a), ro.block_addr(b), lo.block_len)
+            for lo, ro in zip(self._s.regions, p.regions)
+            for a, b in zip(local_ids, remote_ids)
+        ]
         try:
             # Re-check the nonce first: if the peer died and its pid was reused, we must not
             # read (let alone write) another process's memory.
@@ -289,11 +342,20 @@ class TcpBackend(KVTransferBackend):
     def _notify(self, p: _Peer, notif: bytes, deadline: float) -> XferState:
         if not notif:
             return "DONE"
-        return "DONE" if self._request(p, b"NOTIF", {"notif": notif}, [], deadline) is not None \
+        return (
+            "DONE"
+            if self._request(p, b"NOTIF", {"notif": notif}, [], deadline) is not None
             else "ERR"
+        )
 
-    def _request(self, p: _Peer, op: bytes, header: dict[str, object], frames: list[bytearray],
-                 deadline: float) -> list[zmq.Frame] | None:
+    def _request(
+        self,
+        p: _Peer,
+        op: bytes,
+        header: dict[str, object],
+        frames: list[bytearray],
+        deadline: float,
+    ) -> list[zmq.Frame] | None:
         """One request/reply on a fresh DEALER socket; the reply's data frames, or None on ERR or
         timeout. A fresh socket per request: ZMQ sockets are not thread-safe, and a timed-out
         socket must not deliver its late reply to the next request."""
@@ -301,16 +363,21 @@ class TcpBackend(KVTransferBackend):
         sock.setsockopt(zmq.LINGER, 0)
         try:
             sock.connect(p.endpoint)
-            sock.send_multipart([op, self.name.encode(), msgspec.msgpack.encode(header), *frames],
-                                copy=False)
+            sock.send_multipart(
+                [op, self.name.encode(), msgspec.msgpack.encode(header), *frames], copy=False
+            )
             wait_ms = max(0, int((deadline - time.monotonic()) * 1000))
             if not sock.poll(wait_ms, zmq.POLLIN):
                 logger.warning("KV %s to %s timed out", op.decode(), p.endpoint)
                 return None
             reply = sock.recv_multipart(copy=False)
             if reply[0].bytes != _OK:
-                logger.warning("KV %s to %s refused: %s", op.decode(), p.endpoint,
-                               reply[1].bytes.decode(errors="replace") if len(reply) > 1 else "")
+                logger.warning(
+                    "KV %s to %s refused: %s",
+                    op.decode(),
+                    p.endpoint,
+                    reply[1].bytes.decode(errors="replace") if len(reply) > 1 else "",
+                )
                 return None
             return reply[1:]
         finally:
@@ -323,7 +390,9 @@ class TcpBackend(KVTransferBackend):
         assert x.future is not None
         if x.future.done():
             x.state = x.future.result()
-        elif time.monotonic() > x.deadline + 1.0:  # the worker's own wait is bounded; belt and braces
+        elif (
+            time.monotonic() > x.deadline + 1.0
+        ):  # the worker's own wait is bounded; belt and braces
             x.state = "ERR"
         return x.state
 

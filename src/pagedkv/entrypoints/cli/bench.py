@@ -22,14 +22,22 @@ standard error. Run 'pagedkv bench BENCHMARK --help' for a benchmark's workload 
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("bench", help=f"run a benchmark ({', '.join(BENCHMARKS)})",
-                              description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = subparsers.add_parser(
+        "bench",
+        help=f"run a benchmark ({', '.join(BENCHMARKS)})",
+        description=DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     sub = p.add_subparsers(dest="benchmark", metavar="BENCHMARK", required=True)
     for name, module_name in BENCHMARKS.items():
         module = importlib.import_module(module_name)
         doc = getattr(module, "DESCRIPTION", None) or user_help(module.__doc__)
-        b = sub.add_parser(name, help=doc.splitlines()[0].rstrip(".,:"), description=doc,
-                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        b = sub.add_parser(
+            name,
+            help=doc.splitlines()[0].rstrip(".,:"),
+            description=doc,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
         module.add_arguments(b)
         b.set_defaults(func=run, bench_module=module_name)
     return p

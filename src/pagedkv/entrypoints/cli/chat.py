@@ -14,7 +14,14 @@ import sys
 import time
 from typing import Any
 
-from pagedkv.entrypoints.cli.generate import CLIError, add_engine_args, add_sampling_args, fail, make_llm, sampling_params
+from pagedkv.entrypoints.cli.generate import (
+    CLIError,
+    add_engine_args,
+    add_sampling_args,
+    fail,
+    make_llm,
+    sampling_params,
+)
 
 Message = dict[str, str]
 
@@ -40,8 +47,12 @@ BANNER = "pagedkv chat: type a message; /help lists commands, /exit quits."
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("chat", help="interactive chat with streamed replies",
-                              description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = subparsers.add_parser(
+        "chat",
+        help="interactive chat with streamed replies",
+        description=DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--system", default=None, help="a system message that starts every conversation")
     p.add_argument("--stats", action="store_true", help="print per-reply statistics on stderr")
     add_sampling_args(p, max_tokens=256, temperature=0.7)
@@ -59,7 +70,9 @@ class ChatSession:
         if self.tok is None or not self.tok.chat_template:
             raise CLIError("this model has no tokenizer chat template")
         # End-of-turn markers (<|im_end|>...) end a reply even where they are not the eos id.
-        params.stop_token_ids = sorted(set(params.stop_token_ids or []) | set(self.tok.stop_token_ids))
+        params.stop_token_ids = sorted(
+            set(params.stop_token_ids or []) | set(self.tok.stop_token_ids)
+        )
         self.params = params
         self.system = system
         self.history: list[Message] = []
@@ -136,11 +149,13 @@ class ChatSession:
             print(f"[reply cut at --max-tokens {self.params.max_tokens}]", file=sys.stderr)
         if self.show_stats and final is not None and final.metrics is not None:
             dt = time.perf_counter() - start
-            print(f"[{seen} tokens in {dt:.2f}s, {seen / dt:.1f} tok/s, ttft "
-                  f"{final.metrics.time_to_first_token:.2f}s, {final.num_cached_tokens}/{len(ids)} "
-                  f"prompt tokens cached]", file=sys.stderr)
+            print(
+                f"[{seen} tokens in {dt:.2f}s, {seen / dt:.1f} tok/s, ttft "
+                f"{final.metrics.time_to_first_token:.2f}s, {final.num_cached_tokens}/{len(ids)} "
+                f"prompt tokens cached]",
+                file=sys.stderr,
+            )
         return text
-
 
     def _cut_by_max_tokens(self, out: Any) -> bool:
         """The reply stopped because it reached ``max_tokens`` (not at a stop token, not at the
@@ -166,8 +181,11 @@ def handle_command(line: str, session: ChatSession) -> str | None:
     elif cmd == "/help":
         print(help_text(), file=sys.stderr)
     else:
-        print(f"unknown command {cmd}: type /help for the commands, or //text to send a message "
-              f"starting with /", file=sys.stderr)
+        print(
+            f"unknown command {cmd}: type /help for the commands, or //text to send a message "
+            f"starting with /",
+            file=sys.stderr,
+        )
     return None
 
 

@@ -36,25 +36,49 @@ ENDPOINT_FORM = "endpoints look like tcp://127.0.0.1:5557 or ipc:///tmp/pagedkv-
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("events", help="print a server's KV cache events (ZMQ)",
-                              description=DESCRIPTION, epilog=EXAMPLES,
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--endpoint", default="tcp://127.0.0.1:5557",
-                   help="the server's event (PUB) endpoint (default tcp://127.0.0.1:5557)")
+    p = subparsers.add_parser(
+        "events",
+        help="print a server's KV cache events (ZMQ)",
+        description=DESCRIPTION,
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--endpoint",
+        default="tcp://127.0.0.1:5557",
+        help="the server's event (PUB) endpoint (default tcp://127.0.0.1:5557)",
+    )
     p.add_argument("--replay-endpoint", default=None, help="the server's replay (ROUTER) endpoint")
-    p.add_argument("--from-seq", type=int, default=0, help="with --replay-endpoint: first sequence number (default 0)")
+    p.add_argument(
+        "--from-seq",
+        type=int,
+        default=0,
+        help="with --replay-endpoint: first sequence number (default 0)",
+    )
     p.add_argument("--topic", default="", help="topic prefix to subscribe to (default: all)")
     p.add_argument("--count", type=int, default=None, help="exit after this many events")
-    p.add_argument("--idle-timeout", type=float, default=None, help="exit after this many seconds without events")
-    p.add_argument("--silence-warning", type=float, default=10.0, metavar="SECONDS",
-                   help="say so on stderr after this many seconds without events (default 10; 0: never)")
+    p.add_argument(
+        "--idle-timeout",
+        type=float,
+        default=None,
+        help="exit after this many seconds without events",
+    )
+    p.add_argument(
+        "--silence-warning",
+        type=float,
+        default=10.0,
+        metavar="SECONDS",
+        help="say so on stderr after this many seconds without events (default 10; 0: never)",
+    )
     p.set_defaults(func=run)
     return p
 
 
 def silence_message(seconds: float) -> str:
-    return (f"pagedkv events: no events in {seconds:g} s: is the server running with KV events enabled "
-            f"(pagedkv serve --enable-kv-cache-events) on this endpoint?")
+    return (
+        f"pagedkv events: no events in {seconds:g} s: is the server running with KV events enabled "
+        f"(pagedkv serve --enable-kv-cache-events) on this endpoint?"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -83,9 +107,12 @@ def run(args: argparse.Namespace) -> int:
     try:
         sub_cm = KVEventSubscriber(args.endpoint, args.replay_endpoint, args.topic)
     except zmq.ZMQError as e:
-        print(f"pagedkv events: error: cannot connect to --endpoint {args.endpoint!r}"
-              f"{f' / --replay-endpoint {args.replay_endpoint!r}' if args.replay_endpoint else ''}: "
-              f"{e.strerror}; {ENDPOINT_FORM}", file=sys.stderr)
+        print(
+            f"pagedkv events: error: cannot connect to --endpoint {args.endpoint!r}"
+            f"{f' / --replay-endpoint {args.replay_endpoint!r}' if args.replay_endpoint else ''}: "
+            f"{e.strerror}; {ENDPOINT_FORM}",
+            file=sys.stderr,
+        )
         return 2
     warned = False
     try:
@@ -113,13 +140,18 @@ def run(args: argparse.Namespace) -> int:
                 if seq <= last_seq:
                     continue  # already printed by the replay
                 if last_seq >= 0 and seq != last_seq + 1:
-                    print(f"pagedkv events: missed batches {last_seq + 1}..{seq - 1}", file=sys.stderr)
+                    print(
+                        f"pagedkv events: missed batches {last_seq + 1}..{seq - 1}", file=sys.stderr
+                    )
                 last_seq = seq
                 if emit(seq, batch):
                     return 0
     except KeyboardInterrupt:
         return 0
     except TimeoutError as e:
-        print(f"pagedkv events: error: replay: {e}: is the server running with "
-              f"--kv-events-replay-endpoint {args.replay_endpoint}?", file=sys.stderr)
+        print(
+            f"pagedkv events: error: replay: {e}: is the server running with "
+            f"--kv-events-replay-endpoint {args.replay_endpoint}?",
+            file=sys.stderr,
+        )
         return 2

@@ -53,17 +53,41 @@ def add_engine_args(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
 def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int, temperature: float) -> None:
     """Sampling and stopping flags (`SamplingParams` fields)."""
     g = p.add_argument_group("sampling")
-    g.add_argument("--max-tokens", type=int, default=max_tokens,
-                   help=f"tokens to generate at most (default {max_tokens})")
-    g.add_argument("--temperature", type=float, default=temperature, help=f"0 = greedy (default {temperature})")
-    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0: off)")
-    g.add_argument("--top-k", type=int, default=0, help="sample from the k likeliest tokens (default 0: off)")
-    g.add_argument("--min-p", type=float, default=0.0,
-                   help="drop tokens below this fraction of the top one (default 0)")
-    g.add_argument("--repetition-penalty", type=float, default=1.0, help="above 1 discourages repeats (default 1.0)")
+    g.add_argument(
+        "--max-tokens",
+        type=int,
+        default=max_tokens,
+        help=f"tokens to generate at most (default {max_tokens})",
+    )
+    g.add_argument(
+        "--temperature", type=float, default=temperature, help=f"0 = greedy (default {temperature})"
+    )
+    g.add_argument(
+        "--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0: off)"
+    )
+    g.add_argument(
+        "--top-k", type=int, default=0, help="sample from the k likeliest tokens (default 0: off)"
+    )
+    g.add_argument(
+        "--min-p",
+        type=float,
+        default=0.0,
+        help="drop tokens below this fraction of the top one (default 0)",
+    )
+    g.add_argument(
+        "--repetition-penalty",
+        type=float,
+        default=1.0,
+        help="above 1 discourages repeats (default 1.0)",
+    )
     g.add_argument("--seed", type=int, default=None, help="sampling seed, for reproducible samples")
-    g.add_argument("--stop", action="append", default=None, metavar="STR",
-                   help="stop string (repeatable); removed from the output")
+    g.add_argument(
+        "--stop",
+        action="append",
+        default=None,
+        metavar="STR",
+        help="stop string (repeatable); removed from the output",
+    )
     g.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
 
 
@@ -72,9 +96,18 @@ def sampling_params(args: argparse.Namespace, **extra: Any) -> Any:
     from pagedkv.engine.sampling_params import SamplingParams
 
     try:
-        return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                              top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
-                              seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos, **extra)
+        return SamplingParams(
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            min_p=args.min_p,
+            repetition_penalty=args.repetition_penalty,
+            seed=args.seed,
+            stop=args.stop,
+            ignore_eos=args.ignore_eos,
+            **extra,
+        )
     except ValueError as e:
         raise CLIError(str(e)) from None
 
@@ -88,11 +121,15 @@ def kv_transfer_config_arg(args: argparse.Namespace) -> Any:
     text = getattr(args, "kv_transfer_config", None)
     if text is None:
         if getattr(args, "kv_side_channel_port", None) is not None:
-            raise CLIError("--kv-side-channel-port needs --kv-transfer-config naming a NixlConnector")
+            raise CLIError(
+                "--kv-side-channel-port needs --kv-transfer-config naming a NixlConnector"
+            )
         return None
     if args.kv_offload is not None:
-        raise CLIError("give either --kv-offload or --kv-transfer-config, not both "
-                       "(--kv-offload SPEC is the short form of the OffloadingConnector's config)")
+        raise CLIError(
+            "give either --kv-offload or --kv-transfer-config, not both "
+            "(--kv-offload SPEC is the short form of the OffloadingConnector's config)"
+        )
     from pagedkv.kv_transfer.config import KVTransferConfig
     from pagedkv.kv_transfer.factory import KVConnectorFactory
 
@@ -142,7 +179,11 @@ def preflight(config: Any) -> Any:
     request (vLLM's start-up rule, `check_kv_cache_fits`), raise CLIError here, before the
     slow load, so the error is the only line printed."""
     from pagedkv.core.specs import align_hybrid_block_size, get_kv_cache_groups
-    from pagedkv.engine.config import check_kv_cache_fits, default_kv_cache_memory, resolve_dtype_name
+    from pagedkv.engine.config import (
+        check_kv_cache_fits,
+        default_kv_cache_memory,
+        resolve_dtype_name,
+    )
     from pagedkv.models.loader import resolve_model_path
 
     try:
@@ -155,11 +196,17 @@ def preflight(config: Any) -> Any:
         dtype = resolve_dtype_name(config.dtype, mc.dtype)
         # A Mamba hybrid's engine raises the block size (LLMEngine._align_hybrid_block_size):
         # check the cache it will really allocate.
-        block_size = align_hybrid_block_size(mc.kv_cache_specs(1, torch_dtype=dtype), config.block_size)
+        block_size = align_hybrid_block_size(
+            mc.kv_cache_specs(1, torch_dtype=dtype), config.block_size
+        )
         specs = mc.kv_cache_specs(block_size, torch_dtype=dtype)
         if memory is not None:
-            check_kv_cache_fits(config, get_kv_cache_groups(specs), config.max_model_len or mc.max_position_embeddings,
-                                memory)
+            check_kv_cache_fits(
+                config,
+                get_kv_cache_groups(specs),
+                config.max_model_len or mc.max_position_embeddings,
+                memory,
+            )
     except (ValueError, NotImplementedError) as e:
         raise CLIError(str(e)) from None
     return mc
@@ -213,13 +260,22 @@ def fail(prog: str, err: Exception) -> int:
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("generate", help="generate a completion for one prompt",
-                              description=DESCRIPTION, epilog=EXAMPLES,
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = subparsers.add_parser(
+        "generate",
+        help="generate a completion for one prompt",
+        description=DESCRIPTION,
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("prompt", help="the prompt text ('-' reads stdin)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     p.add_argument("--system", default=None, help="with --chat: a system message")
-    p.add_argument("--n", type=int, default=1, help="completions to sample; they share the prompt's KV (default 1)")
+    p.add_argument(
+        "--n",
+        type=int,
+        default=1,
+        help="completions to sample; they share the prompt's KV (default 1)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     add_sampling_args(p, max_tokens=64, temperature=1.0)
     add_engine_args(p)
@@ -232,12 +288,23 @@ def output_dict(out: Any) -> dict[str, Any]:
     first = out.outputs[0]
     m = out.metrics
     return dict(
-        text=first.text, token_ids=list(first.token_ids), finish_reason=first.finish_reason,
-        outputs=[dict(index=c.index, text=c.text, token_ids=list(c.token_ids), finish_reason=c.finish_reason)
-                 for c in out.outputs],
-        prompt=out.prompt, num_prompt_tokens=len(out.prompt_token_ids),
+        text=first.text,
+        token_ids=list(first.token_ids),
+        finish_reason=first.finish_reason,
+        outputs=[
+            dict(
+                index=c.index,
+                text=c.text,
+                token_ids=list(c.token_ids),
+                finish_reason=c.finish_reason,
+            )
+            for c in out.outputs
+        ],
+        prompt=out.prompt,
+        num_prompt_tokens=len(out.prompt_token_ids),
         num_cached_tokens=out.num_cached_tokens,
-        ttft=m.time_to_first_token if m else None, e2e_latency=m.e2e_latency if m else None,
+        ttft=m.time_to_first_token if m else None,
+        e2e_latency=m.e2e_latency if m else None,
     )
 
 
@@ -250,7 +317,7 @@ def generate(args: argparse.Namespace) -> dict[str, Any]:
     llm = make_llm(args)
     try:
         if args.chat:
-            messages = ([{"role": "system", "content": args.system}] if args.system else [])
+            messages = [{"role": "system", "content": args.system}] if args.system else []
             messages.append({"role": "user", "content": prompt})
             (out,) = llm.chat(messages, params, use_tqdm=False)
         else:

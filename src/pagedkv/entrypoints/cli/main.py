@@ -92,8 +92,10 @@ def _version() -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="pagedkv", description="A paged KV-cache memory system for LLM inference.",
-        epilog="Run 'pagedkv COMMAND --help' for a command's options.")
+        prog="pagedkv",
+        description="A paged KV-cache memory system for LLM inference.",
+        epilog="Run 'pagedkv COMMAND --help' for a command's options.",
+    )
     parser.add_argument("--version", action="version", version=f"pagedkv {_version()}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for add in SUBCOMMANDS:

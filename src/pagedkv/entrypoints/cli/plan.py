@@ -24,8 +24,15 @@ from pagedkv.entrypoints.cli.common import CLIError, read_model_config
 # Bytes per weight element as loaded. GGUF block formats include their per-block scales
 # (q4_0: 18 B / 32 weights, q4_1: 20 B / 32, q8_0: 34 B / 32).
 WEIGHT_DTYPE_BYTES: dict[str, float] = {
-    "float32": 4.0, "float16": 2.0, "bfloat16": 2.0, "fp8": 1.0, "int8": 1.0, "int4": 0.5,
-    "q8_0": 34 / 32, "q4_0": 18 / 32, "q4_1": 20 / 32,
+    "float32": 4.0,
+    "float16": 2.0,
+    "bfloat16": 2.0,
+    "fp8": 1.0,
+    "int8": 1.0,
+    "int4": 0.5,
+    "q8_0": 34 / 32,
+    "q4_0": 18 / 32,
+    "q4_1": 20 / 32,
 }
 
 # Rows of the side-by-side table: (label, --kv-cache-dtype value, quant mode).
@@ -79,46 +86,96 @@ def fmt_bytes(n: float) -> str:
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("plan", help="plan KV cache capacity for a memory budget",
-                              description=DESCRIPTION, epilog=EXAMPLES,
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = subparsers.add_parser(
+        "plan",
+        help="plan KV cache capacity for a memory budget",
+        description=DESCRIPTION,
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     src = p.add_argument_group("model (default: the bundled SmolLM2-135M-Instruct)")
     src.add_argument("--model", help="a .gguf file, an HF config.json, or a directory holding one")
-    for flag, what in [("--num-layers", "decoder layers"), ("--num-kv-heads", "KV heads"),
-                       ("--head-dim", "head size"), ("--num-heads", "query heads"),
-                       ("--hidden-size", "hidden size"), ("--intermediate-size", "MLP size"),
-                       ("--vocab-size", "vocabulary size"), ("--num-params", "parameter count"),
-                       ("--max-model-len", "the model's context length"),
-                       ("--sliding-window", "sliding window (tokens)"),
-                       ("--full-attention-every", "with --sliding-window: every Nth layer is full")]:
+    for flag, what in [
+        ("--num-layers", "decoder layers"),
+        ("--num-kv-heads", "KV heads"),
+        ("--head-dim", "head size"),
+        ("--num-heads", "query heads"),
+        ("--hidden-size", "hidden size"),
+        ("--intermediate-size", "MLP size"),
+        ("--vocab-size", "vocabulary size"),
+        ("--num-params", "parameter count"),
+        ("--max-model-len", "the model's context length"),
+        ("--sliding-window", "sliding window (tokens)"),
+        ("--full-attention-every", "with --sliding-window: every Nth layer is full"),
+    ]:
         src.add_argument(flag, type=int, help=what)
-    mem = p.add_argument_group("memory (default: the engine's KV memory, "
-                               f"{fmt_bytes(DEFAULT_CPU_KV_CACHE_MEMORY)} on CPU)").add_mutually_exclusive_group()
-    mem.add_argument("--memory", "--kv-cache-memory", dest="memory", type=size_arg,
-                     help="KV cache budget, e.g. 8GiB")
-    mem.add_argument("--device-memory", type=size_arg,
-                     help="device size; weights, runtime and headroom are subtracted")
-    p.add_argument("--weight-dtype", default=None,
-                   help=f"weight storage: {', '.join(WEIGHT_DTYPE_BYTES)} or bytes/param (default: --dtype)")
-    p.add_argument("--runtime-memory", type=size_arg, default=None,
-                   help="runtime memory (activations, workspaces) instead of the built-in estimate")
-    p.add_argument("--headroom", type=float, default=0.1, help="headroom fraction of device memory (default 0.1)")
+    mem = p.add_argument_group(
+        f"memory (default: the engine's KV memory, {fmt_bytes(DEFAULT_CPU_KV_CACHE_MEMORY)} on CPU)"
+    ).add_mutually_exclusive_group()
+    mem.add_argument(
+        "--memory",
+        "--kv-cache-memory",
+        dest="memory",
+        type=size_arg,
+        help="KV cache budget, e.g. 8GiB",
+    )
+    mem.add_argument(
+        "--device-memory",
+        type=size_arg,
+        help="device size; weights, runtime and headroom are subtracted",
+    )
+    p.add_argument(
+        "--weight-dtype",
+        default=None,
+        help=f"weight storage: {', '.join(WEIGHT_DTYPE_BYTES)} or bytes/param (default: --dtype)",
+    )
+    p.add_argument(
+        "--runtime-memory",
+        type=size_arg,
+        default=None,
+        help="runtime memory (activations, workspaces) instead of the built-in estimate",
+    )
+    p.add_argument(
+        "--headroom",
+        type=float,
+        default=0.1,
+        help="headroom fraction of device memory (default 0.1)",
+    )
     # The engine's flags and defaults; --dtype takes any name the sizing knows (no choices).
-    EngineArgs.add_cli_args(p, include=("block_size", "dtype", "kv_cache_dtype"), overrides=dict(
-        dtype=dict(choices=None, help="model dtype, which the 'auto' KV dtype follows "
-                                      "(default %(default)s, the engine's)")))
-    p.add_argument("--kv-quant-mode", default=None, help="none, fp8_per_tensor, or a *_per_token_head mode")
-    p.add_argument("--context", type=int, default=None,
-                   help="max model length per request (default: the model's context length)")
+    EngineArgs.add_cli_args(
+        p,
+        include=("block_size", "dtype", "kv_cache_dtype"),
+        overrides=dict(
+            dtype=dict(
+                choices=None,
+                help="model dtype, which the 'auto' KV dtype follows "
+                "(default %(default)s, the engine's)",
+            )
+        ),
+    )
+    p.add_argument(
+        "--kv-quant-mode", default=None, help="none, fp8_per_tensor, or a *_per_token_head mode"
+    )
+    p.add_argument(
+        "--context",
+        type=int,
+        default=None,
+        help="max model length per request (default: the model's context length)",
+    )
     seqs = "max running sequences, for the runtime estimate (default %(default)s)"
-    EngineArgs.add_cli_args(p, include=("max_num_batched_tokens", "max_num_seqs"),
-                            overrides=dict(max_num_seqs=dict(help=seqs)))
+    EngineArgs.add_cli_args(
+        p,
+        include=("max_num_batched_tokens", "max_num_seqs"),
+        overrides=dict(max_num_seqs=dict(help=seqs)),
+    )
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=run)
     return p
 
 
-def summary_line(num_blocks: int, groups: Any, max_model_len: int, max_num_batched_tokens: int) -> str:
+def summary_line(
+    num_blocks: int, groups: Any, max_model_len: int, max_num_batched_tokens: int
+) -> str:
     """The one-line plan ``pagedkv plan``, ``serve``, ``generate`` and ``chat`` all print:
     blocks (null block included), bytes per block, token slots, and max concurrent requests at
     ``max_model_len``."""
@@ -127,14 +184,21 @@ def summary_line(num_blocks: int, groups: Any, max_model_len: int, max_num_batch
     block_size = gs[0].kv_cache_spec.block_size if gs else 0
     tokens = planning.max_num_tokens(num_blocks, gs, max_model_len, max_num_batched_tokens)
     conc = planning.get_max_concurrency(num_blocks, gs, max_model_len, max_num_batched_tokens)
-    return (f"KV cache: {num_blocks:,} blocks of {block_size} tokens x {bpb:,} B = {fmt_bytes(num_blocks * bpb)}, "
-            f"{tokens:,} tokens, max {conc:.2f} concurrent requests at max_model_len {max_model_len}")
+    return (
+        f"KV cache: {num_blocks:,} blocks of {block_size} tokens x {bpb:,} B = {fmt_bytes(num_blocks * bpb)}, "
+        f"{tokens:,} tokens, max {conc:.2f} concurrent requests at max_model_len {max_model_len}"
+    )
 
 
 def engine_summary_line(engine: Any) -> str:
     """`summary_line` of a built `LLMEngine`: what it really allocated."""
     kc = engine.kv_cache_config
-    return summary_line(kc.num_blocks, kc.kv_cache_groups, engine.max_model_len, engine.config.max_num_batched_tokens)
+    return summary_line(
+        kc.num_blocks,
+        kc.kv_cache_groups,
+        engine.max_model_len,
+        engine.config.max_num_batched_tokens,
+    )
 
 
 # ---------------------------------------------------------------- model
@@ -148,26 +212,43 @@ def build_model_config(args: argparse.Namespace) -> Any:
     if args.model is None and all(x is not None for x in shape_flags):
         heads = args.num_heads or args.num_kv_heads
         hidden = args.hidden_size or heads * args.head_dim
-        cfg = ModelConfig(architecture="custom", num_layers=args.num_layers, hidden_size=hidden,
-                          num_attention_heads=heads, num_kv_heads=args.num_kv_heads, head_dim=args.head_dim,
-                          intermediate_size=args.intermediate_size or 4 * hidden,
-                          vocab_size=args.vocab_size or 32000,
-                          max_position_embeddings=args.max_model_len or 4096,
-                          num_params=args.num_params or 0, name="custom (flags)")
+        cfg = ModelConfig(
+            architecture="custom",
+            num_layers=args.num_layers,
+            hidden_size=hidden,
+            num_attention_heads=heads,
+            num_kv_heads=args.num_kv_heads,
+            head_dim=args.head_dim,
+            intermediate_size=args.intermediate_size or 4 * hidden,
+            vocab_size=args.vocab_size or 32000,
+            max_position_embeddings=args.max_model_len or 4096,
+            num_params=args.num_params or 0,
+            name="custom (flags)",
+        )
     else:
         cfg = read_model_config(args.model)
-    overrides = {k: v for k, v in dict(
-        num_layers=args.num_layers, num_kv_heads=args.num_kv_heads, head_dim=args.head_dim,
-        num_attention_heads=args.num_heads, hidden_size=args.hidden_size,
-        intermediate_size=args.intermediate_size, vocab_size=args.vocab_size,
-        max_position_embeddings=args.max_model_len, sliding_window=args.sliding_window,
-    ).items() if v is not None}
+    overrides = {
+        k: v
+        for k, v in dict(
+            num_layers=args.num_layers,
+            num_kv_heads=args.num_kv_heads,
+            head_dim=args.head_dim,
+            num_attention_heads=args.num_heads,
+            hidden_size=args.hidden_size,
+            intermediate_size=args.intermediate_size,
+            vocab_size=args.vocab_size,
+            max_position_embeddings=args.max_model_len,
+            sliding_window=args.sliding_window,
+        ).items()
+        if v is not None
+    }
     if args.full_attention_every:
         if not (args.sliding_window or cfg.sliding_window):
             raise PlanError("--full-attention-every needs --sliding-window")
         n, k = overrides.get("num_layers", cfg.num_layers), args.full_attention_every
-        overrides["layer_types"] = ["full_attention" if (i + 1) % k == 0 else "sliding_attention"
-                                    for i in range(n)]
+        overrides["layer_types"] = [
+            "full_attention" if (i + 1) % k == 0 else "sliding_attention" for i in range(n)
+        ]
     if overrides:
         d = cfg.to_dict()
         d.update(overrides)
@@ -185,14 +266,27 @@ def build_model_config(args: argparse.Namespace) -> Any:
 # ---------------------------------------------------------------- planning
 
 
-def plan_row(cfg: Any, kv_budget: int, block_size: int, context: int, kv_cache_dtype: str,
-             kv_quant_mode: KVQuantMode | str | None, model_dtype: str, mnbt: int) -> dict[str, Any]:
+def plan_row(
+    cfg: Any,
+    kv_budget: int,
+    block_size: int,
+    context: int,
+    kv_cache_dtype: str,
+    kv_quant_mode: KVQuantMode | str | None,
+    model_dtype: str,
+    mnbt: int,
+) -> dict[str, Any]:
     """Every capacity number for one KV dtype/mode (usable blocks exclude the null block)."""
     # A Mamba hybrid runs with the block size the engine picks (an attention page holds a state).
-    block_size = align_hybrid_block_size(cfg.kv_cache_specs(1, kv_cache_dtype, kv_quant_mode, model_dtype), block_size)
+    block_size = align_hybrid_block_size(
+        cfg.kv_cache_specs(1, kv_cache_dtype, kv_quant_mode, model_dtype), block_size
+    )
     specs = cfg.kv_cache_specs(block_size, kv_cache_dtype, kv_quant_mode, model_dtype)
     groups = planning.as_groups(specs)
-    first = next((g.kv_cache_spec for g in groups if hasattr(g.kv_cache_spec, "dtype")), groups[0].kv_cache_spec)
+    first = next(
+        (g.kv_cache_spec for g in groups if hasattr(g.kv_cache_spec, "dtype")),
+        groups[0].kv_cache_spec,
+    )
     num_blocks = planning.num_blocks_from_memory(kv_budget, groups)
     return dict(
         kv_cache_dtype=first.dtype,
@@ -206,19 +300,41 @@ def plan_row(cfg: Any, kv_budget: int, block_size: int, context: int, kv_cache_d
         max_concurrency=planning.get_max_concurrency(num_blocks, groups, context, mnbt),
         blocks_per_request=planning.blocks_per_request(groups, context, mnbt),
         max_model_len_that_fits=planning.estimate_max_model_len(groups, kv_budget, context, mnbt)
-        if kv_budget > 0 else 0,
+        if kv_budget > 0
+        else 0,
     )
 
 
-def mode_row(cfg: Any, kv_budget: int, block_size: int, context: int, label: str, kv_cache_dtype: str,
-             kv_quant_mode: KVQuantMode | str | None, model_dtype: str, mnbt: int) -> dict[str, Any]:
+def mode_row(
+    cfg: Any,
+    kv_budget: int,
+    block_size: int,
+    context: int,
+    label: str,
+    kv_cache_dtype: str,
+    kv_quant_mode: KVQuantMode | str | None,
+    model_dtype: str,
+    mnbt: int,
+) -> dict[str, Any]:
     """One row of the all-modes table. A mode the model cannot use (e.g. per-token-head scales
     on layers of two geometries, whose pages are then no integer multiples of each other and
     cannot share one pool) is listed with ``supported: False`` and the reason, instead of
     refusing the whole plan: only the selected mode must be plannable."""
     try:
-        return dict(mode=label, supported=True, **plan_row(cfg, kv_budget, block_size, context, kv_cache_dtype,
-                                                           kv_quant_mode, model_dtype, mnbt))
+        return dict(
+            mode=label,
+            supported=True,
+            **plan_row(
+                cfg,
+                kv_budget,
+                block_size,
+                context,
+                kv_cache_dtype,
+                kv_quant_mode,
+                model_dtype,
+                mnbt,
+            ),
+        )
     except (ValueError, NotImplementedError) as e:
         return dict(mode=label, supported=False, reason=str(e))
 
@@ -232,11 +348,19 @@ def group_rows(groups: Any, context: int, mnbt: int) -> list[dict[str, Any]]:
     for g in planning.as_groups(groups):
         s = g.kv_cache_spec
         blocks = -(-s.max_memory_usage_bytes(context, mnbt) // s.page_size_bytes)
-        rows.append(dict(kind=s.kind, num_layers=len(g.layer_names), block_size=s.block_size,
-                         sliding_window=getattr(s, "sliding_window", None),
-                         attention_chunk_size=getattr(s, "attention_chunk_size", None),
-                         bytes_per_token=g.bytes_per_token, page_size_bytes=g.page_size_bytes,
-                         blocks_per_request=blocks, bytes_per_request=blocks * bpb))
+        rows.append(
+            dict(
+                kind=s.kind,
+                num_layers=len(g.layer_names),
+                block_size=s.block_size,
+                sliding_window=getattr(s, "sliding_window", None),
+                attention_chunk_size=getattr(s, "attention_chunk_size", None),
+                bytes_per_token=g.bytes_per_token,
+                page_size_bytes=g.page_size_bytes,
+                blocks_per_request=blocks,
+                bytes_per_request=blocks * bpb,
+            )
+        )
     return rows
 
 
@@ -253,7 +377,9 @@ def weight_dtype_bytes(name: str) -> float:
     try:
         return float(name)
     except ValueError:
-        raise PlanError(f"unknown --weight-dtype {name!r}: use {', '.join(WEIGHT_DTYPE_BYTES)} or a number") from None
+        raise PlanError(
+            f"unknown --weight-dtype {name!r}: use {', '.join(WEIGHT_DTYPE_BYTES)} or a number"
+        ) from None
 
 
 def make_plan(args: argparse.Namespace) -> dict[str, Any]:
@@ -279,52 +405,117 @@ def make_plan(args: argparse.Namespace) -> dict[str, Any]:
         if runtime is None:
             runtime_src = "estimate"
             runtime = planning.estimate_runtime_bytes(
-                hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
-                num_attention_heads=cfg.num_attention_heads, num_kv_heads=cfg.num_kv_heads,
-                head_dim=cfg.head_dim, vocab_size=cfg.vocab_size,
-                max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-                activation_dtype_bytes=dtype_size(model_dtype))
+                hidden_size=cfg.hidden_size,
+                intermediate_size=cfg.intermediate_size,
+                num_attention_heads=cfg.num_attention_heads,
+                num_kv_heads=cfg.num_kv_heads,
+                head_dim=cfg.head_dim,
+                vocab_size=cfg.vocab_size,
+                max_num_batched_tokens=args.max_num_batched_tokens,
+                max_num_seqs=args.max_num_seqs,
+                activation_dtype_bytes=dtype_size(model_dtype),
+            )
         try:
-            mb = planning.plan_device_memory(args.device_memory, cfg.num_params, weight_dtype_bytes(wdt),
-                                             runtime, args.headroom)
+            mb = planning.plan_device_memory(
+                args.device_memory, cfg.num_params, weight_dtype_bytes(wdt), runtime, args.headroom
+            )
         except ValueError as e:
             raise PlanError(str(e)) from None
         kv_budget = mb.kv_cache
-        memory = dict(source="--device-memory", device_memory=mb.device_memory, weight_dtype=wdt,
-                      weights=mb.weights, runtime=mb.runtime, runtime_source=runtime_src,
-                      headroom=mb.headroom, headroom_fraction=args.headroom, kv_cache=kv_budget)
+        memory = dict(
+            source="--device-memory",
+            device_memory=mb.device_memory,
+            weight_dtype=wdt,
+            weights=mb.weights,
+            runtime=mb.runtime,
+            runtime_source=runtime_src,
+            headroom=mb.headroom,
+            headroom_fraction=args.headroom,
+            kv_cache=kv_budget,
+        )
     try:
-        selected = plan_row(cfg, max(kv_budget, 0), args.block_size, context, args.kv_cache_dtype,
-                            args.kv_quant_mode, model_dtype, args.max_num_batched_tokens)
+        selected = plan_row(
+            cfg,
+            max(kv_budget, 0),
+            args.block_size,
+            context,
+            args.kv_cache_dtype,
+            args.kv_quant_mode,
+            model_dtype,
+            args.max_num_batched_tokens,
+        )
     except (ValueError, NotImplementedError) as e:
         raise PlanError(str(e)) from None
-    modes = [mode_row(cfg, max(kv_budget, 0), args.block_size, context, label, dt, mode, model_dtype,
-                      args.max_num_batched_tokens) for label, dt, mode in KV_MODES]
+    modes = [
+        mode_row(
+            cfg,
+            max(kv_budget, 0),
+            args.block_size,
+            context,
+            label,
+            dt,
+            mode,
+            model_dtype,
+            args.max_num_batched_tokens,
+        )
+        for label, dt, mode in KV_MODES
+    ]
     if "device_memory" in memory:
-        memory["c_tokens"] = max(kv_budget, 0) // selected["bytes_per_token"] if selected["bytes_per_token"] else 0
-    block_size = align_hybrid_block_size(cfg.kv_cache_specs(1, args.kv_cache_dtype, args.kv_quant_mode, model_dtype),
-                                         args.block_size)  # what the engine runs a Mamba hybrid with
+        memory["c_tokens"] = (
+            max(kv_budget, 0) // selected["bytes_per_token"] if selected["bytes_per_token"] else 0
+        )
+    block_size = align_hybrid_block_size(
+        cfg.kv_cache_specs(1, args.kv_cache_dtype, args.kv_quant_mode, model_dtype), args.block_size
+    )  # what the engine runs a Mamba hybrid with
     specs = cfg.kv_cache_specs(block_size, args.kv_cache_dtype, args.kv_quant_mode, model_dtype)
     try:
-        planning.check_enough_kv_cache_memory(specs, kv_budget, context, args.max_num_batched_tokens)
+        planning.check_enough_kv_cache_memory(
+            specs, kv_budget, context, args.max_num_batched_tokens
+        )
     except ValueError as e:
         where = ""
         if "device_memory" in memory:
-            where = (f" (KV budget = device {fmt_bytes(memory['device_memory'])} - weights "
-                     f"{fmt_bytes(memory['weights'])} - runtime {fmt_bytes(memory['runtime'])} - headroom "
-                     f"{fmt_bytes(memory['headroom'])} = {fmt_bytes(memory['kv_cache'])})")
+            where = (
+                f" (KV budget = device {fmt_bytes(memory['device_memory'])} - weights "
+                f"{fmt_bytes(memory['weights'])} - runtime {fmt_bytes(memory['runtime'])} - headroom "
+                f"{fmt_bytes(memory['headroom'])} = {fmt_bytes(memory['kv_cache'])})"
+            )
         raise PlanError(f"{e}{where}") from None
-    model = {k: v for k, v in dataclasses.asdict(cfg).items()
-             if k in ("name", "architecture", "num_layers", "num_attention_heads", "num_kv_heads",
-                      "head_dim", "hidden_size", "num_params", "max_position_embeddings",
-                      "sliding_window", "path")}
-    summary = summary_line(selected["num_blocks"], planning.as_groups(specs), context, args.max_num_batched_tokens)
+    model = {
+        k: v
+        for k, v in dataclasses.asdict(cfg).items()
+        if k
+        in (
+            "name",
+            "architecture",
+            "num_layers",
+            "num_attention_heads",
+            "num_kv_heads",
+            "head_dim",
+            "hidden_size",
+            "num_params",
+            "max_position_embeddings",
+            "sliding_window",
+            "path",
+        )
+    }
+    summary = summary_line(
+        selected["num_blocks"], planning.as_groups(specs), context, args.max_num_batched_tokens
+    )
     selected["groups"] = group_rows(planning.as_groups(specs), context, args.max_num_batched_tokens)
-    return dict(model=model, summary=summary, block_size=block_size, context=context, dtype=model_dtype,
-                max_num_batched_tokens=args.max_num_batched_tokens, memory=memory,
-                null_block="num_blocks includes the null block; usable = num_blocks - 1; "
-                           "max_tokens and max_concurrency count usable blocks only",
-                selected=selected, modes=modes)
+    return dict(
+        model=model,
+        summary=summary,
+        block_size=block_size,
+        context=context,
+        dtype=model_dtype,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        memory=memory,
+        null_block="num_blocks includes the null block; usable = num_blocks - 1; "
+        "max_tokens and max_concurrency count usable blocks only",
+        selected=selected,
+        modes=modes,
+    )
 
 
 # ---------------------------------------------------------------- output
@@ -338,15 +529,25 @@ def format_plan(plan: dict[str, Any]) -> str:
         f"{m['num_params'] / 1e6:.1f}M params, max len {m['max_position_embeddings']})",
     ]
     if mem["source"] == "--device-memory":
-        lines.append("memory (C_tokens = (M_HBM - M_weights - M_runtime - M_headroom) / M_KV/token):")
+        lines.append(
+            "memory (C_tokens = (M_HBM - M_weights - M_runtime - M_headroom) / M_KV/token):"
+        )
         lines.append(f"  M_HBM (device memory)   {fmt_bytes(mem['device_memory']):>12}")
-        lines.append(f"  - M_weights             {fmt_bytes(mem['weights']):>12}  "
-                     f"({m['num_params']:,} params x {mem['weight_dtype']})")
-        lines.append(f"  - M_runtime             {fmt_bytes(mem['runtime']):>12}  ({mem['runtime_source']})")
-        lines.append(f"  - M_headroom            {fmt_bytes(mem['headroom']):>12}  "
-                     f"({mem['headroom_fraction']:.0%} of device)")
+        lines.append(
+            f"  - M_weights             {fmt_bytes(mem['weights']):>12}  "
+            f"({m['num_params']:,} params x {mem['weight_dtype']})"
+        )
+        lines.append(
+            f"  - M_runtime             {fmt_bytes(mem['runtime']):>12}  ({mem['runtime_source']})"
+        )
+        lines.append(
+            f"  - M_headroom            {fmt_bytes(mem['headroom']):>12}  "
+            f"({mem['headroom_fraction']:.0%} of device)"
+        )
         lines.append(f"  = KV cache              {fmt_bytes(mem['kv_cache']):>12}")
-        lines.append(f"  C_tokens ~ {mem['c_tokens']:,} tokens at {sel['bytes_per_token']:,} B/token")
+        lines.append(
+            f"  C_tokens ~ {mem['c_tokens']:,} tokens at {sel['bytes_per_token']:,} B/token"
+        )
     else:
         lines.append(f"KV cache memory: {fmt_bytes(mem['kv_cache'])} ({mem['source']})")
     lines.append(plan["summary"])
@@ -362,10 +563,17 @@ def format_plan(plan: dict[str, Any]) -> str:
     ]
     if len(sel.get("groups", [])) > 1:
         for i, g in enumerate(sel["groups"]):
-            limit = (f" {g['sliding_window']}" if g["sliding_window"] else
-                     f" {g['attention_chunk_size']}" if g["attention_chunk_size"] else "")
-            lines.append(f"  group {i}: {g['kind']}{limit} x {g['num_layers']} layers, {g['bytes_per_token']:,} B/token,"
-                         f" {g['blocks_per_request']:,} blocks per request")
+            limit = (
+                f" {g['sliding_window']}"
+                if g["sliding_window"]
+                else f" {g['attention_chunk_size']}"
+                if g["attention_chunk_size"]
+                else ""
+            )
+            lines.append(
+                f"  group {i}: {g['kind']}{limit} x {g['num_layers']} layers, {g['bytes_per_token']:,} B/token,"
+                f" {g['blocks_per_request']:,} blocks per request"
+            )
     lines += ["", "all KV quantization modes:"]
     header = f"  {'mode':<25}{'dtype':<10}{'B/token':>9}{'B/block':>11}{'blocks':>11}{'max tokens':>13}{'max conc':>10}"
     lines.append(header)
@@ -373,9 +581,11 @@ def format_plan(plan: dict[str, Any]) -> str:
         if not r["supported"]:
             lines.append(f"  {r['mode']:<25}unsupported: {r['reason']}")
             continue
-        lines.append(f"  {r['mode']:<25}{r['kv_cache_dtype']:<10}{r['bytes_per_token']:>9,}"
-                     f"{r['bytes_per_block']:>11,}{r['num_blocks']:>11,}{r['max_tokens']:>13,}"
-                     f"{r['max_concurrency']:>10.2f}")
+        lines.append(
+            f"  {r['mode']:<25}{r['kv_cache_dtype']:<10}{r['bytes_per_token']:>9,}"
+            f"{r['bytes_per_block']:>11,}{r['num_blocks']:>11,}{r['max_tokens']:>13,}"
+            f"{r['max_concurrency']:>10.2f}"
+        )
     return "\n".join(lines)
 
 

@@ -23,7 +23,8 @@ Instances of a role are used round-robin. A failing instance (connection error, 
 skipped for --cooldown seconds and the request retried on the next one; if every prefill
 instance fails the decode instance computes the prompt itself; if every decode instance keeps
 failing for --retry-window seconds (rounds 0.5 s apart) the client gets 503. A stream cut
-mid-answer is continued on another instance from the tokens already sent. 4xx answers are returned as they are. /health is 200 while a decode
+mid-answer is continued on another instance from the tokens already sent. 4xx answers are
+returned as they are. /health is 200 while a decode
 instance is healthy; /v1/models comes from a decode instance. Prints "pagedkv proxy: listening
 on http://HOST:PORT" once it accepts connections (--port 0 picks a free port).
 """
@@ -36,24 +37,57 @@ examples:
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("proxy", help="prefill/decode disaggregation front end",
-                              description=DESCRIPTION, epilog=EXAMPLES,
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--prefill", nargs="+", required=True, metavar="URL",
-                   help="prefill instances (http://host:port), used round-robin")
-    p.add_argument("--decode", nargs="+", required=True, metavar="URL",
-                   help="decode instances (http://host:port), used round-robin")
+    p = subparsers.add_parser(
+        "proxy",
+        help="prefill/decode disaggregation front end",
+        description=DESCRIPTION,
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--prefill",
+        nargs="+",
+        required=True,
+        metavar="URL",
+        help="prefill instances (http://host:port), used round-robin",
+    )
+    p.add_argument(
+        "--decode",
+        nargs="+",
+        required=True,
+        metavar="URL",
+        help="decode instances (http://host:port), used round-robin",
+    )
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
-    p.add_argument("--cooldown", metavar="SECONDS", type=float, default=5.0,
-                   help="how long a failed instance is skipped (default 5)")
-    p.add_argument("--retry-window", metavar="SECONDS", type=float, default=30.0,
-                   help="how long a request keeps retrying (rounds 0.5 s apart) while every instance "
-                        "it could go to fails, e.g. restarting (default 30)")
-    p.add_argument("--timeout", metavar="SECONDS", type=float, default=600.0,
-                   help="longest wait for an instance's next bytes (default 600)")
-    p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"],
-                   help="log level; debug logs which instances served each request (default warning)")
+    p.add_argument(
+        "--cooldown",
+        metavar="SECONDS",
+        type=float,
+        default=5.0,
+        help="how long a failed instance is skipped (default 5)",
+    )
+    p.add_argument(
+        "--retry-window",
+        metavar="SECONDS",
+        type=float,
+        default=30.0,
+        help="how long a request keeps retrying (rounds 0.5 s apart) while every instance "
+        "it could go to fails, e.g. restarting (default 30)",
+    )
+    p.add_argument(
+        "--timeout",
+        metavar="SECONDS",
+        type=float,
+        default=600.0,
+        help="longest wait for an instance's next bytes (default 600)",
+    )
+    p.add_argument(
+        "--log-level",
+        default="warning",
+        choices=["debug", "info", "warning", "error"],
+        help="log level; debug logs which instances served each request (default warning)",
+    )
     p.set_defaults(func=run)
     return p
 
@@ -71,7 +105,9 @@ def run(args: argparse.Namespace) -> int:
     if not 0 <= args.port <= 65535:
         return fail("proxy", ValueError(f"invalid --port {args.port}"))
     if not args.cooldown >= 0 or not args.timeout > 0 or not args.retry_window >= 0:
-        return fail("proxy", ValueError("--cooldown and --retry-window must be >= 0 and --timeout > 0"))
+        return fail(
+            "proxy", ValueError("--cooldown and --retry-window must be >= 0 and --timeout > 0")
+        )
     try:
         prefill = [_check_url(u) for u in args.prefill]
         decode = [_check_url(u) for u in args.decode]

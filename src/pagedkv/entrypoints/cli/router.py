@@ -54,37 +54,97 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     from pagedkv.router.scoring import POLICIES, RoutingWeights
 
     w = RoutingWeights()
-    p = subparsers.add_parser("router", help="KV-aware router over several servers",
-                              description=DESCRIPTION, epilog=EXAMPLES,
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--replica", "--prefill", dest="replica", nargs="+", action="extend", required=True,
-                   metavar="URL[,events=tcp://H:P][,replay=tcp://H:P]",
-                   help="replicas (repeatable); with --decode, the prefill pool. events=/replay= "
-                        "override the KV event endpoints the replica reports")
-    p.add_argument("--decode", nargs="+", action="extend", default=None, metavar="URL",
-                   help="decode instances: prefill/decode pools (see above)")
+    p = subparsers.add_parser(
+        "router",
+        help="KV-aware router over several servers",
+        description=DESCRIPTION,
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--replica",
+        "--prefill",
+        dest="replica",
+        nargs="+",
+        action="extend",
+        required=True,
+        metavar="URL[,events=tcp://H:P][,replay=tcp://H:P]",
+        help="replicas (repeatable); with --decode, the prefill pool. events=/replay= "
+        "override the KV event endpoints the replica reports",
+    )
+    p.add_argument(
+        "--decode",
+        nargs="+",
+        action="extend",
+        default=None,
+        metavar="URL",
+        help="decode instances: prefill/decode pools (see above)",
+    )
     p.add_argument("--policy", choices=POLICIES, default="kv", help="routing policy (default kv)")
-    p.add_argument("--overlap-weight", type=float, default=w.overlap, metavar="W",
-                   help=f"weight of the blocks to prefill (Dynamo's overlap_score_weight; default {w.overlap:g})")
-    p.add_argument("--load-weight", type=float, default=w.load, metavar="W",
-                   help=f"weight of the load term (default {w.load:g})")
-    p.add_argument("--tier-credit", type=float, default=w.tier_credit, metavar="C",
-                   help=f"what a block held only in an offload tier is worth, 0..1 (default {w.tier_credit:g})")
-    p.add_argument("--temperature", type=float, default=w.temperature, metavar="T",
-                   help="0: lowest cost wins; > 0: sample with probability ~ exp(-cost/T) (default 0)")
-    p.add_argument("--tokenizer", default=None, metavar="PATH",
-                   help="the model's tokenizer (HF directory or .gguf; default: the replica's model path)")
+    p.add_argument(
+        "--overlap-weight",
+        type=float,
+        default=w.overlap,
+        metavar="W",
+        help=f"weight of the blocks to prefill (Dynamo's overlap_score_weight; default {w.overlap:g})",
+    )
+    p.add_argument(
+        "--load-weight",
+        type=float,
+        default=w.load,
+        metavar="W",
+        help=f"weight of the load term (default {w.load:g})",
+    )
+    p.add_argument(
+        "--tier-credit",
+        type=float,
+        default=w.tier_credit,
+        metavar="C",
+        help=f"what a block held only in an offload tier is worth, 0..1 (default {w.tier_credit:g})",
+    )
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=w.temperature,
+        metavar="T",
+        help="0: lowest cost wins; > 0: sample with probability ~ exp(-cost/T) (default 0)",
+    )
+    p.add_argument(
+        "--tokenizer",
+        default=None,
+        metavar="PATH",
+        help="the model's tokenizer (HF directory or .gguf; default: the replica's model path)",
+    )
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
-    p.add_argument("--health-interval", metavar="SECONDS", type=float, default=1.0,
-                   help="how often each replica's /metrics is scraped (default 1)")
-    p.add_argument("--startup-timeout", metavar="SECONDS", type=float, default=60.0,
-                   help="how long to wait for the replicas at start (default 60)")
-    p.add_argument("--timeout", metavar="SECONDS", type=float, default=600.0,
-                   help="longest wait for a replica's next bytes (default 600)")
+    p.add_argument(
+        "--health-interval",
+        metavar="SECONDS",
+        type=float,
+        default=1.0,
+        help="how often each replica's /metrics is scraped (default 1)",
+    )
+    p.add_argument(
+        "--startup-timeout",
+        metavar="SECONDS",
+        type=float,
+        default=60.0,
+        help="how long to wait for the replicas at start (default 60)",
+    )
+    p.add_argument(
+        "--timeout",
+        metavar="SECONDS",
+        type=float,
+        default=600.0,
+        help="longest wait for a replica's next bytes (default 600)",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of --temperature sampling (default 0)")
-    p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"],
-                   help="log level (default warning)")
+    p.add_argument(
+        "--log-level",
+        default="warning",
+        choices=["debug", "info", "warning", "error"],
+        help="log level (default warning)",
+    )
     p.set_defaults(func=run)
     return p
 
@@ -97,11 +157,21 @@ def run(args: argparse.Namespace) -> int:
 
     if not 0 <= args.port <= 65535:
         return fail("router", ValueError(f"invalid --port {args.port}"))
-    if not (args.overlap_weight >= 0 and args.load_weight >= 0 and 0 <= args.tier_credit <= 1
-            and args.temperature >= 0):
-        return fail("router", ValueError("weights must be >= 0, --tier-credit in [0, 1], --temperature >= 0"))
+    if not (
+        args.overlap_weight >= 0
+        and args.load_weight >= 0
+        and 0 <= args.tier_credit <= 1
+        and args.temperature >= 0
+    ):
+        return fail(
+            "router",
+            ValueError("weights must be >= 0, --tier-credit in [0, 1], --temperature >= 0"),
+        )
     if not (args.health_interval > 0 and args.timeout > 0 and args.startup_timeout >= 0):
-        return fail("router", ValueError("--health-interval and --timeout must be > 0, --startup-timeout >= 0"))
+        return fail(
+            "router",
+            ValueError("--health-interval and --timeout must be > 0, --startup-timeout >= 0"),
+        )
     try:
         specs = [ReplicaSpec.parse(r) for r in args.replica]
         for u in args.decode or []:
@@ -113,10 +183,17 @@ def run(args: argparse.Namespace) -> int:
         sock = bind_socket(args.host, args.port)
     except OSError as e:
         return fail("router", OSError(f"cannot bind {args.host}:{args.port}: {e.strerror or e}"))
-    options = RouterOptions(policy=args.policy, weights=RoutingWeights(args.overlap_weight, args.tier_credit,
-                                                                      args.load_weight, args.temperature),
-                            health_interval=args.health_interval, timeout=args.timeout,
-                            startup_timeout=args.startup_timeout, tokenizer=args.tokenizer, seed=args.seed)
+    options = RouterOptions(
+        policy=args.policy,
+        weights=RoutingWeights(
+            args.overlap_weight, args.tier_credit, args.load_weight, args.temperature
+        ),
+        health_interval=args.health_interval,
+        timeout=args.timeout,
+        startup_timeout=args.startup_timeout,
+        tokenizer=args.tokenizer,
+        seed=args.seed,
+    )
     try:
         app = create_router_app(specs, options, decode=args.decode)
     except RouterConfigError as e:
@@ -124,9 +201,12 @@ def run(args: argparse.Namespace) -> int:
         return fail("router", e)
     state = app.state.router
     ref = state.reference
-    print(f"pagedkv router: {args.policy} over {len(specs)} replicas "
-          f"({sum(r.up for r in state.replicas.values())} up); block size {ref.block_size}, "
-          f"{ref.hash_algo}; {len(state.index)} blocks indexed", flush=True)
+    print(
+        f"pagedkv router: {args.policy} over {len(specs)} replicas "
+        f"({sum(r.up for r in state.replicas.values())} up); block size {ref.block_size}, "
+        f"{ref.hash_algo}; {len(state.index)} blocks indexed",
+        flush=True,
+    )
     return serve_on_socket(app, sock, "router", args.log_level)
 
 

@@ -50,41 +50,86 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     from pagedkv.engine.arg_utils import KV_EVENTS_ARGS, SCHEDULER_ARGS, EngineArgs, size_arg
     from pagedkv.entrypoints.cli.generate import add_engine_args
 
-    p = subparsers.add_parser("serve", help="run the OpenAI-compatible server",
-                              description=DESCRIPTION, epilog=EXAMPLES,
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = subparsers.add_parser(
+        "serve",
+        help="run the OpenAI-compatible server",
+        description=DESCRIPTION,
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
-    p.add_argument("--served-model-name", default=None,
-                   help="the model name clients use (default: derived from --model)")
-    p.add_argument("--max-queue-size", type=int, default=256,
-                   help="requests allowed to wait beyond --max-num-seqs; more get 503 (default 256)")
-    p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"],
-                   help="log level; info logs one access line per request (default warning)")
+    p.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the model name clients use (default: derived from --model)",
+    )
+    p.add_argument(
+        "--max-queue-size",
+        type=int,
+        default=256,
+        help="requests allowed to wait beyond --max-num-seqs; more get 503 (default 256)",
+    )
+    p.add_argument(
+        "--log-level",
+        default="warning",
+        choices=["debug", "info", "warning", "error"],
+        help="log level; info logs one access line per request (default warning)",
+    )
     o = p.add_argument_group("metrics and stats")
-    o.add_argument("--metrics-prefix", default="pagedkv", choices=["pagedkv", "vllm"],
-                   help="name prefix of the /metrics series; 'vllm' exports vLLM's exact names, so "
-                        "dashboards made for vLLM work (default pagedkv)")
-    o.add_argument("--log-stats-interval", metavar="SECONDS", type=float, default=10.0,
-                   help="log a throughput / queue / KV usage line this often while busy; 0 turns "
-                        "it off (default 10)")
+    o.add_argument(
+        "--metrics-prefix",
+        default="pagedkv",
+        choices=["pagedkv", "vllm"],
+        help="name prefix of the /metrics series; 'vllm' exports vLLM's exact names, so "
+        "dashboards made for vLLM work (default pagedkv)",
+    )
+    o.add_argument(
+        "--log-stats-interval",
+        metavar="SECONDS",
+        type=float,
+        default=10.0,
+        help="log a throughput / queue / KV usage line this often while busy; 0 turns "
+        "it off (default 10)",
+    )
     s = p.add_argument_group("security")
-    s.add_argument("--api-key", metavar="KEY", default=envs.PAGEDKV_API_KEY,
-                   help="require 'Authorization: Bearer KEY' on /v1/* and /reset_prefix_cache "
-                        "(default: the PAGEDKV_API_KEY environment variable; /health, /metrics "
-                        "and the read-only dashboard stay open)")
-    s.add_argument("--max-request-bytes", metavar="SIZE", type=size_arg, default=8 * 2**20,
-                   help="largest request body accepted, e.g. 8MiB; larger ones get 413 (default 8MiB)")
+    s.add_argument(
+        "--api-key",
+        metavar="KEY",
+        default=envs.PAGEDKV_API_KEY,
+        help="require 'Authorization: Bearer KEY' on /v1/* and /reset_prefix_cache "
+        "(default: the PAGEDKV_API_KEY environment variable; /health, /metrics "
+        "and the read-only dashboard stay open)",
+    )
+    s.add_argument(
+        "--max-request-bytes",
+        metavar="SIZE",
+        type=size_arg,
+        default=8 * 2**20,
+        help="largest request body accepted, e.g. 8MiB; larger ones get 413 (default 8MiB)",
+    )
     EngineArgs.add_cli_args(add_engine_args(p), include=SCHEDULER_ARGS)
     e = p.add_argument_group("KV events (vLLM's ZMQ wire format)")
     EngineArgs.add_cli_args(e, include=KV_EVENTS_ARGS)
-    e.add_argument("--kv-events-endpoint", default="tcp://127.0.0.1:5557",
-                   help="PUB endpoint to bind (default tcp://127.0.0.1:5557; port 0 = free port)")
-    e.add_argument("--kv-events-replay-endpoint", default=None,
-                   help="ROUTER endpoint to bind for replays (default: no replay)")
-    e.add_argument("--kv-events-buffer-steps", type=int, default=10_000,
-                   help="batches kept for replay (default 10000)")
-    e.add_argument("--kv-events-topic", default="", help="topic frame of every message (default empty)")
+    e.add_argument(
+        "--kv-events-endpoint",
+        default="tcp://127.0.0.1:5557",
+        help="PUB endpoint to bind (default tcp://127.0.0.1:5557; port 0 = free port)",
+    )
+    e.add_argument(
+        "--kv-events-replay-endpoint",
+        default=None,
+        help="ROUTER endpoint to bind for replays (default: no replay)",
+    )
+    e.add_argument(
+        "--kv-events-buffer-steps",
+        type=int,
+        default=10_000,
+        help="batches kept for replay (default 10000)",
+    )
+    e.add_argument(
+        "--kv-events-topic", default="", help="topic frame of every message (default empty)"
+    )
     p.set_defaults(func=run)
     return p
 
@@ -114,9 +159,15 @@ def bind_socket(host: str, port: int) -> socket.socket:
 def _uvicorn_server(app: Any, log_level: str) -> Any:
     import uvicorn
 
-    config = uvicorn.Config(app, log_level=log_level, lifespan="on", timeout_graceful_shutdown=2,
-                            # The app logs each request itself, with its duration.
-                            access_log=False, timeout_keep_alive=30)
+    config = uvicorn.Config(
+        app,
+        log_level=log_level,
+        lifespan="on",
+        timeout_graceful_shutdown=2,
+        # The app logs each request itself, with its duration.
+        access_log=False,
+        timeout_keep_alive=30,
+    )
     return uvicorn.Server(config)
 
 
@@ -145,16 +196,25 @@ def run(args: argparse.Namespace) -> int:
     from pagedkv.entrypoints.openai.api_server import KVEventsOptions, create_app
 
     if args.max_queue_size < 0:
-        return fail("serve", ValueError(f"invalid --max-queue-size {args.max_queue_size}: must be >= 0"))
+        return fail(
+            "serve", ValueError(f"invalid --max-queue-size {args.max_queue_size}: must be >= 0")
+        )
     if not 0 <= args.port <= 65535:
         return fail("serve", ValueError(f"invalid --port {args.port}"))
     if args.api_key is not None and not args.api_key.strip():
         return fail("serve", ValueError("invalid --api-key: must not be empty"))
     if not args.log_stats_interval >= 0:
-        return fail("serve", ValueError(f"invalid --log-stats-interval {args.log_stats_interval}: must be >= 0"))
+        return fail(
+            "serve",
+            ValueError(f"invalid --log-stats-interval {args.log_stats_interval}: must be >= 0"),
+        )
     if args.max_request_bytes < 1:
-        return fail("serve", ValueError(f"invalid --max-request-bytes {args.max_request_bytes}: must be >= 1"))
+        return fail(
+            "serve",
+            ValueError(f"invalid --max-request-bytes {args.max_request_bytes}: must be >= 1"),
+        )
     from pagedkv.entrypoints.cli.common import CLIError
+
     try:
         config = engine_config(args)
     except (ValueError, CLIError) as e:
@@ -166,9 +226,19 @@ def run(args: argparse.Namespace) -> int:
         return fail("serve", OSError(f"cannot bind {args.host}:{args.port}: {e.strerror or e}"))
     kv_events = None
     if args.enable_kv_cache_events:
-        kv_events = KVEventsOptions(args.kv_events_endpoint, args.kv_events_replay_endpoint,
-                                    args.kv_events_buffer_steps, args.kv_events_topic)
-    from pagedkv.entrypoints.cli.generate import CLIError, loading_progress, preflight, print_kv_summary
+        kv_events = KVEventsOptions(
+            args.kv_events_endpoint,
+            args.kv_events_replay_endpoint,
+            args.kv_events_buffer_steps,
+            args.kv_events_topic,
+        )
+    from pagedkv.entrypoints.cli.generate import (
+        CLIError,
+        loading_progress,
+        preflight,
+        print_kv_summary,
+    )
+
     try:
         model_config = preflight(config)  # bad model, KV cache too small: fail before loading
     except CLIError as e:
@@ -176,9 +246,14 @@ def run(args: argparse.Namespace) -> int:
         return fail("serve", e)
     try:
         with loading_progress("serve", f"model {model_config.name}"):
-            app = create_app(config, served_model_name=args.served_model_name, api_key=args.api_key,
-                             max_request_bytes=args.max_request_bytes,
-                             max_queue_size=args.max_queue_size, kv_events=kv_events)
+            app = create_app(
+                config,
+                served_model_name=args.served_model_name,
+                api_key=args.api_key,
+                max_request_bytes=args.max_request_bytes,
+                max_queue_size=args.max_queue_size,
+                kv_events=kv_events,
+            )
     except (ValueError, FileNotFoundError, NotImplementedError) as e:
         sock.close()
         return fail("serve", e)
@@ -189,14 +264,18 @@ def run(args: argparse.Namespace) -> int:
     shown = f"[{host}]" if ":" in host else host
     state = app.state.pagedkv
     from pagedkv.entrypoints.stat_logger import configure_server_stats
+
     configure_server_stats(state, args.metrics_prefix, args.log_stats_interval)
     pub = state.kv_event_publisher
     if pub is not None:
         replay = f" (replay {pub.replay_endpoint})" if pub.replay_endpoint else ""
         print(f"pagedkv serve: kv events on {pub.endpoint}{replay}", flush=True)
     print_kv_summary("serve", state.async_llm.engine)
-    print(f"pagedkv serve: model {state.served_model_name}, "
-          f"{state.async_llm.engine.kv_cache_config.num_blocks} KV blocks", flush=True)
+    print(
+        f"pagedkv serve: model {state.served_model_name}, "
+        f"{state.async_llm.engine.kv_cache_config.num_blocks} KV blocks",
+        flush=True,
+    )
     if args.api_key is not None:
         print("pagedkv serve: API key required on /v1/* and /reset_prefix_cache", flush=True)
     print(f"pagedkv serve: listening on http://{shown}:{port}", flush=True)
@@ -218,7 +297,9 @@ class BackgroundServer:
     uvicorn down, which runs the app's lifespan shutdown (the engine loop stops with it).
     """
 
-    def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning") -> None:
+    def __init__(
+        self, app: Any, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"
+    ) -> None:
         self.app = app
         self.sock = bind_socket(host, port)
         self.host, self.port = self.sock.getsockname()[:2]

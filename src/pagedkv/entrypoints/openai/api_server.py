@@ -56,10 +56,19 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from pagedkv.engine.async_llm import AsyncLLM, EngineDeadError
-from pagedkv.entrypoints.openai import protocol as P
-from pagedkv.entrypoints.openai.errors import APIError, engine_error, install_exception_handlers, unavailable
 from pagedkv.entrypoints.metrics import ServerMetrics
-from pagedkv.entrypoints.openai.middleware import AccessLogMiddleware, APIKeyMiddleware, MaxBodySizeMiddleware
+from pagedkv.entrypoints.openai import protocol as P
+from pagedkv.entrypoints.openai.errors import (
+    APIError,
+    engine_error,
+    install_exception_handlers,
+    unavailable,
+)
+from pagedkv.entrypoints.openai.middleware import (
+    AccessLogMiddleware,
+    APIKeyMiddleware,
+    MaxBodySizeMiddleware,
+)
 from pagedkv.entrypoints.openai.serving_chat import create_chat_completion
 from pagedkv.entrypoints.openai.serving_completion import create_completion
 from pagedkv.entrypoints.openai.serving_engine import ServerState, server_state
@@ -77,9 +86,12 @@ DEFAULT_MAX_REQUEST_BYTES = 8 * 2**20
 async def list_models(request: Request) -> Response:
     state = server_state(request)
     eng = state.async_llm.engine
-    card = P.ModelCard(id=state.served_model_name, created=int(state.started),
-                       root=str(eng.config.model) if eng.config.model else state.served_model_name,
-                       max_model_len=eng.max_model_len)
+    card = P.ModelCard(
+        id=state.served_model_name,
+        created=int(state.started),
+        root=str(eng.config.model) if eng.config.model else state.served_model_name,
+        max_model_len=eng.max_model_len,
+    )
     return JSONResponse(P.ModelList(data=[card]).model_dump())
 
 
@@ -103,8 +115,14 @@ async def reset_prefix_cache(request: Request) -> Response:
     except EngineDeadError as e:
         raise engine_error(e, "") from None
     if not ok:
-        raise APIError(409, "the prefix cache cannot be reset while requests hold KV blocks; "
-                       "retry when the server is idle", "conflict_error", None, "blocks_in_use")
+        raise APIError(
+            409,
+            "the prefix cache cannot be reset while requests hold KV blocks; "
+            "retry when the server is idle",
+            "conflict_error",
+            None,
+            "blocks_in_use",
+        )
     return JSONResponse({"success": True})
 
 
@@ -119,9 +137,12 @@ async def debug_kv_cache(request: Request) -> Response:
 
     def check(e: LLMEngine) -> dict[str, Any]:
         out: dict[str, Any] = {
-            "num_blocks": e.kv_cache_config.num_blocks, "num_free_blocks": e.kv_cache_manager.num_free_blocks,
-            "num_running": e.scheduler.num_running, "num_waiting": e.scheduler.num_waiting,
-            "invariants_ok": True}
+            "num_blocks": e.kv_cache_config.num_blocks,
+            "num_free_blocks": e.kv_cache_manager.num_free_blocks,
+            "num_running": e.scheduler.num_running,
+            "num_waiting": e.scheduler.num_waiting,
+            "invariants_ok": True,
+        }
         try:
             e.check_invariants()
         except AssertionError as err:
@@ -165,20 +186,39 @@ async def kv_cache_config(request: Request) -> Response:
     cfg = eng.config
     path = resolve_model_path(cfg.model)
     tok = eng.tokenizer
-    tok_desc = None if tok is None else json.dumps(
-        [tok.vocab_size, tok.bos_token_id, tok.eos_token_id, tok.chat_template], default=str)
+    tok_desc = (
+        None
+        if tok is None
+        else json.dumps(
+            [tok.vocab_size, tok.bos_token_id, tok.eos_token_id, tok.chat_template], default=str
+        )
+    )
     pub = state.kv_event_publisher
-    return JSONResponse({
-        "model": state.served_model_name, "model_path": str(path),
-        "model_identity": await asyncio.to_thread(_model_identity, str(path)),
-        "tokenizer": None if tok_desc is None else hashlib.sha256(tok_desc.encode()).hexdigest()[:16],
-        "block_size": cfg.block_size, "hash_algo": cfg.prefix_caching_hash_algo,
-        "hash_seed": resolve_none_hash_seed(get_hash_fn_by_name(cfg.prefix_caching_hash_algo)),
-        "num_blocks": eng.kv_cache_config.num_blocks, "enable_prefix_caching": cfg.enable_prefix_caching,
-        "kv_cache_medium": eng.kv_cache_manager.block_pool.medium, "started": state.started,
-        "kv_cache_groups": kv_cache_groups_info(eng),
-        "kv_events": None if pub is None else {"endpoint": pub.endpoint, "replay_endpoint": pub.replay_endpoint,
-                                               "topic": pub.topic.decode()}})
+    return JSONResponse(
+        {
+            "model": state.served_model_name,
+            "model_path": str(path),
+            "model_identity": await asyncio.to_thread(_model_identity, str(path)),
+            "tokenizer": None
+            if tok_desc is None
+            else hashlib.sha256(tok_desc.encode()).hexdigest()[:16],
+            "block_size": cfg.block_size,
+            "hash_algo": cfg.prefix_caching_hash_algo,
+            "hash_seed": resolve_none_hash_seed(get_hash_fn_by_name(cfg.prefix_caching_hash_algo)),
+            "num_blocks": eng.kv_cache_config.num_blocks,
+            "enable_prefix_caching": cfg.enable_prefix_caching,
+            "kv_cache_medium": eng.kv_cache_manager.block_pool.medium,
+            "started": state.started,
+            "kv_cache_groups": kv_cache_groups_info(eng),
+            "kv_events": None
+            if pub is None
+            else {
+                "endpoint": pub.endpoint,
+                "replay_endpoint": pub.replay_endpoint,
+                "topic": pub.topic.decode(),
+            },
+        }
+    )
 
 
 # ---- app -----------------------------------------------------------------------------------------
@@ -192,9 +232,15 @@ def check_server_options(api_key: str | None, max_request_bytes: int | None) -> 
         raise ValueError(f"invalid max_request_bytes {max_request_bytes}: must be >= 1")
 
 
-def build_app(async_llm: AsyncLLM, *, served_model_name: str | None = None,
-              kv_event_publisher: Any = None, owns_engine: bool = True, api_key: str | None = None,
-              max_request_bytes: int | None = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
+def build_app(
+    async_llm: AsyncLLM,
+    *,
+    served_model_name: str | None = None,
+    kv_event_publisher: Any = None,
+    owns_engine: bool = True,
+    api_key: str | None = None,
+    max_request_bytes: int | None = DEFAULT_MAX_REQUEST_BYTES,
+) -> FastAPI:
     """The FastAPI app serving ``async_llm``. With ``owns_engine`` the app shuts the engine
     (and the event publisher) down when it stops. With ``api_key`` every route but
     `OPEN_PATHS` needs ``Authorization: Bearer <api_key>``; bodies over ``max_request_bytes``
@@ -258,10 +304,16 @@ class KVEventsOptions:
     topic: str = ""
 
 
-def create_app(config: Any = None, *, served_model_name: str | None = None,
-               max_queue_size: int | None = None, kv_events: KVEventsOptions | None = None,
-               engine: Any = None, api_key: str | None = None,
-               max_request_bytes: int | None = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
+def create_app(
+    config: Any = None,
+    *,
+    served_model_name: str | None = None,
+    max_queue_size: int | None = None,
+    kv_events: KVEventsOptions | None = None,
+    engine: Any = None,
+    api_key: str | None = None,
+    max_request_bytes: int | None = DEFAULT_MAX_REQUEST_BYTES,
+) -> FastAPI:
     """Load the engine (an `EngineConfig`, or an existing ``engine``), start the engine loop
     and the KV event publisher (when ``kv_events`` is given; it forces
     ``enable_kv_cache_events``) and return the app (``api_key``, ``max_request_bytes``: see
@@ -282,7 +334,9 @@ def create_app(config: Any = None, *, served_model_name: str | None = None,
             publisher = _make_publisher(kv_events)
         try:
             # The engine is built on its own thread (see AsyncLLM): faster steps on CPU.
-            async_llm = AsyncLLM(config=config, max_queue_size=queue_size, event_publisher=publisher)
+            async_llm = AsyncLLM(
+                config=config, max_queue_size=queue_size, event_publisher=publisher
+            )
         except BaseException:
             if publisher is not None:
                 publisher.shutdown()
@@ -293,13 +347,18 @@ def create_app(config: Any = None, *, served_model_name: str | None = None,
                 raise ValueError("kv_events needs an engine built with enable_kv_cache_events=True")
             publisher = _make_publisher(kv_events)
         async_llm = AsyncLLM(engine, max_queue_size=queue_size, event_publisher=publisher)
-    return build_app(async_llm, served_model_name=served_model_name, kv_event_publisher=publisher,
-                     api_key=api_key, max_request_bytes=max_request_bytes)
+    return build_app(
+        async_llm,
+        served_model_name=served_model_name,
+        kv_event_publisher=publisher,
+        api_key=api_key,
+        max_request_bytes=max_request_bytes,
+    )
 
 
 def _make_publisher(opts: KVEventsOptions) -> Any:
     from pagedkv.core.event_transport import ZmqEventPublisher
 
-    return ZmqEventPublisher(opts.endpoint, opts.replay_endpoint, buffer_steps=opts.buffer_steps,
-                             topic=opts.topic)
-
+    return ZmqEventPublisher(
+        opts.endpoint, opts.replay_endpoint, buffer_steps=opts.buffer_steps, topic=opts.topic
+    )

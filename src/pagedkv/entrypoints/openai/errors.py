@@ -27,16 +27,32 @@ class APIError(Exception):
     """An HTTP error answered as OpenAI's error JSON: ``status``, ``message``, ``type``,
     ``param`` (the request field at fault, or None), ``code`` and extra response headers."""
 
-    def __init__(self, status: int, message: str, type_: str, param: str | None = None,
-                 code: int | str | None = None, headers: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type_: str,
+        param: str | None = None,
+        code: int | str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.status, self.message, self.type, self.param, self.code = (
+            status,
+            message,
+            type_,
+            param,
+            code,
+        )
         self.headers = headers
 
     def body(self) -> P.ErrorResponse:
         """The error JSON (also sent as an SSE event once a stream has started)."""
-        return P.ErrorResponse(error=P.ErrorInfo(message=self.message, type=self.type,
-                                                 param=self.param, code=self.code))
+        return P.ErrorResponse(
+            error=P.ErrorInfo(
+                message=self.message, type=self.type, param=self.param, code=self.code
+            )
+        )
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body().model_dump(), status_code=self.status, headers=self.headers)
@@ -49,7 +65,9 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 
 def unavailable(message: str, code: str, type_: str = "server_error") -> APIError:
     """A 503 with ``Retry-After``: the engine is down, or its queue is full."""
-    return APIError(503, message, type_, None, code, headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
+    return APIError(
+        503, message, type_, None, code, headers={"Retry-After": str(RETRY_AFTER_SECONDS)}
+    )
 
 
 def internal_error(e: BaseException) -> APIError:
@@ -90,8 +108,14 @@ def install_exception_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException) -> Response:
         type_ = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return APIError(exc.status_code, str(exc.detail), type_, None, exc.status_code,
-                        headers=getattr(exc, "headers", None)).response()
+        return APIError(
+            exc.status_code,
+            str(exc.detail),
+            type_,
+            None,
+            exc.status_code,
+            headers=getattr(exc, "headers", None),
+        ).response()
 
     @app.exception_handler(Exception)
     async def _internal(_: Request, exc: Exception) -> Response:

@@ -29,8 +29,19 @@ DRAIN_TIMEOUT_S = 5.0
 # Routes that stay open when an API key is set (as in vLLM: health, metrics; the read-only
 # dashboard and API docs too). Everything else (/v1/*, /reset_prefix_cache, unknown paths)
 # needs ``Authorization: Bearer KEY``.
-OPEN_PATHS = frozenset({"/", "/health", "/metrics", "/dashboard", "/dashboard/state",
-                        "/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"})
+OPEN_PATHS = frozenset(
+    {
+        "/",
+        "/health",
+        "/metrics",
+        "/dashboard",
+        "/dashboard/state",
+        "/docs",
+        "/docs/oauth2-redirect",
+        "/redoc",
+        "/openapi.json",
+    }
+)
 
 
 class AccessLogMiddleware:
@@ -57,8 +68,14 @@ class AccessLogMiddleware:
             await self.app(scope, receive, send_)
         finally:
             client = scope.get("client")
-            access_logger.info('%s - "%s %s" %d %.1f ms', f"{client[0]}:{client[1]}" if client else "-",
-                               scope["method"], scope["path"], status, (time.perf_counter() - t0) * 1e3)
+            access_logger.info(
+                '%s - "%s %s" %d %.1f ms',
+                f"{client[0]}:{client[1]}" if client else "-",
+                scope["method"],
+                scope["path"],
+                status,
+                (time.perf_counter() - t0) * 1e3,
+            )
 
 
 class APIKeyMiddleware:
@@ -79,10 +96,19 @@ class APIKeyMiddleware:
         return hmac.compare_digest(token.strip(), self.key) and scheme.lower() == b"bearer"
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS and not self.authorized(scope):
-            err = APIError(401, "invalid or missing API key: send the header 'Authorization: Bearer <key>'",
-                           "invalid_request_error", None, "invalid_api_key",
-                           headers={"WWW-Authenticate": "Bearer"})
+        if (
+            scope["type"] == "http"
+            and scope["path"] not in OPEN_PATHS
+            and not self.authorized(scope)
+        ):
+            err = APIError(
+                401,
+                "invalid or missing API key: send the header 'Authorization: Bearer <key>'",
+                "invalid_request_error",
+                None,
+                "invalid_api_key",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
             await err.response()(scope, receive, send)
             return
         await self.app(scope, receive, send)
@@ -110,9 +136,15 @@ class MaxBodySizeMiddleware:
         self.max_bytes = max_bytes
 
     def too_large(self) -> APIError:
-        return APIError(413, f"the request body is larger than this server's limit of {self.max_bytes} "
-                        "bytes (pagedkv serve --max-request-bytes)", "invalid_request_error", None,
-                        "request_too_large", headers={"Connection": "close"})
+        return APIError(
+            413,
+            f"the request body is larger than this server's limit of {self.max_bytes} "
+            "bytes (pagedkv serve --max-request-bytes)",
+            "invalid_request_error",
+            None,
+            "request_too_large",
+            headers={"Connection": "close"},
+        )
 
     async def refuse(self, scope: dict[str, Any], receive: Any, send: Any, remaining: int) -> None:
         """Drain the ``remaining`` bytes still to come (0: the body is all in; none are read when
@@ -143,7 +175,9 @@ class MaxBodySizeMiddleware:
             size += len(message.get("body", b""))
             if size > self.max_bytes:
                 buffered.clear()  # not held during the drain
-                await self.refuse(scope, receive, send, DRAIN_MAX_BYTES if message.get("more_body", False) else 0)
+                await self.refuse(
+                    scope, receive, send, DRAIN_MAX_BYTES if message.get("more_body", False) else 0
+                )
                 return
             if not message.get("more_body", False):
                 break

@@ -104,7 +104,9 @@ class _SamplingRequest(_Request):
     def check(self) -> None:
         """Cross-field checks pydantic does not do; RequestError ``(param, message)``."""
         if self.stream_options is not None and not self.stream:
-            raise RequestError("stream_options", "stream_options is only allowed when stream is true")
+            raise RequestError(
+                "stream_options", "stream_options is only allowed when stream is true"
+            )
         if self.logit_bias:
             raise RequestError("logit_bias", "logit_bias is not supported")
         if self.cache_salt is not None and not self.cache_salt:
@@ -116,23 +118,29 @@ class _SamplingRequest(_Request):
         for name, unused in UNSUPPORTED_FIELDS.items():
             value = getattr(self, name)
             if not any(value == u and type(value) is type(u) for u in unused):
-                raise RequestError(name, f"{name} is not supported by this server (got {_brief(value)})")
+                raise RequestError(
+                    name, f"{name} is not supported by this server (got {_brief(value)})"
+                )
         for name, value in (self.model_extra or {}).items():
             if name.startswith("guided_") and value is not None:
-                raise RequestError(name, f"{name} (guided decoding) is not supported by this server")
+                raise RequestError(
+                    name, f"{name} (guided decoding) is not supported by this server"
+                )
 
     def _sampling_kwargs(self) -> dict[str, Any]:
         kw: dict[str, Any] = dict(
             n=self.n,
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
-            stop=self.stop, seed=self.seed,
+            stop=self.stop,
+            seed=self.seed,
             presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,
             top_k=0 if self.top_k is None else self.top_k,
             min_p=0.0 if self.min_p is None else self.min_p,
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
-            min_tokens=self.min_tokens, ignore_eos=self.ignore_eos,
+            min_tokens=self.min_tokens,
+            ignore_eos=self.ignore_eos,
             stop_token_ids=self.stop_token_ids,
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
@@ -161,7 +169,9 @@ class RequestError(ValueError):
         self.message = message
 
 
-def make_sampling_params(kwargs: dict[str, Any], rename: dict[str, str] | None = None) -> SamplingParams:
+def make_sampling_params(
+    kwargs: dict[str, Any], rename: dict[str, str] | None = None
+) -> SamplingParams:
     """`SamplingParams(**kwargs)`; its ValueError becomes a RequestError naming the request
     field (``rename`` maps SamplingParams names to request names)."""
     try:
@@ -171,10 +181,10 @@ def make_sampling_params(kwargs: dict[str, Any], rename: dict[str, str] | None =
         param = None
         prefix = "invalid sampling parameter "
         if msg.startswith(prefix):
-            param = msg[len(prefix):].split("=", 1)[0]
+            param = msg[len(prefix) :].split("=", 1)[0]
             if rename and param in rename:
                 new = rename[param]
-                msg = prefix + new + msg[len(prefix) + len(param):]
+                msg = prefix + new + msg[len(prefix) + len(param) :]
                 param = new
         raise RequestError(param, msg) from None
 
@@ -216,8 +226,11 @@ class CompletionRequest(_SamplingRequest):
 
     def to_sampling_params(self) -> SamplingParams:
         kw = self._sampling_kwargs()
-        kw.update(max_tokens=self.max_tokens, logprobs=self.logprobs,
-                  prompt_logprobs=self.effective_prompt_logprobs())
+        kw.update(
+            max_tokens=self.max_tokens,
+            logprobs=self.logprobs,
+            prompt_logprobs=self.effective_prompt_logprobs(),
+        )
         return make_sampling_params(kw)
 
     def effective_prompt_logprobs(self) -> int | None:
@@ -317,8 +330,10 @@ class ChatMessage(BaseModel):
         parts = []
         for j, part in enumerate(self.content):
             if part.type != "text" or part.text is None:
-                raise RequestError(f"messages[{index}].content[{j}]",
-                                   f"only text content parts are supported, got type {part.type!r}")
+                raise RequestError(
+                    f"messages[{index}].content[{j}]",
+                    f"only text content parts are supported, got type {part.type!r}",
+                )
             parts.append(part.text)
         return "\n".join(parts)
 
@@ -340,8 +355,10 @@ class ChatCompletionRequest(_SamplingRequest):
             raise RequestError("messages", "messages must not be empty")
         for i, m in enumerate(self.messages):
             if m.role not in CHAT_ROLES:
-                raise RequestError(f"messages[{i}].role",
-                                   f"unknown role {m.role!r}: use one of {', '.join(CHAT_ROLES)}")
+                raise RequestError(
+                    f"messages[{i}].role",
+                    f"unknown role {m.role!r}: use one of {', '.join(CHAT_ROLES)}",
+                )
         if self.top_logprobs is not None:
             if not self.logprobs:
                 raise RequestError("top_logprobs", "top_logprobs needs logprobs to be true")
@@ -357,9 +374,14 @@ class ChatCompletionRequest(_SamplingRequest):
 
     def to_sampling_params(self) -> SamplingParams:
         kw = self._sampling_kwargs()
-        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        kw.update(max_tokens=max_tokens,
-                  logprobs=(self.top_logprobs or 0) if self.logprobs else None)
+        max_tokens = (
+            self.max_completion_tokens
+            if self.max_completion_tokens is not None
+            else self.max_tokens
+        )
+        kw.update(
+            max_tokens=max_tokens, logprobs=(self.top_logprobs or 0) if self.logprobs else None
+        )
         rename = {"logprobs": "top_logprobs"}
         if self.max_completion_tokens is not None:
             rename["max_tokens"] = "max_completion_tokens"

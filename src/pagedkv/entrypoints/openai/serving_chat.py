@@ -39,19 +39,36 @@ async def create_chat_completion(request: Request) -> Response:
     except P.RequestError as e:
         raise bad_request(e.message, e.param) from None
     text, token_ids = await _render(state, conversation, req.add_generation_prompt)
-    check_context_length(state.async_llm.engine.max_model_len, [len(token_ids)],
-                         req.requested_max_tokens(), "messages")
-    renderer = ChatRenderer(state, request_id=f"chatcmpl-{uuid.uuid4().hex}",
-                            model=req.model or state.served_model_name, created=int(time.time()),
-                            n=params.n, top_k=params.logprobs)
-    streams = await add_all(state, renderer.request_id, [{"prompt_token_ids": token_ids, "prompt": text}],
-                            params, "messages", req.cache_salt)
-    return await generate_response(request, renderer, streams, params, req.stream, req.stream_options,
-                                   req.return_token_ids)
+    check_context_length(
+        state.async_llm.engine.max_model_len,
+        [len(token_ids)],
+        req.requested_max_tokens(),
+        "messages",
+    )
+    renderer = ChatRenderer(
+        state,
+        request_id=f"chatcmpl-{uuid.uuid4().hex}",
+        model=req.model or state.served_model_name,
+        created=int(time.time()),
+        n=params.n,
+        top_k=params.logprobs,
+    )
+    streams = await add_all(
+        state,
+        renderer.request_id,
+        [{"prompt_token_ids": token_ids, "prompt": text}],
+        params,
+        "messages",
+        req.cache_salt,
+    )
+    return await generate_response(
+        request, renderer, streams, params, req.stream, req.stream_options, req.return_token_ids
+    )
 
 
-async def _render(state: ServerState, conversation: list[dict[str, str]],
-                  add_generation_prompt: bool) -> tuple[str, list[int]]:
+async def _render(
+    state: ServerState, conversation: list[dict[str, str]], add_generation_prompt: bool
+) -> tuple[str, list[int]]:
     """The prompt text and its token ids (off the event loop); a 400 naming ``messages`` when
     there is no tokenizer or the template fails."""
     tok = state.async_llm.tokenizer
@@ -83,30 +100,64 @@ class ChatRenderer(ChoiceRenderer):
 
     def stream_prelude(self) -> list[P.ChatCompletionStreamResponse]:
         # The role first, for every choice (OpenAI sends it before any content).
-        return [self.stream_chunk([P.ChatCompletionStreamChoice(
-            index=i, delta=P.DeltaMessage(role="assistant", content="")) for i in range(self.n)])]
+        return [
+            self.stream_chunk(
+                [
+                    P.ChatCompletionStreamChoice(
+                        index=i, delta=P.DeltaMessage(role="assistant", content="")
+                    )
+                    for i in range(self.n)
+                ]
+            )
+        ]
 
-    def stream_choice(self, pi: int, c: CompletionOutput, text: str, t0: int, t1: int,
-                      text_offset: int, finished: bool) -> P.ChatCompletionStreamChoice:
+    def stream_choice(
+        self,
+        pi: int,
+        c: CompletionOutput,
+        text: str,
+        t0: int,
+        t1: int,
+        text_offset: int,
+        finished: bool,
+    ) -> P.ChatCompletionStreamChoice:
         return P.ChatCompletionStreamChoice(
-            index=c.index, delta=P.DeltaMessage(content=text) if text else P.DeltaMessage(),
-            logprobs=self._logprobs(c, t0, t1), finish_reason=c.finish_reason if finished else None,
-            stop_reason=c.stop_reason if finished else None)
+            index=c.index,
+            delta=P.DeltaMessage(content=text) if text else P.DeltaMessage(),
+            logprobs=self._logprobs(c, t0, t1),
+            finish_reason=c.finish_reason if finished else None,
+            stop_reason=c.stop_reason if finished else None,
+        )
 
-    def stream_chunk(self, choices: list, usage: P.UsageInfo | None = None) -> P.ChatCompletionStreamResponse:
-        return P.ChatCompletionStreamResponse(id=self.request_id, created=self.created, model=self.model,
-                                              choices=choices, usage=usage)
+    def stream_chunk(
+        self, choices: list, usage: P.UsageInfo | None = None
+    ) -> P.ChatCompletionStreamResponse:
+        return P.ChatCompletionStreamResponse(
+            id=self.request_id, created=self.created, model=self.model, choices=choices, usage=usage
+        )
 
-    def final_choice(self, pi: int, c: CompletionOutput, text: str) -> P.ChatCompletionResponseChoice:
+    def final_choice(
+        self, pi: int, c: CompletionOutput, text: str
+    ) -> P.ChatCompletionResponseChoice:
         return P.ChatCompletionResponseChoice(
-            index=c.index, message=P.ChatResponseMessage(content=text),
+            index=c.index,
+            message=P.ChatResponseMessage(content=text),
             logprobs=self._logprobs(c, 0, len(c.token_ids)),
-            finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+            finish_reason=c.finish_reason,
+            stop_reason=c.stop_reason,
+        )
 
-    def response(self, choices: list, usage: P.UsageInfo,
-                 kv_transfer_params: dict[str, Any] | None = None) -> P.ChatCompletionResponse:
-        return P.ChatCompletionResponse(id=self.request_id, created=self.created, model=self.model,
-                                        choices=choices, usage=usage, kv_transfer_params=kv_transfer_params)
+    def response(
+        self, choices: list, usage: P.UsageInfo, kv_transfer_params: dict[str, Any] | None = None
+    ) -> P.ChatCompletionResponse:
+        return P.ChatCompletionResponse(
+            id=self.request_id,
+            created=self.created,
+            model=self.model,
+            choices=choices,
+            usage=usage,
+            kv_transfer_params=kv_transfer_params,
+        )
 
     def _logprobs(self, c: CompletionOutput, t0: int, t1: int) -> P.ChatCompletionLogProbs | None:
         """Tokens ``t0:t1`` of ``c`` in chat's logprobs shape."""
@@ -120,10 +171,19 @@ class ChatRenderer(ChoiceRenderer):
             text = self.state.token_text(tid)
             chosen = d.get(tid)
             top = sorted((x for x in d.items() if x[1].rank <= k), key=lambda x: x[1].rank)[:k]
-            content.append(P.ChatLogprobContent(
-                token=text, logprob=chosen.logprob if chosen is not None else float("-inf"),
-                bytes=list(text.encode()),
-                top_logprobs=[P.ChatTopLogprob(token=self.state.token_text(t), logprob=v.logprob,
-                                               bytes=list(self.state.token_text(t).encode()))
-                              for t, v in top]))
+            content.append(
+                P.ChatLogprobContent(
+                    token=text,
+                    logprob=chosen.logprob if chosen is not None else float("-inf"),
+                    bytes=list(text.encode()),
+                    top_logprobs=[
+                        P.ChatTopLogprob(
+                            token=self.state.token_text(t),
+                            logprob=v.logprob,
+                            bytes=list(self.state.token_text(t).encode()),
+                        )
+                        for t, v in top
+                    ],
+                )
+            )
         return P.ChatCompletionLogProbs(content=content)

@@ -40,18 +40,36 @@ async def create_completion(request: Request) -> Response:
         raise bad_request(e.message, e.param) from None
     prompts = req.prompts()
     token_ids = await tokenize(state, prompts)
-    check_context_length(state.async_llm.engine.max_model_len, [len(t) for t in token_ids],
-                         req.requested_max_tokens(), "prompt")
-    engine_prompts = [{"prompt_token_ids": ids, "prompt": p} if isinstance(p, str) else {"prompt_token_ids": ids}
-                      for p, ids in zip(prompts, token_ids)]
+    check_context_length(
+        state.async_llm.engine.max_model_len,
+        [len(t) for t in token_ids],
+        req.requested_max_tokens(),
+        "prompt",
+    )
+    engine_prompts = [
+        {"prompt_token_ids": ids, "prompt": p} if isinstance(p, str) else {"prompt_token_ids": ids}
+        for p, ids in zip(prompts, token_ids)
+    ]
     renderer = CompletionRenderer(
-        state, request_id=f"cmpl-{uuid.uuid4().hex}", model=req.model or state.served_model_name,
-        created=int(time.time()), n=params.n, top_k=req.logprobs,
-        echo_text=[p if isinstance(p, str) else state.async_llm.tokenizer.decode(p) for p in prompts]
-        if req.echo else None, prompt_ids=token_ids)
-    streams = await add_all(state, renderer.request_id, engine_prompts, params, "prompt", req.cache_salt)
-    return await generate_response(request, renderer, streams, params, req.stream, req.stream_options,
-                                   req.return_token_ids)
+        state,
+        request_id=f"cmpl-{uuid.uuid4().hex}",
+        model=req.model or state.served_model_name,
+        created=int(time.time()),
+        n=params.n,
+        top_k=req.logprobs,
+        echo_text=[
+            p if isinstance(p, str) else state.async_llm.tokenizer.decode(p) for p in prompts
+        ]
+        if req.echo
+        else None,
+        prompt_ids=token_ids,
+    )
+    streams = await add_all(
+        state, renderer.request_id, engine_prompts, params, "prompt", req.cache_salt
+    )
+    return await generate_response(
+        request, renderer, streams, params, req.stream, req.stream_options, req.return_token_ids
+    )
 
 
 @dataclass
@@ -78,8 +96,16 @@ class CompletionRenderer(ChoiceRenderer):
         if out.prompt_logprobs is not None:
             self.prompt_lps[pi] = out.prompt_logprobs
 
-    def stream_choice(self, pi: int, c: CompletionOutput, text: str, t0: int, t1: int,
-                      text_offset: int, finished: bool) -> P.CompletionResponseChoice:
+    def stream_choice(
+        self,
+        pi: int,
+        c: CompletionOutput,
+        text: str,
+        t0: int,
+        t1: int,
+        text_offset: int,
+        finished: bool,
+    ) -> P.CompletionResponseChoice:
         first = (pi, c.index) not in self.started
         self.started.add((pi, c.index))
         # ``text_offset`` is where ``text`` starts in the generated text (negative in the first
@@ -88,38 +114,63 @@ class CompletionRenderer(ChoiceRenderer):
         echo_len = len(self.echo(pi))
         offset = echo_len + text_offset + (echo_len if first else 0)
         return P.CompletionResponseChoice(
-            index=pi * self.n + c.index, text=text, logprobs=self._logprobs(pi, c, t0, t1, offset, first),
+            index=pi * self.n + c.index,
+            text=text,
+            logprobs=self._logprobs(pi, c, t0, t1, offset, first),
             finish_reason=c.finish_reason if finished else None,
             stop_reason=c.stop_reason if finished else None,
-            prompt_logprobs=self._prompt_logprobs(pi) if first else None)
+            prompt_logprobs=self._prompt_logprobs(pi) if first else None,
+        )
 
-    def stream_chunk(self, choices: list, usage: P.UsageInfo | None = None) -> P.CompletionStreamResponse:
-        return P.CompletionStreamResponse(id=self.request_id, created=self.created, model=self.model,
-                                          choices=choices, usage=usage)
+    def stream_chunk(
+        self, choices: list, usage: P.UsageInfo | None = None
+    ) -> P.CompletionStreamResponse:
+        return P.CompletionStreamResponse(
+            id=self.request_id, created=self.created, model=self.model, choices=choices, usage=usage
+        )
 
     def final_choice(self, pi: int, c: CompletionOutput, text: str) -> P.CompletionResponseChoice:
-        return P.CompletionResponseChoice(index=pi * self.n + c.index, text=text,
-                                          logprobs=self._logprobs(pi, c, 0, len(c.token_ids),
-                                                                  len(self.echo(pi)), True),
-                                          finish_reason=c.finish_reason, stop_reason=c.stop_reason,
-                                          prompt_logprobs=self._prompt_logprobs(pi))
+        return P.CompletionResponseChoice(
+            index=pi * self.n + c.index,
+            text=text,
+            logprobs=self._logprobs(pi, c, 0, len(c.token_ids), len(self.echo(pi)), True),
+            finish_reason=c.finish_reason,
+            stop_reason=c.stop_reason,
+            prompt_logprobs=self._prompt_logprobs(pi),
+        )
 
-    def response(self, choices: list, usage: P.UsageInfo,
-                 kv_transfer_params: dict[str, Any] | None = None) -> P.CompletionResponse:
-        return P.CompletionResponse(id=self.request_id, created=self.created, model=self.model,
-                                    choices=choices, usage=usage, kv_transfer_params=kv_transfer_params)
+    def response(
+        self, choices: list, usage: P.UsageInfo, kv_transfer_params: dict[str, Any] | None = None
+    ) -> P.CompletionResponse:
+        return P.CompletionResponse(
+            id=self.request_id,
+            created=self.created,
+            model=self.model,
+            choices=choices,
+            usage=usage,
+            kv_transfer_params=kv_transfer_params,
+        )
 
     def _prompt_logprobs(self, pi: int) -> list[dict[str, P.PromptLogprob] | None] | None:
         """vLLM's choice ``prompt_logprobs``: token ids as JSON keys."""
         plp = self.prompt_lps.get(pi)
         if plp is None:
             return None
-        return [None if d is None else {str(t): P.PromptLogprob(logprob=v.logprob, rank=v.rank,
-                                                                decoded_token=v.decoded_token)
-                                        for t, v in d.items()} for d in plp]
+        return [
+            None
+            if d is None
+            else {
+                str(t): P.PromptLogprob(
+                    logprob=v.logprob, rank=v.rank, decoded_token=v.decoded_token
+                )
+                for t, v in d.items()
+            }
+            for d in plp
+        ]
 
-    def _logprobs(self, pi: int, c: CompletionOutput, t0: int, t1: int, offset0: int,
-                  first: bool) -> P.CompletionLogProbs | None:
+    def _logprobs(
+        self, pi: int, c: CompletionOutput, t0: int, t1: int, offset0: int, first: bool
+    ) -> P.CompletionLogProbs | None:
         """Tokens ``t0:t1`` of ``c`` in completions' logprobs shape; ``offset0``: the text
         offset of token ``t0`` in the choice's text. In a choice's ``first`` part with
         ``echo``, the prompt tokens come first (from offset 0; the first has no logprob)."""
@@ -130,12 +181,19 @@ class CompletionRenderer(ChoiceRenderer):
         if first and self.echo_text is not None:
             plp = self.prompt_lps.get(pi) or []
             ids = self.prompt_ids[pi]
-            self._add_tokens(lp, ids, [plp[i] if i < len(plp) else None for i in range(len(ids))], 0)
+            self._add_tokens(
+                lp, ids, [plp[i] if i < len(plp) else None for i in range(len(ids))], 0
+            )
         self._add_tokens(lp, c.token_ids[t0:t1], (c.logprobs or [])[t0:t1], offset0)
         return lp
 
-    def _add_tokens(self, lp: P.CompletionLogProbs, token_ids: list[int],
-                    dicts: list[dict[int, Logprob] | None], offset: int) -> None:
+    def _add_tokens(
+        self,
+        lp: P.CompletionLogProbs,
+        token_ids: list[int],
+        dicts: list[dict[int, Logprob] | None],
+        offset: int,
+    ) -> None:
         """Append ``token_ids`` (``dicts[i]``: token ``i``'s logprobs, None or missing: null)."""
         k = self.top_k or 0
         for i, tid in enumerate(token_ids):

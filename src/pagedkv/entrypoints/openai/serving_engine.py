@@ -34,9 +34,9 @@ from pydantic import BaseModel
 from pagedkv.engine.async_llm import AsyncLLM, EngineDeadError, EngineGenerateError, RequestStream
 from pagedkv.engine.outputs import CompletionOutput, RequestOutput
 from pagedkv.engine.sampling_params import SamplingParams
+from pagedkv.entrypoints.metrics import ServerMetrics
 from pagedkv.entrypoints.openai import protocol as P
 from pagedkv.entrypoints.openai.errors import APIError, bad_request, engine_error
-from pagedkv.entrypoints.metrics import ServerMetrics
 from pagedkv.entrypoints.openai.streaming import event_stream, merged, sse, unless_disconnected
 
 # Token texts cached per server (logprobs decode one token at a time).
@@ -60,7 +60,11 @@ class ServerState:
         s = self.token_text_cache.get(token_id)
         if s is None:
             tok = self.async_llm.tokenizer
-            s = tok.decode([token_id], skip_special_tokens=False) if tok is not None else str(token_id)
+            s = (
+                tok.decode([token_id], skip_special_tokens=False)
+                if tok is not None
+                else str(token_id)
+            )
             if len(self.token_text_cache) < MAX_TOKEN_TEXT_CACHE:
                 self.token_text_cache[token_id] = s
         return s
@@ -68,9 +72,14 @@ class ServerState:
     def check_model(self, name: str | None) -> None:
         """404 ``model_not_found`` unless ``name`` is None or one of the served names."""
         if name is not None and name not in self.model_aliases:
-            raise APIError(404, f"The model '{name}' does not exist; this server serves "
-                           f"'{self.served_model_name}'.", "invalid_request_error", "model",
-                           "model_not_found")
+            raise APIError(
+                404,
+                f"The model '{name}' does not exist; this server serves "
+                f"'{self.served_model_name}'.",
+                "invalid_request_error",
+                "model",
+                "model_not_found",
+            )
 
 
 def server_state(request: Request) -> ServerState:
@@ -93,8 +102,14 @@ async def tokenize(state: ServerState, prompts: list[str | list[int]]) -> list[l
     return [next(encoded) if isinstance(p, str) else list(p) for p in prompts]
 
 
-async def add_all(state: ServerState, base_id: str, prompts: list[Any], params: SamplingParams,
-                  prompt_param: str, cache_salt: str | None = None) -> list[RequestStream]:
+async def add_all(
+    state: ServerState,
+    base_id: str,
+    prompts: list[Any],
+    params: SamplingParams,
+    prompt_param: str,
+    cache_salt: str | None = None,
+) -> list[RequestStream]:
     """Queue every prompt (all or none: a failure aborts those already queued and becomes an
     `APIError` naming ``prompt_param``). One prompt keeps ``base_id``; several get
     ``base_id-<i>``."""
@@ -103,8 +118,11 @@ async def add_all(state: ServerState, base_id: str, prompts: list[Any], params: 
     try:
         for i, prompt in enumerate(prompts):
             rid = base_id if len(prompts) == 1 else f"{base_id}-{i}"
-            streams.append(await state.async_llm.add_request(rid, prompt, params, arrival,
-                                                             cache_salt=cache_salt))
+            streams.append(
+                await state.async_llm.add_request(
+                    rid, prompt, params, arrival, cache_salt=cache_salt
+                )
+            )
     except BaseException as e:
         for s in streams:
             s.abort()
@@ -131,7 +149,7 @@ class ChoiceCursor:
         ``c`` runs, its last ``holdback`` characters are held back."""
         text = c.text
         end = len(text) if c.finish_reason is not None else max(len(text) - holdback, self.text_len)
-        new_text = text[self.text_len:end]
+        new_text = text[self.text_len : end]
         tok0, tok1 = self.num_tokens, len(c.token_ids)
         self.text_len = end
         self.num_tokens = tok1
@@ -151,8 +169,12 @@ def usage_info(outs: list[RequestOutput | None]) -> P.UsageInfo:
     prompt = sum(len(o.prompt_token_ids) for o in outs if o is not None)
     completion = sum(len(c.token_ids) for o in outs if o is not None for c in o.outputs)
     cached = sum(o.num_cached_tokens for o in outs if o is not None)
-    return P.UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
-                       prompt_tokens_details=P.PromptTokensDetails(cached_tokens=cached))
+    return P.UsageInfo(
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        total_tokens=prompt + completion,
+        prompt_tokens_details=P.PromptTokensDetails(cached_tokens=cached),
+    )
 
 
 # ---- one path for both endpoints ---------------------------------------------------------------
@@ -181,32 +203,54 @@ class ChoiceRenderer(ABC):
         return []
 
     @abstractmethod
-    def stream_choice(self, pi: int, c: CompletionOutput, text: str, t0: int, t1: int,
-                      text_offset: int, finished: bool) -> BaseModel:
+    def stream_choice(
+        self,
+        pi: int,
+        c: CompletionOutput,
+        text: str,
+        t0: int,
+        t1: int,
+        text_offset: int,
+        finished: bool,
+    ) -> BaseModel:
         """One choice of a chunk; ``text_offset``: where ``text`` starts in the choice."""
 
     @abstractmethod
-    def stream_chunk(self, choices: list[BaseModel], usage: P.UsageInfo | None = None) -> BaseModel: ...
+    def stream_chunk(
+        self, choices: list[BaseModel], usage: P.UsageInfo | None = None
+    ) -> BaseModel: ...
 
     @abstractmethod
     def final_choice(self, pi: int, c: CompletionOutput, text: str) -> BaseModel: ...
 
     @abstractmethod
-    def response(self, choices: list[BaseModel], usage: P.UsageInfo,
-                 kv_transfer_params: dict[str, Any] | None = None) -> BaseModel: ...
+    def response(
+        self,
+        choices: list[BaseModel],
+        usage: P.UsageInfo,
+        kv_transfer_params: dict[str, Any] | None = None,
+    ) -> BaseModel: ...
 
 
-async def generate_response(request: Request, renderer: ChoiceRenderer, streams: list[RequestStream],
-                            params: SamplingParams, stream: bool,
-                            stream_options: P.StreamOptions | None,
-                            return_token_ids: bool = False) -> Response:
+async def generate_response(
+    request: Request,
+    renderer: ChoiceRenderer,
+    streams: list[RequestStream],
+    params: SamplingParams,
+    stream: bool,
+    stream_options: P.StreamOptions | None,
+    return_token_ids: bool = False,
+) -> Response:
     """The response to queued ``streams`` (one per prompt): SSE chunks then ``[DONE]`` when
     ``stream``, else one JSON response once every request finished (499, requests aborted,
     if the client leaves first). Engine failures are OpenAI errors naming the prompt field.
     ``return_token_ids``: token ids ride along (see `_SamplingRequest.return_token_ids`)."""
     if stream:
-        return event_stream(_chunks(renderer, streams, params, stream_options, return_token_ids),
-                            streams, renderer.prompt_param)
+        return event_stream(
+            _chunks(renderer, streams, params, stream_options, return_token_ids),
+            streams,
+            renderer.prompt_param,
+        )
     try:
         finals = await unless_disconnected(request, _collect(streams), streams)
     except (EngineDeadError, EngineGenerateError) as e:
@@ -235,8 +279,14 @@ async def _collect(streams: list[RequestStream]) -> list[RequestOutput]:
     return final  # type: ignore[return-value]
 
 
-def _add_token_ids(renderer: ChoiceRenderer, chunk: BaseModel | None, choice: BaseModel,
-                   out: RequestOutput, token_ids: list[int], first: bool) -> None:
+def _add_token_ids(
+    renderer: ChoiceRenderer,
+    chunk: BaseModel | None,
+    choice: BaseModel,
+    out: RequestOutput,
+    token_ids: list[int],
+    first: bool,
+) -> None:
     """``return_token_ids``: ``token_ids`` on ``choice``; in a choice's first chunk (or the
     final response) its prompt's ``prompt_token_ids``, on the choice or on ``chunk``."""
     choice.token_ids = token_ids  # type: ignore[attr-defined]
@@ -246,9 +296,13 @@ def _add_token_ids(renderer: ChoiceRenderer, chunk: BaseModel | None, choice: Ba
         chunk.prompt_token_ids = list(out.prompt_token_ids)  # type: ignore[attr-defined]
 
 
-async def _chunks(renderer: ChoiceRenderer, streams: list[RequestStream], params: SamplingParams,
-                  stream_options: P.StreamOptions | None,
-                  return_token_ids: bool = False) -> AsyncIterator[str]:
+async def _chunks(
+    renderer: ChoiceRenderer,
+    streams: list[RequestStream],
+    params: SamplingParams,
+    stream_options: P.StreamOptions | None,
+    return_token_ids: bool = False,
+) -> AsyncIterator[str]:
     """SSE events of the streamed choices: one chunk per engine output that moved any choice
     (text, tokens or its finish), ``usage`` in each (``continuous_usage_stats``) and in a last
     chunk without choices (``include_usage``). The last chunk also has ``kv_transfer_params``."""
@@ -271,7 +325,9 @@ async def _chunks(renderer: ChoiceRenderer, streams: list[RequestStream], params
                 moved.append((choice, c, t0, first))
         choices = [m[0] for m in moved]
         if choices:
-            chunk = renderer.stream_chunk(choices, usage_info(last) if include_usage and continuous else None)
+            chunk = renderer.stream_chunk(
+                choices, usage_info(last) if include_usage and continuous else None
+            )
             for choice, c, t0, first in moved if return_token_ids else ():
                 _add_token_ids(renderer, chunk, choice, out, list(c.token_ids[t0:]), first)
             # Without a usage chunk to come, the chunk in which every request finished is the last.
@@ -285,8 +341,9 @@ async def _chunks(renderer: ChoiceRenderer, streams: list[RequestStream], params
         yield sse(chunk)
 
 
-def _stream_choice(renderer: ChoiceRenderer, pi: int, c: CompletionOutput, cur: ChoiceCursor,
-                   holdback: int) -> BaseModel | None:
+def _stream_choice(
+    renderer: ChoiceRenderer, pi: int, c: CompletionOutput, cur: ChoiceCursor, holdback: int
+) -> BaseModel | None:
     """Choice ``c``'s part of the next chunk, or None when it has nothing new."""
     if cur.done:
         return None

@@ -36,7 +36,9 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 def sse(obj: BaseModel | dict[str, Any]) -> str:
     """One SSE event holding ``obj`` as JSON."""
-    data = obj.model_dump_json(exclude_unset=False) if isinstance(obj, BaseModel) else json.dumps(obj)
+    data = (
+        obj.model_dump_json(exclude_unset=False) if isinstance(obj, BaseModel) else json.dumps(obj)
+    )
     return f"data: {data}\n\n"
 
 
@@ -45,7 +47,9 @@ def sse_error(e: Exception, param: str) -> str:
     return sse(engine_error(e, param).body())
 
 
-def event_stream(body: AsyncIterator[str], streams: list[RequestStream], param: str) -> StreamingResponse:
+def event_stream(
+    body: AsyncIterator[str], streams: list[RequestStream], param: str
+) -> StreamingResponse:
     """An SSE response of ``body``'s events, then ``[DONE]``. An engine or API error mid-stream
     becomes an error event naming ``param``; whatever ends the stream (a client that
     disconnects too), the requests behind it are aborted."""
@@ -103,7 +107,9 @@ async def _wait_disconnect(request: Request) -> None:
             return
 
 
-async def unless_disconnected(request: Request, coro: Awaitable[T], streams: list[RequestStream]) -> T | None:
+async def unless_disconnected(
+    request: Request, coro: Awaitable[T], streams: list[RequestStream]
+) -> T | None:
     """Run ``coro``; if the client disconnects first, cancel it and return None. Either way
     ``streams`` are aborted at the end (a no-op for finished requests)."""
     task = asyncio.ensure_future(coro)

@@ -40,22 +40,31 @@ async def parse_body(request: Request, model: type[M]) -> M:
     return parsed
 
 
-def check_context_length(max_model_len: int, prompt_lens: list[int],
-                         requested: tuple[str, int] | None, where: str) -> None:
+def check_context_length(
+    max_model_len: int, prompt_lens: list[int], requested: tuple[str, int] | None, where: str
+) -> None:
     """vLLM's context-length check: a prompt longer than ``max_model_len``, or a requested
     completion length (``requested = (field, tokens)``) that does not fit after the prompt, is
     a 400 (``code: context_length_exceeded``) in vLLM's words; ``where`` is "prompt" or
     "messages". A length the client did not ask for is clamped by the engine instead."""
     for n in prompt_lens:
-        head = f"This model's maximum context length is {max_model_len} tokens. However, you requested"
+        head = (
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested"
+        )
         if n > max_model_len:
-            raise bad_request(f"{head} {n} tokens in the {where}. Please reduce the length of the {where}.",
-                              where, "context_length_exceeded")
+            raise bad_request(
+                f"{head} {n} tokens in the {where}. Please reduce the length of the {where}.",
+                where,
+                "context_length_exceeded",
+            )
         if requested is not None and n + requested[1] > max_model_len:
             field_, c = requested
-            raise bad_request(f"{head} {n + c} tokens ({n} in the {where}, {c} in the completion). "
-                              f"Please reduce the length of the {where} or completion.",
-                              field_, "context_length_exceeded")
+            raise bad_request(
+                f"{head} {n + c} tokens ({n} in the {where}, {c} in the completion). "
+                f"Please reduce the length of the {where} or completion.",
+                field_,
+                "context_length_exceeded",
+            )
 
 
 # ---- pydantic errors -----------------------------------------------------------------------------
@@ -66,7 +75,10 @@ def validation_message(err: ValidationError, model: type[BaseModel]) -> tuple[st
     errors = err.errors(include_url=False)
     first = errors[0]
     if first["type"] == "json_invalid":
-        return f"the request body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}", None
+        return (
+            f"the request body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}",
+            None,
+        )
     loc = first["loc"]
     if not loc:
         return "the request body must be a JSON object", None
@@ -76,11 +88,18 @@ def validation_message(err: ValidationError, model: type[BaseModel]) -> tuple[st
     top = str(loc[0])
     same_field = [e for e in errors if e["loc"][:1] == (top,)]
     field = model.model_fields.get(top)
-    if len(same_field) > 1 and field is not None and _is_union(field.annotation) and len(loc) > 1 \
-            and isinstance(loc[1], str):
+    if (
+        len(same_field) > 1
+        and field is not None
+        and _is_union(field.annotation)
+        and len(loc) > 1
+        and isinstance(loc[1], str)
+    ):
         # A union: every member failed. Say what was expected instead of listing each member.
-        return (f"invalid type for '{top}': expected {_type_name(field.annotation)}, "
-                f"got {_json_type(same_field[0].get('input'))}"), top
+        return (
+            f"invalid type for '{top}': expected {_type_name(field.annotation)}, "
+            f"got {_json_type(same_field[0].get('input'))}"
+        ), top
     return f"invalid value for '{param}': {first['msg']} (got {_short(first.get('input'))})", param
 
 
@@ -106,8 +125,15 @@ def _type_name(annotation: Any) -> str:
 
 
 def _json_type(x: Any) -> str:
-    for t, name in ((bool, "boolean"), (int, "integer"), (float, "number"), (str, "string"),
-                    (list, "array"), (dict, "object"), (type(None), "null")):
+    for t, name in (
+        (bool, "boolean"),
+        (int, "integer"),
+        (float, "number"),
+        (str, "string"),
+        (list, "array"),
+        (dict, "object"),
+        (type(None), "null"),
+    ):
         if isinstance(x, t):
             return name
     return type(x).__name__
@@ -135,7 +161,9 @@ def _non_finite_path(obj: Any, path: str = "") -> tuple[str, str] | None:
     """``(field path, literal)`` of the first `_NonFinite` in a parsed body, else None."""
     if isinstance(obj, _NonFinite):
         return path, obj.literal
-    items: Any = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, list) else ()
+    items: Any = (
+        obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, list) else ()
+    )
     for key, value in items:
         sub = f"{path}[{key}]" if isinstance(key, int) else f"{path}.{key}" if path else str(key)
         found = _non_finite_path(value, sub)
@@ -161,5 +189,8 @@ def check_non_finite_literals(body: bytes) -> None:
     path, literal = found
     if not path:
         raise bad_request("invalid JSON: NaN/Infinity are not valid numbers")
-    raise bad_request(f"invalid value for '{path}': {literal} is not a valid number "
-                      "(invalid JSON: NaN/Infinity are not valid numbers)", path)
+    raise bad_request(
+        f"invalid value for '{path}': {literal} is not a valid number "
+        "(invalid JSON: NaN/Infinity are not valid numbers)",
+        path,
+    )

@@ -30,8 +30,9 @@ def _source(fn: Any, types: dict[str, str], consts: dict[str, Any]) -> ASTSource
     """``fn`` with pointer/float types from ``types`` (others ``i32``) and ``consts`` bound."""
     names = fn.arg_names
     sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in names}
-    return ASTSource(fn=fn, signature=sig,
-                     constexprs={(names.index(k),): v for k, v in consts.items()})
+    return ASTSource(
+        fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()}
+    )
 
 
 def variants(dtypes: tuple[str, ...] = ("fp32", "bf16", "fp16")) -> list[tuple[str, ASTSource]]:
@@ -41,33 +42,92 @@ def variants(dtypes: tuple[str, ...] = ("fp32", "bf16", "fp16")) -> list[tuple[s
     for dt in dtypes:
         dot, prec = _DOT[dt]
         types = {n: f"*{dt}" for n in ("out_ptr", "q_ptr", "k_ptr", "v_ptr")}
-        types.update(block_table_ptr="*i32", seq_lens_ptr="*i32", query_start_loc_ptr="*i32",
-                     segm_out_ptr="*fp32", segm_max_ptr="*fp32", segm_expsum_ptr="*fp32",
-                     scale="fp32", softcap="fp32")
+        types.update(
+            block_table_ptr="*i32",
+            seq_lens_ptr="*i32",
+            query_start_loc_ptr="*i32",
+            segm_out_ptr="*fp32",
+            segm_max_ptr="*fp32",
+            segm_expsum_ptr="*fp32",
+            scale="fp32",
+            softcap="fp32",
+        )
         # (segments, window, softcap, group, max query len): prefill tiling, decode split-KV,
         # a group that is not a power of two.
-        for segs, window, cap, group, qlen in [(1, 0, False, 1, 512), (16, 64, True, 4, 1),
-                                               (4, 0, False, 5, 4)]:
+        for segs, window, cap, group, qlen in [
+            (1, 0, False, 1, 512),
+            (16, 64, True, 4, 1),
+            (4, 0, False, 5, 4),
+        ]:
             block_m, tile = tiling(group, qlen, 128 * (4 if dt == "fp32" else 2))
-            consts = dict(NUM_Q_HEADS=8 * group, GROUP=group, HEAD_SIZE=128, HEAD_SIZE_V=128,
-                          HEAD_PAD=128, HEAD_PAD_V=128, BLOCK_SIZE=16,
-                          TILE_SIZE=tile, BLOCK_Q=block_m // group, BLOCK_M=block_m,
-                          SLIDING_WINDOW=window, USE_SOFTCAP=cap, NUM_SEGMENTS=segs,
-                          DOT_DTYPE=dot, DOT_PREC=prec)
-            out.append((f"attention {dt} segments={segs} window={window} softcap={cap} G={group}",
-                        _source(_unified_attention, types, consts)))
-    out.append(("reduce_segments", _source(
-        _reduce_segments, dict(out_ptr="*bf16", segm_out_ptr="*fp32", segm_max_ptr="*fp32",
-                               segm_expsum_ptr="*fp32", seq_lens_ptr="*i32",
-                               query_start_loc_ptr="*i32"),
-        dict(NUM_Q_HEADS=32, HEAD_SIZE_V=128, HEAD_PAD_V=128, TILE_SIZE=16, NUM_SEGMENTS=16))))
-    out.append(("reshape_and_cache fp32->bf16", _source(
-        _reshape_and_cache, dict(key_ptr="*fp32", value_ptr="*fp32", key_cache_ptr="*bf16",
-                                 value_cache_ptr="*bf16", slot_mapping_ptr="*i64"),
-        dict(BLOCK_SIZE=16, HEAD_SIZE=128, HEAD_SIZE_V=128, HEAD_PAD=128, HEAD_PAD_V=128))))
-    out.append(("copy_blocks", _source(
-        _copy_blocks, dict(cache_ptr="*bf16", src_ptr="*i64", dst_ptr="*i64"),
-        dict(Y=8, Z=256, Y_PAD=8, Z_PAD=256))))
+            consts = dict(
+                NUM_Q_HEADS=8 * group,
+                GROUP=group,
+                HEAD_SIZE=128,
+                HEAD_SIZE_V=128,
+                HEAD_PAD=128,
+                HEAD_PAD_V=128,
+                BLOCK_SIZE=16,
+                TILE_SIZE=tile,
+                BLOCK_Q=block_m // group,
+                BLOCK_M=block_m,
+                SLIDING_WINDOW=window,
+                USE_SOFTCAP=cap,
+                NUM_SEGMENTS=segs,
+                DOT_DTYPE=dot,
+                DOT_PREC=prec,
+            )
+            out.append(
+                (
+                    f"attention {dt} segments={segs} window={window} softcap={cap} G={group}",
+                    _source(_unified_attention, types, consts),
+                )
+            )
+    out.append(
+        (
+            "reduce_segments",
+            _source(
+                _reduce_segments,
+                dict(
+                    out_ptr="*bf16",
+                    segm_out_ptr="*fp32",
+                    segm_max_ptr="*fp32",
+                    segm_expsum_ptr="*fp32",
+                    seq_lens_ptr="*i32",
+                    query_start_loc_ptr="*i32",
+                ),
+                dict(
+                    NUM_Q_HEADS=32, HEAD_SIZE_V=128, HEAD_PAD_V=128, TILE_SIZE=16, NUM_SEGMENTS=16
+                ),
+            ),
+        )
+    )
+    out.append(
+        (
+            "reshape_and_cache fp32->bf16",
+            _source(
+                _reshape_and_cache,
+                dict(
+                    key_ptr="*fp32",
+                    value_ptr="*fp32",
+                    key_cache_ptr="*bf16",
+                    value_cache_ptr="*bf16",
+                    slot_mapping_ptr="*i64",
+                ),
+                dict(BLOCK_SIZE=16, HEAD_SIZE=128, HEAD_SIZE_V=128, HEAD_PAD=128, HEAD_PAD_V=128),
+            ),
+        )
+    )
+    out.append(
+        (
+            "copy_blocks",
+            _source(
+                _copy_blocks,
+                dict(cache_ptr="*bf16", src_ptr="*i64", dst_ptr="*i64"),
+                dict(Y=8, Z=256, Y_PAD=8, Z_PAD=256),
+            ),
+        )
+    )
     return out
 
 

@@ -16,8 +16,16 @@ from pagedkv.ops.triton.utils import pow2
 
 @triton.jit
 def _copy_blocks(
-    cache_ptr, src_ptr, dst_ptr, stride_b, stride_x, stride_y,
-    Y: tl.constexpr, Z: tl.constexpr, Y_PAD: tl.constexpr, Z_PAD: tl.constexpr,
+    cache_ptr,
+    src_ptr,
+    dst_ptr,
+    stride_b,
+    stride_x,
+    stride_y,
+    Y: tl.constexpr,
+    Z: tl.constexpr,
+    Y_PAD: tl.constexpr,
+    Z_PAD: tl.constexpr,
 ):
     pair = tl.program_id(0)
     x = tl.program_id(1).to(tl.int64)
@@ -43,6 +51,14 @@ def copy_blocks_triton(tensors: list[torch.Tensor], src: torch.Tensor, dst: torc
             v = v.unsqueeze(1)
         _, x, y, z = v.shape
         _copy_blocks[(src.numel(), x)](
-            v, src, dst, v.stride(0), v.stride(1), v.stride(2),
-            Y=y, Z=z, Y_PAD=pow2(y), Z_PAD=pow2(z),
+            v,
+            src,
+            dst,
+            v.stride(0),
+            v.stride(1),
+            v.stride(2),
+            Y=y,
+            Z=z,
+            Y_PAD=pow2(y),
+            Z_PAD=pow2(z),
         )

@@ -35,10 +35,16 @@ KV_INT4_PTH = tl.constexpr(4)
 KV_INT4_GROUP = tl.constexpr(5)
 KV_INT8_PTH16 = tl.constexpr(6)  # int8_per_token_head_f16: the scale an fp16
 KV_FP8_PTH16 = tl.constexpr(7)
-_MODE_CODE = {KVQuantMode.NONE: 0, KVQuantMode.FP8_PER_TENSOR: 1,
-              KVQuantMode.INT8_PER_TOKEN_HEAD: 2, KVQuantMode.FP8_PER_TOKEN_HEAD: 3,
-              KVQuantMode.INT4_PER_TOKEN_HEAD: 4, KVQuantMode.INT4_PER_TOKEN_GROUP: 5,
-              KVQuantMode.INT8_PER_TOKEN_HEAD_F16: 6, KVQuantMode.FP8_PER_TOKEN_HEAD_F16: 7}
+_MODE_CODE = {
+    KVQuantMode.NONE: 0,
+    KVQuantMode.FP8_PER_TENSOR: 1,
+    KVQuantMode.INT8_PER_TOKEN_HEAD: 2,
+    KVQuantMode.FP8_PER_TOKEN_HEAD: 3,
+    KVQuantMode.INT4_PER_TOKEN_HEAD: 4,
+    KVQuantMode.INT4_PER_TOKEN_GROUP: 5,
+    KVQuantMode.INT8_PER_TOKEN_HEAD_F16: 6,
+    KVQuantMode.FP8_PER_TOKEN_HEAD_F16: 7,
+}
 # (x + RINT) - RINT rounds float32 x half to even (torch.round) for |x| < 2²²: the ulp of
 # 1.5·2²³ is 1. Written inline: a nested jit call costs the interpreter milliseconds.
 RINT = tl.constexpr(12582912.0)
@@ -55,8 +61,12 @@ def kvq_constexprs(kv_quant: KVQuant) -> dict[str, object]:
     """The format constexprs shared by the quantized write and read kernels: ``KV_MODE``,
     the INT4 groups of K and V (``d`` per token-head) and the fp8 flavour (``E5M2``)."""
     fmt = kv_quant.fmt
-    return dict(KV_MODE=mode_code(kv_quant), K_GROUP=fmt.k_group,
-                V_GROUP=fmt.v_group, E5M2=fmt.fp8_dtype == torch.float8_e5m2)
+    return dict(
+        KV_MODE=mode_code(kv_quant),
+        K_GROUP=fmt.k_group,
+        V_GROUP=fmt.v_group,
+        E5M2=fmt.fp8_dtype == torch.float8_e5m2,
+    )
 
 
 def fp8_max(kv_quant: KVQuant) -> float:
@@ -64,15 +74,18 @@ def fp8_max(kv_quant: KVQuant) -> float:
     return FP8_MAX[kv_quant.fmt.fp8_dtype or torch.float8_e4m3fn]
 
 
-def check_quantized_caches(kv_quant: KVQuant, key_cache: torch.Tensor,
-                           value_cache: torch.Tensor) -> None:
+def check_quantized_caches(
+    kv_quant: KVQuant, key_cache: torch.Tensor, value_cache: torch.Tensor
+) -> None:
     """Raise unless the caches are ``kv_quant``'s ``uint8`` parts (INT4: even head sizes)."""
     fmt = kv_quant.fmt
     if key_cache.dtype != torch.uint8 or value_cache.dtype != torch.uint8:
         raise ValueError(f"a {fmt.mode.value} cache is uint8, got {key_cache.dtype}")
     if key_cache.shape[-1] != fmt.k_bytes or value_cache.shape[-1] != fmt.v_bytes:
-        raise ValueError(f"{fmt.mode.value} parts are {fmt.k_bytes}/{fmt.v_bytes} bytes, caches "
-                         f"have {key_cache.shape[-1]}/{value_cache.shape[-1]}")
+        raise ValueError(
+            f"{fmt.mode.value} parts are {fmt.k_bytes}/{fmt.v_bytes} bytes, caches "
+            f"have {key_cache.shape[-1]}/{value_cache.shape[-1]}"
+        )
     if mode_code(kv_quant) in (4, 5) and (fmt.head_size % 2 or fmt.head_size_v % 2):
         raise ValueError("the Triton INT4 kernels need even head sizes")
 
@@ -126,8 +139,11 @@ def store_le(ptr, bits, mask, NBYTES: tl.constexpr):
     """Store the low ``NBYTES`` bytes of each int32 of ``bits [N]`` little-endian at
     ``ptr [N]`` (uint8 pointers), one store."""
     i = tl.arange(0, NBYTES)
-    tl.store(ptr[:, None] + i[None, :], ((bits[:, None] >> (8 * i)[None, :]) & 0xFF).to(tl.uint8),
-             mask=mask[:, None])
+    tl.store(
+        ptr[:, None] + i[None, :],
+        ((bits[:, None] >> (8 * i)[None, :]) & 0xFF).to(tl.uint8),
+        mask=mask[:, None],
+    )
 
 
 @triton.jit
@@ -149,9 +165,19 @@ def f16_bits_to_f32(bits):
 
 
 @triton.jit
-def quantize_part(src, dst, tensor_scale, MODE: tl.constexpr, D: tl.constexpr,
-                  D_PAD: tl.constexpr, GROUP: tl.constexpr, NG_PAD: tl.constexpr,
-                  HG_PAD: tl.constexpr, E5M2: tl.constexpr, FP8_MAX: tl.constexpr):
+def quantize_part(
+    src,
+    dst,
+    tensor_scale,
+    MODE: tl.constexpr,
+    D: tl.constexpr,
+    D_PAD: tl.constexpr,
+    GROUP: tl.constexpr,
+    NG_PAD: tl.constexpr,
+    HG_PAD: tl.constexpr,
+    E5M2: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+):
     """Quantize the ``D`` values at ``src`` (unit stride, any float dtype) into the part at
     ``dst`` (uint8): ``quantize_part`` of ``pagedkv.ops.kv_quant``. INT4: ``GROUP`` values per
     scale (``D`` per token-head), even; ``NG_PAD``/``HG_PAD`` pad the groups and their
@@ -179,8 +205,9 @@ def quantize_part(src, dst, tensor_scale, MODE: tl.constexpr, D: tl.constexpr,
         qo = ((tl.math.div_rn(xo, s[:, None]) + z[:, None]) + RINT) - RINT
         qe = tl.minimum(tl.maximum(qe, 0.0), 15.0).to(tl.int32)
         qo = tl.minimum(tl.maximum(qo, 0.0), 15.0).to(tl.int32)
-        tl.store(dst + g[:, None] * (GROUP // 2) + j[None, :], (qe | (qo << 4)).to(tl.uint8),
-                 mask=m)
+        tl.store(
+            dst + g[:, None] * (GROUP // 2) + j[None, :], (qe | (qo << 4)).to(tl.uint8), mask=m
+        )
         zbits = bits | z.to(tl.int32)
         if MODE == KV_INT4_PTH:
             store_le(dst + D // 2 + g, zbits, g_mask, 4)
@@ -220,8 +247,19 @@ def quantize_part(src, dst, tensor_scale, MODE: tl.constexpr, D: tl.constexpr,
 
 
 @triton.jit
-def dequant_tile(ptr, tok_off, tok_mask, d, d_mask, tensor_scale, TOKEN_AXIS: tl.constexpr,
-                 MODE: tl.constexpr, D: tl.constexpr, GROUP: tl.constexpr, E5M2: tl.constexpr):
+def dequant_tile(
+    ptr,
+    tok_off,
+    tok_mask,
+    d,
+    d_mask,
+    tensor_scale,
+    TOKEN_AXIS: tl.constexpr,
+    MODE: tl.constexpr,
+    D: tl.constexpr,
+    GROUP: tl.constexpr,
+    E5M2: tl.constexpr,
+):
     """A tile of one KV head's parts: tokens at byte offsets ``tok_off [T]`` from ``ptr``
     (uint8), elements ``d [E]`` of each. Returns ``(x, s)``: ``x`` float32, ``[E, T]`` if
     ``TOKEN_AXIS == 1`` (a K tile) else ``[T, E]``; ``s [1, T]`` the per-token factor with

@@ -34,8 +34,13 @@ import triton.language as tl
 
 from pagedkv.ops.kv_quant import KVQuant
 from pagedkv.ops.metadata import AttentionMetadata
-from pagedkv.ops.triton.kv_quant import (KV_NONE, check_quantized_caches, dequant_tile,
-                                         kvq_constexprs, mode_code)
+from pagedkv.ops.triton.kv_quant import (
+    KV_NONE,
+    check_quantized_caches,
+    dequant_tile,
+    kvq_constexprs,
+    mode_code,
+)
 from pagedkv.ops.triton.utils import apply_softcap, dot_dtype, find_seq_idx, pow2
 
 # Queries per sequence up to which split-KV may be used (vLLM's MAX_3D_QUERY_LEN).
@@ -48,70 +53,242 @@ MIN_LAUNCH_GRID_SIZE_2D = 128
 
 @triton.jit
 def _unified_attention(
-    out_ptr, q_ptr, k_ptr, v_ptr, block_table_ptr, seq_lens_ptr, query_start_loc_ptr,
-    segm_out_ptr, segm_max_ptr, segm_expsum_ptr,
-    scale, softcap, num_seqs,
-    stride_q_t, stride_q_h, stride_o_t, stride_o_h,
-    stride_k_b, stride_k_n, stride_k_h, stride_v_b, stride_v_n, stride_v_h, stride_bt,
-    NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr,
-    HEAD_SIZE: tl.constexpr, HEAD_SIZE_V: tl.constexpr,
-    HEAD_PAD: tl.constexpr, HEAD_PAD_V: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, TILE_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr,
-    BLOCK_M: tl.constexpr, SLIDING_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr,
-    NUM_SEGMENTS: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr,
+    out_ptr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    block_table_ptr,
+    seq_lens_ptr,
+    query_start_loc_ptr,
+    segm_out_ptr,
+    segm_max_ptr,
+    segm_expsum_ptr,
+    scale,
+    softcap,
+    num_seqs,
+    stride_q_t,
+    stride_q_h,
+    stride_o_t,
+    stride_o_h,
+    stride_k_b,
+    stride_k_n,
+    stride_k_h,
+    stride_v_b,
+    stride_v_n,
+    stride_v_h,
+    stride_bt,
+    NUM_Q_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    HEAD_SIZE: tl.constexpr,
+    HEAD_SIZE_V: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    HEAD_PAD_V: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    TILE_SIZE: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    SLIDING_WINDOW: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr,
+    NUM_SEGMENTS: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    DOT_PREC: tl.constexpr,
 ):
     """Float caches (the cache dtype is read as is)."""
-    _attend(out_ptr, q_ptr, k_ptr, v_ptr, block_table_ptr, seq_lens_ptr, query_start_loc_ptr,
-            segm_out_ptr, segm_max_ptr, segm_expsum_ptr, scale, softcap, num_seqs,
-            stride_q_t, stride_q_h, stride_o_t, stride_o_h,
-            stride_k_b, stride_k_n, stride_k_h, stride_v_b, stride_v_n, stride_v_h, stride_bt,
-            1.0, 1.0, NUM_Q_HEADS, GROUP, HEAD_SIZE, HEAD_SIZE_V, HEAD_PAD, HEAD_PAD_V,
-            BLOCK_SIZE, TILE_SIZE, BLOCK_Q, BLOCK_M, SLIDING_WINDOW, USE_SOFTCAP, NUM_SEGMENTS,
-            DOT_DTYPE, DOT_PREC, KV_NONE, 1, 1, False)
+    _attend(
+        out_ptr,
+        q_ptr,
+        k_ptr,
+        v_ptr,
+        block_table_ptr,
+        seq_lens_ptr,
+        query_start_loc_ptr,
+        segm_out_ptr,
+        segm_max_ptr,
+        segm_expsum_ptr,
+        scale,
+        softcap,
+        num_seqs,
+        stride_q_t,
+        stride_q_h,
+        stride_o_t,
+        stride_o_h,
+        stride_k_b,
+        stride_k_n,
+        stride_k_h,
+        stride_v_b,
+        stride_v_n,
+        stride_v_h,
+        stride_bt,
+        1.0,
+        1.0,
+        NUM_Q_HEADS,
+        GROUP,
+        HEAD_SIZE,
+        HEAD_SIZE_V,
+        HEAD_PAD,
+        HEAD_PAD_V,
+        BLOCK_SIZE,
+        TILE_SIZE,
+        BLOCK_Q,
+        BLOCK_M,
+        SLIDING_WINDOW,
+        USE_SOFTCAP,
+        NUM_SEGMENTS,
+        DOT_DTYPE,
+        DOT_PREC,
+        KV_NONE,
+        1,
+        1,
+        False,
+    )
 
 
 @triton.jit
 def _unified_attention_kvq(
-    out_ptr, q_ptr, k_ptr, v_ptr, block_table_ptr, seq_lens_ptr, query_start_loc_ptr,
-    segm_out_ptr, segm_max_ptr, segm_expsum_ptr,
-    scale, softcap, num_seqs,
-    stride_q_t, stride_q_h, stride_o_t, stride_o_h,
-    stride_k_b, stride_k_n, stride_k_h, stride_v_b, stride_v_n, stride_v_h, stride_bt,
-    k_scale, v_scale,
-    NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr,
-    HEAD_SIZE: tl.constexpr, HEAD_SIZE_V: tl.constexpr,
-    HEAD_PAD: tl.constexpr, HEAD_PAD_V: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, TILE_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr,
-    BLOCK_M: tl.constexpr, SLIDING_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr,
-    NUM_SEGMENTS: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr,
-    KV_MODE: tl.constexpr, K_GROUP: tl.constexpr, V_GROUP: tl.constexpr, E5M2: tl.constexpr,
+    out_ptr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    block_table_ptr,
+    seq_lens_ptr,
+    query_start_loc_ptr,
+    segm_out_ptr,
+    segm_max_ptr,
+    segm_expsum_ptr,
+    scale,
+    softcap,
+    num_seqs,
+    stride_q_t,
+    stride_q_h,
+    stride_o_t,
+    stride_o_h,
+    stride_k_b,
+    stride_k_n,
+    stride_k_h,
+    stride_v_b,
+    stride_v_n,
+    stride_v_h,
+    stride_bt,
+    k_scale,
+    v_scale,
+    NUM_Q_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    HEAD_SIZE: tl.constexpr,
+    HEAD_SIZE_V: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    HEAD_PAD_V: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    TILE_SIZE: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    SLIDING_WINDOW: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr,
+    NUM_SEGMENTS: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    KV_MODE: tl.constexpr,
+    K_GROUP: tl.constexpr,
+    V_GROUP: tl.constexpr,
+    E5M2: tl.constexpr,
 ):
     """Quantized caches: ``uint8`` parts (strides in bytes) in format ``KV_MODE``
     (``ops/triton/kv_quant.py``); ``k_scale``/``v_scale`` the per-tensor fp8 scales."""
-    _attend(out_ptr, q_ptr, k_ptr, v_ptr, block_table_ptr, seq_lens_ptr, query_start_loc_ptr,
-            segm_out_ptr, segm_max_ptr, segm_expsum_ptr, scale, softcap, num_seqs,
-            stride_q_t, stride_q_h, stride_o_t, stride_o_h,
-            stride_k_b, stride_k_n, stride_k_h, stride_v_b, stride_v_n, stride_v_h, stride_bt,
-            k_scale, v_scale, NUM_Q_HEADS, GROUP, HEAD_SIZE, HEAD_SIZE_V, HEAD_PAD, HEAD_PAD_V,
-            BLOCK_SIZE, TILE_SIZE, BLOCK_Q, BLOCK_M, SLIDING_WINDOW, USE_SOFTCAP, NUM_SEGMENTS,
-            DOT_DTYPE, DOT_PREC, KV_MODE, K_GROUP, V_GROUP, E5M2)
+    _attend(
+        out_ptr,
+        q_ptr,
+        k_ptr,
+        v_ptr,
+        block_table_ptr,
+        seq_lens_ptr,
+        query_start_loc_ptr,
+        segm_out_ptr,
+        segm_max_ptr,
+        segm_expsum_ptr,
+        scale,
+        softcap,
+        num_seqs,
+        stride_q_t,
+        stride_q_h,
+        stride_o_t,
+        stride_o_h,
+        stride_k_b,
+        stride_k_n,
+        stride_k_h,
+        stride_v_b,
+        stride_v_n,
+        stride_v_h,
+        stride_bt,
+        k_scale,
+        v_scale,
+        NUM_Q_HEADS,
+        GROUP,
+        HEAD_SIZE,
+        HEAD_SIZE_V,
+        HEAD_PAD,
+        HEAD_PAD_V,
+        BLOCK_SIZE,
+        TILE_SIZE,
+        BLOCK_Q,
+        BLOCK_M,
+        SLIDING_WINDOW,
+        USE_SOFTCAP,
+        NUM_SEGMENTS,
+        DOT_DTYPE,
+        DOT_PREC,
+        KV_MODE,
+        K_GROUP,
+        V_GROUP,
+        E5M2,
+    )
 
 
 @triton.jit
 def _attend(
-    out_ptr, q_ptr, k_ptr, v_ptr, block_table_ptr, seq_lens_ptr, query_start_loc_ptr,
-    segm_out_ptr, segm_max_ptr, segm_expsum_ptr,
-    scale, softcap, num_seqs,
-    stride_q_t, stride_q_h, stride_o_t, stride_o_h,
-    stride_k_b, stride_k_n, stride_k_h, stride_v_b, stride_v_n, stride_v_h, stride_bt,
-    k_scale, v_scale,
-    NUM_Q_HEADS: tl.constexpr, GROUP: tl.constexpr,
-    HEAD_SIZE: tl.constexpr, HEAD_SIZE_V: tl.constexpr,
-    HEAD_PAD: tl.constexpr, HEAD_PAD_V: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, TILE_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr,
-    BLOCK_M: tl.constexpr, SLIDING_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr,
-    NUM_SEGMENTS: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PREC: tl.constexpr,
-    KV_MODE: tl.constexpr, K_GROUP: tl.constexpr, V_GROUP: tl.constexpr, E5M2: tl.constexpr,
+    out_ptr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    block_table_ptr,
+    seq_lens_ptr,
+    query_start_loc_ptr,
+    segm_out_ptr,
+    segm_max_ptr,
+    segm_expsum_ptr,
+    scale,
+    softcap,
+    num_seqs,
+    stride_q_t,
+    stride_q_h,
+    stride_o_t,
+    stride_o_h,
+    stride_k_b,
+    stride_k_n,
+    stride_k_h,
+    stride_v_b,
+    stride_v_n,
+    stride_v_h,
+    stride_bt,
+    k_scale,
+    v_scale,
+    NUM_Q_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    HEAD_SIZE: tl.constexpr,
+    HEAD_SIZE_V: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    HEAD_PAD_V: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    TILE_SIZE: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    SLIDING_WINDOW: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr,
+    NUM_SEGMENTS: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    KV_MODE: tl.constexpr,
+    K_GROUP: tl.constexpr,
+    V_GROUP: tl.constexpr,
+    E5M2: tl.constexpr,
 ):
     """One program of :func:`_unified_attention` / :func:`_unified_attention_kvq` (the two
     kernels keep the float kernel's signature apart from the quantized one's)."""
@@ -140,8 +317,11 @@ def _attend(
     offs_dv = tl.arange(0, HEAD_PAD_V)
     d_mask = offs_d < HEAD_SIZE
     dv_mask = offs_dv < HEAD_SIZE_V
-    q = tl.load(q_ptr + token[:, None] * stride_q_t + head[:, None] * stride_q_h + offs_d[None, :],
-                mask=row_mask[:, None] & d_mask[None, :], other=0.0).to(DOT_DTYPE)
+    q = tl.load(
+        q_ptr + token[:, None] * stride_q_t + head[:, None] * stride_q_h + offs_d[None, :],
+        mask=row_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    ).to(DOT_DTYPE)
 
     # Keys some row of this q-block can see: [kv_start, kv_end).
     first_pos = context_len + q_block_local * BLOCK_Q
@@ -164,24 +344,43 @@ def _attend(
     for j in range(tile_lo, tile_hi):
         offs_n = j * TILE_SIZE + tl.arange(0, TILE_SIZE)
         n_mask = offs_n < kv_end
-        blk = tl.load(block_table_ptr + seq_idx * stride_bt + offs_n // BLOCK_SIZE,
-                      mask=n_mask, other=0).to(tl.int64)
+        blk = tl.load(
+            block_table_ptr + seq_idx * stride_bt + offs_n // BLOCK_SIZE, mask=n_mask, other=0
+        ).to(tl.int64)
         in_blk = offs_n % BLOCK_SIZE
         k_off = blk * stride_k_b + in_blk * stride_k_n + kv_head * stride_k_h
         v_off = blk * stride_v_b + in_blk * stride_v_n + kv_head * stride_v_h
         if KV_MODE == KV_NONE:
-            K = tl.load(k_ptr + k_off[None, :] + offs_d[:, None],
-                        mask=d_mask[:, None] & n_mask[None, :], other=0.0)
-            V = tl.load(v_ptr + v_off[:, None] + offs_dv[None, :],
-                        mask=n_mask[:, None] & dv_mask[None, :], other=0.0)
+            K = tl.load(
+                k_ptr + k_off[None, :] + offs_d[:, None],
+                mask=d_mask[:, None] & n_mask[None, :],
+                other=0.0,
+            )
+            V = tl.load(
+                v_ptr + v_off[:, None] + offs_dv[None, :],
+                mask=n_mask[:, None] & dv_mask[None, :],
+                other=0.0,
+            )
             S = tl.dot(q, K.to(DOT_DTYPE), input_precision=DOT_PREC) * scale
         else:
             # Tiles stay codes where the scale is per token (exact in DOT_DTYPE): the K scale
             # multiplies the scores, the V scale the probabilities (vLLM's Triton backend).
-            K, k_tok = dequant_tile(k_ptr, k_off, n_mask, offs_d, d_mask, k_scale, 1, KV_MODE,
-                                    HEAD_SIZE, K_GROUP, E5M2)
-            V, v_tok = dequant_tile(v_ptr, v_off, n_mask, offs_dv, dv_mask, v_scale, 0,
-                                    KV_MODE, HEAD_SIZE_V, V_GROUP, E5M2)
+            K, k_tok = dequant_tile(
+                k_ptr, k_off, n_mask, offs_d, d_mask, k_scale, 1, KV_MODE, HEAD_SIZE, K_GROUP, E5M2
+            )
+            V, v_tok = dequant_tile(
+                v_ptr,
+                v_off,
+                n_mask,
+                offs_dv,
+                dv_mask,
+                v_scale,
+                0,
+                KV_MODE,
+                HEAD_SIZE_V,
+                V_GROUP,
+                E5M2,
+            )
             S = tl.dot(q, K.to(DOT_DTYPE), input_precision=DOT_PREC) * (scale * k_tok)
         if USE_SOFTCAP:
             S = apply_softcap(S, softcap)
@@ -197,30 +396,47 @@ def _attend(
         L = L * alpha + tl.sum(P, 1)
         if KV_MODE != KV_NONE:
             P = P * v_tok  # after L: the V scale weighs values, not probabilities
-        acc = acc * alpha[:, None] + tl.dot(P.to(DOT_DTYPE), V.to(DOT_DTYPE),
-                                          input_precision=DOT_PREC)
+        acc = acc * alpha[:, None] + tl.dot(
+            P.to(DOT_DTYPE), V.to(DOT_DTYPE), input_precision=DOT_PREC
+        )
         M = m_new
 
     if NUM_SEGMENTS > 1:
         # Scratch [T, Hq, NUM_SEGMENTS, HEAD_PAD_V] (+ [T, Hq, NUM_SEGMENTS] for M and L).
         seg_row = (token * NUM_Q_HEADS + head) * NUM_SEGMENTS + segm
-        tl.store(segm_out_ptr + seg_row[:, None] * HEAD_PAD_V + offs_dv[None, :], acc,
-                 mask=row_mask[:, None] & dv_mask[None, :])
+        tl.store(
+            segm_out_ptr + seg_row[:, None] * HEAD_PAD_V + offs_dv[None, :],
+            acc,
+            mask=row_mask[:, None] & dv_mask[None, :],
+        )
         tl.store(segm_max_ptr + seg_row, M, mask=row_mask)
         tl.store(segm_expsum_ptr + seg_row, L, mask=row_mask)
     else:
         # Every real row sees at least its own key (L > 0); masked rows would divide 0 by 0.
         o = acc / tl.where(L > 0.0, L, 1.0)[:, None]
-        tl.store(out_ptr + token[:, None] * stride_o_t + head[:, None] * stride_o_h + offs_dv[None, :],
-                 o.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & dv_mask[None, :])
+        tl.store(
+            out_ptr + token[:, None] * stride_o_t + head[:, None] * stride_o_h + offs_dv[None, :],
+            o.to(out_ptr.dtype.element_ty),
+            mask=row_mask[:, None] & dv_mask[None, :],
+        )
 
 
 @triton.jit
 def _reduce_segments(
-    out_ptr, segm_out_ptr, segm_max_ptr, segm_expsum_ptr, seq_lens_ptr, query_start_loc_ptr,
-    num_seqs, stride_o_t, stride_o_h,
-    NUM_Q_HEADS: tl.constexpr, HEAD_SIZE_V: tl.constexpr, HEAD_PAD_V: tl.constexpr,
-    TILE_SIZE: tl.constexpr, NUM_SEGMENTS: tl.constexpr,
+    out_ptr,
+    segm_out_ptr,
+    segm_max_ptr,
+    segm_expsum_ptr,
+    seq_lens_ptr,
+    query_start_loc_ptr,
+    num_seqs,
+    stride_o_t,
+    stride_o_h,
+    NUM_Q_HEADS: tl.constexpr,
+    HEAD_SIZE_V: tl.constexpr,
+    HEAD_PAD_V: tl.constexpr,
+    TILE_SIZE: tl.constexpr,
+    NUM_SEGMENTS: tl.constexpr,
 ):
     """Merge one (token, query head)'s segments: ``Σ w_s·acc_s / Σ w_s·L_s`` with
     ``w_s = exp(M_s - max M)``; 0 where no segment saw a key."""
@@ -240,12 +456,18 @@ def _reduce_segments(
     g = tl.max(m, 0)
     w = tl.exp(m - tl.where(g > float("-inf"), g, 0.0))
     denom = tl.sum(tl.load(segm_expsum_ptr + row, mask=s_mask, other=0.0) * w, 0)
-    acc = tl.load(segm_out_ptr + row[:, None] * HEAD_PAD_V + offs_dv[None, :],
-                  mask=s_mask[:, None] & dv_mask[None, :], other=0.0)
+    acc = tl.load(
+        segm_out_ptr + row[:, None] * HEAD_PAD_V + offs_dv[None, :],
+        mask=s_mask[:, None] & dv_mask[None, :],
+        other=0.0,
+    )
     num = tl.sum(acc * w[:, None], 0)
     o = tl.where(denom > 0.0, num / tl.where(denom > 0.0, denom, 1.0), 0.0)
-    tl.store(out_ptr + token * stride_o_t + head * stride_o_h + offs_dv, o.to(out_ptr.dtype.element_ty),
-             mask=dv_mask)
+    tl.store(
+        out_ptr + token * stride_o_t + head * stride_o_h + offs_dv,
+        o.to(out_ptr.dtype.element_ty),
+        mask=dv_mask,
+    )
 
 
 def tiling(group: int, max_query_len: int, head_bytes: int = 256) -> tuple[int, int]:
@@ -262,8 +484,15 @@ def tiling(group: int, max_query_len: int, head_bytes: int = 256) -> tuple[int, 
     return max(16, pow2(group)), 16 if max_query_len == 1 else 32
 
 
-def _num_segments(num_seqs: int, num_kv_heads: int, max_query_len: int, max_seq_len: int,
-                  block_q: int, tile: int, num_kv_splits: int | None) -> int:
+def _num_segments(
+    num_seqs: int,
+    num_kv_heads: int,
+    max_query_len: int,
+    max_seq_len: int,
+    block_q: int,
+    tile: int,
+    num_kv_splits: int | None,
+) -> int:
     """Segments per sequence: forced (``num_kv_splits > 0``, rounded up to a power of two) or,
     automatically, :data:`NUM_PAR_SOFTMAX_SEGMENTS` when the queries are short and the 2D grid
     would be under :data:`MIN_LAUNCH_GRID_SIZE_2D` programs; never more than the longest
@@ -277,13 +506,22 @@ def _num_segments(num_seqs: int, num_kv_heads: int, max_query_len: int, max_seq_
     return min(NUM_PAR_SOFTMAX_SEGMENTS, 1 << (tiles.bit_length() - 1))
 
 
-def unified_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                      query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
-                      block_table: torch.Tensor, max_query_len: int, max_seq_len: int,
-                      scale: float, sliding_window: int | None = None,
-                      soft_cap: float | None = None, num_kv_splits: int | None = None,
-                      out: torch.Tensor | None = None,
-                      kv_quant: KVQuant | None = None) -> torch.Tensor:
+def unified_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    max_query_len: int,
+    max_seq_len: int,
+    scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    num_kv_splits: int | None = None,
+    out: torch.Tensor | None = None,
+    kv_quant: KVQuant | None = None,
+) -> torch.Tensor:
     """Causal paged attention of ``query [T, Hq, D]`` over ``key_cache [NB, BS, Hkv, D]`` /
     ``value_cache [NB, BS, Hkv, Dv]`` (any strides with a unit last stride; the caches already
     hold this step's K/V). ``query_start_loc [S+1]`` (cu_seqlens_q), ``seq_lens [S]`` (context
@@ -319,17 +557,22 @@ def unified_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache:
         return out
     group = num_heads // num_kv_heads
     head_pad, head_pad_v = pow2(head_size, 16), pow2(head_size_v, 16)
-    block_m, tile = tiling(group, max_query_len,
-                           max(head_pad, head_pad_v) * max(query.element_size(),
-                                                           key_cache.element_size()))
+    block_m, tile = tiling(
+        group,
+        max_query_len,
+        max(head_pad, head_pad_v) * max(query.element_size(), key_cache.element_size()),
+    )
     block_q = block_m // group
-    segments = _num_segments(num_seqs, num_kv_heads, max_query_len, max_seq_len, block_q, tile,
-                             num_kv_splits)
+    segments = _num_segments(
+        num_seqs, num_kv_heads, max_query_len, max_seq_len, block_q, tile, num_kv_splits
+    )
     if segments > 1:
-        segm_out = torch.empty(num_tokens, num_heads, segments, head_pad_v, dtype=torch.float32,
-                               device=query.device)
-        segm_max = torch.empty(num_tokens, num_heads, segments, dtype=torch.float32,
-                               device=query.device)
+        segm_out = torch.empty(
+            num_tokens, num_heads, segments, head_pad_v, dtype=torch.float32, device=query.device
+        )
+        segm_max = torch.empty(
+            num_tokens, num_heads, segments, dtype=torch.float32, device=query.device
+        )
         segm_expsum = torch.empty_like(segm_max)
     else:
         segm_out = segm_max = segm_expsum = out  # unused: NUM_SEGMENTS == 1 never touches them
@@ -339,40 +582,95 @@ def unified_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache:
         kernel, quant_args = _unified_attention_kvq, (kv_quant.k_scale, kv_quant.v_scale)
         quant_consts = kvq_constexprs(kv_quant)
     kernel[grid](
-        out, query, key_cache, value_cache, block_table, seq_lens, query_start_loc,
-        segm_out, segm_max, segm_expsum,
-        scale, soft_cap or 1.0, num_seqs,
-        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
-        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), block_table.stride(0),
+        out,
+        query,
+        key_cache,
+        value_cache,
+        block_table,
+        seq_lens,
+        query_start_loc,
+        segm_out,
+        segm_max,
+        segm_expsum,
+        scale,
+        soft_cap or 1.0,
+        num_seqs,
+        query.stride(0),
+        query.stride(1),
+        out.stride(0),
+        out.stride(1),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+        value_cache.stride(0),
+        value_cache.stride(1),
+        value_cache.stride(2),
+        block_table.stride(0),
         *quant_args,
-        NUM_Q_HEADS=num_heads, GROUP=group, HEAD_SIZE=head_size, HEAD_SIZE_V=head_size_v,
-        HEAD_PAD=head_pad, HEAD_PAD_V=head_pad_v, BLOCK_SIZE=block_size, TILE_SIZE=tile,
-        BLOCK_Q=block_q, BLOCK_M=block_m, SLIDING_WINDOW=sliding_window or 0,
-        USE_SOFTCAP=soft_cap is not None, NUM_SEGMENTS=segments,
+        NUM_Q_HEADS=num_heads,
+        GROUP=group,
+        HEAD_SIZE=head_size,
+        HEAD_SIZE_V=head_size_v,
+        HEAD_PAD=head_pad,
+        HEAD_PAD_V=head_pad_v,
+        BLOCK_SIZE=block_size,
+        TILE_SIZE=tile,
+        BLOCK_Q=block_q,
+        BLOCK_M=block_m,
+        SLIDING_WINDOW=sliding_window or 0,
+        USE_SOFTCAP=soft_cap is not None,
+        NUM_SEGMENTS=segments,
         DOT_DTYPE=dot_dtype(query.dtype),
         # fp32 caches: exact fp32 products (tf32 would miss the engine's exactness bar).
-        DOT_PREC="ieee" if query.dtype == torch.float32 else "tf32", **quant_consts,
+        DOT_PREC="ieee" if query.dtype == torch.float32 else "tf32",
+        **quant_consts,
     )
     if segments > 1:
         _reduce_segments[(num_tokens, num_heads)](
-            out, segm_out, segm_max, segm_expsum, seq_lens, query_start_loc, num_seqs,
-            out.stride(0), out.stride(1),
-            NUM_Q_HEADS=num_heads, HEAD_SIZE_V=head_size_v, HEAD_PAD_V=head_pad_v,
-            TILE_SIZE=tile, NUM_SEGMENTS=segments,
+            out,
+            segm_out,
+            segm_max,
+            segm_expsum,
+            seq_lens,
+            query_start_loc,
+            num_seqs,
+            out.stride(0),
+            out.stride(1),
+            NUM_Q_HEADS=num_heads,
+            HEAD_SIZE_V=head_size_v,
+            HEAD_PAD_V=head_pad_v,
+            TILE_SIZE=tile,
+            NUM_SEGMENTS=segments,
         )
     return out
 
 
-def paged_attention_triton(query: torch.Tensor, key_cache: torch.Tensor,
-                           value_cache: torch.Tensor, attn_metadata: AttentionMetadata,
-                           scale: float, sliding_window: int | None = None,
-                           logits_soft_cap: float | None = None,
-                           num_kv_splits: int | None = None,
-                           kv_quant: KVQuant | None = None) -> torch.Tensor:
+def paged_attention_triton(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    attn_metadata: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
+    num_kv_splits: int | None = None,
+    kv_quant: KVQuant | None = None,
+) -> torch.Tensor:
     """``pagedkv.ops.attention.paged_attention``'s contract on the Triton kernel, except that
     a ``kv_quant`` rotation is the caller's (see :func:`unified_attention`)."""
     md = attn_metadata
-    return unified_attention(query, key_cache, value_cache, md.query_start_loc, md.seq_lens,
-                             md.block_table, md.max_query_len, md.max_seq_len, scale,
-                             sliding_window, logits_soft_cap, num_kv_splits, kv_quant=kv_quant)
+    return unified_attention(
+        query,
+        key_cache,
+        value_cache,
+        md.query_start_loc,
+        md.seq_lens,
+        md.block_table,
+        md.max_query_len,
+        md.max_seq_len,
+        scale,
+        sliding_window,
+        logits_soft_cap,
+        num_kv_splits,
+        kv_quant=kv_quant,
+    )

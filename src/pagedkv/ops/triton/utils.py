@@ -26,8 +26,9 @@ def pow2(n: int, floor: int = 1) -> int:
 
 
 @triton.jit
-def find_seq_idx(query_start_loc_ptr, target_idx, num_seqs, BLOCK_Q: tl.constexpr,
-                 use_q_block_mode: tl.constexpr):
+def find_seq_idx(
+    query_start_loc_ptr, target_idx, num_seqs, BLOCK_Q: tl.constexpr, use_q_block_mode: tl.constexpr
+):
     """The sequence owning ``target_idx``: a query token, or (``use_q_block_mode``) a global
     q-block index where sequence ``i``'s blocks start at ``query_start_loc[i] // BLOCK_Q + i``.
     Binary search over the ``num_seqs + 1`` monotone offsets."""
