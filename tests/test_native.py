@@ -1,4 +1,4 @@
-"""The native CPU kernels (ops/csrc/cpu_kernels.c): quantized GEMV and paged decode attention.
+"""The native CPU kernels (ops/csrc/): quantized GEMV and paged decode attention.
 
 The dequantizer must give bit-identical weights to gguf.quants (so the GEMV multiplies by the
 very float32 weights the dense model holds); the GEMV and the decode kernel are checked

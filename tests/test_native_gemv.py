@@ -1,4 +1,4 @@
-"""The batch-1 GEMV paths of ops/csrc/cpu_kernels.c (four weight rows a step, nibbles looked up
+"""The batch-1 GEMV paths of ops/csrc/gemv_quant.c (four weight rows a step, nibbles looked up
 in a per-block table, float16 scales converted 16 blocks at a time, prefetching) and the
 many-row path, on both builds.
 

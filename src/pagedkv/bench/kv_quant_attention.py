@@ -3,7 +3,7 @@
 One decode step of ``paged_attention`` (the op, not the model): ``--seqs`` sequences (64) of
 ``--tokens`` (2048) context each, one query token per sequence, SmolLM2-135M's attention
 geometry (9 query heads, 3 KV heads, head size 64), block size 16, LBNHC, random block
-tables. Every mode runs the native CPU kernel (``ops/csrc/cpu_kernels.c``), which reads the
+tables. Every mode runs the native CPU kernel (``ops/csrc/decode_attention_quant.c``), which reads the
 stored bytes in place: float32 (the baseline), bfloat16, int8 / fp8 per token-head, fp8 per
 tensor, int4 per token-head and per group (K: 16 values, V: the head).
 

@@ -1,4 +1,4 @@
-"""Native CPU kernels (ops/csrc/cpu_kernels.c) against the torch paths they replace, same run.
+"""Native CPU kernels (ops/csrc/) against the torch paths they replace, same run.
 
 * GEMV: SmolLM2-135M's projections (its GGUF's own Q4_1 rows; the tied Q8_0 LM head) at
   ``M`` rows: ``native.gemv_q`` on the ggml blocks vs ``F.linear`` on the float32 weights.
