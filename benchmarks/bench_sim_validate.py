@@ -29,7 +29,6 @@ import asyncio
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import tempfile
@@ -39,6 +38,7 @@ from pathlib import Path
 
 import httpx
 
+from pagedkv.bench.instances import free_port
 from pagedkv.router.index import PrefixIndex
 from pagedkv.router.scoring import ReplicaLoad, RoutingPolicy
 from pagedkv.sim.cost import CostModel
@@ -49,12 +49,6 @@ from pagedkv.sim.report import summarize
 from pagedkv.sim.trace import TraceRequest, gen_chat
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Server:
