@@ -137,9 +137,6 @@ def kv_transfer_config_arg(args: argparse.Namespace) -> Any:
         config = KVTransferConfig.from_cli(text)
         if config.kv_connector is not None:
             KVConnectorFactory.get_connector_class(config)
-        port = getattr(args, "kv_side_channel_port", None)
-        if port is not None:
-            config.kv_connector_extra_config["side_channel_port"] = port
         return config
     except (ValueError, TypeError) as e:  # TypeError: a field of the wrong JSON type
         msg = str(e)
@@ -149,12 +146,12 @@ def kv_transfer_config_arg(args: argparse.Namespace) -> Any:
 
 def engine_args(args: argparse.Namespace) -> Any:
     """`EngineArgs` from the flags, ``--kv-transfer-config`` (and ``--kv-side-channel-port``)
-    already checked and parsed by `kv_transfer_config_arg` (CLIError naming the flag)."""
+    already checked and parsed by `kv_transfer_config_arg` (CLIError naming the flag); the port
+    is folded into the config by `EngineArgs.config_kwargs`."""
     from pagedkv.engine.arg_utils import EngineArgs
 
     eargs = EngineArgs.from_cli_args(args)
     eargs.kv_transfer_config = kv_transfer_config_arg(args)
-    eargs.kv_side_channel_port = None  # folded into kv_transfer_config above
     return eargs
 
 
