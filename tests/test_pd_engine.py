@@ -127,6 +127,24 @@ def test_pull_is_exact_and_frees_both_pools(pair, reference):
     assert p.llm_engine.connector.num_expired_leases == 0  # freed by the consumer's notification
 
 
+def test_a_second_producer_reusing_request_ids_is_read_too(pair, backend, reference):
+    """Request ids are unique per producer only (an `LLM` counts from 0): a consumer that has
+    read P1's request "0" still reads P2's "0" (regression: it recomputed it, silently)."""
+    _, d = pair
+    p1, p2 = make_llm("kv_producer", backend), make_llm("kv_producer", backend)
+    try:
+        params1, params2 = prefill(p1, PROMPTS[:1]), prefill(p2, PROMPTS[:1])
+        assert params1[0]["remote_request_id"] == params2[0]["remote_request_id"]
+        for p, params in ((p1, params1), (p2, params2)):
+            before = d.llm_engine.connector.num_transfers
+            assert decode(d, PROMPTS[:1], params) == [reference[PROMPTS[0]]]
+            assert d.llm_engine.connector.num_transfers == before + 1
+            settle(p, d)
+    finally:
+        p1.llm_engine.shutdown()
+        p2.llm_engine.shutdown()
+
+
 def test_a_completed_read_is_a_remote_kv_event_with_the_producers_hashes(reference):
     """The consumer reports each completed read as BlockStored(medium REMOTE): the full blocks
     that moved, hashed as the producer's pool hashed them, with their tokens."""
@@ -167,7 +185,8 @@ def test_block_contiguous_layout_transfers_exactly_and_a_layout_mismatch_is_refu
     """BLNHC (each block one range across layers: one large descriptor per block) moves the
     same KV; a peer with another layout is refused naming the field, and D recomputes."""
     be = backends()[0]
-    p = make_llm("kv_producer", be, kv_cache_layout="BLNHC")
+    # A short lease: the refused read's blocks on P go by lease, and settle waits for it.
+    p = make_llm("kv_producer", be, kv_cache_layout="BLNHC", kv_lease_duration=5.0)
     d = make_llm("kv_consumer", be, kv_cache_layout="BLNHC")
     other = make_llm("kv_consumer", be)
     try:
@@ -178,7 +197,7 @@ def test_block_contiguous_layout_transfers_exactly_and_a_layout_mismatch_is_refu
         with caplog.at_level("WARNING"):
             assert decode(other, PROMPTS[:1], params) == [reference[PROMPTS[0]]]
         assert "kv_cache_layout" in caplog.text
-        settle(p, d, other, timeout_s=45.0)
+        settle(p, d, other, timeout_s=30.0)
     finally:
         for x in (p, d, other):
             x.llm_engine.shutdown()
@@ -215,13 +234,15 @@ def test_abort_while_fetching_leaks_nothing(pair):
 
 
 def test_a_peer_that_never_answers_the_handshake_is_recomputed_after_the_timeout(
-    pair, reference, caplog
+    pair, backend, reference, caplog
 ):
     """The params name a side channel that accepts connections but never replies: the
     handshake times out (2 s here), the read fails and the consumer recomputes, exactly."""
     import socket
 
-    p, d = pair
+    _, d = pair
+    # Its own producer with a short lease: nobody reads these blocks, the lease frees them.
+    p = make_llm("kv_producer", backend, kv_lease_duration=1.0)
     params = prefill(p, PROMPTS[:1])[0]
     with socket.socket() as silent:
         silent.bind(("127.0.0.1", 0))
@@ -236,7 +257,11 @@ def test_a_peer_that_never_answers_the_handshake_is_recomputed_after_the_timeout
             assert decode(d, PROMPTS[:1], [bad]) == [reference[PROMPTS[0]]]
     assert "did not answer the handshake within 2 s" in caplog.text  # bounded, not hung
     assert d.llm_engine.connector.num_failed_transfers > failed0
-    settle(p, d, timeout_s=45.0)  # P's blocks for these params go by lease (nobody read them)
+    try:
+        settle(p, d, timeout_s=20.0)  # P's blocks for these params go by lease
+        assert p.llm_engine.connector.num_expired_leases == 1
+    finally:
+        p.llm_engine.shutdown()
 
 
 def test_a_lost_done_notification_is_covered_by_the_lease(backend, reference):

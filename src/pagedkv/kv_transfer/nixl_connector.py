@@ -29,8 +29,9 @@ makes the consumer report the request's blocks invalid, and the scheduler recomp
 (``"nixl"``, ``"tcp"``; default: NIXL when it imports), ``transfer_mode`` (``"pull"`` or
 ``"push"``: what this producer offers), ``kv_lease_duration``, ``push_timeout_s``,
 ``handshake_timeout_s``, ``transfer_timeout_s``, ``nixl_progress_thread`` (default on: a peer
-that is not being polled still serves reads; off saves the ~20% of a core it spins when idle on
-a CPU-only host, at the price of transfers that wait for the peer's next engine step).
+that is not being polled still serves reads; off, transfers wait for the peer's next engine
+step), ``nixl_progress_delay_us`` (the progress thread's sleep between polls, default 100:
+NIXL's own 0 is a busy loop that took a core from the engine on a CPU-only host).
 
 KV events (`take_events`): a consumer reports each completed read as one ``BlockStored`` with
 medium ``REMOTE`` (the full blocks that arrived: hashes, parent, tokens). It is a *transfer
@@ -86,6 +87,13 @@ DEFAULT_PUSH_TIMEOUT_S = 30.0
 DEFAULT_TRANSFER_TIMEOUT_S = 30.0
 # Notification prefixes (bytes on the backend's notification channel).
 DONE, HEARTBEAT, PUSH_REG, PUSHED = b"done:", b"HB:", b"PUSH_REG:", b"pushed:"
+
+
+def _started_key(p: dict[str, Any]) -> tuple[str, str]:
+    """The key of a consumer's read: request ids are unique per producer, not across them."""
+    return (str(p.get("remote_engine_id")), str(p.get("remote_request_id")))
+
+
 _REQUIRED_PARAMS = ("remote_engine_id", "remote_host", "remote_port", "remote_request_id")
 
 
@@ -165,7 +173,9 @@ class NixlConnector(KVConnectorBase):
         # scheduler side
         self._pending_recv: dict[str, RecvReq] = {}
         self._early_frees: list[RecvReq] = []
-        self._recv_started: set[str] = set()  # remote request ids already fetched (or given up)
+        # (producer engine id, its request id) already fetched or given up: request ids are only
+        # unique within one producer (an `LLM`'s are a counter), so the engine id is part of it.
+        self._recv_started: set[tuple[str, str]] = set()
         # KV events: a record per read in flight (its local blocks, its event), then the events.
         self._recv_records: dict[str, tuple[list[int], BlockStored]] = {}
         self._events: list[BlockStored] = []
@@ -204,7 +214,7 @@ class NixlConnector(KVConnectorBase):
         if (
             not self.config.is_kv_consumer
             or not p.get("do_remote_prefill")
-            or p.get("remote_request_id") in self._recv_started
+            or _started_key(p) in self._recv_started
         ):
             return None
         missing = [k for k in _REQUIRED_PARAMS if p.get(k) is None]
@@ -247,7 +257,7 @@ class NixlConnector(KVConnectorBase):
         if p is None:
             return
         rrid = p["remote_request_id"]
-        self._recv_started.add(rrid)
+        self._recv_started.add(_started_key(p))
         first = request.num_computed_tokens // self.block_size
         last = cdiv(request.num_prompt_tokens, self.block_size)
         mode = p.get("transfer_mode", "pull")
@@ -308,10 +318,10 @@ class NixlConnector(KVConnectorBase):
         self, request: KVCacheRequest, block_ids: BlockIds
     ) -> tuple[bool, dict[str, Any] | None]:
         p = request.kv_transfer_params or {}
-        if p.get("do_remote_prefill") and p.get("remote_request_id") not in self._recv_started:
+        if p.get("do_remote_prefill") and _started_key(p) not in self._recv_started:
             consumer = self._remote(request)
             if consumer is not None:  # never fetched (aborted while queued): let the producer free
-                self._recv_started.add(consumer["remote_request_id"])
+                self._recv_started.add(_started_key(consumer))
                 self._early_frees.append(
                     RecvReq(
                         request.request_id,
@@ -368,6 +378,9 @@ class NixlConnector(KVConnectorBase):
             self._backend_name,
             nixl_progress_thread=bool(
                 self.config.get_from_extra_config("nixl_progress_thread", True)
+            ),
+            nixl_progress_delay_us=self.config.get_from_extra_config(
+                "nixl_progress_delay_us", None
             ),
         )
         self.backend.register_kv_memory(regions)

@@ -22,6 +22,7 @@ _SCALAR = {
     GGUFValueType.UINT32: "<I", GGUFValueType.INT32: "<i", GGUFValueType.FLOAT32: "<f", GGUFValueType.BOOL: "<?",
     GGUFValueType.UINT64: "<Q", GGUFValueType.INT64: "<q", GGUFValueType.FLOAT64: "<d",
 }  # fmt: skip
+_U64 = struct.Struct("<Q")
 _NP_SCALAR = {t: np.dtype(f) for t, f in _SCALAR.items()}
 
 
@@ -68,6 +69,18 @@ class _Cursor:
         self.pos += n
         return s
 
+    def strings(self, count: int) -> list[str]:
+        """``count`` length-prefixed strings: one tight loop (vocabularies hold ~50k of them)."""
+        buf, pos, unpack = self.buf, self.pos, _U64.unpack_from
+        out: list[str] = [""] * count
+        for i in range(count):
+            (n,) = unpack(buf, pos)
+            pos += 8
+            out[i] = str(buf[pos : pos + n], "utf-8", "replace")
+            pos += n
+        self.pos = pos
+        return out
+
     def value(self, vtype: GGUFValueType) -> Any:
         if vtype == GGUFValueType.STRING:
             return self.string()
@@ -77,6 +90,8 @@ class _Cursor:
                 arr = np.frombuffer(self.buf, _NP_SCALAR[etype], count, self.pos)
                 self.pos += arr.nbytes
                 return arr.tolist()
+            if etype == GGUFValueType.STRING:
+                return self.strings(count)
             return [self.value(etype) for _ in range(count)]
         return self.scalar(_SCALAR[vtype])
 

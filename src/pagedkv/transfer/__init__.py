@@ -39,11 +39,17 @@ def nixl_import_error() -> str | None:
 
 
 def get_transfer_backend(
-    name: str, preferred: str | None = None, *, nixl_progress_thread: bool = True, **kw: Any
+    name: str,
+    preferred: str | None = None,
+    *,
+    nixl_progress_thread: bool = True,
+    nixl_progress_delay_us: int | None = None,
+    **kw: Any,
 ) -> KVTransferBackend:
     """A backend for agent ``name``: ``preferred`` "nixl" | "tcp", or None for NIXL when
     ``nixl_cu12`` imports, else TCP. ``kw`` goes to the backend (``timeout_s``; TCP ``host``);
-    ``nixl_progress_thread`` to NIXL only. "nixl" asked for explicitly but not importable
+    ``nixl_progress_thread`` and ``nixl_progress_delay_us`` (None: the backend's default) to NIXL
+    only. "nixl" asked for explicitly but not importable
     raises ImportError."""
     if preferred not in (None, "nixl", "tcp"):
         raise ValueError(f"unknown KV transfer backend {preferred!r} (nixl | tcp)")
@@ -54,6 +60,8 @@ def get_transfer_backend(
         from pagedkv.transfer.nixl import NixlBackend
 
         logger.info("KV transfer backend: nixl (UCX)")
+        if nixl_progress_delay_us is not None:
+            kw["progress_delay_us"] = nixl_progress_delay_us
         return NixlBackend(name, progress_thread=nixl_progress_thread, **kw)
     from pagedkv.transfer.tcp import TcpBackend
 

@@ -9,6 +9,10 @@ Notifications use ``get_new_notifs`` only (never ``check_remote_xfer_done``, whi
 separate stash: mixing them loses notifs). A notif attached to a transfer is sent by NIXL after
 the data landed (nixl#252); ``send_notif`` is unordered with transfers (nixl#246).
 
+The progress thread sleeps ``progress_delay_us`` between polls: NIXL's Python wrapper hard-codes
+0 (a busy loop), and two spinning agents made this 2-core host's matmuls 3x slower
+(``benchmarks/results/nixl_progress_delay.json``).
+
 Bounded: a transfer still ``PROC`` after ``timeout_s`` is reported ``"ERR"`` (UCX may never
 fail a transfer to a peer that died mid-flight).
 """
@@ -18,6 +22,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -30,6 +35,38 @@ from pagedkv.transfer.base import KVTransferBackend, MemoryRegion, XferState
 logger = logging.getLogger(__name__)
 
 _LOCAL = "NIXL_INIT_AGENT"
+DEFAULT_PROGRESS_DELAY_US = 100
+_agent_lock = threading.Lock()
+
+
+def make_agent(name: str, config: Any, progress_delay_us: int) -> Any:
+    """A ``nixl_agent`` whose progress thread sleeps ``progress_delay_us`` between polls.
+
+    ``nixl_agent.__init__`` sets ``nixlAgentConfig.pthrDelay = 0`` and offers no parameter, so
+    its module's ``nixlBind`` is swapped, for the constructor only and under a lock, for one
+    whose ``nixlAgent`` applies the delay first. A wrapper without that attribute gets the
+    library's default (busy) thread, with a warning."""
+    from nixl_cu12 import _api, nixl_agent
+
+    real = getattr(_api, "nixlBind", None)
+    if real is None or not hasattr(real, "nixlAgent"):
+        logger.warning("nixl_cu12 changed: the progress thread delay cannot be set (busy loop)")
+        return nixl_agent(name, config)
+
+    class _Bind:
+        def __getattr__(self, key: str) -> Any:
+            return getattr(real, key)
+
+        def nixlAgent(self, agent_name: str, cfg: Any) -> Any:  # noqa: N802 - NIXL's name
+            cfg.pthrDelay = progress_delay_us
+            return real.nixlAgent(agent_name, cfg)
+
+    with _agent_lock:
+        _api.nixlBind = _Bind()
+        try:
+            return nixl_agent(name, config)
+        finally:
+            _api.nixlBind = real
 
 
 def regions_to_wire(regions: Sequence[MemoryRegion]) -> list[list[int]]:
@@ -134,22 +171,23 @@ class NixlBackend(KVTransferBackend):
         backends: Sequence[str] = ("UCX",),
         num_threads: int = 0,
         progress_thread: bool = True,
+        progress_delay_us: int = DEFAULT_PROGRESS_DELAY_US,
     ) -> None:
         """``progress_thread``: NIXL's own progress thread (default on). Without it a peer
         that is not being polled (an idle engine, a blocked agent) stalls the transfers that
-        target it until they time out; with it an idle agent spins ~20% of a core on a
-        CPU-only host."""
+        target it until they time out. ``progress_delay_us``: its sleep between polls (NIXL's
+        wrapper uses 0, a busy loop that takes a core from the engine on a CPU host)."""
         super().__init__(name)
         # NIXL's logger writes INFO lines to stdout (it would corrupt JSON output): WARN unless
         # the user chose a level.
         os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
-        from nixl_cu12 import nixl_agent, nixl_agent_config  # lazy: optional dependency
+        from nixl_cu12 import nixl_agent_config  # lazy: optional dependency
 
         self.timeout_s = timeout_s
         config = nixl_agent_config(
             enable_prog_thread=progress_thread, backends=list(backends), num_threads=num_threads
         )
-        self._agent = nixl_agent(name, config)
+        self._agent = make_agent(name, config, int(progress_delay_us))
         self._s = _State()
         self._ids = itertools.count(1)
 
