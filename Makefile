@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 
-.PHONY: setup system-deps run test lint fmt docs bench clean gpu-check
+.PHONY: setup system-deps run test test-fast lint fmt docs bench clean gpu-check
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -40,6 +40,10 @@ run: setup
 
 test: setup system-deps lint docs
 	$(PY) -m pytest -q
+
+# The development loop: everything but the tests marked slow (those still run in `make test`).
+test-fast: setup
+	$(PY) -m pytest -q -m "not slow"
 
 # ruff, configured in pyproject.toml: the lint rules, and the formatter as a check (`make fmt`
 # applies both).

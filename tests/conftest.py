@@ -72,6 +72,38 @@ def hf_logits(hf_model: Any) -> Callable[[Sequence[int]], Any]:
 
 
 @pytest.fixture(scope="session")
+def hf_greedy(hf_model: Any) -> Callable[..., tuple[list[int], list[Any]]]:
+    """``hf_greedy(ids, n=24) -> (tokens, logits rows)``: transformers' own greedy loop over its
+    KV cache, one unpadded prompt, on ``PAGEDKV_TEST_DEVICE`` (default cpu). Memoized for the
+    session (test_exactness and test_dense_linear ask for the same prompts)."""
+    import torch
+
+    device = os.environ.get("PAGEDKV_TEST_DEVICE", "cpu")
+    model = hf_model.to(device)
+    cache: dict[tuple[tuple[int, ...], int], tuple[list[int], list[torch.Tensor]]] = {}
+
+    def run(ids: Sequence[int], n: int = 24) -> tuple[list[int], list[torch.Tensor]]:
+        key = (tuple(ids), n)
+        if key not in cache:
+            from transformers import DynamicCache
+
+            past = DynamicCache()
+            out_tokens, rows = [], []
+            inp = torch.tensor([list(ids)], device=device)
+            with torch.inference_mode():
+                for _ in range(n):
+                    logits = model(inp, cache=past, use_cache=True).logits[0, -1].float().cpu()
+                    nxt = int(logits.argmax())
+                    out_tokens.append(nxt)
+                    rows.append(logits)
+                    inp = torch.tensor([[nxt]], device=device)
+            cache[key] = (out_tokens, rows)
+        return cache[key]
+
+    return run
+
+
+@pytest.fixture(scope="session")
 def pagedkv_model(gguf_path: Path) -> Any:
     """Our float32 ``LoadedModel`` (model, config, tokenizer) of the default GGUF."""
     import torch
@@ -160,24 +192,60 @@ def _vm_kib(field: str) -> int:
 # keeps the freed heap pages (multi-MiB weights and activations sit below its adaptive mmap
 # threshold, spread over per-thread arenas), so the process only grows: every default-model
 # engine left ~0.3 GiB behind, and the whole suite peaked at 13 GB. ``malloc_trim(0)`` hands
-# free pages back (~0.1 s); it runs only after a test left the process >= 256 MiB larger than
-# the last trim did, so the many small tests never pay for it.
+# free pages back (~0.1 s). It runs when the memory resident but not in use by malloc's callers
+# (RSS minus ``mallinfo2``'s in-use bytes) grew >= 256 MiB since the last trim, so the many small
+# tests never pay for it; also when callers hold >= 512 MiB more (a garbage collection frees
+# engines caught in cycles first) and after each test file. (RSS growth alone was the old
+# trigger: a trim while a module's engines were alive set a high mark, and the GBs they freed
+# later stayed resident for the session.)
 _TRIM_GROWTH_KIB = 256 * 1024
 
 
-def _load_malloc_trim() -> Callable[[int], int] | None:
-    """glibc's ``malloc_trim`` (None elsewhere: musl, macOS)."""
+def _load_glibc() -> tuple[Callable[[int], int] | None, Callable[[], int] | None]:
+    """glibc's ``malloc_trim`` and the bytes malloc's callers hold (``mallinfo2``: ``uordblks``
+    + ``hblkhd``); None where they are missing (musl, macOS, glibc < 2.33: RSS alone is used)."""
     import ctypes
     import ctypes.util
 
     try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        trim = libc.malloc_trim
     except (OSError, AttributeError):
-        return None
+        return None, None
+
+    class _Mallinfo2(ctypes.Structure):
+        _fields_ = [
+            (f, ctypes.c_size_t)
+            for f in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks")
+            + ("uordblks", "fordblks", "keepcost")
+        ]
+
+    try:
+        mallinfo2 = libc.mallinfo2
+    except AttributeError:
+        return trim, None
+    mallinfo2.restype = _Mallinfo2
+
+    def in_use() -> int:
+        info = mallinfo2()
+        return int(info.uordblks + info.hblkhd)
+
+    return trim, in_use
 
 
-_malloc_trim = _load_malloc_trim()
-_rss_after_trim_kib = 0
+_malloc_trim, _malloc_in_use_bytes = _load_glibc()
+_held_after_trim_kib = 0  # RSS not in use by malloc's callers, after the last trim (0: trim now)
+_in_use_after_trim_kib = 0  # what malloc's callers held after it
+
+
+def _in_use_kib() -> int:
+    """KiB malloc's callers hold (0 where ``mallinfo2`` is missing)."""
+    return _malloc_in_use_bytes() // 1024 if _malloc_in_use_bytes is not None else 0
+
+
+def _held_kib() -> int:
+    """Resident KiB minus what malloc's callers hold: what a trim could give back, and more."""
+    return _vm_kib("VmRSS") - _in_use_kib()
 
 
 # The session's heavy models (~1.4 GB together) are let go after the last selected test that
@@ -213,20 +281,38 @@ def _release_heavy_fixtures(item: pytest.Item) -> bool:
     return released
 
 
+_module_done = False  # the test that just ran was its file's last
+
+
 @pytest.hookimpl(trylast=True)  # after the runner's own teardown of the test's fixtures
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
-    global _rss_after_trim_kib
+    global _held_after_trim_kib, _module_done
     if _release_heavy_fixtures(item):
-        _rss_after_trim_kib = 0  # trim now
-    rss = _vm_kib("VmRSS")
-    _rss_after_trim_kib = min(_rss_after_trim_kib, rss)  # a fixture let go: measure from here
-    if _malloc_trim is None or rss < _rss_after_trim_kib + _TRIM_GROWTH_KIB:
+        _held_after_trim_kib = 0  # trim now
+    _module_done = nextitem is None or nextitem.path != item.path
+
+
+def pytest_runtest_logfinish(nodeid: str, location: tuple[str, int | None, str]) -> None:
+    """Trim here, not at teardown: pytest drops the test's arguments and its captured log
+    records (a logged exception's traceback holds the engines of the frames it passed) only
+    after its teardown hooks."""
+    global _held_after_trim_kib, _in_use_after_trim_kib
+    if _malloc_trim is None:
+        return
+    held, in_use = _held_kib(), _in_use_kib()
+    _held_after_trim_kib = min(_held_after_trim_kib, held)
+    _in_use_after_trim_kib = min(_in_use_after_trim_kib, in_use)
+    if (
+        held < _held_after_trim_kib + _TRIM_GROWTH_KIB
+        and in_use < _in_use_after_trim_kib + 2 * _TRIM_GROWTH_KIB
+        and not _module_done
+    ):
         return
     import gc
 
-    gc.collect()  # an engine caught in a reference cycle (threads, callbacks) goes now
+    gc.collect()  # engines caught in reference cycles are in use to malloc until collected
     _malloc_trim(0)
-    _rss_after_trim_kib = _vm_kib("VmRSS")
+    _held_after_trim_kib, _in_use_after_trim_kib = _held_kib(), _in_use_kib()
 
 
 if _PROFILE_PATH:

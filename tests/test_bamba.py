@@ -126,6 +126,7 @@ def cached_checkpoints(llm: LLM) -> int:
     )
 
 
+@pytest.mark.slow
 def test_block_size_specs_and_state_views(
     bamba: tuple[Any, Path], caplog: pytest.LogCaptureFixture
 ) -> None:

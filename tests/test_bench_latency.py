@@ -105,6 +105,7 @@ def test_latency_script_pagedkv_side_and_timeline(tmp_path: Path, native_step: s
     assert r["meets_targets"]["decode_vs_llamacpp"] is None
 
 
+@pytest.mark.slow
 def test_latency_rejects_bad_options() -> None:
     p = subprocess.run(
         [

@@ -44,6 +44,7 @@ def test_every_benchmark_script_is_a_thin_entry_point() -> None:
 # ---------------------------------------------------------------- memory (no model)
 
 
+@pytest.mark.slow
 def test_memory_full_trace_meets_target(capsys) -> None:
     r = bench_json(capsys, "memory")
     s = r["schemes"]
@@ -86,6 +87,7 @@ def test_memory_script_runs_standalone_and_rejects_bad_options() -> None:
 # ---------------------------------------------------------------- model benchmarks (tiny)
 
 
+@pytest.mark.slow
 def test_prefix_cache_tiny(capsys) -> None:
     r = bench_json(
         capsys,
@@ -109,6 +111,7 @@ def test_prefix_cache_tiny(capsys) -> None:
     assert isinstance(r["meets_target"], bool)
 
 
+@pytest.mark.slow
 def test_throughput_tiny_with_hf(capsys, tmp_path) -> None:
     out_file = tmp_path / "tp.json"
     r = bench_json(
@@ -156,6 +159,7 @@ def test_throughput_tiny_with_hf(capsys, tmp_path) -> None:
     assert set(r["meets_targets"]) == {"vs_hf_total", "fraction_of_ceiling", "batch1_decode_tok_s"}
 
 
+@pytest.mark.slow
 def test_throughput_skip_hf_prints_table(capsys) -> None:
     """Without --json-only: the table, then the JSON; --skip-hf leaves the baseline out."""
     assert (
@@ -191,6 +195,7 @@ def test_throughput_skip_hf_prints_table(capsys) -> None:
 # ---------------------------------------------------------------- native kernels
 
 
+@pytest.mark.slow
 def test_native_script_reports_every_case() -> None:
     from pagedkv.ops import native
 

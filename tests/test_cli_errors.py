@@ -98,6 +98,7 @@ def test_plan_with_a_config_missing_keys(tmp_path: Path) -> None:
     )
 
 
+@pytest.mark.slow
 def test_generate_with_a_model_dir_whose_config_is_broken(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64}))
     assert_one_line_error(
@@ -137,6 +138,7 @@ def test_plan_into_a_closed_pipe_is_quiet() -> None:
     assert err == ""
 
 
+@pytest.mark.slow
 def test_serve_refuses_a_kv_cache_too_small_before_loading_the_model() -> None:
     """`serve --num-kv-blocks 40` used to start and thrash later. Now one line, exit 2, naming
     the length that fits (39 usable blocks x 16 = 624) and the flags, before the weights load."""
@@ -163,6 +165,7 @@ def test_bench_serve_bad_option_is_one_line() -> None:
 # ---------------------------------------------------------------- events: silence
 
 
+@pytest.mark.slow
 def test_events_says_when_nothing_arrives() -> None:
     res = pagedkv(
         "events",

@@ -134,6 +134,7 @@ def test_chat_two_turns_reset_and_exit() -> None:
     assert cached >= 16
 
 
+@pytest.mark.slow
 def test_chat_ends_at_eof() -> None:
     res = pagedkv("chat", "--temperature", "0", "--max-tokens", "8", *SMALL, stdin="Hello!\n")
     assert res.returncode == 0, res.stderr

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 from core_utils import full_spec, make_manager, make_request, swa_spec
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
@@ -178,6 +179,7 @@ class CoreMachine(RuleBasedStateMachine):
             assert self.m.num_free_blocks == self.m.block_pool.num_gpu_blocks - 1
 
 
+@pytest.mark.slow
 def test_core_stateful_invariants():
     CoreMachine.steps_run = 0
     run_state_machine_as_test(

@@ -89,6 +89,7 @@ def stream_until_first_chunk(server, payload: dict) -> tuple[httpx.Client, objec
     return client, cm, lines
 
 
+@pytest.mark.slow
 def test_state_shape_and_block_map(http, tier_names):
     st = http.get("/dashboard/state").json()
     assert (
@@ -154,6 +155,7 @@ def test_redis_tier_without_maxmemory_reports_unbounded_capacity(server, http, r
     assert line.endswith(" +Inf"), line
 
 
+@pytest.mark.slow
 def test_state_shows_shared_in_use_and_cached_blocks(server, http):
     # n=3 samples fork from one prefill: their full prompt blocks are shared (ref_cnt 3).
     payload = dict(
@@ -380,6 +382,7 @@ def canvas_colours(browser, canvas_id: str) -> set[str]:
     )
 
 
+@pytest.mark.slow
 def test_dashboard_page_updates_live_in_chromium(server, browser, tmp_path, redis, tier_names):
     browser.get(server.url + "/dashboard")
     wait_js(browser, "window.__pagedkv && window.__pagedkv.polls >= 2", 20, "the first polls")
@@ -592,6 +595,7 @@ def test_kv_transfer_state_of_given_counters():
     )
 
 
+@pytest.mark.slow
 def test_dashboard_state_of_a_real_pd_engine():
     llm = LLM(num_kv_blocks=64, max_model_len=256, kv_transfer_config=nixl_config("kv_producer"))
     try:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from test_exactness import QUESTIONS, assert_same, chat_ids, hf_greedy, run_engine, tok  # noqa: F401 (fixtures)
+from test_exactness import QUESTIONS, assert_same, chat_ids, run_engine, tok  # noqa: F401 (fixture)
 
 from pagedkv.ops import dense_linear
 

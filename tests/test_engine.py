@@ -29,6 +29,7 @@ def pool_back_to_free(request):
 GREEDY = SamplingParams(temperature=0, max_tokens=12)
 
 
+@pytest.mark.slow
 def test_generate_returns_vllm_shaped_outputs(llm):
     outs = llm.generate(["The capital of France is", "One, two, three,"], GREEDY, use_tqdm=False)
     assert [o.request_id for o in outs] == sorted(o.request_id for o in outs)
@@ -56,6 +57,7 @@ def test_token_id_prompts_and_chat(llm):
     assert "Paris" in out.outputs[0].text and out.outputs[0].finish_reason == "stop"
 
 
+@pytest.mark.slow
 def test_seeded_sampling_is_reproducible_and_batch_independent(llm):
     p = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, seed=1234, max_tokens=10)
     alone = llm.generate("Once upon a time", p, use_tqdm=False)[0].outputs[0].token_ids
@@ -113,6 +115,7 @@ def test_n_greedy_samples_equal_single_greedy(llm):
     assert [c.token_ids for c in multi.outputs] == [single] * 3
 
 
+@pytest.mark.slow
 def test_stop_strings_stop_tokens_and_max_tokens(llm):
     tok = llm.get_tokenizer()
     base = llm.generate(
@@ -168,6 +171,7 @@ def test_logprobs_are_consistent(llm):
     )
 
 
+@pytest.mark.slow
 def test_penalties_change_output_and_min_tokens_blocks_eos(llm):
     prompt = "Repeat after me: la la la la la la"
     plain = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=10), use_tqdm=False)[0]
@@ -240,6 +244,7 @@ def test_bad_prompts_raise_and_leave_other_requests_running(llm):
         llm.generate(["fine", {"prompt_token_ids": [1] * 2000}], GREEDY, use_tqdm=False)
 
 
+@pytest.mark.slow
 def test_abort_frees_everything(llm):
     engine = llm.llm_engine
     for i in range(4):
@@ -266,6 +271,7 @@ def test_engine_option_validation_names_the_option():
         LLM(kv_cache_memory=16 << 20)  # 22 blocks of 16 tokens: 21 usable = 336 tokens
 
 
+@pytest.mark.slow
 def test_a_sequence_filling_the_whole_cache_stops_with_length_and_others_go_on():
     """A request whose generation fills the entire KV cache (max_model_len = the whole cache:
     a larger max_model_len is refused at start, as in vLLM) stops with finish_reason "length",

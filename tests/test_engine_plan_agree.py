@@ -46,6 +46,7 @@ def test_plan_and_engine_agree_on_blocks(capsys, memory, block_size):
     assert llm.llm_engine.kv_buffer.numel() * 4 == cfg.num_blocks * cfg.bytes_per_block
 
 
+@pytest.mark.slow
 def test_plan_without_flags_is_what_the_default_engine_allocates(capsys):
     """The issue's 2x: `plan --memory 1GiB` said 2,912 blocks (bf16) while the engine allocated
     1,456 (fp32, 1 GiB on CPU). With no flags, plan now uses the engine's defaults."""
@@ -68,6 +69,7 @@ def test_plan_without_flags_is_what_the_default_engine_allocates(capsys):
     assert "1,456 blocks" in plan["summary"] and "23,280 tokens" in plan["summary"]
 
 
+@pytest.mark.slow
 def test_engine_refuses_a_cache_too_small_for_one_max_model_len_request():
     """`num_kv_blocks=40` with the default max_model_len (8192, 512 blocks) used to start and
     thrash later; now it is refused, naming the largest length that fits: 39 usable blocks x 16
@@ -98,6 +100,7 @@ def test_engine_refuses_a_cache_too_small_for_one_max_model_len_request():
         ("int4", 74),
     ],
 )
+@pytest.mark.slow
 def test_plan_and_engine_agree_for_every_kv_cache_dtype(capsys, kv_cache_dtype, content):
     """Quantized pages: the planner, the engine's allocation and the byte format agree (per
     token-head: K|scale|V|scale, reference digest §1.2: 256 / 136 / 72 B at head size 64; fp16

@@ -73,6 +73,7 @@ def llm():
     return LLM(num_kv_blocks=64, block_size=16, max_model_len=512)
 
 
+@pytest.mark.slow
 def test_a_failing_forward_fails_only_its_batch_and_leaves_no_poisoned_cache(llm, monkeypatch):
     """The forward pass of one step raises. Both requests of that batch (one with n=2, whose
     samples were never forked) finish with reason "error" and the error; the pool is all free.
@@ -113,6 +114,7 @@ def test_a_failing_forward_fails_only_its_batch_and_leaves_no_poisoned_cache(llm
     assert_pool_all_free(engine)
 
 
+@pytest.mark.slow
 def test_a_sampler_blow_up_fails_its_batch_offline(llm):
     """A request whose sampling raises (NaN probabilities) ends with "error"; the engine goes on."""
     ref = llm.generate(PROMPT, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
@@ -138,6 +140,7 @@ async def collect(async_llm: AsyncLLM, rid: str, prompt, params: SamplingParams)
     return final
 
 
+@pytest.mark.slow
 def test_async_llm_stays_healthy_after_a_failing_step(async_llm):
     """On AsyncLLM the failed request's stream raises EngineGenerateError; the engine stays
     healthy (a server's /health stays 200), later requests give the same greedy tokens as
@@ -179,6 +182,7 @@ def long_context_llm():
     llm.shutdown()
 
 
+@pytest.mark.slow
 def test_a_huge_prompt_does_not_stall_a_running_stream(long_context_llm):
     """While a prompt of megabytes is tokenized (then refused: too long), a running stream keeps
     producing tokens: its largest gap between two outputs stays well below the time that text

@@ -118,6 +118,7 @@ def test_stats_line_reads_the_interval_between_two_snapshots(caplog):
 # ---- the real engine --------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_make_stats_snapshots_share_no_state_with_the_engine(llm):
     before = llm.make_stats()
     queries, hits = before.prefix_cache_stats.queries, before.prefix_cache_stats.hits

@@ -61,32 +61,6 @@ def chat_ids(tok, question: str, system: str | None = None) -> list[int]:
     )
 
 
-@pytest.fixture(scope="module")
-def hf_greedy(hf_model):
-    hf_model = hf_model.to(DEVICE)
-    cache: dict[tuple[int, ...], tuple[list[int], list[torch.Tensor]]] = {}
-
-    def run(ids: list[int], n: int = MAX_TOKENS) -> tuple[list[int], list[torch.Tensor]]:
-        key = tuple(ids)
-        if key not in cache:
-            from transformers import DynamicCache
-
-            past = DynamicCache()
-            out_tokens, rows = [], []
-            inp = torch.tensor([ids], device=DEVICE)
-            with torch.inference_mode():
-                for _ in range(n):
-                    logits = hf_model(inp, cache=past, use_cache=True).logits[0, -1].float().cpu()
-                    nxt = int(logits.argmax())
-                    out_tokens.append(nxt)
-                    rows.append(logits)
-                    inp = torch.tensor([[nxt]], device=DEVICE)
-            cache[key] = (out_tokens, rows)
-        return cache[key]
-
-    return run
-
-
 def assert_same(prompts: list[list[int]], outputs, hf_greedy, report: list[str]) -> None:
     for ids, out in zip(prompts, outputs):
         ours = out.outputs[0].token_ids

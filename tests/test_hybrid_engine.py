@@ -80,6 +80,7 @@ def prompts(seed: int, lens: list[int], shared: int = 0) -> list[list[int]]:
     ],
     ids=["plain", "chunked", "preempting"],
 )
+@pytest.mark.slow
 def test_greedy_matches_transformers(hybrid: tuple[Any, Path], engine_kw: dict[str, int]) -> None:
     hf, path = hybrid
     llm = LLM(

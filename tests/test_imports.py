@@ -166,6 +166,7 @@ def test_no_import_cycles_in_pagedkv() -> None:
     assert not cycles, "import circles:\n" + "\n".join(_path_in(graph, c) for c in cycles)
 
 
+@pytest.mark.slow
 def test_offload_tiers_import_only_the_base() -> None:
     """The circle that was: fs_tier/redis_tier imported tiering, whose factory imported them."""
     graph = import_graph(SRC, "pagedkv")
@@ -212,6 +213,7 @@ def test_no_upward_imports_and_a_torch_free_core() -> None:
     assert not torch_in_core, f"core/ imports torch: {torch_in_core}"
 
 
+@pytest.mark.slow
 def test_no_private_names_imported_across_packages() -> None:
     """A ``_name`` is its package's own business: another package that needs it gets a public
     name (the router once imported the proxy's ``_forward_headers`` and ``_unavailable``)."""
@@ -243,6 +245,7 @@ def _top_level_names(path: Path) -> set[str]:
 
 
 @pytest.mark.parametrize("name", ["parse_size", "cdiv", "GiB", "MiB"])
+@pytest.mark.slow
 def test_one_definition_of_each_unit_helper(name: str) -> None:
     """``parse_size``, ``cdiv``, ``GiB``, ``MiB`` are defined once (core/units.py) and imported
     everywhere else, so that a size means the same bytes in every option."""

@@ -90,6 +90,7 @@ def stored(batches) -> list[BlockStored]:
     return [e for _, b in batches for e in b.events if isinstance(e, BlockStored)]
 
 
+@pytest.mark.slow
 def test_subscriber_receives_block_stored_and_replays_from_zero(
     server, publisher, tokenizer, device_medium
 ):
@@ -169,6 +170,7 @@ def test_wire_format_is_vllms(server, publisher):
         ctx.term()
 
 
+@pytest.mark.slow
 def test_evictions_and_reset_publish_removed_and_cleared(server, publisher, device_medium):
     with KVEventSubscriber(publisher.endpoint) as sub:
         time.sleep(0.3)
@@ -185,6 +187,7 @@ def test_evictions_and_reset_publish_removed_and_cleared(server, publisher, devi
         assert isinstance(got[-1][1].events[-1], AllBlocksCleared)
 
 
+@pytest.mark.slow
 def test_events_cli_prints_json_lines_with_seq(server, publisher):
     complete(server, PROMPT + " Once more.")
     n = publisher.next_seq

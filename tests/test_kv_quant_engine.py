@@ -178,6 +178,7 @@ def test_transfer_peers_of_another_kv_format_are_refused():
     check_compatible(mine, KVAgentMetadata(kv_dtype=mine.kv_dtype, **{**base, "engine_id": "c"}))
 
 
+@pytest.mark.slow
 def test_fp8_scales_are_calibrated_saved_and_loaded(tmp_path):
     path = tmp_path / "scales.json"
     prompts = ["The history of the Roman empire spans", "def fibonacci(n):\n    return"]

@@ -130,6 +130,7 @@ def prompt_ids(pagedkv_model: LoadedModel) -> list[list[int]]:
     return ids
 
 
+@pytest.mark.slow
 def test_flat_prefill_batch_matches_transformers(
     pagedkv_model: LoadedModel,
     prompt_ids: list[list[int]],
@@ -145,6 +146,7 @@ def test_flat_prefill_batch_matches_transformers(
     assert agree == 1.0
 
 
+@pytest.mark.slow
 def test_chunked_prefill_and_decode_match_transformers(
     pagedkv_model: LoadedModel,
     prompt_ids: list[list[int]],
@@ -180,6 +182,7 @@ def test_chunked_prefill_and_decode_match_transformers(
     assert agree == 1.0
 
 
+@pytest.mark.slow
 def test_bf16_top1_agreement(
     pagedkv_model_bf16: LoadedModel,
     prompt_ids: list[list[int]],

@@ -143,6 +143,7 @@ def run_requests(server) -> list[dict]:
     return results
 
 
+@pytest.mark.slow
 def test_default_prefix_has_the_new_histograms_and_no_created_series(server, http):
     run_requests(server)
     text = http.get("/metrics").text
@@ -154,6 +155,7 @@ def test_default_prefix_has_the_new_histograms_and_no_created_series(server, htt
     assert s["pagedkv:cache_config_info"][0][1] == 1.0
 
 
+@pytest.mark.slow
 def test_vllm_prefix_exports_vllm_names_labels_and_request_phases(server, http):
     configure_server_stats(server.app.state.pagedkv, metrics_prefix="vllm", log_stats_interval=0)
     usages = run_requests(server)

@@ -251,6 +251,7 @@ def test_oracle_depends_on_router_and_rope_convention(v3: tuple[Any, Path]) -> N
     ],
     ids=["plain", "chunked", "preempting"],
 )
+@pytest.mark.slow
 def test_greedy_matches_transformers(
     v3: tuple[Any, Path], engine_kw: dict[str, int], monkeypatch: pytest.MonkeyPatch
 ) -> None:

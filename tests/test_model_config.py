@@ -66,6 +66,7 @@ def test_load_model_config_default_equals_from_gguf(smol: ModelConfig) -> None:
     assert load_model_config(None).num_layers == 30
 
 
+@pytest.mark.slow
 def test_from_gguf_reads_no_tensor_data(gguf_path, tmp_path, monkeypatch) -> None:
     """A copy whose tensor bytes are all zero (a sparse hole) gives the same config, and
     dequantization is never called."""

@@ -26,6 +26,7 @@ def reader(gguf_path: Path) -> gguf.GGUFReader:
     return gguf.GGUFReader(gguf_path)
 
 
+@pytest.mark.slow
 def test_read_gguf_matches_gguf_reader(gguf_path: Path, reader: gguf.GGUFReader) -> None:
     ours = read_gguf(gguf_path)
     keys = [k for k in reader.fields if not k.startswith("GGUF.")]
@@ -41,6 +42,7 @@ def test_read_gguf_matches_gguf_reader(gguf_path: Path, reader: gguf.GGUFReader)
         assert np.array_equal(mine.raw, t.data.reshape(-1).view(np.uint8)), t.name
 
 
+@pytest.mark.slow
 def test_dequantize_bit_identical_to_gguf(gguf_path: Path, reader: gguf.GGUFReader) -> None:
     ours = read_gguf(gguf_path)
     seen = set()
@@ -173,6 +175,7 @@ def hf_dir(hf_model: Any, hf_tokenizer: Any, tmp_path_factory: pytest.TempPathFa
     return out
 
 
+@pytest.mark.slow
 def test_hf_directory_loader_matches_gguf(
     pagedkv_model: Any, hf_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -192,6 +195,7 @@ def test_hf_directory_loader_matches_gguf(
     assert torch.equal(_one_prompt_logits(loaded, ids), _one_prompt_logits(pagedkv_model, ids))
 
 
+@pytest.mark.slow
 def test_hf_loader_rejects_incomplete_checkpoint(hf_dir: Path, tmp_path: Path) -> None:
     shutil.copy(hf_dir / "config.json", tmp_path / "config.json")
     weights = load_file(str(next(hf_dir.glob("*.safetensors"))))

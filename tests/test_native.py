@@ -85,6 +85,7 @@ def block_weights(qtype: GGMLQuantizationType) -> int:
 
 
 @pytest.mark.parametrize("qtype", QTYPES)
+@pytest.mark.slow
 def test_dequant_is_bit_identical_to_gguf(qtype: GGMLQuantizationType, kernels: str) -> None:
     k = 3 * block_weights(qtype)
     rows = random_rows(qtype, 24, k, seed=int(qtype))
@@ -146,6 +147,7 @@ def test_gemv_rejects_bad_shapes_and_types() -> None:
     seed=st.integers(0, 2**31),
     dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
 )
+@pytest.mark.slow
 def test_paged_decode_matches_dense_reference(
     lens: list[int],
     bs: int,

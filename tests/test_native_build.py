@@ -46,6 +46,7 @@ def test_required_build_that_fails_is_an_error(
 
 
 @pytest.mark.skipif(native.lib() is None, reason="no C compiler")
+@pytest.mark.slow
 def test_build_lands_in_the_cache_dir_once(
     fresh: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -65,6 +66,7 @@ def _cpu_flags() -> set[str]:
 
 
 @pytest.mark.skipif(native.lib() is None, reason="no C compiler")
+@pytest.mark.slow
 def test_native_build_runs_the_widest_simd_path_this_cpu_has() -> None:
     """An AVX2 machine without AVX-512 (AMD Zen 2/3, Intel before Sapphire Rapids) must get the
     AVX2 kernels, not the portable C loops: on such a 2-core EPYC the portable path decoded the

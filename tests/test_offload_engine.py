@@ -45,6 +45,7 @@ def drain(llm: LLM) -> None:
         assert mgr.drain(20.0)
 
 
+@pytest.mark.slow
 def test_cpu_tier_serves_evicted_prefixes_exactly(reference):
     llm = LLM(**ENGINE, kv_offload="cpu:256MiB")
     assert outputs(llm) == reference
@@ -54,6 +55,7 @@ def test_cpu_tier_serves_evicted_prefixes_exactly(reference):
     assert stats["offload"]["cpu"]["bytes_read"] > 0
 
 
+@pytest.mark.slow
 def test_swap_preemption_and_request_level_policy(reference):
     llm = LLM(**ENGINE, kv_offload="cpu:256MiB", preemption_mode="swap")
     assert outputs(llm) == reference
@@ -74,6 +76,7 @@ def test_swap_preemption_and_request_level_policy(reference):
         SamplingParams(kv_transfer_params={"offload_policy": "SOMETIMES"})
 
 
+@pytest.mark.slow
 def test_skip_reading_prefix_cache_never_loads(reference):
     llm = LLM(**ENGINE, kv_offload="cpu:256MiB")
     outputs(llm)
@@ -209,6 +212,7 @@ def test_redis_tier_shared_between_instances_and_outage(reference, tmp_path):
         server.stop()
 
 
+@pytest.mark.slow
 def test_all_tiers_together(reference, tmp_path):
     if REDIS_SERVER is None:
         pytest.skip(SKIP_REASON)
@@ -227,6 +231,7 @@ def test_all_tiers_together(reference, tmp_path):
         server.stop()
 
 
+@pytest.mark.slow
 def test_full_disk_drops_stores_and_serving_goes_on(reference, tmp_path, caplog):
     mnt = tmp_path / "tiny"
     mnt.mkdir()
@@ -250,6 +255,7 @@ def test_full_disk_drops_stores_and_serving_goes_on(reference, tmp_path, caplog)
         subprocess.run(["umount", str(mnt)], capture_output=True)
 
 
+@pytest.mark.slow
 def test_tier_events_are_published_with_the_pools_and_drained_when_events_are_off(reference):
     """`LLMEngine.take_kv_events` adds the tiers' events (medium CPU) to the device pool's;
     with events off, the connector's events are dropped every step (they used to pile up)."""

@@ -321,6 +321,7 @@ class CPUManagerMachine(RuleBasedStateMachine):
 
 TestCPUManagerStateful = CPUManagerMachine.TestCase
 TestCPUManagerStateful.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
+TestCPUManagerStateful = pytest.mark.slow(TestCPUManagerStateful)
 
 
 # ------------------------------------------------------------------- fingerprint, header

@@ -78,6 +78,7 @@ def test_installing_pagedkv_keeps_the_users_torch(tmp_path: Path) -> None:
     )
 
 
+@pytest.mark.slow
 def test_redis_tests_skip_with_the_reason_without_redis_server(tmp_path: Path) -> None:
     """Without the binary on PATH every Redis test skips; none errors (the fixture used to
     raise from a test that builds its own server)."""

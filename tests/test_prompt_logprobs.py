@@ -64,6 +64,7 @@ def check_against_hf(plp, ids: list[int], hf_logits, k: int, tok) -> None:
             assert v.decoded_token == tok.decode([x], skip_special_tokens=False)
 
 
+@pytest.mark.slow
 def test_prompt_logprobs_match_hf_through_chunked_prefill(llm, prompt, hf_logits):
     """A multi-chunk prompt with k=3 beside a request without prompt logprobs (which gets None)
     and one with k=0 (only the prompt token, with its rank): values, ranks and top-k equal HF's."""
@@ -100,6 +101,7 @@ def test_a_prompt_logprobs_request_skips_the_prefix_cache_hit(llm, prompt, hf_lo
     check_against_hf(out.prompt_logprobs, prompt, hf_logits, K, llm.get_tokenizer())
 
 
+@pytest.mark.slow
 def test_preemption_recompute_scores_each_position_once(llm, prompt, hf_logits):
     """Two 47-token prompts (3 blocks each) whose 4th blocks do not both fit the 7-block pool
     (the later one is preempted after its prefill and recomputed):
@@ -153,6 +155,7 @@ def test_invalid_prompt_logprobs_is_refused():
         SamplingParams(prompt_logprobs=-1)
 
 
+@pytest.mark.slow
 def test_completions_prompt_logprobs_and_echo_with_logprobs(hf_logits):
     """``prompt_logprobs: 2`` returns vLLM's per-choice list (token ids as keys); ``echo`` with
     ``logprobs: 2`` lists the prompt tokens first (the first null), streaming or not."""

@@ -300,6 +300,7 @@ def test_every_decode_dead_is_a_503_and_client_errors_pass_through(instances):
 # ---- return_token_ids and mid-stream resumption -------------------------------------------------
 
 
+@pytest.mark.slow
 def test_return_token_ids_match_the_text_streamed_and_not(instances):
     """vLLM's ``return_token_ids``: completions put ``prompt_token_ids`` on the choice, chat on
     the response; streamed token ids concatenate to the non-streamed ones."""

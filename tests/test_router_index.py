@@ -66,6 +66,7 @@ def test_to_external_agrees_for_bytes_and_int_forms(monkeypatch: pytest.MonkeyPa
     assert to_external(as_bytes) == to_external(as_int) == as_int
 
 
+@pytest.mark.slow
 def test_prompt_block_hashes_equal_a_real_engines_block_stored_events() -> None:
     from pagedkv import LLM
     from pagedkv.engine.sampling_params import SamplingParams

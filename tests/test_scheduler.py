@@ -533,6 +533,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert_all_free(sched)
 
 
+@pytest.mark.slow
 def test_scheduler_state_machine():
     run_state_machine_as_test(
         SchedulerMachine,

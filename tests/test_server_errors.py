@@ -455,6 +455,7 @@ def context_message(prompt_tokens: int, completion: int, where: str) -> str:
 
 
 @pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.slow
 def test_max_tokens_beyond_the_context_is_400(http, stream):
     prompt = [1] * 250  # 250 tokens: 6 left in a 256-token context
     err = error_of(

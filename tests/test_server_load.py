@@ -94,6 +94,7 @@ async def run_clients(url: str, work: list[tuple[str, dict]]) -> list[dict]:
         await client.close()
 
 
+@pytest.mark.slow
 def test_64_concurrent_streams_match_offline_generate_and_free_the_pool(server):
     work = workload()
     results = asyncio.run(run_clients(server.url, work))

@@ -43,6 +43,7 @@ def tokenizer(server):
     return server.app.state.pagedkv.async_llm.tokenizer
 
 
+@pytest.mark.slow
 def test_models_and_health(client, server):
     models = client.models.list()
     assert [m.id for m in models.data] == [MODEL]
@@ -118,6 +119,7 @@ def test_chat_non_streaming_and_streaming(client):
     assert all(c.object == "chat.completion.chunk" for c in stream)
 
 
+@pytest.mark.slow
 def test_n_greater_than_one(client):
     r = client.completions.create(
         model=MODEL, prompt=PROMPT, max_tokens=5, temperature=1.0, seed=7, n=3
@@ -154,6 +156,7 @@ def test_seed_makes_sampling_reproducible(client):
     assert a == b
 
 
+@pytest.mark.slow
 def test_stop_strings_cut_the_text_streaming_or_not(client):
     base = (
         client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0)

@@ -156,6 +156,7 @@ def cached(r: httpx.Response) -> int:
     return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
 
 
+@pytest.mark.slow
 def test_cache_salt_separates_tenants_on_completions(http):
     prompt = LONG + " completions?"
     ask = lambda salt: http.post(  # noqa: E731
@@ -176,6 +177,7 @@ def test_cache_salt_separates_tenants_on_completions(http):
     assert cached(ask("tenant-b")) >= 32 and cached(ask(None)) >= 32
 
 
+@pytest.mark.slow
 def test_cache_salt_separates_tenants_on_chat_streaming(http):
     messages = [{"role": "user", "content": LONG + " chat?"}]
 

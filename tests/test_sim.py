@@ -313,6 +313,7 @@ def _cli(argv: list[str]) -> int:
     return args.func(args)
 
 
+@pytest.mark.slow
 def test_cli_generate_run_and_sweep(tmp_path, capsys) -> None:
     trace = tmp_path / "chat.jsonl"
     assert (

@@ -143,6 +143,7 @@ def check(
         f"-w{c['window']}-cap{c['cap']}-s{c['splits']}-{c['spec']['layout']}"
     ),
 )
+@pytest.mark.slow
 def test_unified_attention_matches_dense_reference(case: dict) -> None:
     check(case["spec"], case["dtype"], case["window"], case["cap"], case["splits"])
 
@@ -166,6 +167,7 @@ def test_mixed_prefill_and_decode_batch_gqa_window_softcap(dtype: torch.dtype) -
 
 
 @pytest.mark.parametrize("layout", ["LBHNC", None])
+@pytest.mark.slow
 def test_split_kv_decode_equals_single_pass(layout: str | None) -> None:
     """Long decodes (few programs → split-KV automatically): every segment count agrees with
     the 2D kernel and the reference, also when a window leaves whole segments empty."""
@@ -188,6 +190,7 @@ def test_split_kv_decode_equals_single_pass(layout: str | None) -> None:
     check(spec, torch.float32, 40, None, 8)  # segments wholly before the window: empty
 
 
+@pytest.mark.slow
 def test_split_kv_short_queries_after_context() -> None:
     """Split-KV also serves short multi-token queries (≤ 8, spec decoding shape): causal
     inside the last segment."""
@@ -226,6 +229,7 @@ def test_window_of_one_sees_only_itself() -> None:
     torch.testing.assert_close(out, own, atol=1e-6, rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_reads_only_blocks_in_the_block_table() -> None:
     """Blocks outside every table (and the table's padding entries) hold NaN: any read of
     them would poison the output."""
@@ -391,6 +395,7 @@ def test_copy_blocks_matches_torch_path(layout: str | None) -> None:
     assert torch.equal(views[0][0][2], views[0][0][1])
 
 
+@pytest.mark.slow
 def test_cpu_ops_need_no_triton() -> None:
     """Without triton importable, the CPU ops import and run as before (the extra is optional)."""
     code = (
@@ -432,6 +437,7 @@ def test_copy_blocks_op_with_a_chain_reads_before_writing() -> None:
             assert torch.equal(k, ek) and torch.equal(v, ev)
 
 
+@pytest.mark.slow
 def test_kernels_compile_for_cuda_without_a_gpu() -> None:
     """Triton's full pipeline down to a cubin for sm_90 (bundled ptxas): catches what the
     interpreter cannot (types of loop-carried values, layouts, shared memory)."""
@@ -478,6 +484,7 @@ def test_engine_greedy_output_is_unchanged_with_the_triton_kernels(
     assert got == ref and all(len(t) == 3 for t in got)
 
 
+@pytest.mark.slow
 def test_gpu_benchmark_and_checks_skip_cleanly_without_cuda(tmp_path) -> None:
     """``benchmarks/bench_gpu.py`` (and so ``gpu/run_checks.sh``) on a machine without CUDA:
     a JSON saying so, in the file asked for, exit 0."""

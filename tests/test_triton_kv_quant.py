@@ -190,6 +190,7 @@ def kv_rows(t: int, h: int, d: int, gen: torch.Generator) -> torch.Tensor:
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=FORMAT_IDS)
 @pytest.mark.parametrize("layout", [None, "LBHNC"])
+@pytest.mark.slow
 def test_reshape_and_cache_bytes_match_torch_codec(
     fmt: tuple[str, str], layout: str | None
 ) -> None:
@@ -229,6 +230,7 @@ def test_reshape_and_cache_bf16_input_and_separate_scales() -> None:
         assert all(torch.equal(g.cpu(), w) for g, w in zip(got, want, strict=True)), mode
 
 
+@pytest.mark.slow
 def test_reshape_and_cache_head_sizes_not_powers_of_two() -> None:
     """K head 80 (INT4 groups of 16: five per part), V head 48: padded lanes masked."""
     for fmt in FORMATS:
@@ -403,6 +405,7 @@ CONFIGS = [
 
 @pytest.mark.parametrize("config", [0, 1])
 @pytest.mark.parametrize("fmt", FORMATS, ids=FORMAT_IDS)
+@pytest.mark.slow
 def test_attention_over_quantized_cache_matches_dequantized_reference(
     fmt: tuple[str, str], config: int
 ) -> None:
@@ -431,6 +434,7 @@ def test_attention_over_quantized_cache_matches_dequantized_reference(
     torch.testing.assert_close(out.cpu().double(), ref, atol=TOL[dtype], rtol=TOL[dtype])
 
 
+@pytest.mark.slow
 def test_window_of_one_reads_back_the_dequantized_values_exactly() -> None:
     """With a window of 1 each query sees only its own key (probability exactly 1), so the
     output is that token's V as the kernel decodes it: bit-equal to ``dequantize_part``
@@ -463,6 +467,7 @@ def test_window_of_one_reads_back_the_dequantized_values_exactly() -> None:
         assert torch.equal(out.cpu(), own), FORMAT_IDS[i]
 
 
+@pytest.mark.slow
 def test_dispatch_recipe_with_rotation_matches_torch_path() -> None:
     """The call sequence the CUDA dispatch uses (``KVQuant.prepare`` rotates K/V, then the
     Triton write; rotate the query, Triton attention, rotate back) gives the torch path's
