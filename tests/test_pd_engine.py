@@ -104,7 +104,7 @@ def reference() -> dict[str, list[int]]:
     return {p: list(o.outputs[0].token_ids) for p, o in zip(PROMPTS, outs)}
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="class")
 def pair(backend: str) -> Iterator[tuple[LLM, LLM]]:
     p = make_llm("kv_producer", backend)
     d = make_llm("kv_consumer", backend)
@@ -115,34 +115,95 @@ def pair(backend: str) -> Iterator[tuple[LLM, LLM]]:
         d.llm_engine.shutdown()
 
 
-def test_pull_is_exact_and_frees_both_pools(pair, reference):
-    p, d = pair
-    params = prefill(p, PROMPTS)
-    assert not all_free(p)  # held for the consumer
-    d_conn = d.llm_engine.connector
-    before = d_conn.num_transfers
-    assert decode(d, PROMPTS, params) == [reference[x] for x in PROMPTS]
-    assert d_conn.num_transfers - before == len(PROMPTS)
-    settle(p, d)
-    assert p.llm_engine.connector.num_expired_leases == 0  # freed by the consumer's notification
+class TestOnePair:
+    """Tests that share one producer/consumer pair (class scope: it is let go before the
+    tests below build their own engines, so at most four engines are alive at once)."""
 
+    def test_pull_is_exact_and_frees_both_pools(self, pair, reference):
+        p, d = pair
+        params = prefill(p, PROMPTS)
+        assert not all_free(p)  # held for the consumer
+        d_conn = d.llm_engine.connector
+        before = d_conn.num_transfers
+        assert decode(d, PROMPTS, params) == [reference[x] for x in PROMPTS]
+        assert d_conn.num_transfers - before == len(PROMPTS)
+        settle(p, d)
+        # Freed by the consumer's notification, not by the lease.
+        assert p.llm_engine.connector.num_expired_leases == 0
 
-def test_a_second_producer_reusing_request_ids_is_read_too(pair, backend, reference):
-    """Request ids are unique per producer only (an `LLM` counts from 0): a consumer that has
-    read P1's request "0" still reads P2's "0" (regression: it recomputed it, silently)."""
-    _, d = pair
-    p1, p2 = make_llm("kv_producer", backend), make_llm("kv_producer", backend)
-    try:
-        params1, params2 = prefill(p1, PROMPTS[:1]), prefill(p2, PROMPTS[:1])
-        assert params1[0]["remote_request_id"] == params2[0]["remote_request_id"]
-        for p, params in ((p1, params1), (p2, params2)):
-            before = d.llm_engine.connector.num_transfers
-            assert decode(d, PROMPTS[:1], params) == [reference[PROMPTS[0]]]
-            assert d.llm_engine.connector.num_transfers == before + 1
-            settle(p, d)
-    finally:
-        p1.llm_engine.shutdown()
-        p2.llm_engine.shutdown()
+    def test_a_second_producer_reusing_request_ids_is_read_too(self, pair, backend, reference):
+        """Request ids are unique per producer only (an `LLM` counts from 0): a consumer that has
+        read P1's request "0" still reads P2's "0" (regression: it recomputed it, silently)."""
+        _, d = pair
+        p1, p2 = make_llm("kv_producer", backend), make_llm("kv_producer", backend)
+        try:
+            params1, params2 = prefill(p1, PROMPTS[:1]), prefill(p2, PROMPTS[:1])
+            assert params1[0]["remote_request_id"] == params2[0]["remote_request_id"]
+            for p, params in ((p1, params1), (p2, params2)):
+                before = d.llm_engine.connector.num_transfers
+                assert decode(d, PROMPTS[:1], params) == [reference[PROMPTS[0]]]
+                assert d.llm_engine.connector.num_transfers == before + 1
+                settle(p, d)
+        finally:
+            p1.llm_engine.shutdown()
+            p2.llm_engine.shutdown()
+
+    def test_consumer_reads_only_the_tail_after_its_prefix_hit(self, pair, reference):
+        p, d = pair
+        prompt = PROMPTS[2]
+        d.generate([prompt[:60]], greedy(1), use_tqdm=False)  # D caches a prefix of it
+        stats = d.llm_engine.kv_cache_manager.total_prefix_cache_stats
+        hits0 = stats.hits
+        params = prefill(p, [prompt])
+        assert decode(d, [prompt], params) == [reference[prompt]]
+        assert stats.hits > hits0  # D used its own prefix; only the tail moved
+        settle(p, d)
+
+    def test_consumer_n_greater_than_one(self, pair, reference):
+        p, d = pair
+        params = prefill(p, PROMPTS[:1])
+        outs = d.generate(PROMPTS[:1], greedy(n=2, kv_transfer_params=params[0]), use_tqdm=False)
+        assert [list(c.token_ids) for c in outs[0].outputs] == [reference[PROMPTS[0]]] * 2
+        settle(p, d)
+
+    def test_abort_while_fetching_leaks_nothing(self, pair):
+        p, d = pair
+        params = prefill(p, PROMPTS[1:2])
+        engine = d.llm_engine
+        engine.add_request("abort-me", PROMPTS[1], greedy(kv_transfer_params=params[0]))
+        engine.step()  # admitted: its blocks wait for the remote KV
+        engine.abort_request("abort-me")
+        settle(p, d)
+
+    def test_a_peer_that_never_answers_the_handshake_is_recomputed_after_the_timeout(
+        self, pair, backend, reference, caplog
+    ):
+        """The params name a side channel that accepts connections but never replies: the
+        handshake times out (2 s here), the read fails and the consumer recomputes, exactly."""
+        import socket
+
+        _, d = pair
+        # Its own producer with a short lease: nobody reads these blocks, the lease frees them.
+        p = make_llm("kv_producer", backend, kv_lease_duration=1.0)
+        params = prefill(p, PROMPTS[:1])[0]
+        with socket.socket() as silent:
+            silent.bind(("127.0.0.1", 0))
+            silent.listen(8)  # connections complete in the kernel; nobody ever reads or answers
+            bad = {
+                **params,
+                "remote_port": silent.getsockname()[1],
+                "remote_engine_id": "silent-engine",
+            }
+            failed0 = d.llm_engine.connector.num_failed_transfers
+            with caplog.at_level("WARNING"):
+                assert decode(d, PROMPTS[:1], [bad]) == [reference[PROMPTS[0]]]
+        assert "did not answer the handshake within 2 s" in caplog.text  # bounded, not hung
+        assert d.llm_engine.connector.num_failed_transfers > failed0
+        try:
+            settle(p, d, timeout_s=20.0)  # P's blocks for these params go by lease
+            assert p.llm_engine.connector.num_expired_leases == 1
+        finally:
+            p.llm_engine.shutdown()
 
 
 def test_a_completed_read_is_a_remote_kv_event_with_the_producers_hashes(reference):
@@ -206,67 +267,6 @@ def test_block_contiguous_layout_transfers_exactly_and_a_layout_mismatch_is_refu
         for x in (p, d, other):
             if x is not None:
                 x.llm_engine.shutdown()
-
-
-def test_consumer_reads_only_the_tail_after_its_prefix_hit(pair, reference):
-    p, d = pair
-    prompt = PROMPTS[2]
-    d.generate([prompt[:60]], greedy(1), use_tqdm=False)  # D caches a prefix of it
-    stats = d.llm_engine.kv_cache_manager.total_prefix_cache_stats
-    hits0 = stats.hits
-    params = prefill(p, [prompt])
-    assert decode(d, [prompt], params) == [reference[prompt]]
-    assert stats.hits > hits0  # D used its own prefix; only the tail moved
-    settle(p, d)
-
-
-def test_consumer_n_greater_than_one(pair, reference):
-    p, d = pair
-    params = prefill(p, PROMPTS[:1])
-    outs = d.generate(PROMPTS[:1], greedy(n=2, kv_transfer_params=params[0]), use_tqdm=False)
-    assert [list(c.token_ids) for c in outs[0].outputs] == [reference[PROMPTS[0]]] * 2
-    settle(p, d)
-
-
-def test_abort_while_fetching_leaks_nothing(pair):
-    p, d = pair
-    params = prefill(p, PROMPTS[1:2])
-    engine = d.llm_engine
-    engine.add_request("abort-me", PROMPTS[1], greedy(kv_transfer_params=params[0]))
-    engine.step()  # admitted: its blocks wait for the remote KV
-    engine.abort_request("abort-me")
-    settle(p, d)
-
-
-def test_a_peer_that_never_answers_the_handshake_is_recomputed_after_the_timeout(
-    pair, backend, reference, caplog
-):
-    """The params name a side channel that accepts connections but never replies: the
-    handshake times out (2 s here), the read fails and the consumer recomputes, exactly."""
-    import socket
-
-    _, d = pair
-    # Its own producer with a short lease: nobody reads these blocks, the lease frees them.
-    p = make_llm("kv_producer", backend, kv_lease_duration=1.0)
-    params = prefill(p, PROMPTS[:1])[0]
-    with socket.socket() as silent:
-        silent.bind(("127.0.0.1", 0))
-        silent.listen(8)  # connections complete in the kernel; nobody ever reads or answers
-        bad = {
-            **params,
-            "remote_port": silent.getsockname()[1],
-            "remote_engine_id": "silent-engine",
-        }
-        failed0 = d.llm_engine.connector.num_failed_transfers
-        with caplog.at_level("WARNING"):
-            assert decode(d, PROMPTS[:1], [bad]) == [reference[PROMPTS[0]]]
-    assert "did not answer the handshake within 2 s" in caplog.text  # bounded, not hung
-    assert d.llm_engine.connector.num_failed_transfers > failed0
-    try:
-        settle(p, d, timeout_s=20.0)  # P's blocks for these params go by lease
-        assert p.llm_engine.connector.num_expired_leases == 1
-    finally:
-        p.llm_engine.shutdown()
 
 
 def test_a_lost_done_notification_is_covered_by_the_lease(backend, reference):
