@@ -67,6 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     add_output_args(ap)
     args = ap.parse_args(argv)
     from pagedkv.transfer import nixl_import_error
+    from pagedkv.transfer.nixl import DEFAULT_PROGRESS_DELAY_US
 
     reason = nixl_import_error()
     if reason is not None:
@@ -84,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         "iters": args.iters,
         "baseline_no_agents": base,
         "cases": cases,
-        "default_delay_us": 100,
+        "default_delay_us": DEFAULT_PROGRESS_DELAY_US,
     }
 
     def table(rep: dict[str, Any]) -> str:

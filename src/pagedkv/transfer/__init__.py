@@ -49,8 +49,7 @@ def get_transfer_backend(
     """A backend for agent ``name``: ``preferred`` "nixl" | "tcp", or None for NIXL when
     ``nixl_cu12`` imports, else TCP. ``kw`` goes to the backend (``timeout_s``; TCP ``host``);
     ``nixl_progress_thread`` and ``nixl_progress_delay_us`` (None: the backend's default) to NIXL
-    only. "nixl" asked for explicitly but not importable
-    raises ImportError."""
+    only. "nixl" asked for explicitly but not importable raises ImportError."""
     if preferred not in (None, "nixl", "tcp"):
         raise ValueError(f"unknown KV transfer backend {preferred!r} (nixl | tcp)")
     reason = nixl_import_error() if preferred != "tcp" else None

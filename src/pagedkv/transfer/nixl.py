@@ -10,7 +10,7 @@ separate stash: mixing them loses notifs). A notif attached to a transfer is sen
 the data landed (nixl#252); ``send_notif`` is unordered with transfers (nixl#246).
 
 The progress thread sleeps ``progress_delay_us`` between polls: NIXL's Python wrapper hard-codes
-0 (a busy loop), and two spinning agents made this 2-core host's matmuls 3x slower
+0 (a busy loop), and two spinning agents made this 2-core host's matmuls 2.7x slower
 (``benchmarks/results/nixl_progress_delay.json``).
 
 Bounded: a transfer still ``PROC`` after ``timeout_s`` is reported ``"ERR"`` (UCX may never
