@@ -84,6 +84,17 @@ class EngineConfig:
     kv_offload_store_threshold: int = 0  # admit a block to the tiers after this many offers
     preemption_mode: str = "recompute"  # "swap": a preempted request's KV goes to the CPU tier
     kv_transfer_config: KVTransferConfig | dict[str, Any] | None = None
+    # Distribution (docs/features/distributed.md): tensor parallel ranks, decode context
+    # parallel ranks among them (DCP must divide TP), tokens per DCP rank in turn, how ranks
+    # run ("uni": one process, "mp": local processes, "ray": Ray actors; None: "uni" at TP=1,
+    # else "mp"), their rendezvous (tcp://HOST:PORT; None: a free 127.0.0.1 port) and how long
+    # a collective or the rendezvous may wait.
+    tensor_parallel_size: int = 1
+    decode_context_parallel_size: int = 1
+    cp_kv_cache_interleave_size: int = 1
+    distributed_executor_backend: str | None = None
+    distributed_init_method: str | None = None
+    distributed_timeout_s: float = 120.0
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> ValueError:
@@ -126,6 +137,54 @@ class EngineConfig:
         self._resolve_kv_transfer_config()
         if self.dtype not in DTYPES:
             raise bad("dtype", f"choose {one_of(DTYPES)}")
+        self._check_parallel(bad)
+
+    def _check_parallel(self, bad: Any) -> None:
+        """TP/DCP sizes and the executor backend (the model-dependent checks, heads that do
+        not split, come when the model config is read: `core.parallel.check_parallel_sizes`)."""
+        from pagedkv.core.parallel import EXECUTOR_BACKENDS
+
+        for name in (
+            "tensor_parallel_size",
+            "decode_context_parallel_size",
+            "cp_kv_cache_interleave_size",
+        ):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise bad(name, "must be a positive integer")
+        tp, dcp = self.tensor_parallel_size, self.decode_context_parallel_size
+        if tp % dcp:
+            raise bad("decode_context_parallel_size", f"must divide tensor_parallel_size={tp}")
+        if self.block_size % self.cp_kv_cache_interleave_size:
+            raise bad("cp_kv_cache_interleave_size", f"must divide block_size={self.block_size}")
+        if self.distributed_executor_backend is None:
+            self.distributed_executor_backend = "uni" if tp == 1 else "mp"
+        if self.distributed_executor_backend not in EXECUTOR_BACKENDS:
+            raise bad("distributed_executor_backend", f"choose {one_of(EXECUTOR_BACKENDS)}")
+        if self.distributed_executor_backend == "uni" and tp > 1:
+            raise bad(
+                "distributed_executor_backend",
+                f"'uni' runs one rank; tensor_parallel_size={tp} needs 'mp' or 'ray'",
+            )
+        if self.distributed_init_method is not None:
+            from pagedkv.distributed.parallel_state import parse_init_method
+
+            try:
+                parse_init_method(self.distributed_init_method)
+            except ValueError as e:
+                raise bad("distributed_init_method", str(e)) from None
+        if not self.distributed_timeout_s > 0:
+            raise bad("distributed_timeout_s", "must be a positive number of seconds")
+        if tp > 1 and self.kv_transfer_config is not None:
+            raise ValueError(
+                "tensor_parallel_size > 1 with a KV connector (kv_offload / kv_transfer_config) "
+                "is not supported yet: the tiers and transfers are not rank-aware"
+            )
+        if dcp > 1 and self.kv_cache_dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise bad(
+                "kv_cache_dtype",
+                "decode_context_parallel_size > 1 needs an unquantized KV cache",
+            )
 
     def _check_kv_cache_dtype(self, bad: Any) -> None:
         """``kv_cache_dtype``/``kv_rotation`` name a known storage format (clear error early)."""

@@ -25,12 +25,14 @@ import torch
 
 from pagedkv.core.hashing import get_hash_fn_by_name, resolve_none_hash_seed
 from pagedkv.core.kv_cache_manager import KVCacheManager
+from pagedkv.core.parallel import check_parallel_sizes
 from pagedkv.core.planning import blocks_per_request, make_kv_cache_config
 from pagedkv.core.request import RequestStatus, get_request_block_hasher
 from pagedkv.core.specs import KVCacheConfig, align_hybrid_block_size, get_kv_cache_groups
 from pagedkv.engine.config import DEFAULT_CPU_KV_CACHE_MEMORY, EngineConfig, check_kv_cache_fits
+from pagedkv.engine.executor import WorkerDiedError, make_executor
 from pagedkv.engine.kv_scales import resolve_kv_scales
-from pagedkv.engine.model_runner import ModelRunner, PromptLogprobsOutput, layer_kv_quants
+from pagedkv.engine.model_runner import PromptLogprobsOutput
 from pagedkv.engine.output_processor import OutputProcessor
 from pagedkv.engine.outputs import RequestOutput
 from pagedkv.engine.request import Request
@@ -43,12 +45,12 @@ from pagedkv.engine.scheduler_output import (
     SchedulerOutput,
 )
 from pagedkv.engine.stats import KVConnectorStats, SchedulerStats
+from pagedkv.engine.worker import scheduler_kv_cache_specs
 from pagedkv.kv_transfer.base import KVConnectorBase, KVConnectorRole
 from pagedkv.kv_transfer.factory import KVConnectorFactory
-from pagedkv.models.config import ModelConfig
-from pagedkv.models.loader import get_model, model_identity
+from pagedkv.models.config import load_model_config
+from pagedkv.models.loader import model_identity
 from pagedkv.ops import native
-from pagedkv.ops.kv_quant import KVQuant
 
 logger = logging.getLogger(__name__)
 
@@ -63,9 +65,38 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        loaded = get_model(
-            config.model, config.dtype, config.device, kv_quants=self._layer_kv_quants
+        self._check_parallel_model(config)
+        # One Worker per rank (`engine/executor.py`); rank 0's lives here and holds the model.
+        self.executor = make_executor(config)
+        try:
+            self._init(config)
+        except BaseException:
+            self.executor.shutdown()
+            raise
+
+    @staticmethod
+    def _check_parallel_model(config: EngineConfig) -> None:
+        """Refuse TP/DCP sizes this model's heads cannot split, before any process starts."""
+        if config.tensor_parallel_size == 1:
+            return
+        mc = load_model_config(config.model)
+        check_parallel_sizes(
+            config.tensor_parallel_size,
+            config.decode_context_parallel_size,
+            mc.num_attention_heads,
+            mc.num_kv_heads,
+            config.cp_kv_cache_interleave_size,
         )
+        if config.decode_context_parallel_size > 1 and (
+            mc.sliding_window or mc.attention_chunk_size
+        ):
+            raise ValueError(
+                "decode_context_parallel_size > 1 supports full attention only (this model has "
+                "sliding-window or chunked layers)"
+            )
+
+    def _init(self, config: EngineConfig) -> None:
+        loaded = self.executor.driver.loaded
         self.model = loaded.model
         self.model_config = mc = loaded.config
         self.tokenizer = loaded.tokenizer
@@ -80,11 +111,12 @@ class LLMEngine:
             )
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
         self.config = config = self._align_hybrid_block_size(config)
-        self.block_size = config.block_size
+        # The scheduler's tokens per block (with DCP: a virtual block spread over the ranks).
+        self.block_size = config.block_size * config.decode_context_parallel_size
         self.kv_cache_config = self._plan_kv_cache()
         self.connector = self._make_connector(model_identity(loaded.source))
-        self.runner = ModelRunner(self.model, mc, self.dtype, self.device, self.connector)
-        self.runner.initialize_kv_cache(self.kv_cache_config)
+        self.executor.initialize_kv_cache(self.kv_cache_config, self.connector)
+        self.runner = self.executor.driver.runner
         self.kv_scales, self.kv_scales_source = resolve_kv_scales(self, loaded.kv_scales)
         self.scheduler = Scheduler(
             self.kv_cache_config,
@@ -116,19 +148,6 @@ class LLMEngine:
             self.max_model_len,
         )
 
-    def _layer_kv_quants(self, mc: ModelConfig, dtype: torch.dtype) -> dict[str, KVQuant]:
-        """The KV formats the model's attention layers are built with: those of the specs
-        `_plan_kv_cache` will allocate (same dtype, quant mode and rotation; a format does not
-        depend on the block size, which is not final yet)."""
-        config = self.config
-        specs = mc.kv_cache_specs(
-            config.block_size,
-            config.kv_cache_dtype,
-            torch_dtype=str(dtype).split(".")[-1],
-            kv_rotation=config.kv_rotation,
-        )
-        return layer_kv_quants(mc, specs, config.device)
-
     def _align_hybrid_block_size(self, config: EngineConfig) -> EngineConfig:
         """A Mamba hybrid needs attention pages that hold a Mamba state: raise the block size
         as vLLM does (`align_hybrid_block_size`), and say so."""
@@ -153,18 +172,17 @@ class LLMEngine:
         Refuses (ValueError) when one ``max_model_len`` request cannot fit (vLLM's rule, also
         with an explicit ``num_kv_blocks``, which would otherwise start and thrash later)."""
         config = self.config
-        specs = self.model_config.kv_cache_specs(
-            config.block_size,
-            config.kv_cache_dtype,
-            torch_dtype=str(self.dtype).split(".")[-1],
-            kv_rotation=config.kv_rotation,
+        dcp = config.decode_context_parallel_size
+        specs = scheduler_kv_cache_specs(
+            config, self.model_config, str(self.dtype).split(".")[-1], config.block_size
         )
         groups = get_kv_cache_groups(specs)
         if config.kv_transfer_config is not None:  # a connector's limits come before sizing
             KVConnectorFactory.get_connector_class(config.kv_transfer_config).check_kv_cache_groups(
                 groups
             )
-        kv_memory = self._kv_cache_memory()
+        # Per rank; with DCP each rank's memory holds 1/dcp of every (virtual) block.
+        kv_memory = self._kv_cache_memory() * dcp
         check_kv_cache_fits(config, groups, self.max_model_len, kv_memory)
         kv_cache_config = make_kv_cache_config(
             groups,
@@ -384,8 +402,8 @@ class LLMEngine:
                 "engine step failed; failing the %d requests of its batch", len(so.scheduled)
             )
             failed = self._fail_batch(so, e)
-            if not isinstance(e, Exception):
-                raise
+            if not isinstance(e, Exception) or isinstance(e, WorkerDiedError):
+                raise  # a dead rank: the engine cannot step again (the executor stopped them all)
             # Requests schedule() stopped (not in the failed batch) are still reported.
             return failed + self._update(so, EMPTY_MODEL_RUNNER_OUTPUT)
 
@@ -393,7 +411,7 @@ class LLMEngine:
         """Run the forward pass (the runner drives the KV connector around it) and sample one
         token per sampling request (and per child forked from it this step, from the parent's
         logits row). Also returns the prompt logprobs the runner scored this step."""
-        logits, kv_connector_output, prompt_lps = self.runner.execute_model(so)
+        logits, kv_connector_output, prompt_lps = self.executor.execute_model(so)
         reqs = [s.request for s in so.scheduled if s.samples]
         if not reqs:  # only prefill chunks that do not reach the end of their prompts
             if kv_connector_output is None or kv_connector_output.is_empty:
@@ -501,6 +519,8 @@ class LLMEngine:
         return self.make_stats().to_dict()
 
     def shutdown(self) -> None:
+        """Stop the worker processes (TP) and the connector's threads; idempotent."""
+        self.executor.shutdown()
         if self.connector is not None:
             self.connector.shutdown()
             self.connector = None

@@ -32,8 +32,10 @@ from typing import Any
 
 import torch
 
+from pagedkv.core.parallel import dcp_local_count, dcp_owner
 from pagedkv.core.specs import KVCacheConfig, KVCacheSpec, KVQuantMode, MambaSpec, iter_layer_specs
 from pagedkv.engine.kv_cache_binding import bind_kv_cache
+from pagedkv.engine.model_input import ModelInput, PromptLogprobsTask, ScheduledTokens
 from pagedkv.engine.sampler import LogprobsTensors, compute_prompt_logprobs
 from pagedkv.engine.scheduler_output import ScheduledRequest, SchedulerOutput
 from pagedkv.kv_transfer.base import KVConnectorBase, KVConnectorOutput
@@ -68,8 +70,11 @@ class ModelRunner:
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
         connector: KVConnectorBase | None = None,
+        dcp: tuple[int, int, int] | None = None,
     ) -> None:
         self.model = model
+        # Decode context parallelism: (dcp size, interleave, this rank's dcp rank), or None.
+        self.dcp = dcp
         self.model_config = model_config
         self.dtype = dtype
         self.device = torch.device(device)
@@ -193,8 +198,40 @@ class ModelRunner:
             if getattr(m, "layer_name", None) == name and hasattr(m, "kv_quant")
         )
 
+    def build_model_input(self, so: SchedulerOutput) -> ModelInput:
+        """The step as every rank runs it (`ModelInput`): forgets the finished requests' prompt
+        logprob progress and decides which prompt rows are scored this step (driver only)."""
+        for rid in so.finished_req_ids:
+            self.num_prompt_logprobs_done.pop(rid, None)
+        scheduled = []
+        for s in so.scheduled:
+            req = s.request
+            end = s.start + s.num_tokens
+            task = None
+            span = self._prompt_logprobs_span(s)
+            if span is not None:
+                first, last = span
+                task = PromptLogprobsTask(
+                    first,
+                    last,
+                    req.prompt_token_ids[first + 1 : last + 1],
+                    req.sampling_params.prompt_logprobs,
+                )
+                self.num_prompt_logprobs_done[req.request_id] = last
+            scheduled.append(
+                ScheduledTokens(
+                    req.request_id,
+                    req.all_token_ids[s.start : end],
+                    s.start,
+                    s.block_ids,
+                    s.samples,
+                    task,
+                )
+            )
+        return ModelInput(scheduled, list(so.blocks_to_copy))
+
     def prepare_inputs(
-        self, so: SchedulerOutput
+        self, mi: ModelInput
     ) -> tuple[torch.Tensor, torch.Tensor, list[AttentionMetadata], list[int]]:
         """``(input_ids, positions, attn_metadata per group, logits_indices)`` for the step."""
         token_ids: list[int] = []
@@ -202,9 +239,9 @@ class ModelRunner:
         query_start_loc = [0]
         seq_lens: list[int] = []
         logits_indices: list[int] = []
-        for s in so.scheduled:
+        for s in mi.scheduled:
             end = s.start + s.num_tokens
-            token_ids.extend(s.request.all_token_ids[s.start : end])
+            token_ids.extend(s.token_ids)
             positions.extend(range(s.start, end))
             query_start_loc.append(query_start_loc[-1] + s.num_tokens)
             seq_lens.append(end)
@@ -215,27 +252,30 @@ class ModelRunner:
         pos = torch.tensor(positions, dtype=torch.long, device=dev)
         # A decode-only step (one token a request) computes its few slots in Python: cheaper
         # than the tensor ops below, which pay off for prefill chunks (measured at batch 1).
-        decode_only = len(token_ids) == len(so.scheduled)
-        if not decode_only:
-            counts = torch.tensor([s.num_tokens for s in so.scheduled], device=dev)
+        decode_only = len(token_ids) == len(mi.scheduled)
+        if not decode_only and self.dcp is None:
+            counts = torch.tensor([s.num_tokens for s in mi.scheduled], device=dev)
             req_indices = torch.repeat_interleave(
-                torch.arange(len(so.scheduled), device=dev), counts
+                torch.arange(len(mi.scheduled), device=dev), counts
             )
         qsl = torch.tensor(query_start_loc, dtype=torch.int32, device=dev)
         lens = torch.tensor(seq_lens, dtype=torch.int32, device=dev)
-        max_query_len = max(s.num_tokens for s in so.scheduled)
+        max_query_len = max(s.num_tokens for s in mi.scheduled)
         mds = []
         for g in range(len(self.group_block_sizes)):
-            max_blocks = max(len(s.block_ids[g]) for s in so.scheduled)
+            max_blocks = max(len(s.block_ids[g]) for s in mi.scheduled)
             block_table = torch.tensor(
-                [s.block_ids[g] + [0] * (max_blocks - len(s.block_ids[g])) for s in so.scheduled],
+                [s.block_ids[g] + [0] * (max_blocks - len(s.block_ids[g])) for s in mi.scheduled],
                 dtype=torch.int32,
                 device=dev,
             )
             bs = self.group_block_sizes[g]
-            if decode_only:
+            local_ctx = None
+            if self.dcp is not None:
+                slots, local_ctx = self._dcp_slots(mi, bs)
+            elif decode_only:
                 slots = torch.tensor(
-                    [s.block_ids[g][s.start // bs] * bs + s.start % bs for s in so.scheduled],
+                    [s.block_ids[g][s.start // bs] * bs + s.start % bs for s in mi.scheduled],
                     dtype=torch.int64,
                     device=dev,
                 )
@@ -252,9 +292,27 @@ class ModelRunner:
                     max_seq_len=max(seq_lens),
                     query_start_loc_cpu=query_start_loc,
                     seq_lens_cpu=seq_lens,
+                    dcp_local_context_lens=local_ctx,
                 )
             )
         return input_ids, pos, mds, logits_indices
+
+    def _dcp_slots(self, mi: ModelInput, bs: int) -> tuple[torch.Tensor, list[int]]:
+        """Decode context parallelism: this rank's slot of each token (-1 where another DCP
+        rank holds it) and each sequence's past tokens held here. ``bs`` is the physical block
+        size; the scheduler's block ids name virtual blocks of ``bs × dcp`` tokens."""
+        assert self.dcp is not None
+        d, interleave, rank = self.dcp
+        span = bs * d
+        slots: list[int] = []
+        local_ctx: list[int] = []
+        for s in mi.scheduled:
+            blocks = s.block_ids[0]
+            for p in range(s.start, s.start + s.num_tokens):
+                owner, local = dcp_owner(p % span, d, interleave)
+                slots.append(blocks[p // span] * bs + local if owner == rank else -1)
+            local_ctx.append(dcp_local_count(s.start, bs, d, interleave, rank))
+        return torch.tensor(slots, dtype=torch.int64, device=self.device), local_ctx
 
     @torch.inference_mode()
     def execute_model(
@@ -264,20 +322,18 @@ class ModelRunner:
         around it. Returns float32 logits ``[num_sampling_requests, vocab]`` in the order of
         ``so.scheduled`` (requests that do not sample this step are skipped), the connector's
         report (None without a connector), and the prompt logprobs scored this step."""
-        for rid in so.finished_req_ids:
-            self.num_prompt_logprobs_done.pop(rid, None)
-        prompt_lps: PromptLogprobsOutput = {}
+        mi = self.build_model_input(so)
         c = self.connector
         if c is None:
-            return self._forward(so, prompt_lps), None, prompt_lps
+            logits, prompt_lps = self.execute_model_input(mi)
+            return logits, None, prompt_lps
         c.bind_connector_metadata(so.kv_connector_metadata)
         try:
             c.start_load_kv()
-            if so.is_empty:
-                logits = torch.empty((0, 0), dtype=torch.float32)
-            else:
+            logits, prompt_lps = torch.empty((0, 0), dtype=torch.float32), {}
+            if not so.is_empty:
                 with set_forward_context(c):
-                    logits = self._forward(so, prompt_lps)
+                    logits, prompt_lps = self.execute_model_input(mi)
             c.wait_for_save()
             sending, recving = c.get_finished(so.finished_req_ids)
             out = KVConnectorOutput(
@@ -287,45 +343,46 @@ class ModelRunner:
             c.clear_connector_metadata()
         return logits, out, prompt_lps
 
-    def _forward(self, so: SchedulerOutput, prompt_lps: PromptLogprobsOutput) -> torch.Tensor:
-        if so.blocks_to_copy:
-            copy_blocks(self.distinct_kv_caches, so.blocks_to_copy)
-        input_ids, positions, mds, logits_indices = self.prepare_inputs(so)
+    @torch.inference_mode()
+    def execute_model_input(self, mi: ModelInput) -> tuple[torch.Tensor, PromptLogprobsOutput]:
+        """The forward pass of ``mi`` on this rank (every rank of a TP engine runs the same):
+        ``(logits [num sampling requests, vocab], prompt logprobs)``."""
+        prompt_lps: PromptLogprobsOutput = {}
+        if mi.is_empty:
+            return torch.empty((0, 0), dtype=torch.float32), prompt_lps
+        if mi.blocks_to_copy:
+            copy_blocks(self.distinct_kv_caches, mi.blocks_to_copy)
+        input_ids, positions, mds, logits_indices = self.prepare_inputs(mi)
         md = mds[0] if len(mds) == 1 else [mds[g] for g in self.layer_groups]
         hidden = self.model(input_ids, positions, self.kv_caches, md)
-        self._score_prompts(so, hidden, prompt_lps)
+        self._score_prompts(mi, hidden, prompt_lps)
         if not logits_indices:
-            return hidden.new_empty((0, 0), dtype=torch.float32)
+            return hidden.new_empty((0, 0), dtype=torch.float32), prompt_lps
         if (
             len(logits_indices) < hidden.shape[0]
         ):  # else every row samples (a decode step): no gather
             hidden = hidden[torch.tensor(logits_indices, device=hidden.device)]
-        return self.model.compute_logits(hidden)
+        return self.model.compute_logits(hidden), prompt_lps
 
     def _score_prompts(
-        self, so: SchedulerOutput, hidden: torch.Tensor, out: PromptLogprobsOutput
+        self, mi: ModelInput, hidden: torch.Tensor, out: PromptLogprobsOutput
     ) -> None:
         """Prompt logprobs of this step's prompt rows, for requests asking for them (into ``out``)."""
         offset = 0
-        for s in so.scheduled:
-            span = self._prompt_logprobs_span(s)
-            if span is not None:
-                first, last = span
-                req = s.request
-                targets = torch.tensor(
-                    req.prompt_token_ids[first + 1 : last + 1],
-                    dtype=torch.long,
-                    device=hidden.device,
-                )
+        for s in mi.scheduled:
+            task = s.prompt_logprobs
+            if task is not None:
+                first, last = task.first, task.last
+                targets = torch.tensor(task.targets, dtype=torch.long, device=hidden.device)
                 rows = hidden[offset + first - s.start : offset + last - s.start]
-                k, n = req.sampling_params.prompt_logprobs, PROMPT_LOGPROBS_ROWS_PER_PASS
+                k, n = task.k, PROMPT_LOGPROBS_ROWS_PER_PASS
                 parts = [
                     compute_prompt_logprobs(
                         self.model.compute_logits(rows[i : i + n]), targets[i : i + n], k
                     )
                     for i in range(0, last - first, n)
                 ]
-                out[req.request_id] = (
+                out[s.request_id] = (
                     first,
                     LogprobsTensors(
                         torch.cat([p.token_ids for p in parts]),
@@ -333,7 +390,6 @@ class ModelRunner:
                         torch.cat([p.ranks for p in parts]),
                     ),
                 )
-                self.num_prompt_logprobs_done[req.request_id] = last
             offset += s.num_tokens
 
     def _prompt_logprobs_span(self, s: ScheduledRequest) -> tuple[int, int] | None:

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedkv.distributed.parallel_state import ParallelContext
 from pagedkv.ops import dense_linear, native
 from pagedkv.ops.step_description import LinearDesc
 
@@ -113,6 +114,25 @@ class Embedding(QuantizedRows, nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(ids, self.weight)
+
+
+class VocabParallelEmbedding(Embedding):
+    """The embedding (and LM head) rows ``[vocab_start, vocab_end)`` of one tensor-parallel
+    rank (vLLM's VocabParallelEmbedding): a lookup zeroes the tokens other ranks hold and
+    all-reduces, so every rank gets every token's full row; ``project`` gives this rank's
+    logits columns (the model all-gathers them)."""
+
+    def __init__(self, embedding_dim: int, parallel: ParallelContext) -> None:
+        self.vocab_start, self.vocab_end = parallel.layout.vocab
+        super().__init__(self.vocab_end - self.vocab_start, embedding_dim)
+        self.tp_group = parallel.tp_group
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        local = ids - self.vocab_start
+        outside = (local < 0) | (local >= self.vocab_end - self.vocab_start)
+        rows = F.embedding(local.masked_fill(outside, 0), self.weight)
+        rows.masked_fill_(outside.unsqueeze(-1), 0)
+        return self.tp_group.all_reduce(rows)
 
 
 class RMSNorm(nn.Module):

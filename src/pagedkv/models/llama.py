@@ -17,6 +17,8 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from pagedkv.core.parallel import split_range
+from pagedkv.distributed.parallel_state import GroupCoordinator, ParallelContext
 from pagedkv.models import layers as _layers
 from pagedkv.models.config import SLIDING_ATTENTION, ModelConfig
 from pagedkv.models.layers import (
@@ -27,11 +29,14 @@ from pagedkv.models.layers import (
     RMSNorm,
     RotaryEmbedding,
     SiluAndMul,
+    VocabParallelEmbedding,
     rope_inv_freq,
 )
-from pagedkv.ops import native_step
+from pagedkv.models.tp_sharding import local_model_config, shard_quantized, shard_weight
+from pagedkv.ops import native, native_step
 from pagedkv.ops.attention import paged_attention
 from pagedkv.ops.cache import reshape_and_cache
+from pagedkv.ops.dcp_attention import dcp_paged_attention
 from pagedkv.ops.forward_context import save_kv_layer, wait_for_kv_layer_load
 from pagedkv.ops.kv_quant import KVQuant, LayerKVQuants
 from pagedkv.ops.metadata import AttentionMetadata
@@ -49,9 +54,13 @@ class LlamaAttention(nn.Module):
         sliding_window: int | None,
         layer_name: str = "",
         kv_quant: KVQuant | None = None,
+        parallel: ParallelContext | None = None,
     ) -> None:
         super().__init__()
         self.layer_name = layer_name  # the KV cache groups' name for it (KV connector hooks)
+        # Tensor parallelism: ``config`` is this rank's (its heads); o_proj is row-parallel, so
+        # its partial sums are all-reduced over the TP group.
+        self.parallel = parallel
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
@@ -85,52 +94,79 @@ class LlamaAttention(nn.Module):
         key_cache, value_cache = kv_cache
         wait_for_kv_layer_load(self.layer_name)
         reshape_and_cache(k, v, key_cache, value_cache, md.slot_mapping, self.kv_quant)
-        out = paged_attention(
-            q,
-            key_cache,
-            value_cache,
-            md,
-            self.scale,
-            sliding_window=self.sliding_window,
-            kv_quant=self.kv_quant,
-        )
+        p = self.parallel
+        if p is not None and p.dcp_size > 1:  # this rank holds 1/dcp of the tokens
+            out = dcp_paged_attention(
+                q,
+                k,
+                v,
+                key_cache,
+                value_cache,
+                md,
+                self.scale,
+                p.dcp_group,
+                p.layout.dcp_head_counts,
+                self.kv_quant,
+            )
+        else:
+            out = paged_attention(
+                q,
+                key_cache,
+                value_cache,
+                md,
+                self.scale,
+                sliding_window=self.sliding_window,
+                kv_quant=self.kv_quant,
+            )
         save_kv_layer(self.layer_name, kv_cache, md)
-        return self.o_proj(out.reshape(t, self.q_size))
+        out = self.o_proj(out.reshape(t, self.q_size))
+        return out if p is None else p.tp_group.all_reduce(out)
 
 
 class SwiGLUMLP(nn.Module):
     """SwiGLU MLP with fused gate/up: ``down(silu(gate(x)) * up(x))`` (Llama's MLP; also the
     dense layers and shared experts of DeepSeek and Llama 4)."""
 
-    def __init__(self, hidden: int, intermediate: int) -> None:
+    def __init__(
+        self, hidden: int, intermediate: int, tp_group: GroupCoordinator | None = None
+    ) -> None:
         super().__init__()
         self.gate_up_proj = Linear(hidden, 2 * intermediate)
         self.down_proj = Linear(intermediate, hidden)
         self.act = SiluAndMul()
+        # Tensor parallelism: ``intermediate`` is this rank's rows; down_proj is row-parallel.
+        self.tp_group = tp_group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+        out = self.down_proj(self.act(self.gate_up_proj(x)))
+        return out if self.tp_group is None else self.tp_group.all_reduce(out)
 
 
 class LlamaMLP(SwiGLUMLP):
     """The MLP of a Llama-family layer, sized by the config."""
 
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__(config.hidden_size, config.intermediate_size)
+    def __init__(self, config: ModelConfig, tp_group: GroupCoordinator | None = None) -> None:
+        super().__init__(config.hidden_size, config.intermediate_size, tp_group)
 
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(
-        self, config: ModelConfig, layer_idx: int, kv_quant: KVQuant | None = None
+        self,
+        config: ModelConfig,
+        layer_idx: int,
+        kv_quant: KVQuant | None = None,
+        parallel: ParallelContext | None = None,
     ) -> None:
         super().__init__()
         window = (
             config.sliding_window if config.layer_type(layer_idx) == SLIDING_ATTENTION else None
         )
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config, window, config.layer_name(layer_idx), kv_quant)
+        self.self_attn = LlamaAttention(
+            config, window, config.layer_name(layer_idx), kv_quant, parallel
+        )
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = LlamaMLP(config)
+        self.mlp = LlamaMLP(config, parallel.tp_group if parallel is not None else None)
 
     def forward(
         self,
@@ -173,12 +209,24 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig, kv_quants: LayerKVQuants | None = None) -> None:
+    parallel: ParallelContext | None = None
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        kv_quants: LayerKVQuants | None = None,
+        parallel: ParallelContext | None = None,
+    ) -> None:
         super().__init__()
-        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
+        self.parallel = parallel
+        self.embed_tokens = (
+            Embedding(config.vocab_size, config.hidden_size)
+            if parallel is None
+            else VocabParallelEmbedding(config.hidden_size, parallel)
+        )
         quants = kv_quants or {}  # layer name → its cache's KVQuant
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, quants.get(config.layer_name(i)))
+            LlamaDecoderLayer(config, i, quants.get(config.layer_name(i)), parallel)
             for i in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -193,7 +241,11 @@ class LlamaModel(nn.Module):
         kv_caches: list[KVCache],
         md: AttentionMetadata | list[AttentionMetadata],
     ) -> torch.Tensor:
-        if input_ids.shape[0] <= native_step.MAX_ROWS and type(self) is LlamaModel:
+        if (
+            input_ids.shape[0] <= native_step.MAX_ROWS
+            and type(self) is LlamaModel
+            and self.parallel is None  # the native step has no all-reduce between layers
+        ):
             # A small decode-only step: every layer in one native call where it applies.
             hidden = native_step.decode_step(
                 self,
@@ -242,6 +294,11 @@ class LlamaForCausalLM(nn.Module):
     the layer keeps for its cache writes and reads. The engine builds it from the KV cache specs.
     """
 
+    # Tensor parallelism (``parallel``): this class's own flag, not inherited by subclasses
+    # (``registry.tensor_parallel_architectures``).
+    supports_tensor_parallel = True
+    parallel: ParallelContext | None = None  # subclasses that build their own layers: none
+
     # (fused parameter, checkpoint parameter, shard id) as in vLLM's stacked_params_mapping.
     _STACKED = (
         (".qkv_proj.", ".q_proj.", "q"),
@@ -251,14 +308,26 @@ class LlamaForCausalLM(nn.Module):
         (".gate_up_proj.", ".up_proj.", 1),
     )
 
-    def __init__(self, config: ModelConfig, kv_quants: LayerKVQuants | None = None) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        kv_quants: LayerKVQuants | None = None,
+        parallel: ParallelContext | None = None,
+    ) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, kv_quants)
+        # Tensor parallelism: the layers are built for this rank's heads and MLP rows; the
+        # embedding and LM head hold its vocabulary rows (``parallel.layout``).
+        self.parallel = parallel
+        local = config if parallel is None else local_model_config(config, parallel.layout)
+        self.model = LlamaModel(local, kv_quants, parallel)
         tied = config.tie_word_embeddings
-        self.lm_head = (
-            self.model.embed_tokens if tied else Embedding(config.vocab_size, config.hidden_size)
-        )
+        if tied:
+            self.lm_head = self.model.embed_tokens
+        elif parallel is None:
+            self.lm_head = Embedding(config.vocab_size, config.hidden_size)
+        else:
+            self.lm_head = VocabParallelEmbedding(config.hidden_size, parallel)
 
     @torch.inference_mode()
     def forward(
@@ -272,7 +341,17 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head.project(hidden).float()
+        logits = self.lm_head.project(hidden).float()
+        p = self.parallel
+        if p is None:
+            return logits
+        sizes = [
+            e - s
+            for s, e in (
+                split_range(self.config.vocab_size, p.tp_size, r) for r in range(p.tp_size)
+            )
+        ]
+        return p.tp_group.all_gather_uneven(logits, sizes, -1)
 
     # ---- weights -------------------------------------------------------------------------
     def _shard(self, shard: str | int, rows: int) -> tuple[int, int]:
@@ -295,7 +374,11 @@ class LlamaForCausalLM(nn.Module):
         """
         params = dict(self.named_parameters(remove_duplicate=False))
         rows_written: dict[str, int] = {}
+        layout = self.parallel.layout if self.parallel is not None else None
+        head_dim = self.model.layers[0].self_attn.head_dim if layout is not None else 0
         for name, w in weights:
+            if layout is not None:
+                w = shard_weight(name, w, layout, head_dim)
             if name == "model.rotary_emb.freq_factors":  # llama.cpp's per-frequency rope divisors
                 rope = self.model.rotary_emb
                 rope.set_inv_freq(rope_inv_freq(rope.head_dim, rope.theta, None) / w.float())
@@ -331,7 +414,16 @@ class LlamaForCausalLM(nn.Module):
         Returns the layers equipped.
         """
         shards: dict[str, list[tuple[int, int, torch.Tensor]]] = {}
+        layout = self.parallel.layout if self.parallel is not None else None
         for name, qtype, rows in qweights:
+            if layout is not None:
+                bw = native.block_weights(qtype)
+                head_dim = self.model.layers[0].self_attn.head_dim
+                rows = shard_quantized(
+                    name, rows, layout, head_dim, bw, native.row_bytes(qtype, bw)
+                )
+                if rows is None:
+                    continue  # a column split would cut a ggml block: the layer keeps BLAS
             target, start = self._target(name, rows.shape[0])
             shards.setdefault(target, []).append((start, qtype, rows))
         modules = dict(self.named_modules())

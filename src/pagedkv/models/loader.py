@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from pagedkv.distributed.parallel_state import ParallelContext
 from pagedkv.models.config import ModelConfig, default_model_path, load_model_config
 from pagedkv.models.gguf_loader import (
     gguf_tokenizer,
@@ -25,8 +26,9 @@ from pagedkv.models.gguf_loader import (
     read_gguf,
 )
 from pagedkv.models.hf_loader import is_hf_dir, iter_safetensors_weights
-from pagedkv.models.registry import CausalLM, get_model_class
+from pagedkv.models.registry import CausalLM, get_model_class, tensor_parallel_architectures
 from pagedkv.models.tokenizer import Tokenizer
+from pagedkv.models.tp_sharding import local_model_config
 from pagedkv.ops import native
 from pagedkv.ops.kv_quant import LayerKVQuants
 
@@ -116,9 +118,12 @@ def get_model(
     dtype: torch.dtype | str = torch.float32,
     device: str | torch.device = "cpu",
     kv_quants: KVQuantsFor | None = None,
+    parallel: ParallelContext | None = None,
 ) -> LoadedModel:
     """Load weights, config and tokenizer. Raises ``ValueError`` if the checkpoint leaves any
     parameter unwritten (or has one the model lacks), so a half-loaded model never runs.
+    ``parallel``: build and load only one tensor-parallel rank's share (ValueError for an
+    architecture without tensor parallelism); ``LoadedModel.config`` stays the whole model's.
     ``kv_quants``: called with the config and dtype before the model is built, it gives the
     quantized/rotated KV formats its attention layers are built with (None: plain caches)."""
     start = time.perf_counter()
@@ -136,9 +141,20 @@ def get_model(
         weights = _split_kv_scales(iter_safetensors_weights(path), kv_scales := {})
     else:
         raise FileNotFoundError(f"{path}: no *.safetensors weights")
-    layer_quants = kv_quants(config, torch_dtype) if kv_quants is not None else None
+    cls = get_model_class(config.architecture)
+    extra: dict[str, object] = {}
+    local = config
+    if parallel is not None:
+        if not cls.__dict__.get("supports_tensor_parallel", False):
+            raise ValueError(
+                f"tensor_parallel_size > 1 is not supported for architecture "
+                f"{config.architecture!r} (supported: {tensor_parallel_architectures()})"
+            )
+        extra["parallel"] = parallel
+        local = local_model_config(config, parallel.layout)
+    layer_quants = kv_quants(local, torch_dtype) if kv_quants is not None else None
     with _default_dtype(torch_dtype), torch.device(device):
-        net = get_model_class(config.architecture)(config, kv_quants=layer_quants)
+        net = cls(config, kv_quants=layer_quants, **extra)
     missing = net.param_names() - net.load_weights(weights)
     if missing:
         raise ValueError(

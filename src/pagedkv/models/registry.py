@@ -64,5 +64,12 @@ def get_model_class(architecture: str) -> type[LlamaForCausalLM]:
     return cls
 
 
+def tensor_parallel_architectures() -> list[str]:
+    """Architectures whose model class splits across tensor-parallel ranks."""
+    return sorted(
+        a for a, c in _MODELS.items() if c.__dict__.get("supports_tensor_parallel", False)
+    )
+
+
 def supported_architectures() -> list[str]:
     return sorted(_MODELS)

@@ -54,6 +54,10 @@ class AttentionMetadata:
     query_start_loc_cpu: list[int]
     seq_lens_cpu: list[int]
     _rows: StepRows | None = field(default=None, repr=False, compare=False)
+    # Decode context parallelism: sequence ``i``'s tokens before this step that this rank holds
+    # (at its local positions ``[0, n)``; ``block_table``/``block_size`` are then the rank's
+    # physical blocks). None without DCP.
+    dcp_local_context_lens: list[int] | None = None
 
     def rows(self) -> StepRows:
         """The step's :class:`StepRows`, computed on first use (layers share the metadata)."""

@@ -1,0 +1,1 @@
+"""Distributed execution: process groups and collectives (torch.distributed)."""

@@ -1,0 +1,49 @@
+"""`ModelInput`: one step's work for every rank — what the driver sends its workers.
+
+The driver's `ModelRunner.build_model_input` turns a `SchedulerOutput` (which holds live
+`Request` objects) into this plain, picklable description: per request the step's tokens, its
+block table, whether it samples and the prompt-logprob rows it scores. Every rank runs the same
+`ModelInput` (`ModelRunner.execute_model_input`), so every rank makes the same collective calls
+in the same order. Torch-free.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class PromptLogprobsTask:
+    """Score prompt positions ``[first, last)``: row ``p`` against ``targets[p - first]`` (the
+    prompt token ``p + 1``), keeping the top ``k``."""
+
+    first: int
+    last: int
+    targets: list[int]
+    k: int
+
+
+@dataclass(slots=True)
+class ScheduledTokens:
+    """One request's share of the step: tokens ``token_ids`` at positions ``start ..``."""
+
+    request_id: str
+    token_ids: list[int]
+    start: int
+    block_ids: tuple[list[int], ...]  # its block table in each KV cache group
+    samples: bool  # the step's last row of this request is sampled
+    prompt_logprobs: PromptLogprobsTask | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass(slots=True)
+class ModelInput:
+    scheduled: list[ScheduledTokens] = field(default_factory=list)
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
