@@ -23,11 +23,13 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 # connector builds the offload tiers); transfer (the NIXL/TCP data plane) below both, which use
 # it; forwarding (the HTTP forwarding the PD proxy and the router share) below entrypoints; the
 # router above entrypoints (it reads the server's protocol models), the fleet simulator above
-# the router (it reuses its index and policies), and the CLI on top of everything.
+# the router (it reuses its index and policies), and the CLI on top of everything. distributed
+# (torch.distributed process groups) sits beside ops, whose DCP attention uses its collectives.
 LAYERS = {
     "envs": 0,
     "core": 0,
     "ops": 1,
+    "distributed": 1,
     "transfer": 1,
     "models": 2,
     "offload": 2,

@@ -38,6 +38,7 @@ from pagedkv.engine.config import (
 __all__ = [
     "CACHE_ARGS",
     "KV_EVENTS_ARGS",
+    "PARALLEL_ARGS",
     "SCHEDULER_ARGS",
     "EngineArgs",
     "kv_cache_dtype_help",
@@ -65,6 +66,15 @@ CACHE_ARGS: tuple[str, ...] = (
 )
 # The scheduler's budgets and the engine seed (serve adds them to its engine group).
 SCHEDULER_ARGS: tuple[str, ...] = ("max_num_seqs", "max_num_batched_tokens", "seed")
+# Distribution: tensor and decode context parallelism (generate, chat and serve).
+PARALLEL_ARGS: tuple[str, ...] = (
+    "tensor_parallel_size",
+    "decode_context_parallel_size",
+    "cp_kv_cache_interleave_size",
+    "distributed_executor_backend",
+    "distributed_init_method",
+    "distributed_timeout_s",
+)
 KV_EVENTS_ARGS: tuple[str, ...] = ("enable_kv_cache_events",)
 
 # Metadata keys passed to ``add_argument`` as they are; the others are EngineArgs' own.
@@ -226,6 +236,42 @@ class EngineArgs:
         '\'{"kv_connector":"OffloadingConnector","kv_role":"kv_both",'
         '"kv_connector_extra_config":{"kv_offload":"cpu:4GiB"}}\'',
         metavar="JSON",
+    )
+    tensor_parallel_size: int = _opt(
+        "tensor_parallel_size",
+        "tensor-parallel ranks: heads, MLP rows and vocabulary split across them (default "
+        "%(default)s)",
+        type=int,
+        flags=("--tensor-parallel-size", "-tp"),
+    )
+    decode_context_parallel_size: int = _opt(
+        "decode_context_parallel_size",
+        "decode-context-parallel ranks (divides --tensor-parallel-size): the KV cache's tokens "
+        "are split across ranks holding the same KV heads (default %(default)s)",
+        type=int,
+        flags=("--decode-context-parallel-size", "-dcp"),
+    )
+    cp_kv_cache_interleave_size: int = _opt(
+        "cp_kv_cache_interleave_size",
+        "tokens each DCP rank stores in turn (divides --block-size; default %(default)s)",
+        type=int,
+    )
+    distributed_executor_backend: str | None = _opt(
+        "distributed_executor_backend",
+        "how ranks run: uni (one process), mp (local processes) or ray (Ray actors); default: "
+        "uni at TP 1, else mp",
+        choices=("uni", "mp", "ray"),
+    )
+    distributed_init_method: str | None = _opt(
+        "distributed_init_method",
+        "the ranks' torch.distributed rendezvous, tcp://HOST:PORT (default: a free 127.0.0.1 port)",
+        metavar="URL",
+    )
+    distributed_timeout_s: float = _opt(
+        "distributed_timeout_s",
+        "seconds a collective or the ranks' rendezvous may wait before the engine fails "
+        "(default %(default)s)",
+        type=float,
     )
     # CLI-only: where a NixlConnector listens, folded into kv_transfer_config's extra config.
     kv_side_channel_port: int | None = field(

@@ -224,7 +224,9 @@ class MultiprocExecutor(Executor):
                     raise WorkerDiedError(f"worker rank {rank} (pid {proc.pid}) failed: {payload}")
             elif not self._alive(rank):
                 raise WorkerDiedError(self._death(rank))
-        raise TimeoutError(f"worker rank {rank} (pid {proc.pid}) did not send {kind!r} in {timeout} s")
+        raise TimeoutError(
+            f"worker rank {rank} (pid {proc.pid}) did not send {kind!r} in {timeout} s"
+        )
 
     def _death(self, rank: int) -> str:
         proc, conn = self.procs[rank - 1], self.conns[rank - 1] if rank <= len(self.conns) else None

@@ -35,6 +35,7 @@ from pagedkv.engine.kv_scales import resolve_kv_scales
 from pagedkv.engine.model_runner import PromptLogprobsOutput
 from pagedkv.engine.output_processor import OutputProcessor
 from pagedkv.engine.outputs import RequestOutput
+from pagedkv.engine.rank_planning import scheduler_kv_cache_specs
 from pagedkv.engine.request import Request
 from pagedkv.engine.sampler import Sampler
 from pagedkv.engine.sampling_params import SamplingParams
@@ -45,7 +46,6 @@ from pagedkv.engine.scheduler_output import (
     SchedulerOutput,
 )
 from pagedkv.engine.stats import KVConnectorStats, SchedulerStats
-from pagedkv.engine.worker import scheduler_kv_cache_specs
 from pagedkv.kv_transfer.base import KVConnectorBase, KVConnectorRole
 from pagedkv.kv_transfer.factory import KVConnectorFactory
 from pagedkv.models.config import load_model_config

@@ -5,10 +5,7 @@ has one per rank: rank 0 lives in the engine's process (the *driver*: it builds 
 `ModelInput` and returns the logits), the others in worker processes or Ray actors
 (`engine/executor.py`), all running the same `ModelInput` each step.
 
-Planning is shared with `pagedkv plan` (`scheduler_kv_cache_specs`, `rank_kv_cache_config`): the
-scheduler plans blocks for the rank holding the most KV heads; each rank then allocates the same
-number of blocks of its own page size (with DCP, blocks of ``block_size`` tokens standing for
-the scheduler's virtual blocks of ``block_size × dcp``).
+Each rank allocates what `engine/rank_planning.py` (shared with `pagedkv plan`) says.
 """
 
 from __future__ import annotations
@@ -17,86 +14,20 @@ from typing import Any
 
 import torch
 
-from pagedkv.core.parallel import RankLayout, max_rank_kv_heads, rank_layout, shard_heads
-from pagedkv.core.planning import make_kv_cache_config
-from pagedkv.core.specs import KVCacheConfig, KVCacheSpec, get_kv_cache_groups
+from pagedkv.core.specs import KVCacheConfig
 from pagedkv.distributed.parallel_state import GroupCoordinator, ParallelContext, make_store
 from pagedkv.engine.config import EngineConfig
 from pagedkv.engine.model_runner import ModelRunner, layer_kv_quants
+from pagedkv.engine.rank_planning import (
+    kv_cache_specs,
+    layout_for,
+    rank_kv_cache_config,
+    rank_model_config,
+)
 from pagedkv.kv_transfer.base import KVConnectorBase
 from pagedkv.models.config import ModelConfig, load_model_config
 from pagedkv.models.loader import LoadedModel, get_model
-from pagedkv.models.tp_sharding import local_model_config
 from pagedkv.ops.kv_quant import KVQuant
-
-
-def layout_for(config: EngineConfig, mc: ModelConfig, rank: int) -> RankLayout:
-    """Rank ``rank``'s share of ``mc`` under ``config``'s TP/DCP sizes (ValueError if they do
-    not fit the model)."""
-    return rank_layout(
-        rank=rank,
-        tp=config.tensor_parallel_size,
-        num_heads=mc.num_attention_heads,
-        num_kv_heads=mc.num_kv_heads,
-        intermediate_size=mc.intermediate_size,
-        vocab_size=mc.vocab_size,
-        dcp=config.decode_context_parallel_size,
-        interleave=config.cp_kv_cache_interleave_size,
-    )
-
-
-def rank_model_config(config: EngineConfig, mc: ModelConfig, rank: int) -> ModelConfig:
-    """``mc`` as rank ``rank`` holds it (``mc`` itself without TP)."""
-    if config.tensor_parallel_size == 1:
-        return mc
-    return local_model_config(mc, layout_for(config, mc, rank))
-
-
-def _specs(
-    config: EngineConfig, mc: ModelConfig, dtype: str, block_size: int
-) -> dict[str, KVCacheSpec]:
-    return mc.kv_cache_specs(
-        block_size, config.kv_cache_dtype, torch_dtype=dtype, kv_rotation=config.kv_rotation
-    )
-
-
-def scheduler_kv_cache_specs(
-    config: EngineConfig, mc: ModelConfig, dtype: str, block_size: int
-) -> dict[str, KVCacheSpec]:
-    """The specs the scheduler plans with: those of the rank holding the most KV heads, in
-    virtual blocks of ``block_size × dcp`` tokens (``mc``'s own specs without TP)."""
-    tp, dcp = config.tensor_parallel_size, config.decode_context_parallel_size
-    if tp == 1:
-        return _specs(config, mc, dtype, block_size)
-    heads = max_rank_kv_heads(mc.num_attention_heads, mc.num_kv_heads, tp)
-    widest = next(
-        r
-        for r in range(tp)
-        if shard_heads(mc.num_attention_heads, mc.num_kv_heads, tp, r).num_kv_heads == heads
-    )
-    return _specs(config, rank_model_config(config, mc, widest), dtype, block_size * dcp)
-
-
-def rank_kv_cache_config(
-    config: EngineConfig,
-    mc: ModelConfig,
-    dtype: str,
-    block_size: int,
-    scheduler: KVCacheConfig,
-    rank: int,
-) -> KVCacheConfig:
-    """What rank ``rank`` allocates: the scheduler's number of blocks, each of ``block_size``
-    tokens of its own KV heads (the scheduler's own config without TP)."""
-    if config.tensor_parallel_size == 1:
-        return scheduler
-    groups = get_kv_cache_groups(
-        _specs(config, rank_model_config(config, mc, rank), dtype, block_size)
-    )
-    out = make_kv_cache_config(
-        groups, 0, num_blocks_override=scheduler.num_blocks, layout=scheduler.layout
-    )
-    out.prefix_cache_retention_interval = scheduler.prefix_cache_retention_interval
-    return out
 
 
 def kv_quants_for(config: EngineConfig) -> Any:
@@ -104,7 +35,7 @@ def kv_quants_for(config: EngineConfig) -> Any:
     allocate (same dtype, quant mode and rotation; a format does not depend on the block size)."""
 
     def build(mc: ModelConfig, dtype: torch.dtype) -> dict[str, KVQuant]:
-        specs = _specs(config, mc, str(dtype).split(".")[-1], config.block_size)
+        specs = kv_cache_specs(config, mc, str(dtype).split(".")[-1], config.block_size)
         return layer_kv_quants(mc, specs, config.device)
 
     return build

@@ -554,6 +554,17 @@ class ModelConfig:
             spec, num_kv_heads=heads, head_size=head_size, head_size_v=head_size
         )
 
+    def for_rank(self, num_heads: int, num_kv_heads: int, intermediate_size: int) -> ModelConfig:
+        """This config as one tensor-parallel rank holds it: its query and KV heads and MLP
+        rows (``core.parallel.RankLayout``); the vocabulary stays global (the embedding and LM
+        head know their own rows)."""
+        return dataclasses.replace(
+            self,
+            num_attention_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            intermediate_size=intermediate_size,
+        )
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 

@@ -16,8 +16,6 @@ reported unsplittable (None) and its layer keeps the dense weights.
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
 from pagedkv.core.parallel import RankLayout
@@ -95,11 +93,6 @@ def shard_quantized(
 
 
 def local_model_config(config: ModelConfig, layout: RankLayout) -> ModelConfig:
-    """``config`` as rank ``layout.rank`` sees it: its query/KV heads and intermediate rows (the
-    vocabulary stays global: the embedding and LM head know their own rows)."""
-    return dataclasses.replace(
-        config,
-        num_attention_heads=layout.heads.num_heads,
-        num_kv_heads=layout.heads.num_kv_heads,
-        intermediate_size=layout.intermediate[1] - layout.intermediate[0],
-    )
+    """``config`` as rank ``layout.rank`` sees it (`ModelConfig.for_rank`)."""
+    i0, i1 = layout.intermediate
+    return config.for_rank(layout.heads.num_heads, layout.heads.num_kv_heads, i1 - i0)

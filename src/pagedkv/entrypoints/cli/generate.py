@@ -43,11 +43,14 @@ examples:
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
-    """Model and KV-cache flags (`EngineArgs`' ``CACHE_ARGS``) shared by generate, chat and
-    serve; returns the group so a command can add its own engine flags to it."""
-    from pagedkv.engine.arg_utils import EngineArgs
+    """Model and KV-cache flags (`EngineArgs`' ``CACHE_ARGS``) and the distributed ones
+    (``PARALLEL_ARGS``) shared by generate, chat and serve; returns the engine group so a
+    command can add its own engine flags to it."""
+    from pagedkv.engine.arg_utils import PARALLEL_ARGS, EngineArgs
 
-    return EngineArgs.add_cli_args(p.add_argument_group("engine"))
+    group = EngineArgs.add_cli_args(p.add_argument_group("engine"))
+    EngineArgs.add_cli_args(p.add_argument_group("distributed"), include=PARALLEL_ARGS)
+    return group
 
 
 def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int, temperature: float) -> None:

@@ -168,24 +168,35 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         include=("max_num_batched_tokens", "max_num_seqs"),
         overrides=dict(max_num_seqs=dict(help=seqs)),
     )
+    EngineArgs.add_cli_args(
+        p.add_argument_group("distributed (per-rank capacity)"),
+        include=(
+            "tensor_parallel_size",
+            "decode_context_parallel_size",
+            "cp_kv_cache_interleave_size",
+        ),
+    )
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=run)
     return p
 
 
 def summary_line(
-    num_blocks: int, groups: Any, max_model_len: int, max_num_batched_tokens: int
+    num_blocks: int, groups: Any, max_model_len: int, max_num_batched_tokens: int, dcp: int = 1
 ) -> str:
     """The one-line plan ``pagedkv plan``, ``serve``, ``generate`` and ``chat`` all print:
     blocks (null block included), bytes per block, token slots, and max concurrent requests at
-    ``max_model_len``."""
+    ``max_model_len``. With decode context parallelism ``dcp`` the blocks are the scheduler's
+    virtual ones and the bytes are one rank's share."""
     gs = planning.as_groups(groups)
-    bpb = planning.bytes_per_block(gs)
+    bpb = planning.bytes_per_block(gs) // dcp
     block_size = gs[0].kv_cache_spec.block_size if gs else 0
+    per_rank = f" ({block_size // dcp} on each of {dcp} DCP ranks)" if dcp > 1 else ""
     tokens = planning.max_num_tokens(num_blocks, gs, max_model_len, max_num_batched_tokens)
     conc = planning.get_max_concurrency(num_blocks, gs, max_model_len, max_num_batched_tokens)
     return (
-        f"KV cache: {num_blocks:,} blocks of {block_size} tokens x {bpb:,} B = {fmt_bytes(num_blocks * bpb)}, "
+        f"KV cache: {num_blocks:,} blocks of {block_size} tokens{per_rank} x {bpb:,} B = "
+        f"{fmt_bytes(num_blocks * bpb)}, "
         f"{tokens:,} tokens, max {conc:.2f} concurrent requests at max_model_len {max_model_len}"
     )
 
@@ -198,6 +209,7 @@ def engine_summary_line(engine: Any) -> str:
         kc.kv_cache_groups,
         engine.max_model_len,
         engine.config.max_num_batched_tokens,
+        engine.config.decode_context_parallel_size,
     )
 
 
@@ -382,9 +394,91 @@ def weight_dtype_bytes(name: str) -> float:
         ) from None
 
 
+def parallel_plan(
+    args: argparse.Namespace, cfg: Any, model_dtype: str, num_blocks: int
+) -> dict[str, Any]:
+    """Per-rank KV bytes at ``--tensor-parallel-size`` / ``--decode-context-parallel-size``:
+    every rank holds ``num_blocks`` blocks of ``--block-size`` tokens of its own KV heads
+    (`engine.rank_planning`, what the engine's workers allocate)."""
+    from pagedkv.core.parallel import shard_heads
+    from pagedkv.engine.rank_planning import rank_kv_cache_groups
+
+    config = _engine_config(args)
+    tp, dcp = config.tensor_parallel_size, config.decode_context_parallel_size
+    ranks = []
+    for r in range(tp):
+        bpb = planning.bytes_per_block(
+            rank_kv_cache_groups(config, cfg, model_dtype, args.block_size, r)
+        )
+        h = shard_heads(cfg.num_attention_heads, cfg.num_kv_heads, tp, r)
+        ranks.append(
+            dict(
+                rank=r,
+                dcp_rank=r % dcp,
+                q_heads=[h.q_start, h.q_end],
+                kv_heads=[h.kv_start, h.kv_end],
+                bytes_per_block=bpb,
+                kv_cache_bytes=bpb * num_blocks,
+            )
+        )
+    return dict(
+        tensor_parallel_size=tp,
+        decode_context_parallel_size=dcp,
+        cp_kv_cache_interleave_size=config.cp_kv_cache_interleave_size,
+        scheduler_block_size=args.block_size * dcp,
+        ranks=ranks,
+    )
+
+
+def _engine_config(args: argparse.Namespace) -> Any:
+    """The parallel part of the engine config the flags describe (PlanError when invalid)."""
+    from pagedkv.engine.config import EngineConfig
+
+    try:
+        return EngineConfig(
+            block_size=args.block_size,
+            tensor_parallel_size=args.tensor_parallel_size,
+            decode_context_parallel_size=args.decode_context_parallel_size,
+            cp_kv_cache_interleave_size=args.cp_kv_cache_interleave_size,
+            kv_cache_dtype=args.kv_cache_dtype,
+        )
+    except ValueError as e:
+        raise PlanError(str(e)) from None
+
+
 def make_plan(args: argparse.Namespace) -> dict[str, Any]:
     """The whole plan as a JSON-able dict; raises PlanError for user-facing failures."""
-    cfg = build_model_config(args)
+    cfg = full_cfg = build_model_config(args)
+    tp = getattr(args, "tensor_parallel_size", 1)
+    dcp = getattr(args, "decode_context_parallel_size", 1)
+    if tp > 1:
+        # Plan as the scheduler does: for the rank holding the most KV heads, in virtual blocks
+        # of block_size x dcp tokens, each rank's memory holding 1/dcp of every block.
+        from pagedkv.core.parallel import check_parallel_sizes, max_rank_kv_heads, shard_heads
+
+        config = _engine_config(args)
+        try:
+            check_parallel_sizes(
+                tp,
+                dcp,
+                cfg.num_attention_heads,
+                cfg.num_kv_heads,
+                config.cp_kv_cache_interleave_size,
+            )
+        except ValueError as e:
+            raise PlanError(str(e)) from None
+        from pagedkv.engine.rank_planning import rank_model_config
+
+        most = max_rank_kv_heads(cfg.num_attention_heads, cfg.num_kv_heads, tp)
+        widest = next(
+            r
+            for r in range(tp)
+            if shard_heads(cfg.num_attention_heads, cfg.num_kv_heads, tp, r).num_kv_heads == most
+        )
+        cfg = rank_model_config(config, cfg, widest)
+        args = argparse.Namespace(**{**vars(args), "block_size": args.block_size * dcp})
+        if args.memory is not None:
+            args.memory *= dcp
     context = args.context or cfg.max_position_embeddings
     model_dtype = resolve_dtype_name(args.dtype, cfg.dtype)  # "auto" as the engine resolves it
     try:
@@ -393,9 +487,9 @@ def make_plan(args: argparse.Namespace) -> dict[str, Any]:
         raise PlanError(str(e)) from None
     memory: dict[str, Any]
     if args.device_memory is None:
-        kv_budget = args.memory if args.memory is not None else DEFAULT_CPU_KV_CACHE_MEMORY
+        kv_budget = args.memory if args.memory is not None else DEFAULT_CPU_KV_CACHE_MEMORY * dcp
         source = "--memory" if args.memory is not None else "the engine's default on CPU"
-        memory = dict(source=source, kv_cache=kv_budget)
+        memory = dict(source=source, kv_cache=kv_budget // dcp)  # per rank
     else:
         from pagedkv.core.specs import dtype_size
 
@@ -483,7 +577,7 @@ def make_plan(args: argparse.Namespace) -> dict[str, Any]:
         raise PlanError(f"{e}{where}") from None
     model = {
         k: v
-        for k, v in dataclasses.asdict(cfg).items()
+        for k, v in dataclasses.asdict(full_cfg).items()
         if k
         in (
             "name",
@@ -500,10 +594,19 @@ def make_plan(args: argparse.Namespace) -> dict[str, Any]:
         )
     }
     summary = summary_line(
-        selected["num_blocks"], planning.as_groups(specs), context, args.max_num_batched_tokens
+        selected["num_blocks"],
+        planning.as_groups(specs),
+        context,
+        args.max_num_batched_tokens,
+        dcp,
     )
     selected["groups"] = group_rows(planning.as_groups(specs), context, args.max_num_batched_tokens)
+    parallel = None
+    if tp > 1:
+        physical = argparse.Namespace(**{**vars(args), "block_size": args.block_size // dcp})
+        parallel = parallel_plan(physical, full_cfg, model_dtype, selected["num_blocks"])
     return dict(
+        parallel=parallel,
         model=model,
         summary=summary,
         block_size=block_size,
@@ -528,6 +631,21 @@ def format_plan(plan: dict[str, Any]) -> str:
         f"{m['num_attention_heads']} query / {m['num_kv_heads']} KV heads x {m['head_dim']}, "
         f"{m['num_params'] / 1e6:.1f}M params, max len {m['max_position_embeddings']})",
     ]
+    par = plan.get("parallel")
+    if par:
+        lines.append(
+            f"tensor parallel {par['tensor_parallel_size']}, decode context parallel "
+            f"{par['decode_context_parallel_size']}: the figures below are per rank, for the "
+            f"rank holding the most KV heads; scheduler blocks of {par['scheduler_block_size']} "
+            "tokens"
+        )
+        for r in par["ranks"]:
+            lines.append(
+                f"  rank {r['rank']} (dcp rank {r['dcp_rank']}): query heads "
+                f"{r['q_heads'][0]}-{r['q_heads'][1] - 1}, KV heads {r['kv_heads'][0]}-"
+                f"{r['kv_heads'][1] - 1}, {r['bytes_per_block']:,} B per block, "
+                f"{fmt_bytes(r['kv_cache_bytes'])} of KV cache"
+            )
     if mem["source"] == "--device-memory":
         lines.append(
             "memory (C_tokens = (M_HBM - M_weights - M_runtime - M_headroom) / M_KV/token):"
