@@ -71,6 +71,10 @@ class Executor:
     def check_health(self) -> None:
         """Raise `WorkerDiedError` if a rank stopped."""
 
+    def kv_cache_bytes(self) -> list[int]:
+        """Bytes of KV cache each rank allocated, in rank order."""
+        return [self.driver.runner.kv_buffer.nbytes]
+
     def shutdown(self) -> None:
         """Stop every process this executor started (idempotent)."""
 
@@ -115,6 +119,8 @@ def run_worker(conn: Connection, rank: int) -> None:
             elif kind == "init_kv":
                 worker.initialize_kv_cache(payload)
                 conn.send(("ready", None))
+            elif kind == "kv_bytes":
+                conn.send(("kv_bytes", worker.runner.kv_buffer.nbytes))
     except BaseException as e:  # report, then exit so the peers' collectives fail fast
         try:
             conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
@@ -255,6 +261,14 @@ class MultiprocExecutor(Executor):
         self.driver.initialize_kv_cache(kv_cache_config, connector)
         for rank in range(1, len(self.procs) + 1):
             self._expect(rank, "ready", WORKER_START_TIMEOUT_S)
+
+    def kv_cache_bytes(self) -> list[int]:
+        self.check_health()
+        for conn in self.conns:
+            conn.send(("kv_bytes", None))
+        return [self.driver.runner.kv_buffer.nbytes] + [
+            self._expect(rank, "kv_bytes", 30.0) for rank in range(1, len(self.procs) + 1)
+        ]
 
     def check_health(self) -> None:
         if self._dead:

@@ -65,6 +65,8 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        # Set once a rank died: every later step or new request raises it again.
+        self.dead: WorkerDiedError | None = None
         self._check_parallel_model(config)
         # One Worker per rank (`engine/executor.py`); rank 0's lives here and holds the model.
         self.executor = make_executor(config)
@@ -260,7 +262,10 @@ class LLMEngine:
         arrival_time: float | None = None,
         cache_salt: str | None = None,
     ) -> None:
-        """Validate and queue a request. ValueError (nothing queued) on bad input."""
+        """Validate and queue a request. ValueError (nothing queued) on bad input;
+        `WorkerDiedError` once a rank of the engine died."""
+        if self.dead is not None:
+            raise WorkerDiedError(f"the engine is dead: {self.dead}")
         params = params or SamplingParams()
         if self.output_processor.has_request(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -384,6 +389,8 @@ class LLMEngine:
         engine's state is then unknown). A non-``Exception`` (KeyboardInterrupt) fails the
         batch the same way and is re-raised.
         """
+        if self.dead is not None:
+            raise WorkerDiedError(f"the engine is dead: {self.dead}")
         if self.connector is not None and not self.config.enable_kv_cache_events:
             self.connector.take_events()  # nobody reads them: drained so they cannot pile up
         so = self.scheduler.schedule()
@@ -402,8 +409,11 @@ class LLMEngine:
                 "engine step failed; failing the %d requests of its batch", len(so.scheduled)
             )
             failed = self._fail_batch(so, e)
+            if isinstance(e, WorkerDiedError):
+                self.dead = e  # a dead rank: the engine cannot step again (all ranks stopped)
+                self.abort_request(list(self.samples))
             if not isinstance(e, Exception) or isinstance(e, WorkerDiedError):
-                raise  # a dead rank: the engine cannot step again (the executor stopped them all)
+                raise
             # Requests schedule() stopped (not in the failed batch) are still reported.
             return failed + self._update(so, EMPTY_MODEL_RUNNER_OUTPUT)
 

@@ -1,0 +1,275 @@
+"""Tensor and decode context parallelism on real worker processes (gloo on CPU), against the
+one-process engine.
+
+TP and DCP change summation order, so outputs are compared as vLLM compares them: every
+position's logprob within 1e-4 of TP=1 in float32, greedy tokens identical except at a near-tie
+(the reference's top-2 gap under 1e-4: the comparison stops there and the tie is reported).
+Every process a test starts is stopped by pid, also on failure (the engine's executor does it;
+the tests check that none is left).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from pagedkv.engine.executor import WorkerDiedError
+from pagedkv.engine.llm import LLM
+from pagedkv.engine.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.slow  # multi-process engines: each start loads the model per rank
+
+TOL = 1e-4
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a land far away,",
+]
+SMALL = dict(kv_cache_memory=64 << 20, max_model_len=1024)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie is gone for our purposes only once reaped; /proc says which
+    try:
+        return Path(f"/proc/{pid}/status").read_text().find("State:\tZ") < 0
+    except FileNotFoundError:
+        return False
+
+
+def assert_close(ref: list[Any], out: list[Any], ties: list[str] | None = None) -> None:
+    """Per sample: logprobs within TOL, tokens equal up to a reported near-tie."""
+    for r, o in zip(ref, out, strict=True):
+        for a, b in zip(r.outputs, o.outputs, strict=True):
+            for i, (ta, tb) in enumerate(zip(a.token_ids, b.token_ids)):
+                ref_lp, out_lp = a.logprobs[i], b.logprobs[i]
+                if ta != tb:
+                    gap = abs(ref_lp[ta].logprob - ref_lp[tb].logprob) if tb in ref_lp else 1.0
+                    assert gap < TOL, f"{r.request_id}: token {i} differs ({ta} vs {tb}), gap {gap}"
+                    if ties is not None:
+                        ties.append(f"{r.request_id}@{i}: gap {gap:.2e}")
+                    break
+                assert abs(ref_lp[ta].logprob - out_lp[ta].logprob) < TOL, (r.request_id, i)
+            else:
+                assert len(a.token_ids) == len(b.token_ids)
+
+
+GREEDY = SamplingParams(max_tokens=16, temperature=0, logprobs=2)
+
+
+@pytest.fixture(scope="module")
+def reference() -> list[Any]:
+    llm = LLM(**SMALL)
+    try:
+        return llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    finally:
+        llm.llm_engine.shutdown()
+
+
+@pytest.mark.parametrize("tp", [2, 3])
+def test_tp_matches_one_process(tp: int, reference: list[Any]) -> None:
+    """TP=2 (SmolLM2's 3 KV heads split 2 + 1) and TP=3 (one each) give TP=1's logprobs; each
+    rank holds only its heads' KV cache, so the same memory holds more blocks."""
+    llm = LLM(tensor_parallel_size=tp, **SMALL)
+    engine = llm.llm_engine
+    pids = engine.executor.worker_pids
+    try:
+        assert len(pids) == tp - 1 and all(_pid_alive(p) for p in pids)
+        ties: list[str] = []
+        assert_close(reference, llm.generate(PROMPTS, GREEDY, use_tqdm=False), ties)
+        print("near-ties:", ties)
+        # rank 0 holds ceil(3 / tp) of the 3 KV heads: 3 / 2 the blocks at TP=2, 3x at TP=3
+        one = LLM(**SMALL).llm_engine
+        ratio = 3 / -(-3 // tp)
+        assert engine.kv_cache_config.num_blocks == int(one.kv_cache_config.num_blocks * ratio)
+        one.shutdown()
+        # GGUF rows stay quantized under TP: column splits of ggml rows, row splits at blocks
+        attn = engine.model.model.layers[0].self_attn
+        assert attn.qkv_proj.qsegments and attn.o_proj.qsegments
+        assert (attn.num_heads, attn.num_kv_heads) == ((6, 2) if tp == 2 else (3, 1))
+    finally:
+        engine.shutdown()
+    assert not any(_pid_alive(p) for p in pids)
+
+
+def test_tp_scheduling_paths_match_one_process() -> None:
+    """Chunked prefill, prefix hits, preemption and n > 1 under TP=2 give TP=1's outputs."""
+    shared = "You are a helpful assistant. Answer briefly and precisely. " * 6
+    prompts = [shared + q for q in ("What is 2+2?", "Name a color.", "Say hi.", "Count to 3.")]
+    params = SamplingParams(max_tokens=24, temperature=0, logprobs=2, n=2)
+    kw = dict(num_kv_blocks=12, max_model_len=160, max_num_batched_tokens=48, max_num_seqs=8)
+    outs, stats = [], []
+    for tp in (1, 2):
+        llm = LLM(tensor_parallel_size=tp, **kw)
+        try:
+            outs.append(llm.generate(prompts, params, use_tqdm=False))
+            stats.append(llm.stats())
+        finally:
+            llm.llm_engine.shutdown()
+    assert_close(outs[0], outs[1])
+    for s in stats:
+        assert s["num_preemptions"] > 0 and s["prefix_cache_hits"] > 0
+
+
+def test_a_killed_worker_fails_the_engine_and_stops_every_process() -> None:
+    llm = LLM(tensor_parallel_size=2, **SMALL)
+    engine = llm.llm_engine
+    (pid,) = engine.executor.worker_pids
+    try:
+        engine.add_request("a", PROMPTS[0], SamplingParams(max_tokens=200, temperature=0))
+        engine.step()
+        os.kill(pid, signal.SIGKILL)
+        with pytest.raises(
+            WorkerDiedError, match=rf"rank 1 \(pid {pid}\) died \(killed by signal 9\)"
+        ):
+            for _ in range(50):
+                engine.step()
+        with pytest.raises(WorkerDiedError):  # and stays failed, with nothing left running
+            engine.step()
+        assert not _pid_alive(pid)
+    finally:
+        engine.shutdown()
+
+
+def test_dropping_the_engine_stops_its_workers() -> None:
+    llm = LLM(tensor_parallel_size=2, **SMALL)
+    pids = llm.llm_engine.executor.worker_pids
+    threads_before = torch.get_num_threads()
+    del llm
+    gc.collect()
+    assert not any(_pid_alive(p) for p in pids)
+    assert torch.get_num_threads() >= 1 and threads_before >= 1
+
+
+def test_bad_parallel_sizes_are_refused_before_any_process_starts() -> None:
+    with pytest.raises(ValueError, match="not a multiple of them"):
+        LLM(tensor_parallel_size=4, **SMALL)  # 3 KV heads: 4 ranks cannot replicate them
+    with pytest.raises(ValueError, match="copies of the same KV heads"):
+        LLM(tensor_parallel_size=3, decode_context_parallel_size=3, **SMALL)
+    with pytest.raises(ValueError, match="'uni' runs one rank"):
+        LLM(tensor_parallel_size=2, distributed_executor_backend="uni", **SMALL)
+    with pytest.raises(ValueError, match="not rank-aware"):
+        LLM(tensor_parallel_size=2, kv_offload="cpu:64MiB", **SMALL)
+    with pytest.raises(ValueError, match="tcp://HOST:PORT"):
+        LLM(tensor_parallel_size=2, distributed_init_method="127.0.0.1:1234", **SMALL)
+
+
+def _plan(argv: list[str]) -> dict[str, Any]:
+    from pagedkv.entrypoints.cli import plan
+
+    parser = argparse.ArgumentParser()
+    sub = parser.add_subparsers()
+    plan.add_parser(sub)
+    return plan.make_plan(parser.parse_args(["plan", *argv]))
+
+
+def test_plan_prints_what_each_rank_allocates() -> None:
+    p = _plan(["-tp", "2", "--memory", "64MiB", "--context", "1024"])
+    llm = LLM(tensor_parallel_size=2, **SMALL)
+    try:
+        engine = llm.llm_engine
+        assert p["selected"]["num_blocks"] == engine.kv_cache_config.num_blocks
+        assert [r["kv_cache_bytes"] for r in p["parallel"]["ranks"]] == (
+            engine.executor.kv_cache_bytes()
+        )
+    finally:
+        llm.llm_engine.shutdown()
+
+
+# ---- decode context parallelism on a tiny MQA model (TP replicates its one KV head) ----------
+
+
+@pytest.fixture(scope="module")
+def mqa_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=16,
+        intermediate_size=128,
+        vocab_size=256,
+        num_hidden_layers=2,
+        max_position_embeddings=512,
+    )
+    path = tmp_path_factory.mktemp("tiny_mqa")
+    LlamaForCausalLM(cfg).save_pretrained(path)
+    return path
+
+
+MQA = dict(block_size=4, max_model_len=256, max_num_batched_tokens=32)
+
+
+def _mqa_prompts() -> list[dict[str, list[int]]]:
+    g = torch.Generator().manual_seed(1)
+    return [
+        {"prompt_token_ids": torch.randint(0, 256, (n,), generator=g).tolist()} for n in (5, 37, 70)
+    ]
+
+
+@pytest.mark.parametrize(("tp", "dcp", "interleave"), [(2, 1, 1), (2, 2, 1), (4, 2, 2)])
+def test_dcp_matches_one_process(mqa_dir: Path, tp: int, dcp: int, interleave: int) -> None:
+    params = SamplingParams(max_tokens=30, temperature=0, logprobs=2, ignore_eos=True)
+    ref_llm = LLM(str(mqa_dir), num_kv_blocks=200, **MQA)
+    ref = ref_llm.generate(_mqa_prompts(), params, use_tqdm=False)
+    ref_llm.llm_engine.shutdown()
+    llm = LLM(
+        str(mqa_dir),
+        num_kv_blocks=200,
+        tensor_parallel_size=tp,
+        decode_context_parallel_size=dcp,
+        cp_kv_cache_interleave_size=interleave,
+        **MQA,
+    )
+    try:
+        assert llm.llm_engine.block_size == 4 * dcp  # the scheduler's virtual blocks
+        assert_close(ref, llm.generate(_mqa_prompts(), params, use_tqdm=False))
+    finally:
+        llm.llm_engine.shutdown()
+
+
+def test_dcp_doubles_what_the_same_memory_runs_at_once(mqa_dir: Path) -> None:
+    """Same KV memory per rank (64 blocks of 4 tokens): four requests of 120 tokens all run at
+    once under DCP=2 (virtual blocks of 8 tokens); one process runs two at a time."""
+    g = torch.Generator().manual_seed(2)
+    prompts = [
+        {"prompt_token_ids": torch.randint(0, 256, (100,), generator=g).tolist()} for _ in range(4)
+    ]
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    seen = {}
+    for tp, dcp in ((1, 1), (2, 2)):
+        llm = LLM(
+            str(mqa_dir),
+            kv_cache_memory=64 * 1024,  # 2 layers x 4 tokens x 1 KV head x (16 + 16) x 4 B
+            tensor_parallel_size=tp,
+            decode_context_parallel_size=dcp,
+            max_num_seqs=64,
+            **{**MQA, "max_model_len": 240},
+        )
+        engine = llm.llm_engine
+        try:
+            assert engine.kv_cache_config.num_blocks == 64
+            for i, p in enumerate(prompts):
+                engine.add_request(str(i), p, params)
+            peak = 0
+            while engine.has_unfinished_requests():
+                engine.step()
+                peak = max(peak, engine.scheduler.num_running)
+            seen[dcp] = (engine.num_usable_kv_tokens, peak, engine.scheduler.num_preemptions)
+        finally:
+            engine.shutdown()
+    assert seen[1][0] * 2 == seen[2][0]
+    assert seen[2][1:] == (4, 0), seen  # all four at once, never preempted
+    assert seen[1][1] == 2, seen  # one process holds two of them at a time
