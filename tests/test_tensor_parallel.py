@@ -273,3 +273,89 @@ def test_dcp_doubles_what_the_same_memory_runs_at_once(mqa_dir: Path) -> None:
     assert seen[1][0] * 2 == seen[2][0]
     assert seen[2][1:] == (4, 0), seen  # all four at once, never preempted
     assert seen[1][1] == 2, seen  # one process holds two of them at a time
+
+
+# ---- the Ray backend, on a local `ray start --head` cluster bound to 127.0.0.1 -------------
+
+
+@pytest.fixture(scope="module")
+def ray_cluster() -> Any:
+    ray = pytest.importorskip("ray")  # installed by `make test` (the project's ray extra)
+    import shutil
+    import subprocess
+
+    from pagedkv.distributed.parallel_state import get_open_port
+
+    exe = shutil.which("ray", path=str(Path(os.sys.executable).parent))
+    port = get_open_port()
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
+    start = [exe, "start", "--head", "--node-ip-address", "127.0.0.1", "--port", str(port)]
+    start += ["--num-cpus", "2", "--include-dashboard", "false", "--disable-usage-stats"]
+    subprocess.run(start, check=True, env=env, capture_output=True, timeout=120)
+    old = os.environ.get("RAY_ADDRESS")
+    os.environ["RAY_ADDRESS"] = f"127.0.0.1:{port}"
+    try:
+        yield ray
+    finally:
+        ray.shutdown()
+        subprocess.run([exe, "stop", "--force"], env=env, capture_output=True, timeout=120)
+        if old is None:
+            os.environ.pop("RAY_ADDRESS", None)
+        else:
+            os.environ["RAY_ADDRESS"] = old
+
+
+def test_ray_backend_matches_one_process(ray_cluster: Any, reference: list[Any]) -> None:
+    llm = LLM(tensor_parallel_size=2, distributed_executor_backend="ray", **SMALL)
+    engine = llm.llm_engine
+    pids = engine.executor.worker_pids
+    try:
+        assert len(pids) == 1 and all(_pid_alive(p) for p in pids)
+        assert_close(reference, llm.generate(PROMPTS, GREEDY, use_tqdm=False))
+        one, two = engine.executor.kv_cache_bytes()
+        assert one == 2 * two  # rank 0 holds 2 of the 3 KV heads, rank 1 one
+    finally:
+        engine.shutdown()
+    assert not any(_pid_alive(p) for p in pids)
+
+
+# ---- MLA (DeepSeek-V2/V3, with DeepSeekMoE): heads split, the latent cache replicated --------
+
+
+@pytest.fixture(scope="module")
+def mla_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    from test_mla import build, v2_config, v3_config
+
+    dirs = {}
+    for name, cfg in (("v3", v3_config()), ("v2", v2_config())):
+        path = tmp_path_factory.mktemp(f"tiny_deepseek_{name}")
+        build(cfg).save_pretrained(path)
+        dirs[name] = path
+    return dirs
+
+
+@pytest.mark.parametrize(
+    ("model", "tp", "dcp"), [("v3", 2, 1), ("v3", 2, 2), ("v3", 4, 2), ("v2", 2, 2)]
+)
+def test_mla_tp_and_dcp_match_one_process(
+    mla_dirs: dict[str, Path], model: str, tp: int, dcp: int
+) -> None:
+    """MLA splits query heads, kv_b_proj and o_proj (and each expert's rows) across ranks; the
+    one latent "KV head" is replicated, so DCP splits its tokens (absorbed attention, merged by
+    LSE). Routed experts, shared experts and the dense first layer are all-reduced."""
+    g = torch.Generator().manual_seed(1)
+    prompts = [
+        {"prompt_token_ids": torch.randint(0, 128, (n,), generator=g).tolist()} for n in (5, 37, 70)
+    ]
+    params = SamplingParams(max_tokens=20, temperature=0, logprobs=2, ignore_eos=True)
+    kw = dict(block_size=4, num_kv_blocks=200, max_model_len=200, max_num_batched_tokens=32)
+    path = str(mla_dirs[model])
+    ref_llm = LLM(path, **kw)
+    ref = ref_llm.generate(prompts, params, use_tqdm=False)
+    ref_llm.llm_engine.shutdown()
+    llm = LLM(path, tensor_parallel_size=tp, decode_context_parallel_size=dcp, **kw)
+    try:
+        assert llm.llm_engine.model.model.layers[0].self_attn.num_heads == 4 // tp
+        assert_close(ref, llm.generate(prompts, params, use_tqdm=False))
+    finally:
+        llm.llm_engine.shutdown()

@@ -38,10 +38,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedkv.core.parallel import RankLayout, split_range
+from pagedkv.distributed.parallel_state import ParallelContext
 from pagedkv.models.config import ModelConfig
-from pagedkv.models.layers import Embedding, Linear, RMSNorm, _param
+from pagedkv.models.layers import Embedding, Linear, RMSNorm, VocabParallelEmbedding, _param
 from pagedkv.models.llama import KVCache, LlamaForCausalLM, SwiGLUMLP, _copy
 from pagedkv.models.mla_config import MLAParams
+from pagedkv.models.tp_sharding import local_model_config, shard_weight
+from pagedkv.ops.dcp_attention import dcp_paged_attention
 from pagedkv.ops.forward_context import save_kv_layer, wait_for_kv_layer_load
 from pagedkv.ops.kv_quant import KVQuant, LayerKVQuants
 from pagedkv.ops.metadata import AttentionMetadata
@@ -155,7 +159,11 @@ class DeepseekMLAAttention(nn.Module):
     ``kv_quant`` must be None: a ValueError otherwise (the latent cache is always plain)."""
 
     def __init__(
-        self, config: ModelConfig, layer_idx: int, kv_quant: KVQuant | None = None
+        self,
+        config: ModelConfig,
+        layer_idx: int,
+        kv_quant: KVQuant | None = None,
+        parallel: ParallelContext | None = None,
     ) -> None:
         if kv_quant is not None:
             raise ValueError(
@@ -163,6 +171,9 @@ class DeepseekMLAAttention(nn.Module):
                 "use 'auto', 'float32', 'bfloat16' or 'float16'"
             )
         super().__init__()
+        # Tensor parallelism: ``config`` holds this rank's heads (the latent cache is the same
+        # on every rank); o_proj is row-parallel and all-reduced.
+        self.parallel = parallel
         p = mla_params(config)
         h, hidden = config.num_attention_heads, config.hidden_size
         self.layer_name = config.layer_name(layer_idx)  # the KV cache groups' name for it
@@ -209,11 +220,48 @@ class DeepseekMLAAttention(nn.Module):
         latent_cache = kv_cache[0]  # [NB, BS, 1, L + R]; kv_cache[1] is an empty V view
         wait_for_kv_layer_load(self.layer_name)
         concat_and_cache_mla(kv_c, qk_pe[:, h], latent_cache, md.slot_mapping)
-        out = mla_attention(
-            q_nope, qk_pe[:, :h], latent_cache, md, self.kv_b_proj.weight, self.scale, decode_md
-        )
+        par = self.parallel
+        if par is not None and par.dcp_size > 1:
+            out = self._dcp_attention(q_nope, qk_pe, kv_c, latent_cache, md)
+        else:
+            out = mla_attention(
+                q_nope, qk_pe[:, :h], latent_cache, md, self.kv_b_proj.weight, self.scale, decode_md
+            )
         save_kv_layer(self.layer_name, kv_cache, md)
-        return self.o_proj(out.reshape(t, h * p.v_head_dim))
+        out = self.o_proj(out.reshape(t, h * p.v_head_dim))
+        return out if par is None else par.tp_group.all_reduce(out)
+
+    def _dcp_attention(
+        self,
+        q_nope: torch.Tensor,
+        qk_pe: torch.Tensor,
+        kv_c: torch.Tensor,
+        latent_cache: torch.Tensor,
+        md: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Decode context parallelism over the latent cache, absorbed for every token: queries
+        ``[q_nope·W_UK | q_pe]`` attend the latent rows (one KV head, values their ``kv_c``
+        columns) of this rank's share of the tokens, merged across the DCP group by LSE
+        (`dcp_paged_attention`), then ``W_UV`` per head. Returns ``[T, H, V]``."""
+        p, h = self.p, self.num_heads
+        assert self.parallel is not None
+        w = self.kv_b_proj.weight.view(h, p.qk_nope_head_dim + p.v_head_dim, p.kv_lora_rank)
+        w_uk, w_uv = w[:, : p.qk_nope_head_dim].float(), w[:, p.qk_nope_head_dim :].float()
+        ql = torch.einsum("thp,hpl->thl", q_nope.float(), w_uk)
+        query = torch.cat([ql, qk_pe[:, :h].float()], dim=-1).to(q_nope.dtype)
+        key = torch.cat([kv_c, qk_pe[:, h]], dim=-1)[:, None]
+        out = dcp_paged_attention(
+            query,
+            key,
+            kv_c[:, None],
+            latent_cache,
+            latent_cache[..., : p.kv_lora_rank],
+            md,
+            self.scale,
+            self.parallel.dcp_group,
+            self.parallel.layout.dcp_head_counts,
+        )
+        return torch.einsum("thl,hvl->thv", out.float(), w_uv).to(q_nope.dtype)
 
 
 class DeepseekRouter(nn.Module):
@@ -263,15 +311,17 @@ class DeepseekMoE(nn.Module):
     """Routed experts (``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``: only experts with
     routed tokens run, added in expert order) plus the shared experts."""
 
-    def __init__(self, hidden: int, p: MLAParams) -> None:
+    def __init__(self, hidden: int, p: MLAParams, parallel: ParallelContext | None = None) -> None:
         super().__init__()
-        i = p.moe_intermediate_size
+        # Tensor parallelism: every expert (and the shared experts) keeps this rank's rows of its
+        # intermediate; routed and shared outputs are partial sums, all-reduced once.
+        self.tp_group = parallel.tp_group if parallel is not None else None
+        i0, i1 = _moe_range(p, parallel.layout if parallel is not None else None)
+        s0, s1 = _shared_range(p, parallel.layout if parallel is not None else None)
         self.gate = DeepseekRouter(hidden, p)
-        self.gate_up_proj = _param(p.n_routed_experts, 2 * i, hidden)
-        self.down_proj = _param(p.n_routed_experts, hidden, i)
-        self.shared_experts = (
-            DeepseekMLP(hidden, i * p.n_shared_experts) if p.n_shared_experts else None
-        )
+        self.gate_up_proj = _param(p.n_routed_experts, 2 * (i1 - i0), hidden)
+        self.down_proj = _param(p.n_routed_experts, hidden, i1 - i0)
+        self.shared_experts = DeepseekMLP(hidden, s1 - s0) if p.n_shared_experts else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, experts = self.gate(x)
@@ -281,22 +331,40 @@ class DeepseekMoE(nn.Module):
             gate, up = F.linear(x[tok], self.gate_up_proj[e]).chunk(2, dim=-1)
             y = F.linear(F.silu(gate) * up, self.down_proj[e]) * weights[tok, pos, None]
             out[tok] += y.to(out.dtype)  # a token picks an expert once: no repeated index
-        return out if self.shared_experts is None else out + self.shared_experts(x)
+        out = out if self.shared_experts is None else out + self.shared_experts(x)
+        return out if self.tp_group is None else self.tp_group.all_reduce(out)
+
+
+def _moe_range(p: MLAParams, layout: RankLayout | None) -> tuple[int, int]:
+    """This rank's rows of each routed expert's intermediate (all of them without TP)."""
+    n = p.moe_intermediate_size
+    return (0, n) if layout is None else split_range(n, layout.tp_size, layout.rank)
+
+
+def _shared_range(p: MLAParams, layout: RankLayout | None) -> tuple[int, int]:
+    """This rank's rows of the shared experts' fused intermediate."""
+    n = p.moe_intermediate_size * p.n_shared_experts
+    return (0, n) if layout is None else split_range(n, layout.tp_size, layout.rank)
 
 
 class DeepseekDecoderLayer(nn.Module):
     def __init__(
-        self, config: ModelConfig, layer_idx: int, kv_quant: KVQuant | None = None
+        self,
+        config: ModelConfig,
+        layer_idx: int,
+        kv_quant: KVQuant | None = None,
+        parallel: ParallelContext | None = None,
     ) -> None:
         super().__init__()
         p = mla_params(config)
+        tp_group = parallel.tp_group if parallel is not None else None
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = DeepseekMLAAttention(config, layer_idx, kv_quant)
+        self.self_attn = DeepseekMLAAttention(config, layer_idx, kv_quant, parallel)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp: nn.Module = (
-            DeepseekMoE(config.hidden_size, p)
+            DeepseekMoE(config.hidden_size, p, parallel)
             if p.is_moe_layer(layer_idx)
-            else DeepseekMLP(config.hidden_size, config.intermediate_size)
+            else DeepseekMLP(config.hidden_size, config.intermediate_size, tp_group)
         )
 
     def forward(
@@ -320,12 +388,21 @@ class DeepseekDecoderLayer(nn.Module):
 
 
 class DeepseekV2Model(nn.Module):
-    def __init__(self, config: ModelConfig, kv_quants: LayerKVQuants | None = None) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        kv_quants: LayerKVQuants | None = None,
+        parallel: ParallelContext | None = None,
+    ) -> None:
         super().__init__()
-        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = (
+            Embedding(config.vocab_size, config.hidden_size)
+            if parallel is None
+            else VocabParallelEmbedding(config.hidden_size, parallel)
+        )
         quants = kv_quants or {}  # layer name → its cache's KVQuant
         self.layers = nn.ModuleList(
-            DeepseekDecoderLayer(config, i, quants.get(config.layer_name(i)))
+            DeepseekDecoderLayer(config, i, quants.get(config.layer_name(i)), parallel)
             for i in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -368,15 +445,72 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
     """
 
     _STACKED = ((".gate_up_proj.", ".gate_proj.", 0), (".gate_up_proj.", ".up_proj.", 1))
+    # Tensor parallelism (``parallel``): heads split as Llama's, the latent cache replicated on
+    # every rank (one "KV head"), so decode context parallelism can shard its tokens.
+    supports_tensor_parallel = True
 
-    def __init__(self, config: ModelConfig, kv_quants: LayerKVQuants | None = None) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        kv_quants: LayerKVQuants | None = None,
+        parallel: ParallelContext | None = None,
+    ) -> None:
         nn.Module.__init__(self)  # not LlamaForCausalLM.__init__: a different body
         self.config = config
-        self.model = DeepseekV2Model(config, kv_quants)
+        self.parallel = parallel
+        local = config if parallel is None else local_model_config(config, parallel.layout)
+        self.model = DeepseekV2Model(local, kv_quants, parallel)
         tied = config.tie_word_embeddings
-        self.lm_head = (
-            self.model.embed_tokens if tied else Embedding(config.vocab_size, config.hidden_size)
-        )
+        if tied:
+            self.lm_head = self.model.embed_tokens
+        elif parallel is None:
+            self.lm_head = Embedding(config.vocab_size, config.hidden_size)
+        else:
+            self.lm_head = VocabParallelEmbedding(config.hidden_size, parallel)
+
+    def _shard_checkpoint_tensor(self, name: str, w: torch.Tensor) -> torch.Tensor:
+        """This rank's part of a non-expert tensor: MLA's per-head rows (``q_proj``/
+        ``q_b_proj`` by ``qk_head_dim``, ``kv_b_proj`` by ``qk_nope + v``, ``o_proj`` columns
+        by ``v_head_dim``), the shared experts' intermediate, else Llama's rules."""
+        assert self.parallel is not None
+        lay, p = self.parallel.layout, mla_params(self.config)
+        q0, q1 = lay.heads.q_start, lay.heads.q_end
+        per_head = {
+            "q_proj": (0, p.qk_head_dim),
+            "q_b_proj": (0, p.qk_head_dim),
+            "kv_b_proj": (0, p.qk_nope_head_dim + p.v_head_dim),
+        }
+        leaf = name.split(".")
+        proj = leaf[-2] if len(leaf) >= 2 else ""
+        if ".self_attn." in name and proj in per_head:
+            _, size = per_head[proj]
+            return w.narrow(0, q0 * size, (q1 - q0) * size)
+        if ".self_attn.o_proj." in name:
+            if leaf[-1] == "bias":
+                return w if lay.rank == 0 else torch.zeros_like(w)
+            return w.narrow(1, q0 * p.v_head_dim, (q1 - q0) * p.v_head_dim)
+        if ".self_attn." in name:
+            return w  # q_a_proj, kv_a_proj_with_mqa, the latent norms: replicated
+        if ".shared_experts." in name:
+            s0, s1 = _shared_range(p, lay)
+            if proj == "down_proj":
+                return w.narrow(1, s0, s1 - s0)
+            return w.narrow(0, s0, s1 - s0)
+        if name.endswith((".mlp.gate.weight", ".e_score_correction_bias")):
+            return w  # the router: replicated, every rank routes alike
+        return shard_weight(name, w, lay, 0)
+
+    def _shard_expert(self, part: str, fused: bool, w: torch.Tensor) -> torch.Tensor:
+        """This rank's rows (gate/up) or columns (down) of routed expert weights."""
+        if self.parallel is None:
+            return w
+        i0, i1 = _moe_range(mla_params(self.config), self.parallel.layout)
+        n = mla_params(self.config).moe_intermediate_size
+        if part == "down_proj":
+            return w.narrow(-1, i0, i1 - i0)
+        if fused:  # [E, 2I, H]: this rank's gate rows, then its up rows
+            return torch.cat([w[:, i0:i1], w[:, n + i0 : n + i1]], dim=1)
+        return w.narrow(0, i0, i1 - i0)
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
@@ -401,6 +535,7 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
                 ):
                     raise ValueError(f"checkpoint tensor {name!r} has no matching model parameter")
                 dst = params[target]
+                w = self._shard_expert(part, one is None, w)
                 if (
                     one is not None
                 ):  # one expert's gate, up or down: its slice of the stacked tensor

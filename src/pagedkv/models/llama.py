@@ -374,11 +374,9 @@ class LlamaForCausalLM(nn.Module):
         """
         params = dict(self.named_parameters(remove_duplicate=False))
         rows_written: dict[str, int] = {}
-        layout = self.parallel.layout if self.parallel is not None else None
-        head_dim = self.model.layers[0].self_attn.head_dim if layout is not None else 0
         for name, w in weights:
-            if layout is not None:
-                w = shard_weight(name, w, layout, head_dim)
+            if self.parallel is not None:
+                w = self._shard_checkpoint_tensor(name, w)
             if name == "model.rotary_emb.freq_factors":  # llama.cpp's per-frequency rope divisors
                 rope = self.model.rotary_emb
                 rope.set_inv_freq(rope_inv_freq(rope.head_dim, rope.theta, None) / w.float())
@@ -398,6 +396,13 @@ class LlamaForCausalLM(nn.Module):
         if self.config.tie_word_embeddings and "model.embed_tokens.weight" in loaded:
             loaded.add("lm_head.weight")
         return loaded
+
+    def _shard_checkpoint_tensor(self, name: str, w: torch.Tensor) -> torch.Tensor:
+        """This rank's part of checkpoint tensor ``name`` (`models.tp_sharding` rules); model
+        classes with other projections override it."""
+        assert self.parallel is not None
+        head_dim = self.model.layers[0].self_attn.head_dim
+        return shard_weight(name, w, self.parallel.layout, head_dim)
 
     def _target(self, name: str, rows: int) -> tuple[str, int]:
         """``(parameter name, first row)`` where checkpoint tensor ``name`` lands."""
