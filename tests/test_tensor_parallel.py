@@ -359,3 +359,40 @@ def test_mla_tp_and_dcp_match_one_process(
         assert_close(ref, llm.generate(prompts, params, use_tqdm=False))
     finally:
         llm.llm_engine.shutdown()
+
+
+# ---- serving and events at TP=2: one engine, one replica, one event stream ----------------------
+
+
+def test_openai_server_at_tp2_answers_like_tp1(reference: list[Any]) -> None:
+    from server_utils import client, running_server
+
+    from pagedkv.engine.config import EngineConfig
+
+    config = EngineConfig(tensor_parallel_size=2, enable_kv_cache_events=True, **SMALL)
+    with running_server(config) as srv, client(srv) as c:
+        engine = srv.app.state.pagedkv.async_llm.engine
+        pids = engine.executor.worker_pids
+        r = c.post(
+            "/v1/completions",
+            json={"prompt": PROMPTS[0], "max_tokens": 16, "temperature": 0},
+        )
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == reference[0].outputs[0].text
+        assert c.get("/health").status_code == 200
+    assert not any(_pid_alive(p) for p in pids)  # the server's shutdown stopped the workers
+
+
+def test_kv_events_come_from_the_one_scheduler() -> None:
+    from pagedkv.core.events import BlockStored
+
+    llm = LLM(tensor_parallel_size=2, enable_kv_cache_events=True, **SMALL)
+    try:
+        llm.generate(PROMPTS[1] * 8, SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)
+        stored = [e for e in llm.llm_engine.take_kv_events() if isinstance(e, BlockStored)]
+        # the block pool lives in the driver's scheduler: each full block is announced once,
+        # whatever the number of ranks holding its heads
+        hashes = [h for e in stored for h in e.block_hashes]
+        assert hashes and len(hashes) == len(set(hashes))
+    finally:
+        llm.llm_engine.shutdown()
