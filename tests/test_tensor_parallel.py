@@ -396,3 +396,57 @@ def test_kv_events_come_from_the_one_scheduler() -> None:
         assert hashes and len(hashes) == len(set(hashes))
     finally:
         llm.llm_engine.shutdown()
+
+
+# ---- a Mamba hybrid (Bamba): mixers split by SSM heads and B/C groups ------------------------
+
+
+@pytest.fixture(scope="module")
+def bamba_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
+    from test_bamba import tiny_config
+    from transformers import BambaForCausalLM
+
+    dirs = {}
+    for groups in (1, 4):
+        torch.manual_seed(0)
+        hf = BambaForCausalLM(tiny_config(mamba_n_groups=groups)).eval()
+        with torch.no_grad():  # HF initialises these to constants: make them matter
+            for layer in hf.model.layers:
+                if hasattr(layer, "mamba"):
+                    layer.mamba.D.normal_(0, 1)
+                    layer.mamba.dt_bias.normal_(0, 1)
+                    layer.mamba.norm.weight.normal_(1, 0.3)
+        path = tmp_path_factory.mktemp(f"tiny_bamba_g{groups}")
+        hf.save_pretrained(path)
+        dirs[groups] = path
+    return dirs
+
+
+@pytest.mark.parametrize(("groups", "tp"), [(1, 2), (4, 2), (4, 4)])
+def test_bamba_tp_matches_one_process(bamba_dirs: dict[int, Path], groups: int, tp: int) -> None:
+    """16 SSM heads split across ranks with their conv channels and states; one B/C group is
+    replicated (its gated norm's sum of squares all-reduced), four are split. Attention layers
+    (2 KV heads) split at TP=2 and replicate at TP=4. Each rank's Mamba state pages hold only
+    its heads: the hybrid block size is what the largest rank needs."""
+    g = torch.Generator().manual_seed(1)
+    prompts = [
+        {"prompt_token_ids": torch.randint(0, 128, (n,), generator=g).tolist()} for n in (5, 37, 70)
+    ]
+    params = SamplingParams(max_tokens=20, temperature=0, logprobs=2, ignore_eos=True)
+    kw = dict(num_kv_blocks=64, max_model_len=200, max_num_batched_tokens=32)
+    path = str(bamba_dirs[groups])
+    ref_llm = LLM(path, **kw)
+    ref = ref_llm.generate(prompts, params, use_tqdm=False)
+    ref_llm.llm_engine.shutdown()
+    llm = LLM(path, tensor_parallel_size=tp, **kw)
+    try:
+        mixer = llm.llm_engine.model.model.layers[0].mamba
+        assert mixer.num_heads == 16 // tp and (mixer.split_group is not None) == (groups < tp)
+        assert_close(ref, llm.generate(prompts, params, use_tqdm=False))
+    finally:
+        llm.llm_engine.shutdown()
+
+
+def test_dcp_on_a_hybrid_is_refused_before_any_process_starts(bamba_dirs: dict[int, Path]) -> None:
+    with pytest.raises(ValueError, match="full-attention models only"):
+        LLM(str(bamba_dirs[1]), tensor_parallel_size=4, decode_context_parallel_size=2)

@@ -11,6 +11,8 @@
   for TP=2 the share of the step spent in the driver's collectives (all-gathers: the
   all-reduce after attention and after the MLP, the embedding's and the logits'). On one host
   TP is not expected to win: the ranks share the cores, and each collective is a round trip.
+* **Collectives**: gloo's all-reduce vs the all-gather + sum pagedkv's CPU all-reduce uses, two
+  processes, one decode row of SmolLM2's hidden state.
 
 Usage: python benchmarks/bench_parallel.py [--cases 1,2,3,6x2] [--kv-memory 128MiB]
        [--context 2048] [--batch 8] [--decode-context 256] [--json-only] [--json-out F]
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import os
 import statistics
 import time
@@ -132,6 +135,55 @@ def step_time(tp: int, threads: int | None, args: argparse.Namespace) -> dict[st
         torch.set_num_threads(saved)
 
 
+_COLLECTIVES = """
+import json, sys, time, torch
+from pagedkv.distributed.parallel_state import GroupCoordinator, make_store
+rank, url, n = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+torch.set_num_threads(1)
+g = GroupCoordinator.create(make_store(url, rank, 2, 60.0), rank, 2)
+g.connect()
+x = torch.randn(1, 576)
+out = {}
+for name, fn in (("gloo_allreduce", lambda: g.pg.allreduce([x]).wait()),
+                 ("allgather_and_sum", lambda: g.all_reduce(x))):
+    for _ in range(50):
+        fn()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    out[name + "_us"] = (time.perf_counter() - t0) / n * 1e6
+if rank == 0:
+    print(json.dumps(out))
+"""
+
+
+def collectives(iters: int = 2000) -> dict[str, Any]:
+    """Two processes, one [1, 576] float32 tensor (a decode row of SmolLM2's hidden state):
+    gloo's own all-reduce vs the all-gather + sum `GroupCoordinator.all_reduce` uses."""
+    import subprocess
+    import sys
+
+    from pagedkv.distributed.parallel_state import get_open_port
+
+    url = f"tcp://127.0.0.1:{get_open_port()}"
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _COLLECTIVES, str(r), url, str(iters)],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(2)
+    ]
+    try:
+        out = procs[0].communicate(timeout=300)[0]
+        procs[1].wait(timeout=60)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    return json.loads(out.strip().splitlines()[-1])
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         description=user_help(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter
@@ -162,6 +214,8 @@ def main(argv: list[str] | None = None) -> int:
         time.sleep(3.0)  # the previous engine's processes are gone; let the host settle
         log(args, f"step time: TP={tp} threads={threads or 'all'}")
         report["step_time"].append(step_time(tp, threads, args))
+    log(args, "collectives: gloo all-reduce vs all-gather + sum")
+    report["collectives"] = collectives()
     base = report["step_time"][0]["median_step_ms"]
     for r in report["step_time"]:
         r["step_time_vs_tp1_all_cores"] = r["median_step_ms"] / base
@@ -192,6 +246,12 @@ def main(argv: list[str] | None = None) -> int:
                 f"{r['median_step_ms']:>8.1f} {r['decode_tok_s']:>7.1f} "
                 f"{r['step_time_vs_tp1_all_cores']:>6.2f}x {r['collective_share']:>11.0%}"
             )
+        c = rep["collectives"]
+        rows.append("")
+        rows.append(
+            f"2 processes, [1, 576] float32: gloo all-reduce {c['gloo_allreduce_us']:.0f} µs, "
+            f"all-gather + sum {c['allgather_and_sum_us']:.0f} µs"
+        )
         return "\n".join(rows)
 
     emit(report, table, args)

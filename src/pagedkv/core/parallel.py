@@ -129,6 +129,9 @@ class RankLayout:
     dcp_interleave: int = 1
     # Query heads of each rank of this rank's DCP group, in rank order (DCP all-gathers them).
     dcp_head_counts: tuple[int, ...] = ()
+    # Mamba-2 mixers (hybrid models): the rank's SSM heads (``q_*``) and B/C groups (``kv_*``),
+    # split as query heads over KV heads are (a group replicated past ``n_groups`` ranks).
+    mamba: HeadShard | None = None
 
     @property
     def dcp_rank(self) -> int:
@@ -154,9 +157,17 @@ def rank_layout(
     vocab_size: int,
     dcp: int = 1,
     interleave: int = 1,
+    mamba_heads: tuple[int, int] | None = None,
 ) -> RankLayout:
-    """The :class:`RankLayout` of ``rank`` (sizes checked by :func:`check_parallel_sizes`)."""
+    """The :class:`RankLayout` of ``rank`` (sizes checked by :func:`check_parallel_sizes`);
+    ``mamba_heads``: a hybrid model's Mamba ``(n_heads, n_groups)``."""
     check_parallel_sizes(tp, dcp, num_heads, num_kv_heads, interleave)
+    mamba = None
+    if mamba_heads is not None:
+        try:
+            mamba = shard_heads(mamba_heads[0], mamba_heads[1], tp, rank)
+        except ValueError as e:
+            raise ValueError(f"the Mamba mixers' heads do not split: {e}") from None
     first = rank - rank % dcp
     counts = tuple(
         shard_heads(num_heads, num_kv_heads, tp, r).num_heads for r in range(first, first + dcp)
@@ -170,6 +181,7 @@ def rank_layout(
         dcp_size=dcp,
         dcp_interleave=interleave,
         dcp_head_counts=counts,
+        mamba=mamba,
     )
 
 

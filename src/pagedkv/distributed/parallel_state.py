@@ -5,16 +5,16 @@ on CUDA) built from a ``tcp://HOST:PORT`` rendezvous, without touching torch's p
 default group: one process may host several engines (a TP=2 engine beside a TP=1 reference in
 a test), each with its own groups. A group of one rank does nothing and costs nothing.
 
-Measured on the 2-core host (benchmarks/results/parallel.json has the figures): gloo's ring
-all-reduce of a 2.3 KB tensor between two processes takes ~2 ms while its all-gather takes
-~0.4 ms, so `all_reduce` is an all-gather and a sum in rank order (every rank adds the same
-numbers in the same order: identical results on every rank, as a ring all-reduce gives).
+Measured on the 2-core host (``benchmarks/bench_parallel.py``, ``results/parallel.json``):
+gloo's own all-reduce of one decode row of SmolLM2 (576 float32) between two processes takes
+~1.6 ms, an all-gather and a sum ~0.6 ms; so on CPU `all_reduce` is an all-gather and a sum in
+rank order (every rank adds the same numbers in the same order: identical results on every
+rank, as a ring all-reduce gives).
 """
 
 from __future__ import annotations
 
 import datetime
-import pickle
 import socket
 import time
 from dataclasses import dataclass
@@ -136,15 +136,10 @@ class GroupCoordinator:
         self.comm_calls += 1
         return outs
 
-    def all_gather(self, t: torch.Tensor, dim: int = -1) -> torch.Tensor:
-        """Every rank's ``t`` concatenated along ``dim`` in rank order."""
-        if self.world_size == 1:
-            return t
-        return torch.cat(self.all_gather_list(t), dim=dim)
-
     def all_gather_uneven(self, t: torch.Tensor, sizes: list[int], dim: int = -1) -> torch.Tensor:
-        """Like :meth:`all_gather` where rank ``r`` holds ``sizes[r]`` entries along ``dim``
-        (a vocabulary or head split that is not even): padded to the largest, then trimmed."""
+        """Every rank's ``t`` concatenated along ``dim`` in rank order, where rank ``r`` holds
+        ``sizes[r]`` entries along ``dim`` (an uneven vocabulary or head split): each part is
+        padded to the largest for the all-gather, then trimmed."""
         if self.world_size == 1:
             return t
         dim = dim % t.dim()
@@ -155,27 +150,6 @@ class GroupCoordinator:
             t = torch.cat([t, t.new_zeros(pad)], dim=dim)
         parts = self.all_gather_list(t)
         return torch.cat([p.narrow(dim, 0, n) for p, n in zip(parts, sizes)], dim=dim)
-
-    def broadcast_object(self, obj: object = None, src: int = 0) -> object:
-        """``obj`` of rank ``src`` on every rank (pickled; two broadcasts: length, bytes)."""
-        if self.world_size == 1:
-            return obj
-        if self.rank == src:
-            data = torch.frombuffer(bytearray(pickle.dumps(obj, protocol=5)), dtype=torch.uint8)
-            size = torch.tensor([data.numel()], dtype=torch.int64)
-        else:
-            size = torch.empty(1, dtype=torch.int64)
-        opts = dist.BroadcastOptions()
-        opts.rootRank = src
-        self.pg.broadcast([size], opts).wait()
-        if self.rank != src:
-            data = torch.empty(int(size), dtype=torch.uint8)
-        self.pg.broadcast([data], opts).wait()
-        return obj if self.rank == src else pickle.loads(data.numpy().tobytes())
-
-    def barrier(self) -> None:
-        if self.world_size > 1:
-            self.all_gather_list(torch.zeros(1))
 
 
 @dataclass(slots=True)

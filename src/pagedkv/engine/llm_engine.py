@@ -28,14 +28,14 @@ from pagedkv.core.kv_cache_manager import KVCacheManager
 from pagedkv.core.parallel import check_parallel_sizes
 from pagedkv.core.planning import blocks_per_request, make_kv_cache_config
 from pagedkv.core.request import RequestStatus, get_request_block_hasher
-from pagedkv.core.specs import KVCacheConfig, align_hybrid_block_size, get_kv_cache_groups
+from pagedkv.core.specs import KVCacheConfig, get_kv_cache_groups
 from pagedkv.engine.config import DEFAULT_CPU_KV_CACHE_MEMORY, EngineConfig, check_kv_cache_fits
 from pagedkv.engine.executor import WorkerDiedError, make_executor
 from pagedkv.engine.kv_scales import resolve_kv_scales
 from pagedkv.engine.model_runner import PromptLogprobsOutput
 from pagedkv.engine.output_processor import OutputProcessor
 from pagedkv.engine.outputs import RequestOutput
-from pagedkv.engine.rank_planning import scheduler_kv_cache_specs
+from pagedkv.engine.rank_planning import hybrid_block_size, scheduler_kv_cache_specs
 from pagedkv.engine.request import Request
 from pagedkv.engine.sampler import Sampler
 from pagedkv.engine.sampling_params import SamplingParams
@@ -90,11 +90,11 @@ class LLMEngine:
             config.cp_kv_cache_interleave_size,
         )
         if config.decode_context_parallel_size > 1 and (
-            mc.sliding_window or mc.attention_chunk_size
+            mc.sliding_window or mc.attention_chunk_size or mc.mamba is not None
         ):
             raise ValueError(
-                "decode_context_parallel_size > 1 supports full attention only (this model has "
-                "sliding-window or chunked layers)"
+                "decode_context_parallel_size > 1 supports full-attention models only (this "
+                "model has sliding-window, chunked or Mamba layers)"
             )
 
     def _init(self, config: EngineConfig) -> None:
@@ -153,10 +153,9 @@ class LLMEngine:
     def _align_hybrid_block_size(self, config: EngineConfig) -> EngineConfig:
         """A Mamba hybrid needs attention pages that hold a Mamba state: raise the block size
         as vLLM does (`align_hybrid_block_size`), and say so."""
-        specs = self.model_config.kv_cache_specs(
-            1, config.kv_cache_dtype, torch_dtype=str(self.dtype).split(".")[-1]
+        block_size = hybrid_block_size(
+            config, self.model_config, str(self.dtype).split(".")[-1], config.block_size
         )
-        block_size = align_hybrid_block_size(specs, config.block_size)
         if block_size == config.block_size:
             return config
         logger.info(

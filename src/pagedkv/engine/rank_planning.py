@@ -9,9 +9,15 @@ rank's physical block holds ``block_size`` of them; the KV memory is per rank.
 
 from __future__ import annotations
 
-from pagedkv.core.parallel import RankLayout, max_rank_kv_heads, rank_layout, shard_heads
-from pagedkv.core.planning import make_kv_cache_config
-from pagedkv.core.specs import KVCacheConfig, KVCacheGroupSpec, KVCacheSpec, get_kv_cache_groups
+from pagedkv.core.parallel import RankLayout, rank_layout
+from pagedkv.core.planning import bytes_per_block, make_kv_cache_config
+from pagedkv.core.specs import (
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheSpec,
+    align_hybrid_block_size,
+    get_kv_cache_groups,
+)
 from pagedkv.engine.config import EngineConfig
 from pagedkv.models.config import ModelConfig
 
@@ -28,6 +34,7 @@ def layout_for(config: EngineConfig, mc: ModelConfig, rank: int) -> RankLayout:
         vocab_size=mc.vocab_size,
         dcp=config.decode_context_parallel_size,
         interleave=config.cp_kv_cache_interleave_size,
+        mamba_heads=None if mc.mamba is None else (mc.mamba.n_heads, mc.mamba.n_groups),
     )
 
 
@@ -37,7 +44,9 @@ def rank_model_config(config: EngineConfig, mc: ModelConfig, rank: int) -> Model
         return mc
     layout = layout_for(config, mc, rank)
     i0, i1 = layout.intermediate
-    return mc.for_rank(layout.heads.num_heads, layout.heads.num_kv_heads, i1 - i0)
+    m = layout.mamba
+    mamba = None if m is None else (m.num_heads, m.num_kv_heads)
+    return mc.for_rank(layout.heads.num_heads, layout.heads.num_kv_heads, i1 - i0, mamba)
 
 
 def kv_cache_specs(
@@ -48,20 +57,37 @@ def kv_cache_specs(
     )
 
 
+def widest_rank(config: EngineConfig, mc: ModelConfig, dtype: str, block_size: int) -> int:
+    """The rank whose blocks take the most bytes (the most KV heads, or Mamba state): the
+    scheduler plans for it, so every rank holds every block id it hands out."""
+    tp = config.tensor_parallel_size
+    sizes = [
+        bytes_per_block(rank_kv_cache_groups(config, mc, dtype, block_size, r)) for r in range(tp)
+    ]
+    return sizes.index(max(sizes))
+
+
+def hybrid_block_size(config: EngineConfig, mc: ModelConfig, dtype: str, block_size: int) -> int:
+    """A Mamba hybrid's block size (`align_hybrid_block_size`), the largest any rank needs: at
+    it every rank's attention page holds its own Mamba state, so all ranks group alike."""
+    ranks = range(config.tensor_parallel_size)
+    return max(
+        align_hybrid_block_size(
+            kv_cache_specs(config, rank_model_config(config, mc, r), dtype, 1), block_size
+        )
+        for r in ranks
+    )
+
+
 def scheduler_kv_cache_specs(
     config: EngineConfig, mc: ModelConfig, dtype: str, block_size: int
 ) -> dict[str, KVCacheSpec]:
-    """The specs the scheduler plans with: those of the rank holding the most KV heads, in
-    virtual blocks of ``block_size × dcp`` tokens (``mc``'s own specs without TP)."""
+    """The specs the scheduler plans with: those of `widest_rank`, in virtual blocks of
+    ``block_size × dcp`` tokens (``mc``'s own specs without TP)."""
     tp, dcp = config.tensor_parallel_size, config.decode_context_parallel_size
     if tp == 1:
         return kv_cache_specs(config, mc, dtype, block_size)
-    heads = max_rank_kv_heads(mc.num_attention_heads, mc.num_kv_heads, tp)
-    widest = next(
-        r
-        for r in range(tp)
-        if shard_heads(mc.num_attention_heads, mc.num_kv_heads, tp, r).num_kv_heads == heads
-    )
+    widest = widest_rank(config, mc, dtype, block_size)
     return kv_cache_specs(config, rank_model_config(config, mc, widest), dtype, block_size * dcp)
 
 
@@ -87,6 +113,15 @@ def rank_kv_cache_config(
     if config.tensor_parallel_size == 1:
         return scheduler
     groups = rank_kv_cache_groups(config, mc, dtype, block_size, rank)
+    dcp = config.decode_context_parallel_size
+    want = [g.kv_cache_spec.block_size // dcp for g in scheduler.kv_cache_groups]
+    if [g.kv_cache_spec.block_size for g in groups] != want or [
+        g.layer_names for g in groups
+    ] != [g.layer_names for g in scheduler.kv_cache_groups]:
+        raise RuntimeError(
+            f"rank {rank}'s KV cache groups differ from the scheduler's: its blocks would not "
+            "mean the same tokens"
+        )
     out = make_kv_cache_config(
         groups, 0, num_blocks_override=scheduler.num_blocks, layout=scheduler.layout
     )

@@ -19,6 +19,7 @@ from pagedkv.distributed.parallel_state import GroupCoordinator, ParallelContext
 from pagedkv.engine.config import EngineConfig
 from pagedkv.engine.model_runner import ModelRunner, layer_kv_quants
 from pagedkv.engine.rank_planning import (
+    hybrid_block_size,
     kv_cache_specs,
     layout_for,
     rank_kv_cache_config,
@@ -102,7 +103,8 @@ class Worker:
         connector, rank 0 only)."""
         self.runner.connector = connector
         dtype = str(self.loaded.dtype).split(".")[-1]
-        cfg = rank_kv_cache_config(
-            self.config, self.loaded.config, dtype, self.config.block_size, scheduler, self.rank
-        )
+        mc = self.loaded.config
+        # the engine's block size: a Mamba hybrid's is raised so pages hold a state
+        block_size = hybrid_block_size(self.config, mc, dtype, self.config.block_size)
+        cfg = rank_kv_cache_config(self.config, mc, dtype, block_size, scheduler, self.rank)
         self.runner.initialize_kv_cache(cfg)

@@ -32,9 +32,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedkv.models.config import ModelConfig
-from pagedkv.models.layers import Embedding, Linear, RMSNorm, RotaryEmbedding, _param
+from pagedkv.distributed.parallel_state import ParallelContext
+from pagedkv.models.config import MambaParams, ModelConfig
+from pagedkv.models.layers import (
+    Embedding,
+    Linear,
+    RMSNorm,
+    RotaryEmbedding,
+    VocabParallelEmbedding,
+    _param,
+)
 from pagedkv.models.llama import KVCache, LlamaForCausalLM, LlamaMLP
+from pagedkv.models.tp_sharding import local_model_config, shard_weight
 from pagedkv.ops.attention import paged_attention
 from pagedkv.ops.cache import reshape_and_cache
 from pagedkv.ops.forward_context import save_kv_layer, wait_for_kv_layer_load
@@ -60,9 +69,11 @@ class BambaAttention(nn.Module):
         scale: float | None = None,
         rope: bool = True,
         kv_quant: KVQuant | None = None,
+        parallel: ParallelContext | None = None,
     ) -> None:
         super().__init__()
         self.layer_name = layer_name
+        self.parallel = parallel  # TP: this rank's heads; o_proj all-reduced
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
@@ -98,16 +109,38 @@ class BambaAttention(nn.Module):
         reshape_and_cache(k, v, key_cache, value_cache, md.slot_mapping, self.kv_quant)
         out = paged_attention(q, key_cache, value_cache, md, self.scale, kv_quant=self.kv_quant)
         save_kv_layer(self.layer_name, kv_cache, md)
-        return self.o_proj(out.reshape(t, self.q_size))
+        out = self.o_proj(out.reshape(t, self.q_size))
+        return out if self.parallel is None else self.parallel.tp_group.all_reduce(out)
 
 
 class BambaMixer(nn.Module):
     """The Mamba-2 mixer over paged states (see the module docstring for the state rules)."""
 
-    def __init__(self, config: ModelConfig, layer_name: str = "") -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer_name: str = "",
+        parallel: ParallelContext | None = None,
+        full: MambaParams | None = None,
+    ) -> None:
+        """``config.mamba`` holds this rank's heads and groups under tensor parallelism
+        (``parallel``; ``full``: the whole model's mixer), whose out_proj is all-reduced. The
+        gated norm normalises each of the model's ``n_groups`` groups: where a group's channels
+        span several ranks (groups replicated past ``n_groups`` ranks), its sum of squares is
+        all-reduced first."""
         super().__init__()
         m = config.mamba
         assert m is not None
+        full = full or m
+        self.parallel = parallel
+        self.norm_group_size = full.intermediate_size // full.n_groups
+        # The model-wide index of this rank's (one) group when it holds only part of it.
+        self.split_group: int | None = None
+        if parallel is not None and parallel.layout.mamba is not None:
+            lay = parallel.layout.mamba
+            if m.intermediate_size < m.n_groups * self.norm_group_size:
+                self.split_group = lay.kv_start
+        self.num_groups_total = full.n_groups
         self.layer_name = layer_name
         self.num_heads, self.head_dim = m.n_heads, m.d_head
         self.n_groups, self.d_state = m.n_groups, m.d_state
@@ -192,10 +225,23 @@ class BambaMixer(nn.Module):
                     conv_states[dst].copy_(conv)
                     ssm_states[dst].copy_(ssm)
                 u = v
-        y = gated_rms_norm(
-            y, gate, self.norm.weight, self.intermediate_size // self.n_groups, self.eps
-        )
-        return self.out_proj(y.to(x.dtype))
+        if self.split_group is None:
+            y = gated_rms_norm(y, gate, self.norm.weight, self.norm_group_size, self.eps)
+        else:
+            y = self._split_group_norm(y, gate)
+        out = self.out_proj(y.to(x.dtype))
+        return out if self.parallel is None else self.parallel.tp_group.all_reduce(out)
+
+    def _split_group_norm(self, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """`gated_rms_norm` of a group whose channels other ranks hold part of: its sum of
+        squares is summed over the TP group (each rank adds its part in its group's column)."""
+        assert self.parallel is not None and self.split_group is not None
+        h = y.float() * F.silu(gate.float())
+        ss = torch.zeros(h.shape[0], self.num_groups_total, dtype=torch.float32, device=h.device)
+        ss[:, self.split_group] = h.pow(2).sum(-1)
+        total = self.parallel.tp_group.all_reduce(ss)[:, self.split_group : self.split_group + 1]
+        h = h * torch.rsqrt(total / self.norm_group_size + self.eps)
+        return self.norm.weight * h.to(y.dtype)
 
     def _decode(
         self,
@@ -225,18 +271,23 @@ class BambaMixer(nn.Module):
 
 class BambaDecoderLayer(nn.Module):
     def __init__(
-        self, config: ModelConfig, layer_idx: int, kv_quant: KVQuant | None = None
+        self,
+        config: ModelConfig,
+        layer_idx: int,
+        kv_quant: KVQuant | None = None,
+        parallel: ParallelContext | None = None,
+        full: MambaParams | None = None,
     ) -> None:
         super().__init__()
         name = config.layer_name(layer_idx)
         self.is_mamba = config.mamba.is_mamba_layer(layer_idx)  # type: ignore[union-attr]
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         if self.is_mamba:
-            self.mamba = BambaMixer(config, name)
+            self.mamba = BambaMixer(config, name, parallel, full)
         else:
-            self.self_attn = BambaAttention(config, name, kv_quant=kv_quant)
+            self.self_attn = BambaAttention(config, name, kv_quant=kv_quant, parallel=parallel)
         self.pre_ff_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.feed_forward = LlamaMLP(config)
+        self.feed_forward = LlamaMLP(config, parallel.tp_group if parallel is not None else None)
 
     def forward(
         self,
@@ -252,12 +303,22 @@ class BambaDecoderLayer(nn.Module):
 
 
 class BambaModel(nn.Module):
-    def __init__(self, config: ModelConfig, kv_quants: LayerKVQuants | None = None) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        kv_quants: LayerKVQuants | None = None,
+        parallel: ParallelContext | None = None,
+        full: MambaParams | None = None,
+    ) -> None:
         super().__init__()
-        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = (
+            Embedding(config.vocab_size, config.hidden_size)
+            if parallel is None
+            else VocabParallelEmbedding(config.hidden_size, parallel)
+        )
         quants = kv_quants or {}  # layer name → its cache's KVQuant
         self.layers = nn.ModuleList(
-            BambaDecoderLayer(config, i, quants.get(config.layer_name(i)))
+            BambaDecoderLayer(config, i, quants.get(config.layer_name(i)), parallel, full)
             for i in range(config.num_layers)
         )
         self.final_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -287,16 +348,69 @@ class BambaForCausalLM(LlamaForCausalLM):
     ``kv_caches[i]`` is a (K, V) pair for an attention layer and a (conv, ssm) state pair for
     a mixer layer."""
 
-    def __init__(self, config: ModelConfig, kv_quants: LayerKVQuants | None = None) -> None:
+    # Tensor parallelism: attention and MLP as Llama's; each mixer keeps its rank's SSM heads
+    # (in_proj's gate/x/dt rows, conv channels, dt_bias/A_log/D, norm) and B/C groups.
+    supports_tensor_parallel = True
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        kv_quants: LayerKVQuants | None = None,
+        parallel: ParallelContext | None = None,
+    ) -> None:
         nn.Module.__init__(self)
         if config.mamba is None:
             raise ValueError("a Bamba model needs its Mamba parameters (config.mamba)")
         self.config = config
-        self.model = BambaModel(config, kv_quants)
+        self.parallel = parallel
+        local = config if parallel is None else local_model_config(config, parallel.layout)
+        self.model = BambaModel(local, kv_quants, parallel, config.mamba)
         tied = config.tie_word_embeddings
-        self.lm_head = (
-            self.model.embed_tokens if tied else Embedding(config.vocab_size, config.hidden_size)
-        )
+        if tied:
+            self.lm_head = self.model.embed_tokens
+        elif parallel is None:
+            self.lm_head = Embedding(config.vocab_size, config.hidden_size)
+        else:
+            self.lm_head = VocabParallelEmbedding(config.hidden_size, parallel)
+
+    def _shard_checkpoint_tensor(self, name: str, w: torch.Tensor) -> torch.Tensor:
+        """This rank's part of a checkpoint tensor: the mixers' by SSM heads and B/C groups,
+        the rest by Llama's rules."""
+        assert self.parallel is not None
+        lay = self.parallel.layout
+        if ".mamba." not in name:
+            return shard_weight(name, w, lay, self.config.head_dim)
+        m, ms = self.config.mamba, lay.mamba
+        assert m is not None and ms is not None
+        dh, ds, inner, g = m.d_head, m.d_state, m.intermediate_size, m.n_groups
+        heads = (ms.q_start * dh, ms.q_end * dh)
+        groups = (ms.kv_start * ds, ms.kv_end * ds)
+        leaf = name.rsplit(".", 2)[-2:]
+
+        def rows(*spans: tuple[int, int]) -> torch.Tensor:
+            return torch.cat([w[a:b] for a, b in spans])
+
+        if leaf[0] == "in_proj":  # [gate | x | B | C | dt]
+            x0, b0, c0, t0 = inner, 2 * inner, 2 * inner + g * ds, 2 * inner + 2 * g * ds
+            return rows(
+                heads,
+                (x0 + heads[0], x0 + heads[1]),
+                (b0 + groups[0], b0 + groups[1]),
+                (c0 + groups[0], c0 + groups[1]),
+                (t0 + ms.q_start, t0 + ms.q_end),
+            )
+        if leaf[0] == "conv1d":  # channels [x | B | C]
+            b0, c0 = inner, inner + g * ds
+            return rows(heads, (b0 + groups[0], b0 + groups[1]), (c0 + groups[0], c0 + groups[1]))
+        if leaf[1] in ("dt_bias", "A_log", "D"):
+            return w[ms.q_start : ms.q_end]
+        if leaf[0] == "norm":
+            return w[heads[0] : heads[1]]
+        if leaf[0] == "out_proj":
+            if leaf[1] == "bias":
+                return w if lay.rank == 0 else torch.zeros_like(w)
+            return w[:, heads[0] : heads[1]]
+        return w
 
     def _shard(self, shard: str | int, rows: int) -> tuple[int, int]:
         if isinstance(shard, int):

@@ -554,15 +554,25 @@ class ModelConfig:
             spec, num_kv_heads=heads, head_size=head_size, head_size_v=head_size
         )
 
-    def for_rank(self, num_heads: int, num_kv_heads: int, intermediate_size: int) -> ModelConfig:
-        """This config as one tensor-parallel rank holds it: its query and KV heads and MLP
-        rows (``core.parallel.RankLayout``); the vocabulary stays global (the embedding and LM
-        head know their own rows)."""
+    def for_rank(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        intermediate_size: int,
+        mamba_heads: tuple[int, int] | None = None,
+    ) -> ModelConfig:
+        """This config as one tensor-parallel rank holds it: its query and KV heads, MLP rows
+        and (a hybrid's) Mamba heads and groups ``mamba_heads`` (``core.parallel.RankLayout``);
+        the vocabulary stays global (the embedding and LM head know their own rows)."""
+        mamba = self.mamba
+        if mamba is not None and mamba_heads is not None:
+            mamba = dataclasses.replace(mamba, n_heads=mamba_heads[0], n_groups=mamba_heads[1])
         return dataclasses.replace(
             self,
             num_attention_heads=num_heads,
             num_kv_heads=num_kv_heads,
             intermediate_size=intermediate_size,
+            mamba=mamba,
         )
 
     def to_dict(self) -> dict[str, Any]:

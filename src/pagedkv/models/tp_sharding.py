@@ -95,4 +95,6 @@ def shard_quantized(
 def local_model_config(config: ModelConfig, layout: RankLayout) -> ModelConfig:
     """``config`` as rank ``layout.rank`` sees it (`ModelConfig.for_rank`)."""
     i0, i1 = layout.intermediate
-    return config.for_rank(layout.heads.num_heads, layout.heads.num_kv_heads, i1 - i0)
+    m = layout.mamba
+    mamba = None if m is None else (m.num_heads, m.num_kv_heads)
+    return config.for_rank(layout.heads.num_heads, layout.heads.num_kv_heads, i1 - i0, mamba)

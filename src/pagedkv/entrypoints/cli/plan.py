@@ -454,28 +454,16 @@ def make_plan(args: argparse.Namespace) -> dict[str, Any]:
     if tp > 1:
         # Plan as the scheduler does: for the rank holding the most KV heads, in virtual blocks
         # of block_size x dcp tokens, each rank's memory holding 1/dcp of every block.
-        from pagedkv.core.parallel import check_parallel_sizes, max_rank_kv_heads, shard_heads
+        from pagedkv.engine.rank_planning import rank_model_config, widest_rank
 
         config = _engine_config(args)
+        dtype = resolve_dtype_name(args.dtype, cfg.dtype)
         try:
-            check_parallel_sizes(
-                tp,
-                dcp,
-                cfg.num_attention_heads,
-                cfg.num_kv_heads,
-                config.cp_kv_cache_interleave_size,
+            cfg = rank_model_config(
+                config, cfg, widest_rank(config, cfg, dtype, args.block_size)
             )
         except ValueError as e:
             raise PlanError(str(e)) from None
-        from pagedkv.engine.rank_planning import rank_model_config
-
-        most = max_rank_kv_heads(cfg.num_attention_heads, cfg.num_kv_heads, tp)
-        widest = next(
-            r
-            for r in range(tp)
-            if shard_heads(cfg.num_attention_heads, cfg.num_kv_heads, tp, r).num_kv_heads == most
-        )
-        cfg = rank_model_config(config, cfg, widest)
         args = argparse.Namespace(**{**vars(args), "block_size": args.block_size * dcp})
         if args.memory is not None:
             args.memory *= dcp
