@@ -93,9 +93,6 @@ def _worker_threads(config: EngineConfig) -> int:
     return max(1, (os.cpu_count() or 1) // config.tensor_parallel_size)
 
 
-AUTHKEY_ENV = "PAGEDKV_WORKER_AUTHKEY"
-
-
 def run_worker(conn: Connection, rank: int) -> None:
     """A worker process's life: receive the engine config and rendezvous, load rank ``rank``'s
     shard, say so, join the groups, then run every `ModelInput` the driver sends until it sends
@@ -131,7 +128,8 @@ def run_worker(conn: Connection, rank: int) -> None:
 
 def worker_main(argv: list[str] | None = None) -> None:
     """``python -m pagedkv.engine.executor --connect HOST:PORT --rank R``: a worker process
-    (started by `MultiprocExecutor`; the authentication key comes in the environment)."""
+    (started by `MultiprocExecutor`; the authentication key, hex, is the first line on its
+    standard input: never in its arguments or environment, which other users may read)."""
     import argparse
 
     ap = argparse.ArgumentParser()
@@ -141,7 +139,7 @@ def worker_main(argv: list[str] | None = None) -> None:
     host, port = args.connect.rsplit(":", 1)
     sock = socket.create_connection((host, int(port)))
     conn = Connection(sock.detach())
-    answer_challenge(conn, bytes.fromhex(os.environ.pop(AUTHKEY_ENV)))
+    answer_challenge(conn, bytes.fromhex(sys.stdin.readline().strip()))
     conn.send(args.rank)
     run_worker(conn, args.rank)
 
@@ -174,14 +172,17 @@ class MultiprocExecutor(Executor):
         """Start ranks 1..N-1 and accept their authenticated connections (in rank order)."""
         tp = config.tensor_parallel_size
         authkey = secrets.token_bytes(32)
-        env = {**os.environ, AUTHKEY_ENV: authkey.hex()}
         with socket.create_server(("127.0.0.1", 0)) as srv:
             srv.settimeout(0.1)
             address = f"127.0.0.1:{srv.getsockname()[1]}"
             for rank in range(1, tp):
                 cmd = [sys.executable, "-m", "pagedkv.engine.executor"]
                 cmd += ["--connect", address, "--rank", str(rank)]
-                self.procs.append(subprocess.Popen(cmd, env=env))
+                proc = subprocess.Popen(cmd, stdin=subprocess.PIPE)
+                self.procs.append(proc)
+                assert proc.stdin is not None
+                proc.stdin.write(authkey.hex().encode() + b"\n")
+                proc.stdin.close()
             conns: dict[int, Connection] = {}
             deadline = time.monotonic() + WORKER_START_TIMEOUT_S
             while len(conns) < tp - 1:

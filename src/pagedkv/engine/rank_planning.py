@@ -115,9 +115,9 @@ def rank_kv_cache_config(
     groups = rank_kv_cache_groups(config, mc, dtype, block_size, rank)
     dcp = config.decode_context_parallel_size
     want = [g.kv_cache_spec.block_size // dcp for g in scheduler.kv_cache_groups]
-    if [g.kv_cache_spec.block_size for g in groups] != want or [
-        g.layer_names for g in groups
-    ] != [g.layer_names for g in scheduler.kv_cache_groups]:
+    if [g.kv_cache_spec.block_size for g in groups] != want or [g.layer_names for g in groups] != [
+        g.layer_names for g in scheduler.kv_cache_groups
+    ]:
         raise RuntimeError(
             f"rank {rank}'s KV cache groups differ from the scheduler's: its blocks would not "
             "mean the same tokens"

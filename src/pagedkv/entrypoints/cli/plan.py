@@ -459,9 +459,7 @@ def make_plan(args: argparse.Namespace) -> dict[str, Any]:
         config = _engine_config(args)
         dtype = resolve_dtype_name(args.dtype, cfg.dtype)
         try:
-            cfg = rank_model_config(
-                config, cfg, widest_rank(config, cfg, dtype, args.block_size)
-            )
+            cfg = rank_model_config(config, cfg, widest_rank(config, cfg, dtype, args.block_size))
         except ValueError as e:
             raise PlanError(str(e)) from None
         args = argparse.Namespace(**{**vars(args), "block_size": args.block_size * dcp})
