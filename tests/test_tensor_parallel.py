@@ -122,7 +122,11 @@ def test_tp_scheduling_paths_match_one_process() -> None:
 
 
 def test_a_killed_worker_fails_the_engine_and_stops_every_process() -> None:
-    llm = LLM(tensor_parallel_size=2, **SMALL)
+    from pagedkv.distributed.parallel_state import get_open_port
+
+    # an explicit rendezvous, as two machines would use (two processes stand in for them)
+    url = f"tcp://127.0.0.1:{get_open_port()}"
+    llm = LLM(tensor_parallel_size=2, distributed_init_method=url, **SMALL)
     engine = llm.llm_engine
     (pid,) = engine.executor.worker_pids
     try:

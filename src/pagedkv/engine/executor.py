@@ -332,19 +332,5 @@ def _stop_processes(procs: list[subprocess.Popen[bytes]], conns: list[Connection
         conn.close()
 
 
-def make_executor(config: EngineConfig) -> Executor:
-    """The executor ``config.distributed_executor_backend`` names."""
-    backend = config.distributed_executor_backend
-    if backend == "uni":
-        return UniProcExecutor(config)
-    if backend == "mp":
-        return MultiprocExecutor(config)
-    if backend == "ray":
-        from pagedkv.engine.ray_executor import RayExecutor
-
-        return RayExecutor(config)
-    raise ValueError(f"unknown distributed_executor_backend {backend!r}")
-
-
 if __name__ == "__main__":
     worker_main()

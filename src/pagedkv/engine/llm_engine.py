@@ -30,7 +30,7 @@ from pagedkv.core.planning import blocks_per_request, make_kv_cache_config
 from pagedkv.core.request import RequestStatus, get_request_block_hasher
 from pagedkv.core.specs import KVCacheConfig, get_kv_cache_groups
 from pagedkv.engine.config import DEFAULT_CPU_KV_CACHE_MEMORY, EngineConfig, check_kv_cache_fits
-from pagedkv.engine.executor import WorkerDiedError, make_executor
+from pagedkv.engine.executor import Executor, MultiprocExecutor, UniProcExecutor, WorkerDiedError
 from pagedkv.engine.kv_scales import resolve_kv_scales
 from pagedkv.engine.model_runner import PromptLogprobsOutput
 from pagedkv.engine.output_processor import OutputProcessor
@@ -69,7 +69,7 @@ class LLMEngine:
         self.dead: WorkerDiedError | None = None
         self._check_parallel_model(config)
         # One Worker per rank (`engine/executor.py`); rank 0's lives here and holds the model.
-        self.executor = make_executor(config)
+        self.executor = _make_executor(config)
         try:
             self._init(config)
         except BaseException:
@@ -534,3 +534,15 @@ class LLMEngine:
             self.connector.shutdown()
             self.connector = None
             self.scheduler.connector = None
+
+
+def _make_executor(config: EngineConfig) -> Executor:
+    """The executor ``config.distributed_executor_backend`` names (`engine/executor.py`)."""
+    backend = config.distributed_executor_backend
+    if backend == "mp":
+        return MultiprocExecutor(config)
+    if backend == "ray":
+        from pagedkv.engine.ray_executor import RayExecutor
+
+        return RayExecutor(config)
+    return UniProcExecutor(config)

@@ -1,7 +1,7 @@
 """Per-rank KV planning for tensor / decode context parallelism, shared by the engine's workers
 and `pagedkv plan` (torch-free), so the plan prints what the ranks allocate.
 
-The scheduler plans blocks for the rank holding the most KV heads (every rank must hold every
+The scheduler plans blocks for the rank whose block is largest (every rank must hold every
 block id the scheduler hands out); each rank then allocates that many blocks of its own page
 size. With DCP the scheduler's blocks are virtual blocks of ``block_size × dcp`` tokens and each
 rank's physical block holds ``block_size`` of them; the KV memory is per rank.

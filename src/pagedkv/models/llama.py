@@ -419,7 +419,8 @@ class LlamaForCausalLM(nn.Module):
         Returns the layers equipped.
         """
         shards: dict[str, list[tuple[int, int, torch.Tensor]]] = {}
-        layout = self.parallel.layout if self.parallel is not None else None
+        parallel = getattr(self, "parallel", None)
+        layout = parallel.layout if parallel is not None else None
         for name, qtype, rows in qweights:
             if layout is not None:
                 bw = native.block_weights(qtype)

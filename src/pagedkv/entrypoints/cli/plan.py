@@ -452,14 +452,17 @@ def make_plan(args: argparse.Namespace) -> dict[str, Any]:
     tp = getattr(args, "tensor_parallel_size", 1)
     dcp = getattr(args, "decode_context_parallel_size", 1)
     if tp > 1:
-        # Plan as the scheduler does: for the rank holding the most KV heads, in virtual blocks
+        # Plan as the scheduler does: for the rank whose block is largest, in virtual blocks
         # of block_size x dcp tokens, each rank's memory holding 1/dcp of every block.
-        from pagedkv.engine.rank_planning import rank_model_config, widest_rank
+        from pagedkv.engine.rank_planning import hybrid_block_size, rank_model_config, widest_rank
 
         config = _engine_config(args)
         dtype = resolve_dtype_name(args.dtype, cfg.dtype)
         try:
-            cfg = rank_model_config(config, cfg, widest_rank(config, cfg, dtype, args.block_size))
+            # a Mamba hybrid's block size is the one the largest rank needs (as the engine's)
+            block = hybrid_block_size(config, cfg, dtype, args.block_size)
+            args = argparse.Namespace(**{**vars(args), "block_size": block})
+            cfg = rank_model_config(config, cfg, widest_rank(config, cfg, dtype, block))
         except ValueError as e:
             raise PlanError(str(e)) from None
         args = argparse.Namespace(**{**vars(args), "block_size": args.block_size * dcp})
@@ -622,7 +625,7 @@ def format_plan(plan: dict[str, Any]) -> str:
         lines.append(
             f"tensor parallel {par['tensor_parallel_size']}, decode context parallel "
             f"{par['decode_context_parallel_size']}: the figures below are per rank, for the "
-            f"rank holding the most KV heads; scheduler blocks of {par['scheduler_block_size']} "
+            f"rank whose block is largest; scheduler blocks of {par['scheduler_block_size']} "
             "tokens"
         )
         for r in par["ranks"]:
