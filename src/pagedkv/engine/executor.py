@@ -59,6 +59,7 @@ class Executor:
     """Drives the engine's ranks. ``driver`` is rank 0's `Worker` (in this process)."""
 
     driver: Worker
+    _dead = False  # set once a failure stopped the workers: every later step raises
 
     def initialize_kv_cache(
         self, kv_cache_config: KVCacheConfig, connector: KVConnectorBase | None
@@ -70,6 +71,14 @@ class Executor:
 
     def check_health(self) -> None:
         """Raise `WorkerDiedError` if a rank stopped."""
+        if self._dead:
+            raise WorkerDiedError("the engine's workers were stopped after a failure")
+
+    def _fail(self, message: str) -> None:
+        """Stop every worker, stay failed, raise `WorkerDiedError` with ``message``."""
+        self.shutdown()
+        self._dead = True
+        raise WorkerDiedError(message)
 
     def kv_cache_bytes(self) -> list[int]:
         """Bytes of KV cache each rank allocated, in rank order."""
@@ -154,7 +163,6 @@ class MultiprocExecutor(Executor):
         self.init_method = config.distributed_init_method or f"tcp://127.0.0.1:{get_open_port()}"
         self.procs: list[subprocess.Popen[bytes]] = []
         self.conns: list[Connection] = []
-        self._dead = False
         self._saved_threads = torch.get_num_threads()
         self._finalizer = weakref.finalize(self, _stop_processes, self.procs, self.conns)
         try:
@@ -271,17 +279,18 @@ class MultiprocExecutor(Executor):
             self._expect(rank, "kv_bytes", 30.0) for rank in range(1, len(self.procs) + 1)
         ]
 
-    def check_health(self) -> None:
-        if self._dead:
-            raise WorkerDiedError("the engine's workers were stopped after a failure")
+    def _stopped_rank(self) -> int | None:
+        """A worker that exited or reported something (only errors come unasked), or None."""
         for rank in range(1, len(self.procs) + 1):
             if not self._alive(rank) or self.conns[rank - 1].poll(0):
-                self._fail(self._death(rank))
+                return rank
+        return None
 
-    def _fail(self, message: str) -> None:
-        self.shutdown()
-        self._dead = True
-        raise WorkerDiedError(message)
+    def check_health(self) -> None:
+        super().check_health()
+        rank = self._stopped_rank()
+        if rank is not None:
+            self._fail(self._death(rank))
 
     def execute_model(self, so: SchedulerOutput) -> StepResult:
         self.check_health()
@@ -296,9 +305,9 @@ class MultiprocExecutor(Executor):
             # A collective failed: a peer is gone (or going). Name it if we can.
             deadline = time.monotonic() + WORKER_STOP_GRACE_S
             while time.monotonic() < deadline:
-                for rank in range(1, len(self.procs) + 1):
-                    if not self._alive(rank) or self.conns[rank - 1].poll(0):
-                        self._fail(self._death(rank))
+                rank = self._stopped_rank()
+                if rank is not None:
+                    self._fail(self._death(rank))
                 time.sleep(0.05)
             self._fail(f"tensor-parallel step failed: {type(e).__name__}: {e}")
         return logits, None, prompt_lps

@@ -88,7 +88,6 @@ class RayExecutor(Executor):
         self.actors: list[Any] = []
         self.pids: list[int] = []
         self._pending: list[Any] = []
-        self._dead = False
         self._saved_threads = torch.get_num_threads()
         self.pg = placement_group([{"CPU": 1}] * (tp - 1), strategy="PACK")
         try:
@@ -139,19 +138,13 @@ class RayExecutor(Executor):
         )
 
     def check_health(self) -> None:
-        if self._dead:
-            raise WorkerDiedError("the engine's workers were stopped after a failure")
+        super().check_health()
         done, _ = self.ray.wait(self._pending, num_returns=len(self._pending), timeout=0)
         try:
             self._get(done)
         except WorkerDiedError as e:
             self._fail(str(e))
         self._pending = [r for r in self._pending if r not in done]
-
-    def _fail(self, message: str) -> None:
-        self.shutdown()
-        self._dead = True
-        raise WorkerDiedError(message)
 
     def execute_model(self, so: SchedulerOutput) -> StepResult:
         self.check_health()

@@ -35,12 +35,11 @@ from torch import nn
 from pagedkv.distributed.parallel_state import ParallelContext
 from pagedkv.models.config import MambaParams, ModelConfig
 from pagedkv.models.layers import (
-    Embedding,
     Linear,
     RMSNorm,
     RotaryEmbedding,
-    VocabParallelEmbedding,
     _param,
+    vocab_embedding,
 )
 from pagedkv.models.llama import KVCache, LlamaForCausalLM, LlamaMLP
 from pagedkv.models.tp_sharding import local_model_config, shard_weight
@@ -311,11 +310,7 @@ class BambaModel(nn.Module):
         full: MambaParams | None = None,
     ) -> None:
         super().__init__()
-        self.embed_tokens = (
-            Embedding(config.vocab_size, config.hidden_size)
-            if parallel is None
-            else VocabParallelEmbedding(config.hidden_size, parallel)
-        )
+        self.embed_tokens = vocab_embedding(config.vocab_size, config.hidden_size, parallel)
         quants = kv_quants or {}  # layer name → its cache's KVQuant
         self.layers = nn.ModuleList(
             BambaDecoderLayer(config, i, quants.get(config.layer_name(i)), parallel, full)
@@ -366,12 +361,11 @@ class BambaForCausalLM(LlamaForCausalLM):
         local = config if parallel is None else local_model_config(config, parallel.layout)
         self.model = BambaModel(local, kv_quants, parallel, config.mamba)
         tied = config.tie_word_embeddings
-        if tied:
-            self.lm_head = self.model.embed_tokens
-        elif parallel is None:
-            self.lm_head = Embedding(config.vocab_size, config.hidden_size)
-        else:
-            self.lm_head = VocabParallelEmbedding(config.hidden_size, parallel)
+        self.lm_head = (
+            self.model.embed_tokens
+            if tied
+            else vocab_embedding(config.vocab_size, config.hidden_size, parallel)
+        )
 
     def _shard_checkpoint_tensor(self, name: str, w: torch.Tensor) -> torch.Tensor:
         """This rank's part of a checkpoint tensor: the mixers' by SSM heads and B/C groups,

@@ -41,7 +41,7 @@ from torch import nn
 from pagedkv.core.parallel import RankLayout, split_range
 from pagedkv.distributed.parallel_state import ParallelContext
 from pagedkv.models.config import ModelConfig
-from pagedkv.models.layers import Embedding, Linear, RMSNorm, VocabParallelEmbedding, _param
+from pagedkv.models.layers import Linear, RMSNorm, _param, vocab_embedding
 from pagedkv.models.llama import KVCache, LlamaForCausalLM, SwiGLUMLP, _copy
 from pagedkv.models.mla_config import MLAParams
 from pagedkv.models.tp_sharding import local_model_config, shard_weight
@@ -395,11 +395,7 @@ class DeepseekV2Model(nn.Module):
         parallel: ParallelContext | None = None,
     ) -> None:
         super().__init__()
-        self.embed_tokens = (
-            Embedding(config.vocab_size, config.hidden_size)
-            if parallel is None
-            else VocabParallelEmbedding(config.hidden_size, parallel)
-        )
+        self.embed_tokens = vocab_embedding(config.vocab_size, config.hidden_size, parallel)
         quants = kv_quants or {}  # layer name → its cache's KVQuant
         self.layers = nn.ModuleList(
             DeepseekDecoderLayer(config, i, quants.get(config.layer_name(i)), parallel)
@@ -461,12 +457,11 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
         local = config if parallel is None else local_model_config(config, parallel.layout)
         self.model = DeepseekV2Model(local, kv_quants, parallel)
         tied = config.tie_word_embeddings
-        if tied:
-            self.lm_head = self.model.embed_tokens
-        elif parallel is None:
-            self.lm_head = Embedding(config.vocab_size, config.hidden_size)
-        else:
-            self.lm_head = VocabParallelEmbedding(config.hidden_size, parallel)
+        self.lm_head = (
+            self.model.embed_tokens
+            if tied
+            else vocab_embedding(config.vocab_size, config.hidden_size, parallel)
+        )
 
     def _shard_checkpoint_tensor(self, name: str, w: torch.Tensor) -> torch.Tensor:
         """This rank's part of a non-expert tensor: MLA's per-head rows (``q_proj``/

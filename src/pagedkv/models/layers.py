@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedkv.core.parallel import split_range
 from pagedkv.distributed.parallel_state import ParallelContext
 from pagedkv.ops import dense_linear, native
 from pagedkv.ops.step_description import LinearDesc
@@ -122,10 +123,13 @@ class VocabParallelEmbedding(Embedding):
     all-reduces, so every rank gets every token's full row; ``project`` gives this rank's
     logits columns (the model all-gathers them)."""
 
-    def __init__(self, embedding_dim: int, parallel: ParallelContext) -> None:
+    def __init__(self, vocab_size: int, embedding_dim: int, parallel: ParallelContext) -> None:
         self.vocab_start, self.vocab_end = parallel.layout.vocab
         super().__init__(self.vocab_end - self.vocab_start, embedding_dim)
         self.tp_group = parallel.tp_group
+        # Every rank's row count, in rank order: the sizes `gather_logits` reassembles.
+        tp = parallel.tp_size
+        self.vocab_sizes = [e - b for b, e in (split_range(vocab_size, tp, r) for r in range(tp))]
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         local = ids - self.vocab_start
@@ -133,6 +137,19 @@ class VocabParallelEmbedding(Embedding):
         rows = F.embedding(local.masked_fill(outside, 0), self.weight)
         rows.masked_fill_(outside.unsqueeze(-1), 0)
         return self.tp_group.all_reduce(rows)
+
+    def gather_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """Every rank's logits columns ``[N, rows]``, concatenated: ``[N, vocab]``."""
+        return self.tp_group.all_gather_uneven(logits, self.vocab_sizes, -1)
+
+
+def vocab_embedding(
+    vocab_size: int, embedding_dim: int, parallel: ParallelContext | None = None
+) -> Embedding:
+    """The token embedding (or an untied LM head): whole, or this tensor-parallel rank's rows."""
+    if parallel is None:
+        return Embedding(vocab_size, embedding_dim)
+    return VocabParallelEmbedding(vocab_size, embedding_dim, parallel)
 
 
 class RMSNorm(nn.Module):

@@ -17,20 +17,18 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from pagedkv.core.parallel import split_range
 from pagedkv.distributed.parallel_state import GroupCoordinator, ParallelContext
 from pagedkv.models import layers as _layers
 from pagedkv.models.config import SLIDING_ATTENTION, ModelConfig
 from pagedkv.models.layers import (
-    Embedding,
     Linear,
     QSegment,
     QuantizedRows,
     RMSNorm,
     RotaryEmbedding,
     SiluAndMul,
-    VocabParallelEmbedding,
     rope_inv_freq,
+    vocab_embedding,
 )
 from pagedkv.models.tp_sharding import local_model_config, shard_quantized, shard_weight
 from pagedkv.ops import native, native_step
@@ -219,11 +217,7 @@ class LlamaModel(nn.Module):
     ) -> None:
         super().__init__()
         self.parallel = parallel
-        self.embed_tokens = (
-            Embedding(config.vocab_size, config.hidden_size)
-            if parallel is None
-            else VocabParallelEmbedding(config.hidden_size, parallel)
-        )
+        self.embed_tokens = vocab_embedding(config.vocab_size, config.hidden_size, parallel)
         quants = kv_quants or {}  # layer name → its cache's KVQuant
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, i, quants.get(config.layer_name(i)), parallel)
@@ -322,12 +316,11 @@ class LlamaForCausalLM(nn.Module):
         local = config if parallel is None else local_model_config(config, parallel.layout)
         self.model = LlamaModel(local, kv_quants, parallel)
         tied = config.tie_word_embeddings
-        if tied:
-            self.lm_head = self.model.embed_tokens
-        elif parallel is None:
-            self.lm_head = Embedding(config.vocab_size, config.hidden_size)
-        else:
-            self.lm_head = VocabParallelEmbedding(config.hidden_size, parallel)
+        self.lm_head = (
+            self.model.embed_tokens
+            if tied
+            else vocab_embedding(config.vocab_size, config.hidden_size, parallel)
+        )
 
     @torch.inference_mode()
     def forward(
@@ -342,16 +335,8 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head.project(hidden).float()
-        p = self.parallel
-        if p is None:
-            return logits
-        sizes = [
-            e - s
-            for s, e in (
-                split_range(self.config.vocab_size, p.tp_size, r) for r in range(p.tp_size)
-            )
-        ]
-        return p.tp_group.all_gather_uneven(logits, sizes, -1)
+        # Tensor parallelism: this rank's vocabulary columns, then every rank's.
+        return logits if self.parallel is None else self.lm_head.gather_logits(logits)
 
     # ---- weights -------------------------------------------------------------------------
     def _shard(self, shard: str | int, rows: int) -> tuple[int, int]:
