@@ -12,6 +12,7 @@ from pagedkv.core.parallel import (
     dcp_local_count,
     dcp_owner,
     kv_replicas,
+    kv_shard_writers,
     max_rank_kv_heads,
     rank_layout,
     shard_heads,
@@ -140,3 +141,46 @@ def test_rank_layout_namespace_and_dcp_group() -> None:
     assert (lay.dcp_rank, lay.dcp_group_start, lay.dcp_head_counts) == (1, 2, (1, 1))
     assert lay.intermediate == (8, 10) and lay.vocab == (9, 11)
     assert lay.namespace == "@tp_rank:3@dcp1"
+
+
+@pytest.mark.parametrize(
+    ("tp", "kv_heads", "dcp", "writers"),
+    [
+        (3, 3, 1, [0, 1, 2]),  # split: every rank holds its own heads
+        (6, 3, 1, [0, 0, 2, 2, 4, 4]),  # replicated twice: min(tp, kv heads) = 3 writers
+        (4, 1, 1, [0, 0, 0, 0]),  # MQA: one shard
+        (4, 1, 2, [0, 1, 0, 1]),  # DCP: ranks 0/1 hold different tokens; 2/3 repeat them
+    ],
+)
+def test_kv_shard_writers_deduplicate_replicated_heads(
+    tp: int, kv_heads: int, dcp: int, writers: list[int]
+) -> None:
+    layouts = [
+        rank_layout(
+            rank=r,
+            tp=tp,
+            num_heads=12,
+            num_kv_heads=kv_heads,
+            intermediate_size=24,
+            vocab_size=50,
+            dcp=dcp,
+        )
+        for r in range(tp)
+    ]
+    assert kv_shard_writers(layouts) == writers
+
+
+def test_mamba_heads_make_every_rank_its_own_shard() -> None:
+    layouts = [
+        rank_layout(
+            rank=r,
+            tp=2,
+            num_heads=4,
+            num_kv_heads=1,
+            intermediate_size=8,
+            vocab_size=10,
+            mamba_heads=(4, 1),
+        )
+        for r in range(2)
+    ]
+    assert kv_shard_writers(layouts) == [0, 1]

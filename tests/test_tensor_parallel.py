@@ -162,10 +162,73 @@ def test_bad_parallel_sizes_are_refused_before_any_process_starts() -> None:
         LLM(tensor_parallel_size=3, decode_context_parallel_size=3, **SMALL)
     with pytest.raises(ValueError, match="'uni' runs one rank"):
         LLM(tensor_parallel_size=2, distributed_executor_backend="uni", **SMALL)
-    with pytest.raises(ValueError, match="not rank-aware"):
-        LLM(tensor_parallel_size=2, kv_offload="cpu:64MiB", **SMALL)
+    with pytest.raises(ValueError, match="kv_connector='NixlConnector' is not supported"):
+        LLM(
+            tensor_parallel_size=2,
+            kv_transfer_config={"kv_connector": "NixlConnector", "kv_role": "kv_both"},
+            **SMALL,
+        )
+    with pytest.raises(ValueError, match="p2p tier in kv_offload"):
+        LLM(tensor_parallel_size=2, kv_offload="cpu:64MiB,p2p:127.0.0.1:9", **SMALL)
     with pytest.raises(ValueError, match="tcp://HOST:PORT"):
         LLM(tensor_parallel_size=2, distributed_init_method="127.0.0.1:1234", **SMALL)
+
+
+# ---- offload tiers under TP: one shared host buffer, one tier namespace per distinct shard ----
+
+LONG = [PROMPTS[0] * 10, PROMPTS[1] * 9]  # several full blocks each
+FRESH = PROMPTS[2] * 8
+SHORT_GREEDY = SamplingParams(max_tokens=8, temperature=0, logprobs=2)
+
+
+def _namespaces(root: Path) -> list[str]:
+    return sorted(p.name.split("@", 1)[1] if "@" in p.name else "" for p in root.iterdir())
+
+
+def test_offload_tiers_round_trip_under_tp(tmp_path: Path) -> None:
+    """TP=2 (SmolLM2's 3 KV heads: 2 + 1): every rank stores its part and loads it back, from
+    the CPU tier (in-step stores, and REQUEST_LEVEL stores made between steps) and from disk
+    in a new engine; each rank's files sit in its own namespace, and a TP=1 engine on the
+    same directory finds nothing (another fingerprint) and still answers right."""
+    ref_llm = LLM(**SMALL)
+    ref = ref_llm.generate([*LONG, FRESH], SHORT_GREEDY, use_tqdm=False)
+    ref_llm.llm_engine.shutdown()
+    spec = f"cpu:64MiB,disk:{tmp_path}:256MiB"
+    llm = LLM(tensor_parallel_size=2, kv_offload=spec, **SMALL)
+    conn = llm.llm_engine.connector
+    try:
+        assert_close(ref[:2], llm.generate(LONG, SHORT_GREEDY, use_tqdm=False))
+        assert conn.num_stored_blocks > 0 and conn.num_loaded_tokens == 0
+        llm.reset_prefix_cache()  # the device cache forgets: the CPU tier answers
+        assert_close(ref[:2], llm.generate(LONG, SHORT_GREEDY, use_tqdm=False))
+        assert conn.num_loaded_tokens > 0
+        # stores made when a request finishes, between steps: rank 1 copies them next step
+        # (a prompt never stored before, so only those stores can answer the load)
+        at_finish = SamplingParams(
+            max_tokens=2, temperature=0, kv_transfer_params={"offload_policy": "REQUEST_LEVEL"}
+        )
+        stored = conn.num_stored_blocks
+        llm.generate([FRESH], at_finish, use_tqdm=False)
+        llm.reset_prefix_cache()
+        loaded = conn.num_loaded_tokens
+        assert_close(ref[2:], llm.generate([FRESH], SHORT_GREEDY, use_tqdm=False))
+        assert conn.num_stored_blocks > stored  # completed once rank 1 copied them
+        assert conn.num_loaded_tokens > loaded
+    finally:
+        llm.llm_engine.shutdown()
+    assert _namespaces(tmp_path) == ["tp_rank:0@dcp0", "tp_rank:1@dcp0"]
+    again = LLM(tensor_parallel_size=2, kv_offload=spec, **SMALL)
+    try:
+        assert_close(ref[:2], again.generate(LONG, SHORT_GREEDY, use_tqdm=False))
+        assert again.llm_engine.connector.num_loaded_tokens > 0  # from disk
+    finally:
+        again.llm_engine.shutdown()
+    one = LLM(kv_offload=spec, **SMALL)
+    try:
+        assert_close(ref[:2], one.generate(LONG, SHORT_GREEDY, use_tqdm=False))
+        assert one.llm_engine.connector.num_loaded_tokens == 0  # TP=2's parts: a miss
+    finally:
+        one.llm_engine.shutdown()
 
 
 def _plan(argv: list[str]) -> dict[str, Any]:
@@ -244,6 +307,39 @@ def test_dcp_matches_one_process(mqa_dir: Path, tp: int, dcp: int, interleave: i
         llm.llm_engine.shutdown()
 
 
+@pytest.mark.parametrize(
+    ("tp", "dcp", "spaces"),
+    [(2, 1, ["tp_rank:0@dcp0"]), (2, 2, ["tp_rank:0@dcp0", "tp_rank:1@dcp1"])],
+)
+def test_offload_stores_each_distinct_shard_once(
+    mqa_dir: Path, tmp_path: Path, tp: int, dcp: int, spaces: list[str]
+) -> None:
+    """One KV head at TP=2: both ranks hold it, so one part is stored (rank 0 writes, rank 1
+    reads); under DCP=2 the ranks hold different tokens of it: two parts. Loads restore it."""
+    params = SamplingParams(max_tokens=12, temperature=0, logprobs=2, ignore_eos=True)
+    ref_llm = LLM(str(mqa_dir), num_kv_blocks=200, **MQA)
+    ref = ref_llm.generate(_mqa_prompts(), params, use_tqdm=False)
+    ref_llm.llm_engine.shutdown()
+    llm = LLM(
+        str(mqa_dir),
+        num_kv_blocks=200,
+        tensor_parallel_size=tp,
+        decode_context_parallel_size=dcp,
+        kv_offload=f"cpu:8MiB,disk:{tmp_path}:64MiB",
+        **MQA,
+    )
+    conn = llm.llm_engine.connector
+    try:
+        assert_close(ref, llm.generate(_mqa_prompts(), params, use_tqdm=False))
+        assert len(conn._sharded.shards) == len(spaces)
+        llm.reset_prefix_cache()
+        assert_close(ref, llm.generate(_mqa_prompts(), params, use_tqdm=False))
+        assert conn.num_loaded_tokens > 0
+    finally:
+        llm.llm_engine.shutdown()
+    assert _namespaces(tmp_path) == spaces
+
+
 def test_dcp_doubles_what_the_same_memory_runs_at_once(mqa_dir: Path) -> None:
     """Same KV memory per rank (64 blocks of 4 tokens): four requests of 120 tokens all run at
     once under DCP=2 (virtual blocks of 8 tokens); one process runs two at a time."""
@@ -310,7 +406,9 @@ def ray_cluster() -> Any:
 
 
 def test_ray_backend_matches_one_process(ray_cluster: Any, reference: list[Any]) -> None:
-    llm = LLM(tensor_parallel_size=2, distributed_executor_backend="ray", **SMALL)
+    llm = LLM(
+        tensor_parallel_size=2, distributed_executor_backend="ray", kv_offload="cpu:64MiB", **SMALL
+    )
     engine = llm.llm_engine
     pids = engine.executor.worker_pids
     try:
@@ -318,6 +416,11 @@ def test_ray_backend_matches_one_process(ray_cluster: Any, reference: list[Any])
         assert_close(reference, llm.generate(PROMPTS, GREEDY, use_tqdm=False))
         one, two = engine.executor.kv_cache_bytes()
         assert one == 2 * two  # rank 0 holds 2 of the 3 KV heads, rank 1 one
+        # the actor copies its part of the CPU tier too
+        first = llm.generate(LONG, SHORT_GREEDY, use_tqdm=False)
+        llm.reset_prefix_cache()
+        assert_close(first, llm.generate(LONG, SHORT_GREEDY, use_tqdm=False))
+        assert engine.connector.num_loaded_tokens > 0
     finally:
         engine.shutdown()
     assert not any(_pid_alive(p) for p in pids)

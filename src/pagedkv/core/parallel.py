@@ -185,6 +185,25 @@ def rank_layout(
     )
 
 
+def kv_shard_id(layout: RankLayout) -> tuple[int, ...]:
+    """What rank ``layout.rank``'s KV cache holds, as a comparable value: ranks with equal ids
+    hold byte-identical caches (a KV head replicated past ``num_kv_heads`` ranks, no DCP), so
+    a tier stores one copy of them (MooncakeStore's KV-head de-duplication). The DCP rank is
+    part of the id (DCP ranks hold different tokens of the same heads), and so are a hybrid's
+    Mamba heads (split over every rank, never replicated)."""
+    m = layout.mamba
+    mamba = () if m is None else (m.q_start, m.q_end, m.kv_start, m.kv_end)
+    return (layout.heads.kv_start, layout.heads.kv_end, layout.dcp_rank, *mamba)
+
+
+def kv_shard_writers(layouts: list[RankLayout]) -> list[int]:
+    """For each rank (in order), the lowest rank whose KV cache is identical to it
+    (:func:`kv_shard_id`): the one rank that writes that shard to a tier; the others only read.
+    ``min(tp, num_kv_heads)`` distinct writers without DCP, every rank with it."""
+    first: dict[tuple[int, ...], int] = {}
+    return [first.setdefault(kv_shard_id(lay), lay.rank) for lay in layouts]
+
+
 def max_rank_kv_heads(num_heads: int, num_kv_heads: int, tp: int) -> int:
     """The most KV heads any rank holds: every rank has as many blocks as the largest needs."""
     return max(shard_heads(num_heads, num_kv_heads, tp, r).num_kv_heads for r in range(tp))

@@ -176,14 +176,30 @@ class EngineConfig:
         if not self.distributed_timeout_s > 0:
             raise bad("distributed_timeout_s", "must be a positive number of seconds")
         if tp > 1 and self.kv_transfer_config is not None:
-            raise ValueError(
-                "tensor_parallel_size > 1 with a KV connector (kv_offload / kv_transfer_config) "
-                "is not supported yet: the tiers and transfers are not rank-aware"
-            )
+            self._check_parallel_connector(tp)
         if dcp > 1 and self.kv_cache_dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise bad(
                 "kv_cache_dtype",
                 "decode_context_parallel_size > 1 needs an unquantized KV cache",
+            )
+
+    def _check_parallel_connector(self, tp: int) -> None:
+        """Under TP only the offload tiers are rank-aware (cpu, disk, redis: `offload.sharded`);
+        ValueError naming the field for a PD/P2P connector or a p2p tier."""
+        from pagedkv.kv_transfer.config import resolve_offload_config
+
+        ktc = self.kv_transfer_config
+        offload = resolve_offload_config(ktc)  # type: ignore[arg-type]
+        if offload is None:
+            raise ValueError(
+                f"tensor_parallel_size={tp} with kv_transfer_config.kv_connector="
+                f"{ktc.kv_connector!r} is not supported: under TP only the offload tiers "  # type: ignore[union-attr]
+                "(kv_offload cpu/disk/redis) are rank-aware; PD transfers need one rank"
+            )
+        if offload.p2p is not None:
+            raise ValueError(
+                f"tensor_parallel_size={tp} with a p2p tier in kv_offload is not supported: "
+                "peers exchange one rank's chunks; use cpu/disk/redis tiers"
             )
 
     def _check_kv_cache_dtype(self, bad: Any) -> None:

@@ -7,7 +7,8 @@
   CPU, NCCL on CUDA) at ``distributed_init_method`` (a free 127.0.0.1 port when not given).
   Each step the driver sends every worker the step's `ModelInput` over its pipe (one message per
   worker per step, no reply), and all ranks run the forward pass; only the driver's logits are
-  sampled.
+  sampled. With offload tiers the step also carries each rank's copies (`offload.rank_worker`)
+  and the workers reply with the copies that failed, before the driver completes them.
 * ``"ray"`` (`RayExecutor`, ``engine/ray_executor.py``): ranks ``1..N-1`` as Ray actors in one
   placement group, the same protocol through actor calls.
 
@@ -40,6 +41,7 @@ from pagedkv.engine.model_runner import PromptLogprobsOutput
 from pagedkv.engine.scheduler_output import SchedulerOutput
 from pagedkv.engine.worker import Worker
 from pagedkv.kv_transfer.base import KVConnectorBase, KVConnectorOutput
+from pagedkv.offload.sharded import HostAttachment, RankShardInfo
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +70,22 @@ class Executor:
 
     def execute_model(self, so: SchedulerOutput) -> StepResult:
         return self.driver.runner.execute_model(so)
+
+    def _attach_connector(
+        self, connector: KVConnectorBase, infos: list[RankShardInfo]
+    ) -> list[HostAttachment]:
+        """A TP engine's connector (rank 0's cache allocated, ``infos``: every rank's shard):
+        register it on the driver over the shared host buffer; each other rank's attachment."""
+        set_shards = getattr(connector, "set_rank_shards", None)
+        if set_shards is None:
+            raise ValueError(
+                f"{type(connector).__name__} does not support tensor_parallel_size > 1"
+            )
+        set_shards(infos)
+        runner = self.driver.runner
+        runner.connector = connector
+        runner.register_connector()
+        return [connector.host_attachment(r) for r in range(1, len(infos))]  # type: ignore[attr-defined]
 
     def check_health(self) -> None:
         """Raise `WorkerDiedError` if a rank stopped."""
@@ -121,10 +139,15 @@ def run_worker(conn: Connection, rank: int) -> None:
                 return
             kind, payload = msg
             if kind == "step":
-                worker.runner.execute_model_input(payload)
+                failed = worker.execute(payload)
+                if failed is not None:
+                    conn.send(("kv_done", failed))
             elif kind == "init_kv":
                 worker.initialize_kv_cache(payload)
-                conn.send(("ready", None))
+                conn.send(("ready", worker.shard_info()))
+            elif kind == "attach_offload":
+                worker.attach_offload(payload)
+                conn.send(("attached", None))
             elif kind == "kv_bytes":
                 conn.send(("kv_bytes", worker.runner.kv_buffer.nbytes))
     except BaseException as e:  # report, then exit so the peers' collectives fail fast
@@ -164,6 +187,7 @@ class MultiprocExecutor(Executor):
         self.procs: list[subprocess.Popen[bytes]] = []
         self.conns: list[Connection] = []
         self._saved_threads = torch.get_num_threads()
+        self.step_timeout_s = config.distributed_timeout_s
         self._finalizer = weakref.finalize(self, _stop_processes, self.procs, self.conns)
         try:
             self._start_workers(config)
@@ -267,9 +291,17 @@ class MultiprocExecutor(Executor):
     ) -> None:
         for conn in self.conns:
             conn.send(("init_kv", kv_cache_config))
-        self.driver.initialize_kv_cache(kv_cache_config, connector)
-        for rank in range(1, len(self.procs) + 1):
+        self.driver.initialize_kv_cache(kv_cache_config, None)
+        infos = [self.driver.shard_info()] + [
             self._expect(rank, "ready", WORKER_START_TIMEOUT_S)
+            for rank in range(1, len(self.procs) + 1)
+        ]
+        if connector is None:
+            return
+        for conn, attachment in zip(self.conns, self._attach_connector(connector, infos)):
+            conn.send(("attach_offload", attachment))
+        for rank in range(1, len(self.procs) + 1):
+            self._expect(rank, "attached", WORKER_START_TIMEOUT_S)
 
     def kv_cache_bytes(self) -> list[int]:
         self.check_health()
@@ -294,13 +326,24 @@ class MultiprocExecutor(Executor):
 
     def execute_model(self, so: SchedulerOutput) -> StepResult:
         self.check_health()
-        mi = self.driver.runner.build_model_input(so)
-        if mi.is_empty:
-            return torch.empty((0, 0), dtype=torch.float32), None, {}
+        runner = self.driver.runner
+        mi = runner.build_model_input(so)
+        c = runner.connector
+        mi.kv_work = None if c is None else c.take_rank_work(so.kv_connector_metadata)  # type: ignore[attr-defined]
+        if mi.is_empty and mi.kv_work is None:  # nothing for the other ranks
+            return runner.execute_model(so, mi)
+
+        def ranks_done() -> None:  # the other ranks' copies, before the step is reported
+            if mi.kv_work is not None:
+                failed: set[int] = set()
+                for rank in range(1, len(self.procs) + 1):
+                    failed |= self._expect(rank, "kv_done", self.step_timeout_s)
+                c.finish_rank_step(mi.kv_work, failed)  # type: ignore[union-attr]
+
         try:
             for conn in self.conns:
                 conn.send(("step", mi))
-            logits, prompt_lps = self.driver.runner.execute_model_input(mi)
+            return runner.execute_model(so, mi, ranks_done)
         except Exception as e:
             # A collective failed: a peer is gone (or going). Name it if we can.
             deadline = time.monotonic() + WORKER_STOP_GRACE_S
@@ -310,7 +353,7 @@ class MultiprocExecutor(Executor):
                     self._fail(self._death(rank))
                 time.sleep(0.05)
             self._fail(f"tensor-parallel step failed: {type(e).__name__}: {e}")
-        return logits, None, prompt_lps
+            raise  # unreachable: _fail raises
 
     def shutdown(self) -> None:
         if self._finalizer.alive:

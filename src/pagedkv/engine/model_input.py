@@ -10,6 +10,7 @@ in the same order. Torch-free.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(slots=True)
@@ -43,7 +44,10 @@ class ScheduledTokens:
 class ModelInput:
     scheduled: list[ScheduledTokens] = field(default_factory=list)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+    # The offload tiers' copies for ranks 1..N-1 (`offload.rank_worker.RankKVWork`), or None.
+    kv_work: Any = None
 
     @property
     def is_empty(self) -> bool:
+        """No forward pass (there may still be ``kv_work``)."""
         return not self.scheduled

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -109,6 +109,11 @@ class ModelRunner:
             self.group_block_sizes[0],
         )
         self.kv_quants = self._layer_kv_quants(groups)
+        self.register_connector()
+
+    def register_connector(self) -> None:
+        """Hand the allocated KV cache to ``self.connector`` (if any)."""
+        mc = self.model_config
         if self.connector is not None:
             owned = (i for i in range(mc.num_layers) if mc.owns_kv_cache(i))
             self.connector.register_kv_caches(
@@ -316,13 +321,19 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model(
-        self, so: SchedulerOutput
+        self,
+        so: SchedulerOutput,
+        mi: ModelInput | None = None,
+        ranks_done: Callable[[], None] | None = None,
     ) -> tuple[torch.Tensor, KVConnectorOutput | None, PromptLogprobsOutput]:
         """Run one forward pass (none for an empty step) with the connector's worker side
         around it. Returns float32 logits ``[num_sampling_requests, vocab]`` in the order of
         ``so.scheduled`` (requests that do not sample this step are skipped), the connector's
-        report (None without a connector), and the prompt logprobs scored this step."""
-        mi = self.build_model_input(so)
+        report (None without a connector), and the prompt logprobs scored this step.
+
+        A TP engine's driver passes the ``mi`` it sent the other ranks, and ``ranks_done``,
+        which waits for their part of the connector's work before the step's report."""
+        mi = self.build_model_input(so) if mi is None else mi
         c = self.connector
         if c is None:
             logits, prompt_lps = self.execute_model_input(mi)
@@ -335,6 +346,8 @@ class ModelRunner:
                 with set_forward_context(c):
                     logits, prompt_lps = self.execute_model_input(mi)
             c.wait_for_save()
+            if ranks_done is not None:
+                ranks_done()
             sending, recving = c.get_finished(so.finished_req_ids)
             out = KVConnectorOutput(
                 sending or set(), recving or set(), c.get_block_ids_with_load_errors()

@@ -31,6 +31,7 @@ from pagedkv.engine.model_input import ModelInput
 from pagedkv.engine.scheduler_output import SchedulerOutput
 from pagedkv.engine.worker import Worker
 from pagedkv.kv_transfer.base import KVConnectorBase
+from pagedkv.offload.sharded import HostAttachment, RankShardInfo
 
 
 class RayWorker:
@@ -50,13 +51,18 @@ class RayWorker:
         assert self.worker is not None
         self.worker.connect()
 
-    def init_kv(self, kv_cache_config: KVCacheConfig) -> None:
+    def init_kv(self, kv_cache_config: KVCacheConfig) -> RankShardInfo:
         assert self.worker is not None
         self.worker.initialize_kv_cache(kv_cache_config)
+        return self.worker.shard_info()
 
-    def execute(self, mi: ModelInput) -> None:
+    def attach_offload(self, attachment: HostAttachment) -> None:
         assert self.worker is not None
-        self.worker.runner.execute_model_input(mi)
+        self.worker.attach_offload(attachment)
+
+    def execute(self, mi: ModelInput) -> set[int] | None:
+        assert self.worker is not None
+        return self.worker.execute(mi)
 
     def kv_bytes(self) -> int:
         assert self.worker is not None
@@ -89,6 +95,7 @@ class RayExecutor(Executor):
         self.pids: list[int] = []
         self._pending: list[Any] = []
         self._saved_threads = torch.get_num_threads()
+        self.step_timeout_s = config.distributed_timeout_s
         self.pg = placement_group([{"CPU": 1}] * (tp - 1), strategy="PACK")
         try:
             ray.get(self.pg.ready(), timeout=WORKER_START_TIMEOUT_S)
@@ -129,8 +136,11 @@ class RayExecutor(Executor):
         self, kv_cache_config: KVCacheConfig, connector: KVConnectorBase | None
     ) -> None:
         refs = [a.init_kv.remote(kv_cache_config) for a in self.actors]
-        self.driver.initialize_kv_cache(kv_cache_config, connector)
-        self._get(refs)
+        self.driver.initialize_kv_cache(kv_cache_config, None)
+        infos = [self.driver.shard_info()] + self._get(refs)
+        if connector is not None:
+            attachments = self._attach_connector(connector, infos)
+            self._get([a.attach_offload.remote(x) for a, x in zip(self.actors, attachments)])
 
     def kv_cache_bytes(self) -> list[int]:
         return [self.driver.runner.kv_buffer.nbytes] + self._get(
@@ -148,13 +158,22 @@ class RayExecutor(Executor):
 
     def execute_model(self, so: SchedulerOutput) -> StepResult:
         self.check_health()
-        mi = self.driver.runner.build_model_input(so)
-        if mi.is_empty:
-            return torch.empty((0, 0), dtype=torch.float32), None, {}
+        runner = self.driver.runner
+        mi = runner.build_model_input(so)
+        c = runner.connector
+        mi.kv_work = None if c is None else c.take_rank_work(so.kv_connector_metadata)  # type: ignore[attr-defined]
+        if mi.is_empty and mi.kv_work is None:  # nothing for the other ranks
+            return runner.execute_model(so, mi)
         refs = [a.execute.remote(mi) for a in self.actors]
         self._pending.extend(refs)
+
+        def ranks_done() -> None:  # the other ranks' copies, before the step is reported
+            if mi.kv_work is not None:
+                failed = set().union(*(f or set() for f in self._get(refs, self.step_timeout_s)))
+                c.finish_rank_step(mi.kv_work, failed)  # type: ignore[union-attr]
+
         try:
-            logits, prompt_lps = self.driver.runner.execute_model_input(mi)
+            return runner.execute_model(so, mi, ranks_done)
         except Exception as e:
             try:
                 self._get(refs, timeout=5.0)
@@ -163,7 +182,7 @@ class RayExecutor(Executor):
             except Exception:
                 pass
             self._fail(f"tensor-parallel step failed: {type(e).__name__}: {e}")
-        return logits, None, prompt_lps
+            raise  # unreachable: _fail raises
 
     def shutdown(self) -> None:
         ray = self.ray

@@ -10,10 +10,12 @@ Each rank allocates what `engine/rank_planning.py` (shared with `pagedkv plan`) 
 
 from __future__ import annotations
 
+import socket
 from typing import Any
 
 import torch
 
+from pagedkv.core.parallel import kv_shard_writers
 from pagedkv.core.specs import KVCacheConfig
 from pagedkv.distributed.parallel_state import GroupCoordinator, ParallelContext, make_store
 from pagedkv.engine.config import EngineConfig
@@ -28,6 +30,9 @@ from pagedkv.engine.rank_planning import (
 from pagedkv.kv_transfer.base import KVConnectorBase
 from pagedkv.models.config import ModelConfig, load_model_config
 from pagedkv.models.loader import LoadedModel, get_model
+from pagedkv.offload.rank_worker import RankOffloadWorker
+from pagedkv.offload.sharded import HostAttachment, RankShardInfo
+from pagedkv.offload.worker import block_major_view
 from pagedkv.ops.kv_quant import KVQuant
 
 
@@ -87,6 +92,8 @@ class Worker:
         if self.parallel is not None and dcp > 1:
             lay = self.parallel.layout
             dcp_info = (dcp, lay.dcp_interleave, lay.dcp_rank)
+        self.kv_cache_config: KVCacheConfig | None = None
+        self.rank_offload: RankOffloadWorker | None = None  # ranks 1..N-1 with offload tiers
         self.runner = ModelRunner(
             self.loaded.model, self.model_config, self.loaded.dtype, config.device, dcp=dcp_info
         )
@@ -107,4 +114,46 @@ class Worker:
         # the engine's block size: a Mamba hybrid's is raised so pages hold a state
         block_size = hybrid_block_size(self.config, mc, dtype, self.config.block_size)
         cfg = rank_kv_cache_config(self.config, mc, dtype, block_size, scheduler, self.rank)
+        self.kv_cache_config = cfg
         self.runner.initialize_kv_cache(cfg)
+
+    def shard_info(self) -> RankShardInfo:
+        """This rank's KV shard, for the driver's offload tiers (after `initialize_kv_cache`)."""
+        assert self.kv_cache_config is not None and self.runner.kv_buffer is not None
+        mc = self.loaded.config
+        tp = self.config.tensor_parallel_size
+        layouts = [layout_for(self.config, mc, r) for r in range(tp)]
+        lay = layouts[self.rank]
+        blocks = block_major_view(self.runner.kv_buffer, self.kv_cache_config.layout)
+        return RankShardInfo(
+            rank=self.rank,
+            writer=kv_shard_writers(layouts)[self.rank],
+            block_shape=tuple(blocks.shape[1:]),
+            dtype=str(blocks.dtype).removeprefix("torch."),
+            block_bytes=blocks[0].numel() * blocks.element_size(),
+            num_kv_heads=lay.heads.num_kv_heads,
+            dcp_rank=lay.dcp_rank,
+            dcp_size=lay.dcp_size,
+            namespace=lay.namespace,
+            host=socket.gethostname(),
+        )
+
+    def attach_offload(self, attachment: HostAttachment) -> None:
+        """Map this rank's part of the driver's shared host buffer (ranks 1..N-1)."""
+        assert self.kv_cache_config is not None and self.runner.kv_buffer is not None
+        self.rank_offload = RankOffloadWorker(
+            self.runner.kv_buffer, self.kv_cache_config.layout, attachment
+        )
+
+    def execute(self, mi: Any) -> set[int] | None:
+        """Ranks 1..N-1: run the step ``mi`` with its offload copies around the forward pass;
+        the ids of the copy jobs that failed (None when the step had none)."""
+        work = mi.kv_work
+        if work is None:
+            self.runner.execute_model_input(mi)
+            return None
+        if self.rank_offload is None:
+            raise RuntimeError("offload copies sent to a rank without the shared host buffer")
+        failed = self.rank_offload.run(work.before)
+        self.runner.execute_model_input(mi)
+        return failed | self.rank_offload.run(work.after)

@@ -62,11 +62,13 @@ from pagedkv.offload.base import (
     OffloadingManager,
     TierStats,
 )
-from pagedkv.offload.factory import build_offloading
+from pagedkv.offload.factory import ShardedOffloading, build_offloading, build_sharded_offloading
 from pagedkv.offload.fingerprint import OffloadFingerprint
 from pagedkv.offload.kv_groups import OffloadGroupLayout
+from pagedkv.offload.rank_worker import RankCopy, RankKVWork
+from pagedkv.offload.sharded import HostAttachment, RankShardInfo, check_same_host
 from pagedkv.offload.spec import CPUTierConfig, OffloadConfig
-from pagedkv.offload.worker import OffloadingWorker
+from pagedkv.offload.worker import OffloadingWorker, TransferResult
 
 if TYPE_CHECKING:
     from pagedkv.core.specs import KVCacheConfig
@@ -173,6 +175,13 @@ class OffloadingConnector(KVConnectorBase):
         self.max_deferral_s = MAX_DEFERRAL_S
         self.max_deferral_episodes = MAX_DEFERRAL_EPISODES
         self._step = 0  # scheduling steps so far (`on_schedule_start`)
+        # Tensor / decode context parallelism (`set_rank_shards`): every rank copies its part.
+        self._rank_infos: list[RankShardInfo] | None = None
+        self._sharded: ShardedOffloading | None = None
+        self._rank_pending: set[int] = set()  # jobs the other ranks have not reported yet
+        self._rank_failed: set[int] = set()  # jobs some other rank failed
+        self._held: list[TransferResult] = []  # rank 0's results of pending jobs
+        self._deferred_rank: list[RankCopy] = []  # stores made between steps, for the others
 
     @classmethod
     def check_kv_cache_groups(cls, kv_cache_groups: list[Any]) -> None:
@@ -212,6 +221,19 @@ class OffloadingConnector(KVConnectorBase):
         if kv_buffer is None:
             raise ValueError("the OffloadingConnector needs the contiguous KV buffer")
         fingerprint = self.fingerprint(kv_buffer)
+        if self._rank_infos is not None:
+            self._sharded = build_sharded_offloading(
+                self.offload_config,
+                fingerprint,
+                kv_buffer,
+                self.kv_cache_config.layout,
+                self._rank_infos,
+                cache_policy=self.cache_policy,
+                store_threshold=self.store_threshold,
+            )
+            self.manager, self.worker = self._sharded.manager, self._sharded.worker
+            self.worker.fence_stores = any(g.kind != "full" for g in self.layout.groups)
+            return
         self.manager, self.worker = build_offloading(
             self.offload_config,
             fingerprint,
@@ -248,6 +270,59 @@ class OffloadingConnector(KVConnectorBase):
             kv_quant=getattr(spec, "kv_format", "none"),  # quantized pages never meet other formats
             kv_cache_groups=self.layout.describe(),
         )
+
+    # ---- tensor / decode context parallelism --------------------------------------------------------
+
+    def set_rank_shards(self, infos: list[RankShardInfo]) -> None:
+        """Before `register_kv_caches`, on a TP/DCP engine's driver: every rank's shard (rank 0
+        first). The tiers then hold one part per distinct shard (`offload.sharded`); each step
+        the executor ships `take_rank_work` to ranks 1..N-1 and reports their failures to
+        `finish_rank_step`, and no job counts as done before every rank did it. ValueError if
+        a rank is on another host."""
+        check_same_host(infos)
+        self._rank_infos = list(infos)
+
+    def host_attachment(self, rank: int) -> HostAttachment:
+        """What rank ``rank`` maps of the shared host buffer (after `register_kv_caches`)."""
+        assert self._sharded is not None and self._rank_infos is not None
+        info = self._rank_infos[rank]
+        shard = next(s for s in self._sharded.shards if s.rank == info.writer)
+        sh = self._sharded
+        return HostAttachment(
+            sh.memory.path, sh.num_chunks, sh.chunk_bytes, shard.offset, info.writer == rank
+        )
+
+    def take_rank_work(self, metadata: KVConnectorMetadata | None) -> RankKVWork | None:
+        """This step's copies for the other ranks (None if none): stores made since the last
+        step, then ``metadata``'s loads (before the forward pass), then its stores (after)."""
+        if self._sharded is None:
+            return None
+        work = RankKVWork(before=self._deferred_rank)
+        self._deferred_rank = []
+        if isinstance(metadata, OffloadingConnectorMetadata):
+            for job_id, load in metadata.loads.items():
+                work.before.append(
+                    RankCopy(job_id, False, tuple(load.dst_block_ids), tuple(load.spec.ids))
+                )
+            for job_id, store in metadata.stores.items():
+                work.after.append(RankCopy(job_id, True, store.src.ids, tuple(store.spec.ids)))
+        if not work.before and not work.after:
+            return None
+        self._rank_pending |= work.job_ids
+        return work
+
+    def finish_rank_step(self, work: RankKVWork | None, failed: set[int]) -> None:
+        """The other ranks ran ``work``; ``failed``: the jobs any of them failed. Their loads
+        and stores now complete (a job fails if any rank failed it)."""
+        if work is None:
+            return
+        self._rank_pending -= work.job_ids
+        self._rank_failed |= failed & work.job_ids
+        self._collect()
+
+    def has_pending_work(self) -> bool:
+        """Stores made between steps that the other ranks have not copied yet."""
+        return bool(self._deferred_rank)
 
     # ---- scheduler side ---------------------------------------------------------------------------
 
@@ -380,7 +455,7 @@ class OffloadingConnector(KVConnectorBase):
         meta = self._get_connector_metadata()
         stores, meta.stores = meta.stores, {}
         for job_id, job in stores.items():
-            self._submit_store(job_id, job)
+            self._submit_store(job_id, job, in_step=True)
         self._collect()
         self.manager.on_schedule_end()
 
@@ -442,11 +517,16 @@ class OffloadingConnector(KVConnectorBase):
             req.request_id, list(out.keys_to_store), GPULoadStoreSpec(dev), out.store_spec
         )
 
-    def _submit_store(self, job_id: int, job: _StoreJob) -> None:
+    def _submit_store(self, job_id: int, job: _StoreJob, in_step: bool = False) -> None:
+        """Copy rank 0's part now; a store made between steps (``in_step`` False) is also
+        queued for the other ranks' next step, before anything can reuse its blocks."""
         self._stores[job_id] = (job.request_id, job.keys)
         st = self._reqs.get(job.request_id)
         if st is not None:
             st.pending_stores.add(job_id)
+        if self._sharded is not None and not in_step:
+            self._deferred_rank.append(RankCopy(job_id, True, job.src.ids, tuple(job.spec.ids)))
+            self._rank_pending.add(job_id)
         self.worker.submit_store(job_id, job.src, job.spec)
 
     def _store_now(self, req: Request, block_ids: BlockIds) -> None:
@@ -462,7 +542,16 @@ class OffloadingConnector(KVConnectorBase):
         self._collect()
 
     def _collect(self) -> None:
-        for result in self.worker.get_finished():
+        """Complete the jobs every rank has finished (rank 0's results of jobs the other ranks
+        have not reported are held until `finish_rank_step`)."""
+        results, self._held = self._held + self.worker.get_finished(), []
+        for result in results:
+            if result.job_id in self._rank_pending:
+                self._held.append(result)
+                continue
+            if result.job_id in self._rank_failed:
+                self._rank_failed.discard(result.job_id)
+                result.success = False
             if result.job_id in self._loads:
                 job = self._loads.pop(result.job_id)
                 self.manager.complete_load(job.keys)
@@ -502,3 +591,5 @@ class OffloadingConnector(KVConnectorBase):
     def shutdown(self) -> None:
         if self.manager is not None:
             self.manager.shutdown()
+        if self._sharded is not None:
+            self._sharded.memory.close()

@@ -48,6 +48,10 @@ class OffloadFingerprint:
     tp_size: int = 1
     pp_rank: int = 0
     pp_size: int = 1
+    # Decode context parallelism: which share of each block's tokens the chunk holds. Left out
+    # of the JSON at (0, 1), so digests without DCP are those of before it existed.
+    dcp_rank: int = 0
+    dcp_size: int = 1
     # The KV cache group layout (`offload.kv_groups.OffloadGroupLayout.describe`): kind, block
     # size, window and layer count of each group. Empty for one full-attention group (the
     # fields above describe it), and then left out of the JSON, so single-group digests are
@@ -84,6 +88,8 @@ class OffloadFingerprint:
         fields = asdict(self)
         if not fields["kv_cache_groups"]:
             del fields["kv_cache_groups"]
+        if fields["dcp_size"] == 1:
+            del fields["dcp_rank"], fields["dcp_size"]
         return json.dumps(fields, sort_keys=True, separators=(",", ":"))
 
     @property

@@ -4,6 +4,7 @@ Directory layout (one namespace per config fingerprint)::
 
     <root>/pagedkv-<fingerprint>/config.json          what the fingerprint stands for
     <root>/pagedkv-<fingerprint>/<h0h1>/<h2h3>/<key hex>.kv
+    <root>/pagedkv-<fingerprint>@tp_rank:R@dcpD/...     a TP/DCP rank's shard (`sharded`)
 
 File format: a 4096-byte header block (`fingerprint.RecordHeader`, zero padded), then the
 payload, zero padded to a multiple of 4096 (so O_DIRECT can read and write it whole). Every
@@ -131,14 +132,17 @@ class FileSystemTier(SecondaryTier):
         fsync: bool = True,
         num_threads: int = 4,
         name: str = "disk",
+        rank_namespace: str = "",
     ) -> None:
+        """``rank_namespace``: a TP/DCP shard's (``@tp_rank:R@dcpD``), appended to the directory
+        name so each rank's files sit apart (the fingerprint already differs per rank)."""
         super().__init__(name, MEDIUM_STORAGE, capacity_bytes)
         self.fingerprint = fingerprint if isinstance(fingerprint, str) else fingerprint.hexdigest
         self.chunk_bytes = chunk_bytes
         self.file_bytes = HEADER_BLOCK + _round_up(chunk_bytes)
         self.capacity_bytes = capacity_bytes
         self.fsync = fsync
-        self.dir = Path(root) / f"pagedkv-{self.fingerprint}"
+        self.dir = Path(root) / f"pagedkv-{self.fingerprint}{rank_namespace}"
         self.dir.mkdir(parents=True, exist_ok=True)
         if isinstance(fingerprint, OffloadFingerprint):
             self._write_config(fingerprint)

@@ -1,6 +1,7 @@
 """RedisTier: chunks in a shared ``redis-server``, so every instance reuses every prefix.
 
-Keys: ``<namespace>:<fingerprint>:<key hex>`` (bytes). Values: `fingerprint.RecordHeader`
+Keys: ``<namespace>:<fingerprint>:<key hex>`` (bytes; a TP/DCP rank's shard:
+``<namespace>:<fingerprint>@tp_rank:R@dcpD:<key hex>``). Values: `fingerprint.RecordHeader`
 followed by the payload, verified on every read (a corrupt or foreign value is deleted and is
 a miss). Batches are pipelined (one round trip per batch of EXISTS / GET / SET).
 
@@ -78,12 +79,15 @@ class RedisTier(SecondaryTier):
         backoff_max_s: float = 30.0,
         num_threads: int = 2,
         name: str = "redis",
+        rank_namespace: str = "",
     ) -> None:
+        """``rank_namespace``: a TP/DCP shard's (``@tp_rank:R@dcpD``), appended to the key
+        prefix (MooncakeStore's per-rank key form)."""
         super().__init__(name, MEDIUM_REMOTE)
         self.fingerprint = fingerprint if isinstance(fingerprint, str) else fingerprint.hexdigest
         self.chunk_bytes = chunk_bytes
         self.ttl_s = ttl_s
-        self.prefix = f"{namespace}:{self.fingerprint}:".encode()
+        self.prefix = f"{namespace}:{self.fingerprint}{rank_namespace}:".encode()
         self.backoff_base_s = backoff_base_s
         self.backoff_max_s = backoff_max_s
         self.client = redis.Redis(

@@ -66,19 +66,32 @@ class HostChunkBuffer:
         block_shape: Sequence[int],
         dtype: torch.dtype,
         pin_memory: bool = False,
+        tensor: torch.Tensor | None = None,
     ) -> None:
+        """``tensor``: memory that exists already (a rank's strided part of a shared buffer,
+        `offload.sharded.rank_host_buffer`) instead of a fresh allocation; `chunk_view` needs
+        it contiguous."""
         if num_chunks <= 0 or blocks_per_chunk <= 0:
             raise ValueError("num_chunks and blocks_per_chunk must be positive")
         self.num_chunks = num_chunks
         self.blocks_per_chunk = blocks_per_chunk
         self.block_shape = tuple(block_shape)
-        # zeros, not empty: fault every page in now rather than during the first transfers.
-        self.tensor = torch.zeros(
-            (num_chunks * blocks_per_chunk, *self.block_shape), dtype=dtype, pin_memory=pin_memory
-        )
+        shape = (num_chunks * blocks_per_chunk, *self.block_shape)
+        if tensor is None:
+            # zeros, not empty: fault every page in now rather than during the first transfers.
+            tensor = torch.zeros(shape, dtype=dtype, pin_memory=pin_memory)
+        elif tuple(tensor.shape) != shape or tensor.dtype != dtype:
+            raise ValueError(
+                f"host tensor {tuple(tensor.shape)}/{tensor.dtype} is not {shape}/{dtype}"
+            )
+        self.tensor = tensor
         self.block_bytes = self.tensor[0].numel() * self.tensor.element_size()
         self.chunk_bytes = self.block_bytes * blocks_per_chunk
-        self._chunks = self.tensor.view(torch.uint8).numpy().reshape(num_chunks, self.chunk_bytes)
+        self._chunks = (
+            self.tensor.view(torch.uint8).numpy().reshape(num_chunks, self.chunk_bytes)
+            if self.tensor.is_contiguous()
+            else None
+        )
 
     @classmethod
     def for_kv_cache(
@@ -106,6 +119,8 @@ class HostChunkBuffer:
         )
 
     def chunk_view(self, chunk_id: int) -> memoryview:
+        if self._chunks is None:
+            raise ValueError("a strided host buffer has no chunk views (its owner's buffer does)")
         return memoryview(self._chunks[chunk_id])
 
     @property
