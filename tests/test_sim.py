@@ -270,6 +270,30 @@ def test_shared_host_cores_slow_concurrent_steps() -> None:
     assert shared["hit_rate"]["device"] == pytest.approx(alone["hit_rate"]["device"], abs=0.05)
 
 
+def test_a_tp_replica_is_one_replica_using_its_ranks_cores() -> None:
+    """Two TP=2 replicas are two replicas (one router target each) that each occupy two of
+    the host's cores while they step: on 2 shared cores they run as two TP=1 replicas on 1,
+    slower than two TP=1 replicas on 2."""
+    trace = gen_chat(90, 30.0, seed=6, system_len=128, user_len=32, output_len=16)
+    base = dict(replicas=2, policy="round-robin")
+    tp2 = simulate(
+        trace,
+        FleetConfig(
+            host_cores=2, replica=ReplicaConfig(num_blocks=300, tensor_parallel_size=2), **base
+        ),
+        COST,
+    )
+    tp1 = simulate(
+        trace, FleetConfig(host_cores=1, replica=ReplicaConfig(num_blocks=300), **base), COST
+    )
+    roomy = simulate(
+        trace, FleetConfig(host_cores=2, replica=ReplicaConfig(num_blocks=300), **base), COST
+    )
+    assert tp2["fleet"]["replicas"] == 2
+    assert tp2["latency_s"]["e2e"]["mean"] == pytest.approx(tp1["latency_s"]["e2e"]["mean"])
+    assert tp2["latency_s"]["e2e"]["mean"] > roomy["latency_s"]["e2e"]["mean"]
+
+
 def test_report_fields_and_json(tmp_path) -> None:
     trace = gen_chat(60, 10.0, seed=0)
     rep = simulate(trace, FleetConfig(replicas=2, replica=ReplicaConfig(num_blocks=500)), COST)

@@ -162,10 +162,14 @@ def test_bad_parallel_sizes_are_refused_before_any_process_starts() -> None:
         LLM(tensor_parallel_size=3, decode_context_parallel_size=3, **SMALL)
     with pytest.raises(ValueError, match="'uni' runs one rank"):
         LLM(tensor_parallel_size=2, distributed_executor_backend="uni", **SMALL)
-    with pytest.raises(ValueError, match="kv_connector='NixlConnector' is not supported"):
+    with pytest.raises(ValueError, match="kv_connector='MyConnector' is not supported"):
         LLM(
             tensor_parallel_size=2,
-            kv_transfer_config={"kv_connector": "NixlConnector", "kv_role": "kv_both"},
+            kv_transfer_config={
+                "kv_connector": "MyConnector",
+                "kv_role": "kv_both",
+                "kv_connector_module_path": "my_connectors",
+            },
             **SMALL,
         )
     with pytest.raises(ValueError, match="p2p tier in kv_offload"):
@@ -229,6 +233,59 @@ def test_offload_tiers_round_trip_under_tp(tmp_path: Path) -> None:
         assert one.llm_engine.connector.num_loaded_tokens == 0  # TP=2's parts: a miss
     finally:
         one.llm_engine.shutdown()
+
+
+# ---- PD under TP: the driver's agent moves every rank's blocks (CPU, one host) --------------
+
+
+def _pd_engine(role: str, tp: int, backend: str) -> LLM:
+    from redis_server import free_port
+
+    extra = {"side_channel_port": free_port(), "backend": backend, "handshake_timeout_s": 2.0}
+    cfg = {"kv_connector": "NixlConnector", "kv_role": role, "kv_connector_extra_config": extra}
+    return LLM(kv_transfer_config=cfg, tensor_parallel_size=tp, **SMALL)
+
+
+def _pd_backends() -> list[str]:
+    from pagedkv.transfer import nixl_import_error
+
+    return ["tcp"] if nixl_import_error() else ["nixl", "tcp"]
+
+
+@pytest.mark.parametrize("backend", _pd_backends())
+def test_pd_transfer_between_tp2_engines_and_refused_across_tp_sizes(
+    backend: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A TP=2 producer hands a TP=2 consumer the KV of both ranks (each rank's blocks land in
+    the same rank's cache: the consumer decodes from them); a TP=1 consumer refuses the TP=2
+    producer at the handshake, naming ``tp_size``, and recomputes (same tokens)."""
+    ref_llm = LLM(**SMALL)
+    ref = ref_llm.generate(LONG, SHORT_GREEDY, use_tqdm=False)
+    ref_llm.llm_engine.shutdown()
+    hand_off = SamplingParams(
+        temperature=0, max_tokens=1, kv_transfer_params={"do_remote_decode": True}
+    )
+    for consumer_tp in (2, 1):
+        p = _pd_engine("kv_producer", 2, backend)
+        d = _pd_engine("kv_consumer", consumer_tp, backend)
+        try:
+            params = [o.kv_transfer_params for o in p.generate(LONG, hand_off, use_tqdm=False)]
+            decode = [
+                SamplingParams(temperature=0, max_tokens=8, logprobs=2, kv_transfer_params=x)
+                for x in params
+            ]
+            outs = d.generate(LONG, decode, use_tqdm=False)
+            assert_close(ref, outs)
+            conn = d.llm_engine.connector
+            if consumer_tp == 2:
+                assert conn.num_transfers == len(LONG) and conn.num_failed_transfers == 0
+                assert all(o.num_cached_tokens > 0 for o in outs)  # decoded from the transfer
+            else:
+                assert conn.num_transfers == 0 and conn.num_failed_transfers == len(LONG)
+                assert "tp_size differs (local 1, remote 2)" in caplog.text
+        finally:
+            p.llm_engine.shutdown()
+            d.llm_engine.shutdown()
 
 
 def _plan(argv: list[str]) -> dict[str, Any]:

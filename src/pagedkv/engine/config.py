@@ -184,17 +184,25 @@ class EngineConfig:
             )
 
     def _check_parallel_connector(self, tp: int) -> None:
-        """Under TP only the offload tiers are rank-aware (cpu, disk, redis: `offload.sharded`);
-        ValueError naming the field for a PD/P2P connector or a p2p tier."""
+        """Under TP the offload tiers (cpu, disk, redis: `offload.sharded`) and the NixlConnector
+        (on CPU) are rank-aware; ValueError naming the field for another connector or a p2p
+        tier."""
         from pagedkv.kv_transfer.config import resolve_offload_config
 
         ktc = self.kv_transfer_config
+        if ktc.kv_connector == "NixlConnector":  # type: ignore[union-attr]
+            if self.device != "cpu":
+                raise ValueError(
+                    f"tensor_parallel_size={tp} with the NixlConnector needs device='cpu' (the "
+                    "driver maps every rank's KV buffer; GPU ranks would need an agent each)"
+                )
+            return
         offload = resolve_offload_config(ktc)  # type: ignore[arg-type]
         if offload is None:
             raise ValueError(
                 f"tensor_parallel_size={tp} with kv_transfer_config.kv_connector="
                 f"{ktc.kv_connector!r} is not supported: under TP only the offload tiers "  # type: ignore[union-attr]
-                "(kv_offload cpu/disk/redis) are rank-aware; PD transfers need one rank"
+                "(kv_offload cpu/disk/redis) and the NixlConnector are rank-aware"
             )
         if offload.p2p is not None:
             raise ValueError(

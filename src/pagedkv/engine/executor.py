@@ -85,7 +85,8 @@ class Executor:
         runner = self.driver.runner
         runner.connector = connector
         runner.register_connector()
-        return [connector.host_attachment(r) for r in range(1, len(infos))]  # type: ignore[attr-defined]
+        attach = getattr(connector, "host_attachment", None)
+        return [] if attach is None else [attach(r) for r in range(1, len(infos))]
 
     def check_health(self) -> None:
         """Raise `WorkerDiedError` if a rank stopped."""
@@ -113,6 +114,19 @@ class Executor:
 class UniProcExecutor(Executor):
     def __init__(self, config: EngineConfig) -> None:
         self.driver = Worker(config)
+
+
+def _shares_kv(connector: KVConnectorBase | None) -> bool:
+    """Whether ``connector`` moves every rank's blocks from the driver (it maps their KV
+    buffers: `offload.sharded.share_kv_buffer`)."""
+    return bool(getattr(connector, "needs_rank_kv_buffers", False))
+
+
+def _rank_work(connector: KVConnectorBase | None, so: SchedulerOutput) -> Any:
+    """The connector's copies for ranks 1..N-1 this step (`offload.rank_worker.RankKVWork`),
+    or None."""
+    take = getattr(connector, "take_rank_work", None)
+    return None if take is None else take(so.kv_connector_metadata)
 
 
 def _worker_threads(config: EngineConfig) -> int:
@@ -143,7 +157,7 @@ def run_worker(conn: Connection, rank: int) -> None:
                 if failed is not None:
                     conn.send(("kv_done", failed))
             elif kind == "init_kv":
-                worker.initialize_kv_cache(payload)
+                worker.initialize_kv_cache(payload[0], share_kv=payload[1])
                 conn.send(("ready", worker.shard_info()))
             elif kind == "attach_offload":
                 worker.attach_offload(payload)
@@ -289,8 +303,9 @@ class MultiprocExecutor(Executor):
     def initialize_kv_cache(
         self, kv_cache_config: KVCacheConfig, connector: KVConnectorBase | None
     ) -> None:
+        share = _shares_kv(connector)
         for conn in self.conns:
-            conn.send(("init_kv", kv_cache_config))
+            conn.send(("init_kv", (kv_cache_config, share)))
         self.driver.initialize_kv_cache(kv_cache_config, None)
         infos = [self.driver.shard_info()] + [
             self._expect(rank, "ready", WORKER_START_TIMEOUT_S)
@@ -298,9 +313,10 @@ class MultiprocExecutor(Executor):
         ]
         if connector is None:
             return
-        for conn, attachment in zip(self.conns, self._attach_connector(connector, infos)):
+        attachments = self._attach_connector(connector, infos)
+        for conn, attachment in zip(self.conns, attachments):
             conn.send(("attach_offload", attachment))
-        for rank in range(1, len(self.procs) + 1):
+        for rank in range(1, len(attachments) + 1):
             self._expect(rank, "attached", WORKER_START_TIMEOUT_S)
 
     def kv_cache_bytes(self) -> list[int]:
@@ -329,7 +345,7 @@ class MultiprocExecutor(Executor):
         runner = self.driver.runner
         mi = runner.build_model_input(so)
         c = runner.connector
-        mi.kv_work = None if c is None else c.take_rank_work(so.kv_connector_metadata)  # type: ignore[attr-defined]
+        mi.kv_work = _rank_work(c, so)
         if mi.is_empty and mi.kv_work is None:  # nothing for the other ranks
             return runner.execute_model(so, mi)
 

@@ -25,6 +25,8 @@ from pagedkv.engine.executor import (
     Executor,
     StepResult,
     WorkerDiedError,
+    _rank_work,
+    _shares_kv,
     _worker_threads,
 )
 from pagedkv.engine.model_input import ModelInput
@@ -51,9 +53,9 @@ class RayWorker:
         assert self.worker is not None
         self.worker.connect()
 
-    def init_kv(self, kv_cache_config: KVCacheConfig) -> RankShardInfo:
+    def init_kv(self, kv_cache_config: KVCacheConfig, share_kv: bool) -> RankShardInfo:
         assert self.worker is not None
-        self.worker.initialize_kv_cache(kv_cache_config)
+        self.worker.initialize_kv_cache(kv_cache_config, share_kv=share_kv)
         return self.worker.shard_info()
 
     def attach_offload(self, attachment: HostAttachment) -> None:
@@ -135,7 +137,8 @@ class RayExecutor(Executor):
     def initialize_kv_cache(
         self, kv_cache_config: KVCacheConfig, connector: KVConnectorBase | None
     ) -> None:
-        refs = [a.init_kv.remote(kv_cache_config) for a in self.actors]
+        share = _shares_kv(connector)
+        refs = [a.init_kv.remote(kv_cache_config, share) for a in self.actors]
         self.driver.initialize_kv_cache(kv_cache_config, None)
         infos = [self.driver.shard_info()] + self._get(refs)
         if connector is not None:
@@ -161,7 +164,7 @@ class RayExecutor(Executor):
         runner = self.driver.runner
         mi = runner.build_model_input(so)
         c = runner.connector
-        mi.kv_work = None if c is None else c.take_rank_work(so.kv_connector_metadata)  # type: ignore[attr-defined]
+        mi.kv_work = _rank_work(c, so)
         if mi.is_empty and mi.kv_work is None:  # nothing for the other ranks
             return runner.execute_model(so, mi)
         refs = [a.execute.remote(mi) for a in self.actors]

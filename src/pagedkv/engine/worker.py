@@ -31,7 +31,12 @@ from pagedkv.kv_transfer.base import KVConnectorBase
 from pagedkv.models.config import ModelConfig, load_model_config
 from pagedkv.models.loader import LoadedModel, get_model
 from pagedkv.offload.rank_worker import RankOffloadWorker
-from pagedkv.offload.sharded import HostAttachment, RankShardInfo
+from pagedkv.offload.sharded import (
+    HostAttachment,
+    RankShardInfo,
+    SharedKVBuffer,
+    share_kv_buffer,
+)
 from pagedkv.offload.worker import block_major_view
 from pagedkv.ops.kv_quant import KVQuant
 
@@ -94,6 +99,7 @@ class Worker:
             dcp_info = (dcp, lay.dcp_interleave, lay.dcp_rank)
         self.kv_cache_config: KVCacheConfig | None = None
         self.rank_offload: RankOffloadWorker | None = None  # ranks 1..N-1 with offload tiers
+        self.shared_kv: SharedKVBuffer | None = None
         self.runner = ModelRunner(
             self.loaded.model, self.model_config, self.loaded.dtype, config.device, dcp=dcp_info
         )
@@ -104,10 +110,14 @@ class Worker:
             self.parallel.connect()
 
     def initialize_kv_cache(
-        self, scheduler: KVCacheConfig, connector: KVConnectorBase | None = None
+        self,
+        scheduler: KVCacheConfig,
+        connector: KVConnectorBase | None = None,
+        share_kv: bool = False,
     ) -> None:
         """Allocate this rank's KV cache for the scheduler's plan (and register it with the
-        connector, rank 0 only)."""
+        connector, rank 0 only). ``share_kv``: move it to shared memory, for a driver-side
+        connector that transfers every rank's blocks (`offload.sharded.share_kv_buffer`)."""
         self.runner.connector = connector
         dtype = str(self.loaded.dtype).split(".")[-1]
         mc = self.loaded.config
@@ -116,6 +126,8 @@ class Worker:
         cfg = rank_kv_cache_config(self.config, mc, dtype, block_size, scheduler, self.rank)
         self.kv_cache_config = cfg
         self.runner.initialize_kv_cache(cfg)
+        if share_kv:
+            self.shared_kv = share_kv_buffer(self.runner.kv_buffer)
 
     def shard_info(self) -> RankShardInfo:
         """This rank's KV shard, for the driver's offload tiers (after `initialize_kv_cache`)."""
@@ -136,6 +148,7 @@ class Worker:
             dcp_size=lay.dcp_size,
             namespace=lay.namespace,
             host=socket.gethostname(),
+            kv_memory=self.shared_kv,
         )
 
     def attach_offload(self, attachment: HostAttachment) -> None:

@@ -74,6 +74,7 @@ from pagedkv.kv_transfer.side_channel import (
     fetch_agent_metadata,
 )
 from pagedkv.kv_transfer.stats import KVConnectorStats, KVTransferStats
+from pagedkv.offload.sharded import RankShardInfo, check_same_host, map_kv_buffer
 from pagedkv.transfer import get_transfer_backend
 from pagedkv.transfer.base import KVTransferBackend, MemoryRegion
 
@@ -196,6 +197,8 @@ class NixlConnector(KVConnectorBase):
         self._load_errors: set[int] = set()
         self._bytes_per_block = 0
         self._last_heartbeat = 0.0
+        self._rank_buffers: list[Any] = []  # ranks 1..N-1's KV buffers, mapped (TP)
+        self._dcp_size = 1
         self.xfer_stats = KVTransferStats(role=config.kv_role or "")
 
     @classmethod
@@ -365,6 +368,24 @@ class NixlConnector(KVConnectorBase):
     def has_pending_work(self) -> bool:
         return bool(self._sending or self._recving or self._waiting_peer)
 
+    # ---- tensor / decode context parallelism --------------------------------------------------------
+
+    # The executor moves ranks 1..N-1's KV buffers to shared memory for this connector.
+    needs_rank_kv_buffers = True
+
+    def set_rank_shards(self, infos: list[RankShardInfo]) -> None:
+        """Before `register_kv_caches`, on a TP/DCP engine's driver: map every other rank's KV
+        buffer (shared memory on this host) so one agent registers every rank's blocks and a
+        transfer moves all of them. Both engines must have the same ``tp_size`` and
+        ``dcp_size`` (the handshake names the field otherwise); ranks elsewhere, or a CUDA
+        cache, are refused (they would need an agent per rank)."""
+        check_same_host(infos)
+        missing = [i.rank for i in infos[1:] if i.kv_memory is None]
+        if missing:
+            raise ValueError(f"rank(s) {missing} did not share their KV buffers")
+        self._rank_buffers = [map_kv_buffer(i.kv_memory) for i in infos[1:]]  # type: ignore[arg-type]
+        self._dcp_size = infos[0].dcp_size
+
     # ---- worker side: setup -----------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, Any], kv_buffer: Any = None) -> None:
@@ -372,7 +393,8 @@ class NixlConnector(KVConnectorBase):
         if kv_buffer is None:
             raise ValueError("the NixlConnector needs the contiguous KV buffer")
         layout = self.kv_cache_config.layout
-        regions = buffer_regions(kv_buffer, layout.name if hasattr(layout, "name") else str(layout))
+        name = layout.name if hasattr(layout, "name") else str(layout)
+        regions = [r for buf in [kv_buffer, *self._rank_buffers] for r in buffer_regions(buf, name)]
         self.backend = get_transfer_backend(
             self.engine_id,
             self._backend_name,
@@ -396,6 +418,8 @@ class NixlConnector(KVConnectorBase):
             kv_cache_layout=regions_layout_name(layout),
             num_blocks=self.kv_cache_config.num_blocks,
             block_lens=tuple(r.block_len for r in regions),
+            tp_size=1 + len(self._rank_buffers),
+            dcp_size=self._dcp_size,
         )
         self._bytes_per_block = sum(r.block_len for r in regions)
         self._listener = SideChannelListener(self.host, self.port, self.local_meta.encode())

@@ -42,6 +42,10 @@ class KVAgentMetadata:
     num_blocks: int
     block_lens: tuple[int, ...]  # bytes per block of each registered region
     version: int = PD_PROTOCOL_VERSION
+    # Tensor / decode context parallel sizes: a transfer moves every rank's blocks, rank r's
+    # into rank r's, so both engines must be split alike (heterogeneous TP is refused).
+    tp_size: int = 1
+    dcp_size: int = 1
 
     def encode(self) -> bytes:
         d = asdict(self)
@@ -68,6 +72,8 @@ _COMPAT_FIELDS = (
     "block_size",
     "kv_dtype",
     "kv_cache_layout",
+    "tp_size",
+    "dcp_size",
     "block_lens",
     "backend",
 )

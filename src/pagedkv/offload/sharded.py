@@ -46,6 +46,50 @@ class RankShardInfo:
     dcp_size: int
     namespace: str  # "@tp_rank:R@dcpD" (`core.parallel.RankLayout.namespace`)
     host: str  # the rank's hostname: the host buffer is shared memory
+    # The rank's whole KV buffer in shared memory, when a connector reads and writes it from
+    # the driver (PD transfers: `share_kv_buffer`); None otherwise.
+    kv_memory: SharedKVBuffer | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class SharedKVBuffer:
+    """A rank's KV buffer moved to shared memory: what another process of this host needs to
+    map the same pages (`map_kv_buffer`)."""
+
+    pid: int
+    fd: int
+    nbytes: int  # of the whole storage
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    storage_offset: int
+    dtype: str
+
+
+def share_kv_buffer(kv_buffer: torch.Tensor) -> SharedKVBuffer:
+    """Move ``kv_buffer``'s storage to shared memory in place (every view of it follows: the
+    storage object is kept, its pages are replaced) and say how to map it. Call before anything
+    caches its address (the transfer backends register it afterwards)."""
+    if kv_buffer.is_cuda:
+        raise ValueError("a CUDA KV buffer cannot be shared through host memory")
+    storage = kv_buffer.untyped_storage()
+    storage.share_memory_()
+    fd, nbytes = storage._share_fd_cpu_()
+    return SharedKVBuffer(
+        os.getpid(),
+        fd,
+        nbytes,
+        tuple(kv_buffer.shape),
+        tuple(kv_buffer.stride()),
+        kv_buffer.storage_offset(),
+        str(kv_buffer.dtype).removeprefix("torch."),
+    )
+
+
+def map_kv_buffer(handle: SharedKVBuffer) -> torch.Tensor:
+    """The rank's KV buffer as a tensor of this process (the same pages, ``MAP_SHARED``)."""
+    memory = attach_host_memory(f"/proc/{handle.pid}/fd/{handle.fd}", handle.nbytes)
+    typed = memory.view(getattr(torch, handle.dtype))
+    return typed.as_strided(handle.shape, handle.stride, handle.storage_offset)
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,8 +143,8 @@ def check_same_host(infos: Sequence[RankShardInfo]) -> None:
     away = [i.rank for i in infos if i.host != here]
     if away:
         raise ValueError(
-            f"kv_offload under tensor_parallel_size > 1 needs every rank on the engine's host "
-            f"({here}); rank(s) {away} run elsewhere"
+            f"a KV connector under tensor_parallel_size > 1 needs every rank on the engine's "
+            f"host ({here}): ranks share memory with it; rank(s) {away} run elsewhere"
         )
 
 

@@ -127,7 +127,13 @@ def _fleet_args(p: argparse.ArgumentParser) -> None:
     cap = dict(default=32768, help="each replica's context length cap (default %(default)s)")
     EngineArgs.add_cli_args(
         f,
-        include=("block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len"),
+        include=(
+            "block_size",
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "max_model_len",
+            "tensor_parallel_size",
+        ),
         overrides=dict(max_model_len=cap),
     )
     f.add_argument(
@@ -219,6 +225,7 @@ def fleet_config(args: argparse.Namespace, **overrides: Any):
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,
         cpu_tier_blocks=overrides.get("cpu_tier_blocks", args.cpu_tier_blocks),
+        tensor_parallel_size=args.tensor_parallel_size,
     )
     cands = args.route_candidates
     if cands is None:

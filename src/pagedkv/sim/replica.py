@@ -74,6 +74,11 @@ class ReplicaConfig:
     cpu_tier_blocks: int = 0  # CPU offload tier capacity in blocks (0: none)
     enable_caching: bool = True
     decode_runs: bool = True  # run repeated all-decode steps as one event (same result, faster)
+    # Ranks of this replica (`-tp N`). A TP engine is one replica: one scheduler, one pool
+    # (``num_blocks``: what `pagedkv plan -tp N` prints), one router target; on a shared host
+    # (`HostShare`) it occupies N cores while it steps. Calibrate its cost model against the TP
+    # engine itself (``pagedkv sim calibrate``): collectives are in its step times.
+    tensor_parallel_size: int = 1
 
 
 @dataclass(slots=True, eq=False)
@@ -251,7 +256,7 @@ class Replica(SchedulingPolicy[SimRequest]):
         else:
             dt = self.cost.step_time(prefill, decode, ctx) + self.cost.load_time(load_blocks)
         if self.host is not None:
-            self.host.busy += 1
+            self.host.busy += cfg.tensor_parallel_size
             dt *= self.host.factor()
         self.stats.prefill_tokens += prefill
         self.batch = batch
@@ -383,7 +388,7 @@ class Replica(SchedulingPolicy[SimRequest]):
         self.batch = []
         self.busy = False
         if self.host is not None:
-            self.host.busy -= 1
+            self.host.busy -= self.cfg.tensor_parallel_size
         self.step_k = 0
         self._update_load()
         self._drain_events()
