@@ -373,6 +373,8 @@ def test_offload_stores_each_distinct_shard_once(
 ) -> None:
     """One KV head at TP=2: both ranks hold it, so one part is stored (rank 0 writes, rank 1
     reads); under DCP=2 the ranks hold different tokens of it: two parts. Loads restore it."""
+    from pagedkv.core.events import BlockStored
+
     params = SamplingParams(max_tokens=12, temperature=0, logprobs=2, ignore_eos=True)
     ref_llm = LLM(str(mqa_dir), num_kv_blocks=200, **MQA)
     ref = ref_llm.generate(_mqa_prompts(), params, use_tqdm=False)
@@ -383,12 +385,21 @@ def test_offload_stores_each_distinct_shard_once(
         tensor_parallel_size=tp,
         decode_context_parallel_size=dcp,
         kv_offload=f"cpu:8MiB,disk:{tmp_path}:64MiB",
+        enable_kv_cache_events=True,
         **MQA,
     )
     conn = llm.llm_engine.connector
     try:
         assert_close(ref, llm.generate(_mqa_prompts(), params, use_tqdm=False))
         assert len(conn._sharded.shards) == len(spaces)
+        # events name the ranks whose share each medium holds: all of them on the device, the
+        # writers of the distinct shards in the CPU tier
+        # (a CPU engine's pool is medium CPU too: a tier's events carry no tokens)
+        events = [e for e in llm.llm_engine.take_kv_events() if isinstance(e, BlockStored)]
+        device = [e for e in events if e.token_ids]
+        tier = [e for e in events if not e.token_ids]
+        assert device and all(e.tp_ranks == list(range(tp)) for e in device)
+        assert tier and all(e.tp_ranks == list(range(len(spaces))) for e in tier)
         llm.reset_prefix_cache()
         assert_close(ref, llm.generate(_mqa_prompts(), params, use_tqdm=False))
         assert conn.num_loaded_tokens > 0
@@ -548,16 +559,21 @@ def test_openai_server_at_tp2_answers_like_tp1(reference: list[Any]) -> None:
 
 
 def test_kv_events_come_from_the_one_scheduler() -> None:
-    from pagedkv.core.events import BlockStored
+    import msgspec
+
+    from pagedkv.core.events import BlockStored, KVEventBatch
 
     llm = LLM(tensor_parallel_size=2, enable_kv_cache_events=True, **SMALL)
     try:
         llm.generate(PROMPTS[1] * 8, SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)
         stored = [e for e in llm.llm_engine.take_kv_events() if isinstance(e, BlockStored)]
         # the block pool lives in the driver's scheduler: each full block is announced once,
-        # whatever the number of ranks holding its heads
+        # whatever the number of ranks holding its heads, naming them
         hashes = [h for e in stored for h in e.block_hashes]
         assert hashes and len(hashes) == len(set(hashes))
+        assert all(e.tp_ranks == [0, 1] for e in stored)
+        wire = msgspec.msgpack.decode(msgspec.msgpack.encode(KVEventBatch(0.0, stored)))
+        assert all(e["tp_ranks"] == [0, 1] for e in wire[1])
     finally:
         llm.llm_engine.shutdown()
 

@@ -8,6 +8,12 @@ their default. Routers consume these to mirror every instance's prefix cache.
   is the hash of the block before the first one, None at the start of a sequence).
 * `BlockRemoved`: cached blocks were evicted (or dropped) from ``medium``.
 * `AllBlocksCleared`: the whole prefix cache of the instance was reset.
+
+pagedkv's extensions (omitted at their defaults, so vLLM's consumers never see them): each
+block event's KV cache ``group_idx`` and spec, and ``tp_ranks``: on a tensor-parallel engine,
+the ranks whose share of the blocks the medium holds (every rank for the device pool; the
+ranks that write a distinct shard for an offload tier, replicated KV heads being stored once).
+One scheduler announces each block once for all its ranks.
 """
 
 from __future__ import annotations
@@ -46,6 +52,7 @@ class BlockStored(KVCacheEvent):
     group_idx: int | None = None
     kv_cache_spec_kind: str | None = None
     kv_cache_spec_sliding_window: int | None = None
+    tp_ranks: list[int] | None = None  # TP engines: the ranks whose share the medium holds
 
     def __hash__(self) -> int:
         return hash(
@@ -65,6 +72,7 @@ class BlockRemoved(KVCacheEvent):
     block_hashes: list[ExternalBlockHash]
     medium: str | None
     group_idx: int | None = None
+    tp_ranks: list[int] | None = None  # TP engines: the ranks whose share left the medium
 
     def __hash__(self) -> int:
         return hash((tuple(self.block_hashes), self.medium, self.group_idx))

@@ -499,6 +499,11 @@ class LLMEngine:
         events = self.kv_cache_manager.take_events()
         if self.connector is not None:
             events.extend(self.connector.take_events())
+        tp = self.config.tensor_parallel_size
+        if tp > 1:  # the device pool's blocks (and transfers') are on every rank
+            for ev in events:
+                if getattr(ev, "tp_ranks", 0) is None:
+                    ev.tp_ranks = list(range(tp))
         return events
 
     def make_stats(self) -> SchedulerStats:

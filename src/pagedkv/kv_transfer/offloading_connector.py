@@ -578,6 +578,10 @@ class OffloadingConnector(KVConnectorBase):
         sizes = [g.block_size for g in self.layout.groups]
         for ev in self.manager.take_events():
             out.extend(ev.to_kv_events(sizes))
+        if self._sharded is not None:  # a chunk is the writer ranks' parts
+            writers = [s.rank for s in self._sharded.shards]
+            for e in out:
+                e.tp_ranks = writers
         return out
 
     def get_stats(self) -> dict[str, TierStats]:
