@@ -11,6 +11,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
+from redis_server import RedisServer, redis_server  # noqa: F401 (fixture)
 
 from pagedkv.offload.base import make_offload_key
 from pagedkv.offload.fingerprint import OffloadFingerprint
@@ -104,3 +105,30 @@ def test_rank_fingerprints_never_match_one_process() -> None:
     # DCP fields stay out of the JSON without DCP: one-process digests are unchanged
     assert "dcp_rank" not in json.loads(FP.to_json())
     assert replace(FP, dcp_rank=1, dcp_size=2).hexdigest != FP.hexdigest
+
+
+def test_redis_parts_live_under_their_rank_namespace(redis_server: RedisServer) -> None:
+    import redis
+
+    from pagedkv.offload.redis_tier import RedisTier
+
+    fps = [replace(FP, tp_rank=r, tp_size=2, num_kv_heads=2 - r) for r in range(2)]
+    parts = [
+        (
+            RedisTier("127.0.0.1", redis_server.port, fp, n, rank_namespace=f"@tp_rank:{r}@dcp0"),
+            o,
+            n,
+        )
+        for r, (fp, o, n) in enumerate(zip(fps, (0, PARTS[0]), PARTS))
+    ]
+    tier = ShardedTier(parts)
+    try:
+        chunk = bytearray(random.Random(1).randbytes(sum(PARTS)))
+        assert tier.store_batch([(key(1), memoryview(chunk))]) == [True]
+        out = bytearray(sum(PARTS))
+        assert tier.load_batch([(key(1), memoryview(out))]) == [True] and out == chunk
+        keys = redis.Redis(port=redis_server.port).keys("pagedkv:*")
+        spaces = sorted(k.rsplit(b":", 1)[0].split(b"@", 1)[1] for k in keys)
+        assert spaces == [b"tp_rank:0@dcp0", b"tp_rank:1@dcp0"]
+    finally:
+        tier.shutdown()

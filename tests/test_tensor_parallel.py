@@ -257,16 +257,17 @@ def test_pd_transfer_between_tp2_engines_and_refused_across_tp_sizes(
     backend: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A TP=2 producer hands a TP=2 consumer the KV of both ranks (each rank's blocks land in
-    the same rank's cache: the consumer decodes from them); a TP=1 consumer refuses the TP=2
-    producer at the handshake, naming ``tp_size``, and recomputes (same tokens)."""
+    the same rank's cache: the consumer decodes from them); a TP=1 consumer refuses a TP=2
+    producer (and a TP=2 consumer a TP=1 one) at the handshake, naming ``tp_size``, and
+    recomputes (same tokens)."""
     ref_llm = LLM(**SMALL)
     ref = ref_llm.generate(LONG, SHORT_GREEDY, use_tqdm=False)
     ref_llm.llm_engine.shutdown()
     hand_off = SamplingParams(
         temperature=0, max_tokens=1, kv_transfer_params={"do_remote_decode": True}
     )
-    for consumer_tp in (2, 1):
-        p = _pd_engine("kv_producer", 2, backend)
+    for producer_tp, consumer_tp in ((2, 2), (2, 1), (1, 2)):
+        p = _pd_engine("kv_producer", producer_tp, backend)
         d = _pd_engine("kv_consumer", consumer_tp, backend)
         try:
             params = [o.kv_transfer_params for o in p.generate(LONG, hand_off, use_tqdm=False)]
@@ -277,12 +278,13 @@ def test_pd_transfer_between_tp2_engines_and_refused_across_tp_sizes(
             outs = d.generate(LONG, decode, use_tqdm=False)
             assert_close(ref, outs)
             conn = d.llm_engine.connector
-            if consumer_tp == 2:
+            if producer_tp == consumer_tp:
                 assert conn.num_transfers == len(LONG) and conn.num_failed_transfers == 0
                 assert all(o.num_cached_tokens > 0 for o in outs)  # decoded from the transfer
             else:
                 assert conn.num_transfers == 0 and conn.num_failed_transfers == len(LONG)
-                assert "tp_size differs (local 1, remote 2)" in caplog.text
+                why = f"tp_size differs (local {consumer_tp}, remote {producer_tp})"
+                assert why in caplog.text
         finally:
             p.llm_engine.shutdown()
             d.llm_engine.shutdown()
