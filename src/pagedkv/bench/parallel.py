@@ -11,11 +11,15 @@
   for TP=2 the share of the step spent in the driver's collectives (all-gathers: the
   all-reduce after attention and after the MLP, the embedding's and the logits'). On one host
   TP is not expected to win: the ranks share the cores, and each collective is a round trip.
+  Also the prefill of one fresh ``--prefill-tokens`` prompt on the same engines: prefill context
+  parallelism would split the same work across the ranks with a KV all-gather per layer, so it
+  cannot pay where TP's prefill does not.
 * **Collectives**: gloo's all-reduce vs the all-gather + sum pagedkv's CPU all-reduce uses, two
   processes, one decode row of SmolLM2's hidden state.
 
 Usage: python benchmarks/bench_parallel.py [--cases 1,2,3,6x2] [--kv-memory 128MiB]
-       [--context 2048] [--batch 8] [--decode-context 256] [--json-only] [--json-out F]
+       [--context 2048] [--batch 8] [--decode-context 256] [--prefill-tokens 1024]
+       [--json-only] [--json-out F]
 """
 
 from __future__ import annotations
@@ -119,7 +123,13 @@ def step_time(tp: int, threads: int | None, args: argparse.Namespace) -> dict[st
             comm.append(sum(g.comm_seconds for g in groups) - c0)
             calls.append(sum(g.comm_calls for g in groups) - n0)
         med = statistics.median(times)
+        for r in list(engine.scheduler.running) + list(engine.scheduler.waiting):
+            engine.abort_request(r.request_id)
+        prefill_s = _prefill_seconds(engine, args.prefill_tokens)
         return dict(
+            prefill_tokens=args.prefill_tokens,
+            prefill_ms=prefill_s * 1e3,
+            prefill_tok_s=args.prefill_tokens / prefill_s,
             tensor_parallel_size=tp,
             torch_threads_per_rank=torch.get_num_threads(),
             batch=args.batch,
@@ -133,6 +143,23 @@ def step_time(tp: int, threads: int | None, args: argparse.Namespace) -> dict[st
     finally:
         engine.shutdown()
         torch.set_num_threads(saved)
+
+
+def _prefill_seconds(engine: Any, n: int, reps: int = 3) -> float:
+    """Median time from adding one fresh ``n``-token prompt to its first token (chunked prefill
+    at the engine's token budget; a new prompt each time, so no prefix hit)."""
+    from pagedkv.engine.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=1, temperature=0)
+    times = []
+    for k in range(reps):
+        prompt = [(7 * j + 1000 * (k + 1)) % 40000 + 10 for j in range(n)]
+        t0 = time.perf_counter()
+        engine.add_request(f"prefill-{k}", {"prompt_token_ids": prompt}, params)
+        while engine.has_unfinished_requests():
+            engine.step()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
 
 
 _COLLECTIVES = """
@@ -194,6 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=8, help="decode batch (step time)")
     ap.add_argument("--decode-context", type=int, default=256, help="context of the decode batch")
     ap.add_argument("--steps", type=int, default=20, help="timed decode steps")
+    ap.add_argument("--prefill-tokens", type=int, default=1024, help="prompt of the timed prefill")
     ap.add_argument("--skip-capacity", action="store_true")
     add_output_args(ap)
     args = ap.parse_args(argv)
@@ -217,8 +245,10 @@ def main(argv: list[str] | None = None) -> int:
     log(args, "collectives: gloo all-reduce vs all-gather + sum")
     report["collectives"] = collectives()
     base = report["step_time"][0]["median_step_ms"]
+    base_prefill = report["step_time"][0]["prefill_ms"]
     for r in report["step_time"]:
         r["step_time_vs_tp1_all_cores"] = r["median_step_ms"] / base
+        r["prefill_time_vs_tp1_all_cores"] = r["prefill_ms"] / base_prefill
 
     def table(rep: dict[str, Any]) -> str:
         rows = [
@@ -236,15 +266,20 @@ def main(argv: list[str] | None = None) -> int:
                 f"{c['preemptions']:>7d}"
             )
         rows.append("")
-        rows.append(f"decode step, batch {args.batch} at {args.decode_context} tokens")
         rows.append(
-            f"{'TP':>3s} {'threads/rank':>12s} {'ms/step':>8s} {'tok/s':>7s} {'vs TP1':>7s} {'collectives':>12s}"
+            f"decode step, batch {args.batch} at {args.decode_context} tokens; "
+            f"prefill of one {args.prefill_tokens}-token prompt"
+        )
+        rows.append(
+            f"{'TP':>3s} {'threads/rank':>12s} {'ms/step':>8s} {'tok/s':>7s} {'vs TP1':>7s} "
+            f"{'collectives':>12s} {'prefill ms':>10s} {'vs TP1':>7s}"
         )
         for r in rep["step_time"]:
             rows.append(
                 f"{r['tensor_parallel_size']:>3d} {r['torch_threads_per_rank']:>12d} "
                 f"{r['median_step_ms']:>8.1f} {r['decode_tok_s']:>7.1f} "
-                f"{r['step_time_vs_tp1_all_cores']:>6.2f}x {r['collective_share']:>11.0%}"
+                f"{r['step_time_vs_tp1_all_cores']:>6.2f}x {r['collective_share']:>11.0%} "
+                f"{r['prefill_ms']:>10.0f} {r['prefill_time_vs_tp1_all_cores']:>6.2f}x"
             )
         c = rep["collectives"]
         rows.append("")
