@@ -44,7 +44,6 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-import pagedkv
 from pagedkv.bench.common import (
     add_output_args,
     fmt,
@@ -56,7 +55,7 @@ from pagedkv.bench.common import (
     user_help,
 )
 
-ROOT = Path(pagedkv.__file__).resolve().parents[2]  # the checkout (src/pagedkv/__init__.py)
+ROOT = Path(__file__).resolve().parents[3]  # the checkout (src/pagedkv/bench/vs_vllm.py)
 BENCH = ROOT / ".bench"
 VLLM_PY = BENCH / "vllm-venv" / "bin" / "python"
 HF_DIR = BENCH / "smollm2-135m-hf"
@@ -282,6 +281,8 @@ def workload(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    # A SIGTERM (a timeout) unwinds like an exception, so every server started is stopped.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     ensure_vllm(args)
     ensure_hf_dir(args)
     report: dict[str, Any] = dict(
@@ -308,6 +309,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     runs[engine]["serving"] = serving(engine, dtype, args)
             runs["ratio"] = _ratios(runs["pagedkv"], runs["vllm"])
             report["runs"][dtype] = runs
+            if args.json_out:  # what is measured so far survives a later failure or timeout
+                Path(args.json_out).write_text(json.dumps(report, indent=1) + "\n")
     finally:
         spec_path.unlink(missing_ok=True)
     return report
