@@ -345,12 +345,19 @@ def _mqa_prompts() -> list[dict[str, list[int]]]:
     ]
 
 
+def _mqa_reference(mqa_dir: Path, params: SamplingParams) -> list[Any]:
+    """The one-process engine's outputs for `_mqa_prompts`."""
+    llm = LLM(str(mqa_dir), num_kv_blocks=200, **MQA)
+    try:
+        return llm.generate(_mqa_prompts(), params, use_tqdm=False)
+    finally:
+        llm.llm_engine.shutdown()
+
+
 @pytest.mark.parametrize(("tp", "dcp", "interleave"), [(2, 1, 1), (2, 2, 1), (4, 2, 2)])
 def test_dcp_matches_one_process(mqa_dir: Path, tp: int, dcp: int, interleave: int) -> None:
     params = SamplingParams(max_tokens=30, temperature=0, logprobs=2, ignore_eos=True)
-    ref_llm = LLM(str(mqa_dir), num_kv_blocks=200, **MQA)
-    ref = ref_llm.generate(_mqa_prompts(), params, use_tqdm=False)
-    ref_llm.llm_engine.shutdown()
+    ref = _mqa_reference(mqa_dir, params)
     llm = LLM(
         str(mqa_dir),
         num_kv_blocks=200,
@@ -378,9 +385,7 @@ def test_offload_stores_each_distinct_shard_once(
     from pagedkv.core.events import BlockStored
 
     params = SamplingParams(max_tokens=12, temperature=0, logprobs=2, ignore_eos=True)
-    ref_llm = LLM(str(mqa_dir), num_kv_blocks=200, **MQA)
-    ref = ref_llm.generate(_mqa_prompts(), params, use_tqdm=False)
-    ref_llm.llm_engine.shutdown()
+    ref = _mqa_reference(mqa_dir, params)
     llm = LLM(
         str(mqa_dir),
         num_kv_blocks=200,

@@ -37,6 +37,7 @@ import torch
 from pagedkv.core.specs import KVCacheConfig
 from pagedkv.distributed.parallel_state import get_open_port
 from pagedkv.engine.config import EngineConfig
+from pagedkv.engine.model_input import ModelInput
 from pagedkv.engine.model_runner import PromptLogprobsOutput
 from pagedkv.engine.scheduler_output import SchedulerOutput
 from pagedkv.engine.worker import Worker
@@ -70,6 +71,13 @@ class Executor:
 
     def execute_model(self, so: SchedulerOutput) -> StepResult:
         return self.driver.runner.execute_model(so)
+
+    def _model_input(self, so: SchedulerOutput) -> ModelInput:
+        """The step's `ModelInput` for every rank, with the connector's copies for ranks 1..N-1
+        (`kv_work`, None without any)."""
+        mi = self.driver.runner.build_model_input(so)
+        mi.kv_work = _rank_work(self.driver.runner.connector, so)
+        return mi
 
     def _attach_connector(
         self, connector: KVConnectorBase, infos: list[RankShardInfo]
@@ -342,10 +350,8 @@ class MultiprocExecutor(Executor):
 
     def execute_model(self, so: SchedulerOutput) -> StepResult:
         self.check_health()
-        runner = self.driver.runner
-        mi = runner.build_model_input(so)
-        c = runner.connector
-        mi.kv_work = _rank_work(c, so)
+        runner, c = self.driver.runner, self.driver.runner.connector
+        mi = self._model_input(so)
         if mi.is_empty and mi.kv_work is None:  # nothing for the other ranks
             return runner.execute_model(so, mi)
 

@@ -25,7 +25,6 @@ from pagedkv.engine.executor import (
     Executor,
     StepResult,
     WorkerDiedError,
-    _rank_work,
     _shares_kv,
     _worker_threads,
 )
@@ -161,10 +160,8 @@ class RayExecutor(Executor):
 
     def execute_model(self, so: SchedulerOutput) -> StepResult:
         self.check_health()
-        runner = self.driver.runner
-        mi = runner.build_model_input(so)
-        c = runner.connector
-        mi.kv_work = _rank_work(c, so)
+        runner, c = self.driver.runner, self.driver.runner.connector
+        mi = self._model_input(so)
         if mi.is_empty and mi.kv_work is None:  # nothing for the other ranks
             return runner.execute_model(so, mi)
         refs = [a.execute.remote(mi) for a in self.actors]
