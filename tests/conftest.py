@@ -18,6 +18,11 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The suite compares logits with HF transformers' own float32 matmuls (MKL's sgemm) at 1e-4.
+# The engine's default (PAGEDKV_DENSE_LINEAR=auto) may pick oneDNN, whose order of additions
+# moves logits by up to ~2e-4: the suite pins MKL, and test_dense_linear.py checks the other
+# libraries (MKL packed bit-identical to sgemm; greedy tokens on oneDNN equal HF's).
+os.environ.setdefault("PAGEDKV_DENSE_LINEAR", "blas")
 
 
 @pytest.fixture(scope="session")

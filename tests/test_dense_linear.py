@@ -1,8 +1,10 @@
-"""Float32 dense linears through MKL or oneDNN (``ops/dense_linear.py``, PAGEDKV_DENSE_LINEAR).
+"""Float32 dense linears through MKL, MKL's packed GEMM or oneDNN (``ops/dense_linear.py``,
+PAGEDKV_DENSE_LINEAR), and the native small-batch dense GEMV (``native.gemv_dense``).
 
-oneDNN must give ``F.linear``'s products up to float32 rounding on the shapes a model's steps
-have, and the engine on it must pass the same greedy-exactness bar against HF transformers as
-the default MKL path (``test_exactness.py``'s, near-ties forgiven).
+MKL packed must equal MKL's sgemm bit for bit (same sums, reordered weight); oneDNN must give
+``F.linear``'s products up to float32 rounding on the shapes a model's steps have, and the
+engine on it must pass the same greedy-exactness bar against HF transformers as MKL (the
+suite's pinned path: ``test_exactness.py``'s, near-ties forgiven).
 """
 
 from __future__ import annotations
@@ -35,24 +37,81 @@ def backend_env(monkeypatch: pytest.MonkeyPatch):
     dense_linear.backend.cache_clear()
 
 
-def test_default_is_blas_and_unknown_values_are_refused(backend_env) -> None:
+def test_default_is_measured_and_unknown_values_are_refused(backend_env) -> None:
     backend_env(None)
-    assert dense_linear.backend() == "blas"
+    assert dense_linear.backend() in dense_linear.BACKENDS  # auto: the fastest measured here
     backend_env("BLAS")
     assert dense_linear.backend() == "blas"
     backend_env("cublas")
-    with pytest.raises(ValueError, match="PAGEDKV_DENSE_LINEAR='cublas'.*auto, blas, onednn"):
+    with pytest.raises(
+        ValueError, match="PAGEDKV_DENSE_LINEAR='cublas'.*auto, blas, mkl_packed, onednn"
+    ):
         dense_linear.backend()
 
 
 @needs_onednn
-@pytest.mark.parametrize("mode", ["onednn", "auto"])
-def test_onednn_and_auto_pick_a_backend(backend_env, mode: str) -> None:
+@pytest.mark.parametrize("mode", ["onednn", "mkl_packed", "auto"])
+def test_forced_and_auto_pick_a_backend(backend_env, mode: str) -> None:
     backend_env(mode)
     got = dense_linear.backend()
     assert got in dense_linear.BACKENDS
-    if mode == "onednn":
-        assert got == "onednn"
+    if mode != "auto":
+        assert got == mode
+
+
+needs_mkl = pytest.mark.skipif(not torch.backends.mkl.is_available(), reason="torch without MKL")
+
+
+@needs_mkl
+@pytest.mark.parametrize(
+    "rows,k,n,bias", [(17, 576, 960, True), (300, 576, 3072, False), (5, 65, 33, True)]
+)
+def test_mkl_packed_is_bit_identical_to_sgemm_and_packs_once(
+    backend_env, rows: int, k: int, n: int, bias: bool
+) -> None:
+    backend_env("mkl_packed")
+    assert dense_linear.backend() == "mkl_packed"
+    gen = torch.Generator().manual_seed(rows + k)
+    x, w = torch.randn(rows, k, generator=gen), torch.randn(n, k, generator=gen)
+    b = torch.randn(n, generator=gen) if bias else None
+    got = dense_linear.linear(x, w, b)
+    assert torch.equal(got, F.linear(x, w, b))
+    packed = dense_linear._PACKED[id(w)][1]
+    dense_linear.linear(x[:3], w, b)  # another row count: the same packed copy
+    assert dense_linear._PACKED[id(w)][1] is packed
+    before = len(dense_linear._PACKED)
+    dense_linear.linear(x, w.clone(), b, transient=True)  # a temporary weight is never packed
+    assert len(dense_linear._PACKED) == before
+    key = id(w)
+    del w
+    assert key not in dense_linear._PACKED  # dropped with its weight
+
+
+@pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "rows,k,n,bias",
+    [(1, 576, 1536, False), (3, 200, 37, True), (16, 64, 8, True), (21, 48, 5, False)],
+)
+def test_native_gemv_dense_matches_f_linear(
+    wdtype: torch.dtype, rows: int, k: int, n: int, bias: bool
+) -> None:
+    """The small-batch kernel equals the float64 product of the same (bf16-rounded) weights to
+    float32 rounding; odd K leaves a tail, odd N a partial column group, 21 rows two row passes."""
+    from pagedkv.ops import native
+
+    if not native.available():
+        pytest.skip("native kernels unavailable")
+    gen = torch.Generator().manual_seed(rows * k + n)
+    x, w = torch.randn(rows, k, generator=gen), torch.randn(n, k, generator=gen).to(wdtype)
+    b = torch.randn(n, generator=gen) if bias else None
+    got = native.gemv_dense(x, w, b)
+    ref = F.linear(x.double(), w.double(), None if b is None else b.double())
+    bound = k * torch.finfo(torch.float32).eps * (x.abs().double() @ w.abs().double().T) + 1e-6
+    assert got.shape == (rows, n) and ((got.double() - ref).abs() <= bound).all()
+    with pytest.raises(ValueError, match="float32/bfloat16"):
+        native.gemv_dense(x, w.half())
+    with pytest.raises(ValueError, match="columns"):
+        native.gemv_dense(x[:, :-1].contiguous(), w)
 
 
 @needs_onednn

@@ -36,7 +36,11 @@ def test_parsers_keep_each_variables_meaning(monkeypatch) -> None:
             ("bogus", "auto"),
         ],
         "PAGEDKV_NATIVE_ISA": [(None, ""), ("AVX2", "avx2")],
-        "PAGEDKV_DENSE_LINEAR": [(None, "blas"), ("oneDNN", "onednn")],
+        "PAGEDKV_DENSE_LINEAR": [
+            (None, "auto"),
+            ("oneDNN", "onednn"),
+            ("MKL_Packed", "mkl_packed"),
+        ],
         "PAGEDKV_TRITON": [(None, True), ("0", False), ("off", True)],
         "PAGEDKV_THP": [(None, True), ("0", False), ("1", True)],
         "PAGEDKV_KV_EVENTS_USE_INT_BLOCK_HASHES": [

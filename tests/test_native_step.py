@@ -313,9 +313,9 @@ def test_native_step_declines_what_it_does_not_cover(monkeypatch: pytest.MonkeyP
     assert step(kv_caches=i8) is None  # a KV dtype the kernel lacks
     assert torch.equal(s.buffer, before)
     assert step() is not None and not torch.equal(s.buffer, before)
-    bf16 = make_model(c).to(torch.bfloat16)
+    fp16 = make_model(c).to(torch.float16)  # dense float16 rows: not read in place (bf16 are)
     with torch.inference_mode():
-        assert native_step.decode_step(bf16.model, s.ids, s.positions, s.caches, s.md) is None
+        assert native_step.decode_step(fp16.model, s.ids, s.positions, s.caches, s.md) is None
 
 
 def test_native_step_profile_times_its_sections(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -379,15 +379,29 @@ def test_native_step_cache_writes_round_like_torch(
         assert torch.equal(got[blocks, offs], want[blocks, offs].to(kv_dtype))
 
 
-@pytest.mark.parametrize("fmt,rows", [(Q4_1, 1), (Q8_0, 5), ("mixed", 2)])
+@pytest.mark.parametrize("build", BUILDS)
+@pytest.mark.parametrize(
+    "fmt,rows,hidden",
+    [
+        (Q4_1, 1, 256),
+        (Q8_0, 5, 256),
+        ("mixed", 2, 256),
+        (F32, 1, 256),
+        (F32, 5, 256),
+        (F32, 3, 200),
+    ],
+)
 def test_native_step_half_model_computes_in_float32(
-    fmt: int | str, rows: int, monkeypatch: pytest.MonkeyPatch
+    fmt: int | str, rows: int, hidden: int, build: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A bfloat16 model whose projections are all ggml rows (a GGUF loaded with dtype=bfloat16)
-    takes the native step: float32 math on the same file weights, the hidden states rounded once
-    to bf16. It equals the float32 model holding the bf16-rounded dense parts (up to that final
-    rounding), so it is closer to float32 than the per-op bf16 path, which rounds after every op."""
-    c = Case(fmt=fmt, rows=rows, kv_dtype=torch.bfloat16, seed=3)
+    """A bfloat16 model whose projections are all ggml rows (a GGUF loaded with dtype=bfloat16),
+    or dense bf16 rows (an HF model in bfloat16, F32 here: read in place, widened in registers;
+    hidden 200 leaves a tail after the vector loop), takes the native step: float32 math on the
+    same weights, the hidden states rounded once to bf16. It equals the float32 model holding the
+    bf16-rounded weights (up to that final rounding), so it is closer to float32 than the per-op
+    bf16 path, which rounds after every op."""
+    use_build(build, monkeypatch)
+    c = Case(fmt=fmt, rows=rows, kv_dtype=torch.bfloat16, seed=3, hidden=hidden)
     model16 = make_model(c).to(torch.bfloat16)
     model32 = make_model(c).to(torch.bfloat16).float()  # same weights, widened back exactly
     s = make_step(c, [9 + 7 * i for i in range(rows)])

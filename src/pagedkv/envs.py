@@ -105,11 +105,12 @@ _TABLE: list[EnvVar] = [
     ),
     EnvVar(
         "PAGEDKV_DENSE_LINEAR",
-        "blas",
-        _lower("blas"),
-        "The library behind float32 dense linears above 16 rows: blas (MKL's sgemm, "
-        "HF-exact to 1e-4), onednn (oneDNN's linear, faster on AVX-512, logits within "
-        "2e-4), or auto (the faster of the two here, measured once per process).",
+        "auto",
+        _lower("auto"),
+        "The library behind float32 dense linears above 16 rows: auto (the fastest here, "
+        "timed once per process), blas (MKL's sgemm, bit-identical to HF's matmuls), "
+        "mkl_packed (MKL's packed GEMM, same sums, a reordered copy of each weight) or onednn "
+        "(oneDNN's linear, logits within ~2e-4 of HF's).",
     ),
     EnvVar(
         "PAGEDKV_TRITON",

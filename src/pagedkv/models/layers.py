@@ -63,16 +63,40 @@ class QuantizedRows:
             native.block_weights(t) > 32 for _, _, t, _ in segments
         )
 
+    def _small_dense(self, x: torch.Tensor, limit: int) -> bool:
+        """True when ``x``'s few rows go to the native dense GEMV: 2-D CPU input of at most
+        ``limit`` rows, a float32/bfloat16 weight with unit column stride, and the start-up
+        measurement found it faster than the BLAS library here."""
+        w = self.weight
+        return (
+            x.dim() == 2
+            and x.shape[0] <= limit
+            and x.device.type == "cpu"
+            and w.device.type == "cpu"
+            and w.dtype in (torch.float32, torch.bfloat16)
+            and w.dim() == 2
+            and w.stride(1) == 1
+            and dense_linear.small_batch_native()
+        )
+
     def project(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         segs = self.qsegments
         limit = NATIVE_GEMV_MAX_ROWS_KQUANT if self.qkquant else NATIVE_GEMV_MAX_ROWS
+        if segs is None and self._small_dense(x, limit):
+            # A decode step's rows on a dense float32/bf16 weight (an HF model's LM head): the
+            # layer step's GEMV, bf16 read in place (see dense_linear.small_batch_native).
+            bf = None if bias is None else bias.float().contiguous()
+            y = native.gemv_dense(x.float(), self.weight, bf)
+            return y if x.dtype == torch.float32 else y.to(x.dtype)
         if segs is None or x.dim() != 2 or x.shape[0] > limit:
             if x.dtype in _emulated_half_dtypes() and x.device.type == "cpu":
                 # torch emulates this dtype's matmul on this CPU: the float32 product of the same
                 # values (casts included) is 1.4x (17 rows) to 5.6x (512 rows) faster, and rounds
                 # once, as a native bf16 matmul with float32 accumulation does.
                 b = None if bias is None else bias.float()
-                return dense_linear.linear(x.float(), self.weight.float(), b).to(x.dtype)
+                return dense_linear.linear(x.float(), self.weight.float(), b, transient=True).to(
+                    x.dtype
+                )
             # float32: MKL or oneDNN, whichever this CPU runs faster (ops/dense_linear.py)
             return dense_linear.linear(x, self.weight, bias)
         xf = x.float()

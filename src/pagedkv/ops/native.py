@@ -122,6 +122,19 @@ def _build(cc: str, flags: list[str]) -> Path:
 def _bind(so: ctypes.CDLL) -> ctypes.CDLL:
     so.pkv_gemv_q.argtypes = [ctypes.c_int, _ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr, _i64]
     so.pkv_gemv_q.restype = ctypes.c_int
+    so.pkv_gemv_dense.argtypes = [
+        ctypes.c_int,
+        _ptr,
+        _i64,
+        _i64,
+        _ptr,
+        _i64,
+        _i64,
+        _ptr,
+        _ptr,
+        _i64,
+    ]
+    so.pkv_gemv_dense.restype = ctypes.c_int
     so.pkv_dequant.argtypes = [ctypes.c_int, _ptr, _i64, _i64, _i64, _ptr]
     so.pkv_dequant.restype = ctypes.c_int
     for f in (so.pkv_block_bytes, so.pkv_block_weights):
@@ -295,6 +308,50 @@ def gemv_q(
         _addr(bias),
         out.data_ptr(),
         out.stride(0),
+    )
+    return out
+
+
+_DENSE_WTYPES = {torch.float32: 0, torch.bfloat16: 30}  # STEP_F32, STEP_BF16 (layer_step.h)
+
+
+def gemv_dense(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``x [M, K] @ weight.T (+ bias)`` for a dense float32 or bfloat16 ``weight [N, K]`` (unit
+    column stride), float32 in and out, float32 math: the layer step's own small-batch kernel
+    (bf16 read in place, widened in registers), for the linears outside the step (the LM head).
+    Meant for a few rows (a decode step's): it reads the weights once per 16 rows. Raises
+    ``ValueError`` on a bad shape or dtype."""
+    so = _require()
+    wtype = _DENSE_WTYPES.get(weight.dtype)
+    if x.dtype != torch.float32 or x.dim() != 2 or x.device.type != "cpu":
+        raise ValueError("gemv_dense takes a 2-D float32 CPU tensor")
+    if wtype is None or weight.dim() != 2 or weight.stride(1) != 1 or weight.device.type != "cpu":
+        raise ValueError(
+            "gemv_dense takes a 2-D float32/bfloat16 CPU weight with unit column stride"
+        )
+    x = x.contiguous()
+    m, k = x.shape
+    n = weight.shape[0]
+    if weight.shape[1] != k:
+        raise ValueError(f"x has {k} columns, weight {tuple(weight.shape)}")
+    if bias is not None and (
+        bias.dtype != torch.float32 or bias.shape != (n,) or not bias.is_contiguous()
+    ):
+        raise ValueError(f"bias must be a contiguous float32 [{n}]")
+    out = torch.empty(m, n, dtype=torch.float32)
+    so.pkv_gemv_dense(
+        wtype,
+        x.data_ptr(),
+        m,
+        k,
+        weight.data_ptr(),
+        weight.stride(0),
+        n,
+        _addr(bias),
+        out.data_ptr(),
+        n,
     )
     return out
 

@@ -24,7 +24,8 @@ a decode row and there are at most ``max_rows`` of them, no KV connector is acti
 per-layer hooks need the torch path), every layer's cache is an unquantized, unrotated
 float32/bfloat16/float16 cache, and the model's weights are ones the kernel reads: a float32
 model (float32 rows, or ggml rows of the GEMV's types), or a bfloat16/float16 model whose every
-projection is held in ggml rows (a GGUF model loaded with ``dtype=bfloat16``). For the latter the
+projection is held in ggml rows (a GGUF model loaded with ``dtype=bfloat16``) or, for bfloat16,
+in dense bf16 rows (an HF model in bfloat16: read in place, widened in registers). For these the
 step computes in float32 (the GEMVs already do: float32 math on the exact file weights) and
 keeps float32 copies of the small dense parts (embedding, norms, biases, the RoPE table); its
 hidden states are rounded once to the model dtype at the end, where the per-op path rounds
@@ -53,6 +54,7 @@ log = logging.getLogger(__name__)
 
 MAX_ROWS = 16  # the kernel's STEP_MAX_M
 MAX_SEGS = 8  # STEP_MAX_SEGS: runs of one ggml type per fused projection
+GGML_BF16 = 30  # STEP_BF16: a segment of plain bfloat16 rows (ggml's own type number)
 
 _i64, _i32, _ptr = ctypes.c_int64, ctypes.c_int32, ctypes.c_void_p
 
@@ -204,10 +206,18 @@ def _as_f32(t: torch.Tensor | None, keep: list[torch.Tensor]) -> torch.Tensor | 
     return out
 
 
+def _row_bytes(qtype: int, k: int) -> int:
+    """Bytes of one row of ``k`` weights in a segment of ``qtype`` (0: a type the step lacks)."""
+    if qtype == GGML_BF16:
+        return 2 * k
+    return native.row_bytes(qtype, k) if qtype in native.SUPPORTED_QTYPES else 0
+
+
 def _linear(
     desc: LinearDesc, max_rows: int, kquant_rows: int, keep: list[torch.Tensor]
 ) -> _Linear | None:
-    """The kernel's view of a linear (float32 rows, plus its ggml segments when it has them)."""
+    """The kernel's view of a linear: float32 rows plus its ggml segments when it has them, or
+    (half models) ggml segments only, or a dense bf16 weight as one bf16 segment."""
     w = desc.weight
     half = w.dtype in _HALF  # no float32 rows: every row must be in ggml segments
     if (
@@ -228,9 +238,13 @@ def _linear(
     segs = list(desc.segments)
     if len(segs) > MAX_SEGS:
         segs = []  # more type runs than the table holds: the float32 rows
+    if not segs and w.dtype == torch.bfloat16 and w.is_contiguous():
+        # A dense bf16 projection (an HF model in bfloat16): its rows are read in place as one
+        # bf16 segment, widened in registers, so a decode step reads 2 bytes a weight.
+        segs = [(0, w.shape[0], GGML_BF16, w.view(torch.uint8))]
     end = 0
     for i, (start, stop, qtype, rows) in enumerate(segs):
-        rb = native.row_bytes(qtype, w.shape[1]) if qtype in native.SUPPORTED_QTYPES else 0
+        rb = _row_bytes(qtype, w.shape[1])
         if (
             start != end
             or rb == 0

@@ -23,7 +23,8 @@
  * and SiLU differ from torch's only in summation order / exp ulps. */
 
 /* The step's pointer tables (ops/native_step.py mirrors them with ctypes: keep in step). */
-enum { STEP_F32 = 0, STEP_MAX_SEGS = 8, STEP_MAX_M = 16, STEP_COLS = 16, STEP_SECTIONS = 6 };
+/* STEP_BF16: a segment of plain bfloat16 rows (ggml's own GGML_TYPE_BF16 number). */
+enum { STEP_F32 = 0, STEP_BF16 = 30, STEP_MAX_SEGS = 8, STEP_MAX_M = 16, STEP_COLS = 16, STEP_SECTIONS = 6 };
 
 typedef struct {
     int64_t start, end;    /* output rows [start, end) of the layer held by this segment */
