@@ -173,7 +173,7 @@ def clone_caches(s: Step, c: Case) -> tuple[torch.Tensor, list[tuple[torch.Tenso
     return buffer, caches
 
 
-def run_both(c: Case, lens: list[int], monkeypatch: pytest.MonkeyPatch) -> None:
+def run_both(c: Case, lens: list[int], monkeypatch: pytest.MonkeyPatch, calls: int = 1) -> None:
     model = make_model(c)
     s = make_step(c, lens)
     ref_buffer, ref_caches = clone_caches(s, c)
@@ -187,7 +187,7 @@ def run_both(c: Case, lens: list[int], monkeypatch: pytest.MonkeyPatch) -> None:
         assert not codes, "PAGEDKV_NATIVE_STEP=0 must keep the torch path"
         monkeypatch.setenv("PAGEDKV_NATIVE_STEP", "1")
         out = model(s.ids, s.positions, s.caches, s.md)
-    assert codes == [0], "the step did not take the native kernel"
+    assert codes == [0] * calls, "the step did not take the native kernel"
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
     # Exactly this step's slots changed, in both; there they hold the torch path's values
     # (up to the last ulp of the cache dtype: the inputs differ by float32 rounding).
@@ -226,6 +226,41 @@ def test_native_step_matches_torch_path(name: str, monkeypatch: pytest.MonkeyPat
     c = CASES[name]
     lens = [1, 17, 33, 40, 16, 2, 31, 48, 9, 64, 3, 15, 50, 18, 5, 32][: c.rows]
     run_both(c, lens, monkeypatch)
+
+
+@pytest.mark.parametrize(
+    "rows,calls,case",
+    [
+        (40, 3, Case(rows=40)),  # 13 + 13 + 14 rows
+        (17, 2, Case(rows=17, fmt=Q8_0, kv_dtype=torch.bfloat16)),
+        (64, 4, Case(rows=64, fmt="mixed", bias=True)),
+    ],
+)
+def test_native_step_runs_larger_steps_in_chunks(
+    rows: int, calls: int, case: Case, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A decode step of 17..CHUNKED_ROWS rows runs as equal chunks of at most 16 rows, one call
+    each, and equals the torch path (outputs and every row's cache slot)."""
+    assert rows <= native_step.CHUNKED_ROWS
+    lens = [1 + (7 * i) % 70 for i in range(rows)]
+    run_both(case, lens, monkeypatch, calls=calls)
+
+
+def test_native_step_leaves_steps_above_the_chunked_limit_and_kquant_half_models(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Past CHUNKED_ROWS rows, or above a K-quant half model's 8-row cap, the per-op path runs."""
+    called: list[int] = []
+    monkeypatch.setattr(native, "decode_layers", lambda *a: called.append(1) or 0)
+    rows = native_step.CHUNKED_ROWS + 1
+    c = Case(rows=rows)
+    s = make_step(c, [3] * rows)
+    with torch.inference_mode():
+        assert make_model(c)(s.ids, s.positions, s.caches, s.md).shape == (rows, c.hidden)
+        ck = Case(fmt=Q4_K, rows=12, kv_dtype=torch.bfloat16)
+        sk = make_step(ck, [5] * 12)
+        make_model(ck).to(torch.bfloat16)(sk.ids, sk.positions, sk.caches, sk.md)
+    assert not called
 
 
 SPLIT_CASES = {  # (case, row lengths): odd (row, KV head) item counts on 2 threads, rows >= 256 keys

@@ -236,7 +236,7 @@ class LlamaModel(nn.Module):
         md: AttentionMetadata | list[AttentionMetadata],
     ) -> torch.Tensor:
         if (
-            input_ids.shape[0] <= native_step.MAX_ROWS
+            input_ids.shape[0] <= native_step.CHUNKED_ROWS
             and type(self) is LlamaModel
             and self.parallel is None  # the native step has no all-reduce between layers
         ):
