@@ -5,7 +5,8 @@ RoPE, cache writes, SiLU, residual adds, one GEMV per projection), costing as mu
 themselves. ``pkv_decode_layers`` (``ops/csrc/layer_step.c``) runs the whole layer stack of a
 plain Llama-family model (Llama, Mistral, Qwen2) for up to :data:`MAX_ROWS` decode rows in one
 call (larger decode steps, up to :data:`CHUNKED_ROWS` rows, in chunks of that many): RMSNorm,
-fused qkv GEMV (+ bias), RoPE, the K/V write at the slot mapping, paged decode attention over the same block tables, o_proj, residual, RMSNorm, gate_up fused with SiLU*mul,
+fused qkv GEMV (+ bias), RoPE, the K/V write at the slot mapping, paged decode attention
+over the same block tables, o_proj, residual, RMSNorm, gate_up fused with SiLU*mul,
 down, residual, and the final RMSNorm. Float32 math; the GEMVs and the decode attention are the
 very kernels the torch path calls (same results), RoPE and the cache writes round exactly as
 torch does, norms and SiLU differ by summation order / an ulp of exp.
