@@ -364,3 +364,26 @@ def test_router_script_tiny_pools_repeats() -> None:
         assert sum(p["decisions"].values()) == 8
     assert set(r["policies"]["kv"]["decisions"]) <= {"load", "kv_hit", "load_over_prefix"}
     assert r["policies"]["round-robin"]["decisions"] == {"round_robin": 8.0}
+
+
+def test_vs_vllm_report_ratios_and_bandwidth_line() -> None:
+    """bench_vs_vllm's report (without running either engine): ratios are pagedkv / vLLM, the
+    ITL ratio is pagedkv's own, and the batch-1 bandwidth line appears with its fraction."""
+    from pagedkv.bench import vs_vllm
+
+    assert vs_vllm._cores("0-1") == 2 and vs_vllm._cores("0,2-4") == 4
+    serve = [dict(concurrency=4, total_tok_s=100.0, median_tpot_ms=20.0, p99_itl_ms=40.0)]
+    v = dict(offline_total_tok_s=100.0, offline_output_tok_s=50.0, batch1_decode_tok_s=20.0)
+    p = dict(offline_total_tok_s=150.0, offline_output_tok_s=60.0, batch1_decode_tok_s=50.0)
+    v["serving"] = serve
+    p["serving"] = [dict(serve[0], total_tok_s=130.0, p99_itl_ms=50.0)]
+    r = vs_vllm._ratios(p, v)
+    assert r["offline_total_tok_s"] == pytest.approx(1.5)
+    assert r["serving_total_tok_s_c4"] == pytest.approx(1.3)
+    assert r["pagedkv_itl_p99_over_median_tpot_c4"] == pytest.approx(2.5)
+    r["pagedkv_batch1_over_limit"] = 0.8
+    bw = dict(weight_bytes_per_token=269e6, read_gb_s=18.0, batch1_limit_tok_s=62.5)
+    rep = dict(cores="0-1", runs={"bfloat16": dict(vllm=v, pagedkv=p, ratio=r, bandwidth=bw)})
+    text = vs_vllm.table(rep)
+    assert "1.50x" in text and "1.30x" in text
+    assert "62.5 tok/s (269 MB/token at 18.0 GB/s): pagedkv at 80%" in text

