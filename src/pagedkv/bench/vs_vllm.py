@@ -360,7 +360,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     report: dict[str, Any] = dict(
         cores=args.cores,
         cpu=(cpu := _cpu()),
-        machine=f"{_cores(args.cores)} cores of a {cpu.get('model name', '?')} (family "
+        machine=f"{_cores(args.cores)} cores: {cpu.get('model name', '?')} (family "
         f"{cpu.get('cpu family', '?')}, model {cpu.get('model', '?')}), "
         f"{'/'.join(cpu.get('simd', [])) or 'no AVX2'}, CPU only",
         model=str(HF_DIR),
