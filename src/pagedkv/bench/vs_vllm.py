@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 import signal
@@ -215,7 +216,7 @@ def bandwidth_limit(dtype: str, args: argparse.Namespace) -> dict[str, float]:
     for f in sorted(HF_DIR.glob("*.safetensors")):
         with safe_open(str(f), "pt") as st:
             for name in st.keys():
-                params += _numel(st, name)
+                params += math.prod(st.get_slice(name).get_shape())
     width = 4 if dtype == "float32" else 2
     cmd = _pinned(args.cores, [sys.executable, "-c", _BANDWIDTH, str(_cores(args.cores))])
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=True)
@@ -226,13 +227,6 @@ def bandwidth_limit(dtype: str, args: argparse.Namespace) -> dict[str, float]:
         read_gb_s=gb_s,
         batch1_limit_tok_s=gb_s * 1e9 / per_token,
     )
-
-
-def _numel(st: Any, name: str) -> int:
-    n = 1
-    for d in st.get_slice(name).get_shape():
-        n *= d
-    return n
 
 
 def _server_cmd(engine: str, dtype: str, port: int, args: argparse.Namespace) -> list[str]:

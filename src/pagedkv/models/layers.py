@@ -97,7 +97,7 @@ class QuantizedRows:
                 return dense_linear.linear(x.float(), self.weight.float(), b, transient=True).to(
                     x.dtype
                 )
-            # float32: MKL or oneDNN, whichever this CPU runs faster (ops/dense_linear.py)
+            # float32: the library measured fastest on this CPU (ops/dense_linear.py)
             return dense_linear.linear(x, self.weight, bias)
         xf = x.float()
         bf = None if bias is None else bias.float()

@@ -482,18 +482,12 @@ def decode_step(
     # the weights once. A chunk refused after an earlier one ran leaves the per-op path to
     # recompute every row (it rewrites the same slots).
     chunks = -(-n // cap)
+    args = (ids, out, pos, slots, table, lens)
     bounds = [n * i // chunks for i in range(chunks + 1)]
     for a, b in zip(bounds, bounds[1:], strict=False):
+        part = args if chunks == 1 else tuple(t[a:b] for t in args)  # no slicing at batch <= 16
         rc = native.decode_layers(
-            plan.so,
-            plan.addr,
-            ids[a:b],
-            out[a:b],
-            pos[a:b],
-            slots[a:b],
-            table[a:b],
-            lens[a:b],
-            None if prof is None else ctypes.addressof(prof.seconds),
+            plan.so, plan.addr, *part, None if prof is None else ctypes.addressof(prof.seconds)
         )
         if rc != 0:
             return None
