@@ -387,3 +387,36 @@ def test_vs_vllm_report_ratios_and_bandwidth_line() -> None:
     text = vs_vllm.table(rep)
     assert "1.50x" in text and "1.30x" in text
     assert "62.5 tok/s (269 MB/token at 18.0 GB/s): pagedkv at 80%" in text
+
+
+def test_vs_vllm_step_split_on_a_tiny_llama(tmp_path: Path) -> None:
+    """The step split runs pagedkv alone: per rows, the parts add up to at most the step, the
+    glue share is the rest's, and the projections run alone over exactly the model's linear
+    weights (fused QKV and gate/up, as the step reads them)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from pagedkv.bench import vs_vllm
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+        tie_word_embeddings=True,
+    )  # fmt: skip
+    LlamaForCausalLM(cfg).save_pretrained(tmp_path)
+    rows = vs_vllm.step_split(str(tmp_path), "float32", "1,3", "4", str(64 << 20))
+    assert [r["rows"] for r in rows] == [1, 3]
+    per_layer = (64 + 2 * 32) * 64 + 64 * 64 + 2 * 128 * 64 + 64 * 128
+    for r in rows:
+        parts = r["projections_ms"] + r["attention_ms"] + r["lm_head_ms"]
+        assert 0 < parts < r["step_ms"]
+        assert r["glue_ms"] == pytest.approx(r["step_ms"] - parts, rel=1e-6)
+        assert r["glue_frac"] == pytest.approx(r["glue_ms"] / r["step_ms"])
+        assert r["projection_calls"] == 2 * 4 and r["projection_bytes"] == 2 * per_layer * 4
+        # The tiny weights take about a call's fixed cost, so the difference may be ~0 either way.
+        assert r["call_cost_us"] > 0
+        assert r["projections_alone_ms"] + r["projection_calls"] * r["call_cost_us"] / 1e3 > 0
+        r["projections_bandwidth_ms"] = r["projection_bytes"] / 20e9 * 1e3  # run_step_split's
+    text = "\n".join(vs_vllm._split_rows("float32", rows))
+    assert "  1 rows" in text and "  3 rows" in text

@@ -15,13 +15,16 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import math
+import sys
+import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
 from pagedkv import LLM, SamplingParams
-from pagedkv.engine.async_llm import AsyncLLM, EngineGenerateError
+from pagedkv.engine.async_llm import AsyncLLM, EngineGenerateError, name_os_thread
 from pagedkv.engine.config import EngineConfig
 
 FLOAT_FIELDS = [
@@ -157,6 +160,24 @@ def test_async_llm_stays_healthy_after_a_failing_step(async_llm):
 
     asyncio.run(scenario())
     assert async_llm.is_healthy
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="OS thread names: Linux")
+def test_engine_thread_has_an_os_name(async_llm):
+    """The engine thread names itself for the OS, so `top -H`, profilers and `pagedkv bench serve`
+    can tell its CPU time from the HTTP event loop's."""
+    tid = async_llm._thread.native_id
+    assert Path(f"/proc/self/task/{tid}/comm").read_text().strip() == "pagedkv-engine"
+    seen: list[str] = []
+
+    def named() -> None:
+        name_os_thread("a-very-long-thread-name")  # cut to the kernel's 15 bytes, not refused
+        seen.append(Path(f"/proc/self/task/{threading.get_native_id()}/comm").read_text())
+
+    t = threading.Thread(target=named)
+    t.start()
+    t.join()
+    assert [s.strip() for s in seen] == ["a-very-long-thr"]
 
 
 # ---- item 4: tokenization off the engine thread -------------------------------------------------------

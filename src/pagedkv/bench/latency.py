@@ -327,9 +327,10 @@ NATIVE_COMPUTE = {
 }
 
 
-def decode_timeline(llm: Any, prompt: list[int], steps: int) -> dict[str, Any]:
-    """Run one batch-1 request (prefill, then ``steps`` decode steps, each one engine step) with
-    timers on; returns per-step milliseconds per op and the overhead outside matmuls and attention.
+def decode_timeline(llm: Any, prompts: list[list[int]], steps: int) -> dict[str, Any]:
+    """Run ``len(prompts)`` requests together (prefill, then ``steps`` decode steps of one row
+    each, every one an engine step) with timers on; returns per-step milliseconds per op and
+    the overhead outside matmuls and attention.
 
     When the native decode step runs (`ops/native_step`), the whole layer stack is one call: its
     own section clocks (`native_step.StepProfile`) split it into projections, attention (with
@@ -339,12 +340,13 @@ def decode_timeline(llm: Any, prompt: list[int], steps: int) -> dict[str, Any]:
     from pagedkv.ops import native_step
 
     eng = llm.llm_engine
-    eng.add_request(
-        "timeline",
-        {"prompt_token_ids": prompt},
-        SamplingParams(temperature=0, max_tokens=steps + 1, ignore_eos=True),
-    )
-    eng.step()  # prefill (not timed)
+    params = SamplingParams(temperature=0, max_tokens=steps + 1, ignore_eos=True)
+    ids = [f"timeline-{i}" for i in range(len(prompts))]
+    for rid, prompt in zip(ids, prompts, strict=True):
+        eng.add_request(rid, {"prompt_token_ids": prompt}, params)
+    started: set[str] = set()
+    while len(started) < len(ids):  # prefill (not timed): until every request has its 1st token
+        started |= {o.request_id for o in eng.step() if o.outputs[0].token_ids}
     timers = _Timers()
     prof = native_step.profile = native_step.StepProfile()
     try:
@@ -393,6 +395,7 @@ def decode_timeline(llm: Any, prompt: list[int], steps: int) -> dict[str, Any]:
         native_step=bool(prof.steps),
         unaccounted_ms=step_ms - accounted,
         overhead_outside_matmul_attention_ms=step_ms - compute_ms,
+        glue_frac=(step_ms - compute_ms) / step_ms,
     )
 
 
@@ -435,7 +438,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     timeline = (
         None
         if args.no_timeline
-        else decode_timeline(llm, prompts["batch1"][min(prompts["batch1"])][0], args.max_tokens)
+        else decode_timeline(llm, prompts["batch1"][min(prompts["batch1"])][:1], args.max_tokens)
     )
     theirs = None
     if not args.skip_llamacpp:

@@ -216,6 +216,7 @@ def summarize(
         prefix_hit_rate=dh / dq if dq else 0.0,
         client_cpu_s=load.get("client_cpu"),
         server_cpu_s=load.get("server_cpu"),
+        server_cpu_by_thread_s=load.get("server_cpu_threads"),
     )
 
 
@@ -295,6 +296,27 @@ class ServerProcess:
             return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
         except (OSError, ValueError, IndexError):
             return None
+
+    def cpu_by_thread(self) -> dict[str, float] | None:
+        """CPU time (user + system) the server's live threads used so far, by OS name: the
+        main thread (the HTTP event loop) is ``main``; the engine thread names itself
+        ``pagedkv-engine``, and the OpenMP workers it starts inherit that name. None once the
+        process is gone (or off Linux)."""
+        tick = os.sysconf("SC_CLK_TCK")
+        by_name: dict[str, float] = {}
+        try:
+            tasks = list(Path(f"/proc/{self.proc.pid}/task").iterdir())
+        except OSError:
+            return None
+        for task in tasks:
+            try:
+                name = (task / "comm").read_text().strip()
+                fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:  # the thread ended between the listing and the read
+                continue
+            name = "main" if task.name == str(self.proc.pid) else name
+            by_name[name] = by_name.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+        return by_name
 
     def _drain(self) -> None:
         for line in self.proc.stdout:
@@ -401,6 +423,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 before = scrape(http, base_url)
                 log(f"run {name}: {len(prompts)} requests ...")
                 cpu0 = server.cpu_seconds() if server is not None else None
+                threads0 = server.cpu_by_thread() if server is not None else None
                 load = asyncio.run(
                     run_load(base_url, prompts, args.output_len, rate, args.seed + k, model)
                 )
@@ -410,6 +433,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 )
                 cpu1 = server.cpu_seconds() if server is not None else None
                 load["server_cpu"] = cpu1 - cpu0 if cpu0 is not None and cpu1 is not None else None
+                threads1 = server.cpu_by_thread() if server is not None else None
+                if threads0 is not None and threads1 is not None:
+                    # Threads that ended during the run are missing here (not from the total).
+                    load["server_cpu_threads"] = {
+                        k: v - threads0.get(k, 0.0) for k, v in sorted(threads1.items())
+                    }
                 runs.append(summarize(name, rate, prompts, load, before, scrape(http, base_url)))
                 if llm is not None and math.isinf(rate):
                     # The same requests offline, right after, while the server sits idle (its
@@ -481,6 +510,12 @@ def table(report: dict[str, Any]) -> str:
             f"{ms(r['ttft_s']['p50']):>9} {ms(r['ttft_s']['p99']):>9} {ms(r['itl_s']['p50']):>8} "
             f"{ms(r['itl_s']['p99']):>8} {ms(r['e2e_s']['p50']):>8} {100 * r['prefix_hit_rate']:>7.1f}%"
         )
+    for r in report["runs"]:
+        if r.get("server_cpu_by_thread_s"):
+            split = ", ".join(
+                f"{k} {v:.1f}" for k, v in r["server_cpu_by_thread_s"].items() if v >= 0.05
+            )
+            lines.append(f"server CPU s by thread, {r['name']}: {split}")
     off = report.get("offline")
     if off:
         lines.append(

