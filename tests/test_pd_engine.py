@@ -384,3 +384,36 @@ def test_push_that_never_arrives_fails_over_to_recompute(backend, reference):
     finally:
         p.llm_engine.shutdown()
         d.llm_engine.shutdown()
+
+
+def test_async_llm_stats_follow_blocks_freed_outside_a_request_step():
+    """An idle producer's stats (what /metrics' kv_cache_usage_perc and the dashboard read) follow
+    the pool when a lease expiry frees the held blocks in a step that has no output (issue 35:
+    the gauge stayed at the last request's usage while every block was free)."""
+    import asyncio
+
+    from pagedkv.engine.async_llm import AsyncLLM
+
+    p = make_llm("kv_producer", "tcp", kv_lease_duration=0.3)
+    a = AsyncLLM(p.llm_engine)
+    try:
+
+        async def run() -> None:
+            params = greedy(1, kv_transfer_params={"do_remote_decode": True})
+            stream = await a.add_request("held", {"prompt_token_ids": list(range(100, 180))}, params)
+            async for _ in stream:
+                pass
+
+        asyncio.run(run())
+        total = p.llm_engine.kv_cache_config.num_blocks - 1
+        deadline = time.monotonic() + 10
+        while p.llm_engine.scheduler.has_pending_kv_transfers():  # the lease expires
+            assert time.monotonic() < deadline, "the lease never expired"
+            time.sleep(0.02)
+        time.sleep(0.1)  # the engine thread finishes the step that freed the blocks
+        assert p.llm_engine.connector.num_expired_leases == 1
+        assert a.last_stats.num_free_blocks == total
+        assert a.last_stats.kv_cache_usage == 0.0
+    finally:
+        a.shutdown()
+        p.llm_engine.shutdown()

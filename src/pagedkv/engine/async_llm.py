@@ -87,6 +87,10 @@ class QueueFullError(RuntimeError):
     """Too many requests are already waiting: retry later."""
 
 
+class DuplicateRequestIdError(ValueError):
+    """A request with this id is still in flight (a server answers 409)."""
+
+
 class EngineDeadError(RuntimeError):
     """The engine thread failed or was shut down; no request can progress."""
 
@@ -261,7 +265,7 @@ class AsyncLLM:
         with self._cv:
             self._check_alive()
             if request_id in self._streams:
-                raise ValueError(f"request id {request_id!r} is already in use")
+                raise DuplicateRequestIdError(f"request id {request_id!r} is already in use")
             if len(self._streams) >= self.max_in_flight:
                 self.num_rejected += 1
                 raise QueueFullError(
@@ -446,7 +450,10 @@ class AsyncLLM:
                     self.event_publisher.publish(events)
                 except Exception:  # a broken socket must not stop generation
                     logger.exception("publishing KV events failed")
-        if outputs or changed:
+        # A step without output may still free blocks (a lease expiring, a consumer done
+        # reading): the snapshot follows the pool, or an idle server's gauges stay stale.
+        freed = engine.kv_cache_manager.num_free_blocks != self.last_stats.num_free_blocks
+        if outputs or changed or freed:
             self.last_stats = engine.make_stats()
             for sl in self.stat_loggers:
                 try:

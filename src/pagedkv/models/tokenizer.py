@@ -292,29 +292,53 @@ class Tokenizer:
         self,
         messages: Sequence[Mapping[str, Any]],
         add_generation_prompt: bool = True,
+        *,
+        chat_template: str | None = None,
+        continue_final_message: bool = False,
         **kwargs: Any,
     ) -> str:
-        """Render the model's chat template (as transformers does) to prompt text.
+        """Render the model's chat template (or ``chat_template``) to prompt text, as
+        transformers does.
 
-        ``kwargs`` (``tools``, ``documents``, template-specific flags) are passed to the template.
-        Raises ``ValueError`` when the model ships no template.
+        With ``continue_final_message`` the text ends right after the last message's content
+        (no end-of-turn marker), so the model continues that message. ``kwargs`` (``tools``,
+        ``documents``, template-specific flags) are passed to the template. Raises
+        ``ValueError`` when there is no template, or the last message's content is not found.
         """
-        if not self.chat_template:
+        source = chat_template or self.chat_template
+        if not source:
             raise ValueError("this model has no chat template")
         specials = {
             "bos_token": self._token_text(self.bos_token_id),
             "eos_token": self._token_text(self.eos_token_id),
             "pad_token": self._token_text(self.pad_token_id),
         }
-        return _compile_template(self.chat_template).render(
+        text = _compile_template(source).render(
             messages=[dict(m) for m in messages],
             add_generation_prompt=add_generation_prompt,
             **specials,
             **kwargs,
         )
+        if continue_final_message:
+            text = _cut_after_final_message(text, str(messages[-1].get("content") or ""))
+        return text
 
     def _token_text(self, token_id: int | None) -> str:
         return "" if token_id is None else (self.backend.id_to_token(token_id) or "")
+
+
+def _cut_after_final_message(text: str, final: str) -> str:
+    """``text`` up to the end of its last occurrence of ``final`` (transformers'
+    ``continue_final_message``: the template's whitespace handling kept when it matches)."""
+    try:
+        at = text.rindex(final.strip())
+    except ValueError:
+        raise ValueError(
+            "continue_final_message: the last message's content is not in the rendered chat"
+        ) from None
+    keep = final.lstrip()
+    end = at + (len(keep) if text[at : at + len(keep)] == keep else len(final.strip()))
+    return text[:end]
 
 
 @lru_cache(maxsize=8)

@@ -71,6 +71,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="requests allowed to wait beyond --max-num-seqs; more get 503 (default 256)",
     )
     p.add_argument(
+        "--enable-tokenizer-info-endpoint",
+        action="store_true",
+        help="answer GET /tokenizer_info (special tokens and chat template; off by default, "
+        "as in vLLM): lm-eval's remote tokenizer needs it",
+    )
+    p.add_argument(
         "--log-level",
         default="warning",
         choices=["debug", "info", "warning", "error"],
@@ -253,6 +259,7 @@ def run(args: argparse.Namespace) -> int:
                 max_request_bytes=args.max_request_bytes,
                 max_queue_size=args.max_queue_size,
                 kv_events=kv_events,
+                enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
             )
     except (ValueError, FileNotFoundError, NotImplementedError) as e:
         sock.close()

@@ -8,6 +8,8 @@ Routes:
   sampling extensions (see protocol.py). ``usage.prompt_tokens_details.cached_tokens`` counts
   the prompt tokens served from the prefix cache. A completions ``prompt`` may be a list of
   prompts (choice ``index = prompt_index * n + sample_index``).
+* ``POST /tokenize``, ``POST /detokenize``, ``GET /tokenizer_info`` (opt-in): vLLM's shapes,
+  see serving_tokenization.py; ``GET /version``; ``GET|POST /ping`` (as ``/health``).
 * ``GET /v1/models``, ``GET /health`` (503 once the engine failed), ``GET /metrics``
   (Prometheus, see metrics.py), ``POST /reset_prefix_cache`` (409 while requests hold blocks),
   ``GET /debug/kv_cache`` (the pool's counts and an invariant check: `debug_kv_cache`),
@@ -58,6 +60,7 @@ from fastapi.responses import JSONResponse, Response
 from pagedkv.engine.async_llm import AsyncLLM, EngineDeadError
 from pagedkv.entrypoints.metrics import ServerMetrics
 from pagedkv.entrypoints.openai import protocol as P
+from pagedkv.entrypoints.openai import serving_tokenization as tokenization
 from pagedkv.entrypoints.openai.errors import (
     APIError,
     engine_error,
@@ -68,6 +71,7 @@ from pagedkv.entrypoints.openai.middleware import (
     AccessLogMiddleware,
     APIKeyMiddleware,
     MaxBodySizeMiddleware,
+    RequestIdMiddleware,
 )
 from pagedkv.entrypoints.openai.serving_chat import create_chat_completion
 from pagedkv.entrypoints.openai.serving_completion import create_completion
@@ -100,6 +104,12 @@ async def health(request: Request) -> Response:
     if not state.async_llm.is_healthy:
         return unavailable("the engine is not running", "engine_unavailable").response()
     return JSONResponse({"status": "ok"})
+
+
+async def version(request: Request) -> Response:
+    from pagedkv import __version__
+
+    return JSONResponse(P.VersionResponse(version=__version__).model_dump())
 
 
 async def metrics(request: Request) -> Response:
@@ -240,11 +250,13 @@ def build_app(
     owns_engine: bool = True,
     api_key: str | None = None,
     max_request_bytes: int | None = DEFAULT_MAX_REQUEST_BYTES,
+    enable_tokenizer_info_endpoint: bool = False,
 ) -> FastAPI:
     """The FastAPI app serving ``async_llm``. With ``owns_engine`` the app shuts the engine
     (and the event publisher) down when it stops. With ``api_key`` every route but
     `OPEN_PATHS` needs ``Authorization: Bearer <api_key>``; bodies over ``max_request_bytes``
-    (None: no limit) get 413. Every request is logged on ``pagedkv.access`` at INFO."""
+    (None: no limit) get 413. ``GET /tokenizer_info`` answers only with
+    ``enable_tokenizer_info_endpoint``. Every request is logged on ``pagedkv.access`` at INFO."""
     check_server_options(api_key, max_request_bytes)
     from pagedkv.entrypoints import dashboard
 
@@ -257,7 +269,14 @@ def build_app(
     async_llm.stat_loggers.append(metrics_)
     if kv_event_publisher is not None and async_llm.event_publisher is None:
         async_llm.event_publisher = kv_event_publisher
-    state = ServerState(async_llm, name, aliases, metrics_, kv_event_publisher)
+    state = ServerState(
+        async_llm,
+        name,
+        aliases,
+        metrics_,
+        kv_event_publisher,
+        enable_tokenizer_info=enable_tokenizer_info_endpoint,
+    )
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -273,16 +292,22 @@ def build_app(
     app.add_api_route("/v1/chat/completions", create_chat_completion, methods=["POST"])
     app.add_api_route("/v1/models", list_models, methods=["GET"])
     app.add_api_route("/health", health, methods=["GET"])
+    app.add_api_route("/ping", health, methods=["GET", "POST"])  # SageMaker's, as vLLM's
+    app.add_api_route("/version", version, methods=["GET"])
+    app.add_api_route("/tokenize", tokenization.tokenize, methods=["POST"])
+    app.add_api_route("/detokenize", tokenization.detokenize, methods=["POST"])
+    app.add_api_route("/tokenizer_info", tokenization.tokenizer_info, methods=["GET"])
     app.add_api_route("/metrics", metrics, methods=["GET"])
     app.add_api_route("/reset_prefix_cache", reset_prefix_cache, methods=["POST"])
     app.add_api_route("/debug/kv_cache", debug_kv_cache, methods=["GET"])
     app.add_api_route("/v1/kv_cache_config", kv_cache_config, methods=["GET"])
     dashboard.add_routes(app)
-    # The last added runs first: log everything, then authenticate, then read the body.
+    # The last added runs first: log everything, give it an id, authenticate, read the body.
     if max_request_bytes is not None:
         app.add_middleware(MaxBodySizeMiddleware, max_bytes=max_request_bytes)
     if api_key is not None:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    app.add_middleware(RequestIdMiddleware)
     app.add_middleware(AccessLogMiddleware)
     return app
 
@@ -313,6 +338,7 @@ def create_app(
     engine: Any = None,
     api_key: str | None = None,
     max_request_bytes: int | None = DEFAULT_MAX_REQUEST_BYTES,
+    enable_tokenizer_info_endpoint: bool = False,
 ) -> FastAPI:
     """Load the engine (an `EngineConfig`, or an existing ``engine``), start the engine loop
     and the KV event publisher (when ``kv_events`` is given; it forces
@@ -353,6 +379,7 @@ def create_app(
         kv_event_publisher=publisher,
         api_key=api_key,
         max_request_bytes=max_request_bytes,
+        enable_tokenizer_info_endpoint=enable_tokenizer_info_endpoint,
     )
 
 

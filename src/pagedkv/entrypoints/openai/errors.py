@@ -14,7 +14,12 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pagedkv.engine.async_llm import EngineDeadError, EngineGenerateError, QueueFullError
+from pagedkv.engine.async_llm import (
+    DuplicateRequestIdError,
+    EngineDeadError,
+    EngineGenerateError,
+    QueueFullError,
+)
 from pagedkv.entrypoints.openai import protocol as P
 
 logger = logging.getLogger(__name__)
@@ -87,6 +92,8 @@ def engine_error(e: BaseException, prompt_param: str | None) -> APIError:
         return unavailable(str(e), "engine_unavailable")
     if isinstance(e, EngineGenerateError):  # this request's step failed; the engine lives on
         return APIError(500, str(e), "internal_server_error", None, "engine_generate_error")
+    if isinstance(e, DuplicateRequestIdError):  # a client's x-request-id still in flight
+        return APIError(409, str(e), "conflict_error", "x-request-id", "duplicate_request_id")
     if isinstance(e, P.RequestError):
         return bad_request(e.message, e.param)
     if isinstance(e, ValueError):

@@ -11,6 +11,7 @@ import contextlib
 import hmac
 import logging
 import time
+import uuid
 from typing import Any
 
 from pagedkv.entrypoints.openai.errors import APIError
@@ -33,6 +34,8 @@ OPEN_PATHS = frozenset(
     {
         "/",
         "/health",
+        "/ping",
+        "/version",
         "/metrics",
         "/dashboard",
         "/dashboard/state",
@@ -44,9 +47,53 @@ OPEN_PATHS = frozenset(
 )
 
 
+REQUEST_ID_HEADER = b"x-request-id"
+MAX_REQUEST_ID_CHARS = 256
+
+
+class RequestIdMiddleware:
+    """Every response carries ``X-Request-Id``: the request's own header when it has one (a
+    client's or a gateway's trace id), else a fresh random one. The routes read it from
+    ``request.state.request_id`` and use it as the request id (``cmpl-<id>``, the engine's id,
+    the access log). A header that is not 1-256 printable ASCII characters is a 400 naming
+    ``x-request-id``."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        raw = next((v for k, v in scope["headers"] if k.lower() == REQUEST_ID_HEADER), None)
+        if raw is None:
+            rid = uuid.uuid4().hex
+        else:
+            rid = raw.decode("latin-1")
+            if not 0 < len(rid) <= MAX_REQUEST_ID_CHARS or not all(32 < ord(c) < 127 for c in rid):
+                err = APIError(
+                    400,
+                    f"x-request-id must be 1-{MAX_REQUEST_ID_CHARS} printable ASCII characters "
+                    "without spaces",
+                    "invalid_request_error",
+                    "x-request-id",
+                )
+                await err.response()(scope, receive, send)
+                return
+        scope.setdefault("state", {})["request_id"] = rid
+
+        async def send_(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                headers = [h for h in message.get("headers", []) if h[0] != REQUEST_ID_HEADER]
+                message = {**message, "headers": [*headers, (REQUEST_ID_HEADER, rid.encode())]}
+            await send(message)
+
+        await self.app(scope, receive, send_)
+
+
 class AccessLogMiddleware:
-    """One ``pagedkv.access`` line at INFO per HTTP request: client, method, path, status and
-    the time until the response (a stream: its end) was sent."""
+    """One ``pagedkv.access`` line at INFO per HTTP request: client, request id, method, path,
+    status and the time until the response (a stream: its end) was sent."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -69,8 +116,9 @@ class AccessLogMiddleware:
         finally:
             client = scope.get("client")
             access_logger.info(
-                '%s - "%s %s" %d %.1f ms',
+                '%s %s - "%s %s" %d %.1f ms',
                 f"{client[0]}:{client[1]}" if client else "-",
+                (scope.get("state") or {}).get("request_id", "-"),
                 scope["method"],
                 scope["path"],
                 status,

@@ -93,6 +93,8 @@ class _SamplingRequest(_Request):
     # the response / the chunk that first carries tokens). `pagedkv proxy` resumes a broken
     # stream from them.
     return_token_ids: bool = False
+    # vLLM: keep only the last k prompt tokens (left truncation); -1: the model's context.
+    truncate_prompt_tokens: int | None = None
     # Not implemented: refused unless unused (see UNSUPPORTED_FIELDS).
     tools: Any = None
     tool_choice: Any = None
@@ -111,6 +113,12 @@ class _SamplingRequest(_Request):
             raise RequestError("logit_bias", "logit_bias is not supported")
         if self.cache_salt is not None and not self.cache_salt:
             raise RequestError("cache_salt", "cache_salt must be a non-empty string")
+        t = self.truncate_prompt_tokens
+        if t is not None and (t == 0 or t < -1):
+            raise RequestError(
+                "truncate_prompt_tokens",
+                f"truncate_prompt_tokens must be -1 (the model's context) or >= 1, got {t}",
+            )
         self._check_unsupported()
 
     def _check_unsupported(self) -> None:
@@ -341,6 +349,27 @@ class ChatMessage(BaseModel):
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
+def check_messages(messages: list[ChatMessage]) -> None:
+    """RequestError unless there are messages, each with a known role."""
+    if not messages:
+        raise RequestError("messages", "messages must not be empty")
+    for i, m in enumerate(messages):
+        if m.role not in CHAT_ROLES:
+            raise RequestError(
+                f"messages[{i}].role",
+                f"unknown role {m.role!r}: use one of {', '.join(CHAT_ROLES)}",
+            )
+
+
+def conversation(messages: list[ChatMessage]) -> list[dict[str, str]]:
+    """The messages as the chat template takes them (``developer`` is ``system``)."""
+    out = []
+    for i, m in enumerate(messages):
+        role = "system" if m.role == "developer" else m.role
+        out.append({"role": role, "content": m.text(i)})
+    return out
+
+
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage]
     max_tokens: int | None = None
@@ -351,14 +380,7 @@ class ChatCompletionRequest(_SamplingRequest):
 
     def check(self) -> None:
         super().check()
-        if not self.messages:
-            raise RequestError("messages", "messages must not be empty")
-        for i, m in enumerate(self.messages):
-            if m.role not in CHAT_ROLES:
-                raise RequestError(
-                    f"messages[{i}].role",
-                    f"unknown role {m.role!r}: use one of {', '.join(CHAT_ROLES)}",
-                )
+        check_messages(self.messages)
         if self.top_logprobs is not None:
             if not self.logprobs:
                 raise RequestError("top_logprobs", "top_logprobs needs logprobs to be true")
@@ -366,11 +388,7 @@ class ChatCompletionRequest(_SamplingRequest):
                 raise RequestError("top_logprobs", f"top_logprobs must be in [0, {MAX_LOGPROBS}]")
 
     def conversation(self) -> list[dict[str, str]]:
-        out = []
-        for i, m in enumerate(self.messages):
-            role = "system" if m.role == "developer" else m.role
-            out.append({"role": role, "content": m.text(i)})
-        return out
+        return conversation(self.messages)
 
     def to_sampling_params(self) -> SamplingParams:
         kw = self._sampling_kwargs()
@@ -458,6 +476,76 @@ class ChatCompletionStreamResponse(_Response):
 
 
 # ---- models, errors --------------------------------------------------------------------------
+
+
+# ---- tokenization (vLLM's /tokenize, /detokenize, /tokenizer_info) -------------------------
+
+
+class TokenizeCompletionRequest(_Request):
+    """Text to ids (vLLM's shape). lm-eval's remote tokenizer sends ``add_special_tokens: false``."""
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool | None = False
+
+
+class TokenizeChatRequest(_Request):
+    """Messages rendered with the chat template (or ``chat_template``), then to ids."""
+
+    model: str | None = None
+    messages: list[ChatMessage]
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    return_token_strs: bool | None = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def check(self) -> None:
+        check_messages(self.messages)
+        if self.continue_final_message and self.add_generation_prompt:
+            raise RequestError(
+                "continue_final_message",
+                "cannot set both continue_final_message and add_generation_prompt to true",
+            )
+
+    def conversation(self) -> list[dict[str, str]]:
+        return conversation(self.messages)
+
+
+class TokenizeResponse(_Response):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(_Request):
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(_Response):
+    prompt: str
+
+
+class TokenizerInfoResponse(_Response):
+    """The tokenizer's configuration, as ``tokenizer_config.json`` would give it (vLLM's shape):
+    lm-eval's remote tokenizer reads ``eos_token``, ``bos_token``, ``pad_token`` and
+    ``chat_template``."""
+
+    tokenizer_class: str
+    bos_token: str | None = None
+    eos_token: str | None = None
+    pad_token: str | None = None
+    chat_template: str | None = None
+    model_max_length: int
+    vocab_size: int
+
+
+class VersionResponse(_Response):
+    version: str
 
 
 class ModelCard(_Response):

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,9 +23,14 @@ from pagedkv.entrypoints.openai.serving_engine import (
     ServerState,
     add_all,
     generate_response,
+    request_id,
     server_state,
 )
-from pagedkv.entrypoints.openai.validation import check_context_length, parse_body
+from pagedkv.entrypoints.openai.validation import (
+    check_context_length,
+    parse_body,
+    truncate_prompts,
+)
 
 
 async def create_chat_completion(request: Request) -> Response:
@@ -39,6 +43,12 @@ async def create_chat_completion(request: Request) -> Response:
     except P.RequestError as e:
         raise bad_request(e.message, e.param) from None
     text, token_ids = await _render(state, conversation, req.add_generation_prompt)
+    max_len = state.async_llm.engine.max_model_len
+    (cut,) = truncate_prompts([token_ids], req.truncate_prompt_tokens, max_len)
+    prompt: dict[str, Any] = {"prompt_token_ids": cut}
+    if len(cut) == len(token_ids):
+        prompt["prompt"] = text
+    token_ids = cut
     check_context_length(
         state.async_llm.engine.max_model_len,
         [len(token_ids)],
@@ -47,7 +57,7 @@ async def create_chat_completion(request: Request) -> Response:
     )
     renderer = ChatRenderer(
         state,
-        request_id=f"chatcmpl-{uuid.uuid4().hex}",
+        request_id=f"chatcmpl-{request_id(request)}",
         model=req.model or state.served_model_name,
         created=int(time.time()),
         n=params.n,
@@ -56,7 +66,7 @@ async def create_chat_completion(request: Request) -> Response:
     streams = await add_all(
         state,
         renderer.request_id,
-        [{"prompt_token_ids": token_ids, "prompt": text}],
+        [prompt],
         params,
         "messages",
         req.cache_salt,

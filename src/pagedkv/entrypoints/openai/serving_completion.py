@@ -9,7 +9,6 @@ prompt; ``logprobs: k`` gives the sampled token's logprob and the top ``k`` per 
 from __future__ import annotations
 
 import time
-import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,10 +23,15 @@ from pagedkv.entrypoints.openai.serving_engine import (
     ServerState,
     add_all,
     generate_response,
+    request_id,
     server_state,
     tokenize,
 )
-from pagedkv.entrypoints.openai.validation import check_context_length, parse_body
+from pagedkv.entrypoints.openai.validation import (
+    check_context_length,
+    parse_body,
+    truncate_prompts,
+)
 
 
 async def create_completion(request: Request) -> Response:
@@ -40,6 +44,11 @@ async def create_completion(request: Request) -> Response:
         raise bad_request(e.message, e.param) from None
     prompts = req.prompts()
     token_ids = await tokenize(state, prompts)
+    max_len = state.async_llm.engine.max_model_len
+    cut = truncate_prompts(token_ids, req.truncate_prompt_tokens, max_len)
+    # A truncated text prompt goes on as its ids (echo shows what the model saw).
+    prompts = [c if len(c) < len(t) else p for p, t, c in zip(prompts, token_ids, cut)]
+    token_ids = cut
     check_context_length(
         state.async_llm.engine.max_model_len,
         [len(t) for t in token_ids],
@@ -52,7 +61,7 @@ async def create_completion(request: Request) -> Response:
     ]
     renderer = CompletionRenderer(
         state,
-        request_id=f"cmpl-{uuid.uuid4().hex}",
+        request_id=f"cmpl-{request_id(request)}",
         model=req.model or state.served_model_name,
         created=int(time.time()),
         n=params.n,

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import uuid
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -52,6 +53,7 @@ class ServerState:
     model_aliases: set[str]
     metrics: ServerMetrics
     kv_event_publisher: Any = None
+    enable_tokenizer_info: bool = False  # GET /tokenizer_info answers (vLLM's opt-in flag)
     started: float = field(default_factory=time.time)
     token_text_cache: dict[int, str] = field(default_factory=dict)
 
@@ -84,6 +86,11 @@ class ServerState:
 
 def server_state(request: Request) -> ServerState:
     return request.app.state.pagedkv
+
+
+def request_id(request: Request) -> str:
+    """This request's id: the client's ``x-request-id`` or a fresh one (`RequestIdMiddleware`)."""
+    return getattr(request.state, "request_id", None) or uuid.uuid4().hex
 
 
 # ---- prompts ------------------------------------------------------------------------------------

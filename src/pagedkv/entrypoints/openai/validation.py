@@ -67,6 +67,23 @@ def check_context_length(
             )
 
 
+def truncate_prompts(
+    token_ids: list[list[int]], keep: int | None, max_model_len: int
+) -> list[list[int]]:
+    """vLLM's ``truncate_prompt_tokens``: each prompt's last ``keep`` tokens (-1: the model's
+    context; None: unchanged). More than ``max_model_len`` is a 400 naming the field."""
+    if keep is None:
+        return token_ids
+    if keep > max_model_len:
+        raise bad_request(
+            f"truncate_prompt_tokens value ({keep}) is greater than max_model_len "
+            f"({max_model_len}). Please select a smaller truncation size.",
+            "truncate_prompt_tokens",
+        )
+    k = max_model_len if keep == -1 else keep
+    return [ids[-k:] for ids in token_ids]
+
+
 # ---- pydantic errors -----------------------------------------------------------------------------
 
 
