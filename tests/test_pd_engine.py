@@ -400,7 +400,9 @@ def test_async_llm_stats_follow_blocks_freed_outside_a_request_step():
 
         async def run() -> None:
             params = greedy(1, kv_transfer_params={"do_remote_decode": True})
-            stream = await a.add_request("held", {"prompt_token_ids": list(range(100, 180))}, params)
+            stream = await a.add_request(
+                "held", {"prompt_token_ids": list(range(100, 180))}, params
+            )
             async for _ in stream:
                 pass
 

@@ -125,7 +125,8 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(http, tok):
 def test_truncate_prompt_tokens_on_chat_and_the_whole_context(http):
     msgs = [{"role": "user", "content": TEXT}]
     r = http.post(
-        "/v1/chat/completions", json={"messages": msgs, "max_tokens": 1, "truncate_prompt_tokens": 5}
+        "/v1/chat/completions",
+        json={"messages": msgs, "max_tokens": 1, "truncate_prompt_tokens": 5},
     )
     assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 5
     long = " ".join(["block"] * 400)  # > 256 tokens: refused unless truncated

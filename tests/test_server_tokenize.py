@@ -29,9 +29,7 @@ def server():
 
 @pytest.fixture(scope="module")
 def http(server):
-    with httpx.Client(
-        base_url=server.url, timeout=60, headers={"Authorization": "Bearer k"}
-    ) as c:
+    with httpx.Client(base_url=server.url, timeout=60, headers={"Authorization": "Bearer k"}) as c:
         yield c
 
 
