@@ -41,9 +41,22 @@ PROMPT = (
     "Within fifty years printers worked in more than two hundred cities across Europe, and"
 )
 GREEDY = SamplingParams(temperature=0, max_tokens=8)
-# A real bad state, no mock: positive logits divided by 1e-300 overflow to inf in float32, the
-# softmax turns them into NaN and torch.multinomial raises. (Finite, so SamplingParams allows it.)
-EXPLODING = SamplingParams(temperature=1.0, repetition_penalty=1e-300, max_tokens=4)
+# A sampled (not greedy) request: `exploding_sampler` makes its draw raise.
+EXPLODING = SamplingParams(temperature=1.0, max_tokens=4)
+SAMPLER_FAILURE = "injected sampler failure"
+
+
+@pytest.fixture()
+def exploding_sampler(monkeypatch):
+    """Every random draw of the sampler raises (greedy rows take the argmax and never draw).
+    Until the extreme-penalty fix below, repetition_penalty=1e-300 did this for real (NaN
+    probabilities); no valid parameter does now, so the failure is injected at torch's call."""
+    from pagedkv.engine import sampler
+
+    def boom(*args, **kwargs):
+        raise RuntimeError(SAMPLER_FAILURE)
+
+    monkeypatch.setattr(sampler.torch, "multinomial", boom)
 
 
 def assert_pool_all_free(engine) -> None:
@@ -118,12 +131,12 @@ def test_a_failing_forward_fails_only_its_batch_and_leaves_no_poisoned_cache(llm
 
 
 @pytest.mark.slow
-def test_a_sampler_blow_up_fails_its_batch_offline(llm):
-    """A request whose sampling raises (NaN probabilities) ends with "error"; the engine goes on."""
+def test_a_sampler_blow_up_fails_its_batch_offline(llm, exploding_sampler):
+    """A request whose sampling raises ends with "error"; the engine goes on."""
     ref = llm.generate(PROMPT, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
     bad = llm.generate("Hello", EXPLODING, use_tqdm=False)[0]
     assert bad.finished and bad.outputs[0].finish_reason == "error"
-    assert "probability tensor" in bad.error
+    assert SAMPLER_FAILURE in bad.error
     assert_pool_all_free(llm.llm_engine)
     assert llm.generate(PROMPT, GREEDY, use_tqdm=False)[0].outputs[0].token_ids == ref
     assert_pool_all_free(llm.llm_engine)
@@ -144,14 +157,14 @@ async def collect(async_llm: AsyncLLM, rid: str, prompt, params: SamplingParams)
 
 
 @pytest.mark.slow
-def test_async_llm_stays_healthy_after_a_failing_step(async_llm):
+def test_async_llm_stays_healthy_after_a_failing_step(async_llm, exploding_sampler):
     """On AsyncLLM the failed request's stream raises EngineGenerateError; the engine stays
     healthy (a server's /health stays 200), later requests give the same greedy tokens as
     before, and the pool is all free."""
 
     async def scenario():
         ref = await collect(async_llm, "ref", PROMPT, GREEDY)
-        with pytest.raises(EngineGenerateError, match="probability tensor"):
+        with pytest.raises(EngineGenerateError, match=SAMPLER_FAILURE):
             await collect(async_llm, "bad", "Hello", EXPLODING)
         assert async_llm.is_healthy and async_llm.num_in_flight == 0
         again = await collect(async_llm, "again", PROMPT, GREEDY)
@@ -262,3 +275,30 @@ def test_a_huge_prompt_does_not_stall_a_running_stream(long_context_llm):
     assert max_gap < 0.5 * tokenize_s, (max_gap, tokenize_s)
     assert async_llm.is_healthy
     async_llm.call_in_engine(assert_pool_all_free).result(60)
+
+
+def test_a_stop_token_id_outside_the_vocabulary_is_refused_before_queueing(llm):
+    """A stop token id >= the vocabulary size used to reach the sampler (min_tokens masks stop
+    ids) and fail the batch with an IndexError; it is a ValueError naming the parameter now,
+    and nothing is queued."""
+    vocab = llm.llm_engine.model_config.vocab_size
+    bad = SamplingParams(max_tokens=4, min_tokens=2, stop_token_ids=[5, vocab])
+    with pytest.raises(ValueError, match=r"invalid sampling parameter stop_token_ids=.*< 49152"):
+        llm.generate(["Hi"], bad, use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()
+    ok = llm.generate(["Hi"], SamplingParams(max_tokens=2, stop_token_ids=[vocab - 1]))
+    assert len(ok[0].outputs[0].token_ids) == 2
+
+
+@pytest.mark.parametrize("penalty", [5e-324, 1e-300, 1e300])
+def test_an_extreme_repetition_penalty_samples_instead_of_failing(llm, penalty):
+    """A positive but extreme repetition_penalty (found by schemathesis: 5e-324) divided the
+    seen tokens' logits to +inf, and sampling failed on a NaN probability (a 500). Penalized
+    logits stay finite, so the request samples its tokens."""
+    out = llm.generate(
+        [{"prompt_token_ids": [100, 101, 102]}],
+        SamplingParams(max_tokens=3, temperature=1.0, seed=0, repetition_penalty=penalty),
+        use_tqdm=False,
+    )
+    ids = out[0].outputs[0].token_ids
+    assert len(ids) == 3 and out[0].outputs[0].finish_reason == "length"

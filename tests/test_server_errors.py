@@ -91,11 +91,11 @@ def assert_healthy(http) -> None:
         ('{"prompt": "hi", "n": 1.5}', "n", "valid integer"),
         ('{"prompt": "hi", "stream": "yes"}', "stream", "valid boolean"),
         ('{"prompt": "hi", "stop": [1]}', "stop", "invalid type for 'stop'"),
-        ('{"prompt": "hi", "max_tokens": -1}', "max_tokens", "max_tokens=-1"),
-        ('{"prompt": "hi", "max_tokens": 0}', "max_tokens", "max_tokens=0"),
+        ('{"prompt": "hi", "max_tokens": -1}', "max_tokens", ">= 1 (got -1)"),
+        ('{"prompt": "hi", "max_tokens": 0}', "max_tokens", ">= 1 (got 0)"),
         ('{"prompt": "hi", "temperature": -0.5}', "temperature", "temperature"),
         ('{"prompt": "hi", "top_p": 1.5}', "top_p", "top_p"),
-        ('{"prompt": "hi", "n": 0}', "n", "n=0"),
+        ('{"prompt": "hi", "n": 0}', "n", ">= 1 (got 0)"),
         ('{"prompt": "hi", "logprobs": 50}', "logprobs", "logprobs"),
         ('{"prompt": "hi", "stream_options": {"include_usage": true}}', "stream_options", "stream"),
         ('{"prompt": []}', "prompt", "empty"),
@@ -141,7 +141,7 @@ def test_bad_completion_requests_get_400_naming_the_field(http, body, param, wor
         (
             {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": -3},
             "max_completion_tokens",
-            "max_completion_tokens=-3",
+            ">= 1 (got -3)",
         ),
         (
             {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 99},

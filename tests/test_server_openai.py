@@ -287,7 +287,8 @@ def test_kv_transfer_params_unknown_key_is_a_400_naming_the_field(server):
         )
         assert r.status_code == 400, r.text
         err = r.json()["error"]
-        assert err["param"] == "kv_transfer_params" and "bogus" in err["message"]
+        # The key itself is named (kv_transfer_params is a typed model: protocol.KVTransferParams).
+        assert err["param"] == "kv_transfer_params.bogus" and "bogus" in err["message"]
         wrong_type = httpx.post(
             server.url + path,
             timeout=60,

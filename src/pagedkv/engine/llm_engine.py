@@ -269,6 +269,12 @@ class LLMEngine:
         if self.output_processor.has_request(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
         token_ids, text = self.process_prompt(prompt)
+        vocab = self.model_config.vocab_size
+        if any(t >= vocab for t in params.stop_token_ids or []):  # the sampler indexes by them
+            raise ValueError(
+                f"invalid sampling parameter stop_token_ids={params.stop_token_ids!r}: "
+                f"token ids must be < {vocab} (the vocabulary size)"
+            )
         limit = self.max_model_len - len(token_ids)
         max_tokens = limit if params.max_tokens is None else min(params.max_tokens, limit)
         req = self._new_request(

@@ -163,7 +163,10 @@ def _apply_penalties(row: torch.Tensor, req: Request) -> None:
     if p.repetition_penalty != 1.0:
         seen = torch.tensor(sorted(set(req.prompt_token_ids) | set(out_ids)), dtype=torch.long)
         vals = row[seen]
-        row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+        vals = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+        # An extreme (but positive) penalty overflows to inf, and sampling to NaN: stay finite.
+        big = torch.finfo(row.dtype).max
+        row[seen] = vals.clamp(-big, big)
     if out_ids and (p.presence_penalty or p.frequency_penalty):
         ids, counts = torch.tensor(out_ids, dtype=torch.long).unique(return_counts=True)
         row[ids] -= p.frequency_penalty * counts.to(row.dtype) + p.presence_penalty

@@ -59,6 +59,7 @@ from fastapi.responses import JSONResponse, Response
 
 from pagedkv.engine.async_llm import AsyncLLM, EngineDeadError
 from pagedkv.entrypoints.metrics import ServerMetrics
+from pagedkv.entrypoints.openai import openapi
 from pagedkv.entrypoints.openai import protocol as P
 from pagedkv.entrypoints.openai import serving_tokenization as tokenization
 from pagedkv.entrypoints.openai.errors import (
@@ -292,7 +293,7 @@ def build_app(
     app.add_api_route("/v1/chat/completions", create_chat_completion, methods=["POST"])
     app.add_api_route("/v1/models", list_models, methods=["GET"])
     app.add_api_route("/health", health, methods=["GET"])
-    app.add_api_route("/ping", health, methods=["GET", "POST"])  # SageMaker's, as vLLM's
+    app.add_api_route("/ping", health, methods=["GET", "POST"])  # SageMaker's probe, as vLLM's
     app.add_api_route("/version", version, methods=["GET"])
     app.add_api_route("/tokenize", tokenization.tokenize, methods=["POST"])
     app.add_api_route("/detokenize", tokenization.detokenize, methods=["POST"])
@@ -302,6 +303,7 @@ def build_app(
     app.add_api_route("/debug/kv_cache", debug_kv_cache, methods=["GET"])
     app.add_api_route("/v1/kv_cache_config", kv_cache_config, methods=["GET"])
     dashboard.add_routes(app)
+    openapi.install(app)
     # The last added runs first: log everything, give it an id, authenticate, read the body.
     if max_request_bytes is not None:
         app.add_middleware(MaxBodySizeMiddleware, max_bytes=max_request_bytes)

@@ -21,13 +21,49 @@ a client relying on them must not get a 200 that silently did something else.
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 from pagedkv.engine.sampling_params import SamplingParams
+from pagedkv.kv_transfer.config import KV_TRANSFER_PARAM_KEYS
 
 MAX_LOGPROBS = 20
+MAX_N = 128  # choices per request (OpenAI's documented limit): bounds the work one request asks
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+# Constrained types: the ranges `SamplingParams` checks, stated in the schema too (/openapi.json),
+# so a client (or a schema fuzzer) knows what is accepted before sending it.
+
+
+def _integral(v: Any) -> Any:
+    """``3.0`` is an integer in JSON (and JSON Schema): accept it where an int is expected;
+    ``1.5``, ``"3"`` and ``true`` stay refused (the models are strict)."""
+    return int(v) if isinstance(v, float) and v.is_integer() else v
+
+
+# The bounds go before the validator: pydantic then states them in the schema as JSON Schema's.
+Int = Annotated[int, BeforeValidator(_integral)]
+TokenId = Annotated[int, Field(ge=0), BeforeValidator(_integral)]
+Penalty = Annotated[float, Field(ge=-2, le=2)]
+LogprobCount = Annotated[int, Field(ge=0, le=MAX_LOGPROBS), BeforeValidator(_integral)]
+PositiveInt = Annotated[int, Field(ge=1), BeforeValidator(_integral)]
+Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1), BeforeValidator(_integral)]
+# Union fields keep plain types for validation (`check` gives the clearer message, e.g. "prompt
+# must not be empty"); the schema states their constraints (`json_schema_extra` replaces anyOf).
+_STR1 = {"type": "string", "minLength": 1}
+_IDS1 = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
+PROMPT_SCHEMA = [
+    _STR1,
+    {"type": "array", "items": _STR1, "minItems": 1},
+    _IDS1,
+    {"type": "array", "items": _IDS1, "minItems": 1},
+]
+STOP_SCHEMA = [_STR1, {"type": "array", "items": _STR1}, {"type": "null"}]
+
+
+def _schema(any_of: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"anyOf": any_of}
 
 
 class _Request(BaseModel):
@@ -57,51 +93,99 @@ UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
 }
 
 
+class KVTransferParams(_Request):
+    """vLLM's per-request ``kv_transfer_params``, typed: the offloading connector's keys and
+    prefill/decode disaggregation's (what a producer's response carries for its consumer).
+    Another key, or a value of the wrong type, is a 400 naming it; unset ones are not passed."""
+
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
+
+    max_offload_tokens: Annotated[int, Field(ge=0), BeforeValidator(_integral)] | None = None
+    offload_policy: Literal["BLOCK_LEVEL", "REQUEST_LEVEL"] | None = None
+    skip_reading_prefix_cache: bool | None = None
+    do_remote_decode: bool | None = None
+    do_remote_prefill: bool | None = None
+    remote_engine_id: str | None = None
+    remote_block_ids: list[TokenId] | list[list[TokenId]] | None = None
+    remote_host: str | None = None
+    remote_port: Annotated[int, Field(ge=0, le=65535), BeforeValidator(_integral)] | None = None
+    remote_request_id: str | None = None
+    remote_num_tokens: Annotated[int, Field(ge=0), BeforeValidator(_integral)] | None = None
+    remote_blocks_expiry_time: float | None = None
+    transfer_mode: Literal["pull", "push"] | None = None
+    tp_size: PositiveInt | None = None
+    dcp_size: PositiveInt | None = None
+    pp_size: PositiveInt | None = None
+    remote_registration_generation: Int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.model_dump(exclude_none=True)
+
+
+assert set(KVTransferParams.model_fields) == KV_TRANSFER_PARAM_KEYS  # one list of keys
+
+
+def _unused(name: str) -> dict[str, Any]:
+    """The schema of an unimplemented field: only its values that mean "not used"."""
+    return {"enum": list(UNSUPPORTED_FIELDS[name])}
+
+
 class _SamplingRequest(_Request):
     """Fields shared by completions and chat completions. Unknown fields are kept in
     ``model_extra`` (``extra="allow"``) only so that `check` can refuse ``guided_*``."""
 
-    model_config = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)
+    model_config = ConfigDict(
+        strict=True,
+        extra="allow",
+        allow_inf_nan=False,
+        # vLLM's guided_* fields (guided decoding) are refused unless null.
+        json_schema_extra={"patternProperties": {"^guided_": {"type": "null"}}},
+    )
 
     model: str | None = None
-    n: int = 1
-    temperature: float | None = None  # None: 1.0 (OpenAI's default)
-    top_p: float | None = None
-    stop: str | list[str] | None = None
-    seed: int | None = None
+    n: Annotated[int, Field(ge=1, le=MAX_N), BeforeValidator(_integral)] = 1
+    temperature: Annotated[float, Field(ge=0)] | None = None  # None: 1.0 (OpenAI's default)
+    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
+    stop: str | list[str] | None = Field(None, json_schema_extra=_schema(STOP_SCHEMA))
+    seed: Int64 | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    # Refused when not empty (`check`): the schema says so.
+    logit_bias: dict[str, float] | None = Field(None, json_schema_extra={"maxProperties": 0})
     user: str | None = None
     # vLLM extensions
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    min_tokens: int = 0
+    top_k: Annotated[int, Field(ge=-1), BeforeValidator(_integral)] | None = None
+    min_p: Annotated[float, Field(ge=0, le=1)] | None = None
+    repetition_penalty: Annotated[float, Field(gt=0)] | None = None
+    min_tokens: Annotated[int, Field(ge=0), BeforeValidator(_integral)] = 0
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-    cache_salt: str | None = None  # vLLM: requests share cached blocks only with the same salt
+    # vLLM: requests share cached blocks only with the same salt
+    cache_salt: str | None = Field(None, json_schema_extra={"minLength": 1})
     # vLLM: per-request KV connector params (PD disaggregation, offload policy); SamplingParams
     # checks the keys, so an unknown one is a 400 naming this field.
-    kv_transfer_params: dict[str, Any] | None = None
+    kv_transfer_params: KVTransferParams | None = None
     # vLLM: each choice carries its ``token_ids`` (per chunk when streaming: the new ones) and
     # the prompt's ``prompt_token_ids`` (completions: on the choice, in its first chunk; chat: on
     # the response / the chunk that first carries tokens). `pagedkv proxy` resumes a broken
     # stream from them.
     return_token_ids: bool = False
     # vLLM: keep only the last k prompt tokens (left truncation); -1: the model's context.
-    truncate_prompt_tokens: int | None = None
-    # Not implemented: refused unless unused (see UNSUPPORTED_FIELDS).
-    tools: Any = None
-    tool_choice: Any = None
-    functions: Any = None
-    function_call: Any = None
-    response_format: Any = None
-    structured_outputs: Any = None
+    truncate_prompt_tokens: (
+        Annotated[Literal[-1] | PositiveInt, BeforeValidator(_integral)] | None
+    ) = None
+    # Not implemented: refused unless unused (see UNSUPPORTED_FIELDS; the schema lists the
+    # values accepted).
+    tools: Any = Field(None, json_schema_extra=_unused("tools"))
+    tool_choice: Any = Field(None, json_schema_extra=_unused("tool_choice"))
+    functions: Any = Field(None, json_schema_extra=_unused("functions"))
+    function_call: Any = Field(None, json_schema_extra=_unused("function_call"))
+    response_format: Any = Field(None, json_schema_extra=_unused("response_format"))
+    structured_outputs: Any = Field(None, json_schema_extra=_unused("structured_outputs"))
 
     def check(self) -> None:
         """Cross-field checks pydantic does not do; RequestError ``(param, message)``."""
@@ -152,7 +236,9 @@ class _SamplingRequest(_Request):
             stop_token_ids=self.stop_token_ids,
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
-            kv_transfer_params=self.kv_transfer_params,
+            kv_transfer_params=None
+            if self.kv_transfer_params is None
+            else self.kv_transfer_params.to_dict(),
         )
         return kw
 
@@ -201,20 +287,27 @@ def make_sampling_params(
 
 
 class CompletionRequest(_SamplingRequest):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
-    logprobs: int | None = None
+    # Emptiness is refused by `check` (a clear message); the schema states it.
+    prompt: str | list[str] | list[Int] | list[list[Int]] = Field(
+        json_schema_extra=_schema(PROMPT_SCHEMA)
+    )
+    max_tokens: PositiveInt | None = 16
+    logprobs: LogprobCount | None = None
     # vLLM extension: each choice's ``prompt_logprobs`` (None, then per prompt token
     # {token id: {logprob, rank, decoded_token}}: the prompt token and the top k).
-    prompt_logprobs: int | None = None
+    prompt_logprobs: LogprobCount | None = None
     echo: bool = False
-    best_of: int | None = None
-    suffix: str | None = None
+    best_of: Annotated[int, Field(ge=1, le=MAX_N), BeforeValidator(_integral)] | None = None
+    suffix: str | None = Field(None, json_schema_extra={"maxLength": 0})  # refused unless empty
 
     def check(self) -> None:
         super().check()
         if isinstance(self.prompt, list) and not self.prompt:
             raise RequestError("prompt", "prompt must not be empty")
+        if isinstance(self.prompt, list) and not all(isinstance(p, int) for p in self.prompt):
+            for i, p in enumerate(self.prompt):
+                if not p:
+                    raise RequestError(f"prompt[{i}]", f"prompt[{i}] must not be empty")
         if self.best_of is not None and self.best_of != self.n:
             raise RequestError("best_of", "best_of is not supported (it must equal n)")
         if self.suffix:
@@ -319,14 +412,19 @@ class CompletionStreamResponse(_Response):
 
 
 class ChatContentPart(BaseModel):
-    model_config = ConfigDict(strict=True, extra="allow")
-    type: str
-    text: str | None = None
+    """A content part: only ``text`` ones are supported (the schema says so; others are a 400
+    naming the part)."""
+
+    model_config = ConfigDict(
+        strict=True, extra="allow", json_schema_extra={"required": ["type", "text"]}
+    )
+    type: str = Field(json_schema_extra={"enum": ["text"]})
+    text: str | None = Field(None, json_schema_extra={"type": "string"})
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
-    role: str
+    role: str = Field(json_schema_extra={"enum": list(CHAT_ROLES)})  # `check_messages` names it
     content: str | list[ChatContentPart] | None = None
     name: str | None = None
 
@@ -344,9 +442,6 @@ class ChatMessage(BaseModel):
                 )
             parts.append(part.text)
         return "\n".join(parts)
-
-
-CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 def check_messages(messages: list[ChatMessage]) -> None:
@@ -371,11 +466,11 @@ def conversation(messages: list[ChatMessage]) -> list[dict[str, str]]:
 
 
 class ChatCompletionRequest(_SamplingRequest):
-    messages: list[ChatMessage]
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    messages: list[ChatMessage] = Field(json_schema_extra={"minItems": 1})
+    max_tokens: PositiveInt | None = None
+    max_completion_tokens: PositiveInt | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: LogprobCount | None = None
     add_generation_prompt: bool = True  # vLLM extension
 
     def check(self) -> None:
@@ -494,7 +589,7 @@ class TokenizeChatRequest(_Request):
     """Messages rendered with the chat template (or ``chat_template``), then to ids."""
 
     model: str | None = None
-    messages: list[ChatMessage]
+    messages: list[ChatMessage] = Field(json_schema_extra={"minItems": 1})
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     add_special_tokens: bool = False
@@ -523,7 +618,7 @@ class TokenizeResponse(_Response):
 
 class DetokenizeRequest(_Request):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[TokenId]
 
 
 class DetokenizeResponse(_Response):

@@ -117,7 +117,30 @@ def validation_message(err: ValidationError, model: type[BaseModel]) -> tuple[st
             f"invalid type for '{top}': expected {_type_name(field.annotation)}, "
             f"got {_json_type(same_field[0].get('input'))}"
         ), top
-    return f"invalid value for '{param}': {first['msg']} (got {_short(first.get('input'))})", param
+    why = _bound_message(first) or first["msg"]
+    return f"invalid value for '{param}': {why} (got {_short(first.get('input'))})", param
+
+
+# pydantic's range and length errors, said as the API reference says them.
+_BOUNDS = {
+    "greater_than_equal": ("ge", ">="),
+    "greater_than": ("gt", ">"),
+    "less_than_equal": ("le", "<="),
+    "less_than": ("lt", "<"),
+}
+
+
+def _bound_message(error: Any) -> str | None:
+    ctx = error.get("ctx") or {}
+    if error["type"] in _BOUNDS:
+        key, op = _BOUNDS[error["type"]]
+        return f"must be {op} {ctx.get(key)}"
+    if error["type"] in ("too_short", "string_too_short"):
+        n = ctx.get("min_length")
+        return f"must have at least {n} {'character' if 'string' in error['type'] else 'item'}" + (
+            "s" if n != 1 else ""
+        )
+    return None
 
 
 def _param_path(loc: tuple[int | str, ...]) -> str:
@@ -137,8 +160,19 @@ def _is_union(annotation: Any) -> bool:
 
 
 def _type_name(annotation: Any) -> str:
-    s = str(annotation).replace("typing.", "")
-    return s.replace("pagedkv.entrypoints.openai.protocol.", "")
+    """``str | list[int] | None`` for an annotation (constraints and module paths dropped)."""
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is typing.Annotated:
+        return _type_name(args[0])
+    if origin in (typing.Union, types.UnionType):
+        return " | ".join(_type_name(a) for a in args)
+    if origin is typing.Literal:
+        return " | ".join(repr(a) for a in args)
+    if origin is not None:
+        return f"{getattr(origin, '__name__', str(origin))}[{', '.join(map(_type_name, args))}]"
+    if annotation is type(None):
+        return "None"
+    return getattr(annotation, "__name__", str(annotation))
 
 
 def _json_type(x: Any) -> str:
