@@ -239,6 +239,7 @@ def projections_alone(model: str, dtype: str, rows: int, rounds: int = 5) -> dic
     from safetensors.torch import load_file
 
     from pagedkv.ops import native
+    from pagedkv.ops.dense_linear import best_seconds
 
     sd = load_file(str(Path(model) / "model.safetensors"))
     wdt = torch.bfloat16 if dtype == "bfloat16" else torch.float32
@@ -254,16 +255,9 @@ def projections_alone(model: str, dtype: str, rows: int, rounds: int = 5) -> dic
     xs = {w.shape[1]: torch.randn(rows, w.shape[1]) for w in weights}
     tiny = weights[0][:4].contiguous()
 
-    def best(fn: Any, n: int) -> float:
-        t = float("inf")
-        for _ in range(n):
-            t0 = time.perf_counter()
-            fn()
-            t = min(t, time.perf_counter() - t0)
-        return t
-
-    total = best(lambda: [native.gemv_dense(xs[w.shape[1]], w) for w in weights], rounds)
-    call = best(lambda: [native.gemv_dense(xs[tiny.shape[1]], tiny) for _ in range(100)], 5) / 100
+    total = best_seconds(lambda: [native.gemv_dense(xs[w.shape[1]], w) for w in weights], rounds)
+    call = best_seconds(lambda: [native.gemv_dense(xs[tiny.shape[1]], tiny) for _ in range(100)], 5)
+    call /= 100
     nbytes = sum(w.numel() * w.element_size() for w in weights)
     return dict(
         projections_alone_ms=(total - len(weights) * call) * 1e3,

@@ -38,7 +38,7 @@ from pagedkv.engine.outputs import RequestOutput
 from pagedkv.engine.rank_planning import hybrid_block_size, scheduler_kv_cache_specs
 from pagedkv.engine.request import Request
 from pagedkv.engine.sampler import Sampler
-from pagedkv.engine.sampling_params import SamplingParams
+from pagedkv.engine.sampling_params import SamplingParamError, SamplingParams
 from pagedkv.engine.scheduler import Scheduler
 from pagedkv.engine.scheduler_output import (
     EMPTY_MODEL_RUNNER_OUTPUT,
@@ -271,9 +271,10 @@ class LLMEngine:
         token_ids, text = self.process_prompt(prompt)
         vocab = self.model_config.vocab_size
         if any(t >= vocab for t in params.stop_token_ids or []):  # the sampler indexes by them
-            raise ValueError(
-                f"invalid sampling parameter stop_token_ids={params.stop_token_ids!r}: "
-                f"token ids must be < {vocab} (the vocabulary size)"
+            raise SamplingParamError(
+                "stop_token_ids",
+                params.stop_token_ids,
+                f"token ids must be < {vocab} (the vocabulary size)",
             )
         limit = self.max_model_len - len(token_ids)
         max_tokens = limit if params.max_tokens is None else min(params.max_tokens, limit)

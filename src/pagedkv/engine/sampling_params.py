@@ -10,6 +10,17 @@ from pagedkv.kv_transfer.config import KV_TRANSFER_PARAM_KEYS
 _GREEDY_EPS = 1e-5
 
 
+class SamplingParamError(ValueError):
+    """An invalid sampling parameter: ``param`` names it (a server's 400 names the field).
+    Raised by `SamplingParams` and by the engine for checks that need the model (vocab)."""
+
+    PREFIX = "invalid sampling parameter "
+
+    def __init__(self, param: str, value: object, why: str) -> None:
+        super().__init__(f"{self.PREFIX}{param}={value!r}: {why}")
+        self.param = param
+
+
 @dataclass(slots=True)
 class SamplingParams:
     """Per-request sampling and stopping parameters.
@@ -63,8 +74,8 @@ class SamplingParams:
         self.verify()
 
     def verify(self) -> None:
-        def bad(name: str, why: str) -> ValueError:
-            return ValueError(f"invalid sampling parameter {name}={getattr(self, name)!r}: {why}")
+        def bad(name: str, why: str) -> SamplingParamError:
+            return SamplingParamError(name, getattr(self, name), why)
 
         if not isinstance(self.n, int) or self.n < 1:
             raise bad("n", "must be an integer >= 1")

@@ -79,7 +79,8 @@ _FNS: dict[str, Callable[..., torch.Tensor]] = {
 }
 
 
-def _best_seconds(fn: Callable[[], object], reps: int) -> float:
+def best_seconds(fn: Callable[[], object], reps: int) -> float:
+    """The fastest of ``reps`` timed calls of ``fn``."""
     best = float("inf")
     for _ in range(reps):
         t = time.perf_counter()
@@ -122,7 +123,7 @@ def backend() -> str:
     for _ in range(2):  # warm-up: first-call setup of every library
         for n in names:
             _FNS[n](xs[0], w, b)
-    secs = {n: sum(_best_seconds(lambda x=x: _FNS[n](x, w, b), 5) for x in xs) for n in names}
+    secs = {n: sum(best_seconds(lambda x=x: _FNS[n](x, w, b), 5) for x in xs) for n in names}
     return min(names, key=secs.__getitem__)
 
 
@@ -164,6 +165,6 @@ def small_batch_native() -> bool:
     for _ in range(2):
         for x in xs:
             native.gemv_dense(x, w), linear(x, w)
-    ours = sum(_best_seconds(lambda x=x: native.gemv_dense(x, w), 5) for x in xs)
-    lib = sum(_best_seconds(lambda x=x: linear(x, w), 5) for x in xs)
+    ours = sum(best_seconds(lambda x=x: native.gemv_dense(x, w), 5) for x in xs)
+    lib = sum(best_seconds(lambda x=x: linear(x, w), 5) for x in xs)
     return ours < lib

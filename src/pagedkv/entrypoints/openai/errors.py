@@ -20,13 +20,13 @@ from pagedkv.engine.async_llm import (
     EngineGenerateError,
     QueueFullError,
 )
+from pagedkv.engine.sampling_params import SamplingParamError
 from pagedkv.entrypoints.openai import protocol as P
 
 logger = logging.getLogger(__name__)
 
 # Seconds a client should wait before retrying a 503 (queue full, engine down).
 RETRY_AFTER_SECONDS = 1
-SAMPLING_PREFIX = "invalid sampling parameter "  # SamplingParams' and the engine's ValueErrors
 
 
 class APIError(Exception):
@@ -97,10 +97,10 @@ def engine_error(e: BaseException, prompt_param: str | None) -> APIError:
         return APIError(409, str(e), "conflict_error", "x-request-id", "duplicate_request_id")
     if isinstance(e, P.RequestError):
         return bad_request(e.message, e.param)
+    if isinstance(e, SamplingParamError):  # the engine's check of a sampling parameter
+        return bad_request(str(e), e.param)
     if isinstance(e, ValueError):
         msg = str(e)
-        if msg.startswith(SAMPLING_PREFIX):  # the engine's check of a sampling parameter
-            return bad_request(msg, msg[len(SAMPLING_PREFIX) :].split("=", 1)[0])
         if "longer than" in msg:
             return bad_request(msg, prompt_param, "context_length_exceeded")
         return bad_request(msg, prompt_param if "prompt" in msg else None)

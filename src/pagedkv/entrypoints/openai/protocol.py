@@ -25,7 +25,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
-from pagedkv.engine.sampling_params import SamplingParams
+from pagedkv.engine.sampling_params import SamplingParamError, SamplingParams
 from pagedkv.kv_transfer.config import KV_TRANSFER_PARAM_KEYS
 
 MAX_LOGPROBS = 20
@@ -270,17 +270,15 @@ def make_sampling_params(
     field (``rename`` maps SamplingParams names to request names)."""
     try:
         return SamplingParams(**kwargs)
-    except ValueError as e:
-        msg = str(e)
-        param = None
-        prefix = "invalid sampling parameter "
-        if msg.startswith(prefix):
-            param = msg[len(prefix) :].split("=", 1)[0]
-            if rename and param in rename:
-                new = rename[param]
-                msg = prefix + new + msg[len(prefix) + len(param) :]
-                param = new
+    except SamplingParamError as e:
+        msg, param = str(e), e.param
+        if rename and param in rename:
+            head = len(e.PREFIX) + len(param)
+            param = rename[param]
+            msg = e.PREFIX + param + msg[head:]
         raise RequestError(param, msg) from None
+    except ValueError as e:
+        raise RequestError(None, str(e)) from None
 
 
 # ---- completions -----------------------------------------------------------------------------
