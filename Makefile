@@ -21,6 +21,10 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install -q numpy
 	$(PIP) install -q --no-deps nixl-cu12==1.5.1 || \
 	  echo "NOTE: nixl-cu12 not installed; KV transfer will use the TCP backend"
+	# Optional xgrammar (structured outputs' faster backend; llguidance is the fallback):
+	# --no-deps, it declares torch and triton; it needs apache-tvm-ffi and transformers (test extra).
+	$(PIP) install -q --no-deps 'xgrammar>=0.2.9,<0.3' 'apache-tvm-ffi>=0.1.11' || \
+	  echo "NOTE: xgrammar not installed; structured outputs will use llguidance"
 	# Optional Triton (the CUDA kernels of ops/triton): on CPU only its interpreter runs, in the
 	# kernel tests. --no-deps for the same reason as NIXL; 3.7.1: older interpreters break on numpy 2.
 	$(PIP) install -q --no-deps triton==3.7.1 || \

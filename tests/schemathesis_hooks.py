@@ -2,7 +2,7 @@
 
 The OpenAPI document states every constraint JSON Schema can state (ranges, lengths, enums, the
 served model names, token ids below the vocabulary size, ``if``/``then`` for the boolean
-dependencies). Three rules compare values JSON Schema cannot compare; they are listed in each
+dependencies). Four rules check values JSON Schema cannot check; they are listed in each
 generation operation's description (`openapi.RULES`), answered with a 400 naming the field, and
 this hook drops the generated bodies that break one, so that every remaining schema-valid body
 must be accepted:
@@ -10,7 +10,9 @@ must be accepted:
 * ``best_of``, when given, must equal ``n``;
 * ``min_tokens`` must be <= ``max_tokens`` (``max_completion_tokens``);
 * the prompt's tokens (after ``truncate_prompt_tokens``) must fit ``max_model_len``, and with
-  the requested ``max_tokens`` too.
+  the requested ``max_tokens`` too;
+* a structured output's JSON Schema, regex or grammar must compile (checked by compiling it,
+  as the server does, with the same backends and tokenizer).
 
 The token count uses the server's own tokenizer and chat template (the default model's GGUF).
 """
@@ -51,6 +53,34 @@ def _prompt_lens(path: str, body: dict[str, Any]) -> list[int] | None:
         return None
 
 
+@cache
+def _structured_output_manager() -> Any:
+    from pagedkv.engine.structured_output import StructuredOutputManager
+
+    tok = _tokenizer()
+    return StructuredOutputManager(tok, tok.vocab_size)
+
+
+def _structured_output_compiles(path: str, body: dict[str, Any]) -> bool:
+    """False when the body's response_format / structured_outputs is well-formed but does not
+    compile (the fourth rule); True otherwise (a malformed one is the server's to refuse)."""
+    from pagedkv.engine.sampling_params import SamplingParamError
+    from pagedkv.entrypoints.openai import protocol as P
+
+    model = P.CompletionRequest if path == "/v1/completions" else P.ChatCompletionRequest
+    try:
+        params = model.model_validate(body).structured_outputs_params()
+    except Exception:  # noqa: BLE001 - malformed: the server must refuse it anyway
+        return True
+    if params is None:
+        return True
+    try:
+        _structured_output_manager().compile(params)
+    except SamplingParamError:
+        return False
+    return True
+
+
 # The run's budget: a generated n up to 128 choices of up to max_model_len tokens each would
 # take minutes per request on 2 cores. Bodies keep n (and an equal best_of) at most this; the
 # schema's full range of n is the unit tests' (tests/test_server_errors.py).
@@ -88,6 +118,8 @@ def _keeps_the_rules(path: str, body: Any) -> bool:
     if isinstance(max_tokens, (int, float)) and isinstance(min_tokens, (int, float)):
         if min_tokens > max_tokens:
             return False
+    if not _structured_output_compiles(path, body):
+        return False
     lens = _prompt_lens(path, body)
     if lens is None:
         return True

@@ -420,3 +420,23 @@ def test_vs_vllm_step_split_on_a_tiny_llama(tmp_path: Path) -> None:
         r["projections_bandwidth_ms"] = r["projection_bytes"] / 20e9 * 1e3  # run_step_split's
     text = "\n".join(vs_vllm._split_rows("float32", rows))
     assert "  1 rows" in text and "  3 rows" in text
+
+
+def test_structured_outputs_tiny(capsys) -> None:
+    from pagedkv.bench.structured_outputs import CASES, main
+
+    rc = main(["--rounds", "1", "--max-tokens", "12", "--batch", "2", "--json-only"])
+    assert rc == 0
+    r = json.loads(capsys.readouterr().out)
+    for backend in ("xgrammar", "guidance"):
+        res = r["library"][backend]
+        if res is None:
+            continue
+        for case in CASES:
+            c = res[case]
+            assert c["tokens"] > 1 and c["compile_first_ms"] > 0
+            assert 0 < c["mask_us_median"] <= c["mask_us_p99"] <= c["mask_us_max"]
+    (row,) = r["engine"]["rows"]
+    assert row["batch"] == 2 and row["plain_tok_s"] > 0 and row["json_schema_tok_s"] > 0
+    assert row["ratio"] == pytest.approx(row["json_schema_tok_s"] / row["plain_tok_s"])
+    assert row["mask_ms_per_step"] > 0

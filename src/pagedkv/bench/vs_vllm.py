@@ -61,6 +61,7 @@ from typing import Any
 
 from pagedkv.bench.common import (
     add_output_args,
+    cpu_info,
     fmt,
     int_range,
     log,
@@ -286,24 +287,6 @@ def run_step_split(dtype: str, args: argparse.Namespace, read_gb_s: float) -> li
     return rows
 
 
-def _cpu() -> dict[str, Any]:
-    """The CPU the figures were taken on (rates differ several-fold between hosts)."""
-    info: dict[str, Any] = {}
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return info
-    for line in text.splitlines():
-        key, _, val = line.partition(":")
-        key, val = key.strip(), val.strip()
-        if key in ("model name", "cpu family", "model") and key not in info:
-            info[key] = val
-        elif key == "flags" and "simd" not in info:
-            flags = set(val.split())
-            info["simd"] = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
-    return info
-
-
 def _cores(spec: str) -> int:
     n = 0
     for part in spec.split(","):
@@ -458,7 +441,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     ensure_hf_dir(args)
     report: dict[str, Any] = dict(
         cores=args.cores,
-        cpu=(cpu := _cpu()),
+        cpu=(cpu := cpu_info()),
         machine=f"{_cores(args.cores)} cores: {cpu.get('model name', '?')} (family "
         f"{cpu.get('cpu family', '?')}, model {cpu.get('model', '?')}), "
         f"{'/'.join(cpu.get('simd', [])) or 'no AVX2'}, CPU only",

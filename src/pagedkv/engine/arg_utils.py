@@ -64,8 +64,14 @@ CACHE_ARGS: tuple[str, ...] = (
     "kv_side_channel_port",
     "preemption_mode",
 )
-# The scheduler's budgets and the engine seed (serve adds them to its engine group).
-SCHEDULER_ARGS: tuple[str, ...] = ("max_num_seqs", "max_num_batched_tokens", "seed")
+# The scheduler's budgets, the engine seed and the structured-output backend (serve adds them
+# to its engine group).
+SCHEDULER_ARGS: tuple[str, ...] = (
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "seed",
+    "structured_outputs_backend",
+)
 # Distribution: tensor and decode context parallelism (generate, chat and serve).
 PARALLEL_ARGS: tuple[str, ...] = (
     "tensor_parallel_size",
@@ -208,6 +214,12 @@ class EngineArgs:
         action="store_true",
     )
     seed: int = _opt("seed", "engine seed (requests without a seed)", type=int)
+    structured_outputs_backend: str = _opt(
+        "structured_outputs_backend",
+        "grammar library of structured outputs: auto (xgrammar, llguidance for Lark grammars "
+        "and what xgrammar refuses), xgrammar or guidance (default %(default)s)",
+        choices=("auto", "xgrammar", "guidance"),
+    )
     kv_offload: str | None = _opt(
         "kv_offload",
         "KV tiers, e.g. cpu:4GiB,disk:/var/cache/pagedkv:20GiB,redis://127.0.0.1:6379 "

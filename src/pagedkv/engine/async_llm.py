@@ -26,7 +26,8 @@ Admission control: at most ``max_num_seqs + max_queue_size`` user requests may b
 
 Prompts are tokenized and validated (`LLMEngine.process_prompt`) in `add_request`, long ones on
 a small thread pool, so the engine thread only receives token ids: a multi-megabyte prompt
-neither stalls the running streams nor reaches the engine.
+neither stalls the running streams nor reaches the engine. A structured request's grammar is
+compiled there too (`StructuredOutputManager.compile`, cached).
 
 Failures: when running a batch raises (forward pass, sampler...), `LLMEngine.step` finishes
 the requests of that batch with an error and goes on; their streams raise
@@ -275,6 +276,7 @@ class AsyncLLM:
             self._streams[request_id] = stream
         try:
             prompt = await self._process_prompt(loop, prompt)
+            await self._compile_grammar(loop, params)
         except BaseException:
             with self._cv:
                 if self._streams.get(request_id) is stream:
@@ -306,6 +308,20 @@ class AsyncLLM:
             self.abort(request_id)
             raise
         return stream
+
+    async def _compile_grammar(
+        self, loop: asyncio.AbstractEventLoop, params: SamplingParams
+    ) -> None:
+        """Compile a structured request's grammar on the worker pool (cached by the engine's
+        `StructuredOutputManager`): a new JSON Schema can take tens of milliseconds, the
+        first one of a backend seconds, and the engine thread then only hits the cache.
+        SamplingParamError (a 400) for a grammar that does not compile."""
+        so = params.structured_outputs
+        if so is None:
+            return
+        manager = self.engine.structured_output_manager
+        if not manager.is_cached(so):
+            await loop.run_in_executor(self._tokenizer_pool, manager.compile, so)
 
     async def _process_prompt(
         self, loop: asyncio.AbstractEventLoop, prompt: PromptType

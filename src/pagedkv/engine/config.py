@@ -78,6 +78,8 @@ class EngineConfig:
     prefix_caching_hash_algo: str = "sha256_cbor"
     enable_kv_cache_events: bool = False
     seed: int = 0
+    # Structured outputs' grammar library: "auto", "xgrammar" or "guidance" (llguidance).
+    structured_outputs_backend: str = "auto"
     # KV offloading tiers, e.g. "cpu:4GiB,disk:/var/cache/pagedkv:20GiB,redis://127.0.0.1:6379".
     kv_offload: str | None = None
     kv_offload_cache_policy: str = "lru"  # CPU tier eviction: "lru" or "arc"
@@ -125,6 +127,8 @@ class EngineConfig:
             raise bad(
                 "prefix_cache_retention_interval", "must be None, 0 or a positive number of tokens"
             )
+        if self.structured_outputs_backend not in ("auto", "xgrammar", "guidance"):
+            raise bad("structured_outputs_backend", "choose one of auto, xgrammar, guidance")
         if self.prefix_caching_hash_algo not in HASH_FUNCTIONS:
             raise bad("prefix_caching_hash_algo", f"choose one of {sorted(HASH_FUNCTIONS)}")
         if self.kv_offload_cache_policy not in KV_OFFLOAD_CACHE_POLICIES:

@@ -46,6 +46,7 @@ from pagedkv.engine.scheduler_output import (
     SchedulerOutput,
 )
 from pagedkv.engine.stats import KVConnectorStats, SchedulerStats
+from pagedkv.engine.structured_output import StructuredOutputManager
 from pagedkv.kv_transfer.base import KVConnectorBase, KVConnectorRole
 from pagedkv.kv_transfer.factory import KVConnectorFactory
 from pagedkv.models.config import load_model_config
@@ -139,6 +140,9 @@ class LLMEngine:
         )
         self.eos_token_id = self.tokenizer.eos_token_id if self.tokenizer else mc.eos_token_id
         self.output_processor = OutputProcessor(self.tokenizer)
+        self.structured_output_manager = StructuredOutputManager(
+            self.tokenizer, self.model_config.vocab_size, config.structured_outputs_backend
+        )
         self.num_generated_tokens = 0
         self.num_prompt_tokens = 0
         kv_buffer = self.runner.kv_buffer
@@ -281,6 +285,8 @@ class LLMEngine:
         req = self._new_request(
             request_id, token_ids, text, params, max(max_tokens, 1), arrival_time, cache_salt
         )
+        if params.structured_outputs is not None:
+            req.grammar = self.structured_output_manager.grammar_for(params.structured_outputs)
         req.fork_pending = params.n - 1
         self.output_processor.add_request(req)
         self.num_prompt_tokens += len(token_ids)
@@ -435,7 +441,7 @@ class LLMEngine:
             return ModelRunnerOutput(kv_connector_output=kv_connector_output), prompt_lps
         if so.forks:
             logits, reqs = self._fork_rows(logits, reqs, so.forks)
-        out = self.sampler(logits, reqs)
+        out = self.sampler(logits, reqs, self.structured_output_manager.grammar_bitmask(reqs))
         return ModelRunnerOutput(
             [r.request_id for r in reqs],
             out.token_ids,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from pagedkv.core.request import KVCacheRequest, RequestStatus
 from pagedkv.engine.outputs import RequestMetrics
@@ -39,6 +40,9 @@ class Request(KVCacheRequest):
     max_tokens: int = 0  # effective limit (capped by max_model_len)
     stop_reason: int | str | None = None  # the stop token id that finished it
     fork_pending: int = 0  # children still to fork after this request's prefill
+    # Structured outputs: this sample's grammar matcher (`StructuredOutputGrammar`), advanced
+    # by each token the scheduler appends; None for an unconstrained request.
+    grammar: Any = None
 
     @property
     def needs_sampling_this_step(self) -> bool:
@@ -64,4 +68,6 @@ class Request(KVCacheRequest):
             seed=None if p.seed is None else p.seed + index,
         )
         child.metrics.arrival_time = self.metrics.arrival_time
+        if self.grammar is not None:  # the parent's matcher, before its first token
+            child.grammar = self.grammar.fork()
         return child

@@ -1,9 +1,12 @@
-"""`SamplingParams`: how to turn logits into tokens, and when to stop (vLLM's names)."""
+"""`SamplingParams`: how to turn logits into tokens, and when to stop (vLLM's names);
+`StructuredOutputsParams`: the grammar a request's output must follow."""
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 from pagedkv.kv_transfer.config import KV_TRANSFER_PARAM_KEYS
 
@@ -22,6 +25,100 @@ class SamplingParamError(ValueError):
 
 
 @dataclass(slots=True)
+class StructuredOutputsParams:
+    """vLLM's ``StructuredOutputsParams``: exactly one constraint on the output text.
+
+    - ``json``: a JSON Schema (dict, or its JSON text); ``json_object=True``: any JSON object;
+    - ``regex``: the whole output matches it; ``choice``: the output is one of these strings;
+    - ``grammar``: a context-free grammar, GBNF/EBNF (``root ::= ...``, xgrammar's format) or
+      Lark (``start: ...``, llguidance's).
+
+    ``disable_any_whitespace`` makes JSON compact (no whitespace between tokens): small models
+    otherwise tend to emit whitespace runs. ``backend`` overrides the engine's
+    ``structured_outputs_backend`` for this request (``"xgrammar"`` or ``"guidance"``).
+    The grammar itself is checked when the engine compiles it (`StructuredOutputManager`);
+    here only the shape: invalid values raise `SamplingParamError` naming ``structured_outputs``.
+    """
+
+    json: dict[str, Any] | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    backend: str | None = None
+
+    def __post_init__(self) -> None:
+        self.verify()
+
+    def verify(self) -> None:
+        def bad(why: str) -> SamplingParamError:
+            set_fields = {
+                k: getattr(self, k)
+                for k in ("json", "regex", "choice", "grammar", "json_object", "backend")
+                if getattr(self, k) is not None
+            }
+            return SamplingParamError("structured_outputs", _short(set_fields), why)
+
+        kinds = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        kinds += ["json_object"] if self.json_object else []
+        if len(kinds) != 1:
+            raise bad(
+                "exactly one of json, regex, choice, grammar and json_object must be set"
+                f" (got {kinds or 'none'})"
+            )
+        if self.json is not None and not isinstance(self.json, (dict, str)):
+            raise bad("json must be a JSON Schema (an object or its JSON text)")
+        if isinstance(self.json, str):
+            try:
+                schema = json.loads(self.json)
+            except ValueError as e:
+                raise bad(f"json is not valid JSON: {e}") from None
+            if not isinstance(schema, (dict, bool)):
+                raise bad("json must be a JSON Schema (an object)")
+        if self.regex is not None and (not isinstance(self.regex, str) or not self.regex):
+            raise bad("regex must be a non-empty string")
+        if self.grammar is not None and (not isinstance(self.grammar, str) or not self.grammar):
+            raise bad("grammar must be a non-empty string")
+        if self.choice is not None and (
+            not isinstance(self.choice, list)
+            or not self.choice
+            or any(not isinstance(c, str) or not c for c in self.choice)
+        ):
+            raise bad("choice must be a non-empty list of non-empty strings")
+        if self.backend not in (None, "xgrammar", "guidance"):
+            raise bad(f"backend must be 'xgrammar' or 'guidance', got {self.backend!r}")
+
+    def key(self) -> tuple[str, str, bool]:
+        """``(kind, spec, disable_any_whitespace)``: what a compiled grammar is cached by (a
+        schema dict as compact JSON in its own key order: xgrammar emits properties in schema
+        order, so two orders are two grammars)."""
+        ws = bool(self.disable_any_whitespace)
+        if self.json is not None:
+            spec = self.json if isinstance(self.json, str) else _canonical_json(self.json)
+            return "json", spec, ws
+        if self.regex is not None:
+            return "regex", self.regex, ws
+        if self.choice is not None:
+            return "choice", _canonical_json(self.choice), ws
+        if self.grammar is not None:
+            return "grammar", self.grammar, ws
+        return "json_object", "", ws
+
+
+def _short(x: Any) -> str:
+    text = repr(x)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _canonical_json(x: Any) -> str:
+    try:
+        return json.dumps(x, separators=(",", ":"))
+    except (TypeError, ValueError):
+        return repr(x)
+
+
+@dataclass(slots=True)
 class SamplingParams:
     """Per-request sampling and stopping parameters.
 
@@ -37,6 +134,9 @@ class SamplingParams:
     (in ``RequestOutput.prompt_logprobs``) each prompt token's logprob and rank plus the top-k
     at its position (None for the first token), from the raw model distribution; such a
     request never reads the prefix cache (vLLM's rule: cached positions have no logits).
+    ``structured_outputs`` constrains the output to a grammar (JSON Schema, regex, choice,
+    CFG): the sampler masks every token the grammar does not allow (logprobs stay the raw
+    model's, as vLLM's), and the request ends when the grammar is complete.
 
     Invalid values raise ValueError naming the parameter; every float field must be finite
     (NaN and ±inf are refused: NaN passes every range comparison and poisons the sampler).
@@ -63,6 +163,7 @@ class SamplingParams:
     # KV connector options: max_offload_tokens, offload_policy ("BLOCK_LEVEL" |
     # "REQUEST_LEVEL"), skip_reading_prefix_cache (never read cached KV for this request).
     kv_transfer_params: dict | None = None
+    structured_outputs: StructuredOutputsParams | None = None
     _stop: list[str] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
@@ -116,6 +217,9 @@ class SamplingParams:
             raise bad("stop", "must be a non-empty string or a list of them")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids or []):
             raise bad("stop_token_ids", "must be non-negative integers")
+        so = self.structured_outputs
+        if so is not None and not isinstance(so, StructuredOutputsParams):
+            raise bad("structured_outputs", "must be a StructuredOutputsParams")
         ktp = self.kv_transfer_params
         if ktp is not None:
             if not isinstance(ktp, dict):

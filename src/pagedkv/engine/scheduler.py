@@ -453,7 +453,14 @@ class Scheduler(SchedulingPolicy[Request]):
             if req is None or rid in dropped:
                 continue
             req.append_output_token_ids(token)
-            status = self._check_stop(req, token)
+            if req.grammar is not None and not req.grammar.accept_token(token):
+                # Cannot happen while the sampler applies the grammar's mask; if it does, the
+                # output no longer parses: end it here rather than generate more of it.
+                logger.error("request %s: token %d is outside its grammar", rid, token)
+                req.grammar = None
+                status = RequestStatus.FINISHED_STOPPED
+            else:
+                status = self._check_stop(req, token)
             if status is None:
                 outputs.append(EngineCoreOutput(rid, [token], lp, slp))
             else:
@@ -466,7 +473,8 @@ class Scheduler(SchedulingPolicy[Request]):
 
     def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
         """The token-level stop ``token`` (just appended) triggers, if any. EOS and stop token
-        ids count only from ``min_tokens`` on; a stop token id becomes ``stop_reason``."""
+        ids count only from ``min_tokens`` on; a stop token id becomes ``stop_reason``. A
+        structured request also stops when its grammar accepted its stop token."""
         p = req.sampling_params
         n_out = len(req.output_token_ids)
         if n_out >= p.min_tokens:
@@ -475,6 +483,8 @@ class Scheduler(SchedulingPolicy[Request]):
             if token in p.stop_token_ids:
                 req.stop_reason = token
                 return RequestStatus.FINISHED_STOPPED
+        if req.grammar is not None and req.grammar.is_terminated():
+            return RequestStatus.FINISHED_STOPPED  # its stop token accepted (e.g. ignore_eos)
         if n_out >= req.max_tokens or len(req.all_token_ids) >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH_CAPPED
         return None

@@ -181,6 +181,8 @@ def _bind(so: ctypes.CDLL) -> ctypes.CDLL:
     so.pkv_isa.restype = ctypes.c_int
     so.pkv_argmax_rows.argtypes = [_ptr, _i64, _i64, _i64, _ptr]
     so.pkv_argmax_rows.restype = None
+    so.pkv_apply_token_bitmask.argtypes = [_ptr, _i64, _i64, _i64, _ptr, _i64]
+    so.pkv_apply_token_bitmask.restype = None
     return so
 
 
@@ -366,6 +368,23 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(x.shape[0], dtype=torch.int64)
     so.pkv_argmax_rows(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), out.data_ptr())
     return out
+
+
+def apply_token_bitmask(x: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """In place: every token of row ``r`` of ``x`` (2-D float32 CPU, unit column stride) whose
+    bit is clear in ``bitmask[r]`` (int32 ``[rows, words]``, bit ``b`` of word ``w`` = token
+    ``32 w + b``: xgrammar's and llguidance's layout) becomes ``-inf``."""
+    so = _require()
+    if x.dtype != torch.float32 or x.dim() != 2 or x.device.type != "cpu" or x.stride(1) != 1:
+        raise ValueError(
+            "apply_token_bitmask takes a 2-D float32 CPU tensor with unit column stride"
+        )
+    bm = bitmask.contiguous()
+    if bm.dtype != torch.int32 or bm.dim() != 2 or bm.shape[0] != x.shape[0]:
+        raise ValueError("the bitmask must be int32 [rows, words] with one row per logits row")
+    so.pkv_apply_token_bitmask(
+        x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), bm.data_ptr(), bm.shape[1]
+    )
 
 
 def dequant(qweight: torch.Tensor, qtype: int, k: int) -> torch.Tensor:

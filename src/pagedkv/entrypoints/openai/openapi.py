@@ -172,17 +172,33 @@ REQUEST_ID_PARAM = {
 
 
 # Cross-field rules, stated in JSON Schema (``if``/``then``) where it can say them.
+# structured_outputs excludes a non-text response_format (the same constraint, two fields).
+_ONE_STRUCTURED = {
+    "if": {
+        "required": ["structured_outputs"],
+        "properties": {"structured_outputs": {"type": "object"}},
+    },
+    "then": {
+        "properties": {
+            "response_format": {
+                "anyOf": [{"type": "null"}, {"properties": {"type": {"const": "text"}}}]
+            }
+        }
+    },
+}
 IF_THEN: dict[str, list[dict[str, Any]]] = {
     "CompletionRequest": [
+        _ONE_STRUCTURED,
         {  # stream_options needs stream: true
             "if": {
                 "required": ["stream_options"],
                 "properties": {"stream_options": {"type": "object"}},
             },
             "then": {"required": ["stream"], "properties": {"stream": {"const": True}}},
-        }
+        },
     ],
     "ChatCompletionRequest": [
+        _ONE_STRUCTURED,
         {
             "if": {
                 "required": ["stream_options"],
@@ -218,6 +234,8 @@ RULES = (
     "min_tokens must be <= max_tokens (max_completion_tokens)",
     "the prompt's tokens must fit max_model_len, and with the requested max_tokens too "
     "(code context_length_exceeded)",
+    "a structured output's JSON Schema, regex or grammar (response_format, structured_outputs) "
+    "must compile (a 400 naming the field and the compiler's message)",
 )
 
 

@@ -13,9 +13,14 @@ server turns its ValueError into a 400 whose ``param`` is the request field. Num
 finite (``allow_inf_nan=False``: ``1e999`` is refused like ``NaN``), so a NaN temperature never
 reaches the sampler.
 
+Structured outputs: OpenAI's ``response_format`` (``json_object``, ``json_schema``) and vLLM's
+``structured_outputs`` (``json``, ``regex``, ``choice``, ``grammar``, ``json_object``,
+``disable_any_whitespace``) become `StructuredOutputsParams`; a grammar that does not compile is
+a 400 naming the field it came from.
+
 Fields of OpenAI's or vLLM's API that pagedkv does not implement (tools, function calling,
-structured output, ``logit_bias``) are refused with a 400 naming the field rather than ignored:
-a client relying on them must not get a 200 that silently did something else.
+``logit_bias``, vLLM's removed ``guided_*``) are refused with a 400 naming the field rather than
+ignored: a client relying on them must not get a 200 that silently did something else.
 """
 
 from __future__ import annotations
@@ -25,7 +30,11 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
-from pagedkv.engine.sampling_params import SamplingParamError, SamplingParams
+from pagedkv.engine.sampling_params import (
+    SamplingParamError,
+    SamplingParams,
+    StructuredOutputsParams,
+)
 from pagedkv.kv_transfer.config import KV_TRANSFER_PARAM_KEYS
 
 MAX_LOGPROBS = 20
@@ -88,9 +97,76 @@ UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
     "tool_choice": (None, "none"),
     "functions": (None, []),
     "function_call": (None, "none"),
-    "response_format": (None, {"type": "text"}),
-    "structured_outputs": (None,),
 }
+
+
+class JsonSchemaFormat(_Request):
+    """``response_format.json_schema`` (OpenAI's shape; ``strict`` is accepted: outputs always
+    follow the schema)."""
+
+    model_config = ConfigDict(strict=True, extra="ignore", populate_by_name=True)
+
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Request):
+    """OpenAI's ``response_format``: ``text`` (unconstrained), ``json_object`` (any JSON
+    object) or ``json_schema`` (``json_schema.schema`` required)."""
+
+    model_config = ConfigDict(
+        strict=True,
+        extra="ignore",
+        # json_schema (with its schema) is required by type json_schema, stated for clients.
+        json_schema_extra={
+            "if": {"properties": {"type": {"const": "json_schema"}}},
+            "then": {
+                "required": ["json_schema"],
+                "properties": {
+                    "json_schema": {
+                        "type": "object",
+                        "required": ["schema"],
+                        "properties": {"schema": {"type": "object"}},
+                    }
+                },
+            },
+        },
+    )
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsRequest(_Request):
+    """vLLM's ``structured_outputs`` request field: exactly one of ``json`` (a JSON Schema),
+    ``regex``, ``choice``, ``grammar`` (GBNF/EBNF or Lark) and ``json_object``. Another key
+    (vLLM's ``structural_tag``, ``whitespace_pattern``...) is a 400 naming it."""
+
+    model_config = ConfigDict(
+        strict=True,
+        extra="forbid",
+        allow_inf_nan=False,
+        populate_by_name=True,
+        # Exactly one constraint (null, and json_object false, mean unset), stated for clients.
+        json_schema_extra={
+            "oneOf": [
+                {"required": ["json"], "properties": {"json": {"type": ["object", "string"]}}},
+                {"required": ["regex"], "properties": {"regex": {"type": "string"}}},
+                {"required": ["choice"], "properties": {"choice": {"type": "array"}}},
+                {"required": ["grammar"], "properties": {"grammar": {"type": "string"}}},
+                {"required": ["json_object"], "properties": {"json_object": {"const": True}}},
+            ]
+        },
+    )
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = Field(None, json_schema_extra={"minLength": 1})
+    choice: list[Annotated[str, Field(min_length=1)]] | None = Field(None, min_length=1)
+    grammar: str | None = Field(None, json_schema_extra={"minLength": 1})
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
 
 
 class KVTransferParams(_Request):
@@ -184,8 +260,9 @@ class _SamplingRequest(_Request):
     tool_choice: Any = Field(None, json_schema_extra=_unused("tool_choice"))
     functions: Any = Field(None, json_schema_extra=_unused("functions"))
     function_call: Any = Field(None, json_schema_extra=_unused("function_call"))
-    response_format: Any = Field(None, json_schema_extra=_unused("response_format"))
-    structured_outputs: Any = Field(None, json_schema_extra=_unused("structured_outputs"))
+    # Structured outputs (`structured_outputs_params`): at most one of the two.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
 
     def check(self) -> None:
         """Cross-field checks pydantic does not do; RequestError ``(param, message)``."""
@@ -204,6 +281,44 @@ class _SamplingRequest(_Request):
                 f"truncate_prompt_tokens must be -1 (the model's context) or >= 1, got {t}",
             )
         self._check_unsupported()
+        self.structured_outputs_params()  # its RequestError, before anything is queued
+
+    def structured_outputs_field(self) -> str:
+        """The request field a structured output comes from (what its 400 names)."""
+        return "structured_outputs" if self.structured_outputs is not None else "response_format"
+
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        """``response_format`` or ``structured_outputs`` as the engine's params; None for
+        neither (or ``{"type": "text"}``). RequestError naming the field when invalid."""
+        rf, so = self.response_format, self.structured_outputs
+        if rf is not None and rf.type == "text":
+            rf = None
+        if rf is not None and so is not None:
+            raise RequestError(
+                "structured_outputs", "set response_format or structured_outputs, not both"
+            )
+        try:
+            if so is not None:
+                return StructuredOutputsParams(
+                    json=so.json_,
+                    regex=so.regex,
+                    choice=so.choice,
+                    grammar=so.grammar,
+                    json_object=so.json_object,
+                    disable_any_whitespace=so.disable_any_whitespace,
+                )
+            if rf is None:
+                return None
+            if rf.type == "json_object":
+                return StructuredOutputsParams(json_object=True)
+            if rf.json_schema is None or rf.json_schema.schema_ is None:
+                raise RequestError(
+                    "response_format",
+                    "response_format of type json_schema needs json_schema.schema",
+                )
+            return StructuredOutputsParams(json=rf.json_schema.schema_)
+        except SamplingParamError as e:
+            raise RequestError(self.structured_outputs_field(), str(e)) from None
 
     def _check_unsupported(self) -> None:
         """Refuse fields that pagedkv does not implement, unless their value means "unused"."""
@@ -216,7 +331,9 @@ class _SamplingRequest(_Request):
         for name, value in (self.model_extra or {}).items():
             if name.startswith("guided_") and value is not None:
                 raise RequestError(
-                    name, f"{name} (guided decoding) is not supported by this server"
+                    name,
+                    f"{name} is not supported (vLLM removed the guided_* fields): use "
+                    f"structured_outputs={{{name.removeprefix('guided_')!r}: ...}} instead",
                 )
 
     def _sampling_kwargs(self) -> dict[str, Any]:
@@ -239,6 +356,7 @@ class _SamplingRequest(_Request):
             kv_transfer_params=None
             if self.kv_transfer_params is None
             else self.kv_transfer_params.to_dict(),
+            structured_outputs=self.structured_outputs_params(),
         )
         return kw
 

@@ -70,6 +70,7 @@ async def create_chat_completion(request: Request) -> Response:
         params,
         "messages",
         req.cache_salt,
+        req.structured_outputs_field(),
     )
     return await generate_response(
         request, renderer, streams, params, req.stream, req.stream_options, req.return_token_ids

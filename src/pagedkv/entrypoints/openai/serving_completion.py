@@ -74,7 +74,13 @@ async def create_completion(request: Request) -> Response:
         prompt_ids=token_ids,
     )
     streams = await add_all(
-        state, renderer.request_id, engine_prompts, params, "prompt", req.cache_salt
+        state,
+        renderer.request_id,
+        engine_prompts,
+        params,
+        "prompt",
+        req.cache_salt,
+        req.structured_outputs_field(),
     )
     return await generate_response(
         request, renderer, streams, params, req.stream, req.stream_options, req.return_token_ids

@@ -34,7 +34,7 @@ from pydantic import BaseModel
 
 from pagedkv.engine.async_llm import AsyncLLM, EngineDeadError, EngineGenerateError, RequestStream
 from pagedkv.engine.outputs import CompletionOutput, RequestOutput
-from pagedkv.engine.sampling_params import SamplingParams
+from pagedkv.engine.sampling_params import SamplingParamError, SamplingParams
 from pagedkv.entrypoints.metrics import ServerMetrics
 from pagedkv.entrypoints.openai import protocol as P
 from pagedkv.entrypoints.openai.errors import APIError, bad_request, engine_error
@@ -116,9 +116,11 @@ async def add_all(
     params: SamplingParams,
     prompt_param: str,
     cache_salt: str | None = None,
+    structured_field: str = "structured_outputs",
 ) -> list[RequestStream]:
     """Queue every prompt (all or none: a failure aborts those already queued and becomes an
-    `APIError` naming ``prompt_param``). One prompt keeps ``base_id``; several get
+    `APIError` naming ``prompt_param``, or ``structured_field``, the request field of a
+    grammar that does not compile). One prompt keeps ``base_id``; several get
     ``base_id-<i>``."""
     streams: list[RequestStream] = []
     arrival = time.monotonic()
@@ -135,6 +137,8 @@ async def add_all(
             s.abort()
         if isinstance(e, asyncio.CancelledError):
             raise
+        if isinstance(e, SamplingParamError) and e.param == "structured_outputs":
+            raise bad_request(str(e), structured_field) from None
         raise engine_error(e, prompt_param) from None
     return streams
 

@@ -1,4 +1,5 @@
-/* Greedy sampling: the row-wise argmax (pkv_argmax_rows).
+/* Sampling kernels: the row-wise argmax of greedy sampling (pkv_argmax_rows) and the token
+ * bitmask of structured outputs (pkv_apply_token_bitmask).
  * Part of the unity build: compiled only as included by cpu_kernels.c (see there), after
  * isa.h. */
 #include "isa.h"
@@ -49,4 +50,31 @@ static int64_t argmax_row(const float *x, int64_t n) {
 /* out[r] = argmax of row r (M rows of N float32s, ld apart). */
 void pkv_argmax_rows(const float *x, int64_t M, int64_t N, int64_t ld, int64_t *out) {
     for (int64_t r = 0; r < M; r++) out[r] = argmax_row(x + r * ld, N);
+}
+
+/* ------------------------------------------------------------------ structured outputs */
+
+/* Structured outputs' token bitmask (xgrammar's and llguidance's layout): row r of bm holds
+ * `words` int32 words, bit b of word w set when token 32*w + b is allowed. Every disallowed
+ * token of x's row r (its first N logits) becomes -inf; tokens past 32*words also do. torch's
+ * unpack-and-mask took ~230 us per 49,152-token row on an AVX2 EPYC; a word with every bit set
+ * (an unconstrained stretch) is skipped, one with none (most of a constrained row) filled. */
+void pkv_apply_token_bitmask(float *x, int64_t M, int64_t N, int64_t ld, const int32_t *bm,
+                             int64_t words) {
+    for (int64_t r = 0; r < M; r++) {
+        float *row = x + r * ld;
+        const int32_t *mask = bm + r * words;
+        for (int64_t w = 0; w < words && 32 * w < N; w++) {
+            uint32_t bits = (uint32_t)mask[w];
+            if (bits == 0xFFFFFFFFu) continue;
+            int64_t end = 32 * w + 32 < N ? 32 * w + 32 : N;
+            if (bits == 0) { /* most words of a constrained row: a plain (vectorized) fill */
+                for (int64_t i = 32 * w; i < end; i++) row[i] = -INFINITY;
+                continue;
+            }
+            for (int64_t i = 32 * w; i < end; i++)
+                if (!((bits >> (i - 32 * w)) & 1u)) row[i] = -INFINITY;
+        }
+        for (int64_t i = 32 * words; i < N; i++) row[i] = -INFINITY;
+    }
 }

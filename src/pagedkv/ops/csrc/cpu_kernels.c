@@ -24,7 +24,7 @@
  *   isa.h                     the build's ISA (AVX-512 / AVX2 / portable), vector width, fp16
  *   ggml_blocks.c             ggml block sizes and dequantizers
  *   gemv_quant.c              quantized GEMV (pkv_gemv_q, pkv_dequant)
- *   argmax.c                  greedy sampling (pkv_argmax_rows)
+ *   argmax.c                  sampling: argmax (pkv_argmax_rows), token bitmask (structured outputs)
  *   kv_formats.h              KV cache formats (float and quantized) and their readers
  *   decode_attention.h/.c     paged decode attention over a float KV cache
  *   decode_attention_quant.c  ... over a quantized KV cache, read in place
