@@ -86,7 +86,7 @@ class ZmqEventPublisher:
         self.topic = topic.encode()
         self.data_parallel_rank = data_parallel_rank
         self.buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
-        self.queue: queue.Queue[KVEventBatch | None] = queue.Queue(maxsize=max_queue_size)
+        self.queue: queue.Queue[KVEventBatch | bytes | None] = queue.Queue(maxsize=max_queue_size)
         self.num_dropped = 0
         self.next_seq = 0
         self._ctx = zmq.Context()
@@ -127,6 +127,18 @@ class ZmqEventPublisher:
             self.num_dropped += 1
             logger.warning("KV event queue full: dropped a batch of %d events", len(batch.events))
 
+    def publish_payload(self, payload: bytes) -> None:
+        """Publish an already-encoded batch as it is (bytes in vLLM's wire format, e.g. relayed
+        from another publisher or recorded from one): numbered, buffered for replay and sent
+        like any batch, never re-encoded."""
+        if not self._running:
+            return
+        try:
+            self.queue.put_nowait(bytes(payload))
+        except queue.Full:
+            self.num_dropped += 1
+            logger.warning("KV event queue full: dropped an encoded batch")
+
     # ---- publisher thread ------------------------------------------------------------------------
 
     def _run(self) -> None:
@@ -158,8 +170,8 @@ class ZmqEventPublisher:
                         break
             self._close_sockets()
 
-    def _send(self, batch: KVEventBatch) -> None:
-        payload = encode_batch(batch)
+    def _send(self, batch: KVEventBatch | bytes) -> None:
+        payload = batch if isinstance(batch, bytes) else encode_batch(batch)
         seq = self.next_seq
         self.next_seq += 1
         self._pub.send_multipart((self.topic, seq_bytes(seq), payload), copy=False)

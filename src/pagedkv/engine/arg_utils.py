@@ -59,6 +59,7 @@ CACHE_ARGS: tuple[str, ...] = (
     "kv_scales_path",
     "kv_scales_calibration",
     "enable_prefix_caching",
+    "prefix_caching_hash_algo",
     "kv_offload",
     "kv_transfer_config",
     "kv_side_channel_port",

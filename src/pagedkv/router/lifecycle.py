@@ -1,4 +1,5 @@
-"""The replicas' lifecycle: read and check their configs at start (`build_state`), start their
+"""The replicas' lifecycle: read and check their configs at start (`build_state`; a pagedkv
+replica's ``GET /v1/kv_cache_config``, a vLLM replica's ``/metrics`` and ``/v1/models``), start their
 event feeds, and a health loop that scrapes each one's /metrics (its load), takes a silent one
 down (feed stopped, blocks forgotten) and brings a returning one up again (config checked anew:
 refused if it differs; re-indexed from its replay socket). A restart between two probes is
@@ -21,35 +22,77 @@ from pagedkv.router.scoring import RoutingPolicy
 from pagedkv.router.state import CONFIG_PATH, RouterConfigError, RouterOptions, RouterState
 from pagedkv.router.subscriber import EventFeed
 from pagedkv.router.tokens import PromptTokenizer
+from pagedkv.router.vllm_replica import apply_flags, config_from_vllm
+
+VLLM_PATHS = ("/metrics", "/v1/models")  # what a vLLM replica's config is read from
 
 logger = logging.getLogger(__name__)
 
 
-def fetch_config(client: Any, spec: ReplicaSpec) -> ReplicaConfig:
+class ReplicaConfigError(ValueError):
+    """A replica answered, but its configuration cannot be used (the message says why)."""
+
+
+def _config(spec: ReplicaSpec, options: RouterOptions, responses: dict[str, Any]) -> ReplicaConfig:
+    """The replica's `ReplicaConfig` from its answers (httpx responses by path): pagedkv's
+    ``CONFIG_PATH``, else (404) vLLM's ``/metrics`` and ``/v1/models``; then the router's
+    flags (`vllm_replica.apply_flags`). `ReplicaConfigError` when it cannot be used."""
+    r = responses[CONFIG_PATH]
+    try:
+        if r.status_code != 404:
+            r.raise_for_status()
+            cfg = ReplicaConfig.from_json(r.json(), spec)
+        else:
+            metrics, models = responses["/metrics"], responses["/v1/models"]
+            metrics.raise_for_status()
+            models.raise_for_status()
+            cfg = config_from_vllm(metrics.text, models.json(), spec)
+        return apply_flags(cfg, options.block_size, options.hash_algo, options.hash_seed)
+    except ValueError as e:
+        raise ReplicaConfigError(str(e)) from None
+
+
+def fetch_config(client: Any, spec: ReplicaSpec, options: RouterOptions) -> ReplicaConfig:
     """The replica's `ReplicaConfig` (sync httpx client); httpx errors propagate."""
-    r = client.get(spec.url + CONFIG_PATH)
-    r.raise_for_status()
-    return ReplicaConfig.from_json(r.json(), spec)
+    responses = {CONFIG_PATH: client.get(spec.url + CONFIG_PATH)}
+    if responses[CONFIG_PATH].status_code == 404:
+        for path in VLLM_PATHS:
+            responses[path] = client.get(spec.url + path)
+    return _config(spec, options, responses)
 
 
-def read_configs(specs: Sequence[ReplicaSpec], timeout: float) -> dict[str, ReplicaConfig | None]:
-    """Every replica's config, polling until all answered or ``timeout`` passed (None: never
-    answered: it starts down and the health loop brings it in later)."""
+async def afetch_config(client: Any, spec: ReplicaSpec, options: RouterOptions) -> ReplicaConfig:
+    """`fetch_config` with an async httpx client."""
+    responses = {CONFIG_PATH: await client.get(spec.url + CONFIG_PATH, timeout=5.0)}
+    if responses[CONFIG_PATH].status_code == 404:
+        for path in VLLM_PATHS:
+            responses[path] = await client.get(spec.url + path, timeout=5.0)
+    return _config(spec, options, responses)
+
+
+def read_configs(
+    specs: Sequence[ReplicaSpec], options: RouterOptions
+) -> dict[str, ReplicaConfig | None]:
+    """Every replica's config, polling until all answered or ``options.startup_timeout``
+    passed (None: never answered: it starts down and the health loop brings it in later)."""
     import httpx
 
     out: dict[str, ReplicaConfig | None] = {s.url: None for s in specs}
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + options.startup_timeout
     with httpx.Client(timeout=5.0) as client:
         while True:
             for s in specs:
                 if out[s.url] is None:
                     try:
-                        out[s.url] = fetch_config(client, s)
+                        out[s.url] = fetch_config(client, s, options)
                     except httpx.HTTPStatusError as e:
                         raise RouterConfigError(
-                            f"replica {s.url}: GET {CONFIG_PATH} answered {e.response.status_code}: is it a "
-                            f"pagedkv server of this version (and, with --api-key, reachable without one)?"
+                            f"replica {s.url}: GET {e.request.url.path} answered "
+                            f"{e.response.status_code}: is it a pagedkv or vLLM server (and, with "
+                            f"--api-key, reachable without one)?"
                         ) from None
+                    except ReplicaConfigError as e:
+                        raise RouterConfigError(str(e)) from None
                     except (httpx.HTTPError, KeyError, ValueError):
                         pass
             if all(out.values()) or time.monotonic() >= deadline:
@@ -65,6 +108,13 @@ def check_compatible(
     if diffs:
         return f"replica {spec.url} differs from {ref_url}: " + "; ".join(diffs)
     if policy == "kv" and cfg.events is None:
+        if cfg.kind == "vllm":  # vLLM does not publish its endpoints: the spec must name them
+            return (
+                f"replica {spec.url} (vLLM) needs its KV event endpoints: start it with "
+                f'--kv-events-config \'{{"enable_kv_cache_events": true, "publisher": "zmq", '
+                f'"endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558"}}\' and give '
+                f"--replica URL,events=tcp://HOST:5557,replay=tcp://HOST:5558"
+            )
         return (
             f"replica {spec.url} publishes no KV events: start it with --enable-kv-cache-events "
             f"--kv-events-replay-endpoint tcp://HOST:PORT, or give --replica URL,events=tcp://HOST:PORT"
@@ -93,11 +143,15 @@ async def bring_up(state: RouterState, rep: Replica) -> None:
     import httpx
 
     try:
-        r = await state.client.get(rep.url + CONFIG_PATH, timeout=5.0)
-        r.raise_for_status()
-        cfg = ReplicaConfig.from_json(r.json(), rep.spec)
+        cfg = await afetch_config(state.client, rep.spec, state.options)
+    except ReplicaConfigError as e:
+        why = f"replica {rep.url}: {e}"
+        if rep.refused != why:
+            logger.error("refusing %s", why)
+        rep.refused = why
+        return
     except (httpx.HTTPError, KeyError, ValueError) as e:
-        logger.warning("replica %s answers /metrics but not %s: %s", rep.url, CONFIG_PATH, e)
+        logger.warning("replica %s answers /metrics but not its config: %s", rep.url, e)
         return
     ref_url = next(iter(state.replicas))
     why = check_compatible(rep.spec, cfg, state.reference, ref_url, state.options.policy)
@@ -192,11 +246,12 @@ def build_state(specs: Sequence[ReplicaSpec], options: RouterOptions) -> RouterS
     urls = [s.url for s in specs]
     if len(set(urls)) != len(urls):
         raise RouterConfigError(f"a replica is given twice: {urls}")
-    configs = read_configs(specs, options.startup_timeout)
+    configs = read_configs(specs, options)
     answered = [(s, c) for s, c in ((s, configs[s.url]) for s in specs) if c is not None]
     if not answered:
         raise RouterConfigError(
-            f"no replica answered GET {CONFIG_PATH} within {options.startup_timeout:g} s: "
+            f"no replica answered GET {CONFIG_PATH} (or, vLLM, /metrics and /v1/models) within "
+            f"{options.startup_timeout:g} s: "
             f"{', '.join(urls)}"
         )
     ref_spec, ref = answered[0]

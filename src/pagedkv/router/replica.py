@@ -1,10 +1,14 @@
 """One replica as the router sees it: its address and event endpoints (``--replica`` specs), its
 KV cache configuration (``GET /v1/kv_cache_config``), its liveness and load.
 
-A replica is *compatible* with the router's reference configuration (the first replica's) when
-they agree on every field of `MUST_AGREE`: otherwise the router would hash prompts differently
-from the replica's events (block size, algorithm, seed) or tokenize them differently (model,
-tokenizer and chat template), and every prediction for it would be wrong. Such a replica is
+A replica is a pagedkv server (``GET /v1/kv_cache_config``) or a vLLM server (no such route:
+`vllm_replica.config_from_vllm` reads its ``/metrics`` and ``/v1/models``, and the router's
+flags fill in the rest). It is *compatible* with the router's reference configuration (the
+first replica's) when they agree on every field of `MUST_AGREE`: otherwise the router would hash
+prompts differently from the replica's events (block size, algorithm, seed) or tokenize them
+differently (model, tokenizer and chat template), and every prediction for it would be wrong.
+The model and tokenizer identities are compared where both replicas report one (vLLM does not;
+the router's ``--tokenizer`` is then what both are hashed with). Such a replica is
 refused: at start the router exits with the differing fields; later (a replica restarted with
 other flags) it stays out of rotation and ``/router/state`` says why.
 """
@@ -20,6 +24,7 @@ from urllib.parse import urlsplit
 from pagedkv.router.scoring import ReplicaLoad
 
 MUST_AGREE = ("block_size", "hash_algo", "hash_seed", "model_identity", "tokenizer")
+IF_REPORTED = ("model_identity", "tokenizer")  # compared only when both replicas report them
 
 
 @dataclass(slots=True, frozen=True)
@@ -55,20 +60,22 @@ class ReplicaSpec:
 
 @dataclass(slots=True, frozen=True)
 class ReplicaConfig:
-    """A replica's answer to ``GET /v1/kv_cache_config`` (the fields the router uses)."""
+    """A replica's answer to ``GET /v1/kv_cache_config`` (the fields the router uses), or
+    what a vLLM replica publishes (``kind="vllm"``; None where it says nothing)."""
 
     block_size: int
     hash_algo: str
-    hash_seed: str
+    hash_seed: str | None
     model: str
     model_path: str
-    model_identity: str
+    model_identity: str | None
     tokenizer: str | None
     num_blocks: int
     enable_prefix_caching: bool
     events: str | None
     replay: str | None
     started: float | None = None  # the server's start time: a new value means a restart
+    kind: str = "pagedkv"  # or "vllm"
 
     @classmethod
     def from_json(cls, d: dict[str, Any], spec: ReplicaSpec) -> ReplicaConfig:
@@ -95,6 +102,7 @@ class ReplicaConfig:
             f"{k}: {getattr(self, k)!r} != {getattr(ref, k)!r}"
             for k in MUST_AGREE
             if getattr(self, k) != getattr(ref, k)
+            and not (k in IF_REPORTED and None in (getattr(self, k), getattr(ref, k)))
         ]
 
 

@@ -352,10 +352,12 @@ def state_json(state: RouterState) -> dict[str, Any]:
         "policy": state.policy.policy,
         "block_size": state.block_size,
         "hash_algo": state.reference.hash_algo,
+        "hash_seed": state.reference.hash_seed,
         "index_blocks": size,
         "replicas": [
             {
                 "url": r.url,
+                "kind": None if r.config is None else r.config.kind,
                 "up": r.up,
                 "refused": r.refused,
                 "indexed_blocks": blocks[r.url],

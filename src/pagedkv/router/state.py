@@ -30,6 +30,10 @@ class RouterOptions:
     startup_timeout: float = 60.0  # how long to wait for every replica's config at start
     sync_timeout: float = 10.0  # how long to wait for a replica's first replay
     tokenizer: str | None = None  # default: the reference replica's model_path
+    # What a replica does not report (vLLM: the hash seed, maybe more), or must agree with.
+    block_size: int | None = None
+    hash_algo: str | None = None
+    hash_seed: str | None = None  # the vLLM replicas' PYTHONHASHSEED
     cooldown: float = 5.0  # PD mode: a failed decode instance is skipped this long
     seed: int = 0
 

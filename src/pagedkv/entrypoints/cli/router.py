@@ -14,7 +14,7 @@ import sys
 from typing import Any
 
 DESCRIPTION = """\
-KV-aware router over pagedkv replicas (vLLM-router / Dynamo style): OpenAI's API in and out
+KV-aware router over pagedkv and vLLM replicas (vLLM-router / Dynamo style): OpenAI's API in and out
 (streams passed through). It mirrors every replica's prefix cache from its KV events (ZMQ
 PUB + replay on connect and after a sequence gap) in one index of block hash -> replicas, and
 sends each request to the replica with the lowest cost
@@ -24,7 +24,10 @@ sends each request to the replica with the lowest cost
 
 (--policy kv; tier-held blocks count --tier-credit of a device block), or by load, or
 round-robin. The prompt is tokenized and hashed exactly as the replicas do: block size, hash
-algorithm and seed, model and tokenizer are read from each replica's GET /v1/kv_cache_config,
+algorithm and seed, model and tokenizer are read from each replica's GET /v1/kv_cache_config
+(a vLLM server has none: its block size and hash algorithm come from the labels of
+vllm:cache_config_info on its /metrics, its model from /v1/models, and the hash seed, event
+endpoints and tokenizer from --hash-seed, --replica URL,events=...,replay=... and --tokenizer),
 and a replica that differs from the first is refused (exit code 2 at start; kept out of rotation
 if it comes back different later).
 
@@ -47,10 +50,16 @@ examples:
   pagedkv router --replica http://10.0.0.5:8000,events=tcp://10.0.0.5:5557,replay=tcp://10.0.0.5:5558 ...
   pagedkv router --policy round-robin --replica http://127.0.0.1:8001 http://127.0.0.1:8002
   pagedkv router --replica http://p1:8000 http://p2:8000 --decode http://d1:8000 --port 8000
+  PYTHONHASHSEED=0 python -m vllm.entrypoints.openai.api_server --model DIR --port 8001 \
+      --kv-events-config '{"enable_kv_cache_events": true, "publisher": "zmq",
+                           "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558"}'
+  pagedkv router --hash-seed 0 --tokenizer DIR \
+      --replica http://127.0.0.1:8001,events=tcp://127.0.0.1:5557,replay=tcp://127.0.0.1:5558
 """
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    from pagedkv.engine.arg_utils import EngineArgs
     from pagedkv.router.scoring import POLICIES, RoutingWeights
 
     w = RoutingWeights()
@@ -115,6 +124,30 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         metavar="PATH",
         help="the model's tokenizer (HF directory or .gguf; default: the replica's model path)",
     )
+    # The engine's flags (their names and choices), here the replicas' values: no default.
+    EngineArgs.add_cli_args(
+        p,
+        include=("block_size", "prefix_caching_hash_algo"),
+        overrides=dict(
+            block_size=dict(
+                default=None,
+                help="the replicas' KV block size, for those that do not report it (vLLM "
+                "reports it on /metrics; a replica reporting another is refused)",
+            ),
+            prefix_caching_hash_algo=dict(
+                default=None,
+                help="the replicas' block hash algorithm, for those that do not report it "
+                "(likewise checked against those that do)",
+            ),
+        ),
+    )
+    p.add_argument(
+        "--hash-seed",
+        default=None,
+        metavar="S",
+        help="the vLLM replicas' PYTHONHASHSEED (vLLM does not publish its hash seed; without "
+        "one, sha256/sha256_cbor use vLLM's fixed default and xxhash cannot be mirrored)",
+    )
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
     p.add_argument(
@@ -167,6 +200,8 @@ def run(args: argparse.Namespace) -> int:
             "router",
             ValueError("weights must be >= 0, --tier-credit in [0, 1], --temperature >= 0"),
         )
+    if args.block_size is not None and args.block_size < 1:
+        return fail("router", ValueError(f"invalid --block-size {args.block_size}: must be >= 1"))
     if not (args.health_interval > 0 and args.timeout > 0 and args.startup_timeout >= 0):
         return fail(
             "router",
@@ -193,6 +228,9 @@ def run(args: argparse.Namespace) -> int:
         startup_timeout=args.startup_timeout,
         tokenizer=args.tokenizer,
         seed=args.seed,
+        block_size=args.block_size,
+        hash_algo=args.prefix_caching_hash_algo,
+        hash_seed=args.hash_seed,
     )
     try:
         app = create_router_app(specs, options, decode=args.decode)
