@@ -105,9 +105,7 @@ def apply_flags(
         ("hash_seed", hash_seed, cfg.hash_seed),
     ):
         if flag is not None and mine is not None and str(flag) != str(mine):
-            raise ValueError(
-                f"{where} reports {name}={mine!r} but {_FLAGS[name]} is {flag!r}"
-            )
+            raise ValueError(f"{where} reports {name}={mine!r} but {_FLAGS[name]} is {flag!r}")
     if cfg.hash_algo not in HASH_FUNCTIONS:
         raise ValueError(f"{where} hashes blocks with {cfg.hash_algo!r}, which pagedkv lacks")
     seed = cfg.hash_seed if cfg.hash_seed is not None else hash_seed
