@@ -19,12 +19,12 @@ from pagedkv.engine.sampling_params import (
 )
 from pagedkv.engine.sampling_params import StructuredOutputsParams as SO
 from pagedkv.engine.structured_output import StructuredOutputManager
-from pagedkv.engine.structured_output.manager import _installed
+from pagedkv.engine.structured_output.manager import backend_installed
 from pagedkv.models.tokenizer import Tokenizer
 from pagedkv.ops import native
 
 BACKENDS = [
-    pytest.param(b, marks=pytest.mark.skipif(not _installed(b), reason=f"{b} not installed"))
+    pytest.param(b, marks=pytest.mark.skipif(not backend_installed(b), reason=f"{b} not installed"))
     for b in ("xgrammar", "guidance")
 ]
 PERSON = {
@@ -194,16 +194,16 @@ def test_compiled_grammars_are_cached(tokenizer):
     assert small.stats()["cached_grammars"] == 2 and not small.is_cached(SO(choice=["a"]))
 
 
-@pytest.mark.skipif(not _installed("guidance"), reason="llguidance not installed")
+@pytest.mark.skipif(not backend_installed("guidance"), reason="llguidance not installed")
 def test_auto_sends_to_llguidance_what_only_it_reads_or_enforces(tokenizer):
     m = StructuredOutputManager(tokenizer, VOCAB, backend="auto")
     m.compile(SO(grammar='start: "a" | "b"'))  # Lark
     m.compile(SO(regex=r"\p{Lu}[a-z]+"))  # a Unicode class: xgrammar refuses it
-    assert {k[0] for k in m._cache} == {"guidance"} or not _installed("xgrammar")
+    assert {k[0] for k in m._cache} == {"guidance"} or not backend_installed("xgrammar")
     # A keyword xgrammar would accept without enforcing: llguidance refuses it clearly.
     with pytest.raises(SamplingParamError, match="not"):
         m.compile(SO(json={"not": {"type": "string"}}))
-    if _installed("xgrammar"):
+    if backend_installed("xgrammar"):
         m.compile(SO(json=PERSON))
         assert ("xgrammar", *SO(json=PERSON).key()) in m._cache
 

@@ -97,7 +97,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def _library(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
-    from pagedkv.engine.structured_output.manager import _installed
+    from pagedkv.engine.structured_output.manager import backend_installed
     from pagedkv.models.config import load_model_config
     from pagedkv.models.loader import resolve_model_path
     from pagedkv.models.tokenizer import Tokenizer
@@ -107,7 +107,7 @@ def _library(args: argparse.Namespace) -> dict[str, Any]:
     vocab = load_model_config(args.model).vocab_size
     out: dict[str, Any] = dict(vocab_size=vocab)
     for name in ("xgrammar", "guidance"):
-        if not _installed(name):
+        if not backend_installed(name):
             out[name] = None
             continue
         log(args, f"library: {name} ...")

@@ -7,7 +7,11 @@ from pagedkv.engine.structured_output.backend_types import (
     StructuredOutputBackend,
     StructuredOutputGrammar,
 )
-from pagedkv.engine.structured_output.manager import BACKENDS, StructuredOutputManager
+from pagedkv.engine.structured_output.manager import (
+    BACKENDS,
+    StructuredOutputManager,
+    backend_installed,
+)
 
 __all__ = [
     "BACKENDS",
@@ -15,4 +19,5 @@ __all__ = [
     "StructuredOutputBackend",
     "StructuredOutputGrammar",
     "StructuredOutputManager",
+    "backend_installed",
 ]

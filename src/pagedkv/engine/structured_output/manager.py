@@ -131,12 +131,12 @@ class StructuredOutputManager:
             )
         wanted = params.backend or self.backend
         if wanted != "auto":
-            if not _installed(wanted):
+            if not backend_installed(wanted):
                 raise SamplingParamError(
                     "structured_outputs", wanted, f"the {wanted} backend is not installed"
                 )
             return [wanted]
-        have = [n for n in ("xgrammar", "guidance") if _installed(n)]
+        have = [n for n in ("xgrammar", "guidance") if backend_installed(n)]
         if _guidance_only(kind, spec):
             have = [n for n in have if n == "guidance"]
         if not have:
@@ -207,7 +207,7 @@ def _guidance_only(kind: str, spec: str) -> bool:
 
 
 @functools.cache
-def _installed(name: str) -> bool:
+def backend_installed(name: str) -> bool:
     """The backend's library imports (xgrammar also needs transformers: an install without
     it counts as absent, and "auto" uses llguidance)."""
     module = "xgrammar" if name == "xgrammar" else "llguidance"
