@@ -269,6 +269,10 @@ def test_engine_option_validation_names_the_option():
         LLM(num_kv_blocks=1)
     with pytest.raises(ValueError, match=r"max seq len \(8192\).*maximum model length is 336\b"):
         LLM(kv_cache_memory=16 << 20)  # 22 blocks of 16 tokens: 21 usable = 336 tokens
+    # Past the model's context the rotary tables end: refused at start, not at position 8192
+    # mid-prefill (before the fix, an 8,200-token request failed its step with an IndexError).
+    with pytest.raises(ValueError, match=r"max_model_len=8200.*max_position_embeddings=8192"):
+        LLM(max_model_len=8200)
 
 
 @pytest.mark.slow

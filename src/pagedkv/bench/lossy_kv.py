@@ -85,12 +85,12 @@ def _engine(name: str, **kwargs: Any) -> Any:
 
 
 def passkey_prompt(tokenizer: Any, length: int, depth: float, key: int) -> list[int]:
-    """Token ids of a passkey prompt of at most ``length`` tokens with the needle at ``depth``
-    (0..1) of the filler."""
+    """Token ids of a passkey prompt with the needle at ``depth`` (0..1) of the filler; with
+    its ``ANSWER_TOKENS`` it holds at most ``length`` tokens (8192 = a model's whole context)."""
     enc = lambda s: tokenizer.encode(s, add_special_tokens=False)  # noqa: E731
     head, needle, tail = enc(INTRO), enc(NEEDLE.format(key=key)), enc(QUESTION)
     filler = enc(FILLER)
-    room = length - len(head) - len(needle) - len(tail)
+    room = length - ANSWER_TOKENS - len(head) - len(needle) - len(tail)
     if room < len(filler):
         raise BenchOptionError(f"length {length} leaves no room for filler")
     reps = room // len(filler)
@@ -107,7 +107,7 @@ def run_passkey(args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = dict(
         lengths=args.lengths, depths=args.depths, trials=args.trials, methods={}
     )
-    size = dict(max_model_len=max(args.lengths) + ANSWER_TOKENS + 16)
+    size = dict(max_model_len=max(args.lengths))
     for name in [EXACT, *args.methods]:
         t0 = time.perf_counter()
         llm = _engine(name, **size, kv_cache_memory=args.kv_cache_memory)

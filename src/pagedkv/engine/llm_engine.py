@@ -112,6 +112,13 @@ class LLMEngine:
                 "times slower); other ops stay %s, so dtype='float32' is as fast and exact",
                 *[str(self.dtype).split(".")[-1]] * 5,
             )
+        if config.max_model_len is not None and config.max_model_len > mc.max_position_embeddings:
+            # The rotary tables stop there: a longer request would fail mid-prefill (vLLM
+            # refuses it too, unless VLLM_ALLOW_LONG_MAX_MODEL_LEN, which pagedkv does not offer).
+            raise ValueError(
+                f"invalid engine option max_model_len={config.max_model_len}: greater than the "
+                f"model's context length (max_position_embeddings={mc.max_position_embeddings})"
+            )
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
         self.config = config = self._align_hybrid_block_size(config)
         # The scheduler's tokens per block (with DCP: a virtual block spread over the ranks).
