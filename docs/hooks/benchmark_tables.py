@@ -626,6 +626,57 @@ def render_step_split(runs: list[tuple[str, dict]]) -> str:
     return "\n".join(out)
 
 
+def render_lossy_kv(runs: list[tuple[str, dict]]) -> str:
+    out = []
+    for name, d in runs:
+        pk = d.get("passkey")
+        if pk:
+            depths = [f"{int(100 * x)}%" for x in pk["depths"]]
+            head = ["method", "tokens", *depths, "rate", "vs exact"]
+            rows = []
+            for method, m in pk["methods"].items():
+                for i, (length, cells) in enumerate(zip(pk["lengths"], m["successes"])):
+                    last = i == len(pk["lengths"]) - 1
+                    rows.append(
+                        [
+                            code(method) if i == 0 else "",
+                            num(length),
+                            *[f"{c}/{pk['trials']}" for c in cells],
+                            pct(m["success_rate"]) if last else "",
+                            num(m["relative_to_exact"], 2) if last else "",
+                        ]
+                    )
+            out.append(
+                f"{tag(name)}: passkey retrieval (successes per cell)\n\n" + table(head, rows)
+            )
+        rc = d.get("recall")
+        te = d.get("teacher")
+        if rc or te:
+            head = ["method", "recall acc", "vs exact", "top-1 (greedy)", "ΔPPL (greedy)",
+                    "top-1 (sampled)", "ΔPPL (sampled)"]  # fmt: skip
+            methods = list((rc or {}).get("methods", {})) or list(te["methods"])
+            rows = []
+            for method in methods:
+                r = (rc or {}).get("methods", {}).get(method, {})
+                t = (te or {}).get("methods", {}).get(method)
+                g, s_ = (t or {}).get("greedy", {}), (t or {}).get("sampled", {})
+                rows.append(
+                    [
+                        code(method),
+                        pct(r.get("accuracy")),
+                        num(r.get("relative_to_exact"), 2),
+                        pct(g.get("top1_agreement"), 2),
+                        "" if not g else f"{g['ppl_delta_pct']:+.2f}%",
+                        pct(s_.get("top1_agreement"), 2),
+                        "" if not s_ else f"{s_['ppl_delta_pct']:+.2f}%",
+                    ]
+                )
+            out.append(
+                f"{tag(name)}: recall task and teacher-forced agreement\n\n" + table(head, rows)
+            )
+    return "\n".join(out) + "\n" + sources(runs)
+
+
 def render_structured_outputs(runs: list[tuple[str, dict]]) -> str:
     out = []
     for name, d in runs:
@@ -693,6 +744,12 @@ BENCHMARKS: list[tuple[str, str, Callable[[str, dict], bool], Callable]] = [
         "python benchmarks/bench_serving.py --json-out benchmarks/results/NAME.json",
         lambda n, d: isinstance(d.get("runs"), list) and "config" in d,
         render_serving,
+    ),
+    (
+        "Lossy KV: what each method loses",
+        "python benchmarks/bench_lossy_kv.py --json-out benchmarks/results/NAME.json",
+        lambda n, d: d.get("benchmark") == "lossy_kv",
+        render_lossy_kv,
     ),
     (
         "Structured outputs: grammar cost",
