@@ -272,7 +272,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raise BenchOptionError("--lengths and --depths are comma-separated numbers") from None
     if args.quick:
         args.lengths, args.depths, args.trials = [512], [0.2, 0.8], 4
-        args.recall_items, args.tokens, args.window = 8, 1024, 512
+        args.recall_items, args.tokens, args.window = 2, 1024, 512
     if args.trials < 1 or not all(0 <= d <= 1 for d in args.depths):
         raise BenchOptionError("need --trials >= 1 and depths in [0, 1]")
     report: dict[str, Any] = dict(
