@@ -97,7 +97,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def _library(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
-    from pagedkv.engine.structured_output.manager import backend_installed
+    from pagedkv.engine.structured_output import StructuredOutputManager, backend_installed
     from pagedkv.models.config import load_model_config
     from pagedkv.models.loader import resolve_model_path
     from pagedkv.models.tokenizer import Tokenizer
@@ -112,7 +112,7 @@ def _library(args: argparse.Namespace) -> dict[str, Any]:
             continue
         log(args, f"library: {name} ...")
         t0 = time.perf_counter()
-        backend = _make_backend(name, tok, vocab)
+        backend = StructuredOutputManager(tok, vocab).get_backend(name)
         res: dict[str, Any] = dict(startup_s=time.perf_counter() - t0)
         for case, (kind, spec, text) in CASES.items():
             ids = tok.encode(text, add_special_tokens=False) + [tok.eos_token_id]
@@ -141,17 +141,6 @@ def _library(args: argparse.Namespace) -> dict[str, Any]:
             )
         out[name] = res
     return out
-
-
-def _make_backend(name: str, tok: Any, vocab: int) -> Any:
-    stops = list(tok.stop_token_ids)
-    if name == "xgrammar":
-        from pagedkv.engine.structured_output.backend_xgrammar import XgrammarBackend
-
-        return XgrammarBackend(tok.backend, vocab, stops)
-    from pagedkv.engine.structured_output.backend_guidance import GuidanceBackend
-
-    return GuidanceBackend(tok.backend, vocab, stops)
 
 
 # ---- engine -----------------------------------------------------------------------------------

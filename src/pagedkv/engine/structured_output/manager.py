@@ -95,7 +95,7 @@ class StructuredOutputManager:
                     return factory
             try:
                 t0 = time.perf_counter()
-                factory = self._get_backend(name).compile(kind, spec, compact)
+                factory = self.get_backend(name).compile(kind, spec, compact)
             except ValueError as e:
                 errors.append(f"{name}: {e}" if len(names) > 1 else str(e))
                 continue
@@ -147,7 +147,8 @@ class StructuredOutputManager:
             )
         return have
 
-    def _get_backend(self, name: str) -> StructuredOutputBackend:
+    def get_backend(self, name: str) -> StructuredOutputBackend:
+        """The ``name`` backend over this tokenizer (built on first use, then kept)."""
         with self._lock:
             backend = self._backends.get(name)
             if backend is None:
