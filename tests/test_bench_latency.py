@@ -40,10 +40,13 @@ def test_timers_time_calls_and_restore_the_originals() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("native_step", ["0", "1"])
-def test_latency_script_pagedkv_side_and_timeline(tmp_path: Path, native_step: str) -> None:
+@pytest.mark.parametrize("native_step,act", [("0", "float32"), ("1", "float32"), ("1", "q8")])
+def test_latency_script_pagedkv_side_and_timeline(
+    tmp_path: Path, native_step: str, act: str
+) -> None:
     """The Python path's timeline counts every op; the native step's splits its one call into the
-    kernel's sections. Either way the overhead is the step minus matmuls and attention."""
+    kernel's sections. Either way the overhead is the step minus matmuls and attention. The
+    batched figure runs every prompt at once; ``--gguf-activations q8`` is recorded."""
     import os
 
     from pagedkv.ops import native
@@ -66,6 +69,14 @@ def test_latency_script_pagedkv_side_and_timeline(tmp_path: Path, native_step: s
             "2",
             "--sequential-max-tokens",
             "3",
+            "--batched",
+            "3",
+            "--batched-prompt-len",
+            "5",
+            "--batched-max-tokens",
+            "4",
+            "--gguf-activations",
+            act,
             "--json-only",
             "--json-out",
             str(out),
@@ -81,6 +92,8 @@ def test_latency_script_pagedkv_side_and_timeline(tmp_path: Path, native_step: s
     for v in r["pagedkv"]["batch1"].values():
         assert v["ttft_ms"] > 0 and v["decode_tok_s"] > 0 and v["runs"] == 1
     assert r["pagedkv"]["sequential_tok_s"] > 0 and r["llamacpp"] is None
+    assert r["pagedkv"]["batched_tok_s"] > 0 and r["pagedkv"]["batched_decode_tok_s"] > 0
+    assert "batched_outputs" not in r["pagedkv"] and r["gguf_activations"] == act
     tl = r["timeline"]
     assert tl["steps"] == 6
     ops = tl["ops"]
@@ -142,3 +155,31 @@ def test_llamacpp_worker_runs_the_same_gguf_greedy() -> None:
     assert (
         res[0]["output"] == res[1]["output"]
     )  # reset between runs: same prompt, same greedy output
+
+
+@pytest.mark.skipif(
+    not latency.llamacpp_available(latency.DEFAULT_VENV),
+    reason="llama-cpp-python not built (benchmarks/llamacpp/setup.sh)",
+)
+def test_llamacpp_batched_worker_decodes_each_sequence_as_alone() -> None:
+    """The batched job (one context, a sequence a prompt, one llama_decode a step) gives each
+    prompt the greedy output a run of it alone gives: the sequences do not see each other."""
+    from pagedkv.models.loader import resolve_model_path
+
+    prompts = [[1, 504, 3458, 314], [1, 2683, 314, 253, 1023, 28]]
+    model = str(resolve_model_path(None))
+    py = latency.DEFAULT_VENV / "bin" / "python"
+    alone = latency._run_worker(
+        py,
+        dict(
+            model=model,
+            threads=2,
+            n_ctx=64,
+            warmup=[],
+            runs=[dict(tokens=p, max_tokens=6) for p in prompts],
+        ),
+    )
+    job = dict(model=model, threads=2, batched=dict(prompts=prompts, max_tokens=6))
+    (b,) = latency._run_worker(py, job, one=True)
+    assert b["outputs"] == [r["output"] for r in alone]
+    assert 0 < b["prefill_s"] < b["wall_s"]

@@ -60,6 +60,7 @@ class Case:
     hidden: int = 256
     inter: int = 512
     seed: int = 0
+    q8: bool = False  # the GGUF q8 mode (activations quantized to 8-bit blocks)
 
 
 def make_model(c: Case) -> LlamaForCausalLM:
@@ -114,6 +115,8 @@ def make_model(c: Case) -> LlamaForCausalLM:
                     segs.append((start, start + count, qtype, rows))
                     start += count
                 lin.set_qsegments(segs)
+    if c.q8:
+        model.set_q8_activations(True)
     return model
 
 
@@ -218,6 +221,12 @@ CASES = {
     "q4_k-m12-dense-rows": Case(fmt=Q4_K, rows=12),  # above the K-quant row limit: float32 rows
     "mixed-m2-bias": Case(fmt="mixed", rows=2, bias=True),
     "mixed-m1-window-bs1": Case(fmt="mixed", block_size=1, window=7),
+    # The q8 mode: the native step quantizes each linear's input itself, as the per-op path's
+    # gemv_q8 does (K-quant rows of "mixed" stay float32 in both).
+    "q8-q4_1-m1": Case(fmt=Q4_1, q8=True),
+    "q8-q4_0-m5-bf16": Case(fmt=Q4_0, rows=5, kv_dtype=torch.bfloat16, q8=True),
+    "q8-q8_0-m16": Case(fmt=Q8_0, rows=16, q8=True),
+    "q8-mixed-m3-bias": Case(fmt="mixed", rows=3, bias=True, q8=True),
 }
 
 
@@ -290,7 +299,16 @@ def test_native_step_splits_long_rows_across_threads(
 
 @pytest.mark.parametrize("build", [b for b in BUILDS if b != "native"])
 @pytest.mark.parametrize(
-    "name", ["f32-m1", "q4_1-m3-f16-lbhnc", "q4_k-m1", "mixed-m2-bias", "q8_0-m16-bs1-bf16"]
+    "name",
+    [
+        "f32-m1",
+        "q4_1-m3-f16-lbhnc",
+        "q4_k-m1",
+        "mixed-m2-bias",
+        "q8_0-m16-bs1-bf16",
+        "q8-q4_0-m5-bf16",
+        "q8-mixed-m3-bias",
+    ],
 )
 def test_native_step_smaller_builds(name: str, build: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The C paths of machines with less SIMD than this one (AVX2 without AVX-512, plain C)."""

@@ -546,6 +546,51 @@ def render_vs_vllm(runs: list[tuple[str, dict]]) -> str:
     return "\n".join(out) + ("\n" + split if split else "")
 
 
+def render_latency(runs: list[tuple[str, dict]]) -> str:
+    """bench_latency: per report, pagedkv vs llama.cpp on the same GGUF (batch 1, sequential,
+    batched), the ratio and the report's own target where it has one."""
+    out = []
+    for name, d in runs:
+        p, q, ra = d.get("pagedkv") or {}, d.get("llamacpp") or {}, d.get("ratios") or {}
+        t = d.get("targets") or {}
+        act = d.get("gguf_activations", "float32")
+        bar1 = t.get("decode_vs_llamacpp_q8") if act == "q8" else None
+        if bar1 is None:
+            key = (
+                "decode_vs_llamacpp_bf16"
+                if d.get("dtype") == "bfloat16"
+                else "decode_vs_llamacpp_fp32"
+            )
+            bar1 = t.get(key)
+
+        def row(label: str, a: Any, b: Any, x: Any, bar: Any) -> list[str]:
+            goal = "" if bar is None else f"≥ {bar}× {met(None if x is None else x >= bar)}"
+            return [label, num(a), num(b), f"{x:.2f}×" if x else "", goal]
+
+        rows = [
+            row(
+                f"batch-1 decode tok/s, {n}-token prompt",
+                v.get("decode_tok_s"),
+                (q.get("batch1") or {}).get(n, {}).get("decode_tok_s"),
+                ra.get(f"decode_{n}"),
+                bar1,
+            )
+            for n, v in (p.get("batch1") or {}).items()
+        ]
+        for key, label, bar in (
+            ("sequential", "sequential serving tok/s", t.get("sequential_vs_llamacpp")),
+            ("batched", "batched tok/s, all tokens", t.get("batched_vs_llamacpp")),
+            ("batched_decode", "batched decode tok/s", t.get("batched_vs_llamacpp")),
+        ):
+            if f"{key}_tok_s" in p:
+                rows.append(row(label, p[f"{key}_tok_s"], q.get(f"{key}_tok_s"), ra.get(key), bar))
+        out.append(
+            f"`{name}`: {d.get('dtype')}, GGUF activations {act}, {d.get('threads')} threads\n\n"
+            + table(["", "pagedkv", "llama.cpp", "ratio", "target"], rows)
+        )
+    return "\n".join(out)
+
+
 def render_serving(runs: list[tuple[str, dict]]) -> str:
     """bench_serving: each run's throughput and latency, the server's CPU by thread (the HTTP
     event loop is ``main``), and saturation over offline ``LLM.generate``."""
@@ -780,6 +825,12 @@ BENCHMARKS: list[tuple[str, str, Callable[[str, dict], bool], Callable]] = [
         "python benchmarks/bench_router.py",
         lambda n, d: "ratios_vs_round_robin" in d,
         render_router,
+    ),
+    (
+        "Against llama.cpp (same GGUF)",
+        "python benchmarks/bench_latency.py --cores 0,1 [--gguf-activations q8]",
+        lambda n, d: d.get("benchmark") == "latency",
+        render_latency,
     ),
     (
         "Prefill/decode disaggregation",

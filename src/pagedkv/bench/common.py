@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import re
 import statistics
@@ -115,3 +116,13 @@ def cpu_info() -> dict[str, Any]:
             flags = set(val.split())
             info["simd"] = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
     return info
+
+
+def machine_line(cpu: dict[str, Any], cores: int | None) -> str:
+    """One line naming the host, for a report's ``machine`` field: cores, CPU model, family and
+    model numbers, SIMD."""
+    n = f"{cores} cores" if cores else f"{os.cpu_count()} CPUs"
+    return (
+        f"{n}: {cpu.get('model name', '?')} (family {cpu.get('cpu family', '?')}, model "
+        f"{cpu.get('model', '?')}), {'/'.join(cpu.get('simd', [])) or 'no AVX2'}, CPU only"
+    )

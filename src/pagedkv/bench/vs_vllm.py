@@ -65,6 +65,7 @@ from pagedkv.bench.common import (
     fmt,
     int_range,
     log,
+    machine_line,
     random_token_ids,
     ratio,
     run_and_emit,
@@ -442,9 +443,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     report: dict[str, Any] = dict(
         cores=args.cores,
         cpu=(cpu := cpu_info()),
-        machine=f"{_cores(args.cores)} cores: {cpu.get('model name', '?')} (family "
-        f"{cpu.get('cpu family', '?')}, model {cpu.get('model', '?')}), "
-        f"{'/'.join(cpu.get('simd', [])) or 'no AVX2'}, CPU only",
+        machine=machine_line(cpu, _cores(args.cores)),
         model=str(HF_DIR),
         num_requests=args.num_requests,
         prompt_len=list(args.prompt_len),

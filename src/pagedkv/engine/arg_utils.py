@@ -29,6 +29,7 @@ from pagedkv.core.units import format_size, parse_size
 from pagedkv.engine.config import (
     DEFAULT_CPU_KV_CACHE_MEMORY,
     DTYPES,
+    GGUF_ACTIVATIONS,
     KV_OFFLOAD_CACHE_POLICIES,
     KV_ROTATION_CHOICES,
     PREEMPTION_MODES,
@@ -49,6 +50,7 @@ __all__ = [
 CACHE_ARGS: tuple[str, ...] = (
     "model",
     "dtype",
+    "gguf_activations",
     "block_size",
     "max_model_len",
     "num_kv_blocks",
@@ -140,6 +142,13 @@ class EngineArgs:
         "model", "a .gguf file or HF model directory (default: SmolLM2-135M-Instruct)"
     )
     dtype: str = _opt("dtype", "model and KV cache dtype (default %(default)s)", choices=DTYPES)
+    gguf_activations: str = _opt(
+        "gguf_activations",
+        "GGUF models' decode GEMVs: float32 (exact weights, float32 math: token-exact with "
+        "transformers) or q8 (inputs quantized to 8-bit blocks, integer dot products: "
+        "llama.cpp's arithmetic, faster on CPUs without wide FMA units) (default %(default)s)",
+        choices=GGUF_ACTIVATIONS,
+    )
     device: str = _opt("device", "cpu or cuda[:N] (default %(default)s)")
     block_size: int = _opt("block_size", "tokens per KV block (default %(default)s)", type=int)
     max_model_len: int | None = _opt(

@@ -31,6 +31,7 @@ DTYPES = (*FLOAT_DTYPES, "auto")  # "auto": the checkpoint's dtype
 KV_ROTATION_CHOICES = (*KV_ROTATIONS, "none")
 KV_OFFLOAD_CACHE_POLICIES = ("lru", "arc")
 PREEMPTION_MODES = ("recompute", "swap")
+GGUF_ACTIVATIONS = ("float32", "q8")  # gguf_activations: see EngineConfig
 
 
 def one_of(values: tuple[str, ...], quote: bool = False) -> str:
@@ -56,6 +57,11 @@ class EngineConfig:
 
     model: str | None = None  # None: the default model (SmolLM2-135M-Instruct GGUF)
     dtype: str = "float32"
+    # GGUF models' small-batch GEMVs: "float32" multiplies the exact dequantized weights in
+    # float32 (token-exact with transformers); "q8" quantizes each linear's input to 8-bit
+    # blocks and takes integer dot products, llama.cpp's arithmetic (faster where FMA is the
+    # limit; ops/csrc/gemv_q8.c).
+    gguf_activations: str = "float32"
     device: str = "cpu"
     block_size: int = DEFAULT_BLOCK_SIZE
     num_kv_blocks: int | None = None
@@ -127,6 +133,8 @@ class EngineConfig:
             raise bad(
                 "prefix_cache_retention_interval", "must be None, 0 or a positive number of tokens"
             )
+        if self.gguf_activations not in GGUF_ACTIVATIONS:
+            raise bad("gguf_activations", f"choose {one_of(GGUF_ACTIVATIONS, quote=True)}")
         if self.structured_outputs_backend not in ("auto", "xgrammar", "guidance"):
             raise bad("structured_outputs_backend", "choose one of auto, xgrammar, guidance")
         if self.prefix_caching_hash_algo not in HASH_FUNCTIONS:

@@ -90,6 +90,7 @@ class Worker:
             config.device,
             kv_quants=kv_quants_for(config),
             parallel=self.parallel,
+            gguf_activations=config.gguf_activations,
         )
         mc = self.loaded.config
         self.model_config = rank_model_config(config, mc, rank)

@@ -56,6 +56,9 @@ class QuantizedRows:
     weight: nn.Parameter
     qsegments: list[QSegment] | None = None
     qkquant: bool = False  # some segment is a K-quant (a lower row limit)
+    # The GGUF q8 mode: the 32-weight segments take x quantized to 8-bit blocks (llama.cpp's
+    # arithmetic, ops/csrc/gemv_q8.c) instead of float32 math on the exact weights.
+    q8_activations: bool = False
 
     def set_qsegments(self, segments: list[QSegment] | None) -> None:
         self.qsegments = segments
@@ -101,13 +104,19 @@ class QuantizedRows:
             return dense_linear.linear(x, self.weight, bias)
         xf = x.float()
         bf = None if bias is None else bias.float()
+        q8 = self.q8_activations
         if len(segs) == 1:
-            y = native.gemv_q(xf, segs[0][3], segs[0][2], bf)
+            y = native.gemv_q(xf, segs[0][3], segs[0][2], bf, q8_activations=q8)
         else:
             y = torch.empty(x.shape[0], self.weight.shape[0], dtype=torch.float32)
             for start, stop, qtype, rows in segs:
                 native.gemv_q(
-                    xf, rows, qtype, None if bf is None else bf[start:stop], out=y[:, start:stop]
+                    xf,
+                    rows,
+                    qtype,
+                    None if bf is None else bf[start:stop],
+                    out=y[:, start:stop],
+                    q8_activations=q8,
                 )
         return y if x.dtype == torch.float32 else y.to(x.dtype)
 

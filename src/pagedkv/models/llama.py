@@ -208,6 +208,7 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     parallel: ParallelContext | None = None
+    q8_activations: bool = False  # the GGUF q8 mode (LlamaForCausalLM.set_q8_activations)
 
     def __init__(
         self,
@@ -270,6 +271,7 @@ class LlamaModel(nn.Module):
             layers=[layer.step_description() for layer in self.layers],
             final_norm=self.norm.weight,
             final_eps=self.norm.eps,
+            q8_activations=self.q8_activations,
         )
 
 
@@ -443,6 +445,18 @@ class LlamaForCausalLM(nn.Module):
                 mod.set_qsegments(segments)
                 equipped += 1
         return equipped
+
+    def set_q8_activations(self, on: bool) -> int:
+        """The GGUF q8 mode (``gguf_activations="q8"``): small-batch steps quantize each
+        linear's input to 8-bit blocks for the layers holding ggml rows (see
+        ``ops/csrc/gemv_q8.c``), the native step included. Returns the layers it reaches."""
+        reached = 0
+        for mod in self.modules():
+            if isinstance(mod, QuantizedRows) and mod.qsegments:
+                mod.q8_activations = on
+                reached += 1
+        self.model.q8_activations = on
+        return reached
 
     def param_names(self) -> set[str]:
         """Every parameter name ``load_weights`` must write for the model to be complete."""

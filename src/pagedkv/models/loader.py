@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import logging
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -31,6 +32,8 @@ from pagedkv.models.tokenizer import Tokenizer
 from pagedkv.models.tp_sharding import local_model_config
 from pagedkv.ops import native
 from pagedkv.ops.kv_quant import LayerKVQuants
+
+log = logging.getLogger(__name__)
 
 # Given the checkpoint's config and the resolved dtype, the KV formats of the model's attention
 # layers (the engine's: from the KV cache specs it will allocate).
@@ -119,15 +122,26 @@ def get_model(
     device: str | torch.device = "cpu",
     kv_quants: KVQuantsFor | None = None,
     parallel: ParallelContext | None = None,
+    gguf_activations: str = "float32",
 ) -> LoadedModel:
     """Load weights, config and tokenizer. Raises ``ValueError`` if the checkpoint leaves any
     parameter unwritten (or has one the model lacks), so a half-loaded model never runs.
+    ``gguf_activations``: ``"q8"`` turns on the GGUF q8 mode (``EngineConfig.gguf_activations``;
+    ValueError for a model that is not a GGUF file; a warning where it cannot apply: no native
+    kernels, not on CPU, an architecture without ggml rows).
     ``parallel``: build and load only one tensor-parallel rank's share (ValueError for an
     architecture without tensor parallelism); ``LoadedModel.config`` stays the whole model's.
     ``kv_quants``: called with the config and dtype before the model is built, it gives the
     quantized/rotated KV formats its attention layers are built with (None: plain caches)."""
     start = time.perf_counter()
     path = resolve_model_path(model)
+    if gguf_activations not in ("float32", "q8"):
+        raise ValueError(f"gguf_activations must be 'float32' or 'q8', got {gguf_activations!r}")
+    if gguf_activations == "q8" and path.suffix.lower() != ".gguf":
+        raise ValueError(
+            f"gguf_activations='q8' quantizes the activations of a GGUF model's ggml rows; "
+            f"{path} is not a .gguf file"
+        )
     config = load_model_config(path)
     torch_dtype = resolve_dtype(dtype, config)
     tokenizer: Tokenizer | None
@@ -168,6 +182,13 @@ def get_model(
     ):
         # Small-batch steps stream the file's 4/8-bit blocks instead of the dense weights.
         net.load_quantized(iter_gguf_quantized(gguf, native.SUPPORTED_QTYPES))
+        if gguf_activations == "q8":
+            net.set_q8_activations(True)
+    elif gguf_activations == "q8":
+        log.warning(
+            "gguf_activations='q8' has no effect here (no native kernels or not on CPU): "
+            "the model runs in float32 on the dequantized weights"
+        )
     net.eval()
     scales = {
         name: (d.get("k_scale", d.get("kv_scale", 1.0)), d.get("v_scale", d.get("kv_scale", 1.0)))

@@ -43,6 +43,9 @@ FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-shared", "-f
 # 32-weight types and the K-quants of llama.cpp's popular Q4_K_M files (256-weight blocks).
 GGML_Q4_0, GGML_Q4_1, GGML_Q8_0, GGML_Q4_K, GGML_Q6_K = 2, 3, 8, 12, 14
 SUPPORTED_QTYPES = frozenset({GGML_Q4_0, GGML_Q4_1, GGML_Q8_0, GGML_Q4_K, GGML_Q6_K})
+# The types the integer-dot GEMV over 8-bit activations reads (csrc/gemv_q8.c): the 32-weight
+# ones. K-quant rows keep float32 math in the q8 mode.
+Q8_ACT_QTYPES = frozenset({GGML_Q4_0, GGML_Q4_1, GGML_Q8_0})
 
 _i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 # Extra flags that build each SIMD path of the kernels on a machine that has more (tests).
@@ -122,6 +125,10 @@ def _build(cc: str, flags: list[str]) -> Path:
 def _bind(so: ctypes.CDLL) -> ctypes.CDLL:
     so.pkv_gemv_q.argtypes = [ctypes.c_int, _ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr, _i64]
     so.pkv_gemv_q.restype = ctypes.c_int
+    so.pkv_gemv_q8.argtypes = [ctypes.c_int, _ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr, _i64]
+    so.pkv_gemv_q8.restype = ctypes.c_int
+    so.pkv_quantize_q8.argtypes = [_ptr, _i64, _i64, _ptr, _ptr]
+    so.pkv_quantize_q8.restype = ctypes.c_int
     so.pkv_gemv_dense.argtypes = [
         ctypes.c_int,
         _ptr,
@@ -268,18 +275,37 @@ def row_bytes(qtype: int, k: int) -> int:
     return k // bw * size if bw and k % bw == 0 else 0
 
 
+def quantize_q8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``x [M, K]`` (float32, ``K % 32 == 0``) as the q8 mode's activations: int8 quants
+    ``[M, K]``, block scales ``d`` and ``s = d * sum(q)`` ``[M, K/32]`` (csrc/gemv_q8.c's
+    arithmetic; exposed for its tests). Raises ``ValueError`` on a bad shape or dtype."""
+    so = _require()
+    if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] % 32 or x.device.type != "cpu":
+        raise ValueError("quantize_q8 takes a 2-D float32 CPU tensor of 32-value blocks")
+    x = x.contiguous()
+    m, k = x.shape
+    nb = k // 32
+    q = torch.empty(m, k, dtype=torch.int8)
+    ds = torch.empty(m, -(-nb // 8) * 8, 2)  # (d, s) pairs, the rows padded to 8 blocks
+    so.pkv_quantize_q8(x.data_ptr(), m, k, q.data_ptr(), ds.data_ptr())
+    return q, ds[:, :nb, 0].contiguous(), ds[:, :nb, 1].contiguous()
+
+
 def gemv_q(
     x: torch.Tensor,
     qweight: torch.Tensor,
     qtype: int,
     bias: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    q8_activations: bool = False,
 ) -> torch.Tensor:
     """``x [M, K] @ W.T (+ bias)`` with ``W [N, K]`` held as ggml blocks ``qweight [N, bytes]``
     (uint8, contiguous rows). float32 in and out; the weights are exactly the values the GGUF
     dequantizer gives (see the C file). ``out`` may be a column slice ``[M, N]`` of a wider
-    float32 tensor with unit column stride (a fused layer's rows of one type). Raises
-    ``ValueError`` on a bad shape or type."""
+    float32 tensor with unit column stride (a fused layer's rows of one type).
+    ``q8_activations``: for the types in :data:`Q8_ACT_QTYPES`, quantize ``x`` to 8-bit blocks
+    and take integer dot products (llama.cpp's arithmetic, csrc/gemv_q8.c); other types ignore
+    it. Raises ``ValueError`` on a bad shape or type."""
     so = _require()
     if x.dtype != torch.float32 or x.dim() != 2 or x.device.type != "cpu":
         raise ValueError("gemv_q takes a 2-D float32 CPU tensor")
@@ -299,7 +325,8 @@ def gemv_q(
         out = torch.empty(m, n, dtype=torch.float32)
     elif out.shape != (m, n) or out.dtype != torch.float32 or out.stride(1) != 1:
         raise ValueError(f"out must be float32 [{m}, {n}] with unit column stride")
-    so.pkv_gemv_q(
+    fn = so.pkv_gemv_q8 if q8_activations and qtype in Q8_ACT_QTYPES else so.pkv_gemv_q
+    fn(
         qtype,
         x.data_ptr(),
         m,

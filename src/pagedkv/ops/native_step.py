@@ -129,7 +129,7 @@ class _Model(ctypes.Structure):
         ("eps", ctypes.c_float),
         ("scale", ctypes.c_float),
         ("kv_type", _i32),
-        ("pad_", _i32),
+        ("act_q8", _i32),
     ]
 
 
@@ -341,6 +341,7 @@ def _build(so: ctypes.CDLL, desc: DecoderStackDesc, limits: tuple[int, int]) -> 
         layers=ctypes.addressof(arr),
         eps=desc.final_eps,
         scale=a0.scale,
+        act_q8=int(desc.q8_activations),
     )
     # Without float32 rows a projection must stay on its segments: no step above its row limit.
     row_cap = min(

@@ -68,13 +68,15 @@ class DecoderStackDesc:
     """The whole stack: token embedding ``embed [vocab, hidden]``, the RoPE table
     ``rope_cos_sin [max_pos, head_dim]`` (cos | sin halves, one row per position), the layers,
     and the final RMSNorm (``final_norm [hidden]``, ``final_eps``). The stack's output is the
-    final-normed hidden states, in ``embed``'s dtype."""
+    final-normed hidden states, in ``embed``'s dtype. ``q8_activations``: the projections'
+    32-weight ggml segments take their input quantized to 8-bit blocks (the GGUF q8 mode)."""
 
     embed: torch.Tensor
     rope_cos_sin: torch.Tensor
     layers: list[DecoderLayerDesc]
     final_norm: torch.Tensor
     final_eps: float
+    q8_activations: bool = False
 
 
 class NativeStepModel(Protocol):

@@ -24,6 +24,7 @@
  *   isa.h                     the build's ISA (AVX-512 / AVX2 / portable), vector width, fp16
  *   ggml_blocks.c             ggml block sizes and dequantizers
  *   gemv_quant.c              quantized GEMV (pkv_gemv_q, pkv_dequant)
+ *   gemv_q8.c                 ... over activations quantized to 8 bits (pkv_gemv_q8, opt-in)
  *   argmax.c                  sampling: argmax (pkv_argmax_rows), token bitmask (structured outputs)
  *   kv_formats.h              KV cache formats (float and quantized) and their readers
  *   decode_attention.h/.c     paged decode attention over a float KV cache
@@ -50,6 +51,7 @@ int pkv_isa(void) {
 
 #include "ggml_blocks.c"
 #include "gemv_quant.c"
+#include "gemv_q8.c"
 #include "argmax.c"
 #include "kv_formats.h"
 #include "decode_attention.h"

@@ -95,13 +95,6 @@ static void gemv1_m1(int qtype, const float *x, int64_t nblocks, const uint8_t *
     }
 }
 #elif PKV_AVX2
-/* Sum of the 8 lanes. */
-static inline float hsum8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
-
 /* One 32-weight block (Q4_0, Q4_1 or Q8_0) as four registers of 8 float32 weights (elements
  * 8i..8i+7), bit-identical to dequant_block given its d (and Q4_1's m) in float32. Q4_1 takes
  * one FMA, d*q + m: d has 11 significant bits and q 4, so the product is exact in float32 and
@@ -128,18 +121,6 @@ ALWAYS_INLINE void dequant32_avx2(int qtype, const uint8_t *b, __m256 d, __m256 
     }
 }
 
-/* dm[2j] = d, dm[2j+1] = m (Q4_1; else the first quants, unused) of the n <= 8 blocks at b,
- * bb bytes apart: eight 4-byte loads into one register (not through memory: eight narrow
- * stores read back as one wide load would stall store forwarding) and two float16
- * conversions, instead of two conversions and broadcasts per block in the FMA loop. */
-static inline uint32_t load_u32(const uint8_t *p) { uint32_t v; memcpy(&v, p, 4); return v; }
-ALWAYS_INLINE void block_scales8(const uint8_t *b, int bb, int64_t n, float *dm /* [16] */) {
-    uint32_t h[8];
-    for (int64_t j = 0; j < 8; j++) h[j] = j < n ? load_u32(b + j * bb) : 0u;
-    __m256i v = _mm256_setr_epi32((int)h[0], (int)h[1], (int)h[2], (int)h[3], (int)h[4], (int)h[5], (int)h[6], (int)h[7]);
-    _mm256_storeu_ps(dm, _mm256_cvtph_ps(_mm256_castsi256_si128(v)));
-    _mm256_storeu_ps(dm + 8, _mm256_cvtph_ps(_mm256_extracti128_si256(v, 1)));
-}
 
 /* M = 1: R (<= 2) consecutive output columns (weight rows `stride` bytes apart) against one x,
  * two accumulators a row. Two rows, not four: with four, the eight accumulators, a block's

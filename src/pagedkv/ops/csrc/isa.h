@@ -89,4 +89,27 @@ static inline float fp16_to_fp32(uint16_t h) {
 
 static inline uint16_t load_u16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return v; }
 
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+/* Helpers of the 8-lane loops (the AVX2 GEMV, and gemv_q8.c on every AVX2 CPU). */
+/* Sum of the 8 lanes. */
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+/* dm[2j] = d, dm[2j+1] = m (Q4_1; else the first quants, unused) of the n <= 8 blocks at b,
+ * bb bytes apart: eight 4-byte loads into one register (not through memory: eight narrow
+ * stores read back as one wide load would stall store forwarding) and two float16
+ * conversions, instead of two conversions and broadcasts per block in the FMA loop. */
+static inline uint32_t load_u32(const uint8_t *p) { uint32_t v; memcpy(&v, p, 4); return v; }
+ALWAYS_INLINE void block_scales8(const uint8_t *b, int bb, int64_t n, float *dm /* [16] */) {
+    uint32_t h[8];
+    for (int64_t j = 0; j < 8; j++) h[j] = j < n ? load_u32(b + j * bb) : 0u;
+    __m256i v = _mm256_setr_epi32((int)h[0], (int)h[1], (int)h[2], (int)h[3], (int)h[4], (int)h[5], (int)h[6], (int)h[7]);
+    _mm256_storeu_ps(dm, _mm256_cvtph_ps(_mm256_castsi256_si128(v)));
+    _mm256_storeu_ps(dm + 8, _mm256_cvtph_ps(_mm256_extracti128_si256(v, 1)));
+}
+#endif
+
 #endif  /* PKV_ISA_H */

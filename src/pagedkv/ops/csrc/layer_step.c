@@ -108,7 +108,12 @@ int pkv_decode_layers(const pkv_model *m, int64_t M, const int64_t *ids, float *
     const int by_row = M >= 2 * threads && Hq * D <= MAX_ACC && Hq <= 256;
     const int64_t items = by_row ? M : M * Hkv;
     size_t split_out = (size_t)(STEP_MAX_SPLITS * M * Hq * D), split_lse = (size_t)(STEP_MAX_SPLITS * M * Hq);
-    size_t shared = (size_t)(M * ld + M * Hq * D + M * H + M * I) + split_out + split_lse, own = (size_t)(2 * M * H);
+    /* act_q8: each thread quantizes every linear's input itself into its own q8_rows (cheap
+     * next to the GEMV, and it needs no barrier: the inputs are the same on every thread). */
+    const int64_t Kq = H > Hq * D ? (H > I ? H : I) : (Hq * D > I ? Hq * D : I);
+    size_t qfloats = m->act_q8 ? (q8_rows_bytes(M, Kq) + sizeof(float) - 1) / sizeof(float) : 0;
+    size_t shared = (size_t)(M * ld + M * Hq * D + M * H + M * I) + split_out + split_lse,
+           own = (size_t)(2 * M * H) + qfloats;
     float *buf = (float *)malloc((shared + own * threads) * sizeof(float));
     if (!buf) return -1;
     float *qkv = buf, *attn = qkv + M * ld, *proj = attn + M * Hq * D, *act = proj + M * H;
@@ -116,6 +121,11 @@ int pkv_decode_layers(const pkv_model *m, int64_t M, const int64_t *ids, float *
 #pragma omp parallel num_threads(threads)
     {
         float *res = buf + shared + own * omp_get_thread_num(), *hn = res + M * H;
+        q8_rows xq_[4], *xq[4] = {NULL, NULL, NULL, NULL};  /* per linear: qkv, o, gate_up, down */
+        if (m->act_q8) {
+            const int64_t ks[4] = {H, Hq * D, H, I};
+            for (int i = 0; i < 4; i++) xq_[i] = q8_rows_at(hn + M * H, M, ks[i]), xq[i] = &xq_[i];
+        }
         for (int64_t r = 0; r < M; r++) memcpy(res + r * H, m->embed + ids[r] * H, H * sizeof(float));
         double *clock = omp_get_thread_num() == 0 ? prof : NULL, mark = clock ? omp_get_wtime() : 0.0;
 #define STEP_MARK(i) if (clock) { double t_ = omp_get_wtime(); clock[i] += t_ - mark; mark = t_; }
@@ -130,8 +140,9 @@ int pkv_decode_layers(const pkv_model *m, int64_t M, const int64_t *ids, float *
                              .esz = m->kv_type == KV_F32 ? 4 : 2, .kmul = 1.0f, .vmul = 1.0f,
                              .kgroup = D, .vgroup = D, .kvals = D, .vvals = D, .kpart = D, .vpart = D};
             rms_norm_rows(res, L->input_norm, M, H, m->eps, hn);
+            if (xq[0]) q8_quantize(hn, M, H, xq[0]);
             STEP_MARK(0)
-            linear_team(&L->qkv, hn, M, qkv);
+            linear_team(&L->qkv, hn, xq[0], M, qkv);
             STEP_MARK(1)
             const int64_t S = by_row ? 1 : kv_splits(items, threads, M, seq_lens, L->window);
             if (S == 1) {
@@ -153,23 +164,26 @@ int pkv_decode_layers(const pkv_model *m, int64_t M, const int64_t *ids, float *
 #pragma omp for schedule(static)
                 for (int64_t it = 0; it < M * Hq; it++) merge_splits(&a, it / Hq, it % Hq, S, M, part_out, part_lse);
             }
+            if (xq[1]) q8_quantize(attn, M, Hq * D, xq[1]);
             STEP_MARK(2)
-            linear_team(&L->o, attn, M, proj);
+            linear_team(&L->o, attn, xq[1], M, proj);
             STEP_MARK(3)
             for (int64_t i = 0; i < M * H; i++) res[i] += proj[i];
             rms_norm_rows(res, L->post_norm, M, H, m->eps, hn);
+            if (xq[2]) q8_quantize(hn, M, H, xq[2]);
             STEP_MARK(0)
             /* gate_up and SiLU*mul: each item computes matching gate and up columns. */
 #pragma omp for schedule(static)
             for (int64_t j0 = 0; j0 < I; j0 += STEP_COLS) {
                 int64_t j1 = j0 + STEP_COLS < I ? j0 + STEP_COLS : I;
                 float g[STEP_MAX_M * STEP_COLS], u[STEP_MAX_M * STEP_COLS];
-                linear_cols(&L->gate_up, hn, M, j0, j1, g, STEP_COLS);
-                linear_cols(&L->gate_up, hn, M, I + j0, I + j1, u, STEP_COLS);
+                linear_cols(&L->gate_up, hn, xq[2], M, j0, j1, g, STEP_COLS);
+                linear_cols(&L->gate_up, hn, xq[2], M, I + j0, I + j1, u, STEP_COLS);
                 for (int64_t r = 0; r < M; r++) silu_mul(g + r * STEP_COLS, u + r * STEP_COLS, j1 - j0, act + r * I + j0);
             }
+            if (xq[3]) q8_quantize(act, M, I, xq[3]);
             STEP_MARK(4)
-            linear_team(&L->down, act, M, proj);
+            linear_team(&L->down, act, xq[3], M, proj);
             STEP_MARK(5)
             for (int64_t i = 0; i < M * H; i++) res[i] += proj[i];
         }

@@ -60,7 +60,9 @@ typedef struct {
     const float *final_norm;               /* [H] */
     const pkv_layer *layers;
     float eps, scale;
-    int32_t kv_type, pad_;
+    int32_t kv_type;
+    int32_t act_q8;                        /* 1: the 32-weight ggml segments take x quantized to
+                                              8-bit blocks (gemv_q8.c; the opt-in q8 mode) */
 } pkv_model;
 
 #endif  /* PKV_LAYER_STEP_H */

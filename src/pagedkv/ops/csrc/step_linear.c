@@ -226,9 +226,14 @@ static void bf16_cols(const uint16_t *w, int64_t ldw, int64_t K, const float *x,
 #endif
 }
 
-/* ggml rows of one type (or bf16 rows): y[m*ldy + c] for c < nc, as pkv_gemv_q computes them. */
-static void quant_cols(int qtype, const uint8_t *rows, int64_t stride, int64_t K, const float *x, int64_t M,
-                       int64_t nc, float *y, int64_t ldy) {
+/* ggml rows of one type (or bf16 rows): y[m*ldy + c] for c < nc, as pkv_gemv_q computes them,
+ * or, given x quantized (xq: the model's act_q8 mode) and a 32-weight type, as pkv_gemv_q8. */
+static void quant_cols(int qtype, const uint8_t *rows, int64_t stride, int64_t K, const float *x,
+                       const q8_rows *xq, int64_t M, int64_t nc, float *y, int64_t ldy) {
+    if (xq && q8_type(qtype)) {
+        q8_cols(qtype, rows, stride, xq, M, nc, y, ldy);
+        return;
+    }
     if (qtype == STEP_BF16) {  /* not a ggml type: plain bf16 rows */
         bf16_cols((const uint16_t *)rows, stride / 2, K, x, M, nc, y, ldy);
         return;
@@ -251,17 +256,18 @@ static void quant_cols(int qtype, const uint8_t *rows, int64_t stride, int64_t K
     }
 }
 
-/* Output columns [n0, n1) of x [M, K] @ W^T (+ bias): y[m*ldy + (n - n0)]. */
-static void linear_cols(const pkv_linear *L, const float *x, int64_t M, int64_t n0, int64_t n1, float *y,
-                        int64_t ldy) {
+/* Output columns [n0, n1) of x [M, K] @ W^T (+ bias): y[m*ldy + (n - n0)]. xq: x quantized to
+ * 8-bit blocks, read by the 32-weight ggml segments (NULL: float32 math throughout). */
+static void linear_cols(const pkv_linear *L, const float *x, const q8_rows *xq, int64_t M, int64_t n0, int64_t n1,
+                        float *y, int64_t ldy) {
     if (L->nseg == 0 || M > L->max_rows) {
         dense_cols(L->dense + n0 * L->ldw, L->ldw, L->K, x, M, n1 - n0, y, ldy);
     } else {
         for (int s = 0; s < L->nseg; s++) {
             const pkv_segment *g = &L->seg[s];
             int64_t a = n0 > g->start ? n0 : g->start, b = n1 < g->end ? n1 : g->end;
-            if (a < b) quant_cols(g->qtype, g->w + (a - g->start) * g->row_stride, g->row_stride, L->K, x, M, b - a,
-                                  y + (a - n0), ldy);
+            if (a < b) quant_cols(g->qtype, g->w + (a - g->start) * g->row_stride, g->row_stride, L->K, x, xq, M,
+                                  b - a, y + (a - n0), ldy);
         }
     }
     if (L->bias)
@@ -270,12 +276,12 @@ static void linear_cols(const pkv_linear *L, const float *x, int64_t M, int64_t 
 }
 
 /* y = x @ W^T for all N columns, columns shared out among the team (ends with a barrier). */
-static void linear_team(const pkv_linear *L, const float *x, int64_t M, float *y) {
+static void linear_team(const pkv_linear *L, const float *x, const q8_rows *xq, int64_t M, float *y) {
     int64_t groups = (L->N + 3) / 4;
 #pragma omp for schedule(static)
     for (int64_t g = 0; g < groups; g++) {
         int64_t n0 = 4 * g, n1 = n0 + 4 < L->N ? n0 + 4 : L->N;
-        linear_cols(L, x, M, n0, n1, y + n0, L->N);
+        linear_cols(L, x, xq, M, n0, n1, y + n0, L->N);
     }
 }
 
