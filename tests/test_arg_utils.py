@@ -116,7 +116,7 @@ def test_choices_are_what_engine_config_accepts() -> None:
     for rotation in actions["kv_rotation"].choices:
         EngineConfig(kv_rotation=rotation)
     with pytest.raises(ValueError, match="choose " + ", ".join(KV_CACHE_DTYPES[:-1])):
-        EngineConfig(kv_cache_dtype="int3")
+        EngineConfig(kv_cache_dtype="int5")
     with pytest.raises(SystemExit):
         _parser().parse_args(["--dtype", "int3"])
 

@@ -47,8 +47,10 @@ def test_every_quant_mode_side_by_side(capsys) -> None:
         "fp8_per_token_head_f16": 2 * 64 + 4,
         "int8_per_token_head_f16": 2 * 64 + 4,
         "int4_per_token_head": 64 + 8,
-        "int4_per_token_group": 32 + 4 * 2 + 32 + 2,
-    }  # K: 4 groups of 16, V: 1
+        "int4_per_token_group": 32 + 4 * 2 + 32 + 2,  # K: 4 groups of 16, V: 1
+        "int3_per_token_group": 2 * (24 + 2 * 2),  # 3-bit codes, groups of 32
+        "int2_per_token_group": 2 * (16 + 2 * 2),
+    }
     assert set(rows) == set(per_layer_head)
     for mode, content in per_layer_head.items():
         r = rows[mode]

@@ -98,6 +98,8 @@ def test_engine_refuses_a_cache_too_small_for_one_max_model_len_request():
         ("fp8_per_token_head_f16", 132),
         ("int4_per_token_head", 72),
         ("int4", 74),
+        ("int3", 56),
+        ("int2", 40),
     ],
 )
 @pytest.mark.slow

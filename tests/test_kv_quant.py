@@ -25,6 +25,8 @@ MODES = [
     ("int4", "int4_per_token_group"),
     ("int8", "int8_per_token_head_f16"),
     ("fp8", "fp8_per_token_head_f16"),
+    ("int3", "int3_per_token_group"),
+    ("int2", "int2_per_token_group"),
 ]
 
 
@@ -99,11 +101,14 @@ def test_round_trip_within_the_format_error_bound(dtype, mode):
         clipped = (xd.abs() - lim * s).clamp(min=0)  # per-tensor: saturation past ±max·scale
         bound = xd.abs() * rel + sub * s + clipped
     else:
-        g = 64 if mode == "int4_per_token_head" else 16  # the K part
+        bits = {"int4": 4, "int3": 3, "int2": 2}[dtype]
+        g = {"int4_per_token_head": 64, "int4_per_token_group": 16}.get(mode, 32)  # the K part
         xg = xd.reshape(9, 3, 64 // g, g)
         rng = xg.amax(-1, keepdim=True).clamp(min=0) - xg.amin(-1, keepdim=True).clamp(max=0)
-        # half a step, the stored scale rounded up by at most 2^-6 (fp16 keeps 6 mantissa bits)
-        bound = (rng / 15 * (1 + 2.0**-6) / 2 + 1e-7).expand_as(xg).reshape(9, 3, 64)
+        # half a step, the stored scale rounded up by at most 2^-(10 - bits) (the zero point
+        # takes the fp16 mantissa's low `bits` bits)
+        top = 2**bits - 1
+        bound = (rng / top * (1 + 2.0 ** -(10 - bits)) / 2 + 1e-7).expand_as(xg).reshape(9, 3, 64)
     assert bool((err <= bound * (1 + 1e-6) + 1e-12).all()), float((err - bound).max())
     assert float(deq[..., 0, :].abs().max()) == 0.0  # a head of zeros stays zeros
 
@@ -121,6 +126,38 @@ def test_int4_zero_point_lives_in_the_scale_low_bits(mode):
         assert int(bits) & 15 == round(1.0 / (4.0 / 15))  # z = round(-min / s)
     else:
         assert raw.shape[-1] == 32 + 4 * 2  # K: groups of 16
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_codes_pack_as_a_little_endian_bit_stream(bits: int) -> None:
+    """Value i of a part at bits [bits*i, bits*i + bits) of its bytes: int4's nibble order is
+    the same rule, int3 packs 8 values in 3 bytes, int2 4 in one (the kernels' contract)."""
+    from pagedkv.ops.kv_quant import pack_codes, unpack_codes
+
+    g = torch.Generator().manual_seed(bits)
+    q = torch.randint(0, 2**bits, (4, 2, 64), dtype=torch.uint8, generator=g)
+    raw = pack_codes(q, bits)
+    assert raw.shape[-1] == 64 * bits // 8
+    stream = int.from_bytes(bytes(raw[1, 1].tolist()), "little")
+    assert [(stream >> (bits * i)) & (2**bits - 1) for i in range(64)] == q[1, 1].tolist()
+    assert torch.equal(unpack_codes(raw, 64, bits), q)
+
+
+@pytest.mark.parametrize("dtype", ["int3", "int2"])
+def test_low_bit_parts_have_the_capacity_bars_bytes(dtype: str) -> None:
+    """Head size 64: int3 56 bytes a token-head (4.57x fewer than bf16's 256), int2 40 (6.4x);
+    the zero point lives in the low 3 / 2 bits of each group's fp16 scale."""
+    spec = spec_for(dtype, f"{dtype}_per_token_group")
+    bits = int(dtype[-1])
+    assert spec.k_part_bytes == spec.v_part_bytes == 64 * bits // 8 + 2 * 2
+    q = KVQuant.for_spec(spec)
+    x = torch.full((1, 1, 64), 3.0)
+    x[0, 0, 1::2] = -1.0  # range [-1, 3]: z = round(1 / s)
+    raw, _ = q.quantize(x, x)
+    scales = raw[0, 0, 64 * bits // 8 :].contiguous().view(torch.int16).to(torch.int32)
+    s = (scales & ~(2**bits - 1)).to(torch.int16).view(torch.float16).float()
+    assert ((scales & (2**bits - 1)).float() == torch.round(1.0 / s)).all()
+    assert torch.allclose(dequantize_part(raw, q.fmt, 64, 1.0), x, atol=4.0 / (2**bits - 1))
 
 
 def test_equal_positive_values_are_representable():

@@ -183,9 +183,16 @@ def test_dtype_aliases_normalize_and_unknown_rejected() -> None:
 )
 def test_page_formula_property(bs: int, h: int, hs: int, mode: KVQuantMode) -> None:
     dtype = mode.storage_dtype or "float16"
+    bits = {"float16": 16, "fp8": 8, "int8": 8, "int4": 4, "int3": 3, "int2": 2}[dtype]
+    if bits in (3, 2) and hs * bits % 8:  # int3 packs 8 values in 3 bytes, int2 4 in one
+        with pytest.raises(ValueError, match="whole bytes"):
+            full(bs, h, hs, dtype, kv_quant_mode=mode)
+        return
     spec = full(bs, h, hs, dtype, kv_quant_mode=mode)
-    bits = {"float16": 16, "fp8": 8, "int8": 8, "int4": 4}[dtype]
-    if "per_token_head" in mode.value:
+    if bits in (3, 2):
+        g = 32 if hs % 32 == 0 else hs
+        content = 2 * (hs * bits // 8 + 2 * (hs // g))
+    elif "per_token_head" in mode.value:
         content = 2 * (-(-(hs * bits) // 8) + (2 if mode.value.endswith("_f16") else 4))
     elif mode is KVQuantMode.INT4_PER_TOKEN_GROUP:
         g = 16 if hs % 16 == 0 else hs

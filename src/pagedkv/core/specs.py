@@ -14,7 +14,7 @@ page sizes (``unify_kv_cache_spec_page_size``) and are then split into equally s
 (``get_kv_cache_groups``).
 
 Storage dtypes are plain strings (stdlib only here): "float32", "float16", "bfloat16",
-"fp8" (aliases "fp8_e4m3", "fp8_e5m2"), "int8", "int4". Content bytes of one token-head
+"fp8" (aliases "fp8_e4m3", "fp8_e5m2"), "int8", "int4", "int3", "int2". Content bytes of one token-head
 (the ``C`` run of the layout) are a K part then a V part:
 
     unquantized / fp8 per-tensor:  ceil((head_size + head_size_v) * bits / 8)
@@ -23,9 +23,9 @@ Storage dtypes are plain strings (stdlib only here): "float32", "float16", "bflo
 
 ``scale_bytes`` is 4 (one fp32 per token-head) for vLLM's ``*_per_token_head`` modes, 2 (one
 fp16) for pagedkv's ``*_per_token_head_f16`` modes, and 2 per
-group of :func:`int4_group_size` values (fp16) for ``int4_per_token_group`` (K: groups of 16,
-V: one group); so each part is ``[values | scales]`` and the K part and the V part can be
-viewed (and moved) on their own.
+group of :func:`group_size` values (fp16) for the ``int{4,3,2}_per_token_group`` modes
+(int4: K groups of 16, V one group; int3/int2: groups of 32); so each part is
+``[values | scales]`` and the K part and the V part can be viewed (and moved) on their own.
 """
 
 from __future__ import annotations
@@ -59,9 +59,12 @@ _DTYPE_ALIASES: dict[str, str] = {
     "int8": "int8",
     "uint8": "uint8",
     "int4": "int4",
+    "int3": "int3",
+    "int2": "int2",
 }
 
-# Storage bits per element. int4 is packed two values per byte.
+# Storage bits per element. int4 is packed two values per byte, int3 eight values in three bytes,
+# int2 four values per byte (a little-endian bit stream: value i at bit bits*i).
 DTYPE_BITS: dict[str, int] = {
     "float32": 32,
     "float16": 16,
@@ -72,12 +75,18 @@ DTYPE_BITS: dict[str, int] = {
     "int8": 8,
     "uint8": 8,
     "int4": 4,
+    "int3": 3,
+    "int2": 2,
 }
 
 SCALE_BYTES = 4  # one fp32 scale
 HALF_SCALE_BYTES = 2  # one fp16 scale (the *_per_token_head_f16 modes)
 GROUP_SCALE_BYTES = 2  # one fp16 scale (with the 4-bit zero point in its low mantissa bits)
 INT4_K_GROUP = 16  # K values per scale in int4_per_token_group when the head size allows it
+# Values per scale of int3/int2_per_token_group (K and V) when the head size allows it: 32 keeps
+# the scales at 0.5 bits a value, which the capacity bars need (int3 at head 64: 56 B per
+# token-head, 4.57x fewer than bf16; int2: 40 B, 6.4x); groups of 16 would be 4.0x and 5.3x.
+LOWBIT_GROUP = 32
 KV_ROTATIONS = ("hadamard",)
 
 
@@ -94,6 +103,19 @@ def int4_group_size(d: int, part: str = "k") -> int:
     if part == "k" and d % INT4_K_GROUP == 0:
         return INT4_K_GROUP
     return max(d, 1)
+
+
+def group_size(mode: KVQuantMode, d: int, part: str = "k") -> int:
+    """Values per scale group of a ``*_per_token_group`` mode in a part of ``d`` values (``d``
+    for every other mode): :func:`int4_group_size` for int4, :data:`LOWBIT_GROUP` for int3 and
+    int2 when it divides ``d`` (else the whole part)."""
+    if mode is KVQuantMode.INT4_PER_TOKEN_GROUP:
+        return int4_group_size(d, part)
+    if mode in (KVQuantMode.INT3_PER_TOKEN_GROUP, KVQuantMode.INT2_PER_TOKEN_GROUP):
+        if part not in ("k", "v"):
+            raise ValueError(f"part must be 'k' or 'v', got {part!r}")
+        return LOWBIT_GROUP if d % LOWBIT_GROUP == 0 else max(d, 1)
+    return d
 
 
 def normalize_dtype(dtype: Any) -> str:
@@ -133,6 +155,10 @@ class KVQuantMode(enum.Enum):
         its low 4 mantissa bits) per group of ``int4_group_size(d, part)`` values (K: 16, V:
         the head): finer K scales for 2 more bytes at head size 64 (pagedkv's own mode;
         ``kv_cache_dtype="int4"`` picks it).
+    INT3_PER_TOKEN_GROUP / INT2_PER_TOKEN_GROUP: 3- and 2-bit asymmetric codes (a little-endian
+        bit stream), one fp16 scale (the zero point in its low 3 / 2 mantissa bits) per group of
+        32 values, K and V (``kv_cache_dtype="int3"`` / ``"int2"``, with a Hadamard rotation):
+        lossy KV for capacity (issue 36's bars: >= 4.5x and >= 6x bf16's requests).
     """
 
     NONE = "none"
@@ -143,6 +169,8 @@ class KVQuantMode(enum.Enum):
     FP8_PER_TOKEN_HEAD_F16 = "fp8_per_token_head_f16"
     INT4_PER_TOKEN_HEAD = "int4_per_token_head"
     INT4_PER_TOKEN_GROUP = "int4_per_token_group"
+    INT3_PER_TOKEN_GROUP = "int3_per_token_group"
+    INT2_PER_TOKEN_GROUP = "int2_per_token_group"
 
     @property
     def storage_dtype(self) -> str | None:
@@ -175,9 +203,24 @@ class KVQuantMode(enum.Enum):
         return self in (KVQuantMode.INT8_PER_TOKEN_HEAD, KVQuantMode.INT8_PER_TOKEN_HEAD_F16)
 
     @property
+    def is_per_token_group(self) -> bool:
+        """Asymmetric integer codes with one fp16 scale per group (int4, int3, int2)."""
+        return self in (
+            KVQuantMode.INT4_PER_TOKEN_GROUP,
+            KVQuantMode.INT3_PER_TOKEN_GROUP,
+            KVQuantMode.INT2_PER_TOKEN_GROUP,
+        )
+
+    @property
+    def code_bits(self) -> int:
+        """Bits of one integer code (4/3/2 for the integer-group modes, 4 for int4 per token
+        head, 8 otherwise): also the bits of the zero point stored under the scale."""
+        return {"int4": 4, "int3": 3, "int2": 2}.get(_MODE_DTYPE[self] or "", 8)
+
+    @property
     def has_inline_scales(self) -> bool:
         """Scales live in the page next to the values (every mode but NONE and per-tensor)."""
-        return self.is_per_token_head or self is KVQuantMode.INT4_PER_TOKEN_GROUP
+        return self.is_per_token_head or self.is_per_token_group
 
     def scale_bytes(self, d: int, part: str = "k") -> int:
         """Inline scale bytes of one part (``"k"`` or ``"v"``) of ``d`` values of one token-head."""
@@ -185,8 +228,8 @@ class KVQuantMode(enum.Enum):
             return HALF_SCALE_BYTES
         if self.is_per_token_head:
             return SCALE_BYTES
-        if self is KVQuantMode.INT4_PER_TOKEN_GROUP:
-            return GROUP_SCALE_BYTES * cdiv(d, int4_group_size(d, part)) if d else 0
+        if self.is_per_token_group:
+            return GROUP_SCALE_BYTES * cdiv(d, group_size(self, d, part)) if d else 0
         return 0
 
     def part_bytes(self, d: int, bits: int, part: str = "k") -> int:
@@ -215,6 +258,8 @@ _MODE_DTYPE: dict[KVQuantMode, str | None] = {
     KVQuantMode.FP8_PER_TOKEN_HEAD_F16: "fp8",
     KVQuantMode.INT4_PER_TOKEN_HEAD: "int4",
     KVQuantMode.INT4_PER_TOKEN_GROUP: "int4",
+    KVQuantMode.INT3_PER_TOKEN_GROUP: "int3",
+    KVQuantMode.INT2_PER_TOKEN_GROUP: "int2",
 }
 
 
@@ -224,6 +269,8 @@ _DEFAULT_MODE_FOR_DTYPE: dict[str, KVQuantMode] = {
     "fp8_e5m2": KVQuantMode.FP8_PER_TENSOR,
     "int8": KVQuantMode.INT8_PER_TOKEN_HEAD_F16,  # the best INT8 pagedkv ships (see README)
     "int4": KVQuantMode.INT4_PER_TOKEN_GROUP,  # the best INT4 pagedkv ships (see README)
+    "int3": KVQuantMode.INT3_PER_TOKEN_GROUP,
+    "int2": KVQuantMode.INT2_PER_TOKEN_GROUP,
 }
 
 # The accepted ``kv_cache_dtype`` values (vLLM's ``--kv-cache-dtype`` names), written once for
@@ -240,9 +287,11 @@ KV_CACHE_DTYPE_SHORTCUTS: tuple[str, ...] = (
     "fp8_e5m2",
     "int8",
     "int4",
+    "int3",
+    "int2",
 )
 KV_CACHE_DTYPE_MODES: tuple[str, ...] = tuple(
-    m.value for m in KVQuantMode if m.is_per_token_head or m is KVQuantMode.INT4_PER_TOKEN_GROUP
+    m.value for m in KVQuantMode if m.is_per_token_head or m.is_per_token_group
 )
 KV_CACHE_DTYPES: tuple[str, ...] = KV_CACHE_DTYPE_SHORTCUTS + KV_CACHE_DTYPE_MODES
 # What a value means where its name does not say it (help text and docs); consecutive values
@@ -254,6 +303,8 @@ KV_CACHE_DTYPE_NOTES: dict[str, str] = {
     "fp8_e5m2": "per-tensor scales",
     "int8": "the best INT8: per token-head, fp16 scales + Hadamard",
     "int4": "the best INT4: K groups of 16 + Hadamard",
+    "int3": "lossy: 3-bit groups of 32 + Hadamard",
+    "int2": "lossy: 2-bit groups of 32 + Hadamard",
     "int8_per_token_head": "vLLM's: fp32 scales",
     "fp8_per_token_head": "vLLM's: fp32 scales",
     "int8_per_token_head_f16": "fp16 scales",
@@ -308,7 +359,7 @@ def resolve_kv_rotation(kv_cache_dtype: str | None, kv_rotation: str | None) -> 
                 f"unknown kv_rotation {kv_rotation!r}; choose one of {KV_ROTATIONS} or 'none'"
             )
         return r
-    return "hadamard" if kv_cache_dtype in ("int8", "int4") else None
+    return "hadamard" if kv_cache_dtype in ("int8", "int4", "int3", "int2") else None
 
 
 # ---------------------------------------------------------------- specs
@@ -381,6 +432,12 @@ class AttentionSpec(KVCacheSpec):
         want = self.kv_quant_mode.storage_dtype
         if want is not None and dtype_bits(self.dtype) != dtype_bits(want):
             raise ValueError(f"{self.kv_quant_mode.name} stores {want}, not {self.dtype}")
+        bits = self.kv_quant_mode.code_bits
+        if bits in (3, 2) and (self.head_size * bits % 8 or self.head_size_v * bits % 8):  # type: ignore[operator]
+            raise ValueError(
+                f"{self.kv_quant_mode.value} packs {8 // math.gcd(8, bits)} values to whole bytes: "
+                f"head sizes {self.head_size}/{self.head_size_v} are not multiples of it"
+            )
         if self.page_size_padded is not None and self.page_size_padded < self.real_page_size_bytes:
             raise ValueError(
                 f"page_size_padded={self.page_size_padded} < real page {self.real_page_size_bytes}"

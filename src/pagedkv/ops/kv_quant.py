@@ -14,11 +14,15 @@ A quantized cache is a ``uint8`` buffer; each (token, KV head) ``C`` run is a K 
   ``2i`` in the low nibble, ``2i + 1`` in the high), then one fp32 scale whose low 4 mantissa
   bits hold the zero point ``z``: ``x ≈ (q - z) · s``.
 * ``int4_per_token_group``: the same codes, one fp16 scale (zero point in its low 4 mantissa
-  bits) per group of ``int4_group_size(d, part)`` values: K in groups of 16, V in one group
+  bits) per group of ``group_size(mode, d, part)`` values: K in groups of 16, V in one group
   (at head size 64: 4 + 1 scales, 10 bytes, 74 per token-head). A part's group count follows
-  from its byte size: ``(part_bytes - ceil(d / 2)) / 2`` scales.
+  from its byte size: ``(part_bytes - ceil(d * bits / 8)) / 2`` scales.
+* ``int3_per_token_group`` / ``int2_per_token_group``: ``b``-bit asymmetric codes (``b`` = 3, 2)
+  as a little-endian bit stream (value ``i`` at bits ``[b·i, b·i + b)``: int2 four a byte, int3
+  eight in three bytes; the int4 nibble order is the same rule at ``b = 4``), one fp16 scale per
+  group of 32 values with the zero point in its low ``b`` mantissa bits.
 
-INT4 ranges always include 0 (``min ≤ 0 ≤ max``), so the integer zero point is exact and a
+Integer-code ranges always include 0 (``min ≤ 0 ≤ max``), so the integer zero point is exact and a
 group of equal positive values is still representable. Scales are rounded *up* to their stored
 precision, so no value clips.
 
@@ -33,12 +37,13 @@ Rotation spreads a few outlier channels over the whole head, which is what INT4 
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
 
-from pagedkv.core.specs import AttentionSpec, KVQuantMode, int4_group_size
+from pagedkv.core.specs import AttentionSpec, KVQuantMode, group_size
 
 FP8_DTYPES = {
     "fp8": torch.float8_e4m3fn,
@@ -85,8 +90,9 @@ class KVQuantFormat:
         return self.mode is not KVQuantMode.NONE
 
     def group_size(self, d: int, part: str = "k") -> int:
-        """INT4 values per scale in part ``"k"`` or ``"v"`` of ``d`` values."""
-        return int4_group_size(d, part) if self.mode is KVQuantMode.INT4_PER_TOKEN_GROUP else d
+        """Integer-group values per scale in part ``"k"`` or ``"v"`` of ``d`` values (``d`` for
+        the per-token-head modes)."""
+        return group_size(self.mode, d, part)
 
     @property
     def k_group(self) -> int:
@@ -97,14 +103,58 @@ class KVQuantFormat:
         return self.group_size(self.head_size_v, "v")
 
 
-def _int4_group(fmt: KVQuantFormat, d: int, part_bytes: int) -> int:
-    """Values per scale of an INT4 part, from its byte size (K and V differ in group mode)."""
-    if fmt.mode is not KVQuantMode.INT4_PER_TOKEN_GROUP:
+def _code_bytes(d: int, bits: int) -> int:
+    """Bytes of ``d`` packed ``bits``-bit codes."""
+    return (d * bits + 7) // 8
+
+
+def _int_group(fmt: KVQuantFormat, d: int, part_bytes: int) -> int:
+    """Values per scale of an integer-code part, from its byte size (K and V may differ)."""
+    if not fmt.mode.is_per_token_group:
         return d
-    groups = (part_bytes - (d + 1) // 2) // 2
+    groups = (part_bytes - _code_bytes(d, fmt.mode.code_bits)) // 2
     if groups < 1 or d % groups:
-        raise ValueError(f"{part_bytes} bytes is not an int4_per_token_group part of {d} values")
+        raise ValueError(f"{part_bytes} bytes is not a {fmt.mode.value} part of {d} values")
     return d // groups
+
+
+def pack_codes(q: torch.Tensor, bits: int) -> torch.Tensor:
+    """Codes ``q [..., d]`` (uint8, each below ``2**bits``) as a little-endian bit stream
+    ``uint8 [..., ceil(d * bits / 8)]``: value ``i`` at bits ``[bits·i, bits·i + bits)``."""
+    d = q.shape[-1]
+    if bits == 4:  # the common case, two nibbles a byte without the int32 detour
+        if d % 2:
+            q = torch.nn.functional.pad(q, (0, 1))
+        return q[..., 0::2] | (q[..., 1::2] << 4)
+    per = 8 // math.gcd(8, bits)  # values per whole number of bytes
+    nbytes = per * bits // 8
+    pad = -d % per
+    if pad:
+        q = torch.nn.functional.pad(q, (0, pad))
+    words = q.reshape(*q.shape[:-1], -1, per).to(torch.int32)
+    shifts = torch.arange(per, dtype=torch.int32, device=q.device) * bits
+    word = (words << shifts).sum(-1, dtype=torch.int32)
+    out = torch.stack([(word >> (8 * j)) & 0xFF for j in range(nbytes)], -1).to(torch.uint8)
+    return out.reshape(*q.shape[:-1], -1)[..., : _code_bytes(d, bits)]
+
+
+def unpack_codes(raw: torch.Tensor, d: int, bits: int) -> torch.Tensor:
+    """Inverse of :func:`pack_codes`: ``uint8 [..., ceil(d * bits / 8)]`` → ``uint8 [..., d]``."""
+    if bits == 4:
+        q = torch.stack([raw & 15, raw >> 4], dim=-1)
+        return q.reshape(*raw.shape[:-1], 2 * raw.shape[-1])[..., :d]
+    per = 8 // math.gcd(8, bits)
+    nbytes = per * bits // 8
+    total = -(-d // per) * nbytes
+    if raw.shape[-1] < total:
+        raw = torch.nn.functional.pad(raw, (0, total - raw.shape[-1]))
+    b = raw[..., :total].reshape(*raw.shape[:-1], -1, nbytes).to(torch.int32)
+    word = (b << (8 * torch.arange(nbytes, dtype=torch.int32, device=raw.device))).sum(
+        -1, dtype=torch.int32
+    )
+    shifts = torch.arange(per, dtype=torch.int32, device=raw.device) * bits
+    q = (word.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
+    return q.reshape(*raw.shape[:-1], -1)[..., :d].to(torch.uint8)
 
 
 @dataclass(slots=True)
@@ -220,22 +270,22 @@ def quantize_part(
         out[..., :d] = q
         out[..., d:] = _bytes_of(s.to(torch.float16) if mode.has_half_scales else s)
         return out
-    # INT4, asymmetric over groups of g values (g = d: per token-head).
-    g = _int4_group(fmt, d, part_bytes)
+    # Integer codes (int4/int3/int2), asymmetric over groups of g values (g = d: per token-head).
+    bits = mode.code_bits
+    top = float((1 << bits) - 1)
+    g = _int_group(fmt, d, part_bytes)
     xg = xf.reshape(*x.shape[:-1], d // g, g)
     lo = xg.amin(-1, keepdim=True).clamp_(max=0.0)
     hi = xg.amax(-1, keepdim=True).clamp_(min=0.0)
-    s = ((hi - lo) / 15.0).clamp_(min=MIN_SCALE)
+    s = ((hi - lo) / top).clamp_(min=MIN_SCALE)
     if mode is KVQuantMode.INT4_PER_TOKEN_HEAD:
         s, sbits = _pack_scale_f32(s)
     else:
-        s, sbits = _pack_scale_f16(s)
-    z = torch.round(-lo / s).clamp_(0, 15)
-    q = torch.round(xg / s + z).clamp_(0, 15).to(torch.uint8).reshape(*x.shape[:-1], d)
-    nv = (d + 1) // 2
-    if d % 2:
-        q = torch.nn.functional.pad(q, (0, 1))
-    out[..., :nv] = q[..., 0::2] | (q[..., 1::2] << 4)
+        s, sbits = _pack_scale_f16(s, bits)
+    z = torch.round(-lo / s).clamp_(0, top)
+    q = torch.round(xg / s + z).clamp_(0, top).to(torch.uint8).reshape(*x.shape[:-1], d)
+    nv = _code_bytes(d, bits)
+    out[..., :nv] = pack_codes(q, bits)
     zb = z.to(torch.int32).squeeze(-1)
     out[..., nv:] = _bytes_of(sbits(zb))
     return out
@@ -257,11 +307,13 @@ def _round_up_f16(s: torch.Tensor) -> torch.Tensor:
     ).float()
 
 
-def _pack_scale_f16(s: torch.Tensor):
-    """fp16 scales (rounded up to 6 mantissa bits), the zero point in the low 4 bits."""
+def _pack_scale_f16(s: torch.Tensor, zbits: int = 4):
+    """fp16 scales (rounded up to 10 - zbits mantissa bits), the zero point in the low
+    ``zbits`` bits."""
     h = _round_up_f16(s).to(torch.float16)
     bits = h.view(torch.int16).to(torch.int32)
-    bits = (bits + 15) & ~15
+    low = (1 << zbits) - 1
+    bits = (bits + low) & ~low
     s = bits.to(torch.int16).view(torch.float16).float()
     return s, lambda z: (bits.squeeze(-1) | z).to(torch.int16).view(torch.float16)
 
@@ -289,17 +341,18 @@ def dequantize_part(
             else _scale_from(raw[..., d : d + 4], torch.float32)
         )
         return (vals.float() * scale).to(dtype)
-    g = _int4_group(fmt, d, raw.shape[-1])
-    nv = (d + 1) // 2
-    packed = raw[..., :nv]
-    q = torch.stack([packed & 15, packed >> 4], dim=-1).reshape(*raw.shape[:-1], 2 * nv)[..., :d]
+    cb = mode.code_bits
+    low = (1 << cb) - 1
+    g = _int_group(fmt, d, raw.shape[-1])
+    nv = _code_bytes(d, cb)
+    q = unpack_codes(raw[..., :nv], d, cb)
     if mode is KVQuantMode.INT4_PER_TOKEN_HEAD:
         bits = _scale_from(raw[..., nv : nv + 4], torch.int32)
         s = (bits & ~15).view(torch.float32)
     else:
         bits = _scale_from(raw[..., nv:], torch.int16).to(torch.int32)
-        s = (bits & ~15).to(torch.int16).view(torch.float16).float()
-    z = (bits & 15).float()
+        s = (bits & ~low).to(torch.int16).view(torch.float16).float()
+    z = (bits & low).float()
     qg = q.reshape(*raw.shape[:-1], d // g, g).float()
     return ((qg - z.unsqueeze(-1)) * s.unsqueeze(-1)).reshape(*raw.shape[:-1], d).to(dtype)
 

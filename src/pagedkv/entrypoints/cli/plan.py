@@ -47,6 +47,8 @@ KV_MODES: list[tuple[str, str, KVQuantMode]] = [
     ("int8_per_token_head_f16", "int8", KVQuantMode.INT8_PER_TOKEN_HEAD_F16),
     ("int4_per_token_head", "int4", KVQuantMode.INT4_PER_TOKEN_HEAD),
     ("int4_per_token_group", "int4", KVQuantMode.INT4_PER_TOKEN_GROUP),
+    ("int3_per_token_group", "int3", KVQuantMode.INT3_PER_TOKEN_GROUP),
+    ("int2_per_token_group", "int2", KVQuantMode.INT2_PER_TOKEN_GROUP),
 ]
 
 

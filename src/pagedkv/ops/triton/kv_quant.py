@@ -54,7 +54,15 @@ SCALE_FLOOR = tl.constexpr(MIN_SCALE)
 def mode_code(kv_quant: KVQuant | None) -> int:
     """The ``KV_MODE`` of a layer's cache: 0 unless ``kv_quant`` stores quantized bytes (a
     rotation-only format is a plain float cache to the kernels)."""
-    return 0 if kv_quant is None else _MODE_CODE[kv_quant.fmt.mode]
+    if kv_quant is None:
+        return 0
+    code = _MODE_CODE.get(kv_quant.fmt.mode)
+    if code is None:
+        raise ValueError(
+            f"kv_cache_dtype {kv_quant.fmt.mode.value!r} has no Triton (CUDA) kernel yet: "
+            "it runs on the CPU paths only"
+        )
+    return code
 
 
 def kvq_constexprs(kv_quant: KVQuant) -> dict[str, object]:
