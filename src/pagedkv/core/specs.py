@@ -215,7 +215,8 @@ class KVQuantMode(enum.Enum):
     def code_bits(self) -> int:
         """Bits of one integer code (4/3/2 for the integer-group modes, 4 for int4 per token
         head, 8 otherwise): also the bits of the zero point stored under the scale."""
-        return {"int4": 4, "int3": 3, "int2": 2}.get(_MODE_DTYPE[self] or "", 8)
+        dtype = _MODE_DTYPE[self]
+        return DTYPE_BITS[dtype] if dtype else 8
 
     @property
     def has_inline_scales(self) -> bool:
