@@ -37,14 +37,17 @@ typedef struct {
     int64_t K, nb, nbp;
 } q8_rows;
 
+/* Blocks of a row of K values, rounded up to 8 (the (d, s) pairs' row stride). */
+static inline int64_t q8_nbp(int64_t K) { return (K / QK + 7) / 8 * 8; }
+
 /* Bytes a q8_rows of M rows of K values needs (q, then ds; float-aligned). */
 static inline size_t q8_rows_bytes(int64_t M, int64_t K) {
-    return (size_t)(M * K) + 2 * sizeof(float) * (size_t)(M * ((K / QK + 7) / 8 * 8)) + 64;
+    return (size_t)(M * K) + 2 * sizeof(float) * (size_t)(M * q8_nbp(K)) + 64;
 }
 
 /* q8_rows over `mem` (q8_rows_bytes(M, K) bytes). */
 static inline q8_rows q8_rows_at(void *mem, int64_t M, int64_t K) {
-    q8_rows r = {.q = (int8_t *)mem, .K = K, .nb = K / QK, .nbp = (K / QK + 7) / 8 * 8};
+    q8_rows r = {.q = (int8_t *)mem, .K = K, .nb = K / QK, .nbp = q8_nbp(K)};
     r.ds = (float *)(((uintptr_t)(r.q + M * K) + 63) & ~(uintptr_t)63);
     return r;
 }
@@ -249,7 +252,7 @@ static void q8_cols(int qtype, const uint8_t *rows, int64_t stride, const q8_row
  * multiple of 32. For tests: the GEMVs quantize internally. */
 int pkv_quantize_q8(const float *x, int64_t M, int64_t K, int8_t *q, float *ds) {
     if (K % QK || M < 0) return -1;
-    q8_rows xa = {.q = q, .ds = ds, .K = K, .nb = K / QK, .nbp = (K / QK + 7) / 8 * 8};
+    q8_rows xa = {.q = q, .ds = ds, .K = K, .nb = K / QK, .nbp = q8_nbp(K)};
     q8_quantize(x, M, K, &xa);
     return 0;
 }
