@@ -44,9 +44,17 @@ from pagedkv.bench.common import (
     run_and_emit,
     user_help,
 )
+from pagedkv.bench.lossy_methods import (
+    EXACT,
+    Method,
+    engine,
+    parse_method,
+    run_evict_teacher,
+    run_memory,
+    sampling_params,
+)
 
-EXACT = "float32"
-DEFAULT_METHODS = ("int8", "fp8_per_token_head", "int4")
+DEFAULT_METHODS = ("int8", "fp8_per_token_head", "int4", "streaming:512", "snapkv:0.25")
 RECALL_FILE = Path(__file__).resolve().parents[3] / "benchmarks" / "data" / "kv_recall.jsonl"
 # Mohtashami & Jaggi (2023), the passkey test's own filler and question.
 INTRO = (
@@ -61,24 +69,12 @@ QUESTION = "\nWhat is the pass key? The pass key is"
 ANSWER_TOKENS = 8
 
 
-# ---- methods ----------------------------------------------------------------------------------
+# ---- methods (`pagedkv.bench.lossy_methods`) -------------------------------------------------
 
 
 def method_kwargs(name: str) -> dict[str, Any]:
-    """The `LLM` keywords of a method: a KV cache dtype (the exact cache is float32)."""
-    from pagedkv.core.specs import KV_CACHE_DTYPES
-
-    if name not in KV_CACHE_DTYPES:
-        raise BenchOptionError(
-            f"unknown method {name!r}: a kv_cache_dtype ({sorted(KV_CACHE_DTYPES)})"
-        )
-    return dict(kv_cache_dtype=name)
-
-
-def _engine(name: str, **kwargs: Any) -> Any:
-    from pagedkv import LLM
-
-    return LLM(**method_kwargs(name), **kwargs)
+    """The `LLM` keywords of a method (token eviction runs on the exact float32 cache)."""
+    return parse_method(name).engine_kwargs()
 
 
 # ---- passkey ----------------------------------------------------------------------------------
@@ -99,18 +95,16 @@ def passkey_prompt(tokenizer: Any, length: int, depth: float, key: int) -> list[
 
 
 def run_passkey(args: argparse.Namespace) -> dict[str, Any]:
-    from pagedkv import SamplingParams
-
     rng = random.Random(args.seed)
     keys = [[rng.randrange(10_000, 100_000) for _ in range(args.trials)] for _ in args.depths]
-    params = SamplingParams(temperature=0, max_tokens=ANSWER_TOKENS)
     out: dict[str, Any] = dict(
         lengths=args.lengths, depths=args.depths, trials=args.trials, methods={}
     )
     size = dict(max_model_len=max(args.lengths))
-    for name in [EXACT, *args.methods]:
+    for m in [Method(EXACT), *args.methods]:
+        name = m.name
         t0 = time.perf_counter()
-        llm = _engine(name, **size, kv_cache_memory=args.kv_cache_memory)
+        llm = engine(m, **size, kv_cache_memory=args.kv_cache_memory)
         tok = llm.get_tokenizer()
         grid: list[list[int]] = []
         for length in args.lengths:
@@ -118,6 +112,12 @@ def run_passkey(args: argparse.Namespace) -> dict[str, Any]:
             for d, cell_keys in zip(args.depths, keys):
                 prompts = [
                     {"prompt_token_ids": passkey_prompt(tok, length, d, k)} for k in cell_keys
+                ]
+                params = [
+                    sampling_params(
+                        m, len(p["prompt_token_ids"]), temperature=0, max_tokens=ANSWER_TOKENS
+                    )
+                    for p in prompts
                 ]
                 outs = llm.generate(prompts, params, use_tqdm=False)
                 row.append(sum(str(k) in o.outputs[0].text for k, o in zip(cell_keys, outs)))
@@ -184,15 +184,25 @@ def load_recall_items(path: Path = RECALL_FILE) -> list[dict[str, Any]]:
 
 
 def choice_logprobs(
-    llm: Any, context: Sequence[int], choices: Sequence[Sequence[int]]
+    llm: Any, context: Sequence[int], choices: Sequence[Sequence[int]], method: Method | None = None
 ) -> list[float]:
     """Sum of each choice's token logprobs after ``context`` (lm-eval's loglikelihood), from
-    ``prompt_logprobs`` of context + choice (the context is a prefix-cache hit after the first;
-    ``prompt_logprobs`` requests do not read the cache, so each is scored in full)."""
-    from pagedkv import SamplingParams
-
-    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
+    ``prompt_logprobs`` of context + choice (``prompt_logprobs`` requests do not read the
+    prefix cache, so each is scored in full). A SnapKV method compresses the context
+    (``compress_at``), so the choice reads the compressed cache."""
+    m = method or Method(EXACT)
     prompts = [{"prompt_token_ids": list(context) + list(c)} for c in choices]
+    params = [
+        sampling_params(
+            m,
+            len(p["prompt_token_ids"]),
+            compress_at=len(context),
+            temperature=0,
+            max_tokens=1,
+            prompt_logprobs=0,
+        )
+        for p in prompts
+    ]
     outs = llm.generate(prompts, params, use_tqdm=False)
     scores = []
     for o in outs:
@@ -205,15 +215,16 @@ def choice_logprobs(
 def run_recall(args: argparse.Namespace) -> dict[str, Any]:
     items = load_recall_items()[: args.recall_items]
     out: dict[str, Any] = dict(items=len(items), file=str(RECALL_FILE.name), methods={})
-    for name in [EXACT, *args.methods]:
+    for m in [Method(EXACT), *args.methods]:
+        name = m.name
         t0 = time.perf_counter()
-        llm = _engine(name, max_model_len=4096, kv_cache_memory=args.kv_cache_memory)
+        llm = engine(m, max_model_len=4096, kv_cache_memory=args.kv_cache_memory)
         tok = llm.get_tokenizer()
         right = 0
         for it in items:
             ctx = tok.encode(recall_context(it), add_special_tokens=False)
             chs = [tok.encode(c, add_special_tokens=False) for c in it["choices"]]
-            scores = choice_logprobs(llm, ctx, chs)
+            scores = choice_logprobs(llm, ctx, chs, m)
             right += max(range(len(scores)), key=scores.__getitem__) == it["gold"]
         out["methods"][name] = dict(accuracy=right / len(items), seconds=time.perf_counter() - t0)
         log(args, f"  recall  {name:20s} accuracy {right / len(items):.2%}")
@@ -230,7 +241,9 @@ def run_recall(args: argparse.Namespace) -> dict[str, Any]:
 def run_teacher(args: argparse.Namespace) -> dict[str, Any]:
     from pagedkv.bench import kv_quant
 
-    modes = [kv_quant.KVMode(m, m, None) for m in args.methods]
+    modes = [kv_quant.KVMode(m.name, m.kv_cache_dtype, None) for m in args.methods if not m.evicts]
+    if not modes:
+        return {}
     ns = argparse.Namespace(
         tokens=args.tokens,
         window=args.window,
@@ -248,7 +261,11 @@ def run_teacher(args: argparse.Namespace) -> dict[str, Any]:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--methods", default=",".join(DEFAULT_METHODS), help="comma-separated")
-    p.add_argument("--only", choices=("all", "passkey", "recall", "teacher"), default="all")
+    p.add_argument(
+        "--only",
+        choices=("all", "passkey", "recall", "teacher", "evict-teacher", "memory"),
+        default="all",
+    )
     p.add_argument("--lengths", default="1024,2048,4096,8192", help="passkey context tokens")
     p.add_argument("--depths", default="0.1,0.3,0.5,0.7,0.9", help="passkey needle depths")
     p.add_argument("--trials", type=int, default=50, help="passkey keys per cell")
@@ -256,27 +273,33 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokens", type=int, default=20_000, help="teacher-forced positions per corpus")
     p.add_argument("--window", type=int, default=2048)
     p.add_argument("--kv-cache-memory", type=int, default=2 << 30, help="bytes per engine")
+    p.add_argument(
+        "--memory-lengths", default="1024,2048,4096,8192", help="prompt tokens (--only memory)"
+    )
+    p.add_argument("--memory-output", type=int, default=64, help="output tokens (--only memory)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="a smoke-sized run")
     add_output_args(p)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    args.methods = [m for m in args.methods.split(",") if m and m != EXACT]
-    for m in args.methods:
-        method_kwargs(m)
+    args.methods = [parse_method(m) for m in args.methods.split(",") if m and m != EXACT]
     try:
         args.lengths = [int(x) for x in str(args.lengths).split(",")]
         args.depths = [float(x) for x in str(args.depths).split(",")]
+        args.memory_lengths = [int(x) for x in str(args.memory_lengths).split(",")]
     except ValueError:
-        raise BenchOptionError("--lengths and --depths are comma-separated numbers") from None
+        raise BenchOptionError(
+            "--lengths, --depths and --memory-lengths are comma-separated numbers"
+        ) from None
     if args.quick:
         args.lengths, args.depths, args.trials = [512], [0.2, 0.8], 4
         args.recall_items, args.tokens, args.window = 2, 1024, 512
+        args.memory_lengths, args.memory_output = [256, 512], 8
     if args.trials < 1 or not all(0 <= d <= 1 for d in args.depths):
         raise BenchOptionError("need --trials >= 1 and depths in [0, 1]")
     report: dict[str, Any] = dict(
-        benchmark="lossy_kv", cpu=cpu_info(), exact=EXACT, methods=args.methods
+        benchmark="lossy_kv", cpu=cpu_info(), exact=EXACT, methods=[m.name for m in args.methods]
     )
     if args.only in ("all", "passkey"):
         log(args, "passkey grid ...")
@@ -287,6 +310,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.only in ("all", "teacher"):
         log(args, "teacher-forced agreement ...")
         report["teacher"] = run_teacher(args)
+    evicting = [m for m in args.methods if m.evicts]
+    if args.only in ("all", "evict-teacher") and evicting:
+        log(args, "teacher-forced agreement of token eviction ...")
+        report["evict_teacher"] = run_evict_teacher(args, evicting)
+    if args.only in ("all", "memory") and evicting:
+        log(args, "memory per request ...")
+        report["memory"] = run_memory(args, evicting)
     return report
 
 
@@ -320,6 +350,20 @@ def table(r: dict[str, Any]) -> str:
                 f"  {name:22s} {g['top1_agreement']:.2%} {g['ppl_delta_pct']:+.2f}%; "
                 f"{s['top1_agreement']:.2%} {s['ppl_delta_pct']:+.2f}%"
             )
+    et = r.get("evict_teacher")
+    if et:
+        lines.append("token eviction, teacher-forced vs exact: top-1 / dPPL (greedy; sampled)")
+        for name, m in et["methods"].items():
+            g, s = m["greedy"], m["sampled"]
+            lines.append(
+                f"  {name:22s} {g['top1_agreement']:.2%} {g['ppl_delta_pct']:+.2f}%; "
+                f"{s['top1_agreement']:.2%} {s['ppl_delta_pct']:+.2f}%"
+            )
+    mem = r.get("memory")
+    if mem:
+        lines.append(f"peak KV tokens per request at prompt lengths {mem['lengths']}")
+        for name, m in mem["methods"].items():
+            lines.append(f"  {name:22s} {m['peak_tokens']}  (planned blocks {m['planned_blocks']})")
     return "\n".join(lines)
 
 

@@ -28,6 +28,7 @@ from pagedkv.core.events import MEDIUM_GPU, KVCacheEvent
 from pagedkv.core.kv_cache_coordinator import get_kv_cache_coordinator
 from pagedkv.core.request import KVCacheRequest, RequestStatus
 from pagedkv.core.specs import KVCacheConfig, get_kv_cache_spec_sliding_window
+from pagedkv.core.units import cdiv
 
 _EMPTY: tuple = ()
 
@@ -148,6 +149,8 @@ class KVCacheManager:
         self.prefix_cache_stats = PrefixCacheStats() if log_stats else None
         self.total_prefix_cache_stats = PrefixCacheStats()
         self.empty_kv_cache_blocks = KVCacheBlocks(tuple(_EMPTY for _ in groups))
+        # Blocks a compaction replaced, held until the step that reads them is done.
+        self._deferred_free: list[KVCacheBlock] = []
 
     # ---- queries ------------------------------------------------------------------------------
 
@@ -174,6 +177,11 @@ class KVCacheManager:
             return self.empty_kv_cache_blocks, 0
         # The last token is always recomputed: its logits are needed to sample.
         max_cache_hit_length = request.num_tokens - 1
+        ev = request.kv_eviction
+        if ev is not None:  # no more than the cache keeps at admission (token_eviction)
+            bs = self.kv_cache_groups[0].kv_cache_spec.block_size
+            cap = ev.max_prefix_hit(bs, request.num_prompt_tokens)
+            max_cache_hit_length = min(max_cache_hit_length, cap)
         hits, num_computed = self.coordinator.find_longest_cache_hit(
             request.block_hashes, max_cache_hit_length
         )
@@ -220,9 +228,20 @@ class KVCacheManager:
         coordinator = self.coordinator
         # Release out-of-window blocks first: fewer cached blocks need to be evicted below.
         coordinator.remove_skipped_blocks(rid, total_computed)
+        full_len = min(max(request.num_tokens, num_tokens_need_slot), self.max_model_len)
+        if request.kv_eviction is not None:
+            # From here on, token counts are cache indices (position - evicted tokens).
+            self._evict_streaming_blocks(request, total_computed)
+            ev = request.num_evicted_tokens
+            total_computed -= ev
+            num_tokens_need_slot -= ev
+            bs = self.kv_cache_groups[0].kv_cache_spec.block_size
+            full_len = min(
+                full_len - ev,
+                request.kv_eviction.max_blocks_per_request(bs, request.num_prompt_tokens, 0) * bs,
+            )
         num_free = self.block_pool.get_num_free_blocks()
         if full_sequence_must_fit and admitting:
-            full_len = min(max(request.num_tokens, num_tokens_need_slot), self.max_model_len)
             if (
                 coordinator.get_num_blocks_for_whole_sequence(
                     rid, full_len, num_tokens_need_slot, hits, total_computed
@@ -240,12 +259,71 @@ class KVCacheManager:
             self._record_admission(request, num_new_computed_tokens, num_external_computed_tokens)
         coordinator.allocate_new_computed_blocks(rid, hits, total_computed)
         new_blocks = coordinator.allocate_new_blocks(rid, num_tokens_need_slot)
-        if self.enable_caching and not delay_cache_blocks:
+        if self.enable_caching and not delay_cache_blocks and request.num_evicted_tokens == 0:
+            # After an eviction the table's block i no longer holds token block i, and what it
+            # holds depends on the schedule: nothing more of this request is registered.
             # Capped at num_tokens: lookahead slots hold no verified token yet.
             coordinator.cache_blocks(
                 request, min(total_computed + num_new_tokens, request.num_tokens)
             )
         return KVCacheBlocks(new_blocks)
+
+    # ---- token eviction (`core.token_eviction`) -------------------------------------------------
+
+    def _evict_streaming_blocks(self, request: KVCacheRequest, total_computed: int) -> None:
+        """StreamingLLM: release the oldest non-sink blocks of a running request that the
+        window no longer needs (``KVEvictionConfig.num_blocks_to_evict``), oldest first, and
+        count their tokens as evicted. Freed blocks keep any hash they have (they were
+        registered before the first eviction, so they hold exact KV)."""
+        ev = request.kv_eviction
+        mgr = self.coordinator.single_type_managers[0]
+        rid = request.request_id
+        if ev is None or ev.policy != "streaming" or rid not in mgr.num_cached_block:
+            return
+        bs = mgr.block_size
+        n = ev.num_blocks_to_evict(total_computed - request.num_evicted_tokens, bs)
+        if n <= 0:
+            return
+        blocks = mgr.req_to_blocks[rid]
+        first = ev.sink_blocks(bs)
+        removed = blocks[first : first + n]
+        del blocks[first : first + n]
+        mgr.num_cached_block[rid] = min(mgr.num_cached_block[rid], first)
+        self.block_pool.free_blocks(reversed(removed))
+        request.num_evicted_tokens += n * bs
+
+    def compact_blocks(self, request: KVCacheRequest, num_kept: int) -> list[int]:
+        """SnapKV: give ``request`` a block table of ``cdiv(num_kept, bs)`` blocks to hold the
+        tokens its compression keeps (the worker copies them there after this step's forward
+        pass, which still reads and writes the old table) and return their ids. The old blocks
+        are released at the next `release_deferred` (so nothing else reuses them within this
+        step); they keep their hashes: the uncompressed prefix stays a prefix-cache hit for
+        later requests. When the pool cannot spare the new blocks, the first old blocks are
+        reused in place (their hashes dropped first, since they will be overwritten) and the
+        rest released. The request's later tokens go after the kept ones:
+        ``num_evicted_tokens`` becomes the number of computed tokens minus ``num_kept``."""
+        mgr = self.coordinator.single_type_managers[0]
+        rid = request.request_id
+        old = mgr.req_to_blocks[rid]
+        n = cdiv(num_kept, mgr.block_size)
+        if self.block_pool.get_num_free_blocks() >= n:
+            new = self.block_pool.get_new_blocks(n)
+            self._deferred_free.extend(reversed(old))
+        else:
+            new = old[:n]
+            self.block_pool.evict_blocks([b.block_id for b in new])
+            self._deferred_free.extend(reversed(old[n:]))
+        mgr.req_to_blocks[rid] = new
+        mgr.num_cached_block[rid] = 0
+        request.num_evicted_tokens = request.num_computed_tokens - num_kept
+        return [b.block_id for b in new]
+
+    def release_deferred(self) -> None:
+        """Free the blocks `compact_blocks` set aside (call once the step that read them is
+        done: at the start of the next schedule)."""
+        if self._deferred_free:
+            blocks, self._deferred_free = self._deferred_free, []
+            self.block_pool.free_blocks(blocks)
 
     def fork_request(
         self, parent: KVCacheRequest, child: KVCacheRequest
@@ -277,8 +355,10 @@ class KVCacheManager:
             self.coordinator.cache_blocks(request, num_computed_tokens)
 
     def free(self, request: KVCacheRequest) -> None:
-        """Release all blocks of the request, tail first (see `BlockPool.free_blocks`)."""
+        """Release all blocks of the request, tail first (see `BlockPool.free_blocks`). A
+        request recomputed later (preemption) starts again with no token evicted."""
         self.coordinator.free(request.request_id)
+        request.num_evicted_tokens = 0
 
     def invalidate(self, request: KVCacheRequest, num_valid_tokens: int) -> None:
         """Only the first ``num_valid_tokens`` tokens of ``request``'s KV are valid (a connector
@@ -334,6 +414,7 @@ class KVCacheManager:
                 assert len(ids) == len(set(ids)), f"request {rid} holds a block twice"
                 holders.update(ids)
                 assert manager.num_cached_block.get(rid, 0) <= len(blocks)
+        holders.update(b.block_id for b in self._deferred_free if not b.is_null)
         used = 0
         for block in pool.blocks[1:]:
             assert block.ref_cnt == holders.get(block.block_id, 0), (

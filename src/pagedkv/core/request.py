@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagedkv.core.hashing import BlockHash, HashFn, hash_block_tokens
+from pagedkv.core.token_eviction import KVEvictionConfig
 
 
 class RequestStatus(enum.IntEnum):
@@ -71,6 +72,12 @@ class KVCacheRequest:
     skip_reading_prefix_cache: bool = False
     # KV connector options of this request (e.g. max_offload_tokens, offload_policy).
     kv_transfer_params: dict[str, Any] | None = None
+    # Token eviction (`core.token_eviction`): the policy, where its blocks stop being exact
+    # (blocks starting there or later carry the policy in their hashes' extra keys), and how
+    # many tokens it has dropped: a token's cache index is ``position - num_evicted_tokens``.
+    kv_eviction: KVEvictionConfig | None = None
+    kv_eviction_onset: int = 0
+    num_evicted_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
     num_preemptions: int = 0
@@ -116,7 +123,8 @@ def generate_block_hash_extra_keys(
     request: KVCacheRequest, start: int, end: int, start_mm_idx: int = 0
 ) -> tuple[tuple[Any, ...] | None, int]:
     """Extra keys for the block covering tokens ``[start, end)``, in vLLM's order:
-    LoRA, multimodal items, cache salt (first block only). Returns ``(keys or None, next_mm_idx)``;
+    LoRA, multimodal items, cache salt (first block only), then pagedkv's token-eviction policy
+    for blocks at or after the request's eviction onset. Returns ``(keys or None, next_mm_idx)``;
     ``next_mm_idx`` lets the caller resume the scan of the offset-sorted items at the next block.
     """
     keys: list[Any] = []
@@ -134,6 +142,8 @@ def generate_block_hash_extra_keys(
         scan += 1
     if start == 0 and request.cache_salt is not None:
         keys.append(("cache_salt", request.cache_salt))
+    if request.kv_eviction is not None and start >= request.kv_eviction_onset:
+        keys.append(("kv_eviction", request.kv_eviction.key))
     return (tuple(keys) if keys else None), idx
 
 
@@ -145,7 +155,7 @@ def to_event_extra_keys(extra_keys: tuple[Any, ...] | None) -> list[Any] | None:
     out: list[Any] = []
     for key in extra_keys:
         tag = key[0]
-        out.append(key[1] if tag in ("lora", "cache_salt") else (key[1], key[2]))
+        out.append(key[1] if tag in ("lora", "cache_salt", "kv_eviction") else (key[1], key[2]))
     return out
 
 
@@ -162,7 +172,12 @@ def get_request_block_hasher(
             return []
         tokens = request.all_token_ids
         parent = request.block_hashes[-1] if request.block_hashes else None
-        plain = request.lora_name is None and not request.mm_features and request.cache_salt is None
+        plain = (
+            request.lora_name is None
+            and not request.mm_features
+            and request.cache_salt is None
+            and request.kv_eviction is None
+        )
         mm_idx = 0
         new_hashes: list[BlockHash] = []
         while start + block_size <= num_tokens:

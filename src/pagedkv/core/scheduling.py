@@ -154,6 +154,8 @@ class SchedulingPolicy(Generic[R]):
             n = min(req.num_tokens - start, budget, max_len - start)
             if mamba_bs is not None:
                 n = self._mamba_block_aligned_split(req, start, n)
+            if req.kv_eviction is not None:
+                n = self._eviction_chunk(req, start, n)
             if n <= 0:
                 i += 1
                 continue
@@ -227,6 +229,8 @@ class SchedulingPolicy(Generic[R]):
             n = min(req.num_tokens - num_hit - num_ext, budget)
             if self.mamba_block_size is not None:
                 n = self._mamba_block_aligned_split(req, num_hit + num_ext, n)
+            if req.kv_eviction is not None:
+                n = self._eviction_chunk(req, num_hit + num_ext, n)
         if (
             kv.allocate_slots(
                 req,
@@ -243,6 +247,21 @@ class SchedulingPolicy(Generic[R]):
         if not self._allocated(item, num_hit, num_ext, load_async):
             return False
         return num_hit + num_ext, n
+
+    def _eviction_chunk(self, req: KVCacheRequest, num_computed: int, n: int) -> int:
+        """Token eviction (`core.token_eviction`): a streaming prefill runs in chunks of at
+        most ``chunk_tokens`` (so no token reads far more than the window); a snapkv chunk
+        ends at the compression point (its step compresses)."""
+        ev = req.kv_eviction
+        assert ev is not None
+        bs = self.kv_cache_manager.kv_cache_groups[0].kv_cache_spec.block_size
+        cap = ev.chunk_tokens(bs)
+        if cap is not None:
+            return min(n, cap)
+        point = ev.compression_point(req.num_prompt_tokens)
+        if num_computed < point < num_computed + n:
+            return point - num_computed
+        return n
 
     def _mamba_block_aligned_split(self, req: KVCacheRequest, num_computed: int, n: int) -> int:
         """vLLM's ``_mamba_block_aligned_split``: with a Mamba group caching checkpoints, a

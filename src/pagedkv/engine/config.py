@@ -83,6 +83,9 @@ class EngineConfig:
     prefix_cache_retention_interval: int | None = None
     prefix_caching_hash_algo: str = "sha256_cbor"
     enable_kv_cache_events: bool = False
+    # Token eviction for every request that does not set its own (`core.token_eviction`):
+    # {"policy": "streaming" | "snapkv", "budget_tokens": ..., ...}; None: keep every token.
+    kv_eviction: dict[str, Any] | None = None
     seed: int = 0
     # Structured outputs' grammar library: "auto", "xgrammar" or "guidance" (llguidance).
     structured_outputs_backend: str = "auto"
@@ -146,6 +149,13 @@ class EngineConfig:
             raise bad("preemption_mode", f"choose {one_of(PREEMPTION_MODES, quote=True)}")
         self._check_layout(bad)
         self._check_kv_cache_dtype(bad)
+        if self.kv_eviction is not None:
+            from pagedkv.core.token_eviction import KVEvictionConfig, KVEvictionError
+
+            try:
+                KVEvictionConfig.from_value(self.kv_eviction)
+            except (KVEvictionError, TypeError) as e:
+                raise bad("kv_eviction", str(e)) from None
         self._resolve_kv_transfer_config()
         if self.dtype not in DTYPES:
             raise bad("dtype", f"choose {one_of(DTYPES)}")

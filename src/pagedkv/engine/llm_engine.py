@@ -29,6 +29,7 @@ from pagedkv.core.parallel import check_parallel_sizes
 from pagedkv.core.planning import blocks_per_request, make_kv_cache_config
 from pagedkv.core.request import RequestStatus, get_request_block_hasher
 from pagedkv.core.specs import KVCacheConfig, get_kv_cache_groups
+from pagedkv.engine import kv_eviction
 from pagedkv.engine.config import DEFAULT_CPU_KV_CACHE_MEMORY, EngineConfig, check_kv_cache_fits
 from pagedkv.engine.executor import Executor, MultiprocExecutor, UniProcExecutor, WorkerDiedError
 from pagedkv.engine.kv_scales import resolve_kv_scales
@@ -349,10 +350,13 @@ class LLMEngine:
         skip_cache = (
             bool(ktp.get("skip_reading_prefix_cache")) or params.prompt_logprobs is not None
         )
+        ev = kv_eviction.resolve(self, params)
         req = Request(
             request_id=rid,
             prompt_token_ids=token_ids,
             block_hasher=self.block_hasher,
+            kv_eviction=ev,
+            kv_eviction_onset=ev.onset(self.block_size, len(token_ids)) if ev else 0,
             cache_salt=cache_salt,
             sampling_params=params,
             prompt=text,

@@ -25,6 +25,21 @@ class PromptLogprobsTask:
 
 
 @dataclass(slots=True)
+class KVCompaction:
+    """SnapKV at the end of this step (`core.token_eviction`): per layer and KV head, keep
+    ``budget`` of the request's ``num_tokens`` cached tokens (the first ``sink_tokens``, the
+    last ``recent_tokens`` and the best-scored others) and copy them, in order, into
+    ``block_ids`` (the request's table from the next step on)."""
+
+    block_ids: list[int]
+    num_tokens: int
+    budget: int
+    sink_tokens: int
+    recent_tokens: int
+    pool_kernel: int
+
+
+@dataclass(slots=True)
 class ScheduledTokens:
     """One request's share of the step: tokens ``token_ids`` at positions ``start ..``."""
 
@@ -34,6 +49,12 @@ class ScheduledTokens:
     block_ids: tuple[list[int], ...]  # its block table in each KV cache group
     samples: bool  # the step's last row of this request is sampled
     prompt_logprobs: PromptLogprobsTask | None = None
+    # Token eviction (`ScheduledRequest`'s fields of the same names).
+    kv_offset: int = 0
+    cache_positions: bool = False
+    rerotate: int = 0
+    rerotate_from: int = 0  # the first cache index re-rotated (after the sink blocks)
+    compaction: KVCompaction | None = None
 
     @property
     def num_tokens(self) -> int:

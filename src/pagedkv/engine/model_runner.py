@@ -35,15 +35,27 @@ import torch
 from pagedkv.core.parallel import dcp_local_count, dcp_owner
 from pagedkv.core.specs import KVCacheConfig, KVCacheSpec, KVQuantMode, MambaSpec, iter_layer_specs
 from pagedkv.engine.kv_cache_binding import bind_kv_cache
-from pagedkv.engine.model_input import ModelInput, PromptLogprobsTask, ScheduledTokens
+from pagedkv.engine.model_input import (
+    KVCompaction,
+    ModelInput,
+    PromptLogprobsTask,
+    ScheduledTokens,
+)
 from pagedkv.engine.sampler import LogprobsTensors, compute_prompt_logprobs
 from pagedkv.engine.scheduler_output import ScheduledRequest, SchedulerOutput
 from pagedkv.kv_transfer.base import KVConnectorBase, KVConnectorOutput
+from pagedkv.models.layers import RotaryEmbedding
 from pagedkv.ops.cache import compute_slot_mapping
 from pagedkv.ops.forward_context import set_forward_context
 from pagedkv.ops.kv_cache import allocate_kv_cache, copy_blocks
 from pagedkv.ops.kv_quant import KVQuant, KVQuantFormat
 from pagedkv.ops.metadata import AttentionMetadata
+from pagedkv.ops.token_eviction import (
+    SnapKVObserver,
+    SnapKVTarget,
+    compact,
+    rerotate_keys,
+)
 
 # Prompt-logprob rows scored per model-head call: bounds the [rows, vocab] float32 temporaries.
 PROMPT_LOGPROBS_ROWS_PER_PASS = 512
@@ -88,6 +100,9 @@ class ModelRunner:
         self.kv_quants: dict[str, KVQuant] = {}  # layer name → its quantized/rotated cache format
         # request id -> prompt positions whose logits rows were scored (prompt_logprobs).
         self.num_prompt_logprobs_done: dict[str, int] = {}
+        # request id -> the SnapKV selection of its compression (per attention layer,
+        # [Hkv, budget] cache indices): kept for inspection and tests.
+        self.last_kv_selection: dict[str, list[torch.Tensor]] = {}
 
     def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
         """Allocate the KV cache ``kv_cache_config`` plans, bind every layer to its views
@@ -223,16 +238,28 @@ class ModelRunner:
                     req.sampling_params.prompt_logprobs,
                 )
                 self.num_prompt_logprobs_done[req.request_id] = last
-            scheduled.append(
-                ScheduledTokens(
-                    req.request_id,
-                    req.all_token_ids[s.start : end],
-                    s.start,
-                    s.block_ids,
-                    s.samples,
-                    task,
-                )
+            st = ScheduledTokens(
+                req.request_id,
+                req.all_token_ids[s.start : end],
+                s.start,
+                s.block_ids,
+                s.samples,
+                task,
             )
+            if req.kv_eviction is not None:
+                st.kv_offset, st.cache_positions = s.kv_offset, s.cache_positions
+                st.rerotate, st.rerotate_from = s.rerotate, s.rerotate_from
+                if s.compaction is not None:
+                    ev = req.kv_eviction
+                    st.compaction = KVCompaction(
+                        s.compaction,
+                        end - s.kv_offset,
+                        ev.budget_tokens,
+                        ev.sink_tokens,
+                        ev.recent_tokens,
+                        ev.pool_kernel,
+                    )
+            scheduled.append(st)
         return ModelInput(scheduled, list(so.blocks_to_copy))
 
     def prepare_inputs(
@@ -244,17 +271,27 @@ class ModelRunner:
         query_start_loc = [0]
         seq_lens: list[int] = []
         logits_indices: list[int] = []
+        # Token eviction: a token's cache index is its position minus its request's evicted
+        # tokens (slots and seq_lens are in cache indices; RoPE positions are too only with
+        # cache positions).
+        evicting = any(s.kv_offset for s in mi.scheduled)
+        cache_index: list[int] = []
         for s in mi.scheduled:
             end = s.start + s.num_tokens
+            off = s.kv_offset
             token_ids.extend(s.token_ids)
-            positions.extend(range(s.start, end))
+            rope_off = off if s.cache_positions else 0
+            positions.extend(range(s.start - rope_off, end - rope_off))
+            if evicting:
+                cache_index.extend(range(s.start - off, end - off))
             query_start_loc.append(query_start_loc[-1] + s.num_tokens)
-            seq_lens.append(end)
+            seq_lens.append(end - off)
             if s.samples:
                 logits_indices.append(query_start_loc[-1] - 1)
         dev = self.device
         input_ids = torch.tensor(token_ids, dtype=torch.long, device=dev)
         pos = torch.tensor(positions, dtype=torch.long, device=dev)
+        kv_pos = torch.tensor(cache_index, dtype=torch.long, device=dev) if evicting else pos
         # A decode-only step (one token a request) computes its few slots in Python: cheaper
         # than the tensor ops below, which pay off for prefill chunks (measured at batch 1).
         decode_only = len(token_ids) == len(mi.scheduled)
@@ -280,12 +317,16 @@ class ModelRunner:
                 slots, local_ctx = self._dcp_slots(mi, bs)
             elif decode_only:
                 slots = torch.tensor(
-                    [s.block_ids[g][s.start // bs] * bs + s.start % bs for s in mi.scheduled],
+                    [
+                        s.block_ids[g][(s.start - s.kv_offset) // bs] * bs
+                        + (s.start - s.kv_offset) % bs
+                        for s in mi.scheduled
+                    ],
                     dtype=torch.int64,
                     device=dev,
                 )
             else:
-                slots = compute_slot_mapping(block_table, req_indices, pos, bs)
+                slots = compute_slot_mapping(block_table, req_indices, kv_pos, bs)
             mds.append(
                 AttentionMetadata(
                     slot_mapping=slots,
@@ -365,9 +406,15 @@ class ModelRunner:
             return torch.empty((0, 0), dtype=torch.float32), prompt_lps
         if mi.blocks_to_copy:
             copy_blocks(self.distinct_kv_caches, mi.blocks_to_copy)
+        self._rerotate_keys(mi)
         input_ids, positions, mds, logits_indices = self.prepare_inputs(mi)
+        observer = self._snapkv_observer(mi)
+        for m in mds:
+            m.kv_observer = observer
         md = mds[0] if len(mds) == 1 else [mds[g] for g in self.layer_groups]
         hidden = self.model(input_ids, positions, self.kv_caches, md)
+        if observer is not None:
+            self._compact(mi, observer)
         self._score_prompts(mi, hidden, prompt_lps)
         if not logits_indices:
             return hidden.new_empty((0, 0), dtype=torch.float32), prompt_lps
@@ -376,6 +423,77 @@ class ModelRunner:
         ):  # else every row samples (a decode step): no gather
             hidden = hidden[torch.tensor(logits_indices, device=hidden.device)]
         return self.model.compute_logits(hidden), prompt_lps
+
+    # ---- token eviction (`ops.token_eviction`) -----------------------------------------------
+
+    def rotary_embedding(self) -> RotaryEmbedding | None:
+        """The model's standard RoPE (None for a model without one): what re-rotates keys."""
+        rope = getattr(getattr(self.model, "model", None), "rotary_emb", None)
+        return rope if type(rope) is RotaryEmbedding else None
+
+    def _owner_layers(self) -> list[int]:
+        mc = self.model_config
+        return [i for i in range(mc.num_layers) if mc.owns_kv_cache(i)]
+
+    def _rerotate_keys(self, mi: ModelInput) -> None:
+        """StreamingLLM with cache positions: the window's keys move back by the tokens
+        released this step, so their RoPE angles follow their new cache indices."""
+        todo = [s for s in mi.scheduled if s.rerotate]
+        if not todo:
+            return
+        rope = self.rotary_embedding()
+        assert rope is not None, "cache positions need a RoPE model (checked at admission)"
+        for s in todo:
+            cos, sin = rope.cos_sin(torch.tensor([s.rerotate], device=self.device))
+            last = s.start - s.kv_offset
+            for i in self._owner_layers():
+                rerotate_keys(
+                    self.kv_caches[i][0],
+                    s.block_ids[0],
+                    s.rerotate_from,
+                    last,
+                    cos,
+                    -sin,
+                    RotaryEmbedding.apply,
+                )
+
+    def _snapkv_observer(self, mi: ModelInput) -> SnapKVObserver | None:
+        targets = []
+        q_end = 0
+        for s in mi.scheduled:
+            q_end += s.num_tokens
+            c = s.compaction
+            if c is not None:
+                targets.append(
+                    SnapKVTarget(
+                        q_end,
+                        s.num_tokens,
+                        s.block_ids[0],
+                        c.num_tokens,
+                        c.budget,
+                        c.sink_tokens,
+                        c.recent_tokens,
+                        c.pool_kernel,
+                    )
+                )
+        return SnapKVObserver(targets) if targets else None
+
+    def _compact(self, mi: ModelInput, observer: SnapKVObserver) -> None:
+        """Copy each compressing request's kept tokens into its new table, layer by layer."""
+        owners = self._owner_layers()
+        comps = [s for s in mi.scheduled if s.compaction is not None]
+        for s, t in zip(comps, observer.targets, strict=True):
+            if len(t.selected) != len(owners):
+                raise RuntimeError(
+                    f"snapkv: {type(self.model).__name__} scored {len(t.selected)} of "
+                    f"{len(owners)} attention layers (a layer bypasses paged_attention)"
+                )
+            assert s.compaction is not None
+            for i, idx in zip(owners, t.selected, strict=True):
+                compact(self.kv_caches[i], s.block_ids[0], s.compaction.block_ids, idx)
+        self.last_kv_selection = {
+            s.request_id: t.selected for s, t in zip(comps, observer.targets, strict=True)
+        }
 
     def _score_prompts(
         self, mi: ModelInput, hidden: torch.Tensor, out: PromptLogprobsOutput

@@ -43,6 +43,8 @@ class Request(KVCacheRequest):
     # Structured outputs: this sample's grammar matcher (`StructuredOutputGrammar`), advanced
     # by each token the scheduler appends; None for an unconstrained request.
     grammar: Any = None
+    # Token eviction with cache positions: the evicted tokens its cached keys' RoPE accounts for.
+    kv_rotated_offset: int = 0
 
     @property
     def needs_sampling_this_step(self) -> bool:

@@ -163,6 +163,9 @@ class SamplingParams:
     # KV connector options: max_offload_tokens, offload_policy ("BLOCK_LEVEL" |
     # "REQUEST_LEVEL"), skip_reading_prefix_cache (never read cached KV for this request).
     kv_transfer_params: dict | None = None
+    # Token eviction for this request (`core.token_eviction`): {"policy": "streaming" |
+    # "snapkv", "sink_tokens", "recent_tokens", "budget_tokens", ...}; None: the engine's.
+    kv_eviction: dict | None = None
     structured_outputs: StructuredOutputsParams | None = None
     _stop: list[str] = field(default_factory=list, repr=False)
 
@@ -220,6 +223,13 @@ class SamplingParams:
         so = self.structured_outputs
         if so is not None and not isinstance(so, StructuredOutputsParams):
             raise bad("structured_outputs", "must be a StructuredOutputsParams")
+        if self.kv_eviction is not None:
+            from pagedkv.core.token_eviction import KVEvictionConfig, KVEvictionError
+
+            try:
+                KVEvictionConfig.from_value(self.kv_eviction)
+            except (KVEvictionError, TypeError) as e:
+                raise bad("kv_eviction", str(e)) from None
         ktp = self.kv_transfer_params
         if ktp is not None:
             if not isinstance(ktp, dict):

@@ -171,14 +171,18 @@ class Scheduler(SchedulingPolicy[Request]):
             out.finished_req_ids, self.finished_req_ids = self.finished_req_ids, set()
         if self.connector is not None:
             self.connector.on_schedule_start()
+        kv = self.kv_cache_manager
+        kv.release_deferred()  # blocks a compaction replaced: the step that read them is done
         batch = self.build_batch()
         out.preempted = batch.preempted
         out.finished = batch.stopped
-        kv = self.kv_cache_manager
         for c in batch.chunks.values():
             req, start, n = c.request, c.start, c.n
             req.num_computed_tokens = end = start + n
-            out.scheduled.append(ScheduledRequest(req, start, n, kv.get_block_ids(req.request_id)))
+            sr = ScheduledRequest(req, start, n, kv.get_block_ids(req.request_id))
+            if req.kv_eviction is not None:
+                self._eviction_step(req, sr)
+            out.scheduled.append(sr)
             out.num_batched_tokens += n
             if req.fork_pending and end >= req.num_tokens and not req.output_token_ids:
                 # Its prompt ends this step: its siblings are sampled from the same logits.
@@ -187,6 +191,31 @@ class Scheduler(SchedulingPolicy[Request]):
         if self.connector is not None:
             out.kv_connector_metadata = self.connector.build_connector_meta(out)
         return out
+
+    def _eviction_step(self, req: Request, sr: ScheduledRequest) -> None:
+        """Token eviction's part of a scheduled request (`core.token_eviction`): its cache
+        offset; for streaming with cache positions, the shift its window's keys take for the
+        blocks released this step; for snapkv, the compacted table when this step reaches the
+        compression point (the step itself still runs on the old table)."""
+        ev = req.kv_eviction
+        assert ev is not None
+        sr.kv_offset = req.num_evicted_tokens
+        if ev.positions == "cache":
+            sr.cache_positions = True
+            sr.rerotate = req.num_evicted_tokens - req.kv_rotated_offset
+            bs = self.kv_cache_manager.kv_cache_groups[0].kv_cache_spec.block_size
+            sr.rerotate_from = ev.sink_blocks(bs) * bs
+            req.kv_rotated_offset = req.num_evicted_tokens
+        end = sr.start + sr.num_tokens
+        point = ev.compression_point(req.num_prompt_tokens)
+        if (
+            ev.policy == "snapkv"
+            and sr.kv_offset == 0
+            and end == point
+            and ev.compresses(req.num_prompt_tokens)
+        ):
+            assert ev.budget_tokens is not None
+            sr.compaction = self.kv_cache_manager.compact_blocks(req, ev.budget_tokens)
 
     # ---- the policy's hooks (`SchedulingPolicy`): what its decisions do to a `Request` -----------
 
@@ -294,6 +323,7 @@ class Scheduler(SchedulingPolicy[Request]):
         self.kv_cache_manager.free(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
+        req.kv_rotated_offset = 0  # recomputed from scratch: keys rotated afresh
         req.num_preemptions += 1
         req.metrics.num_preemptions += 1
         self.num_preemptions += 1

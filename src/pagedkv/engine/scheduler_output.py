@@ -28,6 +28,16 @@ class ScheduledRequest:
     start: int  # first position computed this step (== num_computed_tokens before the step)
     num_tokens: int
     block_ids: tuple[list[int], ...]  # the request's block table in each KV cache group
+    # Token eviction (`core.token_eviction`): the request's evicted tokens (its cache index
+    # of position p is p - kv_offset); whether its RoPE positions are cache indices; how far
+    # its cached keys are re-rotated back before the step (blocks released this step); and,
+    # in the step that reaches a snapkv compression point, the new table its kept tokens are
+    # copied into after the forward pass.
+    kv_offset: int = 0
+    cache_positions: bool = False
+    rerotate: int = 0
+    rerotate_from: int = 0  # the first cache index re-rotated (after the sink blocks)
+    compaction: list[int] | None = None
 
     @property
     def samples(self) -> bool:

@@ -343,6 +343,8 @@ class BambaForCausalLM(LlamaForCausalLM):
     ``kv_caches[i]`` is a (K, V) pair for an attention layer and a (conv, ssm) state pair for
     a mixer layer."""
 
+    supports_kv_eviction = False  # its attention does not all go through paged_attention
+
     # Tensor parallelism: attention and MLP as Llama's; each mixer keeps its rank's SSM heads
     # (in_proj's gate/x/dt rows, conv channels, dt_bias/A_log/D, norm) and B/C groups.
     supports_tensor_parallel = True

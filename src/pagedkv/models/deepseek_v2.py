@@ -440,6 +440,8 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
     multi-token-prediction layer of the released checkpoints, which transformers ignores too).
     """
 
+    supports_kv_eviction = False  # its attention does not all go through paged_attention
+
     _STACKED = ((".gate_up_proj.", ".gate_proj.", 0), (".gate_up_proj.", ".up_proj.", 1))
     # Tensor parallelism (``parallel``): heads split as Llama's, the latent cache replicated on
     # every rank (one "KV head"), so decode context parallelism can shard its tokens.

@@ -290,6 +290,10 @@ class LlamaForCausalLM(nn.Module):
     the layer keeps for its cache writes and reads. The engine builds it from the KV cache specs.
     """
 
+    # Token eviction (`engine.kv_eviction`): every attention layer goes through
+    # `paged_attention`, where SnapKV observes the queries.
+    supports_kv_eviction = True
+
     # Tensor parallelism (``parallel``): this class's own flag, not inherited by subclasses
     # (``registry.tensor_parallel_architectures``).
     supports_tensor_parallel = True

@@ -262,6 +262,8 @@ class Llama4ForCausalLM(LlamaForCausalLM):
     (its ``load_weights`` fuses q/k/v and the gate/up of dense layers and shared experts; the
     experts' ``[E, ...]`` tensors and the router load as they are)."""
 
+    supports_kv_eviction = False  # its attention does not all go through paged_attention
+
     def __init__(self, config: ModelConfig, kv_quants: LayerKVQuants | None = None) -> None:
         nn.Module.__init__(self)  # not LlamaForCausalLM.__init__: a different body
         self.config = config

@@ -98,9 +98,14 @@ def paged_attention(
         raise ValueError(
             f"{query.shape[1]} query heads is not a multiple of {key_cache.shape[2]} KV heads"
         )
+    observer = attn_metadata.kv_observer
     if kv_quant is not None and (kv_quant.fmt.quantized or kv_quant.rotation is not None):
         # Rotated keys: q·k = (Rq)·(Rk); the output Σp·Rv is rotated back.
         q = kv_quant.rotate(query)
+        if observer is not None:
+            observer(
+                q, PagedKV.of(key_cache, value_cache, kv_quant), attn_metadata.block_size, scale
+            )
         if use_triton:
             from pagedkv.ops.triton.unified_attention import paged_attention_triton
 
@@ -127,6 +132,8 @@ def paged_attention(
                 attention_chunk_size,
             )
         return kv_quant.unrotate(out).to(query.dtype)
+    if observer is not None:
+        observer(query, PagedKV.of(key_cache, value_cache), attn_metadata.block_size, scale)
     if use_triton:
         from pagedkv.ops.triton.unified_attention import paged_attention_triton
 

@@ -9,6 +9,7 @@ single decode token. Nothing here knows about requests: only tensors and their h
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -58,6 +59,10 @@ class AttentionMetadata:
     # (at its local positions ``[0, n)``; ``block_table``/``block_size`` are then the rank's
     # physical blocks). None without DCP.
     dcp_local_context_lens: list[int] | None = None
+    # Token eviction (SnapKV): called by `paged_attention` once per layer, after the step's
+    # K/V are written, as ``kv_observer(query, paged_kv, block_size, scale)``
+    # (`ops.token_eviction.SnapKVObserver`). The native decode step does not run with one set.
+    kv_observer: Any = None
 
     def rows(self) -> StepRows:
         """The step's :class:`StepRows`, computed on first use (layers share the metadata)."""

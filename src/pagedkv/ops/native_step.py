@@ -451,6 +451,7 @@ def decode_step(
         md = md[0]
     if (
         md.max_query_len != 1
+        or md.kv_observer is not None
         or md.query_start_loc_cpu[-1] != n
         or len(md.seq_lens_cpu) != n
         or forward_context._kv_connector is not None
