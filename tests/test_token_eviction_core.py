@@ -196,3 +196,18 @@ def test_streaming_never_exceeds_its_ceiling(budget, sink, prompt, steps):
     held = _run_streaming(m, req, steps)
     assert max(held, default=0) <= cap
     assert req.status == RequestStatus.RUNNING
+
+
+def test_pyramid_budgets_shrink_with_depth_around_the_mean():
+    ev = KVEvictionConfig("pyramidkv", budget_tokens=256, num_layers=30)
+    b = ev.layer_budgets()
+    assert len(b) == 30 and b == sorted(b, reverse=True)
+    assert abs(sum(b) / 30 - 256) <= 1
+    c = 256 - 36
+    assert b[-1] == 36 + c // 20 and b[0] == 36 + 2 * c - c // 20
+    assert ev.kept_tokens(300)[0] == 300  # a budget above the tokens keeps them all
+    assert ev.compresses(300) and not ev.compresses(36 + c // 20)
+    # The table is sized for the first layer's kept tokens.
+    assert ev.max_blocks_per_request(BS, 1000, 10) == cdiv(1000, BS) + cdiv(b[0], BS)
+    snap = KVEvictionConfig("snapkv", budget_tokens=256, num_layers=30)
+    assert snap.layer_budgets() == [256] * 30

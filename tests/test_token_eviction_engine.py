@@ -109,6 +109,7 @@ def _as_dict(ev: KVEvictionConfig) -> dict:
         {"policy": "streaming", "budget_tokens": 1024},
         {"policy": "streaming", "budget_tokens": 1024, "positions": "cache"},
         {"policy": "snapkv", "budget_tokens": 1024},
+        {"policy": "pyramidkv", "budget_tokens": 1024},
     ],
 )
 def test_a_policy_that_drops_nothing_is_exact(llm, ev):
@@ -132,6 +133,36 @@ def test_streaming_memory_is_flat(llm):
     cap = KVEvictionConfig.from_value(ev).max_blocks_per_request(BS, 900, 200)
     assert max(held) <= cap < math.ceil(1100 / BS) / 4
     assert held[-1] >= cap - 2  # it sits at the ceiling, not below it by luck
+
+
+@pytest.mark.parametrize(
+    "ev",
+    [
+        {"policy": "streaming", "budget_tokens": 128},
+        {"policy": "snapkv", "budget_tokens": 160},
+        {"policy": "pyramidkv", "budget_tokens": 160},
+    ],
+)
+def test_plan_and_engine_agree_on_the_per_request_peak(llm, capsys, ev):
+    import json
+
+    from pagedkv.entrypoints.cli import main
+
+    n_prompt, n_out = 700, 40
+    argv = ["plan", "--json", "--context", str(n_prompt + n_out), "--output-tokens", str(n_out)]
+    assert main([*argv, "--kv-eviction", json.dumps(ev)]) == 0
+    row = json.loads(capsys.readouterr().out)["eviction"][0]
+    eng = _engine(llm)
+    pool = eng.scheduler.kv_cache_manager.block_pool
+    ids = (_prompt(llm, 40) * 2)[:n_prompt]
+    sp = SamplingParams(max_tokens=n_out, temperature=0, ignore_eos=True, kv_eviction=ev)
+    eng.add_request("plan-agree", {"prompt_token_ids": ids}, sp)
+    used = []
+    while eng.has_unfinished_requests():
+        eng.step()
+        used.append(pool.num_gpu_blocks - 1 - pool.get_num_free_blocks())
+    assert max(used) == row["peak_blocks_per_request"]
+    assert used[-1] <= row["steady_blocks_per_request"] < row["exact_blocks_per_request"]
 
 
 def test_snapkv_select_matches_a_plain_loop():
@@ -200,6 +231,47 @@ def test_snapkv_compaction_moves_each_heads_kept_rows(llm):
                 assert torch.equal(v_after[nb, no, h], v_after[ob, oo, h])
     # Heads choose differently (the selection is per KV head).
     assert any(not torch.equal(idx_layers[5][0], idx_layers[5][h]) for h in (1, 2))
+
+
+def test_pyramidkv_keeps_fewer_tokens_in_deeper_layers_and_decodes(llm):
+    ids = _prompt(llm, 12)
+    ev = {"policy": "pyramidkv", "budget_tokens": 96}
+    out = _greedy(llm, ids, 12, ev)
+    (layers,) = _engine(llm).runner.last_kv_selection.values()
+    sizes = [int(x.shape[1]) for x in layers]
+    assert sizes == sorted(sizes, reverse=True) and sizes[0] > 96 > sizes[-1]
+    want = KVEvictionConfig("pyramidkv", budget_tokens=96, num_layers=30).kept_tokens(len(ids))
+    assert sizes == want
+    for x in layers:  # sinks and the observation window in every layer
+        assert x[:, :4].tolist() == [[0, 1, 2, 3]] * 3
+        assert x[:, -32:].tolist() == [list(range(len(ids) - 32, len(ids)))] * 3
+    # Decoding after the compression goes on with per-layer shifts; an exact first token.
+    assert len(out) == 12 and out[0] == _greedy(llm, ids, 1)[0]
+
+
+def test_pyramid_layer_metadata_shifts_slots_and_lengths(llm):
+    from pagedkv.engine.model_input import ModelInput, ScheduledTokens
+
+    runner = _engine(llm).runner
+    shift = [0] * 10 + [5] * 10 + [21] * 10
+    a = ScheduledTokens("a", [1], 100, ([7, 3, 9, 4, 8, 2, 6, 5],), True, kv_offset=20)
+    a.layer_shift = shift
+    b = ScheduledTokens("b", [1, 2, 3], 10, ([11, 12],), True)
+    mi = ModelInput([a, b])
+    _, _, mds, _ = runner.prepare_inputs(mi)
+    per_layer = runner._shifted_layer_metadata(mi, mds[0])
+    assert len(per_layer) == 30 and per_layer[0] is mds[0]
+
+    def slot(table, idx):
+        return table[idx // BS] * BS + idx % BS
+
+    for layer, d in ((12, 5), (29, 21)):
+        md = per_layer[layer]
+        want_a = slot(a.block_ids[0], 100 - 20 - d)
+        want_b = [slot(b.block_ids[0], i) for i in (10, 11, 12)]
+        assert md.slot_mapping.tolist() == [want_a, *want_b]
+        assert md.seq_lens_cpu == [81 - d, 13] and md.seq_lens.tolist() == [81 - d, 13]
+    assert per_layer[12] is per_layer[15]  # one metadata per distinct shift
 
 
 def test_rerotation_equals_writing_at_the_shifted_position():

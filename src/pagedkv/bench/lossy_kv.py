@@ -274,7 +274,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--window", type=int, default=2048)
     p.add_argument("--kv-cache-memory", type=int, default=2 << 30, help="bytes per engine")
     p.add_argument(
-        "--memory-lengths", default="1024,2048,4096,8192", help="prompt tokens (--only memory)"
+        "--memory-lengths", default="1024,2048,4096,8192", help="request tokens (--only memory)"
     )
     p.add_argument("--memory-output", type=int, default=64, help="output tokens (--only memory)")
     p.add_argument("--seed", type=int, default=0)
@@ -361,7 +361,7 @@ def table(r: dict[str, Any]) -> str:
             )
     mem = r.get("memory")
     if mem:
-        lines.append(f"peak KV tokens per request at prompt lengths {mem['lengths']}")
+        lines.append(f"peak KV tokens per request at request lengths {mem['lengths']}")
         for name, m in mem["methods"].items():
             lines.append(f"  {name:22s} {m['peak_tokens']}  (planned blocks {m['planned_blocks']})")
     return "\n".join(lines)

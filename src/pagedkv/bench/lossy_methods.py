@@ -6,18 +6,20 @@ policy run on the exact (float32) cache, per request (``SamplingParams.kv_evicti
 * ``streaming:512`` — StreamingLLM, 4 sink tokens and a 508-token window (512 in all),
   original positions; ``streaming-cache:512`` — the same with positions within the cache;
 * ``snapkv:0.25`` — SnapKV keeping a quarter of each prompt (``snapkv:256``: 256 tokens);
-  ``compress_at`` is set where a part needs the scored text after the compressed context.
+  ``pyramidkv:0.25`` the same mean budget, shrinking with depth; ``compress_at`` is set
+  where a part needs the scored text after the compressed context.
 
 **evict-teacher** (``--only evict-teacher``): teacher-forced through ``prompt_logprobs=1`` on
 the same corpora as ``teacher``, in windows of ``--window`` tokens: per position the target's
 logprob and the top-1 token, against the exact cache's. Streaming is scored on the positions
 past its budget (what the window changed); SnapKV compresses the first half of each window
-and is scored on the second half. Reported: top-1 agreement, ΔPPL. (KL needs full
+and is scored on the second half (PyramidKV likewise). Reported: top-1 agreement, ΔPPL. (KL needs full
 distributions, which ``prompt_logprobs`` does not return.)
 
-**memory** (``--only memory``): one request per ``--memory-lengths`` prompt length, stepped by
-hand, with the most blocks it held at once, against ``KVEvictionConfig.max_blocks_per_request``
-(what ``pagedkv plan`` reports): flat beyond the budget means the same peak at every length.
+**memory** (``--only memory``): one request per ``--memory-lengths`` length (prompt and
+``--memory-output`` output tokens together), stepped by hand, with the most blocks it held
+at once, against ``KVEvictionConfig.max_blocks_per_request`` (what ``pagedkv plan``
+reports): flat beyond the budget means the same peak at every length.
 """
 
 from __future__ import annotations
@@ -31,7 +33,13 @@ from typing import Any
 from pagedkv.bench.common import BenchOptionError, log
 
 EXACT = "float32"
-POLICIES = {"streaming": {}, "streaming-cache": {"positions": "cache"}, "snapkv": {}}
+POLICIES = {
+    "streaming": {},
+    "streaming-cache": {"positions": "cache"},
+    "snapkv": {},
+    "pyramidkv": {},
+}
+COMPACTING = ("snapkv", "pyramidkv")
 
 
 @dataclass(frozen=True)
@@ -56,7 +64,7 @@ class Method:
         base = self.policy.split("-")[0]
         budget = self.budget or max(36 + 16, int(prompt_len * (self.fraction or 1.0)))
         ev: dict[str, Any] = {"policy": base, "budget_tokens": budget, **POLICIES[self.policy]}
-        if compress_at is not None and base == "snapkv":
+        if compress_at is not None and base in COMPACTING:
             ev["compress_at"] = compress_at
         return ev
 
@@ -82,7 +90,7 @@ def parse_method(name: str) -> Method:
         value = float(arg)
     except ValueError:
         raise BenchOptionError(f"{name!r}: the budget is a token count or a fraction") from None
-    if 0 < value < 1 and policy.startswith("snapkv"):
+    if 0 < value < 1 and policy in COMPACTING:
         return Method(name, policy=policy, fraction=value)
     if value < 1 or value != int(value):
         raise BenchOptionError(f"{name!r}: the budget is a token count >= 1 or a fraction")
@@ -123,7 +131,7 @@ def scored_from(method: Method, window_len: int) -> int:
     """The first scored position of a window: past a streaming budget; SnapKV's second half."""
     if method.policy is None:
         return 1
-    if method.policy.startswith("snapkv"):
+    if method.policy in COMPACTING:
         return window_len // 2 + 1
     assert method.budget is not None
     return method.budget + 1
@@ -185,7 +193,7 @@ def run_memory(args: argparse.Namespace, methods: list[Method]) -> dict[str, Any
     out: dict[str, Any] = dict(lengths=lengths, output_tokens=args.memory_output, methods={})
     llm = engine(
         Method(EXACT),
-        max_model_len=max(lengths) + args.memory_output,
+        max_model_len=max(lengths),
         kv_cache_memory=args.kv_cache_memory,
         enable_prefix_caching=False,
     )
@@ -196,7 +204,8 @@ def run_memory(args: argparse.Namespace, methods: list[Method]) -> dict[str, Any
     kv = eng.scheduler.kv_cache_manager
     for m in [Method(EXACT), *[m for m in methods if m.evicts]]:
         peaks, ceilings, secs = [], [], []
-        for n in lengths:
+        for total in lengths:
+            n = total - args.memory_output  # the prompt: the request ends at `total` tokens
             ids = text[:n]
             params = sampling_params(
                 m, n, temperature=0, max_tokens=args.memory_output, ignore_eos=True
@@ -214,11 +223,10 @@ def run_memory(args: argparse.Namespace, methods: list[Method]) -> dict[str, Any
             secs.append(time.perf_counter() - t0)
             peaks.append(peak)
             ev = KVEvictionConfig.from_value(params.kv_eviction)
-            total = n + args.memory_output
             ceilings.append(
                 ev.max_blocks_per_request(bs, n, args.memory_output) if ev else -(-total // bs)
             )
-            log(args, f"  memory {m.name:20s} {n:>6} tokens: peak {peak} blocks")
+            log(args, f"  memory {m.name:20s} {total:>6} tokens: peak {peak} blocks")
         out["methods"][m.name] = dict(
             peak_blocks=peaks,
             peak_tokens=[p * bs for p in peaks],

@@ -231,6 +231,8 @@ class SchedulingPolicy(Generic[R]):
                 n = self._mamba_block_aligned_split(req, num_hit + num_ext, n)
             if req.kv_eviction is not None:
                 n = self._eviction_chunk(req, num_hit + num_ext, n)
+                if n <= 0:
+                    return None  # not one whole block of budget left: next step
         if (
             kv.allocate_slots(
                 req,
@@ -250,14 +252,18 @@ class SchedulingPolicy(Generic[R]):
 
     def _eviction_chunk(self, req: KVCacheRequest, num_computed: int, n: int) -> int:
         """Token eviction (`core.token_eviction`): a streaming prefill runs in chunks of at
-        most ``chunk_tokens`` (so no token reads far more than the window); a snapkv chunk
-        ends at the compression point (its step compresses)."""
+        most ``chunk_tokens`` that end on block boundaries, but the last (so no token reads
+        far more than the window, and the request never holds more than its ceiling); a
+        snapkv/pyramidkv chunk ends at the compression point (its step compresses)."""
         ev = req.kv_eviction
         assert ev is not None
         bs = self.kv_cache_manager.kv_cache_groups[0].kv_cache_spec.block_size
         cap = ev.chunk_tokens(bs)
         if cap is not None:
-            return min(n, cap)
+            end = num_computed + min(n, cap)
+            if end < req.num_tokens:  # end on a block boundary (the ceiling counts on it)
+                end = end // bs * bs
+            return end - num_computed  # <= 0: no whole block fits in this step's budget
         point = ev.compression_point(req.num_prompt_tokens)
         if num_computed < point < num_computed + n:
             return point - num_computed

@@ -13,8 +13,9 @@ Policies (vLLM-style names; the papers' defaults):
   ``recent_tokens`` tokens. Before each step the oldest non-sink block is released while the
   window would still hold ``recent_tokens`` tokens without it, exactly as a sliding-window
   group releases blocks, but from the middle of the table. A prefill is cut into chunks of at
-  most :meth:`KVEvictionConfig.chunk_tokens`, so every token reads the sinks and between
-  ``recent_tokens`` and ``recent_tokens + block_size + chunk - 1`` tokens before it.
+  most :meth:`KVEvictionConfig.chunk_tokens` that end on block boundaries (but the last), so
+  every token reads the sinks and between ``recent_tokens`` and
+  ``recent_tokens + block_size + chunk - 1`` tokens before it.
   ``positions="original"`` keeps each token's position in the text (RoPE is applied once, at
   write time); ``"cache"`` is the paper's choice, positions within the cache: queries take
   their index in the cache, and the window's keys are re-rotated back by a block each time a
@@ -28,6 +29,14 @@ Policies (vLLM-style names; the papers' defaults):
   fresh blocks (the block table and slot mapping stay the only indirection, so the attention
   kernels read them unchanged; a KV head's slot ``j`` holds that head's ``j``-th kept token).
   Positions stay the original ones.
+* ``"pyramidkv"`` (PyramidKV): SnapKV with per-layer budgets that shrink linearly with depth
+  (the compressible part, ``budget - sink - recent``, goes from ``2c - c/20`` at the first
+  layer to ``c/20`` at the last; their mean is ``budget_tokens``). A block holds every
+  layer's KV for its tokens, so the request's table is sized for the first (largest) layer;
+  each deeper layer fills only the first ``budget_l`` cache indices of its kept part and then
+  writes its later tokens ``budget_0 - budget_l`` indices earlier (a per-layer shift of the
+  slot mapping and ``seq_lens``). It re-spends SnapKV's accuracy between layers; it saves no
+  memory over SnapKV at the first layer's budget.
 
 The KV of a token is indexed by its *cache index* ``position - num_evicted_tokens``; slot
 mappings and ``seq_lens`` are in cache indices, RoPE positions are not (``"cache"`` positions
@@ -45,7 +54,9 @@ from typing import Any
 
 from pagedkv.core.units import cdiv
 
-POLICIES = ("streaming", "snapkv")
+POLICIES = ("streaming", "snapkv", "pyramidkv")
+# PyramidKV's beta: the top layer keeps 1/beta of the compressible budget (the paper's 20).
+PYRAMID_BETA = 20
 POSITIONS = ("original", "cache")
 # Keys a kv_eviction dict may carry (vLLM users pass it as JSON).
 FIELDS = (
@@ -81,6 +92,8 @@ class KVEvictionConfig:
     compress_at: int | None = None
     pool_kernel: int = 7
     positions: str = "original"
+    # The attention layers holding KV (set by the engine; PyramidKV's budgets depend on it).
+    num_layers: int = 1
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> KVEvictionError:
@@ -115,11 +128,11 @@ class KVEvictionConfig:
                 raise bad("compress_at", "is a snapkv setting")
         else:
             if self.budget_tokens is None:
-                raise bad("budget_tokens", "snapkv needs budget_tokens")
+                raise bad("budget_tokens", f"{self.policy} needs budget_tokens")
             if self.recent_tokens is None:
                 object.__setattr__(self, "recent_tokens", 32)  # SnapKV's observation window
             if self.positions != "original":
-                raise bad("positions", "snapkv keeps original positions")
+                raise bad("positions", f"{self.policy} keeps original positions")
             if self.sink_tokens + self.recent_tokens > self.budget_tokens:  # type: ignore[operator]
                 raise bad("budget_tokens", "must be >= sink_tokens + recent_tokens")
 
@@ -137,7 +150,7 @@ class KVEvictionConfig:
                 f"kv_eviction: unknown keys {sorted(unknown)} (known: {', '.join(FIELDS)})"
             )
         if "policy" not in value:
-            raise KVEvictionError("kv_eviction needs a policy (streaming or snapkv)")
+            raise KVEvictionError(f"kv_eviction needs a policy ({', '.join(POLICIES)})")
         return cls(**value)
 
     @property
@@ -151,6 +164,7 @@ class KVEvictionConfig:
             self.compress_at,
             self.pool_kernel,
             self.positions,
+            self.num_layers if self.policy == "pyramidkv" else 1,
         )
 
     # ---- streaming arithmetic ----------------------------------------------------------------
@@ -160,7 +174,8 @@ class KVEvictionConfig:
 
     def chunk_tokens(self, block_size: int) -> int | None:
         """The longest prefill chunk a streaming request runs (whole blocks, at least one):
-        a quarter of the window. None (no cap) for snapkv."""
+        a quarter of the window; the scheduler also ends every chunk but the last on a block
+        boundary. None (no cap) for snapkv and pyramidkv."""
         if self.policy != "streaming":
             return None
         assert self.recent_tokens is not None
@@ -195,7 +210,30 @@ class KVEvictionConfig:
             return self.sink_blocks(block_size) * block_size + self.recent_tokens
         return self.compression_point(num_prompt_tokens)
 
-    # ---- snapkv arithmetic -------------------------------------------------------------------
+    # ---- snapkv / pyramidkv arithmetic ---------------------------------------------------------
+
+    @property
+    def compacts(self) -> bool:
+        """Whether the policy compresses once (snapkv, pyramidkv) rather than rolling."""
+        return self.policy != "streaming"
+
+    def layer_budgets(self) -> list[int]:
+        """Tokens each of the ``num_layers`` attention layers keeps at compression (before
+        capping at the tokens there are): all ``budget_tokens`` for snapkv; PyramidKV's
+        linear schedule, largest first, for pyramidkv."""
+        assert self.budget_tokens is not None and self.recent_tokens is not None
+        n = self.num_layers
+        if self.policy != "pyramidkv" or n == 1:
+            return [self.budget_tokens] * n
+        fixed = self.sink_tokens + self.recent_tokens
+        c = self.budget_tokens - fixed
+        lo = c // PYRAMID_BETA
+        hi = 2 * c - lo
+        return [fixed + round(hi - (hi - lo) * i / (n - 1)) for i in range(n)]
+
+    def kept_tokens(self, num_tokens: int) -> list[int]:
+        """Per layer, the tokens kept when ``num_tokens`` are compressed."""
+        return [min(b, num_tokens) for b in self.layer_budgets()]
 
     def compression_point(self, num_prompt_tokens: int) -> int:
         """snapkv: the number of computed tokens at which the cache is compressed."""
@@ -204,11 +242,11 @@ class KVEvictionConfig:
         return min(self.compress_at, num_prompt_tokens)
 
     def compresses(self, num_prompt_tokens: int) -> bool:
-        """snapkv: whether compression drops anything (a prompt within the budget is kept)."""
-        assert self.budget_tokens is not None
-        return self.policy == "snapkv" and self.compression_point(num_prompt_tokens) > (
-            self.budget_tokens
-        )
+        """Whether compression drops anything (a prompt within every budget is kept)."""
+        if not self.compacts:
+            return False
+        point = self.compression_point(num_prompt_tokens)
+        return min(self.layer_budgets()) < point
 
     # ---- capacity ----------------------------------------------------------------------------
 
@@ -224,13 +262,18 @@ class KVEvictionConfig:
         total = num_prompt_tokens + max_new_tokens
         if self.policy == "streaming":
             assert self.recent_tokens is not None
-            chunk = self.chunk_tokens(bs) or 1
-            cap = cdiv(self.sink_blocks(bs) * bs + self.recent_tokens + bs - 1 + chunk, bs)
-            return min(cap, cdiv(total, bs))
-        assert self.budget_tokens is not None
+            chunk = self.chunk_tokens(bs)
+            assert chunk is not None
+            sinks = self.sink_blocks(bs)
+            # A prefill chunk starts on a block boundary with at most cdiv(recent) window
+            # blocks before it; a decode token follows at most recent + bs - 1 window tokens.
+            prefill = sinks + cdiv(self.recent_tokens, bs) + chunk // bs
+            decode = cdiv(sinks * bs + self.recent_tokens + bs, bs)
+            return min(max(prefill, decode), cdiv(total, bs))
         point = self.compression_point(num_prompt_tokens)
-        if point <= self.budget_tokens:
+        if not self.compresses(num_prompt_tokens):
             return cdiv(total, bs)
-        during = cdiv(point, bs) + cdiv(self.budget_tokens, bs)
-        after = cdiv(self.budget_tokens + total - point, bs)
+        kept = max(self.kept_tokens(point))
+        during = cdiv(point, bs) + cdiv(kept, bs)
+        after = cdiv(kept + total - point, bs)
         return max(during, after)

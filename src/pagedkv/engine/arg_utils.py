@@ -66,6 +66,7 @@ CACHE_ARGS: tuple[str, ...] = (
     "kv_transfer_config",
     "kv_side_channel_port",
     "preemption_mode",
+    "kv_eviction",
 )
 # The scheduler's budgets, the engine seed and the structured-output backend (serve adds them
 # to its engine group).
@@ -132,7 +133,7 @@ class EngineArgs:
     """The engine options as users pass them (CLI flags, ``LLM(...)`` keywords).
 
     Contract: every field but ``kv_side_channel_port`` is an `EngineConfig` field of the same
-    name and default; ``kv_transfer_config`` may also be the CLI's JSON text, and
+    name and default; ``kv_transfer_config`` and ``kv_eviction`` may also be the CLI's JSON text, and
     ``kv_side_channel_port`` is folded into it (``kv_connector_extra_config``) by
     `config_kwargs`. Validation is `EngineConfig`'s (`create_engine_config` raises its
     ValueError naming the option).
@@ -257,6 +258,13 @@ class EngineArgs:
         "the KV connector as vLLM's KVTransferConfig JSON, e.g. "
         '\'{"kv_connector":"OffloadingConnector","kv_role":"kv_both",'
         '"kv_connector_extra_config":{"kv_offload":"cpu:4GiB"}}\'',
+        metavar="JSON",
+    )
+    kv_eviction: Any = _opt(
+        "kv_eviction",
+        "token eviction for every request that sets none (lossy), as JSON, e.g. "
+        '\'{"policy":"streaming","budget_tokens":512}\' or '
+        '\'{"policy":"snapkv","budget_tokens":1024}\'',
         metavar="JSON",
     )
     tensor_parallel_size: int = _opt(
@@ -395,6 +403,13 @@ class EngineArgs:
             )
             extra["side_channel_port"] = port
         kw["kv_transfer_config"] = kvt
+        if isinstance(kw["kv_eviction"], str):
+            import json
+
+            try:
+                kw["kv_eviction"] = json.loads(kw["kv_eviction"])
+            except json.JSONDecodeError as e:
+                raise ValueError(f"--kv-eviction is not valid JSON: {e}") from None
         return kw
 
     def create_engine_config(self) -> EngineConfig:

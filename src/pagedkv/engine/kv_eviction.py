@@ -12,6 +12,7 @@ unquantized, unrotated cache and the model's rotary embedding (keys are re-rotat
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from pagedkv.core.specs import FullAttentionSpec, KVQuantMode, MLAAttentionSpec
@@ -44,6 +45,9 @@ def resolve(engine: Any, params: Any) -> KVEvictionConfig | None:
     ev = KVEvictionConfig.from_value(value)
     if ev is None:
         return None
+    mc = engine.model_config
+    layers = sum(1 for i in range(mc.num_layers) if mc.owns_kv_cache(i))
+    ev = dataclasses.replace(ev, num_layers=layers)
     why = unsupported_reason(engine)
     if why is None and params.n > 1:
         why = "token eviction supports one sample per request (n=1)"

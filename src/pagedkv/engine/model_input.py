@@ -27,13 +27,14 @@ class PromptLogprobsTask:
 @dataclass(slots=True)
 class KVCompaction:
     """SnapKV at the end of this step (`core.token_eviction`): per layer and KV head, keep
-    ``budget`` of the request's ``num_tokens`` cached tokens (the first ``sink_tokens``, the
-    last ``recent_tokens`` and the best-scored others) and copy them, in order, into
-    ``block_ids`` (the request's table from the next step on)."""
+    ``budgets[l]`` of the request's ``num_tokens`` cached tokens in attention layer ``l`` (the
+    first ``sink_tokens``, the last ``recent_tokens`` and the best-scored others; all of them
+    where the budget is not smaller) and copy them, in order, into ``block_ids`` (the
+    request's table from the next step on)."""
 
     block_ids: list[int]
     num_tokens: int
-    budget: int
+    budgets: list[int]
     sink_tokens: int
     recent_tokens: int
     pool_kernel: int
@@ -54,6 +55,8 @@ class ScheduledTokens:
     cache_positions: bool = False
     rerotate: int = 0
     rerotate_from: int = 0  # the first cache index re-rotated (after the sink blocks)
+    # PyramidKV: per attention layer, the shift of its cache indices (None: none).
+    layer_shift: list[int] | None = None
     compaction: KVCompaction | None = None
 
     @property

@@ -249,12 +249,14 @@ class ModelRunner:
             if req.kv_eviction is not None:
                 st.kv_offset, st.cache_positions = s.kv_offset, s.cache_positions
                 st.rerotate, st.rerotate_from = s.rerotate, s.rerotate_from
+                st.layer_shift = s.layer_shift
                 if s.compaction is not None:
                     ev = req.kv_eviction
+                    assert s.layer_kept is not None
                     st.compaction = KVCompaction(
                         s.compaction,
                         end - s.kv_offset,
-                        ev.budget_tokens,
+                        s.layer_kept,
                         ev.sink_tokens,
                         ev.recent_tokens,
                         ev.pool_kernel,
@@ -412,6 +414,8 @@ class ModelRunner:
         for m in mds:
             m.kv_observer = observer
         md = mds[0] if len(mds) == 1 else [mds[g] for g in self.layer_groups]
+        if any(s.layer_shift for s in mi.scheduled):
+            md = self._shifted_layer_metadata(mi, mds[0])
         hidden = self.model(input_ids, positions, self.kv_caches, md)
         if observer is not None:
             self._compact(mi, observer)
@@ -457,6 +461,50 @@ class ModelRunner:
                     RotaryEmbedding.apply,
                 )
 
+    def _shifted_layer_metadata(
+        self, mi: ModelInput, md: AttentionMetadata
+    ) -> list[AttentionMetadata]:
+        """PyramidKV: one metadata per layer, whose slots and ``seq_lens`` sit ``shift`` cache
+        indices earlier for each request that has a shift in that layer (one group only)."""
+        counts = [s.num_tokens for s in mi.scheduled]
+        dev = self.device
+        req_idx = torch.repeat_interleave(
+            torch.arange(len(counts), device=dev), torch.tensor(counts, device=dev)
+        )
+        kv_pos = torch.cat(
+            [
+                torch.arange(s.start - s.kv_offset, s.start - s.kv_offset + s.num_tokens)
+                for s in mi.scheduled
+            ]
+        ).to(dev)
+        out: list[AttentionMetadata] = []
+        owner = {layer: c for c, layer in enumerate(self._owner_layers())}
+        cache: dict[tuple[int, ...], AttentionMetadata] = {}
+        for layer in range(self.model_config.num_layers):
+            c = owner.get(layer)
+            shift = tuple(
+                s.layer_shift[c] if s.layer_shift is not None and c is not None else 0
+                for s in mi.scheduled
+            )
+            if not any(shift):
+                out.append(md)
+                continue
+            if shift not in cache:
+                per_tok = torch.tensor(shift, device=dev)[req_idx]
+                lens = [n - d for n, d in zip(md.seq_lens_cpu, shift)]
+                cache[shift] = dataclasses.replace(
+                    md,
+                    slot_mapping=compute_slot_mapping(
+                        md.block_table, req_idx, kv_pos - per_tok, md.block_size
+                    ),
+                    seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
+                    seq_lens_cpu=lens,
+                    max_seq_len=max(lens),
+                    _rows=None,
+                )
+            out.append(cache[shift])
+        return out
+
     def _snapkv_observer(self, mi: ModelInput) -> SnapKVObserver | None:
         targets = []
         q_end = 0
@@ -470,7 +518,7 @@ class ModelRunner:
                         s.num_tokens,
                         s.block_ids[0],
                         c.num_tokens,
-                        c.budget,
+                        c.budgets,
                         c.sink_tokens,
                         c.recent_tokens,
                         c.pool_kernel,

@@ -45,6 +45,9 @@ class Request(KVCacheRequest):
     grammar: Any = None
     # Token eviction with cache positions: the evicted tokens its cached keys' RoPE accounts for.
     kv_rotated_offset: int = 0
+    # PyramidKV after compression: per attention layer, how many cache indices earlier than
+    # the table's (the first layer's) that layer writes its later tokens; None: no shift.
+    kv_layer_shift: list[int] | None = None
 
     @property
     def needs_sampling_this_step(self) -> bool:

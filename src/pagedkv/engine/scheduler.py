@@ -206,16 +206,20 @@ class Scheduler(SchedulingPolicy[Request]):
             bs = self.kv_cache_manager.kv_cache_groups[0].kv_cache_spec.block_size
             sr.rerotate_from = ev.sink_blocks(bs) * bs
             req.kv_rotated_offset = req.num_evicted_tokens
+        sr.layer_shift = req.kv_layer_shift
         end = sr.start + sr.num_tokens
         point = ev.compression_point(req.num_prompt_tokens)
         if (
-            ev.policy == "snapkv"
+            ev.compacts
             and sr.kv_offset == 0
             and end == point
             and ev.compresses(req.num_prompt_tokens)
         ):
-            assert ev.budget_tokens is not None
-            sr.compaction = self.kv_cache_manager.compact_blocks(req, ev.budget_tokens)
+            kept = ev.kept_tokens(point)
+            sr.compaction = self.kv_cache_manager.compact_blocks(req, max(kept))
+            sr.layer_kept = kept
+            if min(kept) < max(kept):  # pyramidkv: deeper layers write earlier from now on
+                req.kv_layer_shift = [max(kept) - k for k in kept]
 
     # ---- the policy's hooks (`SchedulingPolicy`): what its decisions do to a `Request` -----------
 
@@ -324,6 +328,7 @@ class Scheduler(SchedulingPolicy[Request]):
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.kv_rotated_offset = 0  # recomputed from scratch: keys rotated afresh
+        req.kv_layer_shift = None
         req.num_preemptions += 1
         req.metrics.num_preemptions += 1
         self.num_preemptions += 1

@@ -37,7 +37,10 @@ class ScheduledRequest:
     cache_positions: bool = False
     rerotate: int = 0
     rerotate_from: int = 0  # the first cache index re-rotated (after the sink blocks)
+    # PyramidKV: per attention layer, the shift of its cache indices (None: none).
+    layer_shift: list[int] | None = None
     compaction: list[int] | None = None
+    layer_kept: list[int] | None = None  # with compaction: tokens each attention layer keeps
 
     @property
     def samples(self) -> bool:

@@ -61,13 +61,13 @@ def snapkv_select(
 class SnapKVTarget:
     """One request compressing this step: its queries end at flat row ``q_end`` (exclusive),
     its ``num_tokens`` cached tokens sit in ``block_ids``; ``selected`` gets one
-    ``[Hkv, budget]`` index tensor per attention layer, in forward order."""
+    ``[Hkv, budgets[l]]`` index tensor per attention layer ``l``, in forward order."""
 
     q_end: int
     num_q: int
     block_ids: list[int]
     num_tokens: int
-    budget: int
+    budgets: list[int]
     sink_tokens: int
     recent_tokens: int
     pool_kernel: int
@@ -87,12 +87,17 @@ class SnapKVObserver:
             w = min(t.recent_tokens, t.num_q)
             n = -(-t.num_tokens // block_size)
             blocks = torch.tensor([t.block_ids[:n]], dtype=torch.int64, device=query.device)
+            budget = t.budgets[len(t.selected)]
+            if budget >= t.num_tokens:  # this layer keeps everything (a large pyramid budget)
+                hkv = paged.num_kv_heads
+                t.selected.append(torch.arange(t.num_tokens, device=query.device).expand(hkv, -1))
+                continue
             k, _ = paged.gather(blocks)
             idx = snapkv_select(
                 query[t.q_end - w : t.q_end],
                 k[0, : t.num_tokens],
                 scale,
-                t.budget,
+                budget,
                 t.sink_tokens,
                 t.recent_tokens,
                 t.pool_kernel,

@@ -178,6 +178,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
             "cp_kv_cache_interleave_size",
         ),
     )
+    EngineArgs.add_cli_args(p, include=("kv_eviction",))
+    p.add_argument(
+        "--output-tokens",
+        type=int,
+        default=0,
+        help="output tokens per request, for the token-eviction rows (default %(default)s)",
+    )
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=run)
     return p
@@ -351,6 +358,57 @@ def mode_row(
         )
     except (ValueError, NotImplementedError) as e:
         return dict(mode=label, supported=False, reason=str(e))
+
+
+# Token-eviction rows always shown: (label, kv_eviction with budget_tokens None = a quarter
+# of the context).
+EVICTION_ROWS: list[tuple[str, dict[str, Any]]] = [
+    ("streaming 512", {"policy": "streaming", "budget_tokens": 512}),
+    ("snapkv 25%", {"policy": "snapkv", "budget_tokens": None}),
+    ("pyramidkv 25%", {"policy": "pyramidkv", "budget_tokens": None}),
+]
+
+
+def eviction_row(
+    cfg: Any, value: dict[str, Any], label: str, sel: dict[str, Any], context: int, out: int
+) -> dict[str, Any]:
+    """Per-request blocks under a token-eviction policy (`core.token_eviction`), as the
+    engine's block tables hold them: the peak (a compacting policy holds the prompt and its
+    copy during the compressing step) and the steady state after the prompt, with the
+    requests the pool holds at once in that steady state. A request is a ``context - out``
+    token prompt and ``out`` output tokens."""
+    from pagedkv.core.token_eviction import KVEvictionConfig, KVEvictionError
+    from pagedkv.core.units import cdiv
+
+    bs = sel["block_size"]
+    prompt = max(context - out, 1)
+    value = dict(value)
+    if value.get("budget_tokens") is None and value.get("policy") != "streaming":
+        value["budget_tokens"] = max(prompt // 4, 36 + 16)
+    try:
+        ev = KVEvictionConfig.from_value(value)
+    except (KVEvictionError, TypeError) as e:
+        raise PlanError(str(e)) from None
+    assert ev is not None
+    layers = sum(1 for i in range(cfg.num_layers) if cfg.owns_kv_cache(i))
+    ev = dataclasses.replace(ev, num_layers=layers)
+    peak = ev.max_blocks_per_request(bs, prompt, out)
+    if ev.policy == "streaming":
+        steady = cdiv(ev.sink_blocks(bs) * bs + (ev.recent_tokens or 0) + bs, bs)
+        steady = min(steady, cdiv(context, bs))
+    elif ev.compresses(prompt):
+        steady = cdiv(max(ev.kept_tokens(ev.compression_point(prompt))) + out, bs)
+    else:
+        steady = cdiv(context, bs)
+    usable = sel["num_usable_blocks"]
+    return dict(
+        policy=label,
+        kv_eviction={k: v for k, v in value.items() if v is not None},
+        peak_blocks_per_request=peak,
+        steady_blocks_per_request=steady,
+        max_concurrency_steady=usable / steady if steady else 0.0,
+        exact_blocks_per_request=cdiv(context, bs),
+    )
 
 
 def group_rows(groups: Any, context: int, mnbt: int) -> list[dict[str, Any]]:
@@ -592,6 +650,21 @@ def make_plan(args: argparse.Namespace) -> dict[str, Any]:
         dcp,
     )
     selected["groups"] = group_rows(planning.as_groups(specs), context, args.max_num_batched_tokens)
+    selected["block_size"] = block_size
+    eviction = None
+    if len(selected["groups"]) == 1 and selected["groups"][0]["kind"] == "full_attention":
+        out = getattr(args, "output_tokens", 0)
+        rows = list(EVICTION_ROWS)
+        kv_ev = getattr(args, "kv_eviction", None)
+        if kv_ev is not None:
+            try:
+                chosen = json.loads(kv_ev) if isinstance(kv_ev, str) else kv_ev
+            except json.JSONDecodeError as e:
+                raise PlanError(f"--kv-eviction is not valid JSON: {e}") from None
+            if not isinstance(chosen, dict):
+                raise PlanError("--kv-eviction must be a JSON object")
+            rows.insert(0, ("--kv-eviction", chosen))
+        eviction = [eviction_row(full_cfg, v, label, selected, context, out) for label, v in rows]
     parallel = None
     if tp > 1:
         physical = argparse.Namespace(**{**vars(args), "block_size": args.block_size // dcp})
@@ -609,6 +682,7 @@ def make_plan(args: argparse.Namespace) -> dict[str, Any]:
         "max_tokens and max_concurrency count usable blocks only",
         selected=selected,
         modes=modes,
+        eviction=eviction,
     )
 
 
@@ -695,6 +769,18 @@ def format_plan(plan: dict[str, Any]) -> str:
             f"{r['bytes_per_block']:>11,}{r['num_blocks']:>11,}{r['max_tokens']:>13,}"
             f"{r['max_concurrency']:>10.2f}"
         )
+    if plan.get("eviction"):
+        lines += ["", f"token eviction (lossy), per request of {plan['context']} tokens:"]
+        lines.append(
+            f"  {'policy':<16}{'peak blocks':>12}{'steady blocks':>15}{'exact blocks':>14}"
+            f"{'conc (steady)':>15}"
+        )
+        for r in plan["eviction"]:
+            lines.append(
+                f"  {r['policy']:<16}{r['peak_blocks_per_request']:>12,}"
+                f"{r['steady_blocks_per_request']:>15,}{r['exact_blocks_per_request']:>14,}"
+                f"{r['max_concurrency_steady']:>15.2f}"
+            )
     return "\n".join(lines)
 
 

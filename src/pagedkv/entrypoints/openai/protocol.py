@@ -30,6 +30,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
+from pagedkv.core.token_eviction import FIELDS as KV_EVICTION_FIELDS
 from pagedkv.engine.sampling_params import (
     SamplingParamError,
     SamplingParams,
@@ -201,6 +202,28 @@ class KVTransferParams(_Request):
 assert set(KVTransferParams.model_fields) == KV_TRANSFER_PARAM_KEYS  # one list of keys
 
 
+class KVEviction(_Request):
+    """pagedkv's per-request token eviction (``SamplingParams.kv_eviction``,
+    `core.token_eviction`): a lossy KV policy. Another key, or a value of the wrong type, is a
+    400 naming it; combinations are checked by the engine (also a 400)."""
+
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
+
+    policy: Literal["streaming", "snapkv", "pyramidkv"]
+    sink_tokens: Annotated[int, Field(ge=0), BeforeValidator(_integral)] | None = None
+    recent_tokens: PositiveInt | None = None
+    budget_tokens: PositiveInt | None = None
+    compress_at: PositiveInt | None = None
+    pool_kernel: PositiveInt | None = None
+    positions: Literal["original", "cache"] | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.model_dump(exclude_none=True)
+
+
+assert set(KVEviction.model_fields) == set(KV_EVICTION_FIELDS)  # one list of keys
+
+
 def _unused(name: str) -> dict[str, Any]:
     """The schema of an unimplemented field: only its values that mean "not used"."""
     return {"enum": list(UNSUPPORTED_FIELDS[name])}
@@ -245,6 +268,8 @@ class _SamplingRequest(_Request):
     # vLLM: per-request KV connector params (PD disaggregation, offload policy); SamplingParams
     # checks the keys, so an unknown one is a 400 naming this field.
     kv_transfer_params: KVTransferParams | None = None
+    # pagedkv: this request's token eviction (lossy KV; docs/features/lossy-kv.md).
+    kv_eviction: KVEviction | None = None
     # vLLM: each choice carries its ``token_ids`` (per chunk when streaming: the new ones) and
     # the prompt's ``prompt_token_ids`` (completions: on the choice, in its first chunk; chat: on
     # the response / the chunk that first carries tokens). `pagedkv proxy` resumes a broken
@@ -356,6 +381,7 @@ class _SamplingRequest(_Request):
             kv_transfer_params=None
             if self.kv_transfer_params is None
             else self.kv_transfer_params.to_dict(),
+            kv_eviction=None if self.kv_eviction is None else self.kv_eviction.to_dict(),
             structured_outputs=self.structured_outputs_params(),
         )
         return kw
