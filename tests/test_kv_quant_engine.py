@@ -210,25 +210,28 @@ def test_fp8_scales_are_calibrated_saved_and_loaded(tmp_path):
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["int3", "int2"])
-def test_low_bit_caches_run_on_the_torch_path_and_refuse_triton(kv_cache_dtype):
-    """int3/int2 caches: the engine generates over them (the native decode kernel has no
-    reader for them yet: the torch path dequantizes), and the CUDA kernels refuse them by name."""
-    from pagedkv.core.specs import FullAttentionSpec, resolve_kv_cache_dtype
+def test_low_bit_caches_decode_through_the_native_kernel(kv_cache_dtype, monkeypatch):
+    """int3/int2 caches: the engine generates over them, its decode rows read the codes in
+    the native kernel (tests/test_native_kv_quant.py checks its numbers), and the tokens are
+    the torch path's (which dequantizes) over the same model."""
     from pagedkv.ops import native
-    from pagedkv.ops.kv_quant import KVQuant
 
+    prompt = ["The capital of France is"]
+    params = SamplingParams(max_tokens=8, temperature=0)
     llm = LLM(kv_cache_dtype=kv_cache_dtype, num_kv_blocks=24, max_model_len=128)
-    (out,) = llm.generate(["The capital of France is"], SamplingParams(max_tokens=4))
-    assert len(out.outputs[0].token_ids) == 4
-    dtype, mode = resolve_kv_cache_dtype(kv_cache_dtype, "float32")
-    spec = FullAttentionSpec(
-        block_size=16, num_kv_heads=3, head_size=64, dtype=dtype, kv_quant_mode=mode
-    )
-    kq = KVQuant.for_spec(spec)
-    assert mode not in native.KV_QUANT_TYPES  # no native reader yet
-    triton_kv = pytest.importorskip("pagedkv.ops.triton.kv_quant")
-    with pytest.raises(ValueError, match="no Triton"):
-        triton_kv.mode_code(kq)
+    calls = []
+    real = native.paged_decode
+
+    def spy(*a, **k):
+        calls.append(real(*a, **k))
+        return calls[-1]
+
+    monkeypatch.setattr(native, "paged_decode", spy)
+    (fast,) = llm.generate(prompt, params)
+    assert calls and all(c is not None for c in calls), "decode did not take the native kernel"
+    monkeypatch.setattr(native, "paged_decode", lambda *a, **k: None)  # the kernel declines
+    (slow,) = llm.generate(prompt, params)
+    assert fast.outputs[0].token_ids == slow.outputs[0].token_ids
 
 
 def test_bad_kv_cache_dtype_and_rotation_are_clear_errors():

@@ -57,6 +57,8 @@ FORMATS = [
     ("int4", "int4_per_token_group"),
     ("int8", "int8_per_token_head_f16"),
     ("fp8", "fp8_per_token_head_f16"),
+    ("int3", "int3_per_token_group"),
+    ("int2", "int2_per_token_group"),
 ]
 FORMAT_IDS = [
     "fp8",
@@ -67,6 +69,8 @@ FORMAT_IDS = [
     "int4_group",
     "int8_pth16",
     "fp8_pth16",
+    "int3_group",
+    "int2_group",
 ]
 TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 5e-3}
 

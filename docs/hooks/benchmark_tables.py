@@ -719,7 +719,51 @@ def render_lossy_kv(runs: list[tuple[str, dict]]) -> str:
             out.append(
                 f"{tag(name)}: recall task and teacher-forced agreement\n\n" + table(head, rows)
             )
+        out += _render_eviction(name, d)
     return "\n".join(out) + "\n" + sources(runs)
+
+
+def _render_eviction(name: str, d: dict) -> list[str]:
+    """bench_lossy_kv's token-eviction parts: evict-teacher and memory."""
+    out = []
+    et = d.get("evict_teacher")
+    if et:
+        head = ["method", "positions (greedy)", "top-1 (greedy)", "ΔPPL (greedy)",
+                "top-1 (sampled)", "ΔPPL (sampled)"]  # fmt: skip
+        rows = []
+        for method, m in et["methods"].items():
+            g, s_ = m["greedy"], m["sampled"]
+            rows.append(
+                [
+                    code(method),
+                    num(g["positions"]),
+                    pct(g["top1_agreement"], 2),
+                    f"{g['ppl_delta_pct']:+.2f}%",
+                    pct(s_["top1_agreement"], 2),
+                    f"{s_['ppl_delta_pct']:+.2f}%",
+                ]
+            )
+        out.append(
+            f"{tag(name)}: token eviction, teacher-forced against the exact cache (streaming: "
+            "the positions past its budget; SnapKV and PyramidKV: the half of each window "
+            "after the compressed half)\n\n" + table(head, rows)
+        )
+    mem = d.get("memory")
+    if mem:
+        head = ["method", *[f"{num(n)} tokens" for n in mem["lengths"]], "planned blocks"]
+        rows = [
+            [
+                code(method),
+                *[num(t) for t in m["peak_tokens"]],
+                ", ".join(str(b) for b in m["planned_blocks"]),
+            ]
+            for method, m in mem["methods"].items()
+        ]
+        out.append(
+            f"{tag(name)}: the most KV tokens one request held, by request length\n\n"
+            + table(head, rows)
+        )
+    return out
 
 
 def render_structured_outputs(runs: list[tuple[str, dict]]) -> str:

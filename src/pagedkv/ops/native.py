@@ -435,6 +435,8 @@ KV_QUANT_TYPES = {
     KVQuantMode.INT4_PER_TOKEN_GROUP: 8,
     KVQuantMode.INT8_PER_TOKEN_HEAD_F16: 9,
     KVQuantMode.FP8_PER_TOKEN_HEAD_F16: 10,
+    KVQuantMode.INT3_PER_TOKEN_GROUP: 12,
+    KVQuantMode.INT2_PER_TOKEN_GROUP: 13,
 }
 KV_FP8_TYPES = {torch.float8_e4m3fn: 5, torch.float8_e5m2: 6}
 

@@ -28,10 +28,11 @@ __attribute__((unused)) static void qv_tile_scalar(const decode_args *a, float *
 }
 
 #if PKV_ATTN_AVX512 || PKV_AVX2
-/* Int4 group scales, converted once per tile (F16C: both SIMD paths).
- * Scales and -z*s of eight fp16 group scales h into gs[0:8) / gz[0:8). */
-static inline void group_scales8(__m128i h, float *gs, float *gz) {
-    const __m128i low = _mm_set1_epi16(15);
+/* Group scales (int4, int3, int2), converted once per tile (F16C: both SIMD paths).
+ * Scales and -z*s of eight fp16 group scales h, the zero point in their low bits (mask), into
+ * gs[0:8) / gz[0:8). */
+static inline void group_scales8(__m128i h, unsigned mask, float *gs, float *gz) {
+    const __m128i low = _mm_set1_epi16((short)mask);
     __m256 sc = _mm256_cvtph_ps(_mm_andnot_si128(low, h));
     __m256 zp = _mm256_cvtepi32_ps(_mm256_cvtepu16_epi32(_mm_and_si128(h, low)));
     _mm256_storeu_ps(gs, sc);
@@ -39,28 +40,30 @@ static inline void group_scales8(__m128i h, float *gs, float *gz) {
 }
 
 /* 8/NG tokens' NG scales each (at ps[i] + at) into gs/gz[0:8): one conversion for all. */
-ALWAYS_INLINE void group_scales_batch(const int ng, const uint8_t *const *ps, int64_t at, float *gs, float *gz) {
+ALWAYS_INLINE void group_scales_batch(const int ng, const uint8_t *const *ps, int64_t at, unsigned mask, float *gs,
+                                      float *gz) {
     uint16_t h[8];
     for (int i = 0; i < 8 / ng; i++) memcpy(h + i * ng, ps[i] + at, 2 * ng);
-    group_scales8(_mm_loadu_si128((const __m128i *)h), gs, gz);
+    group_scales8(_mm_loadu_si128((const __m128i *)h), mask, gs, gz);
 }
 
 /* gs[j*ng + grp] = scale s, gz[j*ng + grp] = -z*s of int4 group grp (of ng) of the parts at
  * ps[j] + at, j < n: converted once per tile, then broadcast from memory by the dot products.
  * Writes up to 8 floats past the last group (the buffers have room). */
-static inline void group_scales(const uint8_t *const *ps, int64_t at, int64_t n, int64_t ng, float *gs, float *gz) {
+static inline void group_scales(const uint8_t *const *ps, int64_t at, int64_t n, int64_t ng, unsigned mask,
+                                float *gs, float *gz) {
     int64_t j = 0;
     if (ng == 1)  /* several tokens a conversion (V parts; K of head sizes 16 and 64) */
-        for (; j + 8 <= n; j += 8) group_scales_batch(1, ps + j, at, gs + j, gz + j);
+        for (; j + 8 <= n; j += 8) group_scales_batch(1, ps + j, at, mask, gs + j, gz + j);
     else if (ng == 2)
-        for (; j + 4 <= n; j += 4) group_scales_batch(2, ps + j, at, gs + 2 * j, gz + 2 * j);
+        for (; j + 4 <= n; j += 4) group_scales_batch(2, ps + j, at, mask, gs + 2 * j, gz + 2 * j);
     else if (ng == 4)
-        for (; j + 2 <= n; j += 2) group_scales_batch(4, ps + j, at, gs + 4 * j, gz + 4 * j);
+        for (; j + 2 <= n; j += 2) group_scales_batch(4, ps + j, at, mask, gs + 4 * j, gz + 4 * j);
     for (; j < n; j++)
         for (int64_t grp = 0; grp < ng; grp += 8) {
             uint16_t h[8] = {0};
             memcpy(h, ps[j] + at + 2 * grp, 2 * (size_t)(ng - grp >= 8 ? 8 : ng - grp));
-            group_scales8(_mm_loadu_si128((const __m128i *)h), gs + j * ng + grp, gz + j * ng + grp);
+            group_scales8(_mm_loadu_si128((const __m128i *)h), mask, gs + j * ng + grp, gz + j * ng + grp);
         }
 }
 
@@ -247,6 +250,10 @@ PKV_INLINE void qv64(const int kvt, const int nh, const int full, float *acc, in
  * padded to a multiple of 16 keys); z: per-key int4 zero points; gs/gz: int4 group scales. */
 static void qk_tile(const decode_args *a, const float *q, const uint8_t *const *ks, int64_t off, int64_t n,
                     const float *z, const float *gs, const float *gz, float (*s)[TILE]) {
+    if (kv_is_lowbit(a->kvt)) {  /* int3/int2 codes: no AVX-512 unpack yet (the portable loops) */
+        qk_tile_scalar(a, q, ks, off, n, z, s);
+        return;
+    }
     const int64_t G = a->G, D = a->D;
     const int full = kv_is_int4(a->kvt) ? D % 64 == 0 : D % 16 == 0;
     int64_t cg[MAXG], ng = D / a->kgroup;  /* int4 group of each 16-value chunk (no division in the loops) */
@@ -258,6 +265,10 @@ static void qk_tile(const decode_args *a, const float *q, const uint8_t *const *
 /* acc (G rows of Dv) += p (G rows of TILE) times the values vs[j] + off, j < n. */
 static void qv_tile(const decode_args *a, float *acc, float (*s)[TILE], const uint8_t *const *vs, int64_t off,
                     int64_t n, const float *z, const float *gs, const float *gz) {
+    if (kv_is_lowbit(a->kvt)) {
+        qv_tile_scalar(a, acc, s, vs, off, n, z);
+        return;
+    }
     const int64_t G = a->G, Dv = a->Dv;
     const int full = Dv % 64 == 0;
     PKV_DISPATCH(PKV_QV)
@@ -285,6 +296,19 @@ ALWAYS_INLINE __m256 codes8(const int kvt, const uint8_t *p) {
     if (kvt == KV_FP8_TH || kvt == KV_FP8_E4M3)
         return _mm256_cvtph_ps(_mm_and_si128(_mm_slli_epi16(_mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)p)), 7),
                                              _mm_set1_epi16((short)0xBF80)));
+    if (kvt == KV_I3_GROUP) {  /* 8 codes in 3 bytes (the 4th byte read is the next one's, or a
+                                * scale: the part's scales follow its codes) */
+        uint32_t w;
+        memcpy(&w, p, 4);
+        __m256i x = _mm256_srlv_epi32(_mm256_set1_epi32((int)w), _mm256_setr_epi32(0, 3, 6, 9, 12, 15, 18, 21));
+        return _mm256_cvtepi32_ps(_mm256_and_si256(x, _mm256_set1_epi32(7)));
+    }
+    if (kvt == KV_I2_GROUP) {  /* 8 codes in 2 bytes */
+        uint16_t w;
+        memcpy(&w, p, 2);
+        __m256i x = _mm256_srlv_epi32(_mm256_set1_epi32(w), _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14));
+        return _mm256_cvtepi32_ps(_mm256_and_si256(x, _mm256_set1_epi32(3)));
+    }
     uint32_t w;
     memcpy(&w, p, 4);
     return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(nibbles(_mm_cvtsi32_si128((int)w))));
@@ -295,14 +319,14 @@ ALWAYS_INLINE __m256 codes8(const int kvt, const uint8_t *p) {
  * the AVX-512 path computes them; KV_I4_RAW: c as it is. */
 ALWAYS_INLINE __m256 adjust8(const int kvt, __m256 c, float z, const float *gs, const float *gz) {
     if (kvt == KV_I4_TH) return _mm256_sub_ps(c, _mm256_set1_ps(z));
-    if (kvt == KV_I4_GROUP) return _mm256_fmadd_ps(c, _mm256_set1_ps(*gs), _mm256_set1_ps(*gz));
+    if (kv_is_group(kvt)) return _mm256_fmadd_ps(c, _mm256_set1_ps(*gs), _mm256_set1_ps(*gz));
     return c;
 }
 
 /* Values [d, d + 8) of the part at p (see adjust8). Int4 groups are multiples of 16 values or
  * the whole part (pkv_paged_decode checks), so an aligned chunk of 8 lies in one group. */
 ALWAYS_INLINE __m256 chunk8(const int kvt, const uint8_t *p, int64_t d, float z, const float *gs, const float *gz) {
-    return adjust8(kvt, codes8(kvt, p + (kv_is_int4(kvt) ? d / 2 : d)), z, gs, gz);
+    return adjust8(kvt, codes8(kvt, p + kv_code_bytes(kvt, d)), z, gs, gz);
 }
 
 /* Values [d, d + 16) as two chunk8s (lo, hi). Int4 in split order: lo holds the values d, d + 2,
@@ -339,7 +363,9 @@ ALWAYS_INLINE void join16(__m256 e, __m256 o, __m256 *a, __m256 *b) {
 static void part_floats(const int kvt, const uint8_t *p, int64_t D, float z, int64_t vals, int64_t g, float *out) {
     int64_t d = 0;
     for (; d + 8 <= D; d += 8) {
-        float zz = 0.0f, sc = kvt == KV_I4_GROUP ? group_scale(p + vals, d / g, &zz) : 0.0f, nzs = -zz * sc;
+        float zz = 0.0f, nzs;
+        float sc = kv_is_group(kvt) ? group_scale(p + vals, d / g, kv_zero_mask(kvt), &zz) : 0.0f;
+        nzs = -zz * sc;
         _mm256_storeu_ps(out + d, chunk8(kvt, p, d, z, &sc, &nzs));
     }
     for (; d < D; d++) out[d] = qval(p, d, kvt, z, vals, g);
@@ -382,11 +408,11 @@ ALWAYS_INLINE void qk_avx2(const int kvt0, const int nh, const float *q, const f
     /* int4: 16 values a step (one unpack); the other formats 8 (pairing their chunks measured
      * slower: int8 0.44x -> 0.47-0.50x of the float32 cache's time) */
     for (; kv_is_int4(kvt) && d + 16 <= D; d += 16) {
-        if (kvt == KV_I4_GROUP && d == gend) gi++, gend += g;
+        if (kv_is_group(kvt) && d == gend) gi++, gend += g;
         qk_step(kvt, nh, 1, q, D, d, ks, off, z, gs, gz, ng, gi, t);
     }
     for (; d < D; d += 8) {
-        if (kvt == KV_I4_GROUP && d == gend) gi++, gend += g;
+        if (kv_is_group(kvt) && d == gend) gi++, gend += g;
         qk_step(kvt, nh, 0, q, D, d, ks, off, z, gs, gz, ng, gi, t);
     }
     for (int h = 0; h < nh; h += 2) {
@@ -431,7 +457,7 @@ ALWAYS_INLINE void qv_pass(const int kvt, const int nh, const int nc, float *acc
      * h unrolls and a[][] stays in registers (a runtime nc put it on the stack: 1.4x slower) */
     const int pair = kv_is_int4(kvt);
     int64_t gi[4] = {0};  /* each chunk's int4 group (an aligned chunk of 8 lies in one) */
-    if (kvt == KV_I4_GROUP)
+    if (kv_is_group(kvt))
         for (int k = 0; k < nc; k++) gi[k] = (c0 + 8 * k) / g;
     __m256 a[3][4];
     for (int h = 0; h < nh; h++)
@@ -679,8 +705,8 @@ static void decode_item_q(const decode_args *a, int64_t r, int64_t h0, int64_t h
             float (*sh)[TILE] = s + (hk - h0) * G, f = a->scale * a->kmul;
             if (scaled) token_scales(kp, hk * a->kh + a->kvals, n, kvt, a->s16, f, sc, z);
 #if PKV_ATTN_AVX512 || PKV_AVX2
-            if (kvt == KV_I4_GROUP)  /* padding keys (up to a multiple of 16) too */
-                group_scales(kp, hk * a->kh + a->kvals, (n + 15) / 16 * 16, D / a->kgroup, gs, gz);
+            if (kv_is_group(kvt))  /* padding keys (up to a multiple of 16) too */
+                group_scales(kp, hk * a->kh + a->kvals, (n + 15) / 16 * 16, D / a->kgroup, kv_zero_mask(kvt), gs, gz);
 #endif
             qk_tile(a, qr + (hk - h0) * G * D, kp, hk * a->kh, n, z, gs, gz, sh);
             for (int64_t g = 0; g < G; g++)
@@ -697,7 +723,7 @@ static void decode_item_q(const decode_args *a, int64_t r, int64_t h0, int64_t h
                     for (int64_t j = 0; j < n; j++) sh[g][j] *= sc[j];
             }
 #if PKV_ATTN_AVX512 || PKV_AVX2
-            if (kvt == KV_I4_GROUP) group_scales(vp, hk * a->vh + a->vvals, n, Dv / a->vgroup, gs, gz);
+            if (kv_is_group(kvt)) group_scales(vp, hk * a->vh + a->vvals, n, Dv / a->vgroup, kv_zero_mask(kvt), gs, gz);
 #endif
             qv_tile(a, acc + (hk - h0) * G * Dv, sh, vp, hk * a->vh, n, z, gs, gz);
         }

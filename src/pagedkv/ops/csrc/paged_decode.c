@@ -17,8 +17,9 @@
  * Quantized caches (kv_type KV_I8_TH .. KV_FP8_TH16): k/v are bytes and the strides count
  * bytes; the (block, token, head) part starts at k + block*kb + token*kt + head*kh, laid out
  * as pagedkv/ops/kv_quant.py says. k_scale/v_scale: the per-tensor fp8 scales (ignored by
- * the per-token-head modes); k_group/v_group: values per int4 scale group of a K/V part
- * (KV_I4_GROUP: a multiple of 16 or the whole part).
+ * the per-token-head modes); k_group/v_group: values per scale group of a K/V part
+ * (KV_I4_GROUP, KV_I3_GROUP, KV_I2_GROUP: a multiple of 16 or the whole part; int3/int2 need
+ * head sizes that are multiples of 8).
  *
  * Work split: with enough rows, one task per row covering all its KV heads (each K/V cache line
  * is fetched once); with few rows (batch-1 decode), one task per (row, KV head) so every thread
@@ -30,7 +31,8 @@ int pkv_paged_decode(const float *q, int64_t q_stride, int64_t num_rows, int64_t
                      const int32_t *block_table, int64_t bt_stride, const int32_t *seq_lens,
                      int64_t window, float scale, float *out, int64_t out_stride, float *lse, int kv_type,
                      float k_scale, float v_scale, int64_t k_group, int64_t v_group) {
-    if (Hkv <= 0 || Hq % Hkv || kv_type < KV_F32 || kv_type > KV_FP8_TH16 || D <= 0 || Dv <= 0) return -1;
+    if (Hkv <= 0 || Hq % Hkv || kv_type < KV_F32 || D <= 0 || Dv <= 0) return -1;
+    if (kv_type > KV_FP8_TH16 && !kv_is_lowbit(kv_type)) return -1;
     int s16 = kv_type == KV_I8_TH16 || kv_type == KV_FP8_TH16;
     if (s16) kv_type = kv_type == KV_I8_TH16 ? KV_I8_TH : KV_FP8_TH;
     int64_t G = Hq / Hkv;
@@ -45,17 +47,19 @@ int pkv_paged_decode(const float *q, int64_t q_stride, int64_t num_rows, int64_t
         int tensor = kv_type == KV_FP8_E4M3 || kv_type == KV_FP8_E5M2;
         a.kmul = (tensor ? k_scale : 1.0f) * (e4m3 ? 256.0f : 1.0f);
         a.vmul = (tensor ? v_scale : 1.0f) * (e4m3 ? 256.0f : 1.0f);
-        if (kv_type == KV_I4_GROUP) {
+        if (kv_is_group(kv_type)) {
             if (k_group <= 0 || v_group <= 0 || D % k_group || Dv % v_group || (k_group % 16 && k_group != D) ||
                 (v_group % 16 && v_group != Dv) || (D + 15) / 16 > MAXG || (Dv + 15) / 16 > MAXG)
                 return -1;
+            /* int3/int2: whole bytes per part and 8-value chunks on byte boundaries */
+            if (kv_is_lowbit(kv_type) && (D % 8 || Dv % 8)) return -1;
             a.kgroup = k_group;
             a.vgroup = v_group;
         }
-        a.kvals = kv_is_int4(kv_type) ? (D + 1) / 2 : D;
-        a.vvals = kv_is_int4(kv_type) ? (Dv + 1) / 2 : Dv;
-        int64_t ks = kv_type == KV_I4_GROUP ? 2 * (D / a.kgroup) : kv_token_scaled(kv_type) ? (s16 ? 2 : 4) : 0;
-        int64_t vs = kv_type == KV_I4_GROUP ? 2 * (Dv / a.vgroup) : kv_token_scaled(kv_type) ? (s16 ? 2 : 4) : 0;
+        a.kvals = kv_code_bytes(kv_type, D);
+        a.vvals = kv_code_bytes(kv_type, Dv);
+        int64_t ks = kv_is_group(kv_type) ? 2 * (D / a.kgroup) : kv_token_scaled(kv_type) ? (s16 ? 2 : 4) : 0;
+        int64_t vs = kv_is_group(kv_type) ? 2 * (Dv / a.vgroup) : kv_token_scaled(kv_type) ? (s16 ? 2 : 4) : 0;
         a.kpart = a.kvals + ks;
         a.vpart = a.vvals + vs;
     }

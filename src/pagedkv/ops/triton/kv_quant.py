@@ -35,6 +35,8 @@ KV_INT4_PTH = tl.constexpr(4)
 KV_INT4_GROUP = tl.constexpr(5)
 KV_INT8_PTH16 = tl.constexpr(6)  # int8_per_token_head_f16: the scale an fp16
 KV_FP8_PTH16 = tl.constexpr(7)
+KV_INT3_GROUP = tl.constexpr(8)  # b-bit codes as a little-endian bit stream, fp16 group scales
+KV_INT2_GROUP = tl.constexpr(9)
 _MODE_CODE = {
     KVQuantMode.NONE: 0,
     KVQuantMode.FP8_PER_TENSOR: 1,
@@ -44,7 +46,11 @@ _MODE_CODE = {
     KVQuantMode.INT4_PER_TOKEN_GROUP: 5,
     KVQuantMode.INT8_PER_TOKEN_HEAD_F16: 6,
     KVQuantMode.FP8_PER_TOKEN_HEAD_F16: 7,
+    KVQuantMode.INT3_PER_TOKEN_GROUP: 8,
+    KVQuantMode.INT2_PER_TOKEN_GROUP: 9,
 }
+# int3/int2 codes are packed in words: (values, bytes) a word.
+LOWBIT_WORDS = {8: (8, 3), 9: (4, 1)}
 # (x + RINT) - RINT rounds float32 x half to even (torch.round) for |x| < 2²²: the ulp of
 # 1.5·2²³ is 1. Written inline: a nested jit call costs the interpreter milliseconds.
 RINT = tl.constexpr(12582912.0)
@@ -67,7 +73,8 @@ def mode_code(kv_quant: KVQuant | None) -> int:
 
 def kvq_constexprs(kv_quant: KVQuant) -> dict[str, object]:
     """The format constexprs shared by the quantized write and read kernels: ``KV_MODE``,
-    the INT4 groups of K and V (``d`` per token-head) and the fp8 flavour (``E5M2``)."""
+    the integer codes' groups of K and V (``d`` per token-head) and the fp8 flavour
+    (``E5M2``)."""
     fmt = kv_quant.fmt
     return dict(
         KV_MODE=mode_code(kv_quant),
@@ -96,6 +103,15 @@ def check_quantized_caches(
         )
     if mode_code(kv_quant) in (4, 5) and (fmt.head_size % 2 or fmt.head_size_v % 2):
         raise ValueError("the Triton INT4 kernels need even head sizes")
+    if mode_code(kv_quant) in LOWBIT_WORDS and (fmt.head_size % 8 or fmt.head_size_v % 8):
+        raise ValueError("the Triton INT3/INT2 kernels need head sizes that are multiples of 8")
+
+
+def words_per_group_pad(kv_quant: KVQuant, group: int) -> int:
+    """``WG_PAD`` of :func:`quantize_part`: an INT3/INT2 group's code words, padded to a power
+    of two (1 for the other formats)."""
+    per = LOWBIT_WORDS.get(mode_code(kv_quant), (group, 0))[0]
+    return 1 << max(0, (group // per - 1).bit_length())
 
 
 # ---------------------------------------------------------------- scalar codecs
@@ -185,12 +201,41 @@ def quantize_part(
     HG_PAD: tl.constexpr,
     E5M2: tl.constexpr,
     FP8_MAX: tl.constexpr,
+    WG_PAD: tl.constexpr = 1,
 ):
     """Quantize the ``D`` values at ``src`` (unit stride, any float dtype) into the part at
     ``dst`` (uint8): ``quantize_part`` of ``pagedkv.ops.kv_quant``. INT4: ``GROUP`` values per
     scale (``D`` per token-head), even; ``NG_PAD``/``HG_PAD`` pad the groups and their
-    ``GROUP / 2`` value pairs to powers of two."""
-    if MODE == KV_INT4_PTH or MODE == KV_INT4_GROUP:
+    ``GROUP / 2`` value pairs to powers of two. INT3/INT2: groups of ``GROUP`` values in code
+    words (8 values in 3 bytes; 4 in 1), ``WG_PAD`` of them a group (padded)."""
+    if MODE == KV_INT3_GROUP or MODE == KV_INT2_GROUP:
+        BITS: tl.constexpr = 3 if MODE == KV_INT3_GROUP else 2
+        W: tl.constexpr = 8 if BITS == 3 else 4  # values a word
+        WB: tl.constexpr = 3 if BITS == 3 else 1  # bytes a word
+        TOP: tl.constexpr = 7.0 if BITS == 3 else 3.0
+        LOW: tl.constexpr = 7 if BITS == 3 else 3
+        g = tl.arange(0, NG_PAD)
+        w = tl.arange(0, WG_PAD)
+        i = tl.arange(0, W)
+        g_mask = g < D // GROUP
+        wm = g_mask[:, None] & (w < GROUP // W)[None, :]
+        m = wm[:, :, None] & (i < W)[None, None, :]
+        idx = g[:, None, None] * GROUP + w[None, :, None] * W + i[None, None, :]
+        x = tl.load(src + idx, mask=m, other=0.0).to(tl.float32)
+        lo = tl.minimum(tl.min(tl.min(x, 2), 1), 0.0)
+        hi = tl.maximum(tl.max(tl.max(x, 2), 1), 0.0)
+        s = tl.maximum(tl.math.div_rn(hi - lo, TOP), SCALE_FLOOR)
+        bits = (round_up_f16(s) + LOW) & -(LOW + 1)  # fp16 rounded up, its low BITS bits freed
+        s = f16_bits_to_f32(bits)
+        z = tl.minimum(tl.maximum((tl.math.div_rn(-lo, s) + RINT) - RINT, 0.0), TOP)
+        q = ((tl.math.div_rn(x, s[:, None, None]) + z[:, None, None]) + RINT) - RINT
+        q = tl.minimum(tl.maximum(q, 0.0), TOP).to(tl.int32)
+        word = tl.sum(q << (BITS * i)[None, None, :], 2)  # disjoint bits: the sum is the OR
+        at = (g[:, None] * (GROUP // W) + w[None, :]) * WB
+        for k in tl.static_range(WB):
+            tl.store(dst + at + k, ((word >> (8 * k)) & 0xFF).to(tl.uint8), mask=wm)
+        store_le(dst + D * BITS // 8 + 2 * g, bits | z.to(tl.int32), g_mask, 2)
+    elif MODE == KV_INT4_PTH or MODE == KV_INT4_GROUP:
         g = tl.arange(0, NG_PAD)
         j = tl.arange(0, HG_PAD)
         g_mask = g < D // GROUP
@@ -285,7 +330,20 @@ def dequant_tile(
         d2 = d[None, :]
         m = tok_mask[:, None] & d_mask[None, :]
     ones = tl.where(tok_mask, 1.0, 0.0)[None, :]
-    if MODE == KV_INT4_PTH or MODE == KV_INT4_GROUP:
+    if MODE == KV_INT3_GROUP or MODE == KV_INT2_GROUP:
+        BITS: tl.constexpr = 3 if MODE == KV_INT3_GROUP else 2
+        LOW: tl.constexpr = 7 if BITS == 3 else 3
+        bit = d2 * BITS
+        if BITS == 3:  # a code may straddle two bytes (the next one exists: scales follow)
+            word = load_le(ptr + tok2 + (bit >> 3), m, 2)
+        else:
+            word = tl.load(ptr + tok2 + (bit >> 3), mask=m, other=0).to(tl.int32)
+        q = ((word >> (bit & 7)) & LOW).to(tl.float32)
+        sb = load_le(ptr + tok2 + D * BITS // 8 + 2 * (d2 // GROUP), m, 2)
+        s16 = (sb & -(LOW + 1)).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+        x = (q - (sb & LOW).to(tl.float32)) * s16
+        s = ones
+    elif MODE == KV_INT4_PTH or MODE == KV_INT4_GROUP:
         byte = tl.load(ptr + tok2 + d2 // 2, mask=m, other=0).to(tl.int32)
         q = ((byte >> ((d2 % 2) * 4)) & 0xF).to(tl.float32)
         if MODE == KV_INT4_PTH:

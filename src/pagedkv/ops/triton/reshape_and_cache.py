@@ -23,6 +23,7 @@ from pagedkv.ops.triton.kv_quant import (
     kvq_constexprs,
     mode_code,
     quantize_part,
+    words_per_group_pad,
 )
 from pagedkv.ops.triton.utils import pow2
 
@@ -108,6 +109,8 @@ def _reshape_and_cache_kvq(
     V_HG_PAD: tl.constexpr,
     E5M2: tl.constexpr,
     FP8_MAX: tl.constexpr,
+    K_WG_PAD: tl.constexpr,
+    V_WG_PAD: tl.constexpr,
 ):
     """``_reshape_and_cache`` into a quantized cache: caches are ``uint8`` parts (strides in
     bytes); ``k_scale``/``v_scale`` are the per-tensor fp8 scales (unused otherwise)."""
@@ -130,6 +133,7 @@ def _reshape_and_cache_kvq(
         K_HG_PAD,
         E5M2,
         FP8_MAX,
+        K_WG_PAD,
     )
     quantize_part(
         value_ptr + token * stride_value_t + head * stride_value_h,
@@ -143,6 +147,7 @@ def _reshape_and_cache_kvq(
         V_HG_PAD,
         E5M2,
         FP8_MAX,
+        V_WG_PAD,
     )
 
 
@@ -205,6 +210,8 @@ def reshape_and_cache_triton(
             K_HG_PAD=pow2(c["K_GROUP"] // 2),
             V_HG_PAD=pow2(c["V_GROUP"] // 2),
             FP8_MAX=fp8_max(kv_quant),
+            K_WG_PAD=words_per_group_pad(kv_quant, c["K_GROUP"]),
+            V_WG_PAD=words_per_group_pad(kv_quant, c["V_GROUP"]),
             **c,
         )
         return
