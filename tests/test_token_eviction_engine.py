@@ -274,6 +274,68 @@ def test_pyramid_layer_metadata_shifts_slots_and_lengths(llm):
     assert per_layer[12] is per_layer[15]  # one metadata per distinct shift
 
 
+def _per_head_masked_logits(hf_model, seq, n_prompt, selection):
+    """transformers' logits over ``seq`` where, in layer ``l`` and KV head ``h``, every query
+    after the prompt reads of the prompt only the tokens ``selection[l][h]`` (and everything
+    after the prompt, causally): the visibility SnapKV/PyramidKV leave. A registered attention
+    function applies the per-layer, per-head mask (an independent reference: no pagedkv code)."""
+    from transformers import AttentionInterface
+
+    T = len(seq)
+    causal = torch.ones(T, T, dtype=torch.bool).tril()
+    masks = []
+    for sel in selection:
+        hkv = sel.shape[0]
+        m = causal.expand(hkv, T, T).clone()
+        keep = torch.zeros(hkv, n_prompt, dtype=torch.bool)
+        keep.scatter_(1, sel.long(), True)
+        m[:, n_prompt:, :n_prompt] &= keep[:, None, :]
+        masks.append(m)
+
+    def attend(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kw):
+        g = query.shape[1] // key.shape[1]
+        k = key.repeat_interleave(g, dim=1)
+        v = value.repeat_interleave(g, dim=1)
+        scores = (query @ k.transpose(-1, -2)) * scaling
+        vis = masks[module.layer_idx].repeat_interleave(g, dim=0)[None]
+        scores = scores.masked_fill(~vis, float("-inf"))
+        out = torch.softmax(scores.float(), dim=-1).to(query.dtype) @ v
+        return out.transpose(1, 2).contiguous(), None
+
+    AttentionInterface.register("pagedkv_per_head_mask", attend)
+    old = hf_model.config._attn_implementation
+    hf_model.set_attn_implementation("pagedkv_per_head_mask")
+    try:
+        with torch.inference_mode():
+            return hf_model(torch.tensor([seq])).logits[0]
+    finally:
+        hf_model.set_attn_implementation(old)
+
+
+@pytest.mark.parametrize("policy", ["snapkv", "pyramidkv"])
+def test_compaction_matches_transformers_with_the_same_tokens_dropped(llm, hf_model, policy):
+    """The tokens generated after a compression are transformers' under a mask that hides,
+    per layer and KV head, the prompt tokens the selection dropped: compaction, the per-head
+    copy, cache indices and (pyramidkv) the per-layer shifts lose nothing else."""
+    ids = _prompt(llm, 10)
+    out = _greedy(llm, ids, 16, {"policy": policy, "budget_tokens": 80})
+    (selection,) = _engine(llm).runner.last_kv_selection.values()
+    assert selection[0].shape[1] < len(ids)  # something was dropped
+    logits = _per_head_masked_logits(hf_model, ids + out[:-1], len(ids), selection)
+    with torch.inference_mode():
+        plain = hf_model(torch.tensor([ids + out[:-1]])).logits[0]
+    n = len(ids)
+    assert (logits[n:] - plain[n:]).abs().max() > 1e-2  # the dropped tokens mattered
+    torch.testing.assert_close(logits[:n], plain[:n], atol=1e-4, rtol=1e-4)  # the prompt: exact
+    for i, tok in enumerate(out):
+        row = logits[len(ids) - 1 + i]
+        ref = int(row.argmax())
+        if ref != tok:
+            gap = float(row[ref] - row[tok])
+            assert gap < NEAR_TIE, f"token {i}: engine {tok}, transformers {ref} (gap {gap})"
+            return
+
+
 def test_rerotation_equals_writing_at_the_shifted_position():
     rope = RotaryEmbedding(64, 512, 10000.0, None)
     g = torch.Generator().manual_seed(1)
