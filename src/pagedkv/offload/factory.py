@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from pagedkv.offload.base import OffloadingManager, SecondaryTier
+from pagedkv.offload.codec import KVCodec, make_codec
 from pagedkv.offload.cpu_manager import CPUOffloadingManager
 from pagedkv.offload.sharded import (
     RankShard,
@@ -151,6 +152,15 @@ def build_sharded_offloading(
     return ShardedOffloading(manager, worker, memory, shards, num_chunks, chunk_bytes)
 
 
+def tier_codec(name: str, fingerprint: OffloadFingerprint) -> KVCodec:
+    """The `offload.codec` codec ``name`` for chunks of ``fingerprint``'s configuration
+    (ValueError when it does not fit, e.g. the lossy codec over quantized pages)."""
+    # kv_quant is the spec's kv_format, "dtype:quant mode[:rotation]" ("none" in older ones).
+    parts = fingerprint.kv_quant.split(":")
+    quantized = len(parts) > 1 and parts[1] != "none"
+    return make_codec(name, fingerprint.dtype, fingerprint.head_size, quantized)
+
+
 def _secondary_tiers(
     config: OffloadConfig,
     fingerprint: OffloadFingerprint,
@@ -167,13 +177,15 @@ def _secondary_tiers(
     if config.disk is not None:
         from pagedkv.offload.fs_tier import FileSystemTier
 
+        codec = tier_codec(config.disk.codec, fingerprint)
         tiers.append(
             FileSystemTier(
                 config.disk.path,
-                fingerprint,
+                replace(fingerprint, codec=codec.name),
                 int(config.disk.capacity_bytes * share),
                 chunk_bytes,
                 rank_namespace=rank_namespace,
+                codec=codec,
             )
         )
     if config.redis is not None:
@@ -181,16 +193,18 @@ def _secondary_tiers(
         from pagedkv.offload.redis_tier import RedisTier
 
         r = config.redis
+        codec = tier_codec(r.codec, fingerprint)
         tiers.append(
             RedisTier(
                 r.host,
                 r.port,
-                fingerprint,
+                replace(fingerprint, codec=codec.name),
                 chunk_bytes,
                 db=r.db,
                 ttl_s=r.ttl_s,
                 password=r.password,
                 rank_namespace=rank_namespace,
+                codec=codec,
             )
         )
     if config.p2p is not None:

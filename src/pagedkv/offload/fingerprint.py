@@ -57,6 +57,9 @@ class OffloadFingerprint:
     # fields above describe it), and then left out of the JSON, so single-group digests are
     # those of before groups were covered.
     kv_cache_groups: str = ""
+    # The tier codec (`offload.codec`): records of another codec live in another namespace.
+    # Left out of the JSON when raw, so raw digests are those of before codecs existed.
+    codec: str = ""
     format_version: int = FORMAT_VERSION
 
     @classmethod
@@ -90,6 +93,8 @@ class OffloadFingerprint:
             del fields["kv_cache_groups"]
         if fields["dcp_size"] == 1:
             del fields["dcp_rank"], fields["dcp_size"]
+        if fields["codec"] in ("", "raw"):
+            del fields["codec"]
         return json.dumps(fields, sort_keys=True, separators=(",", ":"))
 
     @property

@@ -8,7 +8,9 @@ Directory layout (one namespace per config fingerprint)::
 
 File format: a 4096-byte header block (`fingerprint.RecordHeader`, zero padded), then the
 payload, zero padded to a multiple of 4096 (so O_DIRECT can read and write it whole). Every
-file of one namespace has the same size.
+file of one namespace has the same size, unless the tier has a codec (`offload.codec`): then
+the payload is the encoded chunk (its length in the header, its checksum over the encoded
+bytes), files are as long as their payload, and a record that does not decode is corrupt.
 
 Durability: a store writes ``<final>.tmp.<pid>.<tid>`` (O_EXCL), fsyncs it, then ``os.replace``s
 it onto the final name, so a final name only ever holds a complete file. A process killed
@@ -50,6 +52,7 @@ from pagedkv.offload.base import (
     SecondaryTier,
     TierStats,
 )
+from pagedkv.offload.codec import CodecError, KVCodec
 from pagedkv.offload.dual_queue_pool import DualQueueThreadPool
 from pagedkv.offload.fingerprint import HEADER_SIZE, OffloadFingerprint, RecordError, RecordHeader
 
@@ -133,13 +136,23 @@ class FileSystemTier(SecondaryTier):
         num_threads: int = 4,
         name: str = "disk",
         rank_namespace: str = "",
+        codec: KVCodec | None = None,
     ) -> None:
         """``rank_namespace``: a TP/DCP shard's (``@tp_rank:R@dcpD``), appended to the directory
-        name so each rank's files sit apart (the fingerprint already differs per rank)."""
+        name so each rank's files sit apart (the fingerprint already differs per rank).
+        ``codec``: what chunks become on disk (raw by default); it must be the one the
+        fingerprint names, so another codec's files sit in another directory."""
         super().__init__(name, MEDIUM_STORAGE, capacity_bytes)
         self.fingerprint = fingerprint if isinstance(fingerprint, str) else fingerprint.hexdigest
         self.chunk_bytes = chunk_bytes
+        self.codec = codec if codec is not None and codec.name != "raw" else None
         self.file_bytes = HEADER_BLOCK + _round_up(chunk_bytes)
+        # The largest file (one bounce buffer holds it): an encoded chunk may grow a little.
+        self.max_file_bytes = (
+            self.file_bytes
+            if self.codec is None
+            else HEADER_BLOCK + _round_up(self.codec.max_encoded_bytes(chunk_bytes))
+        )
         self.capacity_bytes = capacity_bytes
         self.fsync = fsync
         self.dir = Path(root) / f"pagedkv-{self.fingerprint}{rank_namespace}"
@@ -217,11 +230,16 @@ class FileSystemTier(SecondaryTier):
             key = bytes.fromhex(name[: -len(_SUFFIX)])
         except ValueError:
             return
-        if st.st_size != self.file_bytes:  # torn or foreign: never index it
+        if not self._plausible_size(st.st_size):  # torn or foreign: never index it
             self._unlink(Path(entry.path))
             self.stats.corrupted += 1
             return
         found.append((st.st_mtime, key, st.st_size))
+
+    def _plausible_size(self, size: int) -> bool:
+        if self.codec is None:
+            return size == self.file_bytes
+        return HEADER_BLOCK < size <= self.max_file_bytes and size % ALIGN == 0
 
     # ---------------------------------------------------------------------------- exists
     def exists_batch(self, keys: Sequence[OffloadKey]) -> list[bool]:
@@ -239,7 +257,7 @@ class FileSystemTier(SecondaryTier):
             size = self.path_for(key).stat().st_size
         except OSError:
             return False
-        if size != self.file_bytes:
+        if not self._plausible_size(size):
             return False
         with self._lock:
             if key not in self._index:
@@ -278,16 +296,25 @@ class FileSystemTier(SecondaryTier):
                 return True
             if key in self._writing:  # another thread writes the same (content-addressed) bytes
                 return True
-            victims = self._evict_to_fit(self.file_bytes)
+        # Encoded here, on an I/O thread: never on a step's critical path.
+        payload = data if self.codec is None else memoryview(self.codec.encode(data))
+        size = HEADER_BLOCK + _round_up(payload.nbytes)
+        with self._lock:
+            if key in self._index or key in self._writing:
+                return True
+            victims = self._evict_to_fit(size)
             if victims is None:
                 self.stats.store_failures += 1
                 return False
-            self._reserved += self.file_bytes
+            self._reserved += size
             self._writing.add(key)
         ok = False
         try:
             self._write_file(
-                self.path_for(key), RecordHeader.for_payload(self.fingerprint, key, data), data
+                self.path_for(key),
+                RecordHeader.for_payload(self.fingerprint, key, payload),
+                payload,
+                size,
             )
             ok = True
         except OSError as exc:
@@ -296,10 +323,10 @@ class FileSystemTier(SecondaryTier):
         finally:
             with self._lock:
                 self._writing.discard(key)
-                self._reserved -= self.file_bytes
+                self._reserved -= size
                 if ok:
-                    self._index[key] = self.file_bytes
-                    self._used += self.file_bytes
+                    self._index[key] = size
+                    self._used += size
                     self.stats.stores += 1
                     self.stats.bytes_written += data.nbytes
                 else:
@@ -328,7 +355,7 @@ class FileSystemTier(SecondaryTier):
             self._events.append(OffloadingEvent(tuple(victims), self.medium, True))  # lock held
         return victims
 
-    def _write_file(self, path: Path, header: RecordHeader, data: memoryview) -> None:
+    def _write_file(self, path: Path, header: RecordHeader, data: memoryview, size: int) -> None:
         if path.parent not in self._made_dirs:
             path.parent.mkdir(parents=True, exist_ok=True)
             self._made_dirs.add(path.parent)
@@ -352,10 +379,10 @@ class FileSystemTier(SecondaryTier):
                     buf[:HEADER_BLOCK] = head + bytes(HEADER_BLOCK - len(head))
                     end = HEADER_BLOCK + data.nbytes
                     buf[HEADER_BLOCK:end] = data
-                    buf[end : self.file_bytes] = bytes(self.file_bytes - end)
-                    _write_all(fd, [buf[: self.file_bytes]])
+                    buf[end:size] = bytes(size - end)
+                    _write_all(fd, [buf[:size]])
                 else:
-                    pad = bytes(self.file_bytes - HEADER_BLOCK - data.nbytes)
+                    pad = bytes(size - HEADER_BLOCK - data.nbytes)
                     _write_all(fd, [head + bytes(HEADER_BLOCK - len(head)), data, pad])
                 if self.fsync:
                     os.fsync(fd)
@@ -370,7 +397,7 @@ class FileSystemTier(SecondaryTier):
         """This thread's page-aligned buffer of one file (O_DIRECT needs aligned memory)."""
         buf = getattr(self._local, "buf", None)
         if buf is None:
-            self._local.mm = mmap.mmap(-1, self.file_bytes)
+            self._local.mm = mmap.mmap(-1, self.max_file_bytes)
             buf = self._local.buf = memoryview(self._local.mm)
         return buf
 
@@ -390,7 +417,7 @@ class FileSystemTier(SecondaryTier):
             ok = True
         except FileNotFoundError:
             self._forget(key)
-        except RecordError as exc:
+        except (RecordError, CodecError) as exc:
             _warn("corrupt", "%s: dropping %s: %s", self.name, path.name, exc)
             self._unlink(path)
             self._forget(key)
@@ -411,6 +438,9 @@ class FileSystemTier(SecondaryTier):
     def _read_verified(self, path: Path, key: OffloadKey, out: memoryview) -> None:
         if out.nbytes != self.chunk_bytes:
             raise RecordError(f"destination holds {out.nbytes} B, chunks are {self.chunk_bytes} B")
+        if self.codec is not None:
+            self._read_encoded(path, key, out)
+            return
         flags = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | (os.O_DIRECT if self.odirect else 0)
         fd = os.open(path, flags)
         try:
@@ -430,6 +460,28 @@ class FileSystemTier(SecondaryTier):
         RecordHeader.unpack(head).verify(self.fingerprint, key, payload)
         if payload is not out:
             out[:] = payload
+
+    def _read_encoded(self, path: Path, key: OffloadKey, out: memoryview) -> None:
+        """A codec's record: the whole file (its size varies), verified, then decoded."""
+        flags = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | (os.O_DIRECT if self.odirect else 0)
+        fd = os.open(path, flags)
+        try:
+            size = os.fstat(fd).st_size
+            if not self._plausible_size(size):
+                raise RecordError(f"file of {size} B: torn or foreign")
+            buf = self._bounce()[:size] if self.odirect else memoryview(bytearray(size))
+            n = os.preadv(fd, [buf], 0)
+        finally:
+            os.close(fd)
+        if n < size:
+            raise RecordError(f"short file ({n} B): torn write")
+        header = RecordHeader.unpack(buf[:HEADER_SIZE])
+        if header.payload_len > size - HEADER_BLOCK:
+            raise RecordError("payload longer than the file")
+        payload = buf[HEADER_BLOCK : HEADER_BLOCK + header.payload_len]
+        header.verify(self.fingerprint, key, payload)
+        assert self.codec is not None
+        self.codec.decode(payload, out)
 
     def _forget(self, key: OffloadKey) -> None:
         with self._lock:

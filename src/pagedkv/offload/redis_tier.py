@@ -49,6 +49,7 @@ from pagedkv.offload.base import (
     SecondaryTier,
     TierStats,
 )
+from pagedkv.offload.codec import CodecError, KVCodec
 from pagedkv.offload.dual_queue_pool import DualQueueThreadPool
 from pagedkv.offload.fingerprint import HEADER_SIZE, OffloadFingerprint, RecordError, RecordHeader
 
@@ -80,12 +81,16 @@ class RedisTier(SecondaryTier):
         num_threads: int = 2,
         name: str = "redis",
         rank_namespace: str = "",
+        codec: KVCodec | None = None,
     ) -> None:
         """``rank_namespace``: a TP/DCP shard's (``@tp_rank:R@dcpD``), appended to the key
-        prefix (MooncakeStore's per-rank key form)."""
+        prefix (MooncakeStore's per-rank key form). ``codec``: what chunks become in Redis
+        (`offload.codec`; raw by default), the one the fingerprint names: values are the
+        header and the encoded chunk, checksummed as encoded, decoded on the I/O threads."""
         super().__init__(name, MEDIUM_REMOTE)
         self.fingerprint = fingerprint if isinstance(fingerprint, str) else fingerprint.hexdigest
         self.chunk_bytes = chunk_bytes
+        self.codec = codec if codec is not None and codec.name != "raw" else None
         self.ttl_s = ttl_s
         self.prefix = f"{namespace}:{self.fingerprint}{rank_namespace}:".encode()
         self.backoff_base_s = backoff_base_s
@@ -184,6 +189,8 @@ class RedisTier(SecondaryTier):
 
     def store_batch(self, items: ChunkItems) -> list[bool]:
         good = [(k, d) for k, d in items if d.nbytes == self.chunk_bytes]
+        if self.codec is not None:  # encoded here, on an I/O thread
+            good = [(k, memoryview(self.codec.encode(d))) for k, d in good]
         values = [
             b"".join((RecordHeader.for_payload(self.fingerprint, k, d).pack(), d)) for k, d in good
         ]  # one copy
@@ -225,13 +232,16 @@ class RedisTier(SecondaryTier):
             try:
                 payload = memoryview(value)[HEADER_SIZE:]
                 RecordHeader.unpack(value).verify(self.fingerprint, key, payload)
-                if dst.nbytes != payload.nbytes:
+                if self.codec is not None:
+                    self.codec.decode(payload, dst)
+                elif dst.nbytes != payload.nbytes:
                     raise RecordError("destination size mismatch")
-            except RecordError as exc:
+                else:
+                    dst[:] = payload
+            except (RecordError, CodecError) as exc:
                 _warn("corrupt", "%s: dropping %s: %s", self.name, key.hex()[:16], exc)
                 corrupt.append(key)
                 continue
-            dst[:] = payload
             out[i] = True
         if corrupt:
             self._call("DEL", lambda: self.client.delete(*[self.redis_key(k) for k in corrupt]))

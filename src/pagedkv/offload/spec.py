@@ -4,15 +4,18 @@ Grammar (comma-separated tiers, any order, each at most once; ``cpu`` is require
 the CPU tier is the gateway every other tier goes through)::
 
     cpu:<size>
-    disk:<directory>:<size>
-    redis://[:<password>@]<host>:<port>[/<db>][?ttl=<seconds>]
+    disk:<directory>:<size>[:<codec>]
+    redis://[:<password>@]<host>:<port>[/<db>][?ttl=<seconds>][&codec=<codec>]
     p2p:<peer host>:<port>                 (a peer to read cached prefixes from; repeatable)
     p2p-listen:[<host>:]<port>:<size>      (serve this instance's prefixes to peers; <size> of them)
+
+Codecs (`offload.codec`): ``raw`` (default), ``zstd`` and ``lz4`` (lossless), ``int8``
+(lossy: what comes back from the tier is int8-rounded).
 
 Sizes: an integer or decimal with an optional unit, ``B``, ``KB``/``MB``/``GB``/``TB`` (powers
 of 1000) or ``KiB``/``MiB``/``GiB``/``TiB`` (powers of 1024), case-insensitive. Example::
 
-    cpu:4GiB,disk:/var/cache/pagedkv:20GiB,redis://127.0.0.1:6379/0?ttl=3600
+    cpu:4GiB,disk:/var/cache/pagedkv:20GiB:zstd,redis://127.0.0.1:6379/0?ttl=3600&codec=lz4
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from dataclasses import dataclass
 from urllib.parse import parse_qs, urlsplit
 
 from pagedkv.core.units import format_size, parse_size
+from pagedkv.offload.codec import CODECS
 
 __all__ = [
     "CPUTierConfig",
@@ -43,6 +47,7 @@ class CPUTierConfig:
 class DiskTierConfig:
     path: str
     capacity_bytes: int
+    codec: str = "raw"
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +57,7 @@ class RedisTierConfig:
     db: int = 0
     ttl_s: int | None = None
     password: str | None = None
+    codec: str = "raw"
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,12 +82,15 @@ class OffloadConfig:
         """The canonical option string (parses back to an equal config)."""
         parts = [f"cpu:{format_size(self.cpu.capacity_bytes)}"]
         if self.disk:
-            parts.append(f"disk:{self.disk.path}:{format_size(self.disk.capacity_bytes)}")
+            codec = f":{self.disk.codec}" if self.disk.codec != "raw" else ""
+            parts.append(f"disk:{self.disk.path}:{format_size(self.disk.capacity_bytes)}{codec}")
         if self.redis:
             r = self.redis
             auth = f":{r.password}@" if r.password else ""
-            ttl = f"?ttl={r.ttl_s}" if r.ttl_s is not None else ""
-            parts.append(f"redis://{auth}{r.host}:{r.port}/{r.db}{ttl}")
+            query = [f"ttl={r.ttl_s}"] if r.ttl_s is not None else []
+            query += [f"codec={r.codec}"] if r.codec != "raw" else []
+            q = f"?{'&'.join(query)}" if query else ""
+            parts.append(f"redis://{auth}{r.host}:{r.port}/{r.db}{q}")
         if self.p2p:
             p = self.p2p
             parts.extend(f"p2p:{h}:{port}" for h, port in p.peers)
@@ -100,13 +109,22 @@ def _parse_redis(text: str) -> RedisTierConfig:
     if path and not path.isdigit():
         raise ValueError(f"bad redis db {path!r} in {text!r}")
     query = parse_qs(url.query, strict_parsing=bool(url.query))
-    unknown = set(query) - {"ttl"}
+    unknown = set(query) - {"ttl", "codec"}
     if unknown:
-        raise ValueError(f"unknown redis option(s) {sorted(unknown)} in {text!r} (supported: ttl)")
+        raise ValueError(
+            f"unknown redis option(s) {sorted(unknown)} in {text!r} (supported: ttl, codec)"
+        )
     ttl = int(query["ttl"][-1]) if "ttl" in query else None
     if ttl is not None and ttl <= 0:
         raise ValueError("redis ttl must be a positive number of seconds")
-    return RedisTierConfig(url.hostname, url.port or 6379, int(path or 0), ttl, url.password)
+    codec = _codec(query["codec"][-1] if "codec" in query else "raw", text)
+    return RedisTierConfig(url.hostname, url.port or 6379, int(path or 0), ttl, url.password, codec)
+
+
+def _codec(name: str, raw: str) -> str:
+    if name not in CODECS:
+        raise ValueError(f"unknown codec {name!r} in {raw!r} (choose {', '.join(CODECS)})")
+    return name
 
 
 def _port(text: str, raw: str) -> int:
@@ -153,10 +171,17 @@ def parse_offload_spec(spec: str) -> OffloadConfig:
         if kind == "cpu":
             tiers[kind] = CPUTierConfig(parse_size(rest))
         elif kind == "disk":
+            codec = "raw"
+            head, sep, last = rest.rpartition(":")
+            if sep and last and not last[0].isdigit():  # disk:<dir>:<size>:<codec> (sizes start
+                # with a digit)
+                rest, codec = head, _codec(last.lower(), raw)
             path, sep, size = rest.rpartition(":")
             if not sep or not path:
-                raise ValueError(f"bad disk tier {raw!r}: expected disk:<directory>:<size>")
-            tiers[kind] = DiskTierConfig(path, parse_size(size))
+                raise ValueError(
+                    f"bad disk tier {raw!r}: expected disk:<directory>:<size>[:<codec>]"
+                )
+            tiers[kind] = DiskTierConfig(path, parse_size(size), codec)
         elif kind == "redis":
             tiers[kind] = _parse_redis(raw)
         else:
