@@ -13,7 +13,10 @@
    next turn. TTFT (arrival → first token) p50/mean and total throughput, with the tiers
    (``--kv-offload``, default ``cpu:2GiB``) and without. Target: TTFT p50 ≥ 3× lower with tiers.
 
-Usage: python benchmarks/bench_offload.py [bandwidth|multiturn|all] [--conversations 50 --turns 5]
+3. ``codecs``: the tier codecs on real KV pages (`pagedkv.bench.offload_codecs`): stored bytes
+   per token, encode/decode MB/s, and the lossy int8 codec's teacher-forced agreement.
+
+Usage: python benchmarks/bench_offload.py [bandwidth|multiturn|codecs|all] [--conversations 50 --turns 5]
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from pathlib import Path
 import torch
 
 from pagedkv import envs
+from pagedkv.bench import offload_codecs
 
 
 def drop_page_cache(path: Path) -> bool:
@@ -204,19 +208,26 @@ def bench_multiturn(args: argparse.Namespace) -> dict[str, object]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("what", nargs="?", default="all", choices=["bandwidth", "multiturn", "all"])
+    ap.add_argument(
+        "what", nargs="?", default="all", choices=["bandwidth", "multiturn", "codecs", "all"]
+    )
     ap.add_argument("--conversations", type=int, default=50)
     ap.add_argument("--turns", type=int, default=5)
     ap.add_argument("--num-kv-blocks", type=int, default=400)
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--kv-offload", default="cpu:2GiB")
     ap.add_argument("--json-only", action="store_true")
+    offload_codecs.add_arguments(ap.add_argument_group("codecs"))
     args = ap.parse_args(argv)
     report: dict[str, object] = {}
     if args.what in ("bandwidth", "all"):
         report["bandwidth"] = bench_bandwidth()
     if args.what in ("multiturn", "all"):
         report["multiturn"] = bench_multiturn(args)
+    if args.what in ("codecs", "all"):
+        report["codecs"] = offload_codecs.run(args)
+        if not args.json_only:
+            print(offload_codecs.table(report["codecs"]))
     if not args.json_only:
         for section, values in report.items():
             print(f"== {section}")

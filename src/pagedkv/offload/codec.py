@@ -54,7 +54,8 @@ class KVCodec:
         return _LEN.size + nbytes + nbytes // 64 + 1024  # incompressible input grows a little
 
     def encode(self, data: memoryview) -> memoryview | bytes:
-        """The stored form of one chunk's bytes."""
+        """The stored form of one chunk's bytes (any C-contiguous buffer, read as bytes)."""
+        data = _bytes_view(data)
         if self.name == "raw":
             return data
         if self.name == "int8":
@@ -64,6 +65,7 @@ class KVCodec:
 
     def decode(self, data: memoryview | bytes, out: memoryview) -> None:
         """Restore a chunk into ``out`` (its exact size); CodecError if ``data`` is not one."""
+        out = _bytes_view(out)
         if self.name == "raw":
             if memoryview(data).nbytes != out.nbytes:
                 raise CodecError("raw chunk of the wrong size")
@@ -95,6 +97,12 @@ def make_codec(name: str, dtype: str, head_size: int, quantized: bool) -> KVCode
     if name in ("zstd", "lz4"):
         _library(name)  # a clear error now, not on an I/O thread
     return KVCodec(name, esize, head_size, dtype)
+
+
+def _bytes_view(buf: memoryview | bytes | bytearray) -> memoryview:
+    """``buf`` as a flat view of unsigned bytes (tensors' and arrays' views have shapes)."""
+    view = memoryview(buf)
+    return view if view.ndim == 1 and view.format == "B" else view.cast("B")
 
 
 # ---- lossless ------------------------------------------------------------------------------------

@@ -1,0 +1,148 @@
+"""Tier codecs (`pagedkv.offload.codec`) on real KV pages: bytes stored per token, encode and
+decode throughput, and what the lossy codec costs the model.
+
+* **pages**: the default model generates a corpus (chat and plain prompts, ``--tokens``) in a
+  ``dtype`` engine whose cache is block-contiguous (BLNHC); every block the prefix cache holds
+  afterwards (real K/V of every layer) is encoded by each codec, as a tier would store it.
+  Reported per dtype and codec: the ratio of raw to stored bytes, bytes per token, and encode /
+  decode MB/s on one thread, against ``raw`` (a copy) in the same run.
+* **accuracy** (``int8``, lossy): teacher-forced top-1 agreement, KL and ΔPPL of a float32
+  engine whose every K and V row goes through the codec's round trip as it is written (a
+  context restored from a lossy tier, everywhere), against the same engine without, over the
+  same corpus windows (`pagedkv.bench.kv_quant`'s method).
+
+Targets (issue 37): lossless ≥ 1.3× fewer bytes on bf16 pages; the int8 stage ≥ 1.9× with
+top-1 ≥ 99% after a round trip.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Any
+
+import torch
+
+from pagedkv.offload.codec import CODECS, make_codec
+
+TARGETS = {"lossless_bf16_ratio": 1.3, "int8_ratio": 1.9, "int8_top1": 0.99}
+
+
+def _pages(dtype: str, tokens: int, seed: int) -> tuple[list[memoryview], int]:
+    """The cached blocks' bytes (one memoryview a block, every layer) after a corpus run."""
+    from pagedkv import LLM
+    from pagedkv.bench.kv_quant import make_corpus
+
+    blocks = max(tokens // 16, 2048 // 16) + 64  # every corpus block, and a whole context
+    llm = LLM(dtype=dtype, kv_cache_layout="BLNHC", num_kv_blocks=blocks, max_model_len=2048)
+    make_corpus(llm, tokens, 0.0, seed)
+    eng = llm.llm_engine
+    ids = [b.block_id for b in eng.kv_cache_manager.block_pool.blocks if b.block_hash is not None]
+    buf = eng.runner.kv_buffer
+    pages = [memoryview(buf[i].contiguous().view(torch.uint8).numpy()) for i in ids]
+    return pages, eng.block_size
+
+
+def bench_pages(args: argparse.Namespace) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for dtype in args.dtypes:
+        pages, bs = _pages(dtype, args.tokens, args.seed)
+        raw = sum(p.nbytes for p in pages)
+        rows: dict[str, Any] = {}
+        for name in CODECS:
+            codec = make_codec(name, dtype, 64, quantized=False)
+            t0 = time.perf_counter()
+            enc = [codec.encode(p) for p in pages]
+            t_enc = time.perf_counter() - t0
+            stored = sum(memoryview(e).nbytes for e in enc)
+            scratch = memoryview(bytearray(pages[0].nbytes))
+            t0 = time.perf_counter()
+            for e in enc:
+                codec.decode(e, scratch)
+            t_dec = time.perf_counter() - t0
+            rows[name] = dict(
+                ratio=raw / stored,
+                bytes_per_token=stored / (len(pages) * bs),
+                encode_MBps=raw / t_enc / 1e6,
+                decode_MBps=raw / t_dec / 1e6,
+            )
+        out[dtype] = dict(blocks=len(pages), raw_bytes=raw, codecs=rows)
+    return out
+
+
+def bench_accuracy(args: argparse.Namespace) -> dict[str, Any]:
+    """Teacher-forced agreement of the int8 codec's round trip on every written K/V row."""
+    from pagedkv import LLM
+    from pagedkv.bench import kv_quant
+    from pagedkv.models import llama
+
+    codec = make_codec("int8", "float32", 64, quantized=False)
+    llm = LLM(max_model_len=2048, max_num_batched_tokens=args.window, enable_prefix_caching=False)
+    stream = kv_quant.make_corpus(llm, args.accuracy_tokens, 0.0, args.seed)
+    wins = kv_quant.windows(stream, args.window)
+    ref = [kv_quant.score_window(llm, w) for w in wins]
+    original = llama.reshape_and_cache
+
+    def round_trip(t: torch.Tensor) -> torch.Tensor:
+        x = t.contiguous().float()
+        out = bytearray(x.numel() * 4)
+        codec.decode(codec.encode(memoryview(x.view(torch.uint8).numpy())), memoryview(out))
+        return torch.frombuffer(out, dtype=torch.float32).view(t.shape).to(t.dtype)
+
+    def lossy(k, v, *rest, **kw):  # noqa: ANN001, ANN202 (reshape_and_cache's signature)
+        return original(round_trip(k), round_trip(v), *rest, **kw)
+
+    llama.reshape_and_cache = lossy
+    try:
+        stats = kv_quant.AgreementStats()
+        for w, r in zip(wins, ref):
+            stats.add(r, kv_quant.score_window(llm, w), w[1:])
+    finally:
+        llama.reshape_and_cache = original
+    return dict(windows=len(wins), **stats.summary())
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    report: dict[str, Any] = dict(pages=bench_pages(args))
+    if not args.skip_accuracy:
+        report["int8_accuracy"] = bench_accuracy(args)
+    bf16 = report["pages"].get("bfloat16", {}).get("codecs", {})
+    acc = report.get("int8_accuracy", {})
+    report["targets"] = TARGETS
+    report["meets"] = dict(
+        lossless_bf16=max(bf16.get(c, {}).get("ratio", 0) for c in ("zstd", "lz4"))
+        >= TARGETS["lossless_bf16_ratio"]
+        if bf16
+        else None,
+        int8_ratio=bf16["int8"]["ratio"] >= TARGETS["int8_ratio"] if bf16 else None,
+        int8_top1=acc["top1_agreement"] >= TARGETS["int8_top1"] if acc else None,
+    )
+    return report
+
+
+def table(r: dict[str, Any]) -> str:
+    lines = ["codec   dtype      ratio  B/token  encode MB/s  decode MB/s"]
+    for dtype, d in r["pages"].items():
+        for name, c in d["codecs"].items():
+            lines.append(
+                f"{name:7s} {dtype:9s} {c['ratio']:6.2f}x {c['bytes_per_token']:8.0f}"
+                f" {c['encode_MBps']:11.0f} {c['decode_MBps']:12.0f}"
+            )
+    acc = r.get("int8_accuracy")
+    if acc:
+        lines.append(
+            f"int8 round trip on every K/V row: top-1 {acc['top1_agreement']:.2%}, "
+            f"KL {acc['mean_kl']:.4f}, dPPL {acc['ppl_delta_pct']:+.2f}% "
+            f"over {acc['positions']} positions"
+        )
+    lines.append(f"meets: {r['meets']}")
+    return "\n".join(lines)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
+    p.add_argument("--tokens", type=int, default=8192, help="corpus tokens whose pages are coded")
+    p.add_argument("--accuracy-tokens", type=int, default=20_000)
+    p.add_argument("--window", type=int, default=2048)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--skip-accuracy", action="store_true")
