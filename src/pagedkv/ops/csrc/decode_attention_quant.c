@@ -75,6 +75,19 @@ static inline void group_scales(const uint8_t *const *ps, int64_t at, int64_t n,
 /* 16 stored values from p as float32, like code_at; `full`: all 16 there (plain loads, which
  * fold into the conversions), else only the bytes in mb are read. */
 PKV_INLINE __m512 codes16(const int kvt, const int full, const uint8_t *p, __mmask16 mb) {
+    if (kv_is_lowbit(kvt)) {  /* 16 codes in 6 (int3) or 4 (int2) bytes, exactly those read */
+        uint64_t w = (uint64_t)_mm_cvtsi128_si64(_mm_maskz_loadu_epi8(mb, p));
+        __m512i x;
+        if (kvt == KV_I3_GROUP) {  /* lanes 0-9 from bits 0-31, lanes 10-15 from bits 30-61 */
+            x = _mm512_mask_blend_epi32((__mmask16)0xFC00, _mm512_set1_epi32((int)(uint32_t)w),
+                                        _mm512_set1_epi32((int)(uint32_t)(w >> 30)));
+            x = _mm512_srlv_epi32(x, _mm512_setr_epi32(0, 3, 6, 9, 12, 15, 18, 21, 24, 27, 0, 3, 6, 9, 12, 15));
+            return _mm512_cvtepi32_ps(_mm512_and_si512(x, _mm512_set1_epi32(7)));
+        }
+        x = _mm512_srlv_epi32(_mm512_set1_epi32((int)(uint32_t)w),
+                              _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30));
+        return _mm512_cvtepi32_ps(_mm512_and_si512(x, _mm512_set1_epi32(3)));
+    }
     __m128i b = full ? (kv_is_int4(kvt) ? _mm_loadl_epi64((const __m128i *)p) : _mm_loadu_si128((const __m128i *)p))
                      : _mm_maskz_loadu_epi8(mb, p);
     if (kvt == KV_I8_TH) return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
@@ -102,6 +115,7 @@ PKV_INLINE void int4_codes64(const uint8_t *p, __m512 *w) {
 
 /* Bytes holding values [d, d + 16) of a part with `rem` = D - d values left. */
 PKV_INLINE __mmask16 code_bytes(const int kvt, int64_t rem) {
+    if (kv_is_lowbit(kvt)) return lanes(kv_code_bytes(kvt, rem >= 16 ? 16 : rem));
     return kv_is_int4(kvt) ? lanes(rem >= 16 ? 8 : (rem + 1) / 2) : lanes(rem);
 }
 
@@ -109,7 +123,7 @@ PKV_INLINE __mmask16 code_bytes(const int kvt, int64_t rem) {
  * head), or q*s + (-z*s) with its group's scale (one FMA: (q - z)*s to within an ulp of z*s). */
 PKV_INLINE __m512 adjust(const int kvt, __m512 w, const float *z, const float *gs, const float *gz) {
     if (kvt == KV_I4_TH) return _mm512_sub_ps(w, _mm512_set1_ps(*z));
-    if (kvt == KV_I4_GROUP) return _mm512_fmadd_ps(w, _mm512_set1_ps(*gs), _mm512_set1_ps(*gz));
+    if (kv_is_group(kvt)) return _mm512_fmadd_ps(w, _mm512_set1_ps(*gs), _mm512_set1_ps(*gz));
     return w;
 }
 
@@ -127,7 +141,7 @@ PKV_INLINE void qk8(const int kvt, const int nh, const int full, const float *q,
         __m512 qv[3];
         for (int h = 0; h < nh; h++) qv[h] = _mm512_maskz_loadu_ps(m, q + h * D + d);
         for (int j = 0; j < 8; j++) {
-            __m512 k = codes16(kvt, full, ks[j] + off + (kv_is_int4(kvt) ? d / 2 : d), mb);
+            __m512 k = codes16(kvt, full, ks[j] + off + kv_code_bytes(kvt, d), mb);
             k = adjust(kvt, k, z + j, gs + j * ng + cg[d / 16], gz + j * ng + cg[d / 16]);
             for (int h = 0; h < nh; h++) t[h][j] = _mm512_fmadd_ps(qv[h], k, t[h][j]);
         }
@@ -195,7 +209,7 @@ PKV_INLINE void qv64(const int kvt, const int nh, const int full, float *acc, in
                 int4_codes64(pv + c0 / 2, w);
             } else {
                 for (int k = 0; k < 4; k++)
-                    w[k] = codes16(kvt, full, pv + (kv_is_int4(kvt) ? (c0 + 16 * k) / 2 : c0 + 16 * k), mb[k]);
+                    w[k] = codes16(kvt, full, pv + kv_code_bytes(kvt, c0 + 16 * k), mb[k]);
             }
             for (int k = 0; k < 4; k++) w[k] = adjust(kvt, w[k], z + j, gs + j * ng + grp[k], gz + j * ng + grp[k]);
             for (int h = 0; h < nh; h++) {
@@ -250,14 +264,10 @@ PKV_INLINE void qv64(const int kvt, const int nh, const int full, float *acc, in
  * padded to a multiple of 16 keys); z: per-key int4 zero points; gs/gz: int4 group scales. */
 static void qk_tile(const decode_args *a, const float *q, const uint8_t *const *ks, int64_t off, int64_t n,
                     const float *z, const float *gs, const float *gz, float (*s)[TILE]) {
-    if (kv_is_lowbit(a->kvt)) {  /* int3/int2 codes: no AVX-512 unpack yet (the portable loops) */
-        qk_tile_scalar(a, q, ks, off, n, z, s);
-        return;
-    }
     const int64_t G = a->G, D = a->D;
     const int full = kv_is_int4(a->kvt) ? D % 64 == 0 : D % 16 == 0;
-    int64_t cg[MAXG], ng = D / a->kgroup;  /* int4 group of each 16-value chunk (no division in the loops) */
-    if (a->kvt == KV_I4_GROUP)
+    int64_t cg[MAXG], ng = D / a->kgroup;  /* group of each 16-value chunk (no division in the loops) */
+    if (kv_is_group(a->kvt))
         for (int64_t c = 0; 16 * c < D; c++) cg[c] = 16 * c / a->kgroup;
     PKV_DISPATCH(PKV_QK)
 }
@@ -265,10 +275,6 @@ static void qk_tile(const decode_args *a, const float *q, const uint8_t *const *
 /* acc (G rows of Dv) += p (G rows of TILE) times the values vs[j] + off, j < n. */
 static void qv_tile(const decode_args *a, float *acc, float (*s)[TILE], const uint8_t *const *vs, int64_t off,
                     int64_t n, const float *z, const float *gs, const float *gz) {
-    if (kv_is_lowbit(a->kvt)) {
-        qv_tile_scalar(a, acc, s, vs, off, n, z);
-        return;
-    }
     const int64_t G = a->G, Dv = a->Dv;
     const int full = Dv % 64 == 0;
     PKV_DISPATCH(PKV_QV)
