@@ -30,6 +30,7 @@ def streaming(budget: int = 64, sink: int = 4) -> KVEvictionConfig:
         ({"policy": "snapkv", "budget_tokens": 16}, r"sink_tokens \+ recent_tokens"),
         ({"policy": "snapkv", "budget_tokens": 64, "positions": "cache"}, "original"),
         ({"policy": "snapkv", "budget_tokens": 64, "pool_kernel": 4}, "odd"),
+        ({"policy": "snapkv", "budget_tokens": 64, "pool_kernel": 1001}, "at most 255"),
         ({"policy": "streaming", "budget_tokens": 64, "compress_at": 9}, "snapkv setting"),
         ({"policy": "streaming", "budget_tokens": 64, "window": 9}, "unknown keys"),
         ({"policy": "streaming", "budget_tokens": True}, "integer"),

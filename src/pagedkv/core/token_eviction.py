@@ -55,6 +55,8 @@ from typing import Any
 from pagedkv.core.units import cdiv
 
 POLICIES = ("streaming", "snapkv", "pyramidkv")
+# The widest score pooling a request may ask for (SnapKV uses 7; wider costs O(tokens x width)).
+MAX_POOL_KERNEL = 255
 # PyramidKV's beta: the top layer keeps 1/beta of the compressible budget (the paper's 20).
 PYRAMID_BETA = 20
 POSITIONS = ("original", "cache")
@@ -105,8 +107,10 @@ class KVEvictionConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise bad(name, "must be an integer >= 0")
-        if self.pool_kernel % 2 == 0:
-            raise bad("pool_kernel", "must be odd (a centred window)")
+        if self.pool_kernel % 2 == 0 or self.pool_kernel > MAX_POOL_KERNEL:
+            raise bad(
+                "pool_kernel", f"must be odd (a centred window) and at most {MAX_POOL_KERNEL}"
+            )
         for name in ("recent_tokens", "budget_tokens", "compress_at"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):

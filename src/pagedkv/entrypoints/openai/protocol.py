@@ -214,7 +214,7 @@ class KVEviction(_Request):
     recent_tokens: PositiveInt | None = None
     budget_tokens: PositiveInt | None = None
     compress_at: PositiveInt | None = None
-    pool_kernel: PositiveInt | None = None
+    pool_kernel: Annotated[int, Field(ge=1, le=255), BeforeValidator(_integral)] | None = None
     positions: Literal["original", "cache"] | None = None
 
     def to_dict(self) -> dict[str, Any]:
