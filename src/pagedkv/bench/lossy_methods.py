@@ -187,7 +187,7 @@ def run_evict_teacher(args: argparse.Namespace, methods: list[Method]) -> dict[s
 
 def run_memory(args: argparse.Namespace, methods: list[Method]) -> dict[str, Any]:
     from pagedkv.bench.lossy_kv import FILLER
-    from pagedkv.core.token_eviction import KVEvictionConfig
+    from pagedkv.engine import kv_eviction
 
     lengths = args.memory_lengths
     out: dict[str, Any] = dict(lengths=lengths, output_tokens=args.memory_output, methods={})
@@ -222,7 +222,7 @@ def run_memory(args: argparse.Namespace, methods: list[Method]) -> dict[str, Any
                 peak = max(peak, pool.num_gpu_blocks - 1 - pool.get_num_free_blocks())
             secs.append(time.perf_counter() - t0)
             peaks.append(peak)
-            ev = KVEvictionConfig.from_value(params.kv_eviction)
+            ev = kv_eviction.resolve(eng, params)  # the engine's policy (its layer count)
             ceilings.append(
                 ev.max_blocks_per_request(bs, n, args.memory_output) if ev else -(-total // bs)
             )
