@@ -750,12 +750,14 @@ def _render_eviction(name: str, d: dict) -> list[str]:
         )
     mem = d.get("memory")
     if mem:
-        head = ["method", *[f"{num(n)} tokens" for n in mem["lengths"]], "planned blocks"]
+        head = ["method", *[f"{num(n)} tokens" for n in mem["lengths"]], "planned blocks",
+                "at the last step"]  # fmt: skip
         rows = [
             [
                 code(method),
                 *[num(t) for t in m["peak_tokens"]],
                 ", ".join(str(b) for b in m["planned_blocks"]),
+                ", ".join(num(t) for t in m.get("final_tokens", [])),
             ]
             for method, m in mem["methods"].items()
         ]

@@ -363,7 +363,10 @@ def table(r: dict[str, Any]) -> str:
     if mem:
         lines.append(f"peak KV tokens per request at request lengths {mem['lengths']}")
         for name, m in mem["methods"].items():
-            lines.append(f"  {name:22s} {m['peak_tokens']}  (planned blocks {m['planned_blocks']})")
+            lines.append(
+                f"  {name:22s} {m['peak_tokens']}  (planned blocks {m['planned_blocks']}; "
+                f"at the last step {m.get('final_tokens')})"
+            )
     return "\n".join(lines)
 
 

@@ -18,8 +18,9 @@ distributions, which ``prompt_logprobs`` does not return.)
 
 **memory** (``--only memory``): one request per ``--memory-lengths`` length (prompt and
 ``--memory-output`` output tokens together), stepped by hand, with the most blocks it held
-at once, against ``KVEvictionConfig.max_blocks_per_request`` (what ``pagedkv plan``
-reports): flat beyond the budget means the same peak at every length.
+at once (and at its last step: a compacting policy's steady state), against
+``KVEvictionConfig.max_blocks_per_request`` (what ``pagedkv plan`` reports): flat beyond the
+budget means the same peak at every length.
 """
 
 from __future__ import annotations
@@ -203,7 +204,7 @@ def run_memory(args: argparse.Namespace, methods: list[Method]) -> dict[str, Any
     text = tok.encode(FILLER * (max(lengths) // 10 + 10), add_special_tokens=False)
     kv = eng.scheduler.kv_cache_manager
     for m in [Method(EXACT), *[m for m in methods if m.evicts]]:
-        peaks, ceilings, secs = [], [], []
+        peaks, finals, ceilings, secs = [], [], [], []
         for total in lengths:
             n = total - args.memory_output  # the prompt: the request ends at `total` tokens
             ids = text[:n]
@@ -213,15 +214,18 @@ def run_memory(args: argparse.Namespace, methods: list[Method]) -> dict[str, Any
             rid = f"mem-{m.name}-{n}"
             t0 = time.perf_counter()
             eng.add_request(rid, {"prompt_token_ids": ids}, params)
-            peak = 0
+            peak = last = 0
             pool = kv.block_pool
             while eng.has_unfinished_requests():
                 eng.step()
                 # Blocks in use (the only request; no prefix cache): its table and, in a
                 # compressing step, the blocks its compaction replaced.
-                peak = max(peak, pool.num_gpu_blocks - 1 - pool.get_num_free_blocks())
+                used = pool.num_gpu_blocks - 1 - pool.get_num_free_blocks()
+                peak = max(peak, used)
+                last = used or last  # the last step before it finished (and was freed)
             secs.append(time.perf_counter() - t0)
             peaks.append(peak)
+            finals.append(last)
             ev = kv_eviction.resolve(eng, params)  # the engine's policy (its layer count)
             ceilings.append(
                 ev.max_blocks_per_request(bs, n, args.memory_output) if ev else -(-total // bs)
@@ -230,6 +234,7 @@ def run_memory(args: argparse.Namespace, methods: list[Method]) -> dict[str, Any
         out["methods"][m.name] = dict(
             peak_blocks=peaks,
             peak_tokens=[p * bs for p in peaks],
+            final_tokens=[f * bs for f in finals],
             planned_blocks=ceilings,
             seconds=secs,
         )
