@@ -12,7 +12,9 @@ must be accepted:
 * the prompt's tokens (after ``truncate_prompt_tokens``) must fit ``max_model_len``, and with
   the requested ``max_tokens`` too;
 * a structured output's JSON Schema, regex or grammar must compile (checked by compiling it,
-  as the server does, with the same backends and tokenizer).
+  as the server does, with the same backends and tokenizer);
+* ``kv_eviction``'s budgets must add up, and it needs ``n`` = 1 (checked by building the
+  engine's `KVEvictionConfig` from a body that parses).
 
 The token count uses the server's own tokenizer and chat template (the default model's GGUF).
 """
@@ -98,6 +100,28 @@ def map_case(ctx: Any, case: Any) -> Any:
     return case
 
 
+def _kv_eviction_adds_up(body: dict[str, Any]) -> bool:
+    """False for a well-typed ``kv_eviction`` whose budgets do not add up, or with n > 1 (the
+    rule); a body that does not parse stays (the server must refuse it anyway)."""
+    from pagedkv.core.token_eviction import KVEvictionConfig
+    from pagedkv.entrypoints.openai import protocol as P
+
+    ev = body.get("kv_eviction")
+    if not isinstance(ev, dict):
+        return True
+    try:
+        parsed = P.KVEviction.model_validate(ev)
+    except Exception:  # noqa: BLE001 - a negative case
+        return True
+    if body.get("n") not in (None, 1):
+        return False
+    try:
+        KVEvictionConfig.from_value(parsed.to_dict())
+    except ValueError:
+        return False
+    return True
+
+
 @schemathesis.hook
 def filter_case(ctx: Any, case: Any) -> bool:
     """False for a body that breaks one of the rules above (`filter_case` runs in every phase,
@@ -119,6 +143,8 @@ def _keeps_the_rules(path: str, body: Any) -> bool:
         if min_tokens > max_tokens:
             return False
     if not _structured_output_compiles(path, body):
+        return False
+    if not _kv_eviction_adds_up(body):
         return False
     lens = _prompt_lens(path, body)
     if lens is None:

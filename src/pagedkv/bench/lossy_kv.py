@@ -46,6 +46,7 @@ from pagedkv.bench.common import (
 )
 from pagedkv.bench.lossy_methods import (
     EXACT,
+    FILLER,
     Method,
     engine,
     parse_method,
@@ -60,9 +61,6 @@ RECALL_FILE = Path(__file__).resolve().parents[3] / "benchmarks" / "data" / "kv_
 INTRO = (
     "There is an important info hidden inside a lot of irrelevant text. Find it and memorize "
     "it. I will quiz you about the important information there.\n"
-)
-FILLER = (
-    "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
 )
 NEEDLE = "The pass key is {key}. Remember it. {key} is the pass key. "
 QUESTION = "\nWhat is the pass key? The pass key is"

@@ -34,6 +34,10 @@ from typing import Any
 from pagedkv.bench.common import BenchOptionError, log
 
 EXACT = "float32"
+# Mohtashami & Jaggi (2023), the passkey test's filler (bench_lossy_kv's prompts use it too).
+FILLER = (
+    "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+)
 POLICIES = {
     "streaming": {},
     "streaming-cache": {"positions": "cache"},
@@ -187,7 +191,6 @@ def run_evict_teacher(args: argparse.Namespace, methods: list[Method]) -> dict[s
 
 
 def run_memory(args: argparse.Namespace, methods: list[Method]) -> dict[str, Any]:
-    from pagedkv.bench.lossy_kv import FILLER
     from pagedkv.engine import kv_eviction
 
     lengths = args.memory_lengths

@@ -186,6 +186,7 @@ _ONE_STRUCTURED = {
         }
     },
 }
+_INT = {"type": "integer"}
 IF_THEN: dict[str, list[dict[str, Any]]] = {
     "CompletionRequest": [
         _ONE_STRUCTURED,
@@ -214,6 +215,31 @@ IF_THEN: dict[str, list[dict[str, Any]]] = {
             "then": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}},
         },
     ],
+    "KVEviction": [
+        {  # streaming needs a budget or a window, and takes no compress_at
+            "if": {"properties": {"policy": {"const": "streaming"}}},
+            "then": {
+                "anyOf": [
+                    {"required": ["budget_tokens"], "properties": {"budget_tokens": _INT}},
+                    {"required": ["recent_tokens"], "properties": {"recent_tokens": _INT}},
+                ],
+                "properties": {"compress_at": {"type": "null"}},
+            },
+        },
+        {  # snapkv and pyramidkv need a budget and keep the original positions
+            "if": {"properties": {"policy": {"enum": ["snapkv", "pyramidkv"]}}},
+            "then": {
+                "required": ["budget_tokens"],
+                "properties": {
+                    "budget_tokens": _INT,
+                    "positions": {"anyOf": [{"type": "null"}, {"const": "original"}]},
+                },
+            },
+        },
+        {  # the pooling window is centred: an odd width
+            "properties": {"pool_kernel": {"anyOf": [{"type": "null"}, {"not": {"multipleOf": 2}}]}}
+        },
+    ],
     "TokenizeChatRequest": [
         {  # continue_final_message excludes add_generation_prompt (which defaults to true)
             "if": {
@@ -236,6 +262,8 @@ RULES = (
     "(code context_length_exceeded)",
     "a structured output's JSON Schema, regex or grammar (response_format, structured_outputs) "
     "must compile (a 400 naming the field and the compiler's message)",
+    "kv_eviction's budgets must add up (sink_tokens + recent_tokens <= budget_tokens; streaming "
+    "without recent_tokens: budget_tokens > sink_tokens), and it needs n = 1",
 )
 
 
