@@ -15,6 +15,8 @@
 
 3. ``codecs``: the tier codecs on real KV pages (`pagedkv.bench.offload_codecs`): stored bytes
    per token, encode/decode MB/s, and the lossy int8 codec's teacher-forced agreement.
+   ``codec-ttft``: the multiturn workload's TTFT with each disk codec behind a CPU tier smaller
+   than the histories (prefixes come back from disk), against raw pages in the same run.
 
 Usage: python benchmarks/bench_offload.py [bandwidth|multiturn|codecs|all] [--conversations 50 --turns 5]
 """
@@ -180,7 +182,11 @@ def run_multiturn(
     )
     llm.llm_engine.shutdown()
     later = ttfts[conversations:]  # turns 2..T: the ones a tier can serve
+    disk = (stats.get("offload") or {}).get("disk") or {}
     return {
+        "disk_loads": disk.get("loads", 0),
+        "disk_bytes_on_disk": disk.get("usage_bytes", 0),
+        "disk_bytes_read": disk.get("bytes_read", 0),
         "ttft_p50_s": statistics.median(later),
         "ttft_mean_s": statistics.fmean(later),
         "throughput_tok_s": tokens / elapsed,
@@ -206,10 +212,39 @@ def bench_multiturn(args: argparse.Namespace) -> dict[str, object]:
     }
 
 
+def bench_codec_ttft(args: argparse.Namespace) -> dict[str, object]:
+    """Tiered TTFT with each disk-tier codec (`pagedkv.offload.codec`): the multiturn workload
+    behind a CPU tier smaller than the conversations' histories (``--codec-cpu``), so later
+    turns load most of their prefixes back from the disk tier, decoded on its I/O threads;
+    ratios against ``raw`` in the same run."""
+    rows: dict[str, dict[str, float]] = {}
+    with tempfile.TemporaryDirectory() as root:
+        for codec in ("raw", "zstd", "lz4", "int8"):
+            spec = f"cpu:{args.codec_cpu},disk:{root}/{codec}:4GiB:{codec}"
+            rows[codec] = run_multiturn(
+                spec, args.conversations, args.turns, args.num_kv_blocks, args.max_tokens
+            )
+    raw = rows["raw"]["ttft_p50_s"]
+    return {
+        "cpu_tier": args.codec_cpu,
+        "codecs": rows,
+        "ttft_p50_vs_raw": {c: r["ttft_p50_s"] / raw for c, r in rows.items()},
+        "disk_bytes_vs_raw": {
+            c: r["disk_bytes_on_disk"] / rows["raw"]["disk_bytes_on_disk"] for c, r in rows.items()
+        },
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument(
-        "what", nargs="?", default="all", choices=["bandwidth", "multiturn", "codecs", "all"]
+        "what",
+        nargs="?",
+        default="all",
+        choices=["bandwidth", "multiturn", "codecs", "codec-ttft", "all"],
+    )
+    ap.add_argument(
+        "--codec-cpu", default="64MiB", help="codec-ttft's CPU tier (under the histories)"
     )
     ap.add_argument("--conversations", type=int, default=50)
     ap.add_argument("--turns", type=int, default=5)
@@ -228,6 +263,8 @@ def main(argv: list[str] | None = None) -> int:
         report["codecs"] = offload_codecs.run(args)
         if not args.json_only:
             print(offload_codecs.table(report["codecs"]))
+    if args.what == "codec-ttft":
+        report["codec_ttft"] = bench_codec_ttft(args)
     if not args.json_only:
         for section, values in report.items():
             print(f"== {section}")
