@@ -51,6 +51,18 @@ def _greedy(llm, ids, n, ev=None):
     return list(out)
 
 
+def _assert_greedy_follows(logits, n_prompt, out):
+    """The engine's greedy tokens ``out`` are the argmax of transformers' ``logits`` rows from
+    the last prompt position on, up to a float near-tie (where the sequences may part)."""
+    for i, tok in enumerate(out):
+        row = logits[n_prompt - 1 + i]
+        ref = int(row.argmax())
+        if ref != tok:
+            gap = float(row[ref] - row[tok])
+            assert gap < NEAR_TIE, f"token {i}: engine {tok}, transformers {ref} (gap {gap})"
+            return
+
+
 def streaming_visibility(n_prompt: int, n_total: int, ev: KVEvictionConfig) -> torch.Tensor:
     """``mask [n_total, n_total]`` (bool): which positions each position reads under the
     streaming schedule (prefill chunks of ``chunk_tokens``, then one token a step), written
@@ -85,13 +97,7 @@ def test_streaming_matches_transformers_under_the_same_mask(llm, hf_model):
         logits = hf_model(
             torch.tensor([seq[:-1]]), attention_mask=bias[None, None], position_ids=None
         ).logits[0]
-    for i, tok in enumerate(out):
-        row = logits[len(ids) - 1 + i]
-        ref = int(row.argmax())
-        if ref != tok:
-            gap = float(row[ref] - row[tok])
-            assert gap < NEAR_TIE, f"token {i}: engine {tok}, transformers {ref} (gap {gap})"
-            return  # a near-tie: the sequences may part here
+    _assert_greedy_follows(logits, len(ids), out)
 
 
 def _as_dict(ev: KVEvictionConfig) -> dict:
@@ -327,13 +333,7 @@ def test_compaction_matches_transformers_with_the_same_tokens_dropped(llm, hf_mo
     n = len(ids)
     assert (logits[n:] - plain[n:]).abs().max() > 1e-2  # the dropped tokens mattered
     torch.testing.assert_close(logits[:n], plain[:n], atol=1e-4, rtol=1e-4)  # the prompt: exact
-    for i, tok in enumerate(out):
-        row = logits[len(ids) - 1 + i]
-        ref = int(row.argmax())
-        if ref != tok:
-            gap = float(row[ref] - row[tok])
-            assert gap < NEAR_TIE, f"token {i}: engine {tok}, transformers {ref} (gap {gap})"
-            return
+    _assert_greedy_follows(logits, len(ids), out)
 
 
 def test_rerotation_equals_writing_at_the_shifted_position():

@@ -339,24 +339,21 @@ def table(r: dict[str, Any]) -> str:
             lines.append(
                 f"  {name:22s} {m['accuracy']:.1%}  vs exact {fmt(m['relative_to_exact'], '.2f')}"
             )
-    te = r.get("teacher")
-    if te:
-        lines.append("teacher-forced vs exact: top-1 / dPPL (greedy corpus; sampled corpus)")
-        for name, m in te["methods"].items():
-            g, s = m["greedy"], m["sampled"]
-            lines.append(
-                f"  {name:22s} {g['top1_agreement']:.2%} {g['ppl_delta_pct']:+.2f}%; "
-                f"{s['top1_agreement']:.2%} {s['ppl_delta_pct']:+.2f}%"
-            )
-    et = r.get("evict_teacher")
-    if et:
-        lines.append("token eviction, teacher-forced vs exact: top-1 / dPPL (greedy; sampled)")
-        for name, m in et["methods"].items():
-            g, s = m["greedy"], m["sampled"]
-            lines.append(
-                f"  {name:22s} {g['top1_agreement']:.2%} {g['ppl_delta_pct']:+.2f}%; "
-                f"{s['top1_agreement']:.2%} {s['ppl_delta_pct']:+.2f}%"
-            )
+    for key, title in (
+        ("teacher", "teacher-forced vs exact: top-1 / dPPL (greedy corpus; sampled corpus)"),
+        (
+            "evict_teacher",
+            "token eviction, teacher-forced vs exact: top-1 / dPPL (greedy; sampled)",
+        ),
+    ):
+        if r.get(key):
+            lines.append(title)
+            for name, m in r[key]["methods"].items():
+                g, s = m["greedy"], m["sampled"]
+                lines.append(
+                    f"  {name:22s} {g['top1_agreement']:.2%} {g['ppl_delta_pct']:+.2f}%; "
+                    f"{s['top1_agreement']:.2%} {s['ppl_delta_pct']:+.2f}%"
+                )
     mem = r.get("memory")
     if mem:
         lines.append(f"peak KV tokens per request at request lengths {mem['lengths']}")

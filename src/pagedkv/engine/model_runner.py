@@ -408,13 +408,17 @@ class ModelRunner:
             return torch.empty((0, 0), dtype=torch.float32), prompt_lps
         if mi.blocks_to_copy:
             copy_blocks(self.distinct_kv_caches, mi.blocks_to_copy)
-        self._rerotate_keys(mi)
+        # Token eviction's work (re-rotation, SnapKV, PyramidKV shifts) only where a request
+        # has dropped tokens or compresses this step: one pass over the batch otherwise.
+        evicting = any(s.kv_offset or s.compaction is not None for s in mi.scheduled)
+        if evicting:
+            self._rerotate_keys(mi)
         input_ids, positions, mds, logits_indices = self.prepare_inputs(mi)
-        observer = self._snapkv_observer(mi)
+        observer = self._snapkv_observer(mi) if evicting else None
         for m in mds:
             m.kv_observer = observer
         md = mds[0] if len(mds) == 1 else [mds[g] for g in self.layer_groups]
-        if any(s.layer_shift for s in mi.scheduled):
+        if evicting and any(s.layer_shift for s in mi.scheduled):
             md = self._shifted_layer_metadata(mi, mds[0])
         hidden = self.model(input_ids, positions, self.kv_caches, md)
         if observer is not None:
@@ -510,20 +514,8 @@ class ModelRunner:
         q_end = 0
         for s in mi.scheduled:
             q_end += s.num_tokens
-            c = s.compaction
-            if c is not None:
-                targets.append(
-                    SnapKVTarget(
-                        q_end,
-                        s.num_tokens,
-                        s.block_ids[0],
-                        c.num_tokens,
-                        c.budgets,
-                        c.sink_tokens,
-                        c.recent_tokens,
-                        c.pool_kernel,
-                    )
-                )
+            if s.compaction is not None:
+                targets.append(SnapKVTarget(q_end, s.num_tokens, s.block_ids[0], s.compaction))
         return SnapKVObserver(targets) if targets else None
 
     def _compact(self, mi: ModelInput, observer: SnapKVObserver) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -57,20 +58,28 @@ def snapkv_select(
     return idx.sort(dim=1).values
 
 
-@dataclass(slots=True)
-class SnapKVTarget:
-    """One request compressing this step: its queries end at flat row ``q_end`` (exclusive),
-    its ``num_tokens`` cached tokens sit in ``block_ids``; ``selected`` gets one
-    ``[Hkv, budgets[l]]`` index tensor per attention layer ``l``, in forward order."""
+class CompactionPlan(Protocol):
+    """What to keep (the engine's ``KVCompaction``): ``budgets[l]`` of ``num_tokens`` cached
+    tokens in attention layer ``l``, with ``sink_tokens``, ``recent_tokens`` and the scores'
+    ``pool_kernel``."""
 
-    q_end: int
-    num_q: int
-    block_ids: list[int]
     num_tokens: int
     budgets: list[int]
     sink_tokens: int
     recent_tokens: int
     pool_kernel: int
+
+
+@dataclass(slots=True)
+class SnapKVTarget:
+    """One request compressing this step: its queries end at flat row ``q_end`` (exclusive),
+    its cached tokens sit in ``block_ids`` and ``plan`` says what to keep; ``selected`` gets
+    one ``[Hkv, budgets[l]]`` index tensor per attention layer ``l``, in forward order."""
+
+    q_end: int
+    num_q: int
+    block_ids: list[int]
+    plan: CompactionPlan
     selected: list[torch.Tensor] = field(default_factory=list)
 
 
@@ -84,23 +93,24 @@ class SnapKVObserver:
 
     def __call__(self, query: torch.Tensor, paged: PagedKV, block_size: int, scale: float) -> None:
         for t in self.targets:
-            w = min(t.recent_tokens, t.num_q)
-            n = -(-t.num_tokens // block_size)
+            p = t.plan
+            w = min(p.recent_tokens, t.num_q)
+            n = -(-p.num_tokens // block_size)
             blocks = torch.tensor([t.block_ids[:n]], dtype=torch.int64, device=query.device)
-            budget = t.budgets[len(t.selected)]
-            if budget >= t.num_tokens:  # this layer keeps everything (a large pyramid budget)
+            budget = p.budgets[len(t.selected)]
+            if budget >= p.num_tokens:  # this layer keeps everything (a large pyramid budget)
                 hkv = paged.num_kv_heads
-                t.selected.append(torch.arange(t.num_tokens, device=query.device).expand(hkv, -1))
+                t.selected.append(torch.arange(p.num_tokens, device=query.device).expand(hkv, -1))
                 continue
             k, _ = paged.gather(blocks)
             idx = snapkv_select(
                 query[t.q_end - w : t.q_end],
-                k[0, : t.num_tokens],
+                k[0, : p.num_tokens],
                 scale,
                 budget,
-                t.sink_tokens,
-                t.recent_tokens,
-                t.pool_kernel,
+                p.sink_tokens,
+                p.recent_tokens,
+                p.pool_kernel,
             )
             t.selected.append(idx)
 
