@@ -767,10 +767,22 @@ class KVCacheGroupSpec:
 
 
 @dataclass(slots=True)
+class VMMReservation:
+    """The virtual side of a ``kv_cache_memory_mode="vmm"`` cache (vAttention): ``max_rows``
+    request rows of ``max_blocks`` pages each, reserved as address space only. The pool's
+    blocks are the physical pages (one per layer and KV head), so capacity is still the
+    pool's ``num_blocks``."""
+
+    max_rows: int
+    max_blocks: int
+
+
+@dataclass(slots=True)
 class KVCacheConfig:
     """The planned cache: a pool of ``num_blocks`` blocks (block 0 is the null block, so
     ``num_blocks - 1`` are usable), each ``bytes_per_block`` bytes across all layers of the
-    largest group, stored in ``layout`` (stride order of ``[L, B, H, N, C]``)."""
+    largest group, stored in ``layout`` (stride order of ``[L, B, H, N, C]``). ``vmm``: the
+    request rows of a virtual-memory cache (None: the paged cache)."""
 
     num_blocks: int
     kv_cache_groups: list[KVCacheGroupSpec]
@@ -779,6 +791,7 @@ class KVCacheConfig:
     # Which Mamba checkpoints are kept (None: every block boundary; 0: end of step; k: every
     # k tokens): see ``MambaManager``.
     prefix_cache_retention_interval: int | None = None
+    vmm: VMMReservation | None = None
 
     @property
     def num_usable_blocks(self) -> int:

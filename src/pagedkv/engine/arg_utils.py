@@ -30,6 +30,7 @@ from pagedkv.engine.config import (
     DEFAULT_CPU_KV_CACHE_MEMORY,
     DTYPES,
     GGUF_ACTIVATIONS,
+    KV_CACHE_MEMORY_MODES,
     KV_OFFLOAD_CACHE_POLICIES,
     KV_ROTATION_CHOICES,
     PREEMPTION_MODES,
@@ -56,6 +57,8 @@ CACHE_ARGS: tuple[str, ...] = (
     "num_kv_blocks",
     "kv_cache_memory",
     "kv_cache_layout",
+    "kv_cache_memory_mode",
+    "vmm_page_size",
     "kv_cache_dtype",
     "kv_rotation",
     "kv_scales_path",
@@ -177,6 +180,18 @@ class EngineArgs:
         "last: LBNHC (default), LBHNC, or BLNHC / BLHNC, which make each block one "
         "contiguous range across layers (larger KV transfer descriptors)",
         metavar="LAYOUT",
+    )
+    kv_cache_memory_mode: str = _opt(
+        "kv_cache_memory_mode",
+        "paged: block tables (default); vmm: vAttention-style, one contiguous virtual range "
+        "per request with physical pages mapped in as it grows",
+        choices=KV_CACHE_MEMORY_MODES,
+    )
+    vmm_page_size: int = _opt(
+        "vmm_page_size",
+        "vmm mode: bytes of one KV head's physical page, a multiple of 4 KiB holding whole "
+        "tokens (default 64KiB); the scheduler's block is one page",
+        type=size_arg,
     )
     kv_cache_dtype: str = _opt("kv_cache_dtype", kv_cache_dtype_help(), metavar="DTYPE")
     kv_rotation: str | None = _opt(

@@ -31,6 +31,9 @@ DTYPES = (*FLOAT_DTYPES, "auto")  # "auto": the checkpoint's dtype
 KV_ROTATION_CHOICES = (*KV_ROTATIONS, "none")
 KV_OFFLOAD_CACHE_POLICIES = ("lru", "arc")
 PREEMPTION_MODES = ("recompute", "swap")
+KV_CACHE_MEMORY_MODES = ("paged", "vmm")
+# A vmm page: 64 KiB holds 128 tokens of one SmolLM2 KV head in float32 (K+V 512 B a token).
+DEFAULT_VMM_PAGE_SIZE = 64 * 1024
 GGUF_ACTIVATIONS = ("float32", "q8")  # gguf_activations: see EngineConfig
 
 
@@ -68,6 +71,11 @@ class EngineConfig:
     kv_cache_memory: int | None = None
     gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
     kv_cache_layout: str = "LBNHC"
+    # How the device cache is addressed: "paged" (block tables) or "vmm" (vAttention: one
+    # contiguous virtual range per request, physical pages of vmm_page_size bytes per KV head
+    # mapped in as it grows; the scheduler's block is one page: ops/vmm.py).
+    kv_cache_memory_mode: str = "paged"
+    vmm_page_size: int = DEFAULT_VMM_PAGE_SIZE
     kv_cache_dtype: str = "auto"  # KV storage: one of core.specs.KV_CACHE_DTYPES (vLLM's names)
     kv_rotation: str | None = None  # "hadamard" / "none"; None: what kv_cache_dtype implies
     # fp8 per-tensor scales: a JSON file to load them from (and to save calibrated ones to),
@@ -149,6 +157,7 @@ class EngineConfig:
             raise bad("preemption_mode", f"choose {one_of(PREEMPTION_MODES, quote=True)}")
         self._check_layout(bad)
         self._check_kv_cache_dtype(bad)
+        self._check_memory_mode(bad)
         if self.kv_eviction is not None:
             from pagedkv.core.token_eviction import KVEvictionConfig, KVEvictionError
 
@@ -230,6 +239,38 @@ class EngineConfig:
             raise ValueError(
                 f"tensor_parallel_size={tp} with a p2p tier in kv_offload is not supported: "
                 "peers exchange one rank's chunks; use cpu/disk/redis tiers"
+            )
+
+    def _check_memory_mode(self, bad: Any) -> None:
+        """``kv_cache_memory_mode`` and what the vmm mode cannot combine with (the model's own
+        limits, e.g. sliding-window layers, are checked when its specs are planned)."""
+        if self.kv_cache_memory_mode not in KV_CACHE_MEMORY_MODES:
+            raise bad("kv_cache_memory_mode", f"choose {one_of(KV_CACHE_MEMORY_MODES, quote=True)}")
+        v = self.vmm_page_size
+        if not isinstance(v, int) or isinstance(v, bool) or v < 4096 or v % 4096:
+            raise bad("vmm_page_size", "must be a positive multiple of 4096 bytes")
+        if self.kv_cache_memory_mode != "vmm":
+            return
+        from pagedkv.ops.vmm import supported
+
+        why = supported()
+        if why is not None:
+            raise bad("kv_cache_memory_mode", why)
+        if self.device != "cpu":
+            raise bad("kv_cache_memory_mode", "'vmm' runs on CPU (CUDA's VMM API is not built)")
+        if self.kv_cache_dtype not in ("auto", *FLOAT_DTYPES) or self.kv_rotation not in (
+            None,
+            "none",
+        ):
+            raise bad("kv_cache_memory_mode", "'vmm' needs an unquantized, unrotated KV cache")
+        if self.tensor_parallel_size > 1 or self.decode_context_parallel_size > 1:
+            raise bad("kv_cache_memory_mode", "'vmm' runs one rank (no TP/DCP)")
+        if self.kv_eviction is not None:
+            raise bad("kv_cache_memory_mode", "'vmm' rows are append-only: no token eviction")
+        if self.block_size != DEFAULT_BLOCK_SIZE:
+            raise bad(
+                "block_size",
+                "in 'vmm' mode a block is one page: set vmm_page_size, not block_size",
             )
 
     def _check_kv_cache_dtype(self, bad: Any) -> None:

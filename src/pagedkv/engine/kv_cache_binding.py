@@ -19,6 +19,10 @@ One buffer holds the whole cache. Two shapes of it:
 
 Layers without a KV cache of their own get ``(empty, empty)`` (no attention) or their target
 layer's views and group (cross-layer KV sharing, ``ModelConfig.kv_sharing_targets``).
+
+A ``vmm`` cache (``KVCacheConfig.vmm``, `bind_vmm_kv_cache`) has two views of one memory: the
+model's layers get the *virtual* rows ``[R, T, H, D]`` (row = request), the connector and
+block copies the *physical* pages ``[B, N, H, D]`` (the LHBNC buffer).
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from pagedkv.core.specs import (
 )
 from pagedkv.ops.kv_cache import allocate_kv_cache, page_kv_views
 from pagedkv.ops.mamba import mamba_state_views, slot_pages
+from pagedkv.ops.vmm import VirtualKVCache, VMMGeometry
 
 KVView = tuple[torch.Tensor, torch.Tensor]
 
@@ -54,6 +59,10 @@ class KVCacheBinding:
     layer_groups: list[int]
     distinct: list[KVView] = field(default_factory=list)
     mamba_layers: set[int] = field(default_factory=set)
+    # vmm mode: the memory, and each layer's physical views (what the connector registers;
+    # None: the connector registers kv_caches).
+    vmm: VirtualKVCache | None = None
+    physical: list[KVView] | None = None
 
 
 def cache_geometry(
@@ -107,6 +116,47 @@ def bind_kv_cache(
     )
     distinct = list({kv_caches[i][0].data_ptr(): kv_caches[i] for i in order}.values())
     return KVCacheBinding(buffer, kv_caches, layer_groups, distinct, mamba)
+
+
+def bind_vmm_kv_cache(
+    kv_cache_config: KVCacheConfig, model_config: Any, model_dtype: torch.dtype
+) -> KVCacheBinding:
+    """The ``vmm`` cache (`ops.vmm.VirtualKVCache`) of a model with one full-attention group:
+    layer ``j`` of the group is plane set ``j``; its model views are rows ``[R, T, H, D]``
+    (block size T: one row is one "block"), its physical views ``[B, N, H, D]``."""
+    mc = model_config
+    (group,) = kv_cache_config.kv_cache_groups  # engine.vmm refuses anything else
+    assert kv_cache_config.vmm is not None
+    _, heads, hk, hv, dtype = cache_geometry(group.kv_cache_spec, model_dtype)
+    geometry = VMMGeometry(
+        num_layers=len(group.layer_names),
+        num_kv_heads=heads,
+        num_blocks=kv_cache_config.num_blocks,
+        block_size=group.kv_cache_spec.block_size,
+        token_elems=hk + hv,
+        elem_size=torch.empty(0, dtype=dtype).element_size(),
+        max_rows=kv_cache_config.vmm.max_rows,
+        max_blocks=kv_cache_config.vmm.max_blocks,
+    )
+    cache = VirtualKVCache.create(geometry, dtype)
+    virtual: dict[str, KVView] = {}
+    physical: dict[str, KVView] = {}
+    for j, name in enumerate(group.layer_names):
+        v = cache.virtual[j].permute(1, 2, 0, 3)  # [R, T, H, C]
+        p = cache.physical[j].permute(1, 2, 0, 3)  # [B, N, H, C]
+        virtual[name] = (v[..., :hk], v[..., hk:])
+        physical[name] = (p[..., :hk], p[..., hk:])
+    empty = torch.empty(0)
+    kv_caches, phys, layer_groups = [], [], []
+    for i in range(mc.num_layers):
+        src = _kv_source(mc, i)
+        name = mc.layer_name(src) if src is not None else None
+        kv_caches.append(virtual.get(name, (empty, empty)))  # type: ignore[arg-type]
+        phys.append(physical.get(name, (empty, empty)))  # type: ignore[arg-type]
+        layer_groups.append(0)
+    return KVCacheBinding(
+        cache.physical, kv_caches, layer_groups, list(physical.values()), vmm=cache, physical=phys
+    )
 
 
 def _kv_source(mc: Any, i: int) -> int | None:

@@ -28,7 +28,7 @@ from pagedkv.core.kv_cache_manager import KVCacheManager
 from pagedkv.core.parallel import check_parallel_sizes
 from pagedkv.core.planning import blocks_per_request, make_kv_cache_config
 from pagedkv.core.request import RequestStatus, get_request_block_hasher
-from pagedkv.core.specs import KVCacheConfig, get_kv_cache_groups
+from pagedkv.core.specs import KVCacheConfig, VMMReservation, get_kv_cache_groups
 from pagedkv.engine import kv_eviction
 from pagedkv.engine.config import DEFAULT_CPU_KV_CACHE_MEMORY, EngineConfig, check_kv_cache_fits
 from pagedkv.engine.executor import Executor, MultiprocExecutor, UniProcExecutor, WorkerDiedError
@@ -48,6 +48,8 @@ from pagedkv.engine.scheduler_output import (
 )
 from pagedkv.engine.stats import KVConnectorStats, SchedulerStats
 from pagedkv.engine.structured_output import StructuredOutputManager
+from pagedkv.engine.vmm import VMM_LAYOUT, vmm_block_size
+from pagedkv.engine.vmm import describe as describe_vmm
 from pagedkv.kv_transfer.base import KVConnectorBase, KVConnectorRole
 from pagedkv.kv_transfer.factory import KVConnectorFactory
 from pagedkv.models.config import load_model_config
@@ -121,7 +123,7 @@ class LLMEngine:
                 f"model's context length (max_position_embeddings={mc.max_position_embeddings})"
             )
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
-        self.config = config = self._align_hybrid_block_size(config)
+        self.config = config = self._vmm_block_size(self._align_hybrid_block_size(config))
         # The scheduler's tokens per block (with DCP: a virtual block spread over the ranks).
         self.block_size = config.block_size * config.decode_context_parallel_size
         self.kv_cache_config = self._plan_kv_cache()
@@ -180,6 +182,20 @@ class LLMEngine:
         config.block_size = block_size
         return config
 
+    def _vmm_block_size(self, config: EngineConfig) -> EngineConfig:
+        """vmm mode (`engine.vmm`): the block is one physical page, so the block size is the
+        page's tokens and the layout the physical pages' (ValueError for a model the mode
+        does not run)."""
+        if config.kv_cache_memory_mode != "vmm":
+            return config
+        specs = scheduler_kv_cache_specs(
+            config, self.model_config, str(self.dtype).split(".")[-1], config.block_size
+        )
+        block_size = vmm_block_size(get_kv_cache_groups(specs), config.vmm_page_size)
+        config = copy.copy(config)  # not replace(): see _align_hybrid_block_size
+        config.block_size, config.kv_cache_layout = block_size, VMM_LAYOUT
+        return config
+
     def _plan_kv_cache(self) -> KVCacheConfig:
         """The model's KV cache specs → groups → a pool sized from the configured memory.
         Refuses (ValueError) when one ``max_model_len`` request cannot fit (vLLM's rule, also
@@ -206,6 +222,11 @@ class LLMEngine:
             layout=config.kv_cache_layout,
         )
         kv_cache_config.prefix_cache_retention_interval = config.prefix_cache_retention_interval
+        if config.kv_cache_memory_mode == "vmm":
+            # A row holds a max_model_len request; the step never has more than max_num_seqs.
+            blocks = -(-self.max_model_len // config.block_size)
+            kv_cache_config.vmm = VMMReservation(config.max_num_seqs, blocks)
+            logger.info("%s", describe_vmm(kv_cache_config))
         return kv_cache_config
 
     def _make_connector(self, identity: str) -> KVConnectorBase | None:

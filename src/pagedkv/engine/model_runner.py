@@ -34,7 +34,7 @@ import torch
 
 from pagedkv.core.parallel import dcp_local_count, dcp_owner
 from pagedkv.core.specs import KVCacheConfig, KVCacheSpec, KVQuantMode, MambaSpec, iter_layer_specs
-from pagedkv.engine.kv_cache_binding import bind_kv_cache
+from pagedkv.engine.kv_cache_binding import bind_kv_cache, bind_vmm_kv_cache
 from pagedkv.engine.model_input import (
     KVCompaction,
     ModelInput,
@@ -43,6 +43,7 @@ from pagedkv.engine.model_input import (
 )
 from pagedkv.engine.sampler import LogprobsTensors, compute_prompt_logprobs
 from pagedkv.engine.scheduler_output import ScheduledRequest, SchedulerOutput
+from pagedkv.engine.vmm import VMMRows
 from pagedkv.kv_transfer.base import KVConnectorBase, KVConnectorOutput
 from pagedkv.models.layers import RotaryEmbedding
 from pagedkv.ops.cache import compute_slot_mapping
@@ -56,6 +57,7 @@ from pagedkv.ops.token_eviction import (
     compact,
     rerotate_keys,
 )
+from pagedkv.ops.vmm import VirtualKVCache
 
 # Prompt-logprob rows scored per model-head call: bounds the [rows, vocab] float32 temporaries.
 PROMPT_LOGPROBS_ROWS_PER_PASS = 512
@@ -98,6 +100,11 @@ class ModelRunner:
         self.layer_groups: list[int] = []
         self.distinct_kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.kv_quants: dict[str, KVQuant] = {}  # layer name → its quantized/rotated cache format
+        # vmm mode (`engine.vmm`): the virtual cache, each request's row, and the physical
+        # views the connector registers (kv_caches are then the rows the model reads).
+        self.vmm: VirtualKVCache | None = None
+        self.vmm_rows: VMMRows | None = None
+        self.connector_kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         # request id -> prompt positions whose logits rows were scored (prompt_logprobs).
         self.num_prompt_logprobs_done: dict[str, int] = {}
         # request id -> the SnapKV selection of its compression (per attention layer,
@@ -110,8 +117,13 @@ class ModelRunner:
         attention belongs to no group."""
         mc = self.model_config
         groups = kv_cache_config.kv_cache_groups
-        b = bind_kv_cache(kv_cache_config, mc, self.dtype, self.device)
+        if kv_cache_config.vmm is not None:
+            b = bind_vmm_kv_cache(kv_cache_config, mc, self.dtype)
+            self.vmm, self.vmm_rows = b.vmm, VMMRows(kv_cache_config.vmm.max_rows)
+        else:
+            b = bind_kv_cache(kv_cache_config, mc, self.dtype, self.device)
         self.kv_buffer, self.kv_caches, self.layer_groups = b.buffer, b.kv_caches, b.layer_groups
+        self.connector_kv_caches = b.physical if b.physical is not None else b.kv_caches
         self.distinct_kv_caches = b.distinct
         self.group_block_sizes = [g.kv_cache_spec.block_size for g in groups]
         # The attention groups' block size (the pool's tokens per block where they agree).
@@ -132,7 +144,7 @@ class ModelRunner:
         if self.connector is not None:
             owned = (i for i in range(mc.num_layers) if mc.owns_kv_cache(i))
             self.connector.register_kv_caches(
-                {mc.layer_name(i): self.kv_caches[i] for i in owned}, self.kv_buffer
+                {mc.layer_name(i): self.connector_kv_caches[i] for i in owned}, self.kv_buffer
             )
 
     def _layer_kv_quants(self, groups: list[Any]) -> dict[str, KVQuant]:
@@ -223,6 +235,9 @@ class ModelRunner:
         logprob progress and decides which prompt rows are scored this step (driver only)."""
         for rid in so.finished_req_ids:
             self.num_prompt_logprobs_done.pop(rid, None)
+        if self.vmm_rows is not None:  # their blocks return to the pool: unmap their rows
+            for rid in [*so.finished_req_ids, *(r.request_id for r in so.preempted)]:
+                self._vmm_release(rid)
         scheduled = []
         for s in so.scheduled:
             req = s.request
@@ -305,6 +320,28 @@ class ModelRunner:
         qsl = torch.tensor(query_start_loc, dtype=torch.int32, device=dev)
         lens = torch.tensor(seq_lens, dtype=torch.int32, device=dev)
         max_query_len = max(s.num_tokens for s in mi.scheduled)
+        if self.vmm is not None:
+            rows = self._vmm_map(mi)
+            per_token = (
+                rows
+                if decode_only
+                else [r for s, r in zip(mi.scheduled, rows) for _ in range(s.num_tokens)]
+            )
+            span = self.vmm.virtual.shape[3]  # tokens of a row: the "block" attention reads
+            slots = torch.tensor(per_token, dtype=torch.int64, device=dev) * span + kv_pos
+            md = AttentionMetadata(
+                slot_mapping=slots,
+                query_start_loc=qsl,
+                seq_lens=lens,
+                block_table=torch.tensor(rows, dtype=torch.int32, device=dev).view(-1, 1),
+                block_size=span,
+                max_query_len=max_query_len,
+                max_seq_len=max(seq_lens),
+                query_start_loc_cpu=query_start_loc,
+                seq_lens_cpu=seq_lens,
+                contiguous=True,
+            )
+            return input_ids, pos, [md], logits_indices
         mds = []
         for g in range(len(self.group_block_sizes)):
             max_blocks = max(len(s.block_ids[g]) for s in mi.scheduled)
@@ -344,6 +381,28 @@ class ModelRunner:
                 )
             )
         return input_ids, pos, mds, logits_indices
+
+    def _vmm_map(self, mi: ModelInput) -> list[int]:
+        """vmm mode: each scheduled request's row, with its block table's pages mapped in
+        (pages before the step's first token read-only). A request that takes the row of one
+        not in this step (preempted, not yet told) has that row unmapped first."""
+        assert self.vmm is not None and self.vmm_rows is not None
+        in_step = {s.request_id for s in mi.scheduled}
+        bs = self.block_size
+        rows = []
+        for s in mi.scheduled:
+            row, evicted = self.vmm_rows.acquire(s.request_id, in_step)
+            if evicted is not None:
+                self.vmm.release(row)
+            self.vmm.map_blocks(row, list(s.block_ids[0]), s.start // bs)
+            rows.append(row)
+        return rows
+
+    def _vmm_release(self, request_id: str) -> None:
+        assert self.vmm is not None and self.vmm_rows is not None
+        row = self.vmm_rows.release(request_id)
+        if row is not None:
+            self.vmm.release(row)
 
     def _dcp_slots(self, mi: ModelInput, bs: int) -> tuple[torch.Tensor, list[int]]:
         """Decode context parallelism: this rank's slot of each token (-1 where another DCP

@@ -285,6 +285,12 @@ def _decode(
         and _native_decode(query, out, paged, md.rows(), scale, sliding_window, chunk_size)
     ):
         return
+    if md.contiguous:
+        for i in rows:
+            _contiguous_decode_row(
+                query, out, paged, md, i, scale, sliding_window, soft_cap, chunk_size
+            )
+        return
     bs, dev = md.block_size, query.device
     chunks = _decode_chunks(
         md.seq_lens_cpu, rows, paged.token_bytes, KV_CHUNK_BYTES, sliding_window, chunk_size
@@ -331,6 +337,41 @@ def _decode(
         else:
             res[rs] = merge_attn_states_multi([o for o, _ in parts], [lse for _, lse in parts])[0]
     out[tokens] = res.squeeze(2)
+
+
+def _contiguous_decode_row(
+    query: torch.Tensor,
+    out: torch.Tensor,
+    paged: PagedKV,
+    md: AttentionMetadata,
+    i: int,
+    scale: float,
+    sliding_window: int | None,
+    soft_cap: float | None,
+    chunk_size: int | None,
+) -> None:
+    """One decode row over a vmm row (``md.contiguous``): its visible keys are one slice of
+    the row, read in place (the torch path where the native kernel does not apply)."""
+    t, seq_len = md.query_start_loc_cpu[i], md.seq_lens_cpu[i]
+    lo = _first_key(seq_len - 1, sliding_window, chunk_size)
+    k, v = _row_kv(paged, md, i, lo, seq_len)
+    q = query[t : t + 1].transpose(0, 1).unsqueeze(0)  # [1, Hq, 1, D]
+    o, _ = attend(q, k, v, scale, soft_cap=soft_cap, exact_empty_lse=False)
+    out[t] = o[0, :, 0].to(out.dtype)
+
+
+def _row_kv(
+    paged: PagedKV, md: AttentionMetadata, i: int, lo: int, hi: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys/values ``[lo, hi)`` of sequence ``i`` as ``[1, hi - lo, Hkv, D]``: a view of its
+    vmm row (``md.contiguous``), else gathered from its blocks ``lo // bs ..``."""
+    if md.contiguous:
+        row = int(md.block_table[i, 0])
+        return paged.key_cache[row : row + 1, lo:hi], paged.value_cache[row : row + 1, lo:hi]
+    bs = md.block_size
+    k, v = paged.gather(md.block_table[i : i + 1, lo // bs : -(-hi // bs)])
+    base = lo // bs * bs
+    return k[:, lo - base : hi - base], v[:, lo - base : hi - base]
 
 
 def _native_decode(
@@ -446,8 +487,8 @@ def _prefill(
     seq_len, q_len = md.seq_lens_cpu[row], t1 - t0
     ctx = seq_len - q_len
     lo = _first_key(ctx, sliding_window, chunk_size)
-    base = lo // bs * bs  # absolute position of gathered key 0
-    k, v = paged.gather(md.block_table[row : row + 1, base // bs : -(-seq_len // bs)])
+    base = lo if md.contiguous else lo // bs * bs  # absolute position of key 0 of k/v
+    k, v = _row_kv(paged, md, row, base, seq_len)
     q = query[t0:t1].transpose(0, 1).unsqueeze(0)  # [1, Hq, Lq, D] view
     tile = max(
         1, min(PREFILL_TILE_TOKENS, PREFILL_TILE_BYTES // (4 * query.shape[1] * (seq_len - base)))

@@ -63,6 +63,10 @@ class AttentionMetadata:
     # K/V are written, as ``kv_observer(query, paged_kv, block_size, scale)``
     # (`ops.token_eviction.SnapKVObserver`). The native decode step does not run with one set.
     kv_observer: Any = None
+    # A vmm cache (`ops.vmm`): the caches are request rows ``[R, T, H, D]``, ``block_table[i]``
+    # is sequence ``i``'s one row and ``block_size`` is T. Attention reads ``[0, seq_len)`` of
+    # the row in place (past it the row is unmapped: a gather of the whole "block" would fault).
+    contiguous: bool = False
 
     def rows(self) -> StepRows:
         """The step's :class:`StepRows`, computed on first use (layers share the metadata)."""
