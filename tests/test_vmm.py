@@ -366,3 +366,21 @@ def test_hybrid_model_refused(tmp_path: Path) -> None:
     test_gemma2.build(test_gemma2.tiny_config()).save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="one KV cache group"):
         LLM(model=str(tmp_path), kv_cache_memory_mode="vmm", max_model_len=64)
+
+
+def test_bench_vmm_small_parts(capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    from pagedkv.bench import vmm as bench
+    from pagedkv.ops import native
+
+    parts = ["waste", "alloc"] + (["decode"] if native.available() else [])
+    for part in parts:
+        argv = [part, "--json-only", "--seqs", "4", "--tokens", "256", "--rounds", "1"]
+        assert bench.main([*argv, "--calls", "1", "--footprint-mb", "1", "--repeats", "2"]) == 0
+        report = json.loads(capsys.readouterr().out)
+        assert report["benchmark"] == "vmm" and part in report
+    # Waste grows with the page's tokens, from real mappings.
+    (w,) = [r for r in bench.run_waste()["workloads"] if r["workload"].startswith("256")]
+    assert 0 < w["paged_block16_waste"] < w["vmm_16KiB_waste"] < w["vmm_64KiB_waste"]
+    assert w["vmm_64KiB_waste"] < w["vmm_2MiB_waste"]

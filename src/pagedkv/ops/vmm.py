@@ -33,6 +33,8 @@ address). Linux only; Linux's constants are spelled below.
 from __future__ import annotations
 
 import ctypes
+import errno
+import logging
 import os
 import sys
 from dataclasses import dataclass, field
@@ -44,6 +46,18 @@ PROT_NONE, PROT_READ, PROT_WRITE = 0x0, 0x1, 0x2
 MAP_SHARED, MAP_PRIVATE, MAP_FIXED, MAP_ANONYMOUS, MAP_NORESERVE = 0x1, 0x2, 0x10, 0x20, 0x4000
 MAP_FAILED = ctypes.c_void_p(-1).value
 OS_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+logger = logging.getLogger(__name__)
+
+
+def max_map_count() -> int:
+    """The kernel's limit on a process's mappings (``vm.max_map_count``; 65530 by default).
+    Every page mapped at a scattered physical offset is one mapping (consecutive ones merge)."""
+    try:
+        with open("/proc/sys/vm/max_map_count") as f:
+            return int(f.read())
+    except OSError:
+        return 65530
 
 
 def _libc() -> ctypes.CDLL:
@@ -183,6 +197,18 @@ class VirtualKVCache:
         )
         self.rows = [[] for _ in range(g.max_rows)]
         self.first_writable = [0] * g.max_rows
+        # Worst case: every page of the pool mapped once at a scattered offset (prefix
+        # sharing maps some twice; a row's consecutive pages merge into one mapping).
+        worst = g.planes * (g.num_blocks + g.max_rows)
+        if worst > 0.9 * max_map_count():
+            logger.warning(
+                "vmm: up to %d mappings for %d pages x %d (layer, KV head) planes, near "
+                "vm.max_map_count=%d: raise it (sysctl) or use larger vmm pages",
+                worst,
+                g.num_blocks,
+                g.planes,
+                max_map_count(),
+            )
         return self
 
     # ---- addresses ---------------------------------------------------------------------------
@@ -201,7 +227,13 @@ class VirtualKVCache:
         got = self._libc.mmap(addr, size, prot, flags, fd, off)
         if got in (None, MAP_FAILED) or (addr is not None and got != addr):
             err = ctypes.get_errno()
-            raise OSError(err, f"mmap of {size} bytes failed: {os.strerror(err)}")
+            hint = ""
+            if err == errno.ENOMEM:
+                hint = (
+                    f" (a process may hold vm.max_map_count={max_map_count()} mappings; "
+                    "raise it, or use larger vmm pages)"
+                )
+            raise OSError(err, f"mmap of {size} bytes failed: {os.strerror(err)}{hint}")
         return int(got)
 
     def _mprotect(self, addr: int, size: int, prot: int) -> None:
