@@ -406,6 +406,18 @@ def test_parse_documented_spec():
     assert parse_offload_spec("cpu:1GiB,disk:C:/x:y:1MiB").disk == DiskTierConfig("C:/x:y", 2**20)
 
 
+def test_parse_p2p_codec():
+    cfg = parse_offload_spec("cpu:1GiB,p2p:10.0.0.2:7000:zstd,p2p-listen:0.0.0.0:7001:1GiB:zstd")
+    assert cfg.p2p.codec == "zstd" and cfg.p2p.peers == (("10.0.0.2", 7000),)
+    assert (cfg.p2p.listen_host, cfg.p2p.listen_port) == ("0.0.0.0", 7001)
+    assert parse_offload_spec(cfg.to_spec()) == cfg
+    assert parse_offload_spec("cpu:1GiB,p2p:h:7000").p2p.codec == "raw"
+    with pytest.raises(ValueError, match="one codec"):
+        parse_offload_spec("cpu:1GiB,p2p:h:7000:zstd,p2p-listen:7001:1GiB:lz4")
+    with pytest.raises(ValueError, match="unknown codec"):
+        parse_offload_spec("cpu:1GiB,p2p:h:7000:gzip")
+
+
 @pytest.mark.parametrize(
     "bad",
     [

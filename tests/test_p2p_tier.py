@@ -32,17 +32,30 @@ def key(i: int) -> bytes:
     return i.to_bytes(4, "little") * 8
 
 
-def test_chunk_store_lru_skips_leased_slots_and_checks_sums():
+def test_chunk_store_lru_skips_leased_entries_and_checks_sums():
     store = ChunkStore(2, CHUNK)
     assert store.put(key(1), chunk(1)) and store.put(key(2), chunk(2))
-    ((slot1, sum1),) = store.lookup([key(1)], pin_s=60)  # leased: key 2 is now the LRU victim too
+    (e1,) = store.lookup([key(1)], pin_s=60)  # leased: key 2 is now the LRU victim
     assert store.put(key(3), chunk(3))
     assert key(1) in store and key(2) not in store and store.evicted == [key(2)]
-    assert store.verify(slot1, sum1) and not store.verify(slot1, sum1 ^ 1)
+    assert store.verify(e1.units, e1.length, e1.checksum)
+    assert not store.verify(e1.units, e1.length, e1.checksum ^ 1)
     store.release([key(1)])
     assert store.put(key(4), chunk(4)) and key(1) not in store  # released: evictable again
-    reserved = [store.reserve(key(9), 60), store.reserve(key(10), 60)]
-    assert None not in reserved and store.reserve(key(11), 60) is None  # every slot leased
+    reserved = [store.reserve(CHUNK), store.reserve(CHUNK)]
+    assert None not in reserved and store.reserve(CHUNK) is None  # every unit reserved
+
+
+def test_chunk_store_units_hold_variable_payloads():
+    store = ChunkStore(8, 100)
+    a, b = bytes(range(250)), bytes(x % 7 for x in range(600))
+    assert store.put(key(1), a) and store.stored_bytes() == 300  # 3 units
+    assert store.put(key(2), b)  # 6 units: evicts key 1 (LRU) to find them
+    assert key(1) not in store and store.evicted == [key(1)]
+    (e,) = store.lookup([key(2)])
+    assert len(e.units) == 6 and store.read(e.units, e.length) == b
+    assert not store.put(key(3), bytes(1000))  # larger than the store: refused, nothing lost
+    assert key(2) in store
 
 
 def test_the_offload_factory_builds_the_p2p_tier_like_every_tier(tmp_path):
@@ -240,3 +253,100 @@ def test_two_serve_processes_share_a_prefix_over_p2p():
     finally:
         for p, _ in procs:
             _stop(p)
+
+
+def kv_like_chunk(i: int) -> bytes:
+    """bf16 values of a smooth signal: compressible like real K/V pages (exponents repeat)."""
+    import torch
+
+    x = torch.linspace(-2, 2, CHUNK // 2) * (1 + i / 10)
+    return x.to(torch.bfloat16).view(torch.uint8).numpy().tobytes()
+
+
+@pytest.mark.parametrize("codec_name", ["zstd", "int8"])
+def test_codec_shrinks_the_wire_and_restores_the_chunk(backend, codec_name):
+    import numpy as np
+
+    from pagedkv.offload.codec import make_codec
+
+    codec = make_codec(codec_name, "bfloat16", 64, quantized=False)
+    port = free_port()
+
+    def tier(peers=(), listen=0) -> P2PTier:
+        return P2PTier(
+            list(peers),
+            "fp",
+            "seed",
+            CHUNK,
+            listen_port=listen,
+            capacity_bytes=16 * CHUNK,
+            backend=backend,
+            timeout_s=1.0,
+            codec=codec,
+        )
+
+    server = tier(listen=port)
+    client = tier(peers=[("127.0.0.1", port)])
+    raw_reader = make_tier(backend, peers=[("127.0.0.1", port)])
+    try:
+        chunks = [kv_like_chunk(i) for i in range(4)]
+        assert (
+            server.store_batch([(key(i), memoryview(c)) for i, c in enumerate(chunks)])
+            == [True] * 4
+        )
+        assert server.get_stats().bytes_written < 4 * CHUNK / 1.3
+        dst = [bytearray(CHUNK) for _ in range(4)]
+        assert client.load_batch([(key(i), memoryview(d)) for i, d in enumerate(dst)]) == [True] * 4
+        got = [np.frombuffer(bytes(d), dtype=np.uint16) for d in dst]
+        if codec_name == "zstd":  # lossless: byte for byte
+            assert [bytes(d) for d in dst] == chunks
+        else:  # int8 rows: within one quantization step of each value
+            import torch
+
+            for g, c in zip(got, chunks):
+                a = torch.frombuffer(bytearray(g.tobytes()), dtype=torch.bfloat16).float()
+                b = torch.frombuffer(bytearray(c), dtype=torch.bfloat16).float()
+                step = b.view(-1, 64).abs().amax(1, keepdim=True) / 127
+                assert bool(((a - b).view(-1, 64).abs() <= step + 0.02 * b.abs().amax()).all())
+        st = client.get_stats()
+        assert st.loads == 4 and 0 < st.bytes_read < 4 * CHUNK / 1.3  # fewer bytes moved
+        # A raw reader (another codec) is refused at the handshake, naming the field.
+        assert raw_reader.exists_batch([key(0)]) == [False]
+        assert "codec" in (raw_reader._peers[0].error or "") or "fingerprint" in (
+            raw_reader._peers[0].error or ""
+        )
+    finally:
+        raw_reader.shutdown()
+        client.shutdown()
+        server.shutdown()
+
+
+def test_a_corrupted_encoded_chunk_is_a_miss(backend):
+    from pagedkv.offload.codec import make_codec
+
+    codec = make_codec("zstd", "bfloat16", 64, quantized=False)
+    port = free_port()
+    mk = lambda peers=(), listen=0: P2PTier(  # noqa: E731
+        list(peers),
+        "fp",
+        "seed",
+        CHUNK,
+        listen_port=listen,
+        capacity_bytes=16 * CHUNK,
+        backend=backend,
+        timeout_s=1.0,
+        codec=codec,
+    )
+    server, client = mk(listen=port), None
+    try:
+        client = mk(peers=[("127.0.0.1", port)])
+        server.store_batch([(key(1), memoryview(kv_like_chunk(1)))])
+        (e,) = server.store.lookup([key(1)])
+        server.store.buffer[e.units[0], 20] ^= 0xFF  # a bit flip after encoding
+        dst = bytearray(CHUNK)
+        assert client.load_batch([(key(1), memoryview(dst))]) == [False]
+        assert client.get_stats().corrupted == 1 and key(1) not in client.store
+    finally:
+        if client is not None:
+            client.shutdown()
+        server.shutdown()

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -66,7 +67,72 @@ def bench_pages(args: argparse.Namespace) -> dict[str, Any]:
                 encode_MBps=raw / t_enc / 1e6,
                 decode_MBps=raw / t_dec / 1e6,
             )
+            if not args.skip_tiers:
+                rows[name].update(_tier_loads(pages[: args.tier_chunks], codec, bs))
         out[dtype] = dict(blocks=len(pages), raw_bytes=raw, codecs=rows)
+    return out
+
+
+def _tier_loads(pages: list[memoryview], codec: Any, block_size: int) -> dict[str, float]:
+    """Load bandwidth (restored chunk bytes a second, best of 3) of these pages from a disk
+    tier (page cache dropped before each load) and from a P2P peer over the TCP backend, with
+    ``codec``; and the bytes a token costs on the wire from the peer."""
+    import tempfile
+
+    from pagedkv import envs
+    from pagedkv.bench.instances import free_port
+    from pagedkv.bench.offload import drop_page_cache
+    from pagedkv.offload.fs_tier import FileSystemTier
+    from pagedkv.offload.p2p_tier import P2PTier
+
+    pages = [p.cast("B") for p in pages]  # flat, as the offload worker's chunk views are
+    n, size = len(pages), pages[0].nbytes
+    keys = [i.to_bytes(32, "big") + b"\0\0\0\0" for i in range(n)]
+    dst = [memoryview(bytearray(size)) for _ in range(n)]
+    out: dict[str, float] = {}
+    with tempfile.TemporaryDirectory(dir=envs.PAGEDKV_BENCH_DIR) as d:
+        tier = FileSystemTier(d, "be" * 16, 4 * n * size, size, codec=codec)
+        try:
+            assert all(tier.store_batch(list(zip(keys, pages))))
+            best = 0.0
+            for _ in range(3):
+                for f in Path(d).rglob("*.bin"):
+                    drop_page_cache(f)
+                t0 = time.perf_counter()
+                assert all(tier.load_batch(list(zip(keys, dst))))
+                best = max(best, n * size / (time.perf_counter() - t0))
+            out["disk_load_MBps"] = best / 1e6
+        finally:
+            tier.shutdown()
+    port = free_port()
+    mk = lambda peers, listen: P2PTier(  # noqa: E731
+        peers,
+        "fp",
+        "seed",
+        size,
+        listen_port=listen,
+        capacity_bytes=2 * n * size,
+        backend="tcp",
+        codec=codec,
+    )
+    server = mk([], port)
+    readers = []
+    try:
+        assert all(server.store_batch(list(zip(keys, pages))))
+        best, wire = 0.0, 0
+        for _ in range(3):  # a fresh reader each time: its own store starts empty
+            reader = mk([("127.0.0.1", port)], 0)
+            readers.append(reader)
+            t0 = time.perf_counter()
+            assert all(reader.load_batch(list(zip(keys, dst))))
+            best = max(best, n * size / (time.perf_counter() - t0))
+            wire = reader.get_stats().bytes_read
+        out["p2p_load_MBps"] = best / 1e6
+        out["p2p_wire_bytes_per_token"] = wire / (n * block_size)
+    finally:
+        for r in readers:
+            r.shutdown()
+        server.shutdown()
     return out
 
 
@@ -121,12 +187,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def table(r: dict[str, Any]) -> str:
-    lines = ["codec   dtype      ratio  B/token  encode MB/s  decode MB/s"]
+    lines = [
+        "codec   dtype      ratio  B/token  encode MB/s  decode MB/s  disk load MB/s"
+        "  p2p load MB/s  p2p wire B/token"
+    ]
     for dtype, d in r["pages"].items():
         for name, c in d["codecs"].items():
             lines.append(
                 f"{name:7s} {dtype:9s} {c['ratio']:6.2f}x {c['bytes_per_token']:8.0f}"
                 f" {c['encode_MBps']:11.0f} {c['decode_MBps']:12.0f}"
+                f" {c.get('disk_load_MBps', float('nan')):15.0f}"
+                f" {c.get('p2p_load_MBps', float('nan')):14.0f}"
+                f" {c.get('p2p_wire_bytes_per_token', float('nan')):17.0f}"
             )
     acc = r.get("int8_accuracy")
     if acc:
@@ -146,3 +218,5 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--window", type=int, default=2048)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--skip-accuracy", action="store_true")
+    p.add_argument("--skip-tiers", action="store_true", help="no disk/P2P load measurement")
+    p.add_argument("--tier-chunks", type=int, default=256, help="pages loaded from the tiers")

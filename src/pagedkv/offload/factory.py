@@ -212,16 +212,18 @@ def _secondary_tiers(
         from pagedkv.offload.p2p_tier import P2PTier
 
         p = config.p2p
+        codec = tier_codec(p.codec, fingerprint)
         tiers.append(
             P2PTier(
                 p.peers,
-                fingerprint.hexdigest,
+                replace(fingerprint, codec=codec.name).hexdigest,
                 hash_seed,
                 chunk_bytes,
                 listen_host=p.listen_host,
                 listen_port=p.listen_port,
                 capacity_bytes=p.capacity_bytes,
                 backend=p2p_backend,
+                codec=codec,
             )
         )
     return tiers

@@ -1,24 +1,26 @@
 """`P2PTier`: instances serve each other's cached prefixes (vLLM's tiering P2P, ``--kv-offload
-...,p2p:PEER_HOST:PORT,p2p-listen:[HOST:]PORT:SIZE``).
+...,p2p:PEER_HOST:PORT[:CODEC],p2p-listen:[HOST:]PORT:SIZE[:CODEC]``).
 
 A secondary tier below the CPU tier, like disk and Redis, so the tiering manager's asynchronous
 lookups (``RETRY`` / ``HIT_PENDING``), promotions and load path are reused unchanged:
 
-* **serving** (``p2p-listen``): every chunk this instance's CPU tier cascades down is copied
-  into the tier's own chunk store (``SIZE`` bytes of registered host memory, LRU). A ZMQ ROUTER
-  thread answers peers: ``connect`` (the handshake: offload fingerprint — model, dtype, block
-  size, layout — hash seed, chunk size and the transfer backend's metadata; any difference is
-  refused naming the field), ``lookup`` (which keys it holds; with ``pin`` their slots are
-  leased for ``lease_s`` so they cannot be evicted while a peer reads them, plus each chunk's
-  xxh3 checksum) and ``release``.
+* **serving** (``p2p-listen``): every chunk this instance's CPU tier cascades down is encoded
+  with the tier's codec (`offload.codec`; raw by default) and kept in the tier's own chunk
+  store (``SIZE`` bytes of registered host memory in units, LRU). A ZMQ ROUTER thread answers
+  peers: ``connect`` (the handshake: offload fingerprint — model, dtype, block size, layout,
+  codec — hash seed, chunk size, codec and unit size, and the transfer backend's metadata; any
+  difference is refused naming the field), ``lookup`` (which keys it holds: their units,
+  payload lengths and xxh3 checksums of the encoded bytes; with ``pin`` they are leased for
+  ``lease_s`` so they cannot be evicted while a peer reads them) and ``release``.
 * **reading** (``p2p``): `exists_batch` asks the peers (batched); `load_batch` pins the hits at
-  a peer, reads the slots with the `KVTransferBackend` (NIXL or TCP) into slots of its own
-  store, verifies the checksums, copies them into the CPU tier's chunks and releases the pins.
-  Chunks read from a peer stay in the local store, so they are served onward too.
+  a peer, reads their units with the `KVTransferBackend` (NIXL or TCP) into units of its own
+  store (an encoded chunk's payload alone crosses the wire), verifies the checksums, decodes
+  into the CPU tier's chunks on the tier's I/O thread and releases the pins. Chunks read from
+  a peer stay in the local store, so they are served onward too.
 
 Failure policy (a tier never raises into the engine): an unreachable, refused or failing peer
 is a miss, marked unhealthy for ``cooldown_s`` and skipped meanwhile; a checksum mismatch is a
-miss counted as ``corrupted``. KV events: chunks entering / leaving the store are reported with
+miss counted as ``corrupted`` (so is a payload the codec cannot decode). KV events: chunks entering / leaving the store are reported with
 medium ``P2P`` (`take_events`).
 """
 
@@ -38,6 +40,7 @@ import xxhash
 import zmq
 
 from pagedkv.offload.base import ChunkItems, OffloadKey, RateLimitedWarning, SecondaryTier
+from pagedkv.offload.codec import CodecError, KVCodec
 from pagedkv.offload.dual_queue_pool import DualQueueThreadPool
 from pagedkv.transfer import get_transfer_backend
 from pagedkv.transfer.base import KVTransferBackend, MemoryRegion
@@ -45,106 +48,138 @@ from pagedkv.transfer.base import KVTransferBackend, MemoryRegion
 logger = logging.getLogger(__name__)
 _warn = RateLimitedWarning(logger)
 MEDIUM_P2P = "P2P"
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: chunks in units, lookups answer units/lengths/sums
+
+
+@dataclass(frozen=True, slots=True)
+class _Hit:
+    """A peer's answer for one wanted chunk: item ``index``, its units there, payload bytes,
+    checksum."""
+
+    index: int
+    units: list[int]
+    length: int
+    checksum: int
+
+
+@dataclass(slots=True)
+class _Entry:
+    units: list[int]  # the store units holding the payload, in order
+    length: int  # payload bytes (the last unit is used up to here)
+    checksum: int  # xxh3_64 of the payload
 
 
 class ChunkStore:
-    """``num_slots`` chunks of ``chunk_bytes`` in one registered numpy buffer, indexed by key,
-    LRU; a pinned (leased) slot is never evicted. Thread-safe (one lock)."""
+    """Encoded chunks in ``num_units`` units of ``unit_bytes`` (one registered numpy buffer),
+    indexed by key, LRU; a chunk takes ``ceil(len / unit_bytes)`` units, anywhere (a peer reads
+    them as a list of blocks, so only the payload's units cross the wire). A pinned (leased)
+    entry is never evicted. Without a codec a unit is a whole chunk. Thread-safe (one lock)."""
 
-    def __init__(self, num_slots: int, chunk_bytes: int) -> None:
-        self.chunk_bytes = chunk_bytes
-        self.buffer = np.zeros((max(num_slots, 1), chunk_bytes), dtype=np.uint8)
-        self.num_slots = num_slots
+    def __init__(self, num_units: int, unit_bytes: int) -> None:
+        self.unit_bytes = unit_bytes
+        self.buffer = np.zeros((max(num_units, 1), unit_bytes), dtype=np.uint8)
+        self.num_units = num_units
         self._lock = threading.Lock()
-        self._index: OrderedDict[OffloadKey, int] = OrderedDict()  # key -> slot, LRU first
-        self._sums: dict[int, int] = {}  # slot -> xxh3_64 of its bytes
-        self._pins: dict[int, float] = {}  # slot -> lease expiry (monotonic)
-        self._free = list(range(num_slots - 1, -1, -1))
+        self._index: OrderedDict[OffloadKey, _Entry] = OrderedDict()  # LRU first
+        self._pins: dict[OffloadKey, float] = {}  # key -> lease expiry (monotonic)
+        self._free = list(range(num_units - 1, -1, -1))
         self.evicted: list[OffloadKey] = []  # for events, drained by the tier
 
     def region(self) -> MemoryRegion:
         return MemoryRegion(
-            self.buffer.ctypes.data, self.buffer.shape[0], self.chunk_bytes, self.chunk_bytes
+            self.buffer.ctypes.data, self.buffer.shape[0], self.unit_bytes, self.unit_bytes
         )
 
-    def _take_slot(self, now: float) -> int | None:
-        if self._free:
-            return self._free.pop()
-        for key, slot in self._index.items():  # LRU first
-            if self._pins.get(slot, 0.0) <= now:
-                del self._index[key]
-                self._pins.pop(slot, None)
-                self._sums.pop(slot, None)
+    def units_for(self, length: int) -> int:
+        return max(1, -(-length // self.unit_bytes))
+
+    def _take_units(self, n: int, now: float) -> list[int] | None:
+        """``n`` free units, evicting unpinned entries LRU first; None (nothing taken) if
+        pinned entries hold too many."""
+        if len(self._free) < n:
+            evictable = sum(
+                len(e.units) for k, e in self._index.items() if self._pins.get(k, 0.0) <= now
+            )
+            if len(self._free) + evictable < n:  # evict nothing for a chunk that cannot fit
+                return None
+            for key in list(self._index):
+                if len(self._free) >= n:
+                    break
+                if self._pins.get(key, 0.0) > now:
+                    continue
+                self._free.extend(self._index.pop(key).units)
+                self._pins.pop(key, None)
                 self.evicted.append(key)
-                return slot
-        return None  # everything is leased to readers
+        if len(self._free) < n:
+            return None
+        return [self._free.pop() for _ in range(n)]
+
+    def _write(self, units: list[int], payload: memoryview) -> None:
+        flat = np.frombuffer(payload, dtype=np.uint8)
+        for i, u in enumerate(units):
+            part = flat[i * self.unit_bytes : (i + 1) * self.unit_bytes]
+            self.buffer[u, : part.size] = part
+
+    def read(self, units: list[int], length: int) -> bytes:
+        """The payload stored in ``units`` (one copy)."""
+        return self.buffer[units].reshape(-1)[:length].tobytes()
 
     def put(self, key: OffloadKey, payload: memoryview | bytes) -> bool:
+        payload = memoryview(payload).cast("B")
         with self._lock:
             if key in self._index:
                 self._index.move_to_end(key)
                 return True
-            slot = self._take_slot(time.monotonic())
-            if slot is None:
+            units = self._take_units(self.units_for(payload.nbytes), time.monotonic())
+            if units is None:
                 return False
-            self.buffer[slot] = np.frombuffer(payload, dtype=np.uint8)
-            self._sums[slot] = xxhash.xxh3_64_intdigest(self.buffer[slot])
-            self._index[key] = slot
+            self._write(units, payload)
+            self._index[key] = _Entry(units, payload.nbytes, xxhash.xxh3_64_intdigest(payload))
             return True
 
-    def reserve(self, key: OffloadKey, lease_s: float) -> int | None:
-        """A slot to read ``key`` into from a peer (pinned, not indexed until `commit`)."""
+    def reserve(self, length: int) -> list[int] | None:
+        """Units to read a peer's ``length``-byte payload into (not indexed until `commit`)."""
         with self._lock:
-            now = time.monotonic()
-            slot = self._take_slot(now)
-            if slot is not None:
-                self._pins[slot] = now + lease_s
-            return slot
+            return self._take_units(self.units_for(length), time.monotonic())
 
-    def verify(self, slot: int, checksum: int) -> bool:
-        return xxhash.xxh3_64_intdigest(self.buffer[slot]) == checksum
+    def verify(self, units: list[int], length: int, checksum: int) -> bool:
+        return xxhash.xxh3_64_intdigest(self.read(units, length)) == checksum
 
-    def commit(self, key: OffloadKey, slot: int, checksum: int) -> None:
-        """Index a reserved slot whose (verified) bytes arrived, so it is served onward."""
+    def commit(self, key: OffloadKey, units: list[int], length: int, checksum: int) -> None:
+        """Index reserved units whose (verified) payload arrived, so it is served onward."""
         with self._lock:
-            self._pins.pop(slot, None)
             if key in self._index:  # another reader got it first
-                self._free.append(slot)
+                self._free.extend(units)
                 return
-            self._sums[slot] = checksum
-            self._index[key] = slot
+            self._index[key] = _Entry(units, length, checksum)
 
-    def abandon(self, slot: int) -> None:
+    def abandon(self, units: list[int]) -> None:
         with self._lock:
-            self._pins.pop(slot, None)
-            self._free.append(slot)
+            self._free.extend(units)
 
-    def lookup(self, keys: Sequence[OffloadKey], pin_s: float = 0.0) -> list[tuple[int, int]]:
-        """``(slot, checksum)`` per key, ``(-1, 0)`` if absent; hits leased for ``pin_s``."""
+    def lookup(self, keys: Sequence[OffloadKey], pin_s: float = 0.0) -> list[_Entry | None]:
+        """Each key's entry (None if absent); hits leased for ``pin_s``."""
         with self._lock:
             now = time.monotonic()
-            out = []
+            out: list[_Entry | None] = []
             for key in keys:
-                slot = self._index.get(key)
-                if slot is None:
-                    out.append((-1, 0))
-                    continue
-                self._index.move_to_end(key)
-                if pin_s > 0:
-                    self._pins[slot] = max(self._pins.get(slot, 0.0), now + pin_s)
-                out.append((slot, self._sums[slot]))
+                entry = self._index.get(key)
+                if entry is not None:
+                    self._index.move_to_end(key)
+                    if pin_s > 0:
+                        self._pins[key] = max(self._pins.get(key, 0.0), now + pin_s)
+                out.append(entry)
             return out
 
     def release(self, keys: Sequence[OffloadKey]) -> None:
         with self._lock:
             for key in keys:
-                slot = self._index.get(key)
-                if slot is not None:
-                    self._pins.pop(slot, None)
+                self._pins.pop(key, None)
 
-    def copy_out(self, slot: int, dst: memoryview) -> None:
-        dst[:] = memoryview(self.buffer[slot]).cast("B")
+    def stored_bytes(self) -> int:
+        """Bytes of the units in use."""
+        with self._lock:
+            return (self.num_units - len(self._free)) * self.unit_bytes
 
     def __contains__(self, key: OffloadKey) -> bool:
         with self._lock:
@@ -186,13 +221,18 @@ class P2PTier(SecondaryTier):
         cooldown_s: float = 10.0,
         num_threads: int = 2,
         name: str = "p2p",
+        codec: KVCodec | None = None,
     ) -> None:
         super().__init__(name, MEDIUM_P2P, capacity_bytes)
         self.fingerprint, self.hash_seed, self.chunk_bytes = fingerprint, hash_seed, chunk_bytes
         self.timeout_s, self.lease_s, self.cooldown_s = timeout_s, lease_s, cooldown_s
-        # Readers need slots to read into even when they serve nothing: at least 64.
-        num_slots = max(capacity_bytes // chunk_bytes, 64)
-        self.store = ChunkStore(num_slots, chunk_bytes)
+        self.codec = codec if codec is not None and codec.name != "raw" else None
+        # A raw chunk is one unit; an encoded one takes as many 1/16-chunk units as it needs
+        # (its payload alone crosses the wire).
+        unit = chunk_bytes if self.codec is None else max(-(-chunk_bytes // 16), 512)
+        # Readers need units to read into even when they serve nothing: 64 chunks' worth.
+        num_units = max(capacity_bytes // unit, 64 * -(-chunk_bytes // unit))
+        self.store = ChunkStore(num_units, unit)
         self.serving = listen_port > 0
         self.backend: KVTransferBackend = get_transfer_backend(
             f"p2p-{id(self):x}-{listen_port}", backend
@@ -231,6 +271,8 @@ class P2PTier(SecondaryTier):
             "fingerprint": self.fingerprint,
             "hash_seed": self.hash_seed,
             "chunk_bytes": self.chunk_bytes,
+            "codec": self.codec.name if self.codec is not None else "raw",
+            "unit_bytes": self.store.unit_bytes,
             "backend": self.backend.kind,
             "agent_metadata": self.backend.get_agent_metadata(),
         }
@@ -242,7 +284,11 @@ class P2PTier(SecondaryTier):
             return {"ok": why is None, "error": why, **self._hello()}
         if kind == "lookup":
             found = self.store.lookup(msg["keys"], self.lease_s if msg.get("pin") else 0.0)
-            return {"slots": [s for s, _ in found], "sums": [c for _, c in found]}
+            return {
+                "units": [e.units if e is not None else [] for e in found],
+                "lengths": [e.length if e is not None else 0 for e in found],
+                "sums": [e.checksum if e is not None else 0 for e in found],
+            }
         if kind == "release":
             self.store.release(msg["keys"])
             return {"ok": True}
@@ -329,11 +375,11 @@ class P2PTier(SecondaryTier):
             if not todo or not self._connected(peer):
                 continue
             reply = self._request(peer, {"type": "lookup", "keys": [keys[i] for i in todo]})
-            if reply is None or "slots" not in reply:
+            if reply is None or "units" not in reply:
                 self._down(peer, "lookup failed")
                 continue
-            for i, slot in zip(todo, reply["slots"]):
-                out[i] = slot >= 0
+            for i, units in zip(todo, reply["units"]):
+                out[i] = bool(units)
         with self._lock:
             self.stats.hits += sum(out)
             self.stats.misses += len(out) - sum(out)
@@ -347,40 +393,40 @@ class P2PTier(SecondaryTier):
                 continue
             keys = [items[i][0] for i in todo]
             reply = self._request(peer, {"type": "lookup", "keys": keys, "pin": True})
-            if reply is None or "slots" not in reply:
+            if reply is None or "units" not in reply:
                 self._down(peer, "lookup failed")
                 continue
+            hits = [
+                _Hit(i, units, n, c)
+                for i, units, n, c in zip(todo, reply["units"], reply["lengths"], reply["sums"])
+                if units
+            ]
             try:
-                self._read(
-                    peer,
-                    [(i, s, c) for i, s, c in zip(todo, reply["slots"], reply["sums"]) if s >= 0],
-                    items,
-                    out,
-                )
+                self._read(peer, hits, items, out)
             finally:
                 self._request(peer, {"type": "release", "keys": keys})
         with self._lock:
             self.stats.loads += sum(out)
             self.stats.load_failures += len(out) - sum(out)
-            self.stats.bytes_read += sum(out) * self.chunk_bytes
         return out
 
-    def _read(
-        self, peer: _Peer, hits: list[tuple[int, int, int]], items: ChunkItems, out: list[bool]
-    ) -> None:
-        """Read the peer's leased slots into reserved local slots, verify, copy out."""
-        local: list[
-            tuple[int, int, int, int]
-        ] = []  # (item index, local slot, remote slot, checksum)
-        for i, rslot, checksum in hits:
-            slot = self.store.reserve(items[i][0], self.lease_s)
-            if slot is not None:
-                local.append((i, slot, rslot, checksum))
+    def _read(self, peer: _Peer, hits: list[_Hit], items: ChunkItems, out: list[bool]) -> None:
+        """Read the peer's leased units into reserved local units (their payloads only),
+        verify the checksums, decode into the items' chunks."""
+        local: list[tuple[_Hit, list[int]]] = []
+        for h in hits:
+            units = self.store.reserve(h.length)
+            if units is not None and len(units) == len(h.units):
+                local.append((h, units))
+            elif units is not None:
+                self.store.abandon(units)  # the peer's unit size differs: refused at connect
         if not local:
             return
         with self._backend_lock:
             handle = self.backend.read_blocks(
-                peer.name, [s for _, s, _, _ in local], [r for _, _, r, _ in local]
+                peer.name,
+                [u for _, units in local for u in units],
+                [u for h, _ in local for u in h.units],
             )
         deadline = time.monotonic() + self.timeout_s
         while True:
@@ -392,42 +438,64 @@ class P2PTier(SecondaryTier):
         with self._backend_lock:
             self.backend.release_xfer(handle)
         if state != "DONE":
-            for _, slot, _, _ in local:
-                self.store.abandon(slot)
+            for _, units in local:
+                self.store.abandon(units)
             self._down(peer, f"read {state if state != 'PROC' else 'timed out'}")
             return
         corrupted = 0
-        for i, slot, _, checksum in local:  # still leased: verify and copy, then index it
-            key, dst = items[i]
-            if not self.store.verify(slot, checksum) or dst.nbytes != self.chunk_bytes:
+        wire = 0
+        for h, units in local:  # verify, decode, then index (served onward)
+            key, dst = items[h.index]
+            wire += len(units) * self.store.unit_bytes
+            payload = self.store.read(units, h.length)
+            if xxhash.xxh3_64_intdigest(payload) != h.checksum or not self._decode(payload, dst):
                 corrupted += 1
-                self.store.abandon(slot)
+                self.store.abandon(units)
                 continue
-            self.store.copy_out(slot, dst)
-            self.store.commit(key, slot, checksum)
-            out[i] = True
+            self.store.commit(key, units, h.length, h.checksum)
+            out[h.index] = True
+        with self._lock:
+            self.stats.bytes_read += wire
+            self.stats.corrupted += corrupted
         if corrupted:
-            with self._lock:
-                self.stats.corrupted += corrupted
             _warn(
                 "p2p-corrupt",
-                "%s: %d chunks from %s:%d failed their checksum",
+                "%s: %d chunks from %s:%d failed their checksum or codec",
                 self.name,
                 corrupted,
                 peer.host,
                 peer.port,
             )
 
+    def _decode(self, payload: bytes, dst: memoryview) -> bool:
+        """Restore a chunk into ``dst``; False for a payload that is not one of this size."""
+        if self.codec is None:
+            if len(payload) != dst.nbytes:
+                return False
+            dst[:] = payload
+            return True
+        try:
+            self.codec.decode(payload, dst)
+        except CodecError:
+            return False
+        return True
+
     def store_batch(self, items: ChunkItems) -> list[bool]:
         """Keep a copy of this instance's chunks for its peers (nothing to do when not serving)."""
         if not self.serving:
             return [False] * len(items)
-        out = [d.nbytes == self.chunk_bytes and self.store.put(k, d) for k, d in items]
+        out, written = [], 0
+        for k, d in items:  # encoded here, on a tier I/O thread
+            ok = d.nbytes == self.chunk_bytes
+            payload = self.codec.encode(d) if ok and self.codec is not None else d
+            ok = ok and self.store.put(k, payload)
+            written += memoryview(payload).nbytes if ok else 0
+            out.append(ok)
         with self._lock:
             self.stats.stores += sum(out)
             self.stats.store_failures += len(out) - sum(out)
-            self.stats.bytes_written += sum(out) * self.chunk_bytes
-            self.stats.usage_bytes = len(self.store) * self.chunk_bytes
+            self.stats.bytes_written += written
+            self.stats.usage_bytes = self.store.stored_bytes()
         self._emit([k for (k, _), ok in zip(items, out) if ok], removed=False)
         return out
 
@@ -453,7 +521,15 @@ class P2PTier(SecondaryTier):
 def compat_error(local: dict[str, Any], remote: dict[str, Any]) -> str | None:
     """The first field on which two P2P tiers disagree (their chunks would not be
     interchangeable), as a message naming it; None if they agree."""
-    for name in ("version", "fingerprint", "hash_seed", "chunk_bytes", "backend"):
+    for name in (
+        "version",
+        "fingerprint",
+        "hash_seed",
+        "chunk_bytes",
+        "codec",
+        "unit_bytes",
+        "backend",
+    ):
         if local.get(name) != remote.get(name):
             hint = (
                 " (ensure PYTHONHASHSEED and the hash algorithm match)"

@@ -6,8 +6,12 @@ the CPU tier is the gateway every other tier goes through)::
     cpu:<size>
     disk:<directory>:<size>[:<codec>]
     redis://[:<password>@]<host>:<port>[/<db>][?ttl=<seconds>][&codec=<codec>]
-    p2p:<peer host>:<port>                 (a peer to read cached prefixes from; repeatable)
-    p2p-listen:[<host>:]<port>:<size>      (serve this instance's prefixes to peers; <size> of them)
+    p2p:<peer host>:<port>[:<codec>]            (a peer to read cached prefixes from; repeatable)
+    p2p-listen:[<host>:]<port>:<size>[:<codec>] (serve this instance's prefixes; <size> of them)
+
+A P2P tier has one codec (what its chunks are in memory and on the wire); every ``p2p`` and
+``p2p-listen`` part that names one must name the same, and peers must agree (the handshake
+refuses another codec).
 
 Codecs (`offload.codec`): ``raw`` (default), ``zstd`` and ``lz4`` (lossless), ``int8``
 (lossy: what comes back from the tier is int8-rounded).
@@ -69,6 +73,7 @@ class P2PTierConfig:
     listen_host: str = "127.0.0.1"
     listen_port: int = 0
     capacity_bytes: int = 0
+    codec: str = "raw"
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,10 +98,12 @@ class OffloadConfig:
             parts.append(f"redis://{auth}{r.host}:{r.port}/{r.db}{q}")
         if self.p2p:
             p = self.p2p
-            parts.extend(f"p2p:{h}:{port}" for h, port in p.peers)
+            codec = f":{p.codec}" if p.codec != "raw" else ""
+            parts.extend(f"p2p:{h}:{port}{codec}" for h, port in p.peers)
             if p.listen_port:
                 parts.append(
-                    f"p2p-listen:{p.listen_host}:{p.listen_port}:{format_size(p.capacity_bytes)}"
+                    f"p2p-listen:{p.listen_host}:{p.listen_port}:"
+                    f"{format_size(p.capacity_bytes)}{codec}"
                 )
         return ",".join(parts)
 
@@ -133,6 +140,15 @@ def _port(text: str, raw: str) -> int:
     return int(text)
 
 
+def _split_codec(rest: str, raw: str) -> tuple[str, str | None]:
+    """``rest`` without a trailing ``:<codec>`` (a codec starts with a letter; sizes and ports
+    with a digit), and the codec or None."""
+    head, sep, last = rest.rpartition(":")
+    if sep and last and last[0].isalpha() and head:
+        return head, _codec(last.lower(), raw)
+    return rest, None
+
+
 def _parse_p2p_peer(rest: str, raw: str) -> tuple[str, int]:
     host, sep, port = rest.rpartition(":")
     if not sep or not host:
@@ -153,11 +169,16 @@ def parse_offload_spec(spec: str) -> OffloadConfig:
     tiers: dict[str, object] = {}
     peers: list[tuple[str, int]] = []
     listen: tuple[str, int, int] | None = None
+    p2p_codecs: set[str] = set()
     for raw in (p.strip() for p in spec.split(",")):
         if not raw:
             continue
         kind, _, rest = raw.partition(":")
         kind = kind.lower()
+        if kind in ("p2p", "p2p-listen"):
+            rest, codec = _split_codec(rest, raw)
+            if codec is not None:
+                p2p_codecs.add(codec)
         if kind == "p2p":
             peers.append(_parse_p2p_peer(rest, raw))
             continue
@@ -194,5 +215,8 @@ def parse_offload_spec(spec: str) -> OffloadConfig:
         host, port, size = listen or ("127.0.0.1", 0, 0)
         if listen and size <= 0:
             raise ValueError(f"p2p-listen needs a size above 0 in {spec!r}")
-        tiers["p2p"] = P2PTierConfig(tuple(peers), host, port, size)
+        if len(p2p_codecs) > 1:
+            raise ValueError(f"one P2P tier, one codec: {sorted(p2p_codecs)} in {spec!r}")
+        codec = p2p_codecs.pop() if p2p_codecs else "raw"
+        tiers["p2p"] = P2PTierConfig(tuple(peers), host, port, size, codec)
     return OffloadConfig(**tiers)  # type: ignore[arg-type]
