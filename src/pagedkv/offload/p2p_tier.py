@@ -19,9 +19,9 @@ lookups (``RETRY`` / ``HIT_PENDING``), promotions and load path are reused uncha
   a peer stay in the local store, so they are served onward too.
 
 Failure policy (a tier never raises into the engine): an unreachable, refused or failing peer
-is a miss, marked unhealthy for ``cooldown_s`` and skipped meanwhile; a checksum mismatch is a
-miss counted as ``corrupted`` (so is a payload the codec cannot decode). KV events: chunks entering / leaving the store are reported with
-medium ``P2P`` (`take_events`).
+is a miss, marked unhealthy for ``cooldown_s`` and skipped meanwhile; a checksum mismatch, or a
+payload the codec cannot decode, is a miss counted as ``corrupted``. KV events: chunks entering
+/ leaving the store are reported with medium ``P2P`` (`take_events`).
 """
 
 from __future__ import annotations
