@@ -76,6 +76,7 @@ CACHE_ARGS: tuple[str, ...] = (
 SCHEDULER_ARGS: tuple[str, ...] = (
     "max_num_seqs",
     "max_num_batched_tokens",
+    "encoder_cache_size",
     "seed",
     "structured_outputs_backend",
 )
@@ -215,6 +216,11 @@ class EngineArgs:
     )
     max_num_batched_tokens: int = _opt(
         "max_num_batched_tokens", "token budget per step (default %(default)s)", type=int
+    )
+    encoder_cache_size: int = _opt(
+        "encoder_cache_size",
+        "vision-language models: encoder outputs kept for reuse, in tokens (default %(default)s)",
+        type=int,
     )
     enable_prefix_caching: bool = _opt(
         "enable_prefix_caching",

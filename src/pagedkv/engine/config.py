@@ -23,6 +23,7 @@ DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 DEFAULT_BLOCK_SIZE = 16
 DEFAULT_MAX_NUM_SEQS = 128
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+DEFAULT_ENCODER_CACHE_SIZE = 8192  # tokens: 14 LLaVA-1.5 images of 576
 
 # Accepted values, written once: EngineConfig's checks, the CLI's choices (engine/arg_utils.py)
 # and the docs all read these.
@@ -85,6 +86,8 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's context length
     max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
+    # Vision-language models: encoder outputs kept for reuse, in tokens (`engine.multimodal`).
+    encoder_cache_size: int = DEFAULT_ENCODER_CACHE_SIZE
     enable_prefix_caching: bool = True
     # Mamba checkpoints kept for prefix caching (vLLM's name): None every block boundary, 0 the
     # end of each step only (vLLM's align mode), k every k tokens (a multiple of the block size).
@@ -139,6 +142,8 @@ class EngineConfig:
             raise bad("max_num_seqs", "must be a positive integer")
         if not isinstance(self.max_num_batched_tokens, int) or self.max_num_batched_tokens < 1:
             raise bad("max_num_batched_tokens", "must be a positive integer")
+        if not isinstance(self.encoder_cache_size, int) or self.encoder_cache_size < 0:
+            raise bad("encoder_cache_size", "must be a number of tokens >= 0")
         r = self.prefix_cache_retention_interval
         if r is not None and (not isinstance(r, int) or isinstance(r, bool) or r < 0):
             raise bad(

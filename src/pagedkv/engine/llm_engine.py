@@ -19,6 +19,7 @@ import logging
 import time
 from collections.abc import Iterable
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -34,6 +35,7 @@ from pagedkv.engine.config import DEFAULT_CPU_KV_CACHE_MEMORY, EngineConfig, che
 from pagedkv.engine.executor import Executor, MultiprocExecutor, UniProcExecutor, WorkerDiedError
 from pagedkv.engine.kv_scales import resolve_kv_scales
 from pagedkv.engine.model_runner import PromptLogprobsOutput
+from pagedkv.engine.multimodal import MultiModalProcessor, images_of
 from pagedkv.engine.output_processor import OutputProcessor
 from pagedkv.engine.outputs import RequestOutput
 from pagedkv.engine.rank_planning import hybrid_block_size, scheduler_kv_cache_specs
@@ -127,9 +129,11 @@ class LLMEngine:
         # The scheduler's tokens per block (with DCP: a virtual block spread over the ranks).
         self.block_size = config.block_size * config.decode_context_parallel_size
         self.kv_cache_config = self._plan_kv_cache()
+        self.mm_processor = self._multimodal_processor(loaded)
         self.connector = self._make_connector(model_identity(loaded.source))
         self.executor.initialize_kv_cache(self.kv_cache_config, self.connector)
         self.runner = self.executor.driver.runner
+        self.runner.encoder_cache.budget = config.encoder_cache_size
         self.kv_scales, self.kv_scales_source = resolve_kv_scales(self, loaded.kv_scales)
         self.scheduler = Scheduler(
             self.kv_cache_config,
@@ -181,6 +185,41 @@ class LLMEngine:
         config = copy.copy(config)  # not replace(): that would validate (and resolve) it twice
         config.block_size = block_size
         return config
+
+    def _multimodal_processor(self, loaded: Any) -> MultiModalProcessor | None:
+        """The image processor of a vision-language model (None: the model takes text only)."""
+        model = self.model
+        if not hasattr(model, "encode_images"):
+            return None
+        if self.config.tensor_parallel_size > 1 or self.config.kv_transfer_config is not None:
+            raise ValueError(
+                f"{type(model).__name__} with images runs one rank without a KV connector "
+                "(tiers and transfers address blocks by token, not by image)"
+            )
+        source = Path(loaded.source)
+        return MultiModalProcessor(
+            source if source.is_dir() else None,
+            model.image_token_id,
+            model.image_seq_length,
+            model.image_size,
+        )
+
+    def _prompt_images(
+        self, prompt: PromptType, token_ids: list[int]
+    ) -> tuple[list[int], list[Any]]:
+        """``(token ids with placeholder runs, ImageItems)`` of a prompt with images (the ids
+        unchanged and no items without). ValueError for images a text model is given, a
+        mismatch of placeholders and images, or a bad image (`multimodal.ImageError`)."""
+        if isinstance(prompt, dict) and "mm_items" in prompt:  # processed by AsyncLLM already
+            return token_ids, list(prompt["mm_items"])
+        images = images_of(prompt)
+        if not images:
+            return token_ids, []
+        if self.mm_processor is None:
+            raise ValueError(f"{type(self.model).__name__} takes no images")
+        token_ids, items = self.mm_processor.process(token_ids, images)
+        self._validate_prompt(token_ids)
+        return token_ids, items
 
     def _vmm_block_size(self, config: EngineConfig) -> EngineConfig:
         """vmm mode (`engine.vmm`): the block is one physical page, so the block size is the
@@ -302,6 +341,7 @@ class LLMEngine:
         if self.output_processor.has_request(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
         token_ids, text = self.process_prompt(prompt)
+        token_ids, images = self._prompt_images(prompt, token_ids)
         vocab = self.model_config.vocab_size
         if any(t >= vocab for t in params.stop_token_ids or []):  # the sampler indexes by them
             raise SamplingParamError(
@@ -312,7 +352,14 @@ class LLMEngine:
         limit = self.max_model_len - len(token_ids)
         max_tokens = limit if params.max_tokens is None else min(params.max_tokens, limit)
         req = self._new_request(
-            request_id, token_ids, text, params, max(max_tokens, 1), arrival_time, cache_salt
+            request_id,
+            token_ids,
+            text,
+            params,
+            max(max_tokens, 1),
+            arrival_time,
+            cache_salt,
+            images,
         )
         if params.structured_outputs is not None:
             req.grammar = self.structured_output_manager.grammar_for(params.structured_outputs)
@@ -360,6 +407,7 @@ class LLMEngine:
         max_tokens: int,
         arrival_time: float | None,
         cache_salt: str | None,
+        images: list[Any] | None = None,
     ) -> Request:
         """Sample 0 of a user request; the scheduler forks the others (`Request.make_child`).
 
@@ -388,6 +436,8 @@ class LLMEngine:
             sample_index=0,
             max_tokens=max_tokens,
             seed=params.seed,
+            mm_features=[i.feature for i in images or []],
+            mm_inputs=[i.pixel_values for i in images or []],
         )
         if arrival_time is not None:
             req.metrics.arrival_time = arrival_time

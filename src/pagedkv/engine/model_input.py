@@ -58,6 +58,9 @@ class ScheduledTokens:
     # PyramidKV: per attention layer, the shift of its cache indices (None: none).
     layer_shift: list[int] | None = None
     compaction: KVCompaction | None = None
+    # Images whose placeholder runs this step's tokens overlap: (content hash, offset, length,
+    # pixel values) each (`engine.multimodal`); the runner places their encoder output.
+    mm: list[tuple[str, int, int, Any]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

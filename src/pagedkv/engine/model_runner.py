@@ -41,6 +41,7 @@ from pagedkv.engine.model_input import (
     PromptLogprobsTask,
     ScheduledTokens,
 )
+from pagedkv.engine.multimodal import EncoderCache
 from pagedkv.engine.sampler import LogprobsTensors, compute_prompt_logprobs
 from pagedkv.engine.scheduler_output import ScheduledRequest, SchedulerOutput
 from pagedkv.engine.vmm import VMMRows
@@ -105,6 +106,8 @@ class ModelRunner:
         self.vmm: VirtualKVCache | None = None
         self.vmm_rows: VMMRows | None = None
         self.connector_kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        # Vision-language models: encoder outputs by image hash (the engine sets the budget).
+        self.encoder_cache = EncoderCache(budget=0)
         # request id -> prompt positions whose logits rows were scored (prompt_logprobs).
         self.num_prompt_logprobs_done: dict[str, int] = {}
         # request id -> the SnapKV selection of its compression (per attention layer,
@@ -235,9 +238,12 @@ class ModelRunner:
         logprob progress and decides which prompt rows are scored this step (driver only)."""
         for rid in so.finished_req_ids:
             self.num_prompt_logprobs_done.pop(rid, None)
+        gone = [*so.finished_req_ids, *(r.request_id for r in so.preempted)]
         if self.vmm_rows is not None:  # their blocks return to the pool: unmap their rows
-            for rid in [*so.finished_req_ids, *(r.request_id for r in so.preempted)]:
+            for rid in gone:
                 self._vmm_release(rid)
+        for rid in gone:  # their images' encoder outputs may go when nobody else needs them
+            self.encoder_cache.release(rid)
         scheduled = []
         for s in so.scheduled:
             req = s.request
@@ -261,6 +267,12 @@ class ModelRunner:
                 s.samples,
                 task,
             )
+            if req.mm_features:
+                st.mm = [
+                    (f.identifier, f.offset, f.length, px)
+                    for f, px in zip(req.mm_features, req.mm_inputs)
+                    if f.offset < end and f.offset + f.length > s.start
+                ]
             if req.kv_eviction is not None:
                 st.kv_offset, st.cache_positions = s.kv_offset, s.cache_positions
                 st.rerotate, st.rerotate_from = s.rerotate, s.rerotate_from
@@ -479,7 +491,11 @@ class ModelRunner:
         md = mds[0] if len(mds) == 1 else [mds[g] for g in self.layer_groups]
         if evicting and any(s.layer_shift for s in mi.scheduled):
             md = self._shifted_layer_metadata(mi, mds[0])
-        hidden = self.model(input_ids, positions, self.kv_caches, md)
+        if any(s.mm for s in mi.scheduled):
+            embeds = self._multimodal_embeds(mi, input_ids)
+            hidden = self.model(input_ids, positions, self.kv_caches, md, inputs_embeds=embeds)
+        else:
+            hidden = self.model(input_ids, positions, self.kv_caches, md)
         if observer is not None:
             self._compact(mi, observer)
         self._score_prompts(mi, hidden, prompt_lps)
@@ -490,6 +506,24 @@ class ModelRunner:
         ):  # else every row samples (a decode step): no gather
             hidden = hidden[torch.tensor(logits_indices, device=hidden.device)]
         return self.model.compute_logits(hidden), prompt_lps
+
+    def _multimodal_embeds(self, mi: ModelInput, input_ids: torch.Tensor) -> torch.Tensor:
+        """The step's token embeddings with each image's encoder output in its placeholder
+        rows (only the rows this step computes: a chunk may hold part of a run)."""
+        embeds = self.model.embed(input_ids)
+        row = 0
+        for s in mi.scheduled:
+            end = s.start + s.num_tokens
+            for key, offset, length, pixels in s.mm:
+                enc = self.encoder_cache.get(
+                    key, s.request_id, lambda px=pixels: self.model.encode_images(px[None])[0]
+                )
+                lo, hi = max(s.start, offset), min(end, offset + length)
+                embeds[row + lo - s.start : row + hi - s.start] = enc[lo - offset : hi - offset].to(
+                    embeds.dtype
+                )
+            row += s.num_tokens
+        return embeds
 
     # ---- token eviction (`ops.token_eviction`) -----------------------------------------------
 

@@ -48,6 +48,8 @@ class Request(KVCacheRequest):
     # PyramidKV after compression: per attention layer, how many cache indices earlier than
     # the table's (the first layer's) that layer writes its later tokens; None: no shift.
     kv_layer_shift: list[int] | None = None
+    # Image inputs: each `mm_features` item's pixel values (a tensor), in the same order.
+    mm_inputs: list[Any] = field(default_factory=list)
 
     @property
     def needs_sampling_this_step(self) -> bool:
@@ -71,6 +73,8 @@ class Request(KVCacheRequest):
             sample_index=index,
             max_tokens=self.max_tokens,
             seed=None if p.seed is None else p.seed + index,
+            mm_features=self.mm_features,
+            mm_inputs=self.mm_inputs,
         )
         child.metrics.arrival_time = self.metrics.arrival_time
         if self.grammar is not None:  # the parent's matcher, before its first token

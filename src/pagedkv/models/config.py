@@ -81,6 +81,10 @@ _HF_ROPE_DEFAULTS: dict[str, dict[str, Any]] = {
 }
 
 
+# Vision-language wrappers whose language model runs here (models/llava.py).
+VISION_ARCHITECTURES = ("llava",)
+
+
 @dataclass(slots=True)
 class Llama4Params:
     """Llama 4 text decoder facts beyond the Llama shape (transformers' ``Llama4TextConfig``).
@@ -356,6 +360,10 @@ class ModelConfig:
     gemma4: Gemma4Params | None = None
     # DeciLM / Nemotron-NAS: each layer's attention / FFN kind and MLP width (models/deci_config.py).
     deci: DeciParams | None = None
+    # A vision-language wrapper (LLaVA): the HF config's fields outside ``text_config``
+    # (``vision_config``, ``image_token_index``, the projector's; models/llava.py reads them).
+    # ``architecture`` is then the wrapper's ("llava"), the rest the language model's.
+    vision: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if self.num_kv_heads <= 0 or self.num_attention_heads % self.num_kv_heads:
@@ -633,6 +641,10 @@ class ModelConfig:
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any]) -> ModelConfig:
         """Translate transformers config keys (v4 and v5 spellings) into a ModelConfig."""
+        if d.get("model_type") in VISION_ARCHITECTURES and "text_config" in d:
+            text = cls.from_hf_dict({"model_type": "llama", **d["text_config"]})
+            outer = {k: v for k, v in d.items() if k != "text_config"}
+            return dataclasses.replace(text, architecture=d["model_type"], vision=outer)
         if (
             "text_config" in d and "num_hidden_layers" not in d
         ):  # multimodal wrapper: the LM's config

@@ -235,9 +235,13 @@ class LlamaModel(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[KVCache],
         md: AttentionMetadata | list[AttentionMetadata],
+        inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """``inputs_embeds`` ([T, hidden], a vision-language model's: image rows placed):
+        used instead of embedding ``input_ids``."""
         if (
-            input_ids.shape[0] <= native_step.CHUNKED_ROWS
+            inputs_embeds is None
+            and input_ids.shape[0] <= native_step.CHUNKED_ROWS
             and type(self) is LlamaModel
             and self.parallel is None  # the native step has no all-reduce between layers
         ):
@@ -253,7 +257,7 @@ class LlamaModel(nn.Module):
             )
             if hidden is not None:
                 return hidden
-        x = self.embed_tokens(input_ids)
+        x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         rope = self.rotary_emb.cos_sin(positions)
         residual = None
         mds = md if isinstance(md, list) else [md] * len(self.layers)

@@ -15,6 +15,7 @@ from pagedkv.models.gemma4 import Gemma4ForCausalLM
 from pagedkv.models.granitemoehybrid import GraniteMoeHybridForCausalLM
 from pagedkv.models.llama import LlamaForCausalLM
 from pagedkv.models.llama4 import Llama4ForCausalLM
+from pagedkv.models.llava import LlavaForConditionalGeneration
 from pagedkv.models.nemotron_nas import DeciLMForCausalLM
 from pagedkv.ops.metadata import AttentionMetadata
 
@@ -52,6 +53,7 @@ _MODELS: dict[str, type[LlamaForCausalLM]] = {
     "bamba": BambaForCausalLM,  # Mamba-2 mixers + attention layers, states in MambaSpec pages (config.mamba)
     "granitemoehybrid": GraniteMoeHybridForCausalLM,  # Bamba's mixer in a Granite decoder (config.granite)
     "llama4_text": Llama4ForCausalLM,  # chunked local + NoPE global layers, MoE (config.llama4)
+    "llava": LlavaForConditionalGeneration,  # CLIP tower + projector + Llama LM (config.vision)
     "nemotron-nas": DeciLMForCausalLM,  # per-layer KV heads / MLP width, no-op and linear blocks (config.deci)
 }
 
