@@ -236,3 +236,77 @@ class EncoderCacheMachine(RuleBasedStateMachine):
 
 TestEncoderCache = EncoderCacheMachine.TestCase
 TestEncoderCache.settings = settings(max_examples=50, stateful_step_count=30, deadline=None)
+
+
+# ---- the OpenAI server: image_url content parts ------------------------------------------------
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} {% endfor %}"
+    "{% if add_generation_prompt %}assistant :{% endif %}"
+)
+
+
+def _write_tokenizer(path: Path) -> None:
+    """A word-level tokenizer over the tiny vocabulary: ``<image>`` is the image token."""
+    import json
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = ["[UNK]", "<s>", "</s>", "user", "assistant", ":"]
+    words += [f"w{i}" for i in range(len(words), IMAGE_TOKEN)] + ["<image>"]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(path / "tokenizer.json"))
+    cfg = {"chat_template": CHAT_TEMPLATE, "bos_token": "<s>", "eos_token": "</s>"}
+    (path / "tokenizer_config.json").write_text(json.dumps(cfg))
+
+
+def test_chat_image_url_parts_over_http(llava, tmp_path: Path) -> None:
+    import httpx
+    from PIL import Image
+    from server_utils import running_server
+
+    from pagedkv.engine.config import EngineConfig
+
+    path = llava[2]
+    _write_tokenizer(path)
+    arr = image(21)
+    png = io.BytesIO()
+    Image.fromarray(arr).save(png, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(png.getvalue()).decode()
+    (tmp_path / "img.png").write_bytes(png.getvalue())
+    content = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "w7 w9"}]
+    body = {
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": 6,
+        "temperature": 0,
+        "return_token_ids": True,
+    }
+    # The reference: the same template text, offline, through transformers.
+    ids = [3, 5, IMAGE_TOKEN, 7, 9, 4, 5]  # "user : <image> w7 w9 assistant :"
+    want = hf_run(llava, expand(ids), [arr], 6)[0]
+    config = EngineConfig(model=str(path), max_model_len=192, num_kv_blocks=64)
+    with running_server(config, allowed_local_media_path=str(tmp_path)) as srv:
+        with httpx.Client(base_url=srv.url, timeout=60) as http:
+            r = http.post("/v1/chat/completions", json=body)
+            assert r.status_code == 200, r.text
+            choice = r.json()["choices"][0]
+            assert choice["token_ids"] == want
+            assert r.json()["usage"]["prompt_tokens"] == len(expand(ids))
+            # A local file under the allowed directory: the same tokens.
+            content[0]["image_url"]["url"] = f"file://{tmp_path / 'img.png'}"
+            r = http.post("/v1/chat/completions", json=body)
+            assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == want
+            for bad, status in [
+                ("file:///etc/hostname", 400),  # outside the allowed directory
+                ("https://example.com/x.png", 400),  # never fetched
+                ("data:image/png;base64,AAAA", 400),  # corrupt
+            ]:
+                content[0]["image_url"]["url"] = bad
+                r = http.post("/v1/chat/completions", json=body)
+                assert r.status_code == status and r.json()["error"]["param"] == "messages", r.text
+            content[0]["image_url"]["url"] = url
+            assert (
+                http.post("/v1/chat/completions", json=body).json()["choices"][0]["token_ids"]
+                == want
+            )  # still serving

@@ -126,3 +126,16 @@ def machine_line(cpu: dict[str, Any], cores: int | None) -> str:
         f"{n}: {cpu.get('model name', '?')} (family {cpu.get('cpu family', '?')}, model "
         f"{cpu.get('model', '?')}), {'/'.join(cpu.get('simd', [])) or 'no AVX2'}, CPU only"
     )
+
+
+def drop_page_cache(path: Path) -> bool:
+    """Evict ``path``'s pages (best effort, no root needed): fsync + posix_fadvise DONTNEED."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+        return True
+    except OSError:
+        return False

@@ -36,19 +36,7 @@ import torch
 
 from pagedkv import envs
 from pagedkv.bench import offload_codecs
-
-
-def drop_page_cache(path: Path) -> bool:
-    """Evict ``path``'s pages (best effort, no root needed): fsync + posix_fadvise DONTNEED."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-        return True
-    except OSError:
-        return False
+from pagedkv.bench.common import drop_page_cache
 
 
 def bench_bandwidth(num_chunks: int = 256, repeat: int = 5) -> dict[str, float]:

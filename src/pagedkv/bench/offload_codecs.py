@@ -80,8 +80,8 @@ def _tier_loads(pages: list[memoryview], codec: Any, block_size: int) -> dict[st
     import tempfile
 
     from pagedkv import envs
+    from pagedkv.bench.common import drop_page_cache
     from pagedkv.bench.instances import free_port
-    from pagedkv.bench.offload import drop_page_cache
     from pagedkv.offload.fs_tier import FileSystemTier
     from pagedkv.offload.p2p_tier import P2PTier
 

@@ -339,6 +339,12 @@ class AsyncLLM:
             token_ids, text = await loop.run_in_executor(self._tokenizer_pool, process, prompt)
         else:
             token_ids, text = process(prompt)
+        if isinstance(prompt, dict) and prompt.get("multi_modal_data") is not None:
+            # Images are decoded and preprocessed here, off the engine thread.
+            token_ids, items = await loop.run_in_executor(
+                self._tokenizer_pool, self.engine.process_images, prompt, token_ids
+            )
+            return {"prompt_token_ids": token_ids, "prompt": text, "mm_items": items}
         return {"prompt_token_ids": token_ids, "prompt": text}
 
     async def generate(self, prompt: PromptType, params: SamplingParams, request_id: str) -> Any:

@@ -204,12 +204,13 @@ class LLMEngine:
             model.image_size,
         )
 
-    def _prompt_images(
+    def process_images(
         self, prompt: PromptType, token_ids: list[int]
     ) -> tuple[list[int], list[Any]]:
         """``(token ids with placeholder runs, ImageItems)`` of a prompt with images (the ids
         unchanged and no items without). ValueError for images a text model is given, a
-        mismatch of placeholders and images, or a bad image (`multimodal.ImageError`)."""
+        mismatch of placeholders and images, or a bad image (`multimodal.ImageError`).
+        Thread-safe, like `process_prompt` (AsyncLLM runs it off the engine thread)."""
         if isinstance(prompt, dict) and "mm_items" in prompt:  # processed by AsyncLLM already
             return token_ids, list(prompt["mm_items"])
         images = images_of(prompt)
@@ -341,7 +342,7 @@ class LLMEngine:
         if self.output_processor.has_request(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
         token_ids, text = self.process_prompt(prompt)
-        token_ids, images = self._prompt_images(prompt, token_ids)
+        token_ids, images = self.process_images(prompt, token_ids)
         vocab = self.model_config.vocab_size
         if any(t >= vocab for t in params.stop_token_ids or []):  # the sampler indexes by them
             raise SamplingParamError(

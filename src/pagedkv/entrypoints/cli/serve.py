@@ -77,6 +77,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "as in vLLM): lm-eval's remote tokenizer needs it",
     )
     p.add_argument(
+        "--allowed-local-media-path",
+        metavar="DIR",
+        default=None,
+        help="chat image_url parts may name files under DIR (default: data: URLs only; "
+        "nothing is ever fetched)",
+    )
+    p.add_argument(
         "--log-level",
         default="warning",
         choices=["debug", "info", "warning", "error"],
@@ -260,6 +267,7 @@ def run(args: argparse.Namespace) -> int:
                 max_queue_size=args.max_queue_size,
                 kv_events=kv_events,
                 enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
+                allowed_local_media_path=args.allowed_local_media_path,
             )
     except (ValueError, FileNotFoundError, NotImplementedError) as e:
         sock.close()

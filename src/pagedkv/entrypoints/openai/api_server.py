@@ -252,8 +252,10 @@ def build_app(
     api_key: str | None = None,
     max_request_bytes: int | None = DEFAULT_MAX_REQUEST_BYTES,
     enable_tokenizer_info_endpoint: bool = False,
+    allowed_local_media_path: str | None = None,
 ) -> FastAPI:
-    """The FastAPI app serving ``async_llm``. With ``owns_engine`` the app shuts the engine
+    """The FastAPI app serving ``async_llm``. ``allowed_local_media_path``: the directory
+    whose files chat ``image_url`` parts may name (None: data: URLs only). With ``owns_engine`` the app shuts the engine
     (and the event publisher) down when it stops. With ``api_key`` every route but
     `OPEN_PATHS` needs ``Authorization: Bearer <api_key>``; bodies over ``max_request_bytes``
     (None: no limit) get 413. ``GET /tokenizer_info`` answers only with
@@ -277,6 +279,7 @@ def build_app(
         metrics_,
         kv_event_publisher,
         enable_tokenizer_info=enable_tokenizer_info_endpoint,
+        allowed_local_media_path=allowed_local_media_path,
     )
 
     @asynccontextmanager
@@ -341,6 +344,7 @@ def create_app(
     api_key: str | None = None,
     max_request_bytes: int | None = DEFAULT_MAX_REQUEST_BYTES,
     enable_tokenizer_info_endpoint: bool = False,
+    allowed_local_media_path: str | None = None,
 ) -> FastAPI:
     """Load the engine (an `EngineConfig`, or an existing ``engine``), start the engine loop
     and the KV event publisher (when ``kv_events`` is given; it forces
@@ -382,6 +386,7 @@ def create_app(
         api_key=api_key,
         max_request_bytes=max_request_bytes,
         enable_tokenizer_info_endpoint=enable_tokenizer_info_endpoint,
+        allowed_local_media_path=allowed_local_media_path,
     )
 
 

@@ -20,6 +20,7 @@ from pagedkv.engine.async_llm import (
     EngineGenerateError,
     QueueFullError,
 )
+from pagedkv.engine.multimodal import ImageError
 from pagedkv.engine.sampling_params import SamplingParamError
 from pagedkv.entrypoints.openai import protocol as P
 
@@ -99,6 +100,8 @@ def engine_error(e: BaseException, prompt_param: str | None) -> APIError:
         return bad_request(e.message, e.param)
     if isinstance(e, SamplingParamError):  # the engine's check of a sampling parameter
         return bad_request(str(e), e.param)
+    if isinstance(e, ImageError):  # an image in the prompt cannot be used
+        return bad_request(str(e), prompt_param)
     if isinstance(e, ValueError):
         msg = str(e)
         if "longer than" in msg:

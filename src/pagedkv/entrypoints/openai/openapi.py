@@ -290,6 +290,13 @@ def _runtime_bounds(doc: dict[str, Any], app: FastAPI) -> None:
         arrays = [_id_arrays(props.get(k, {})) for k in ("prompt", "tokens", "stop_token_ids")]
         for ids in (a for found in arrays for a in found):
             ids["items"]["maximum"] = vocab - 1
+    part = schemas.get("ChatContentPart")
+    if part is not None and state.image_placeholder is None:
+        # A text-only model: image parts are a 400, so the document offers text parts only.
+        part.pop("oneOf", None)
+        part["required"] = ["type", "text"]
+        part["properties"].pop("image_url", None)
+        part["properties"]["type"]["enum"] = ["text"]
     for name, rules in IF_THEN.items():
         schemas[name]["allOf"] = rules
 

@@ -553,15 +553,34 @@ class CompletionStreamResponse(_Response):
 # ---- chat completions ----------------------------------------------------------------------
 
 
+class ChatImageURL(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    url: str
+    detail: str | None = None
+
+
 class ChatContentPart(BaseModel):
-    """A content part: only ``text`` ones are supported (the schema says so; others are a 400
-    naming the part)."""
+    """A content part: ``text``, or ``image_url`` (a ``data:image/...;base64,`` URL, or a local
+    file under the server's ``--allowed-local-media-path``; nothing is fetched). An image for a
+    model without image inputs, or another part type, is a 400 naming the part."""
 
     model_config = ConfigDict(
-        strict=True, extra="allow", json_schema_extra={"required": ["type", "text"]}
+        strict=True,
+        extra="allow",
+        json_schema_extra={
+            "required": ["type"],
+            "oneOf": [
+                {"required": ["type", "text"], "properties": {"type": {"const": "text"}}},
+                {
+                    "required": ["type", "image_url"],
+                    "properties": {"type": {"const": "image_url"}},
+                },
+            ],
+        },
     )
-    type: str = Field(json_schema_extra={"enum": ["text"]})
+    type: str = Field(json_schema_extra={"enum": ["text", "image_url"]})
     text: str | None = Field(None, json_schema_extra={"type": "string"})
+    image_url: ChatImageURL | None = None
 
 
 class ChatMessage(BaseModel):
@@ -570,17 +589,29 @@ class ChatMessage(BaseModel):
     content: str | list[ChatContentPart] | None = None
     name: str | None = None
 
-    def text(self, index: int) -> str:
+    def text(
+        self, index: int, image_placeholder: str | None = None, images: list[str] | None = None
+    ) -> str:
+        """The content as template text: an image part becomes ``image_placeholder`` (the
+        model's image token) and its URL is appended to ``images``. RequestError naming the
+        part for another type, or an image when ``image_placeholder`` is None."""
         if self.content is None:
             return ""
         if isinstance(self.content, str):
             return self.content
         parts = []
         for j, part in enumerate(self.content):
+            where = f"messages[{index}].content[{j}]"
+            if part.type == "image_url" and part.image_url is not None:
+                if image_placeholder is None or images is None:
+                    raise RequestError(where, "this model takes text only, not image inputs")
+                images.append(part.image_url.url)
+                parts.append(image_placeholder)
+                continue
             if part.type != "text" or part.text is None:
                 raise RequestError(
-                    f"messages[{index}].content[{j}]",
-                    f"only text content parts are supported, got type {part.type!r}",
+                    where,
+                    f"only text and image_url content parts are supported, got type {part.type!r}",
                 )
             parts.append(part.text)
         return "\n".join(parts)
@@ -598,12 +629,17 @@ def check_messages(messages: list[ChatMessage]) -> None:
             )
 
 
-def conversation(messages: list[ChatMessage]) -> list[dict[str, str]]:
-    """The messages as the chat template takes them (``developer`` is ``system``)."""
+def conversation(
+    messages: list[ChatMessage],
+    image_placeholder: str | None = None,
+    images: list[str] | None = None,
+) -> list[dict[str, str]]:
+    """The messages as the chat template takes them (``developer`` is ``system``); image parts
+    become ``image_placeholder`` with their URLs appended to ``images`` (see `ChatMessage.text`)."""
     out = []
     for i, m in enumerate(messages):
         role = "system" if m.role == "developer" else m.role
-        out.append({"role": role, "content": m.text(i)})
+        out.append({"role": role, "content": m.text(i, image_placeholder, images)})
     return out
 
 
@@ -624,8 +660,10 @@ class ChatCompletionRequest(_SamplingRequest):
             if not 0 <= self.top_logprobs <= MAX_LOGPROBS:
                 raise RequestError("top_logprobs", f"top_logprobs must be in [0, {MAX_LOGPROBS}]")
 
-    def conversation(self) -> list[dict[str, str]]:
-        return conversation(self.messages)
+    def conversation(
+        self, image_placeholder: str | None = None, images: list[str] | None = None
+    ) -> list[dict[str, str]]:
+        return conversation(self.messages, image_placeholder, images)
 
     def to_sampling_params(self) -> SamplingParams:
         kw = self._sampling_kwargs()
@@ -747,8 +785,10 @@ class TokenizeChatRequest(_Request):
                 "cannot set both continue_final_message and add_generation_prompt to true",
             )
 
-    def conversation(self) -> list[dict[str, str]]:
-        return conversation(self.messages)
+    def conversation(
+        self, image_placeholder: str | None = None, images: list[str] | None = None
+    ) -> list[dict[str, str]]:
+        return conversation(self.messages, image_placeholder, images)
 
 
 class TokenizeResponse(_Response):

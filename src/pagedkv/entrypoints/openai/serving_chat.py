@@ -37,21 +37,29 @@ async def create_chat_completion(request: Request) -> Response:
     state = server_state(request)
     req = await parse_body(request, P.ChatCompletionRequest)
     state.check_model(req.model)
+    images: list[str] = []
     try:
         params = req.to_sampling_params()
-        conversation = req.conversation()
+        conversation = req.conversation(state.image_placeholder, images)
     except P.RequestError as e:
         raise bad_request(e.message, e.param) from None
     text, token_ids = await _render(state, conversation, req.add_generation_prompt)
     max_len = state.async_llm.engine.max_model_len
     (cut,) = truncate_prompts([token_ids], req.truncate_prompt_tokens, max_len)
+    if images and len(cut) != len(token_ids):
+        raise bad_request("truncate_prompt_tokens cannot cut a prompt with images", "messages")
     prompt: dict[str, Any] = {"prompt_token_ids": cut}
     if len(cut) == len(token_ids):
         prompt["prompt"] = text
-    token_ids = cut
+    num_tokens = len(cut)
+    if images:
+        prompt["multi_modal_data"] = {"image": [state.image_source(u) for u in images]}
+        # Each image token becomes its placeholder run later: budget the context with it.
+        processor = state.async_llm.engine.mm_processor
+        num_tokens += len(images) * (processor.image_seq_length - 1)
     check_context_length(
         state.async_llm.engine.max_model_len,
-        [len(token_ids)],
+        [num_tokens],
         req.requested_max_tokens(),
         "messages",
     )

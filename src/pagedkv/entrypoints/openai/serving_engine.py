@@ -26,6 +26,7 @@ import uuid
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from fastapi import Request
@@ -56,6 +57,31 @@ class ServerState:
     enable_tokenizer_info: bool = False  # GET /tokenizer_info answers (vLLM's opt-in flag)
     started: float = field(default_factory=time.time)
     token_text_cache: dict[int, str] = field(default_factory=dict)
+    allowed_local_media_path: str | None = None  # files chat image parts may name
+
+    @property
+    def image_placeholder(self) -> str | None:
+        """The model's image token as template text (None: the model takes no images)."""
+        engine = self.async_llm.engine
+        tok = self.async_llm.tokenizer
+        if engine.mm_processor is None or tok is None:
+            return None
+        return tok.id_to_token(engine.mm_processor.image_token_id)
+
+    def image_source(self, url: str) -> str:
+        """A chat ``image_url`` as the engine takes it: a data: URL as it is, a local file only
+        under ``allowed_local_media_path``; a 400 naming ``messages`` otherwise."""
+        if url.startswith("data:"):
+            return url
+        if url.startswith(("http://", "https://")):
+            raise bad_request("image URLs are not fetched: send a data: URL", "messages")
+        root = self.allowed_local_media_path
+        path = Path(url.removeprefix("file://"))
+        if root is None or not path.resolve().is_relative_to(Path(root).resolve()):
+            raise bad_request(
+                "local image files are allowed only under --allowed-local-media-path", "messages"
+            )
+        return str(path)
 
     def token_text(self, token_id: int) -> str:
         """The text of one token (special tokens included), cached."""

@@ -51,7 +51,7 @@ async def tokenize(request: Request) -> Response:
     def run() -> list[int]:
         if isinstance(req, P.TokenizeChatRequest):
             text = tok.apply_chat_template(
-                req.conversation(),
+                req.conversation(state.image_placeholder, []),  # an image: its one token
                 add_generation_prompt=req.add_generation_prompt,
                 chat_template=req.chat_template,
                 continue_final_message=req.continue_final_message,
