@@ -70,13 +70,14 @@ CACHE_ARGS: tuple[str, ...] = (
     "kv_side_channel_port",
     "preemption_mode",
     "kv_eviction",
+    "encoder_cache_size",
+    "ec_transfer_config",
 )
 # The scheduler's budgets, the engine seed and the structured-output backend (serve adds them
 # to its engine group).
 SCHEDULER_ARGS: tuple[str, ...] = (
     "max_num_seqs",
     "max_num_batched_tokens",
-    "encoder_cache_size",
     "seed",
     "structured_outputs_backend",
 )
@@ -288,6 +289,13 @@ class EngineArgs:
         '\'{"policy":"snapkv","budget_tokens":1024}\'',
         metavar="JSON",
     )
+    ec_transfer_config: Any = _opt(
+        "ec_transfer_config",
+        "encoder-cache transfer (EPD) for vision-language models, as JSON, e.g. "
+        '\'{"ec_role":"ec_producer","ec_connector_extra_config":{"ec_port":5800}}\' on an '
+        'encoder instance, \'{"ec_role":"ec_consumer"}\' on a prefill instance',
+        metavar="JSON",
+    )
     tensor_parallel_size: int = _opt(
         "tensor_parallel_size",
         "tensor-parallel ranks: heads, MLP rows and vocabulary split across them (default "
@@ -424,13 +432,15 @@ class EngineArgs:
             )
             extra["side_channel_port"] = port
         kw["kv_transfer_config"] = kvt
-        if isinstance(kw["kv_eviction"], str):
-            import json
+        for name in ("kv_eviction", "ec_transfer_config"):
+            if isinstance(kw[name], str):
+                import json
 
-            try:
-                kw["kv_eviction"] = json.loads(kw["kv_eviction"])
-            except json.JSONDecodeError as e:
-                raise ValueError(f"--kv-eviction is not valid JSON: {e}") from None
+                try:
+                    kw[name] = json.loads(kw[name])
+                except json.JSONDecodeError as e:
+                    flag = "--" + name.replace("_", "-")
+                    raise ValueError(f"{flag} is not valid JSON: {e}") from None
         return kw
 
     def create_engine_config(self) -> EngineConfig:

@@ -86,8 +86,11 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's context length
     max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
-    # Vision-language models: encoder outputs kept for reuse, in tokens (`engine.multimodal`).
+    # Vision-language models: encoder outputs kept for reuse, in tokens (`engine.multimodal`),
+    # and encoder-cache transfer between instances (EPD: `engine.ec_transfer`, vLLM's
+    # ECTransferConfig as a dict: {"ec_role": "ec_producer" | "ec_consumer" | "ec_both", ...}).
     encoder_cache_size: int = DEFAULT_ENCODER_CACHE_SIZE
+    ec_transfer_config: dict[str, Any] | None = None
     enable_prefix_caching: bool = True
     # Mamba checkpoints kept for prefix caching (vLLM's name): None every block boundary, 0 the
     # end of each step only (vLLM's align mode), k every k tokens (a multiple of the block size).
@@ -144,6 +147,13 @@ class EngineConfig:
             raise bad("max_num_batched_tokens", "must be a positive integer")
         if not isinstance(self.encoder_cache_size, int) or self.encoder_cache_size < 0:
             raise bad("encoder_cache_size", "must be a number of tokens >= 0")
+        if self.ec_transfer_config is not None:
+            from pagedkv.engine.ec_transfer import ECTransferConfig
+
+            try:
+                ECTransferConfig.from_value(self.ec_transfer_config)
+            except ValueError as e:
+                raise bad("ec_transfer_config", str(e)) from None
         r = self.prefix_cache_retention_interval
         if r is not None and (not isinstance(r, int) or isinstance(r, bool) or r < 0):
             raise bad(

@@ -32,6 +32,7 @@ from pagedkv.core.request import RequestStatus, get_request_block_hasher
 from pagedkv.core.specs import KVCacheConfig, VMMReservation, get_kv_cache_groups
 from pagedkv.engine import kv_eviction
 from pagedkv.engine.config import DEFAULT_CPU_KV_CACHE_MEMORY, EngineConfig, check_kv_cache_fits
+from pagedkv.engine.ec_transfer import ECConnector, ECTransferConfig
 from pagedkv.engine.executor import Executor, MultiprocExecutor, UniProcExecutor, WorkerDiedError
 from pagedkv.engine.kv_scales import resolve_kv_scales
 from pagedkv.engine.model_runner import PromptLogprobsOutput
@@ -130,6 +131,7 @@ class LLMEngine:
         self.block_size = config.block_size * config.decode_context_parallel_size
         self.kv_cache_config = self._plan_kv_cache()
         self.mm_processor = self._multimodal_processor(loaded)
+        self.ec = self._ec_connector(loaded)
         self.connector = self._make_connector(model_identity(loaded.source))
         self.executor.initialize_kv_cache(self.kv_cache_config, self.connector)
         self.runner = self.executor.driver.runner
@@ -191,11 +193,8 @@ class LLMEngine:
         model = self.model
         if not hasattr(model, "encode_images"):
             return None
-        if self.config.tensor_parallel_size > 1 or self.config.kv_transfer_config is not None:
-            raise ValueError(
-                f"{type(model).__name__} with images runs one rank without a KV connector "
-                "(tiers and transfers address blocks by token, not by image)"
-            )
+        if self.config.tensor_parallel_size > 1:
+            raise ValueError(f"{type(model).__name__} runs one rank (no tensor parallelism)")
         source = Path(loaded.source)
         return MultiModalProcessor(
             source if source.is_dir() else None,
@@ -203,6 +202,44 @@ class LLMEngine:
             model.image_seq_length,
             model.image_size,
         )
+
+    def _ec_connector(self, loaded: Any) -> ECConnector | None:
+        """EPD (`engine.ec_transfer`): this instance's encoder-cache connector, or None."""
+        cfg = ECTransferConfig.from_value(self.config.ec_transfer_config)
+        if cfg is None:
+            return None
+        if self.mm_processor is None:
+            raise ValueError(
+                f"ec_transfer_config needs a vision-language model; {type(self.model).__name__} "
+                "takes no images"
+            )
+        return ECConnector(
+            cfg,
+            model_identity(loaded.source),
+            self.mm_processor.image_seq_length,
+            self.model_config.hidden_size,
+            self.dtype,
+        )
+
+    def encode_images(self, items: list[Any]) -> dict[str, Any]:
+        """EPD producer: encode each image (`ImageItem`) not already in the encoder cache,
+        publish the outputs and return the ``ec_transfer_params`` a consumer reads them with.
+        Runs on the engine thread (it uses the model). ValueError unless this engine is an
+        ``ec_producer``."""
+        if self.ec is None or self.ec.producer is None:
+            raise ValueError("this instance is not an encoder (ec_role ec_producer / ec_both)")
+        cache = self.runner.encoder_cache
+        outputs = {}
+        for item in items:
+            ident = item.feature.identifier
+            if ident not in outputs:
+                outputs[ident] = cache.get(
+                    ident,
+                    "ec-producer",
+                    lambda px=item.pixel_values: self.model.encode_images(px[None])[0],
+                )
+        cache.release("ec-producer")
+        return self.ec.publish(outputs)
 
     def process_images(
         self, prompt: PromptType, token_ids: list[int]
@@ -220,6 +257,13 @@ class LLMEngine:
             raise ValueError(f"{type(self.model).__name__} takes no images")
         token_ids, items = self.mm_processor.process(token_ids, images)
         self._validate_prompt(token_ids)
+        params = prompt.get("ec_transfer_params") if isinstance(prompt, dict) else None
+        if params and self.ec is not None and self.ec.config.is_consumer:
+            # EPD: the encoder instance's outputs, read now (off the engine thread under
+            # AsyncLLM); what cannot be read is encoded locally when a chunk needs it.
+            fetched = self.ec.fetch(params, [i.feature.identifier for i in items])
+            for ident, value in fetched.items():
+                self.runner.encoder_cache.offer(ident, value)
         return token_ids, items
 
     def _vmm_block_size(self, config: EngineConfig) -> EngineConfig:
@@ -635,6 +679,9 @@ class LLMEngine:
             self.connector.shutdown()
             self.connector = None
             self.scheduler.connector = None
+        if getattr(self, "ec", None) is not None:
+            self.ec.shutdown()
+            self.ec = None
 
 
 def _make_executor(config: EngineConfig) -> Executor:

@@ -27,6 +27,7 @@ import binascii
 import hashlib
 import io
 import os
+import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -212,6 +213,9 @@ class EncoderCache:
     entries: OrderedDict[str, torch.Tensor] = field(default_factory=OrderedDict)
     users: dict[str, set[str]] = field(default_factory=dict)
     stats: EncoderCacheStats = field(default_factory=EncoderCacheStats)
+    # `offer` comes from the threads that prepare prompts (EPD fetches), the rest from the
+    # engine thread.
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property
     def usage(self) -> int:
@@ -219,19 +223,32 @@ class EncoderCache:
 
     def get(self, key: str, request_id: str, compute: Callable[[], torch.Tensor]) -> torch.Tensor:
         """The output for ``key`` (computed on a miss), now used by ``request_id``."""
-        self.users.setdefault(key, set()).add(request_id)
-        hit = self.entries.get(key)
-        if hit is not None:
-            self.entries.move_to_end(key)
-            self.stats.hits += 1
-            return hit
-        self.stats.misses += 1
+        with self.lock:
+            self.users.setdefault(key, set()).add(request_id)
+            hit = self.entries.get(key)
+            if hit is not None:
+                self.entries.move_to_end(key)
+                self.stats.hits += 1
+                return hit
+            self.stats.misses += 1
         out = compute()
-        if self._make_room(out.shape[0]):
-            self.entries[key] = out
-        else:
-            self.stats.not_cached += 1
+        with self.lock:
+            if key not in self.entries and self._make_room(out.shape[0]):
+                self.entries[key] = out
+            elif key not in self.entries:
+                self.stats.not_cached += 1
         return out
+
+    def offer(self, key: str, value: torch.Tensor) -> bool:
+        """Keep an output computed elsewhere (EPD: read from an encoder instance) if the
+        budget has room for it; whether it was kept."""
+        with self.lock:
+            if key in self.entries:
+                return True
+            if not self._make_room(value.shape[0]):
+                return False
+            self.entries[key] = value
+            return True
 
     def _make_room(self, n: int) -> bool:
         if n > self.budget:
@@ -248,6 +265,10 @@ class EncoderCache:
 
     def release(self, request_id: str) -> None:
         """``request_id`` finished or was preempted: it uses nothing now."""
+        with self.lock:
+            self._release(request_id)
+
+    def _release(self, request_id: str) -> None:
         for key in [k for k, u in self.users.items() if request_id in u]:
             self.users[key].discard(request_id)
             if not self.users[key]:

@@ -32,6 +32,13 @@ has (`pagedkv.forwarding.stream_resume`), so the client sees one unbroken stream
 decode request goes without ``kv_transfer_params`` (the next instance computes the prompt
 itself).
 
+**EPD** (``--encoder URL ...``): a chat request with ``image_url`` parts first goes to an
+encoder instance (``pagedkv serve --ec-transfer-config '{"ec_role":"ec_producer"}'``) as
+``POST /v1/encode`` with its ``model`` and ``messages``; the ``ec_transfer_params`` it answers
+(where the images' encoder outputs are kept) join the body the prefill and decode instances
+get, so they read the outputs instead of encoding. Every encoder failing means the prefill
+instance encodes the images itself; an encoder's 4xx (a bad image) is returned as it is.
+
 ``/health`` is 200 when at least one decode instance answers its own ``/health``, else 503;
 ``/v1/models`` is forwarded to a decode instance. At DEBUG level the proxy logs which instances
 served each request.
@@ -65,10 +72,12 @@ def create_proxy_app(
     cooldown: float = 5.0,
     timeout: float = 600.0,
     retry_window: float = 30.0,
+    encoder: list[str] | None = None,
 ) -> Any:
     """The proxy's FastAPI app over instance base URLs (``http://host:port``); ``timeout``
     bounds each read from an instance (seconds), connecting is bounded by 10 s;
-    ``retry_window``: how long a request keeps retrying when every instance fails."""
+    ``retry_window``: how long a request keeps retrying when every instance fails;
+    ``encoder``: encoder instances (EPD) for chat requests with images."""
     import contextlib
 
     from fastapi import FastAPI, Request
@@ -82,6 +91,7 @@ def create_proxy_app(
         decode=InstancePool.from_urls("decode", decode, cooldown),
         client=client,
         retry_window=retry_window,
+        encoder=InstancePool.from_urls("encoder", encoder, cooldown) if encoder else None,
     )
 
     @contextlib.asynccontextmanager

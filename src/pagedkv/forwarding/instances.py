@@ -82,3 +82,7 @@ class ProxyState:
     served: deque[tuple[str, str | None, str | None]] = field(
         default_factory=lambda: deque(maxlen=1000)
     )
+    # EPD: encoder instances that encode a chat request's images first (None: no encoder
+    # stage), and the last requests' (request id, encoder URL or None), newest last.
+    encoder: InstancePool | None = None
+    encoded: deque[tuple[str, str | None]] = field(default_factory=lambda: deque(maxlen=1000))

@@ -29,8 +29,10 @@ __all__ = [
     "PREFILL_KV_TRANSFER_PARAMS",
     "check_health",
     "handle_completion",
+    "has_images",
     "prefill_body",
     "run_decode",
+    "run_encode",
     "run_prefill",
 ]
 
@@ -134,8 +136,48 @@ async def run_decode(
     )
 
 
+def has_images(body: dict[str, Any]) -> bool:
+    """Whether a chat body carries an ``image_url`` content part."""
+    for m in body.get("messages") or []:
+        content = m.get("content") if isinstance(m, dict) else None
+        if isinstance(content, list) and any(
+            isinstance(p, dict) and p.get("type") == "image_url" for p in content
+        ):
+            return True
+    return False
+
+
+async def run_encode(
+    state: ProxyState, body: dict[str, Any], headers: dict[str, str]
+) -> tuple[Any, dict[str, Any] | None, Any]:
+    """EPD: the request's images encoded on the first encoder instance that does not fail:
+    ``(instance, its ec_transfer_params, None)``; ``(None, None, None)`` when every one failed
+    (the prefill instance encodes them itself); ``(instance, None, response)`` for a 4xx (the
+    client's fault: returned as it is)."""
+    assert state.encoder is not None
+    ebody = {k: v for k, v in body.items() if k in ("model", "messages")}
+    for inst in state.encoder.candidates():
+        try:
+            resp = await send_request(state.client, inst.url, "POST", "/v1/encode", ebody, headers)
+            content = await read_body(resp)
+        except InstanceFailed as e:
+            state.encoder.mark_failed(inst, str(e))
+            continue
+        state.encoder.mark_ok(inst)
+        if resp.status_code >= 400:
+            return inst, None, passthrough(resp.status_code, content, resp.headers)
+        try:
+            params = json.loads(content).get("ec_transfer_params")
+        except (ValueError, AttributeError):
+            params = None
+        return inst, params, None
+    logger.warning("every encoder instance failed: the prefill instance encodes the images")
+    return None, None, None
+
+
 async def handle_completion(state: ProxyState, request: Any, path: str) -> Any:
-    """One ``/v1/completions`` or ``/v1/chat/completions`` request: prefill, then decode."""
+    """One ``/v1/completions`` or ``/v1/chat/completions`` request: encode (a chat request
+    with images, when the proxy has encoder instances), prefill, then decode."""
     try:
         body = json.loads(await request.body())
     except ValueError:
@@ -144,6 +186,13 @@ async def handle_completion(state: ProxyState, request: Any, path: str) -> Any:
         return invalid_body()
     request_id = str(uuid.uuid4())
     headers = forward_headers(request, request_id)
+    if state.encoder is not None and path == "/v1/chat/completions" and has_images(body):
+        e_inst, ec_params, early = await run_encode(state, body, headers)
+        if early is not None:
+            return early
+        state.encoded.append((request_id, e_inst.url if e_inst else None))
+        if ec_params is not None:  # prefill and decode read the outputs (decode: on a retry)
+            body = dict(body, ec_transfer_params=ec_params)
     p_inst, params, early = await run_prefill(state, path, body, headers)
     if early is not None:
         logger.debug(

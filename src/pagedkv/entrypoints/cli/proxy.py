@@ -58,6 +58,14 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         metavar="URL",
         help="decode instances (http://host:port), used round-robin",
     )
+    p.add_argument(
+        "--encoder",
+        nargs="+",
+        default=None,
+        metavar="URL",
+        help="encoder instances (EPD: ec_role ec_producer) that encode chat requests' images "
+        "before prefill, used round-robin",
+    )
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
     p.add_argument(
@@ -111,6 +119,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         prefill = [_check_url(u) for u in args.prefill]
         decode = [_check_url(u) for u in args.decode]
+        encoder = [_check_url(u) for u in args.encoder or []]
     except ValueError as e:
         return fail("proxy", e)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
@@ -118,8 +127,13 @@ def run(args: argparse.Namespace) -> int:
         sock = bind_socket(args.host, args.port)
     except OSError as e:
         return fail("proxy", OSError(f"cannot bind {args.host}:{args.port}: {e.strerror or e}"))
-    app = create_proxy_app(prefill, decode, args.cooldown, args.timeout, args.retry_window)
-    print(f"pagedkv proxy: prefill {' '.join(prefill)}; decode {' '.join(decode)}", flush=True)
+    app = create_proxy_app(
+        prefill, decode, args.cooldown, args.timeout, args.retry_window, encoder or None
+    )
+    stages = f"encoder {' '.join(encoder)}; " if encoder else ""
+    print(
+        f"pagedkv proxy: {stages}prefill {' '.join(prefill)}; decode {' '.join(decode)}", flush=True
+    )
     return serve_on_socket(app, sock, "proxy", args.log_level)
 
 

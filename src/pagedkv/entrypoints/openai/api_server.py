@@ -74,7 +74,7 @@ from pagedkv.entrypoints.openai.middleware import (
     MaxBodySizeMiddleware,
     RequestIdMiddleware,
 )
-from pagedkv.entrypoints.openai.serving_chat import create_chat_completion
+from pagedkv.entrypoints.openai.serving_chat import create_chat_completion, create_encode
 from pagedkv.entrypoints.openai.serving_completion import create_completion
 from pagedkv.entrypoints.openai.serving_engine import ServerState, server_state
 
@@ -294,6 +294,9 @@ def build_app(
     install_exception_handlers(app)
     app.add_api_route("/v1/completions", create_completion, methods=["POST"])
     app.add_api_route("/v1/chat/completions", create_chat_completion, methods=["POST"])
+    ec = async_llm.engine.ec
+    if ec is not None and ec.producer is not None:  # an encoder instance (EPD)
+        app.add_api_route("/v1/encode", create_encode, methods=["POST"])
     app.add_api_route("/v1/models", list_models, methods=["GET"])
     app.add_api_route("/health", health, methods=["GET"])
     app.add_api_route("/ping", health, methods=["GET", "POST"])  # SageMaker's probe, as vLLM's

@@ -71,6 +71,12 @@ ROUTES: dict[tuple[str, str], Route] = {
         "Chat completions",
         P.ChatCompletionStreamResponse,
     ),
+    ("/v1/encode", "post"): Route(
+        (P.ChatCompletionRequest,),
+        P.EncodeResponse,
+        errors=(404, 503),
+        summary="An encoder instance's images encoded and kept for a prefill instance (EPD)",
+    ),
     ("/tokenize", "post"): Route(
         (P.TokenizeCompletionRequest, P.TokenizeChatRequest),
         P.TokenizeResponse,

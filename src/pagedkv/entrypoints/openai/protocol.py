@@ -643,8 +643,34 @@ def conversation(
     return out
 
 
+class ECTransferParams(_Request):
+    """Where an encoder instance keeps this request's images' encoder outputs (EPD;
+    `engine.ec_transfer`): what its ``/v1/encode`` answered. An image it does not list, or
+    one that cannot be read, is encoded here."""
+
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
+
+    ec_host: str
+    ec_port: Annotated[int, Field(ge=1, le=65535), BeforeValidator(_integral)]
+    items: list[str] = Field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.model_dump()
+
+
+class EncodeResponse(_Response):
+    """``/v1/encode``: the ``ec_transfer_params`` to send with the request to a prefill (or
+    colocated) instance, and the images and encoder tokens computed."""
+
+    ec_transfer_params: dict[str, Any]
+    num_images: int
+    encoder_tokens: int
+
+
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(json_schema_extra={"minItems": 1})
+    # EPD: where an encoder instance keeps the images' encoder outputs (`/v1/encode`'s answer).
+    ec_transfer_params: ECTransferParams | None = None
     max_tokens: PositiveInt | None = None
     max_completion_tokens: PositiveInt | None = None
     logprobs: bool = False

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response
 
 from pagedkv.engine.outputs import CompletionOutput
 from pagedkv.entrypoints.openai import protocol as P
@@ -54,6 +54,8 @@ async def create_chat_completion(request: Request) -> Response:
     num_tokens = len(cut)
     if images:
         prompt["multi_modal_data"] = {"image": [state.image_source(u) for u in images]}
+        if req.ec_transfer_params is not None:
+            prompt["ec_transfer_params"] = req.ec_transfer_params.to_dict()
         # Each image token becomes its placeholder run later: budget the context with it.
         processor = state.async_llm.engine.mm_processor
         num_tokens += len(images) * (processor.image_seq_length - 1)
@@ -206,3 +208,32 @@ class ChatRenderer(ChoiceRenderer):
                 )
             )
         return P.ChatCompletionLogProbs(content=content)
+
+
+async def create_encode(request: Request) -> Response:
+    """``POST /v1/encode`` (an encoder instance, EPD): the chat request's images encoded and
+    kept for a prefill instance; answers their ``ec_transfer_params``."""
+    state = server_state(request)
+    req = await parse_body(request, P.ChatCompletionRequest)
+    state.check_model(req.model)
+    images: list[str] = []
+    try:
+        req.conversation(state.image_placeholder, images)
+    except P.RequestError as e:
+        raise bad_request(e.message, e.param) from None
+    if not images:
+        raise bad_request("the messages carry no image to encode", "messages")
+    engine = state.async_llm.engine
+    token = engine.mm_processor.image_token_id
+    prompt = {"multi_modal_data": {"image": [state.image_source(u) for u in images]}}
+    try:
+        _, items = await asyncio.to_thread(engine.process_images, prompt, [token] * len(images))
+        params = await state.async_llm.run_in_engine(lambda e: e.encode_images(items))
+    except ValueError as e:
+        raise bad_request(str(e), "messages") from None
+    body = P.EncodeResponse(
+        ec_transfer_params=params,
+        num_images=len(items),
+        encoder_tokens=sum(i.feature.length for i in items),
+    )
+    return JSONResponse(body.model_dump())
