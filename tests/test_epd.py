@@ -16,6 +16,7 @@ from typing import Any
 import httpx
 import pytest
 from redis_server import free_port
+from test_dashboard import browser  # noqa: F401  (a fixture; skips without chromium)
 from test_multimodal import IMAGE_TOKEN, _write_tokenizer, expand, hf_run, image, llava  # noqa: F401
 
 from pagedkv import LLM, SamplingParams
@@ -225,3 +226,23 @@ def test_killed_encoder_falls_back_to_local_encoding(llava, epd) -> None:
     assert r.json()["choices"][0]["token_ids"] == want
     state = epd["proxy"].app.state.proxy
     assert state.encoded[-1][1] is None  # no encoder served it: the prefill instance encoded
+
+
+def test_encoder_cache_and_ec_transfer_on_metrics_and_dashboard(llava, epd, browser) -> None:
+    """After the proxied image request: the prefill instance's /metrics carries the encoder
+    cache and EPD counters; its dashboard shows both in headless Chromium."""
+    from test_dashboard import wait_js
+
+    url = epd["prefill"].url
+    with httpx.Client(base_url=url, timeout=60) as http:
+        text = http.get("/metrics").text
+        state = http.get("/dashboard/state").json()["encoder_cache"]
+    assert "pagedkv:encoder_cache_budget_tokens" in text
+    fetched = [ln for ln in text.splitlines() if ln.startswith("pagedkv:ec_transfer_fetched_total")]
+    assert fetched and float(fetched[0].split()[-1]) >= 1
+    assert state["ec_role"] == "ec_consumer" and state["ec_fetched"] >= 1
+    assert state["usage_tokens"] <= state["budget_tokens"]
+    browser.get(url + "/dashboard")
+    wait_js(browser, "!document.getElementById('enc-section').hidden", 30, "the encoder section")
+    section = browser.find_element("id", "enc-section").text
+    assert "ec_consumer" in section and "fetched" in section

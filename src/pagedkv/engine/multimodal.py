@@ -276,3 +276,35 @@ class EncoderCache:
 
     def check_invariants(self) -> None:
         assert self.usage <= self.budget, (self.usage, self.budget)
+
+
+def encoder_cache_state(engine: Any) -> dict[str, Any] | None:
+    """The encoder cache and EPD transfers as ``/metrics`` and the dashboard show them (None for
+    a model without image inputs). Safe to call from any thread (plain reads of counters)."""
+    if getattr(engine, "mm_processor", None) is None:
+        return None
+    cache = engine.runner.encoder_cache
+    st = cache.stats
+    queries = st.hits + st.misses
+    out: dict[str, Any] = dict(
+        usage_tokens=sum(t.shape[0] for t in list(cache.entries.values())),
+        budget_tokens=cache.budget,
+        entries=len(cache.entries),
+        queries=queries,
+        hits=st.hits,
+        hit_rate=st.hits / queries if queries else 0.0,
+        not_cached=st.not_cached,
+        ec_role=None,
+    )
+    ec = getattr(engine, "ec", None)
+    if ec is not None:
+        e = ec.stats
+        out.update(
+            ec_role=ec.config.ec_role,
+            ec_published=e.published,
+            ec_fetched=e.fetched,
+            ec_fetch_failures=e.fetch_failures,
+            ec_bytes_received=e.bytes_received,
+            ec_fetch_seconds=e.fetch_seconds,
+        )
+    return out

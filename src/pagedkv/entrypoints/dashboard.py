@@ -50,6 +50,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
 
 from pagedkv.core.hashing import get_block_hash, get_group_id
+from pagedkv.engine.multimodal import encoder_cache_state
 
 if TYPE_CHECKING:
     from pagedkv.engine.llm_engine import LLMEngine
@@ -214,6 +215,7 @@ def dashboard_state(engine: LLMEngine, extra: dict[str, Any] | None = None) -> d
         waiting=waiting,
         tiers=tiers or None,
         kv_transfer=kv_transfer_state(stats),
+        encoder_cache=encoder_cache_state(engine),
         **block_details(engine),
     )
     state["groups"] = group_states(engine, state["block_groups"])

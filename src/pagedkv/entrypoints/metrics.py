@@ -20,7 +20,10 @@ process, e.g. in tests). Two sources feed it:
   taken after every step) at scrape time: KV cache usage and block counts, prefix-cache queries
   and hits (tokens), preemptions, running / waiting requests, prompt and generation tokens,
   aborted and rejected requests, ``cache_config_info`` (a gauge set to 1 whose labels are the
-  KV cache configuration) and, with offload tiers, per-tier usage, capacity, hits, misses,
+  KV cache configuration), for a vision-language model ``encoder_cache_usage_tokens``,
+  ``encoder_cache_budget_tokens``, ``encoder_cache_queries_total``, ``encoder_cache_hits_total``
+  (and with EPD ``ec_transfer_{published,fetched,fetch_failures,bytes,seconds}_total``) and,
+  with offload tiers, per-tier usage, capacity, hits, misses,
   bytes read / written and health (each tier's `TierStats`). A tier without a size limit (a
   Redis server without ``maxmemory``) reports ``offload_capacity_bytes`` +Inf. With a PD
   connector (`NixlConnector`: ``kv_connector_stats.transfer`` set), its transfers
@@ -59,6 +62,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
+from pagedkv.engine.multimodal import encoder_cache_state
 from pagedkv.kv_transfer.stats import TRANSFER_LATENCY_BUCKETS
 
 if TYPE_CHECKING:
@@ -622,9 +626,49 @@ class _EngineCollector(Collector):
             llm.num_rejected,
         )
         yield self._cache_config_info()
+        yield from self._encoder_cache_metrics(gauge, counter)
         if s.tier_stats:
             yield from self._tier_metrics(s.tier_stats)
         yield from kv_transfer_metrics(s, prefix, labels, values)
+
+    def _encoder_cache_metrics(self, gauge: Any, counter: Any) -> Iterable[Metric]:
+        """A vision-language model's encoder cache, and its EPD transfers (`encoder_cache_state`)."""
+        ec = encoder_cache_state(self.metrics.async_llm.engine)
+        if ec is None:
+            return
+        yield gauge(
+            "encoder_cache_usage_tokens", "Encoder outputs kept, in tokens.", ec["usage_tokens"]
+        )
+        yield gauge(
+            "encoder_cache_budget_tokens",
+            "The encoder cache's budget, in tokens.",
+            ec["budget_tokens"],
+        )
+        yield counter(
+            "encoder_cache_queries", "Images a prefill chunk needed encoded.", ec["queries"]
+        )
+        yield counter("encoder_cache_hits", "Of those, found in the encoder cache.", ec["hits"])
+        if ec["ec_role"] is None:
+            return
+        yield counter(
+            "ec_transfer_published", "Encoder outputs kept for consumers (EPD).", ec["ec_published"]
+        )
+        yield counter(
+            "ec_transfer_fetched",
+            "Encoder outputs read from an encoder instance.",
+            ec["ec_fetched"],
+        )
+        yield counter(
+            "ec_transfer_fetch_failures",
+            "Encoder outputs a consumer could not read (encoded locally).",
+            ec["ec_fetch_failures"],
+        )
+        yield counter(
+            "ec_transfer_bytes", "Bytes of encoder outputs read.", ec["ec_bytes_received"]
+        )
+        yield counter(
+            "ec_transfer_seconds", "Seconds spent reading encoder outputs.", ec["ec_fetch_seconds"]
+        )
 
     def _tier_metrics(self, tiers: list[TierStats]) -> Iterable[Metric]:
         """One family per `TIER_FIELDS` entry, one sample per tier (labels ``tier``, ``medium``)."""
