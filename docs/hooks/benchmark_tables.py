@@ -843,6 +843,45 @@ def render_offload_codecs(runs: list[tuple[str, dict]]) -> str:
     return "\n".join(out) + "\n" + sources(runs)
 
 
+def render_epd(runs: list[tuple[str, dict]]) -> str:
+    out = []
+    for name, d in runs:
+        parts = []
+        if "cache" in d:
+            c = d["cache"]
+            parts.append(
+                f"repeated image ({c['image_tokens']} tokens) after different text, TTFT: "
+                f"{num(c['ttft_cache_ms'])} ms with the encoder cache, {num(c['ttft_no_cache_ms'])} "
+                f"ms without ({c['ratio']:.2f}×)"
+            )
+        if "serving" in d:
+            s = d["serving"]
+
+            def ms(x: Any) -> str:
+                return "-" if x is None else num(1e3 * x)
+
+            rows = [
+                [
+                    setup,
+                    num(s[setup]["completed"]),
+                    ms(s[setup]["ttft_s"]["p50"]),
+                    ms(s[setup]["ttft_image_s"]["p50"]),
+                    ms(s[setup]["itl_s"]["p50"]),
+                    ms(s[setup]["itl_s"]["p99"]),
+                ]
+                for setup in ("colocated", "epd")
+            ]
+            parts.append(
+                f"{s['requests']} chat requests at {s['rate']}/s, {pct(s['image_share'], 0)} with an "
+                "image (ms)\n\n"
+                + table(
+                    ["setup", "completed", "TTFT p50", "image TTFT p50", "ITL p50", "ITL p99"], rows
+                )
+            )
+        out.append(f"{tag(name)}: {d.get('model', '')}\n\n" + "\n\n".join(parts))
+    return "\n".join(out) + "\n" + sources(runs)
+
+
 def render_vmm(runs: list[tuple[str, dict]]) -> str:
     out = []
     for name, d in runs:
@@ -981,6 +1020,12 @@ BENCHMARKS: list[tuple[str, str, Callable[[str, dict], bool], Callable]] = [
         "python benchmarks/bench_offload.py codecs --json-only > benchmarks/results/NAME.json",
         lambda n, d: isinstance(d.get("codecs"), dict) and "pages" in d["codecs"],
         render_offload_codecs,
+    ),
+    (
+        "Image inputs: the encoder cache and EPD",
+        "python benchmarks/bench_epd.py all --json-out benchmarks/results/NAME.json",
+        lambda n, d: d.get("benchmark") == "epd",
+        render_epd,
     ),
     (
         "Virtual-memory KV cache (vAttention) vs paged",
