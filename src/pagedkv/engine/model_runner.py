@@ -332,6 +332,16 @@ class ModelRunner:
         qsl = torch.tensor(query_start_loc, dtype=torch.int32, device=dev)
         lens = torch.tensor(seq_lens, dtype=torch.int32, device=dev)
         max_query_len = max(s.num_tokens for s in mi.scheduled)
+        # What every group's metadata shares (each adds its slots, table and block size).
+        meta = functools.partial(
+            AttentionMetadata,
+            query_start_loc=qsl,
+            seq_lens=lens,
+            max_query_len=max_query_len,
+            max_seq_len=max(seq_lens),
+            query_start_loc_cpu=query_start_loc,
+            seq_lens_cpu=seq_lens,
+        )
         if self.vmm is not None:
             rows = self._vmm_map(mi)
             per_token = (
@@ -341,16 +351,10 @@ class ModelRunner:
             )
             span = self.vmm.virtual.shape[3]  # tokens of a row: the "block" attention reads
             slots = torch.tensor(per_token, dtype=torch.int64, device=dev) * span + kv_pos
-            md = AttentionMetadata(
+            md = meta(
                 slot_mapping=slots,
-                query_start_loc=qsl,
-                seq_lens=lens,
                 block_table=torch.tensor(rows, dtype=torch.int32, device=dev).view(-1, 1),
                 block_size=span,
-                max_query_len=max_query_len,
-                max_seq_len=max(seq_lens),
-                query_start_loc_cpu=query_start_loc,
-                seq_lens_cpu=seq_lens,
                 contiguous=True,
             )
             return input_ids, pos, [md], logits_indices
@@ -379,16 +383,10 @@ class ModelRunner:
             else:
                 slots = compute_slot_mapping(block_table, req_indices, kv_pos, bs)
             mds.append(
-                AttentionMetadata(
+                meta(
                     slot_mapping=slots,
-                    query_start_loc=qsl,
-                    seq_lens=lens,
                     block_table=block_table,
                     block_size=bs,
-                    max_query_len=max_query_len,
-                    max_seq_len=max(seq_lens),
-                    query_start_loc_cpu=query_start_loc,
-                    seq_lens_cpu=seq_lens,
                     dcp_local_context_lens=local_ctx,
                 )
             )

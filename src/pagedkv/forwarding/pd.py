@@ -60,30 +60,47 @@ def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+async def _first_answer(
+    state: ProxyState,
+    pool: Any,
+    path: str,
+    body: dict[str, Any],
+    headers: dict[str, str],
+    key: str,
+) -> tuple[Instance | None, dict[str, Any] | None, Any]:
+    """POST ``body`` to the first instance of ``pool`` that does not fail: ``(instance, the
+    ``key`` of its JSON answer or None, None)``; ``(None, None, None)`` when every one failed;
+    ``(instance, None, response)`` when it answered 4xx (for the client as it is)."""
+    for inst in pool.candidates():
+        try:
+            resp = await send_request(state.client, inst.url, "POST", path, body, headers)
+            content = await read_body(resp)
+        except InstanceFailed as e:
+            pool.mark_failed(inst, str(e))
+            continue
+        pool.mark_ok(inst)
+        if resp.status_code >= 400:
+            return inst, None, passthrough(resp.status_code, content, resp.headers)
+        try:
+            value = json.loads(content).get(key)
+        except (ValueError, AttributeError):
+            value = None  # not our JSON: the next stage computes it itself
+        return inst, value, None
+    return None, None, None
+
+
 async def run_prefill(
     state: ProxyState, path: str, body: dict[str, Any], headers: dict[str, str]
 ) -> tuple[Instance | None, dict[str, Any] | None, Any]:
     """Prefill on the first prefill instance that does not fail: ``(instance, its
     kv_transfer_params, None)``; ``(None, None, None)`` when every one failed (colocated
     fallback); ``(instance, None, response)`` when it answered 4xx (for the client as it is)."""
-    pbody = prefill_body(body)
-    for inst in state.prefill.candidates():
-        try:
-            resp = await send_request(state.client, inst.url, "POST", path, pbody, headers)
-            content = await read_body(resp)
-        except InstanceFailed as e:
-            state.prefill.mark_failed(inst, str(e))
-            continue
-        state.prefill.mark_ok(inst)
-        if resp.status_code >= 400:
-            return inst, None, passthrough(resp.status_code, content, resp.headers)
-        try:
-            params = json.loads(content).get("kv_transfer_params")
-        except (ValueError, AttributeError):
-            params = None  # not our JSON: the decode instance computes the prompt itself
-        return inst, params, None
-    logger.warning("every prefill instance failed: the decode instance computes the prompt")
-    return None, None, None
+    out = await _first_answer(
+        state, state.prefill, path, prefill_body(body), headers, "kv_transfer_params"
+    )
+    if out[0] is None:
+        logger.warning("every prefill instance failed: the decode instance computes the prompt")
+    return out
 
 
 async def run_decode(
@@ -156,23 +173,12 @@ async def run_encode(
     client's fault: returned as it is)."""
     assert state.encoder is not None
     ebody = {k: v for k, v in body.items() if k in ("model", "messages")}
-    for inst in state.encoder.candidates():
-        try:
-            resp = await send_request(state.client, inst.url, "POST", "/v1/encode", ebody, headers)
-            content = await read_body(resp)
-        except InstanceFailed as e:
-            state.encoder.mark_failed(inst, str(e))
-            continue
-        state.encoder.mark_ok(inst)
-        if resp.status_code >= 400:
-            return inst, None, passthrough(resp.status_code, content, resp.headers)
-        try:
-            params = json.loads(content).get("ec_transfer_params")
-        except (ValueError, AttributeError):
-            params = None
-        return inst, params, None
-    logger.warning("every encoder instance failed: the prefill instance encodes the images")
-    return None, None, None
+    out = await _first_answer(
+        state, state.encoder, "/v1/encode", ebody, headers, "ec_transfer_params"
+    )
+    if out[0] is None:
+        logger.warning("every encoder instance failed: the prefill instance encodes the images")
+    return out
 
 
 async def handle_completion(state: ProxyState, request: Any, path: str) -> Any:
