@@ -255,7 +255,8 @@ def build_app(
     allowed_local_media_path: str | None = None,
 ) -> FastAPI:
     """The FastAPI app serving ``async_llm``. ``allowed_local_media_path``: the directory
-    whose files chat ``image_url`` parts may name (None: data: URLs only). With ``owns_engine`` the app shuts the engine
+    whose files chat ``image_url`` parts may name (None: data: URLs only). With
+    ``owns_engine`` the app shuts the engine
     (and the event publisher) down when it stops. With ``api_key`` every route but
     `OPEN_PATHS` needs ``Authorization: Bearer <api_key>``; bodies over ``max_request_bytes``
     (None: no limit) get 413. ``GET /tokenizer_info`` answers only with
@@ -294,7 +295,7 @@ def build_app(
     install_exception_handlers(app)
     app.add_api_route("/v1/completions", create_completion, methods=["POST"])
     app.add_api_route("/v1/chat/completions", create_chat_completion, methods=["POST"])
-    ec = async_llm.engine.ec
+    ec = getattr(async_llm.engine, "ec", None)  # None: not a vision model (or a test double)
     if ec is not None and ec.producer is not None:  # an encoder instance (EPD)
         app.add_api_route("/v1/encode", create_encode, methods=["POST"])
     app.add_api_route("/v1/models", list_models, methods=["GET"])
