@@ -384,3 +384,38 @@ def test_bench_vmm_small_parts(capsys: pytest.CaptureFixture[str]) -> None:
     (w,) = [r for r in bench.run_waste()["workloads"] if r["workload"].startswith("256")]
     assert 0 < w["paged_block16_waste"] < w["vmm_16KiB_waste"] < w["vmm_64KiB_waste"]
     assert w["vmm_64KiB_waste"] < w["vmm_2MiB_waste"]
+
+
+def test_pd_transfer_between_vmm_engines_moves_physical_pages() -> None:
+    """A NixlConnector producer and consumer, both in vmm mode (TCP backend): the consumer's
+    rows map the pages the transfer wrote, and it decodes exactly what one engine does."""
+    from redis_server import free_port
+
+    prompts = random_prompts(49152, 17, [300, 150])
+    sp = SamplingParams(max_tokens=12, temperature=0)
+    kw: dict[str, Any] = dict(max_model_len=512, num_kv_blocks=24, kv_cache_memory_mode="vmm")
+
+    def pd(role: str) -> LLM:
+        extra = {"side_channel_port": free_port(), "backend": "tcp", "handshake_timeout_s": 2.0}
+        cfg = {"kv_connector": "NixlConnector", "kv_role": role, "kv_connector_extra_config": extra}
+        return LLM(kv_transfer_config=cfg, **kw)
+
+    want = _outputs(LLM(**kw), prompts, sp)
+    p, d = pd("kv_producer"), pd("kv_consumer")
+    try:
+        reqs = [{"prompt_token_ids": x} for x in prompts]
+        first = SamplingParams(
+            max_tokens=1, temperature=0, kv_transfer_params={"do_remote_decode": True}
+        )
+        params = [o.kv_transfer_params for o in p.generate(reqs, first, use_tqdm=False)]
+        assert all(prm and prm["remote_block_ids"] for prm in params)
+        sps = [
+            SamplingParams(max_tokens=12, temperature=0, kv_transfer_params=prm) for prm in params
+        ]
+        got = [[o.token_ids for o in r.outputs] for r in d.generate(reqs, sps, use_tqdm=False)]
+        assert got == want
+        assert d.llm_engine.connector.num_transfers == len(prompts)
+        d.llm_engine.runner.vmm.check_invariants()
+    finally:
+        p.llm_engine.shutdown()
+        d.llm_engine.shutdown()
