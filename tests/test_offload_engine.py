@@ -274,3 +274,25 @@ def test_tier_events_are_published_with_the_pools_and_drained_when_events_are_of
     quiet.llm_engine.step()
     quiet.llm_engine.step()
     assert quiet.llm_engine.connector.take_events() == []
+
+
+def test_a_cpu_tier_smaller_than_a_request_is_named_at_start(tmp_path, caplog):
+    """Loads from disk pass through the CPU tier, so one smaller than a max_model_len request
+    makes long prefixes unloadable: the engine says so at start-up, with the size it needs."""
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="pagedkv.engine.llm_engine"):
+        small = LLM(
+            max_model_len=512, num_kv_blocks=64, kv_offload=f"cpu:2MiB,disk:{tmp_path}:64MiB"
+        )
+    assert "fewer than max_model_len 512" in caplog.text and "give it at least" in caplog.text
+    small.llm_engine.shutdown()
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="pagedkv.engine.llm_engine"):
+        big = LLM(
+            max_model_len=512, num_kv_blocks=64, kv_offload=f"cpu:64MiB,disk:{tmp_path}:64MiB"
+        )
+        plain = LLM(max_model_len=512, num_kv_blocks=64, kv_offload="cpu:2MiB")  # no tier behind
+    assert "fewer than max_model_len" not in caplog.text
+    big.llm_engine.shutdown()
+    plain.llm_engine.shutdown()

@@ -30,6 +30,7 @@ from pagedkv.core.parallel import check_parallel_sizes
 from pagedkv.core.planning import blocks_per_request, make_kv_cache_config
 from pagedkv.core.request import RequestStatus, get_request_block_hasher
 from pagedkv.core.specs import KVCacheConfig, VMMReservation, get_kv_cache_groups
+from pagedkv.core.units import format_size
 from pagedkv.engine import kv_eviction
 from pagedkv.engine.config import DEFAULT_CPU_KV_CACHE_MEMORY, EngineConfig, check_kv_cache_fits
 from pagedkv.engine.ec_transfer import ECConnector, ECTransferConfig
@@ -54,6 +55,7 @@ from pagedkv.engine.structured_output import StructuredOutputManager
 from pagedkv.engine.vmm import VMM_LAYOUT, vmm_block_size
 from pagedkv.engine.vmm import describe as describe_vmm
 from pagedkv.kv_transfer.base import KVConnectorBase, KVConnectorRole
+from pagedkv.kv_transfer.config import resolve_offload_config
 from pagedkv.kv_transfer.factory import KVConnectorFactory
 from pagedkv.models.config import load_model_config
 from pagedkv.models.loader import model_identity
@@ -133,6 +135,7 @@ class LLMEngine:
         self.mm_processor = self._multimodal_processor(loaded)
         self.ec = self._ec_connector(loaded)
         self.connector = self._make_connector(model_identity(loaded.source))
+        self._warn_small_cpu_tier()
         self.executor.initialize_kv_cache(self.kv_cache_config, self.connector)
         self.runner = self.executor.driver.runner
         self.runner.encoder_cache.budget = config.encoder_cache_size
@@ -312,6 +315,26 @@ class LLMEngine:
             kv_cache_config.vmm = VMMReservation(config.max_num_seqs, blocks)
             logger.info("%s", describe_vmm(kv_cache_config))
         return kv_cache_config
+
+    def _warn_small_cpu_tier(self) -> None:
+        """Loads from the disk, Redis and P2P tiers pass through the CPU tier: a prefix longer
+        than the CPU tier holds never comes back from them. Say so at start-up."""
+        kvt = self.config.kv_transfer_config
+        offload = resolve_offload_config(kvt) if kvt is not None else None
+        if offload is None or not (offload.disk or offload.redis or offload.p2p):
+            return
+        per_token = self.kv_cache_config.bytes_per_block / max(self.block_size, 1)
+        tokens = int(offload.cpu.capacity_bytes / per_token)
+        if tokens < self.max_model_len:
+            logger.warning(
+                "the CPU tier holds %d tokens of KV (%s), fewer than max_model_len %d: prefixes "
+                "longer than that are never loaded back from the tiers behind it (disk, Redis, "
+                "P2P), whose loads pass through the CPU tier; give it at least %s",
+                tokens,
+                format_size(offload.cpu.capacity_bytes),
+                self.max_model_len,
+                format_size(int(per_token * self.max_model_len)),
+            )
 
     def _make_connector(self, identity: str) -> KVConnectorBase | None:
         kvt = self.config.kv_transfer_config
