@@ -119,7 +119,13 @@ class MultiModalProcessor:
     def __init__(
         self, model_dir: Path | None, image_token_id: int, image_seq_length: int, image_size: int
     ):
-        from transformers import CLIPImageProcessor
+        try:
+            import PIL  # noqa: F401  (load_image decodes with it)
+            from transformers import CLIPImageProcessor
+        except ImportError:
+            raise ValueError(
+                "image inputs need Pillow and transformers: pip install 'pagedkv[vision]'"
+            ) from None
 
         self.image_token_id = image_token_id
         self.image_seq_length = image_seq_length

@@ -55,7 +55,12 @@ class LlavaForConditionalGeneration(nn.Module):
 
     def __init__(self, config: ModelConfig, kv_quants: Any = None, parallel: Any = None) -> None:
         super().__init__()
-        from transformers import CLIPVisionConfig, CLIPVisionModel
+        try:
+            from transformers import CLIPVisionConfig, CLIPVisionModel
+        except ImportError:
+            raise ValueError(
+                "LLaVA's vision tower needs transformers: pip install 'pagedkv[vision]'"
+            ) from None
 
         v = config.vision or {}
         self.config = config
