@@ -91,7 +91,12 @@ def backend(request) -> str:
 
 
 def make_tier(
-    backend: str, peers=(), listen: int = 0, fingerprint: str = "fp", seed: str = "seed"
+    backend: str,
+    peers=(),
+    listen: int = 0,
+    fingerprint: str = "fp",
+    seed: str = "seed",
+    codec=None,
 ) -> P2PTier:
     return P2PTier(
         list(peers),
@@ -103,6 +108,7 @@ def make_tier(
         backend=backend,
         timeout_s=1.0,
         cooldown_s=0.5,
+        codec=codec,
     )
 
 
@@ -272,21 +278,8 @@ def test_codec_shrinks_the_wire_and_restores_the_chunk(backend, codec_name):
     codec = make_codec(codec_name, "bfloat16", 64, quantized=False)
     port = free_port()
 
-    def tier(peers=(), listen=0) -> P2PTier:
-        return P2PTier(
-            list(peers),
-            "fp",
-            "seed",
-            CHUNK,
-            listen_port=listen,
-            capacity_bytes=16 * CHUNK,
-            backend=backend,
-            timeout_s=1.0,
-            codec=codec,
-        )
-
-    server = tier(listen=port)
-    client = tier(peers=[("127.0.0.1", port)])
+    server = make_tier(backend, listen=port, codec=codec)
+    client = make_tier(backend, peers=[("127.0.0.1", port)], codec=codec)
     raw_reader = make_tier(backend, peers=[("127.0.0.1", port)])
     try:
         chunks = [kv_like_chunk(i) for i in range(4)]
@@ -326,20 +319,9 @@ def test_a_corrupted_encoded_chunk_is_a_miss(backend):
 
     codec = make_codec("zstd", "bfloat16", 64, quantized=False)
     port = free_port()
-    mk = lambda peers=(), listen=0: P2PTier(  # noqa: E731
-        list(peers),
-        "fp",
-        "seed",
-        CHUNK,
-        listen_port=listen,
-        capacity_bytes=16 * CHUNK,
-        backend=backend,
-        timeout_s=1.0,
-        codec=codec,
-    )
-    server, client = mk(listen=port), None
+    server, client = make_tier(backend, listen=port, codec=codec), None
     try:
-        client = mk(peers=[("127.0.0.1", port)])
+        client = make_tier(backend, peers=[("127.0.0.1", port)], codec=codec)
         server.store_batch([(key(1), memoryview(kv_like_chunk(1)))])
         (e,) = server.store.lookup([key(1)])
         server.store.buffer[e.units[0], 20] ^= 0xFF  # a bit flip after encoding

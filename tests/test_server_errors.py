@@ -304,6 +304,7 @@ class FailingEngine:
         self.samples: dict[str, object] = {}
         self.tokenizer = None
         self.max_model_len = 64
+        self.mm_processor = self.ec = None  # a text model, no encoder-cache transfer
 
     def make_stats(self) -> SchedulerStats:
         return SchedulerStats(num_blocks=8, block_size=16, num_free_blocks=7)

@@ -29,11 +29,16 @@ HQ, HKV, D, BS, LAYERS = 9, 3, 64, 16, 30
 
 
 def make_metadata(
-    seq_lens: list[int], query_lens: list[int], num_blocks: int, seed: int = 0
+    seq_lens: list[int],
+    query_lens: list[int],
+    num_blocks: int,
+    seed: int = 0,
+    block_size: int = BS,
 ) -> AttentionMetadata:
-    """Random block tables over a shuffled pool (block 0 = null)."""
+    """Random block tables of ``block_size``-token blocks over a shuffled pool (block 0 =
+    null)."""
     rnd = random.Random(seed)
-    need = [-(-n // BS) for n in seq_lens]
+    need = [-(-n // block_size) for n in seq_lens]
     ids = list(range(1, num_blocks))
     rnd.shuffle(ids)
     table = torch.zeros(len(seq_lens), max(need), dtype=torch.int32)
@@ -47,7 +52,7 @@ def make_metadata(
         query_start_loc=torch.tensor(qsl, dtype=torch.int32),
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
         block_table=table,
-        block_size=BS,
+        block_size=block_size,
         max_query_len=max(query_lens),
         max_seq_len=max(seq_lens),
         query_start_loc_cpu=qsl,

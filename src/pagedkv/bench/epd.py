@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from pagedkv.bench.common import add_output_args, cpu_info, machine_line, run_and_emit
+from pagedkv.bench.serving import dist
 
 IMAGE_SIZE, PATCH = 224, 16
 SEQ = (IMAGE_SIZE // PATCH) ** 2
@@ -97,17 +98,6 @@ def png(seed: int) -> bytes:
     buf = io.BytesIO()
     Image.fromarray(arr).save(buf, format="PNG")
     return buf.getvalue()
-
-
-def dist(xs: list[float]) -> dict[str, float | None]:
-    if not xs:
-        return {"p50": None, "p99": None, "mean": None}
-    s = sorted(xs)
-    return {
-        "p50": s[len(s) // 2],
-        "p99": s[min(len(s) - 1, int(0.99 * len(s)))],
-        "mean": statistics.fmean(s),
-    }
 
 
 # ---- cache ------------------------------------------------------------------------------------
@@ -288,7 +278,7 @@ def run_serving(model: Path, args: argparse.Namespace) -> dict[str, Any]:
     for key in ("itl_s", "ttft_s", "ttft_image_s"):
         for q in ("p50", "p99"):
             a, b = out["epd"][key][q], out["colocated"][key][q]
-            out[f"epd_vs_colocated_{key}_{q}"] = a / b if a and b else None
+            out[f"epd_vs_colocated_{key}_{q}"] = a / b if b else None
     out["logs"] = str(logs)
     return out
 
@@ -322,7 +312,7 @@ def table(r: dict[str, Any]) -> str:
         s = r["serving"]
 
         def ms(x: float | None) -> str:
-            return "-" if x is None else f"{1e3 * x:.0f}"
+            return "-" if x is None or x != x else f"{1e3 * x:.0f}"  # no sample: NaN
 
         lines.append(
             f"serving: {s['requests']} requests at {s['rate']}/s, {s['image_share']:.0%} with an image"
@@ -337,7 +327,9 @@ def table(r: dict[str, Any]) -> str:
                 f"{ms(x['ttft_image_s']['p50']):>8s} {ms(x['itl_s']['p50']):>8s} {ms(x['itl_s']['p99']):>7s}"
             )
         ratio = s["epd_vs_colocated_itl_s_p99"]
-        lines.append(f"EPD / colocated ITL p99: {'-' if ratio is None else f'{ratio:.2f}x'}")
+        lines.append(
+            f"EPD / colocated ITL p99: {'-' if ratio is None or ratio != ratio else f'{ratio:.2f}x'}"
+        )
     return "\n".join(lines)
 
 

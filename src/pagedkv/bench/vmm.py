@@ -44,7 +44,6 @@ from pagedkv.bench.common import (
 from pagedkv.ops import native
 from pagedkv.ops.attention import paged_attention
 from pagedkv.ops.kv_cache import allocate_kv_cache
-from pagedkv.ops.metadata import AttentionMetadata
 from pagedkv.ops.vmm import VirtualKVCache, VMMGeometry
 
 PARTS = ("decode", "alloc", "waste", "engine")
@@ -73,36 +72,8 @@ def _paged_case(name: str, bs: int, seqs: int, tokens: int, layers: int) -> _Cas
     for k, v in views:
         k.normal_(generator=gen)
         v.normal_(generator=gen)
-    if bs == BS:
-        md = make_metadata([tokens] * seqs, [1] * seqs, num_blocks)
-    else:  # make_metadata's tables are for block 16
-        md = _tables(seqs, tokens, bs, num_blocks)
+    md = make_metadata([tokens] * seqs, [1] * seqs, num_blocks, block_size=bs)
     return _Case(name, views, md)
-
-
-def _tables(seqs: int, tokens: int, bs: int, num_blocks: int) -> AttentionMetadata:
-    rnd = random.Random(0)
-    ids = list(range(1, num_blocks))
-    rnd.shuffle(ids)
-    n = -(-tokens // bs)
-    table = torch.tensor([[ids.pop() for _ in range(n)] for _ in range(seqs)], dtype=torch.int32)
-    return _metadata(table, bs, seqs, tokens)
-
-
-def _metadata(table: torch.Tensor, bs: int, seqs: int, tokens: int, contiguous: bool = False):
-    qsl = list(range(seqs + 1))
-    return AttentionMetadata(
-        slot_mapping=torch.zeros(seqs, dtype=torch.int64),
-        query_start_loc=torch.tensor(qsl, dtype=torch.int32),
-        seq_lens=torch.full((seqs,), tokens, dtype=torch.int32),
-        block_table=table,
-        block_size=bs,
-        max_query_len=1,
-        max_seq_len=tokens,
-        query_start_loc_cpu=qsl,
-        seq_lens_cpu=[tokens] * seqs,
-        contiguous=contiguous,
-    )
 
 
 def _vmm_case(seqs: int, tokens: int, layers: int, page_tokens: int) -> tuple[_Case, Any]:
@@ -118,8 +89,10 @@ def _vmm_case(seqs: int, tokens: int, layers: int, page_tokens: int) -> tuple[_C
     for j in range(layers):
         v = cache.virtual[j].permute(1, 2, 0, 3)  # [R, T, H, C]
         views.append((v[..., :D], v[..., D:]))
-    table = torch.arange(seqs, dtype=torch.int32).view(-1, 1)
-    md = _metadata(table, g.max_blocks * page_tokens, seqs, tokens, contiguous=True)
+    # Each row is one "block" of the row's tokens, and its table entry is the row.
+    md = make_metadata([tokens] * seqs, [1] * seqs, seqs + 1, block_size=g.max_blocks * page_tokens)
+    md.block_table = torch.arange(seqs, dtype=torch.int32).view(-1, 1)
+    md.contiguous = True
     return _Case("vmm rows (64 KiB pages)", views, md), cache
 
 

@@ -100,14 +100,8 @@ def bind_kv_cache(
         buffer, own = _bind_uniform_type(kv_cache_config, specs, model_dtype, device)
     else:
         buffer, own = _bind_layer_slots(kv_cache_config, specs, where, model_dtype, device)
-    empty = torch.empty(0, device=device)
-    kv_caches: list[KVView] = []
-    layer_groups: list[int] = []
-    for i in range(mc.num_layers):
-        src = _kv_source(mc, i)
-        name = mc.layer_name(src) if src is not None else None
-        kv_caches.append(own[name] if name in own else (empty, empty))
-        layer_groups.append(where[name][0] if name in where else 0)
+    kv_caches = _layer_views(mc, own, device)
+    layer_groups = [where[n][0] if n in where else 0 for n in _layer_sources(mc)]
     mamba = {i for i in range(mc.num_layers) if isinstance(specs.get(mc.layer_name(i)), MambaSpec)}
     # copy_blocks must copy each piece of memory once (aliased slots would copy twice); an
     # attention view covers its whole page, so it wins over a Mamba layer's states.
@@ -146,17 +140,31 @@ def bind_vmm_kv_cache(
         p = cache.physical[j].permute(1, 2, 0, 3)  # [B, N, H, C]
         virtual[name] = (v[..., :hk], v[..., hk:])
         physical[name] = (p[..., :hk], p[..., hk:])
-    empty = torch.empty(0)
-    kv_caches, phys, layer_groups = [], [], []
+    return KVCacheBinding(
+        cache.physical,
+        _layer_views(mc, virtual),
+        [0] * mc.num_layers,
+        list(physical.values()),
+        vmm=cache,
+        physical=_layer_views(mc, physical),
+    )
+
+
+def _layer_sources(mc: Any) -> list[str | None]:
+    """The name of the layer whose cache each model layer uses (None: no attention)."""
+    out = []
     for i in range(mc.num_layers):
         src = _kv_source(mc, i)
-        name = mc.layer_name(src) if src is not None else None
-        kv_caches.append(virtual.get(name, (empty, empty)))  # type: ignore[arg-type]
-        phys.append(physical.get(name, (empty, empty)))  # type: ignore[arg-type]
-        layer_groups.append(0)
-    return KVCacheBinding(
-        cache.physical, kv_caches, layer_groups, list(physical.values()), vmm=cache, physical=phys
-    )
+        out.append(mc.layer_name(src) if src is not None else None)
+    return out
+
+
+def _layer_views(
+    mc: Any, own: dict[str, KVView], device: torch.device | str = "cpu"
+) -> list[KVView]:
+    """Each model layer's (K, V) views from the owning layers' ``own`` (empty: no cache)."""
+    empty = torch.empty(0, device=device)
+    return [own[n] if n in own else (empty, empty) for n in _layer_sources(mc)]  # type: ignore[index]
 
 
 def _kv_source(mc: Any, i: int) -> int | None:

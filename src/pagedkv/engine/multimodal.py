@@ -287,15 +287,17 @@ class EncoderCache:
 def encoder_cache_state(engine: Any) -> dict[str, Any] | None:
     """The encoder cache and EPD transfers as ``/metrics`` and the dashboard show them (None for
     a model without image inputs). Safe to call from any thread (plain reads of counters)."""
-    if getattr(engine, "mm_processor", None) is None:
+    if engine.mm_processor is None:
         return None
     cache = engine.runner.encoder_cache
     st = cache.stats
     queries = st.hits + st.misses
+    with cache.lock:  # entries change on the engine thread and on prompt threads
+        usage, entries = cache.usage, len(cache.entries)
     out: dict[str, Any] = dict(
-        usage_tokens=sum(t.shape[0] for t in list(cache.entries.values())),
+        usage_tokens=usage,
         budget_tokens=cache.budget,
-        entries=len(cache.entries),
+        entries=entries,
         queries=queries,
         hits=st.hits,
         hit_rate=st.hits / queries if queries else 0.0,

@@ -35,6 +35,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import logging
+import math
 import os
 import sys
 from dataclasses import dataclass, field
@@ -131,15 +132,9 @@ def tokens_per_page(page_bytes: int, token_bytes: int) -> int:
         raise ValueError(
             f"vmm_page_size={page_bytes} does not hold a whole number of tokens of "
             f"{token_bytes} bytes (K+V of one KV head); use a multiple of "
-            f"{_lcm(OS_PAGE, token_bytes)}"
+            f"{math.lcm(OS_PAGE, token_bytes)}"
         )
     return page_bytes // token_bytes
-
-
-def _lcm(a: int, b: int) -> int:
-    import math
-
-    return a * b // math.gcd(a, b)
 
 
 @dataclass(slots=True)

@@ -295,7 +295,7 @@ def build_app(
     install_exception_handlers(app)
     app.add_api_route("/v1/completions", create_completion, methods=["POST"])
     app.add_api_route("/v1/chat/completions", create_chat_completion, methods=["POST"])
-    ec = getattr(async_llm.engine, "ec", None)  # None: not a vision model (or a test double)
+    ec = async_llm.engine.ec
     if ec is not None and ec.producer is not None:  # an encoder instance (EPD)
         app.add_api_route("/v1/encode", create_encode, methods=["POST"])
     app.add_api_route("/v1/models", list_models, methods=["GET"])

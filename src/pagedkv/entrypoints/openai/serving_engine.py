@@ -64,7 +64,7 @@ class ServerState:
         """The model's image token as template text (None: the model takes no images)."""
         engine = self.async_llm.engine
         tok = self.async_llm.tokenizer
-        if getattr(engine, "mm_processor", None) is None or tok is None:
+        if engine.mm_processor is None or tok is None:
             return None
         return tok.id_to_token(engine.mm_processor.image_token_id)
 
