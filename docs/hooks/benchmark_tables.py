@@ -843,6 +843,42 @@ def render_offload_codecs(runs: list[tuple[str, dict]]) -> str:
     return "\n".join(out) + "\n" + sources(runs)
 
 
+def render_pd_codecs(runs: list[tuple[str, dict]]) -> str:
+    out = []
+    for name, d in runs:
+        r = d["pd_codecs"]
+        head = [
+            "codec",
+            "dtype",
+            "B/token",
+            "bytes / raw",
+            "transfer ms",
+            "vs raw",
+            "TTFT ms",
+            "vs raw",
+        ]
+        rows = [
+            [
+                code(codec),
+                dtype,
+                num(c.get("bytes_per_token"), 0),
+                num(c.get("bytes_vs_raw"), 3),
+                num(c["transfer_s"] * 1e3, 1) if "transfer_s" in c else "",
+                num(c.get("transfer_vs_raw"), 2),
+                num(c["ttft_s"] * 1e3, 1),
+                num(c["ttft_vs_raw"], 2),
+            ]
+            for dtype, rows_ in r.items()
+            if isinstance(rows_, dict) and dtype != "cpu"
+            for codec, c in rows_.items()
+        ]
+        out.append(
+            f"{tag(name)}: PD transfers over the {r['backend']} backend, "
+            f"{num(r['tokens'])}-token prompts one at a time\n\n" + table(head, rows)
+        )
+    return "\n".join(out) + "\n" + sources(runs)
+
+
 def render_epd(runs: list[tuple[str, dict]]) -> str:
     out = []
     for name, d in runs:
@@ -1020,6 +1056,12 @@ BENCHMARKS: list[tuple[str, str, Callable[[str, dict], bool], Callable]] = [
         "python benchmarks/bench_offload.py codecs --json-only > benchmarks/results/NAME.json",
         lambda n, d: isinstance(d.get("codecs"), dict) and "pages" in d["codecs"],
         render_offload_codecs,
+    ),
+    (
+        "PD transfer codecs: bytes moved and the consumer's TTFT",
+        "python benchmarks/bench_offload.py pd-codecs --json-only > benchmarks/results/NAME.json",
+        lambda n, d: isinstance(d.get("pd_codecs"), dict),
+        render_pd_codecs,
     ),
     (
         "Image inputs: the encoder cache and EPD",

@@ -229,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
         "what",
         nargs="?",
         default="all",
-        choices=["bandwidth", "multiturn", "codecs", "codec-ttft", "all"],
+        choices=["bandwidth", "multiturn", "codecs", "codec-ttft", "pd-codecs", "all"],
     )
     ap.add_argument(
         "--codec-cpu", default="64MiB", help="codec-ttft's CPU tier (under the histories)"
@@ -253,6 +253,10 @@ def main(argv: list[str] | None = None) -> int:
             print(offload_codecs.table(report["codecs"]))
     if args.what == "codec-ttft":
         report["codec_ttft"] = bench_codec_ttft(args)
+    if args.what == "pd-codecs":
+        report["pd_codecs"] = offload_codecs.bench_pd(args)
+        if not args.json_only:
+            print(offload_codecs.pd_table(report["pd_codecs"]))
     if not args.json_only:
         for section, values in report.items():
             print(f"== {section}")

