@@ -41,14 +41,14 @@ def test_passkey_prompt_refuses_a_length_without_room(tok):
 
 def test_the_shipped_recall_items_are_the_generator_output():
     items = lossy_kv.load_recall_items()
-    assert items == json.loads(json.dumps(lossy_kv.make_recall_items(100, 6, 12, seed=0)))
+    assert items == json.loads(json.dumps(lossy_kv.make_recall_items(*lossy_kv.RECALL_SHAPE)))
     for it in items:
         assert it["gold"] == 0 and len(set(it["choices"])) == 4
-        animal = it["facts"][it["asked"]][1]
-        assert it["choices"][0] == f" a {animal}"
+        color, animal = it["facts"][it["asked"]]
+        assert it["choices"][0] == f" {animal}"
         ctx = lossy_kv.recall_context(it)
-        assert f"The {it['facts'][it['asked']][0]} box holds a {animal}." in ctx
-        assert ctx.endswith("box?\nAnswer:")
+        assert f"The {color} box holds a {animal}." in ctx
+        assert ctx.endswith(f"hold?\nAnswer: The {color} box holds a")
 
 
 def test_choice_logprobs_are_the_sum_of_the_choice_tokens(gguf_path):

@@ -15,9 +15,12 @@ token-eviction policies join as they are built), one engine at a time:
 - **recall** (``--only recall``): an lm-eval-style multiple-choice task scored through
   ``prompt_logprobs``: the ``benchmarks/data/kv_recall.jsonl`` items the repo ships (written by
   `make_recall_items`, seeded) each list key-value facts ("The red box holds a lion.") spread
-  through filler, then ask for one; each of 4 choices is scored by the sum of its tokens'
-  logprobs after the question, and the item is right when the true one scores highest
-  (lm-eval's ``acc``). Accuracy of each method and of the exact cache.
+  through filler, then ask for one as a cloze ("Answer: The red box holds a"); each of 4
+  choices (" lion", ...) is scored by the sum of its tokens' logprobs after the question, and
+  the item is right when the true one scores highest (lm-eval's ``acc``). Accuracy of each
+  method and of the exact cache. (Three facts in ~1.2k tokens, as a cloze: the default model
+  answers ~90% with the exact cache; six facts asked as "which animal is in the red box?" left
+  it at chance, which could judge no method.)
 - **teacher** (``--only teacher``): teacher-forced top-1 agreement, KL and ΔPPL against the
   exact cache over ``--tokens`` (20k) positions of two generated corpora, and greedy-output
   agreement on chat prompts (`pagedkv.bench.kv_quant`'s method, reused).
@@ -144,11 +147,16 @@ ANIMALS = (
 )  # fmt: skip
 
 
+# make_recall_items' arguments for the shipped file: 100 items, 3 facts, 16 filler sentences
+# after each, seed 0.
+RECALL_SHAPE = (100, 3, 16, 0)
+
+
 def make_recall_items(n: int, facts: int, filler_reps: int, seed: int) -> list[dict[str, Any]]:
     """``n`` items (what ``benchmarks/data/kv_recall.jsonl`` holds, written with
-    ``make_recall_items(100, 6, 12, seed=0)``): ``facts`` (color, animal) pairs, the asked
+    ``make_recall_items(*RECALL_SHAPE)``): ``facts`` (color, animal) pairs, the asked
     color's index, 4 choices (the true animal first: ``gold`` = 0) and the filler sentences
-    after each fact. `recall_context` renders the text (~1.8k tokens with the default model)."""
+    after each fact. `recall_context` renders the text (~1.2k tokens with the default model)."""
     rng = random.Random(seed)
     items = []
     for _ in range(n):
@@ -161,7 +169,7 @@ def make_recall_items(n: int, facts: int, filler_reps: int, seed: int) -> list[d
                 facts=[[c, a] for c, a in zip(colors, animals)],
                 asked=asked,
                 filler_reps=filler_reps,
-                choices=[f" a {animals[asked]}"] + [f" a {w}" for w in wrong],
+                choices=[f" {animals[asked]}"] + [f" {w}" for w in wrong],
                 gold=0,
             )
         )
@@ -174,7 +182,7 @@ def recall_context(item: dict[str, Any]) -> str:
     for color, animal in item["facts"]:
         text += f"The {color} box holds a {animal}. " + FILLER * item["filler_reps"]
     color = item["facts"][item["asked"]][0]
-    return text + f"\nQuestion: which animal is in the {color} box?\nAnswer:"
+    return text + f"\nQuestion: what does the {color} box hold?\nAnswer: The {color} box holds a"
 
 
 def load_recall_items(path: Path = RECALL_FILE) -> list[dict[str, Any]]:
