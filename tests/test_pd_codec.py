@@ -214,8 +214,8 @@ def test_int8_gives_the_consumer_the_codecs_round_trip_of_the_producers_blocks(m
 
 
 @pytest.mark.slow
-def test_staging_areas_too_small_fall_back_to_raw_reads_and_a_codec_mismatch_is_refused(
-    reference, caplog
+def test_staging_fallbacks_to_raw_reads_and_a_codec_mismatch_is_refused(
+    reference, caplog, monkeypatch
 ):
     tiny = {"transfer_codec": "lz4", "transfer_staging_mib": 0.01}  # 2 slots: no frame fits
     p_tiny = make_llm("kv_producer", "tcp", **tiny)
@@ -237,6 +237,18 @@ def test_staging_areas_too_small_fall_back_to_raw_reads_and_a_codec_mismatch_is_
         assert st.num_bytes > before
         settle(p_tiny, p, d_tiny)
         assert p.llm_engine.connector.staging.free_slots == p.llm_engine.connector.staging.num_slots
+
+        # An encoder that fails (fault injected): the producer serves the blocks raw.
+        def broken(*args):
+            raise RuntimeError("injected")
+
+        monkeypatch.setattr(nixl_connector, "encode_blocks", broken)
+        before = st.num_bytes
+        params = prefill(p, PROMPTS[2:3])
+        assert decode(d_tiny, PROMPTS[2:3], params) == [reference[PROMPTS[2]]]
+        assert st.num_failed == 0 and st.num_bytes - before == raw_bytes(d_tiny, st.num_blocks - n)
+        assert "encoding its KV failed" in caplog.text
+        monkeypatch.undo()
 
         # A consumer without the codec refuses the producer by name and recomputes.
         params = prefill(p, PROMPTS[:1])
