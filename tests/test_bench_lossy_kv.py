@@ -75,6 +75,17 @@ def test_unknown_methods_and_bad_options_are_refused(capsys):
     assert lossy_kv.main(["--depths", "0.5,1.5", "--json-only"]) == 2
 
 
+def test_a_snapkv_method_may_name_its_observation_window():
+    from pagedkv.bench.lossy_methods import parse_method
+
+    m = parse_method("snapkv:0.25:8")
+    assert m.eviction(1000) == {"policy": "snapkv", "budget_tokens": 250, "recent_tokens": 8}
+    assert "recent_tokens" not in parse_method("snapkv:0.25").eviction(1000)
+    for bad in ("streaming:512:8", "snapkv:0.25:0", "snapkv:0.25:x"):
+        with pytest.raises(BenchOptionError, match="window"):
+            parse_method(bad)
+
+
 @pytest.mark.slow
 def test_a_tiny_run_judges_int4_against_the_exact_cache(capsys):
     assert lossy_kv.main(["--quick", "--methods", "int4", "--json-only"]) == 0

@@ -57,6 +57,7 @@ class Method:
     policy: str | None = None
     budget: int | None = None
     fraction: float | None = None
+    window: int | None = None  # snapkv/pyramidkv: the observation window (recent_tokens)
 
     @property
     def evicts(self) -> bool:
@@ -69,6 +70,8 @@ class Method:
         base = self.policy.split("-")[0]
         budget = self.budget or max(36 + 16, int(prompt_len * (self.fraction or 1.0)))
         ev: dict[str, Any] = {"policy": base, "budget_tokens": budget, **POLICIES[self.policy]}
+        if self.window is not None:
+            ev["recent_tokens"] = self.window
         if compress_at is not None and base in COMPACTING:
             ev["compress_at"] = compress_at
         return ev
@@ -78,7 +81,8 @@ class Method:
 
 
 def parse_method(name: str) -> Method:
-    """``int4`` / ``streaming:512`` / ``streaming-cache:512`` / ``snapkv:0.25`` / ``snapkv:256``."""
+    """``int4`` / ``streaming:512`` / ``streaming-cache:512`` / ``snapkv:0.25`` / ``snapkv:256`` /
+    ``snapkv:0.25:8`` (an observation window of 8 tokens instead of SnapKV's 32)."""
     from pagedkv.core.specs import KV_CACHE_DTYPES
 
     if ":" not in name:
@@ -91,15 +95,21 @@ def parse_method(name: str) -> Method:
     policy, _, arg = name.partition(":")
     if policy not in POLICIES:
         raise BenchOptionError(f"unknown policy {policy!r} in {name!r}: {sorted(POLICIES)}")
+    arg, _, win = arg.partition(":")
+    window = None
+    if win:  # snapkv:0.25:8 - an observation window of 8 tokens (the kept recent tokens too)
+        if policy not in COMPACTING or not win.isdigit() or int(win) < 1:
+            raise BenchOptionError(f"{name!r}: a window (':N', N >= 1) is a snapkv/pyramidkv one")
+        window = int(win)
     try:
         value = float(arg)
     except ValueError:
         raise BenchOptionError(f"{name!r}: the budget is a token count or a fraction") from None
     if 0 < value < 1 and policy in COMPACTING:
-        return Method(name, policy=policy, fraction=value)
+        return Method(name, policy=policy, fraction=value, window=window)
     if value < 1 or value != int(value):
         raise BenchOptionError(f"{name!r}: the budget is a token count >= 1 or a fraction")
-    return Method(name, policy=policy, budget=int(value))
+    return Method(name, policy=policy, budget=int(value), window=window)
 
 
 def sampling_params(method: Method, prompt_len: int, compress_at: int | None = None, **kw: Any):
