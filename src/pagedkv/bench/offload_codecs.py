@@ -194,13 +194,12 @@ def bench_pd(args: argparse.Namespace) -> dict[str, Any]:
     """PD transfers with each ``transfer_codec`` (see the module docstring)."""
     from pagedkv import LLM, SamplingParams
     from pagedkv.bench import kv_quant
+    from pagedkv.bench.common import cpu_info
 
     one = SamplingParams(temperature=0, max_tokens=1)
     remote = SamplingParams(
         temperature=0, max_tokens=1, kv_transfer_params={"do_remote_decode": True}
     )
-    from pagedkv.bench.common import cpu_info
-
     out: dict[str, Any] = {"backend": args.pd_backend, "tokens": args.pd_tokens, "cpu": cpu_info()}
     max_len = args.pd_tokens + 16
     blocks = max(args.pd_prompts * (args.pd_tokens // 16 + 2) * 2, max_len // 16 * 2) + 16

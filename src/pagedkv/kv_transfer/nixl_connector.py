@@ -144,6 +144,10 @@ class RecvReq:
     frames: list[Frame] = field(default_factory=list)
     staging_slot: int | None = None
 
+    @property
+    def num_staging_slots(self) -> int:
+        return sum(f.num_slots for f in self.frames)
+
 
 @dataclass(slots=True)
 class SendReq:
@@ -800,6 +804,7 @@ class NixlConnector(KVConnectorBase):
                 req.port,
                 STAGED_PREFIX + req.remote_request_id.encode(),
                 min(left, self.handshake_timeout_s),
+                "the staged-KV query",
             )
             state, frames = parse_layout(reply)
             if state != "pending":
@@ -819,7 +824,7 @@ class NixlConnector(KVConnectorBase):
                 return self._end_staged(req, ok=False)
             want = len(req.local_block_ids)
             req.frames = frames[req.first_block : req.first_block + want]
-            too_big = sum(f.num_slots for f in req.frames) > self.staging.num_slots  # type: ignore[union-attr]
+            too_big = req.num_staging_slots > self.staging.num_slots  # type: ignore[union-attr]
             if state == "raw" or (state == "ready" and too_big):
                 # Not staged by the producer, or more than our whole staging area: read the
                 # blocks themselves (the producer holds them until we say done).
@@ -836,7 +841,7 @@ class NixlConnector(KVConnectorBase):
                 return self._end_staged(req, ok=False)
             req.stage = "alloc"
         if req.stage == "alloc":
-            n = sum(f.num_slots for f in req.frames)
+            n = req.num_staging_slots
             req.staging_slot = self.staging.alloc(n)  # type: ignore[union-attr]
             if req.staging_slot is None:  # the staging area is full: wait for reads to finish
                 if now > req.deadline:
@@ -876,7 +881,7 @@ class NixlConnector(KVConnectorBase):
         """Free the request's staging slots; tell the producer to free (it has nothing more to
         give); the blocks arrived, or are reported invalid and recomputed."""
         if req.staging_slot is not None:
-            self.staging.free(req.staging_slot, sum(f.num_slots for f in req.frames))  # type: ignore[union-attr]
+            self.staging.free(req.staging_slot, req.num_staging_slots)  # type: ignore[union-attr]
             req.staging_slot = None
         del self._recving[req.request_id]
         req.stage = ""

@@ -175,15 +175,17 @@ def fetch_agent_metadata(
 ) -> KVAgentMetadata:
     """Ask the peer at ``host:port`` for its metadata; `HandshakeError` if it does not answer in
     ``timeout_s`` (a dead or absent peer never blocks longer)."""
-    reply = side_channel_request(host, port, HANDSHAKE_REQUEST, timeout_s)
+    reply = side_channel_request(host, port, HANDSHAKE_REQUEST, timeout_s, "the handshake")
     if not reply:
         raise HandshakeError(f"KV peer {host}:{port} refused the handshake")
     return KVAgentMetadata.decode(reply)
 
 
-def side_channel_request(host: str, port: int, msg: bytes, timeout_s: float) -> bytes:
+def side_channel_request(
+    host: str, port: int, msg: bytes, timeout_s: float, what: str = "the query"
+) -> bytes:
     """One request to the side channel at ``host:port``, its reply (empty: refused or failed);
-    `HandshakeError` when nothing answers within ``timeout_s``."""
+    `HandshakeError` naming ``what`` when nothing answers within ``timeout_s``."""
     ctx = zmq.Context.instance()
     sock = ctx.socket(zmq.REQ)
     sock.setsockopt(zmq.LINGER, 0)
@@ -195,7 +197,7 @@ def side_channel_request(host: str, port: int, msg: bytes, timeout_s: float) -> 
         return sock.recv()
     except zmq.ZMQError as e:
         raise HandshakeError(
-            f"KV peer {host}:{port} did not answer the handshake within {timeout_s:g} s ({e})"
+            f"KV peer {host}:{port} did not answer {what} within {timeout_s:g} s ({e})"
         ) from None
     finally:
         sock.close()

@@ -140,15 +140,11 @@ def _unshuffle(raw: bytes, esize: int, out: memoryview) -> None:
         # 4x (fp32) the rate of numpy's strided scatter (which writes one byte per element).
         word = _WORD[esize]
         planes = a.reshape(esize, -1)
-        o = dst.view(word)
-        np.left_shift(planes[-1], 8 * (esize - 1), out=o, dtype=word)
-        tmp = np.empty_like(o) if esize > 2 else None
-        for i in range(esize - 2, -1, -1):
-            if tmp is None:
-                np.bitwise_or(o, planes[i], out=o, dtype=word)
-            else:
-                np.left_shift(planes[i], 8 * i, out=tmp, dtype=word)
-                np.bitwise_or(o, tmp, out=o)
+        o, tmp = dst.view(word), np.empty(planes.shape[1], dtype=word)
+        np.copyto(o, planes[0], casting="unsafe")
+        for i in range(1, esize):
+            np.left_shift(planes[i], 8 * i, out=tmp, dtype=word)
+            np.bitwise_or(o, tmp, out=o)
     else:
         dst.reshape(-1, esize)[:] = a.reshape(esize, -1).T
 
