@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from pagedkv.engine.config import EngineConfig
 from pagedkv.entrypoints.cli import main
 from pagedkv.entrypoints.cli.plan import parse_size
 
@@ -50,12 +51,18 @@ def test_every_quant_mode_side_by_side(capsys) -> None:
         "int4_per_token_group": 32 + 4 * 2 + 32 + 2,  # K: 4 groups of 16, V: 1
         "int3_per_token_group": 2 * (24 + 2 * 2),  # 3-bit codes, groups of 32
         "int2_per_token_group": 2 * (16 + 2 * 2),
+        "int3_kivi": 24 + 64 // 16 * 2 + 24 + 2,  # K channel scales spread over the block
+        "int2_kivi": 16 + 64 // 16 * 2 + 16 + 2 * 2,
     }
     assert set(rows) == set(per_layer_head)
+    seqs = EngineConfig.__dataclass_fields__["max_num_seqs"].default
     for mode, content in per_layer_head.items():
         r = rows[mode]
         assert r["bytes_per_token"] == 30 * 3 * content, mode
-        assert r["num_blocks"] == GiB // (16 * 30 * 3 * content), mode
+        # KIVI: a residual per max_num_seqs row (36 int8 tokens a layer) comes off the budget
+        residual = 30 * 36 * 3 * 2 * (64 + 2) if "kivi" in mode else 0
+        assert r["kivi_residual_bytes_per_request"] == residual
+        assert r["num_blocks"] == (GiB - seqs * residual) // (16 * 30 * 3 * content), mode
     assert rows["int4_per_token_head"]["max_tokens"] > rows["int8_per_token_head"]["max_tokens"]
 
 

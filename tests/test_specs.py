@@ -188,8 +188,15 @@ def test_page_formula_property(bs: int, h: int, hs: int, mode: KVQuantMode) -> N
         with pytest.raises(ValueError, match="whole bytes"):
             full(bs, h, hs, dtype, kv_quant_mode=mode)
         return
+    if mode.is_kivi and hs % bs:  # a block's channel scales are spread over its tokens
+        with pytest.raises(ValueError, match="must divide"):
+            full(bs, h, hs, dtype, kv_quant_mode=mode)
+        return
     spec = full(bs, h, hs, dtype, kv_quant_mode=mode)
-    if bits in (3, 2):
+    if mode.is_kivi:  # K: codes + hs / bs channel scales; V: int3 one scale, int2 groups of 32
+        g = 32 if mode is KVQuantMode.INT2_KIVI and hs % 32 == 0 else hs
+        content = 2 * (hs * bits // 8) + 2 * (hs // bs) + 2 * (hs // g)
+    elif bits in (3, 2):
         g = 32 if hs % 32 == 0 else hs
         content = 2 * (hs * bits // 8 + 2 * (hs // g))
     elif "per_token_head" in mode.value:

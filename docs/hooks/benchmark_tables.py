@@ -723,6 +723,44 @@ def render_lossy_kv(runs: list[tuple[str, dict]]) -> str:
     return "\n".join(out) + "\n" + sources(runs)
 
 
+def render_kv_formats(runs: list[tuple[str, dict]]) -> str:
+    out = []
+    for name, d in runs:
+        c = d["corpus"]
+        head = ["format", "K scales", "sink + residual", "top-1", "ΔPPL", "KL",
+                "bytes / token-head", f"capacity vs bf16 ({d['capacity_tokens']:,} tokens)",
+                "bar"]  # fmt: skip
+        rows = []
+        for fname, r in d["formats"].items():
+            f = r["format"]
+            k = (
+                f"per channel, {f['block_size']} tokens"
+                if f["k_axis"] == "channel"
+                else (
+                    f"per token, {f['k_group']} values" + (", rotated" if f.get("rotation") else "")
+                )
+            )
+            res = f["residual_blocks"] * f["block_size"]
+            rows.append(
+                [
+                    code(fname),
+                    k,
+                    f"{f['sink']} + {res} ({f['residual']})" if res or f["sink"] else "none",
+                    pct(r["top1_agreement"]),
+                    f"{r['ppl_delta_pct']:+.2f}%",
+                    num(r["mean_kl"], 4),
+                    num(r["token_head_bytes"]),
+                    num(r["capacity_vs_bf16"], 2) + "×",
+                    met(r["meets_target"]),
+                ]
+            )
+        out.append(
+            f"{tag(name)}: emulated, {c['tokens']:,} tokens (T = {c['temperature']}) in windows of "
+            f"{c['window']:,}\n\n" + table(head, rows)
+        )
+    return "\n".join(out) + "\n" + sources(runs)
+
+
 def _render_eviction(name: str, d: dict) -> list[str]:
     """bench_lossy_kv's token-eviction parts: evict-teacher and memory."""
     out = []
@@ -1026,6 +1064,12 @@ BENCHMARKS: list[tuple[str, str, Callable[[str, dict], bool], Callable]] = [
         "python benchmarks/bench_lossy_kv.py --json-out benchmarks/results/NAME.json",
         lambda n, d: d.get("benchmark") == "lossy_kv",
         render_lossy_kv,
+    ),
+    (
+        "Which 2–3-bit KV format could meet the bars (emulated)",
+        "python benchmarks/bench_kv_formats.py --json-out benchmarks/results/NAME.json",
+        lambda n, d: d.get("benchmark") == "kv_formats",
+        render_kv_formats,
     ),
     (
         "Structured outputs: grammar cost",

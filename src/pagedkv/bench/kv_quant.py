@@ -74,6 +74,10 @@ CAPACITY_TARGETS = {
     "int4": 3.4,
     "int3": 4.5,
     "int2": 6.0,
+    "int3_kivi": 4.5,
+    "int3_kivi_b32": 4.5,
+    "int2_kivi": 6.0,
+    "int2_kivi_b32": 6.0,
 }
 REFERENCE = "float32"
 KV_TOKENS_PER_REQUEST = 2048  # a "2k-token request" holds this many token slots
@@ -89,9 +93,12 @@ class KVMode:
     kv_rotation: str | None = None  # None: what kv_cache_dtype implies
     calibrated: bool = False  # fp8 per-tensor scales from a calibration pass
     family: str | None = None  # the TARGETS key this row is judged by
+    block_size: int | None = None  # None: the engine's default (16); KIVI's K groups are blocks
 
     def llm_kwargs(self) -> dict[str, Any]:
         kw: dict[str, Any] = dict(kv_cache_dtype=self.kv_cache_dtype, kv_rotation=self.kv_rotation)
+        if self.block_size is not None:
+            kw["block_size"] = self.block_size
         if self.calibrated:
             kw["kv_scales_calibration"] = list(CALIBRATION_PROMPTS)
         return kw
@@ -124,6 +131,11 @@ MODES: tuple[KVMode, ...] = (
     KVMode("int3", "int3", None, family="int3"),  # the shortcut: groups of 32 + hadamard
     _mode("int2_per_token_group", None, "int2"),
     KVMode("int2", "int2", None, family="int2"),
+    # KIVI (ops/kivi.py): K per channel over a block, V per token, an int8 residual
+    KVMode("int3_kivi", "int3_kivi", None, family="int3"),
+    KVMode("int3_kivi_b32", "int3_kivi", None, family="int3", block_size=32),
+    KVMode("int2_kivi", "int2_kivi", None, family="int2"),
+    KVMode("int2_kivi_b32", "int2_kivi", None, family="int2", block_size=32),
 )
 MODES_BY_NAME = {m.name: m for m in MODES}
 # fp8 per tensor too: the FP8 format whose page (1 byte a value, no inline scales) reaches 2x;
@@ -504,17 +516,14 @@ def _run_until_first_finish(eng: Any, prompts: list[list[int]]) -> tuple[int, in
 def run_capacity(args: argparse.Namespace) -> dict[str, Any]:
     """Max concurrent 2k-token requests under one KV memory budget, measured by running them."""
     from pagedkv import LLM
-    from pagedkv.core.planning import bytes_per_block
+    from pagedkv.core.planning import bytes_per_block, kivi_residual_bytes
     from pagedkv.core.specs import get_kv_cache_groups
     from pagedkv.models.config import load_model_config
 
     mc = load_model_config(None)
-    bs = 16
     req_tokens = args.capacity_request_tokens
-    per_req_blocks = req_tokens // bs
-    bf16 = get_kv_cache_groups(mc.kv_cache_specs(bs, "bfloat16", torch_dtype="float32"))
-    budget = (args.capacity_bf16 * per_req_blocks + 1) * bytes_per_block(bf16)
-    prompt_len = req_tokens - bs + 1  # all its blocks taken at prefill end; 2 outputs fit in them
+    bf16 = get_kv_cache_groups(mc.kv_cache_specs(16, "bfloat16", torch_dtype="float32"))
+    budget = (args.capacity_bf16 * (req_tokens // 16) + 1) * bytes_per_block(bf16)
     rng = random.Random(args.seed)
     log(
         args,
@@ -524,13 +533,19 @@ def run_capacity(args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name in args.capacity_modes:
         mode = MODES_BY_NAME.get(name) or _mode(name)
+        bs = mode.block_size or 16
+        per_req_blocks = req_tokens // bs
+        prompt_len = req_tokens - bs + 1  # all its blocks taken at prefill end; 2 outputs fit
         t0 = time.perf_counter()
         probe = get_kv_cache_groups(
             mc.kv_cache_specs(
                 bs, mode.kv_cache_dtype, torch_dtype="float32", kv_rotation=mode.kv_rotation
             )
         )
-        planned = (budget // bytes_per_block(probe) - 1) // per_req_blocks
+        # A KIVI cache also holds a residual per request (``kivi_residual_bytes``), outside
+        # the pool: the engine reserves one per max_num_seqs row (here: the requests sent).
+        per_req = per_req_blocks * bytes_per_block(probe) + kivi_residual_bytes(probe)
+        planned = (budget - bytes_per_block(probe)) // per_req
         n_submit = planned + 2
         llm = LLM(
             **mode.llm_kwargs(),
@@ -539,7 +554,7 @@ def run_capacity(args: argparse.Namespace) -> dict[str, Any]:
             max_num_batched_tokens=n_submit * prompt_len,
             max_num_seqs=n_submit,
             enable_prefix_caching=False,
-            block_size=bs,
+            **({} if mode.block_size else {"block_size": bs}),
         )
         eng = llm.llm_engine
         prompts = [
@@ -552,6 +567,9 @@ def run_capacity(args: argparse.Namespace) -> dict[str, Any]:
             kv_rotation=mode.kv_rotation or "none",
             num_blocks=eng.kv_cache_config.num_blocks,
             bytes_per_block=bytes_per_block(probe),
+            block_size=bs,
+            prompt_tokens=prompt_len,
+            residual_bytes_per_request=kivi_residual_bytes(probe),
             planned=planned,
             measured=resident,
             decoded_together=together,
@@ -582,7 +600,7 @@ def run_capacity(args: argparse.Namespace) -> dict[str, Any]:
         request_kv_tokens=req_tokens,
         prompt_tokens=prompt_len,
         output_tokens=2,
-        block_size=bs,
+        block_size=16,  # the budget's blocks (a mode's own: its row)
         modes=out,
         method=(
             "planned+2 distinct requests submitted at once, all that fit prefilled in one step; "

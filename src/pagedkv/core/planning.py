@@ -27,6 +27,8 @@ from pagedkv.core.specs import (
     KVCacheConfig,
     KVCacheGroupSpec,
     KVCacheSpec,
+    MLAAttentionSpec,
+    UniformTypeKVCacheSpecs,
     get_kv_cache_groups,
 )
 from pagedkv.core.units import GiB, MiB, cdiv
@@ -49,6 +51,40 @@ def bytes_per_block(groups: GroupsOrSpecs) -> int:
 def kv_bytes_per_token(groups: GroupsOrSpecs) -> int:
     """KV bytes one token writes, summed over all attention layers (unpadded, no window)."""
     return sum(g.bytes_per_token for g in as_groups(groups))
+
+
+def kivi_residual_bytes(groups: GroupsOrSpecs) -> int:
+    """Bytes one request's KIVI residual takes over every layer (0 without KIVI layers): the
+    engine reserves this much per ``max_num_seqs`` row outside the pool."""
+    return sum(
+        getattr(g.kv_cache_spec, "kivi_residual_bytes", 0) * len(g.layer_names)
+        for g in as_groups(groups)
+    )
+
+
+def kivi_unsupported(groups: GroupsOrSpecs) -> str | None:
+    """Why these groups cannot hold a KIVI cache (None: they can, or none is KIVI): the
+    residual and the block coding assume one group of plain causal attention layers."""
+    gs = as_groups(groups)
+    specs = [s for g in gs for s in _layer_specs(g.kv_cache_spec)]
+    modes = [getattr(s, "kv_quant_mode", None) for s in specs]
+    if not any(m is not None and m.is_kivi for m in modes):
+        return None
+    spec = gs[0].kv_cache_spec
+    plain = (
+        len(gs) == 1
+        and isinstance(spec, FullAttentionSpec)
+        and not isinstance(spec, MLAAttentionSpec)
+        and spec.sliding_window is None
+        and spec.attention_chunk_size is None
+    )
+    return None if plain else "a KIVI cache needs a model whose layers are all plain full attention"
+
+
+def _layer_specs(spec: KVCacheSpec) -> list[KVCacheSpec]:
+    return (
+        list(spec.kv_cache_specs.values()) if isinstance(spec, UniformTypeKVCacheSpecs) else [spec]
+    )
 
 
 def num_blocks_from_memory(available_bytes: int, groups: GroupsOrSpecs) -> int:

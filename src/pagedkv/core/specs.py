@@ -88,6 +88,20 @@ INT4_K_GROUP = 16  # K values per scale in int4_per_token_group when the head si
 # token-head, 4.57x fewer than bf16; int2: 40 B, 6.4x); groups of 16 would be 4.0x and 5.3x.
 LOWBIT_GROUP = 32
 KV_ROTATIONS = ("hadamard",)
+# The KIVI modes' residual (see KVQuantMode): the first KIVI_SINK_TOKENS tokens of a request
+# and its last ``kivi_residual_blocks(block_size)`` blocks (the filling one included, at least
+# KIVI_RESIDUAL_TOKENS tokens of room) are read as int8 codes, not as 3/2-bit codes. Measured
+# by emulation (bench_kv_formats): without the residual, per-channel int3 keys give 92% top-1;
+# with it, 95-97%.
+KIVI_SINK_TOKENS = 4
+KIVI_RESIDUAL_TOKENS = 32
+KIVI_RESIDUAL_PART = 2  # fp16 scale after each int8 part of a residual token-head
+
+
+def kivi_residual_blocks(block_size: int) -> int:
+    """Whole blocks the KIVI residual keeps (the filling block counts): ``32 // block_size``,
+    at least one."""
+    return max(1, KIVI_RESIDUAL_TOKENS // block_size)
 
 
 def int4_group_size(d: int, part: str = "k") -> int:
@@ -111,6 +125,12 @@ def group_size(mode: KVQuantMode, d: int, part: str = "k") -> int:
     int2 when it divides ``d`` (else the whole part)."""
     if mode is KVQuantMode.INT4_PER_TOKEN_GROUP:
         return int4_group_size(d, part)
+    if mode.is_kivi:  # V only (K is per channel): int3 one group, int2 groups of 32
+        if part != "v":
+            raise ValueError("a KIVI K part is quantized per channel, not in token groups")
+        if mode is KVQuantMode.INT2_KIVI and d % LOWBIT_GROUP == 0:
+            return LOWBIT_GROUP
+        return max(d, 1)
     if mode in (KVQuantMode.INT3_PER_TOKEN_GROUP, KVQuantMode.INT2_PER_TOKEN_GROUP):
         if part not in ("k", "v"):
             raise ValueError(f"part must be 'k' or 'v', got {part!r}")
@@ -159,6 +179,13 @@ class KVQuantMode(enum.Enum):
         bit stream), one fp16 scale (the zero point in its low 3 / 2 mantissa bits) per group of
         32 values, K and V (``kv_cache_dtype="int3"`` / ``"int2"``, with a Hadamard rotation):
         lossy KV for capacity (issue 36's bars: >= 4.5x and >= 6x bf16's requests).
+    INT3_KIVI / INT2_KIVI (KIVI's layout): the same codes, K quantized *per channel* across the
+        tokens of a block (a block's K is coded when it fills; the channel scales, fp16 with the
+        zero point in the mantissa, are spread over its tokens: ``head_size / block_size`` per
+        token-head), V per token (int3: one scale; int2: groups of 32). Each running request
+        also keeps a *residual* outside the pages: its first ``KIVI_SINK_TOKENS`` tokens and its
+        last ``kivi_residual_blocks`` blocks as int8 per token-head; attention reads those from
+        it (``ops/kivi.py``). No rotation (it would smear the channels KIVI scales apart).
     """
 
     NONE = "none"
@@ -171,6 +198,8 @@ class KVQuantMode(enum.Enum):
     INT4_PER_TOKEN_GROUP = "int4_per_token_group"
     INT3_PER_TOKEN_GROUP = "int3_per_token_group"
     INT2_PER_TOKEN_GROUP = "int2_per_token_group"
+    INT3_KIVI = "int3_kivi"
+    INT2_KIVI = "int2_kivi"
 
     @property
     def storage_dtype(self) -> str | None:
@@ -212,6 +241,11 @@ class KVQuantMode(enum.Enum):
         )
 
     @property
+    def is_kivi(self) -> bool:
+        """K per channel across a block, V per token, a residual per request (int3/int2)."""
+        return self in (KVQuantMode.INT3_KIVI, KVQuantMode.INT2_KIVI)
+
+    @property
     def code_bits(self) -> int:
         """Bits of one integer code (4/3/2 for the integer-group modes, 4 for int4 per token
         head, 8 otherwise): also the bits of the zero point stored under the scale."""
@@ -221,7 +255,7 @@ class KVQuantMode(enum.Enum):
     @property
     def has_inline_scales(self) -> bool:
         """Scales live in the page next to the values (every mode but NONE and per-tensor)."""
-        return self.is_per_token_head or self.is_per_token_group
+        return self.is_per_token_head or self.is_per_token_group or self.is_kivi
 
     def scale_bytes(self, d: int, part: str = "k") -> int:
         """Inline scale bytes of one part (``"k"`` or ``"v"``) of ``d`` values of one token-head."""
@@ -229,8 +263,10 @@ class KVQuantMode(enum.Enum):
             return HALF_SCALE_BYTES
         if self.is_per_token_head:
             return SCALE_BYTES
-        if self.is_per_token_group:
+        if self.is_per_token_group or (self.is_kivi and part == "v"):
             return GROUP_SCALE_BYTES * cdiv(d, group_size(self, d, part)) if d else 0
+        if self.is_kivi:
+            raise ValueError("a KIVI K part's scales depend on the block size (AttentionSpec)")
         return 0
 
     def part_bytes(self, d: int, bits: int, part: str = "k") -> int:
@@ -261,6 +297,8 @@ _MODE_DTYPE: dict[KVQuantMode, str | None] = {
     KVQuantMode.INT4_PER_TOKEN_GROUP: "int4",
     KVQuantMode.INT3_PER_TOKEN_GROUP: "int3",
     KVQuantMode.INT2_PER_TOKEN_GROUP: "int2",
+    KVQuantMode.INT3_KIVI: "int3",
+    KVQuantMode.INT2_KIVI: "int2",
 }
 
 
@@ -292,7 +330,7 @@ KV_CACHE_DTYPE_SHORTCUTS: tuple[str, ...] = (
     "int2",
 )
 KV_CACHE_DTYPE_MODES: tuple[str, ...] = tuple(
-    m.value for m in KVQuantMode if m.is_per_token_head or m.is_per_token_group
+    m.value for m in KVQuantMode if m.is_per_token_head or m.is_per_token_group or m.is_kivi
 )
 KV_CACHE_DTYPES: tuple[str, ...] = KV_CACHE_DTYPE_SHORTCUTS + KV_CACHE_DTYPE_MODES
 # What a value means where its name does not say it (help text and docs); consecutive values
@@ -309,6 +347,8 @@ KV_CACHE_DTYPE_NOTES: dict[str, str] = {
     "int8_per_token_head": "vLLM's: fp32 scales",
     "fp8_per_token_head": "vLLM's: fp32 scales",
     "int8_per_token_head_f16": "fp16 scales",
+    "int3_kivi": "lossy: K per channel over a block, V per token, int8 residual",
+    "int2_kivi": "lossy: K per channel over a block, V per token, int8 residual",
     "fp8_per_token_head_f16": "fp16 scales",
 }
 
@@ -346,11 +386,14 @@ def resolve_kv_cache_dtype(
     return dtype, mode
 
 
-def resolve_kv_rotation(kv_cache_dtype: str | None, kv_rotation: str | None) -> str | None:
+def resolve_kv_rotation(
+    kv_cache_dtype: str | None, kv_rotation: str | None, mode: KVQuantMode | None = None
+) -> str | None:
     """The rotation applied to K/V (and Q) before quantization: an explicit ``kv_rotation``
     ("hadamard", or "none"/None) wins; otherwise the shortcuts "int8" and "int4" (pagedkv's
     best INT8 / INT4: measured, the rotation is what lifts INT8 past 99% top-1 agreement)
-    imply "hadamard", and the explicit mode names (vLLM's) and everything else none."""
+    imply "hadamard", and the explicit mode names (vLLM's), a KIVI ``mode`` (it scales K per
+    channel) and everything else none."""
     if kv_rotation is not None:
         r = str(kv_rotation).lower()
         if r == "none":
@@ -360,6 +403,8 @@ def resolve_kv_rotation(kv_cache_dtype: str | None, kv_rotation: str | None) -> 
                 f"unknown kv_rotation {kv_rotation!r}; choose one of {KV_ROTATIONS} or 'none'"
             )
         return r
+    if mode is not None and mode.is_kivi:
+        return None
     return "hadamard" if kv_cache_dtype in ("int8", "int4", "int3", "int2") else None
 
 
@@ -439,10 +484,31 @@ class AttentionSpec(KVCacheSpec):
                 f"{self.kv_quant_mode.value} packs {8 // math.gcd(8, bits)} values to whole bytes: "
                 f"head sizes {self.head_size}/{self.head_size_v} are not multiples of it"
             )
+        if self.kv_quant_mode.is_kivi:
+            if self.head_size % self.block_size:  # type: ignore[operator]
+                raise ValueError(
+                    f"{self.kv_quant_mode.value} spreads a block's {self.head_size} channel "
+                    f"scales over its tokens: block_size {self.block_size} must divide it"
+                )
+            if self.kv_rotation is not None:
+                raise ValueError(
+                    f"{self.kv_quant_mode.value} scales K per channel: a rotation would smear "
+                    "the channels together (use kv_rotation='none')"
+                )
         if self.page_size_padded is not None and self.page_size_padded < self.real_page_size_bytes:
             raise ValueError(
                 f"page_size_padded={self.page_size_padded} < real page {self.real_page_size_bytes}"
             )
+
+    @property
+    def kivi_residual_bytes(self) -> int:
+        """Bytes of one request's KIVI residual in this layer (0 for other modes): sink and
+        residual tokens, every KV head, K and V as int8 plus an fp16 scale."""
+        if not self.kv_quant_mode.is_kivi:
+            return 0
+        tokens = KIVI_SINK_TOKENS + kivi_residual_blocks(self.block_size) * self.block_size
+        d = self.head_size + self.head_size_v  # type: ignore[operator]
+        return tokens * self.num_kv_heads * (d + 2 * KIVI_RESIDUAL_PART)
 
     @property
     def content_bytes(self) -> int:
@@ -454,6 +520,10 @@ class AttentionSpec(KVCacheSpec):
         """Bytes of one token-head's K (values, then inline scales). Without inline scales and
         with sub-byte values the K/V split is not byte-aligned; ``content_bytes`` still is."""
         mode, bits = self.kv_quant_mode, dtype_bits(self.dtype)
+        if mode.is_kivi:  # the block's channel scales, spread over its tokens
+            return cdiv(self.head_size * bits, 8) + GROUP_SCALE_BYTES * (
+                self.head_size // self.block_size
+            )
         if mode.has_inline_scales:
             return mode.part_bytes(self.head_size, bits, "k")
         return self.head_size * bits // 8
@@ -792,6 +862,9 @@ class KVCacheConfig:
     # k tokens): see ``MambaManager``.
     prefix_cache_retention_interval: int | None = None
     vmm: VMMReservation | None = None
+    # KIVI caches: the request rows of each layer's residual (0: no KIVI layer), allocated
+    # outside the pool (`kivi_residual_bytes` each per layer; the planner subtracts them).
+    kivi_rows: int = 0
 
     @property
     def num_usable_blocks(self) -> int:

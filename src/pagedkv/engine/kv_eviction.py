@@ -35,6 +35,8 @@ def unsupported_reason(engine: Any) -> str | None:
         return "token eviction cannot be combined with a KV connector or offload tiers"
     if engine.config.decode_context_parallel_size > 1:
         return "token eviction cannot be combined with decode context parallelism"
+    if getattr(spec, "kv_quant_mode", KVQuantMode.NONE).is_kivi:
+        return "token eviction cannot be combined with a KIVI cache (its residual is per position)"
     return None
 
 

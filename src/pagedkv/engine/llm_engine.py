@@ -27,7 +27,12 @@ import torch
 from pagedkv.core.hashing import get_hash_fn_by_name, resolve_none_hash_seed
 from pagedkv.core.kv_cache_manager import KVCacheManager
 from pagedkv.core.parallel import check_parallel_sizes
-from pagedkv.core.planning import blocks_per_request, make_kv_cache_config
+from pagedkv.core.planning import (
+    blocks_per_request,
+    kivi_residual_bytes,
+    kivi_unsupported,
+    make_kv_cache_config,
+)
 from pagedkv.core.request import RequestStatus, get_request_block_hasher
 from pagedkv.core.specs import KVCacheConfig, VMMReservation, get_kv_cache_groups
 from pagedkv.core.units import format_size
@@ -299,6 +304,14 @@ class LLMEngine:
             )
         # Per rank; with DCP each rank's memory holds 1/dcp of every (virtual) block.
         kv_memory = self._kv_cache_memory() * dcp
+        residual = kivi_residual_bytes(groups)  # KIVI: a residual row per max_num_seqs
+        if residual or kivi_unsupported(groups):
+            why = kivi_unsupported(groups)
+            if dcp > 1 or config.kv_cache_memory_mode == "vmm":
+                why = "a KIVI cache cannot be combined with decode context parallelism or vmm"
+            if why is not None:
+                raise ValueError(why)
+            kv_memory -= config.max_num_seqs * residual
         check_kv_cache_fits(config, groups, self.max_model_len, kv_memory)
         kv_cache_config = make_kv_cache_config(
             groups,
@@ -309,6 +322,7 @@ class LLMEngine:
             layout=config.kv_cache_layout,
         )
         kv_cache_config.prefix_cache_retention_interval = config.prefix_cache_retention_interval
+        kv_cache_config.kivi_rows = config.max_num_seqs if residual else 0
         if config.kv_cache_memory_mode == "vmm":
             # A row holds a max_model_len request; the step never has more than max_num_seqs.
             blocks = -(-self.max_model_len // config.block_size)

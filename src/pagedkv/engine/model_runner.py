@@ -49,6 +49,7 @@ from pagedkv.kv_transfer.base import KVConnectorBase, KVConnectorOutput
 from pagedkv.models.layers import RotaryEmbedding
 from pagedkv.ops.cache import compute_slot_mapping
 from pagedkv.ops.forward_context import set_forward_context
+from pagedkv.ops.kivi import KiviStep, allocate_residuals
 from pagedkv.ops.kv_cache import allocate_kv_cache, copy_blocks
 from pagedkv.ops.kv_quant import KVQuant, KVQuantFormat
 from pagedkv.ops.metadata import AttentionMetadata
@@ -105,6 +106,10 @@ class ModelRunner:
         # views the connector registers (kv_caches are then the rows the model reads).
         self.vmm: VirtualKVCache | None = None
         self.vmm_rows: VMMRows | None = None
+        # KIVI caches (`ops.kivi`): each running request's residual row, and the first
+        # position it computed itself (what its row holds from).
+        self.kivi_rows: VMMRows | None = None
+        self.kivi_starts: dict[str, int] = {}
         self.connector_kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         # Vision-language models: encoder outputs by image hash (the engine sets the budget).
         self.encoder_cache = EncoderCache(budget=0)
@@ -139,6 +144,10 @@ class ModelRunner:
             self.group_block_sizes[0],
         )
         self.kv_quants = self._layer_kv_quants(groups)
+        if kv_cache_config.kivi_rows:
+            specs = dict(iter_layer_specs(groups))
+            allocate_residuals(self.kv_quants, specs, kv_cache_config.kivi_rows, self.device)
+            self.kivi_rows = VMMRows(kv_cache_config.kivi_rows)
         self.register_connector()
 
     def register_connector(self) -> None:
@@ -244,6 +253,10 @@ class ModelRunner:
                 self._vmm_release(rid)
         for rid in gone:  # their images' encoder outputs may go when nobody else needs them
             self.encoder_cache.release(rid)
+        if self.kivi_rows is not None:  # a resumed request starts a fresh residual
+            for rid in gone:
+                self.kivi_rows.release(rid)
+                self.kivi_starts.pop(rid, None)
         scheduled = []
         for s in so.scheduled:
             req = s.request
@@ -390,7 +403,26 @@ class ModelRunner:
                     dcp_local_context_lens=local_ctx,
                 )
             )
+        if self.kivi_rows is not None:
+            step = self._kivi_step(mi)
+            for md in mds:
+                md.kivi = step
         return input_ids, pos, mds, logits_indices
+
+    def _kivi_step(self, mi: ModelInput) -> KiviStep:
+        """Each scheduled request's residual row; a request new to its row holds its residual
+        from this step's first position (earlier ones came from the prefix cache or a load)."""
+        assert self.kivi_rows is not None
+        in_step = {s.request_id for s in mi.scheduled}
+        rows, starts = [], []
+        for s in mi.scheduled:
+            row, evicted = self.kivi_rows.acquire(s.request_id, in_step)
+            if evicted is not None:
+                self.kivi_starts.pop(evicted, None)
+            start = self.kivi_starts.setdefault(s.request_id, s.start)
+            rows.append(row)
+            starts.append(start)
+        return KiviStep(rows, starts)
 
     def _vmm_map(self, mi: ModelInput) -> list[int]:
         """vmm mode: each scheduled request's row, with its block table's pages mapped in

@@ -90,7 +90,7 @@ class VMMRows:
         if not self.free:
             evicted = next((rid for rid in self.by_request if rid not in in_step), None)
             if evicted is None:
-                raise RuntimeError(f"all {self.num_rows} vmm rows are in use by this step")
+                raise RuntimeError(f"all {self.num_rows} request rows are in use by this step")
             self.free.append(self.by_request.pop(evicted))
         row = self.free.pop()
         self.by_request[request_id] = row

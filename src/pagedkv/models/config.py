@@ -523,7 +523,7 @@ class ModelConfig:
             head_size=self.head_dim,
             dtype=dtype,
             kv_quant_mode=mode,
-            kv_rotation=resolve_kv_rotation(kv_cache_dtype, kv_rotation),
+            kv_rotation=resolve_kv_rotation(kv_cache_dtype, kv_rotation, mode),
         )
         full = (
             MLAAttentionSpec if self.mla is not None else FullAttentionSpec

@@ -42,6 +42,7 @@ import torch
 
 from pagedkv.ops import native
 from pagedkv.ops.dense_attention import attend
+from pagedkv.ops.kivi import kivi_attention
 from pagedkv.ops.kv_gather import PagedKV
 from pagedkv.ops.kv_quant import KVQuant
 from pagedkv.ops.merge_attn_states import merge_attn_states, merge_attn_states_multi
@@ -99,6 +100,10 @@ def paged_attention(
             f"{query.shape[1]} query heads is not a multiple of {key_cache.shape[2]} KV heads"
         )
     observer = attn_metadata.kv_observer
+    if kv_quant is not None and kv_quant.fmt.mode.is_kivi:
+        if sliding_window is not None or attention_chunk_size is not None or logits_soft_cap:
+            raise ValueError(f"{kv_quant.fmt.mode.value} supports plain causal attention only")
+        return kivi_attention(query, key_cache, value_cache, attn_metadata, scale, kv_quant)
     if kv_quant is not None and (kv_quant.fmt.quantized or kv_quant.rotation is not None):
         # Rotated keys: q·k = (Rq)·(Rk); the output Σp·Rv is rotated back.
         q = kv_quant.rotate(query)

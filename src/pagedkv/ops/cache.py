@@ -44,6 +44,11 @@ def reshape_and_cache(
     ``kv_quant`` (a quantized or rotated cache): rows are rotated and/or quantized first, and a
     quantized cache's ``uint8`` parts (``[NB, BS, Hkv, k_bytes]``) receive the packed bytes.
     """
+    if kv_quant is not None and kv_quant.fmt.mode.is_kivi:
+        # A KIVI block is coded when it fills, which needs the step's metadata: attention
+        # (`ops.kivi.kivi_attention`) writes these rows.
+        kv_quant.pending = (key, value, slot_mapping.to(torch.int64))
+        return
     on_gpu = key_cache.device.type == "cuda" and triton_available()
     if kv_quant is not None and kv_quant.fmt.quantized and on_gpu:
         from pagedkv.ops.triton.reshape_and_cache import reshape_and_cache_triton

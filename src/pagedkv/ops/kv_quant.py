@@ -40,6 +40,7 @@ import functools
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -110,7 +111,7 @@ def _code_bytes(d: int, bits: int) -> int:
 
 def _int_group(fmt: KVQuantFormat, d: int, part_bytes: int) -> int:
     """Values per scale of an integer-code part, from its byte size (K and V may differ)."""
-    if not fmt.mode.is_per_token_group:
+    if not (fmt.mode.is_per_token_group or fmt.mode.is_kivi):
         return d
     groups = (part_bytes - _code_bytes(d, fmt.mode.code_bits)) // 2
     if groups < 1 or d % groups:
@@ -173,6 +174,10 @@ class KVQuant:
     v_scale: float = 1.0
     rotation: torch.Tensor | None = None  # [D, D] float32, orthonormal: x_rot = x @ R.T
     observe: object = field(default=None)
+    # KIVI caches (`ops.kivi`): the layer's residual (allocated by the runner) and the step's
+    # rows ``(key, value, slot_mapping)`` that reshape_and_cache leaves for attention to write.
+    residual: Any = field(default=None)
+    pending: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = field(default=None)
 
     @classmethod
     def for_spec(cls, spec: AttentionSpec, device: torch.device | str = "cpu") -> KVQuant:
@@ -210,6 +215,8 @@ class KVQuant:
         returns the rotated float32 rows."""
         key, value = self.prepare(key, value)
         f = self.fmt
+        if f.mode.is_kivi:
+            raise ValueError(f"{f.mode.value} codes K a block at a time: see ops.kivi")
         if not f.quantized:
             return key, value
         return (
@@ -223,6 +230,8 @@ class KVQuant:
         """Parts ``uint8 [..., k_bytes]``/``[..., v_bytes]`` → ``(k [..., D], v [..., Dv])`` in
         ``dtype``, still rotated (attention rotates the query instead of un-rotating keys)."""
         f = self.fmt
+        if f.mode.is_kivi:
+            raise ValueError(f"{f.mode.value} codes K a block at a time: see ops.kivi")
         return (
             dequantize_part(k_raw, f, f.head_size, self.k_scale, dtype),
             dequantize_part(v_raw, f, f.head_size_v, self.v_scale, dtype),

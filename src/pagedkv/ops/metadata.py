@@ -67,6 +67,9 @@ class AttentionMetadata:
     # is sequence ``i``'s one row and ``block_size`` is T. Attention reads ``[0, seq_len)`` of
     # the row in place (past it the row is unmapped: a gather of the whole "block" would fault).
     contiguous: bool = False
+    # A KIVI cache (`ops.kivi`): each sequence's residual row and the first position its
+    # request computed itself (`ops.kivi.KiviStep`); None otherwise.
+    kivi: Any = None
 
     def rows(self) -> StepRows:
         """The step's :class:`StepRows`, computed on first use (layers share the metadata)."""

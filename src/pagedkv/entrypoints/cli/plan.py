@@ -49,6 +49,8 @@ KV_MODES: list[tuple[str, str, KVQuantMode]] = [
     ("int4_per_token_group", "int4", KVQuantMode.INT4_PER_TOKEN_GROUP),
     ("int3_per_token_group", "int3", KVQuantMode.INT3_PER_TOKEN_GROUP),
     ("int2_per_token_group", "int2", KVQuantMode.INT2_PER_TOKEN_GROUP),
+    ("int3_kivi", "int3", KVQuantMode.INT3_KIVI),
+    ("int2_kivi", "int2", KVQuantMode.INT2_KIVI),
 ]
 
 
@@ -296,8 +298,10 @@ def plan_row(
     kv_quant_mode: KVQuantMode | str | None,
     model_dtype: str,
     mnbt: int,
+    max_num_seqs: int = 0,
 ) -> dict[str, Any]:
-    """Every capacity number for one KV dtype/mode (usable blocks exclude the null block)."""
+    """Every capacity number for one KV dtype/mode (usable blocks exclude the null block). A
+    KIVI mode's residual is reserved per ``max_num_seqs`` row first, as the engine does."""
     # A Mamba hybrid runs with the block size the engine picks (an attention page holds a state).
     block_size = align_hybrid_block_size(
         cfg.kv_cache_specs(1, kv_cache_dtype, kv_quant_mode, model_dtype), block_size
@@ -308,6 +312,8 @@ def plan_row(
         (g.kv_cache_spec for g in groups if hasattr(g.kv_cache_spec, "dtype")),
         groups[0].kv_cache_spec,
     )
+    residual = planning.kivi_residual_bytes(groups)
+    kv_budget = max(kv_budget - max_num_seqs * residual, 0)
     num_blocks = planning.num_blocks_from_memory(kv_budget, groups)
     return dict(
         kv_cache_dtype=first.dtype,
@@ -315,6 +321,7 @@ def plan_row(
         bytes_per_token=planning.kv_bytes_per_token(groups),
         bytes_per_block=planning.bytes_per_block(groups),
         num_groups=len(groups),
+        kivi_residual_bytes_per_request=residual,
         num_blocks=num_blocks,
         num_usable_blocks=max(num_blocks - 1, 0),
         max_tokens=planning.max_num_tokens(num_blocks, groups, context, mnbt),
@@ -336,6 +343,7 @@ def mode_row(
     kv_quant_mode: KVQuantMode | str | None,
     model_dtype: str,
     mnbt: int,
+    max_num_seqs: int = 0,
 ) -> dict[str, Any]:
     """One row of the all-modes table. A mode the model cannot use (e.g. per-token-head scales
     on layers of two geometries, whose pages are then no integer multiples of each other and
@@ -354,6 +362,7 @@ def mode_row(
                 kv_quant_mode,
                 model_dtype,
                 mnbt,
+                max_num_seqs,
             ),
         )
     except (ValueError, NotImplementedError) as e:
@@ -586,6 +595,7 @@ def make_plan(args: argparse.Namespace) -> dict[str, Any]:
             args.kv_quant_mode,
             model_dtype,
             args.max_num_batched_tokens,
+            args.max_num_seqs,
         )
     except (ValueError, NotImplementedError) as e:
         raise PlanError(str(e)) from None
@@ -600,6 +610,7 @@ def make_plan(args: argparse.Namespace) -> dict[str, Any]:
             mode,
             model_dtype,
             args.max_num_batched_tokens,
+            args.max_num_seqs,
         )
         for label, dt, mode in KV_MODES
     ]
