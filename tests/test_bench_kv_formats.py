@@ -15,6 +15,17 @@ from pagedkv.ops.kv_quant import KVQuant
 FORMATS = {f.name: f for f in kf.FORMATS}
 
 
+def engine_spec(dtype: str, mode: str, bs: int = 16, rotation: str | None = None):
+    return FullAttentionSpec(
+        block_size=bs,
+        num_kv_heads=3,
+        head_size=64,
+        dtype=dtype,
+        kv_quant_mode=mode,
+        kv_rotation=rotation,
+    )
+
+
 def keys(*shape: int, seed: int = 0) -> torch.Tensor:
     """[B, H, T, D] activations with an outlier channel, as real keys have."""
     x = torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
@@ -28,15 +39,7 @@ def test_token_rows_emulate_the_engines_codec(name: str, dtype: str) -> None:
     included), up to the engine rounding scales up to fp16 (zero point in the mantissa)."""
     k, v = keys(1, 3, 40, 64), keys(1, 3, 40, 64, seed=1)
     ek, ev = kf.stored(FORMATS[name], k, v)
-    spec = FullAttentionSpec(
-        block_size=16,
-        num_kv_heads=3,
-        head_size=64,
-        dtype=dtype,
-        kv_quant_mode=f"{dtype}_per_token_group",
-        kv_rotation="hadamard",
-    )
-    q = KVQuant.for_spec(spec)
+    q = KVQuant.for_spec(engine_spec(dtype, f"{dtype}_per_token_group", rotation="hadamard"))
     rows = lambda t: t[0].transpose(0, 1)  # noqa: E731  [T, H, D]
     dk, dv = q.dequantize(*q.quantize(rows(k), rows(v)))
     gk, gv = q.unrotate(dk), q.unrotate(dv)
@@ -48,17 +51,25 @@ def test_token_rows_emulate_the_engines_codec(name: str, dtype: str) -> None:
         assert (rows(emulated) - engine).norm() < 0.5 * err_eng
 
 
-@pytest.mark.parametrize("name", ["token-int4", "token-int3", "token-int2"])
-def test_byte_model_is_the_engines_page(name: str) -> None:
-    dtype = name.removeprefix("token-")
-    spec = FullAttentionSpec(
-        block_size=16,
-        num_kv_heads=3,
-        head_size=64,
-        dtype=dtype,
-        kv_quant_mode=f"{dtype}_per_token_group",
-    )
-    assert FORMATS[name].token_head_bytes(64) == spec.k_part_bytes + spec.v_part_bytes
+@pytest.mark.parametrize(
+    ("name", "mode", "bs"),
+    [
+        ("token-int4", "int4_per_token_group", 16),
+        ("token-int3", "int3_per_token_group", 16),
+        ("token-int2", "int2_per_token_group", 16),
+        ("kivi-int3-b16-sink4-r2", "int3_kivi", 16),
+        ("kivi-int3-b32-sink4-int8", "int3_kivi", 32),
+        ("kivi-int2-b32-sink4-int8", "int2_kivi", 32),
+    ],
+)
+def test_byte_model_is_the_engines_page(name: str, mode: str, bs: int) -> None:
+    """The study's bytes are the engine's page (and, for the rows laid out as the engine's
+    KIVI modes, its residual: 4 sinks and 32 tokens of blocks as int8)."""
+    spec = engine_spec(mode[:4], mode, bs)
+    f = FORMATS[name]
+    assert f.token_head_bytes(64) == spec.k_part_bytes + spec.v_part_bytes
+    if f.residual == "int8":
+        assert f.request_overhead_bytes(64) * 3 == spec.kivi_residual_bytes
 
 
 def test_per_channel_scales_span_a_block() -> None:
