@@ -283,3 +283,15 @@ def test_engine_refuses_what_kivi_cannot_do() -> None:
     with pytest.raises(ValueError, match="rotation"):
         engine(kv_rotation="hadamard")
     assert llm.generate(["still serving"], SamplingParams(max_tokens=2))[0].outputs[0].token_ids
+
+
+def test_plan_refuses_kivi_where_attention_is_not_plain() -> None:
+    from pagedkv.core.planning import kivi_unsupported
+    from pagedkv.core.specs import KVCacheGroupSpec, SlidingWindowSpec
+
+    sliding = SlidingWindowSpec(
+        block_size=16, num_kv_heads=3, head_size=64, dtype="int3", kv_quant_mode="int3_kivi",
+        sliding_window=128,
+    )  # fmt: skip
+    assert kivi_unsupported([KVCacheGroupSpec(["a"], sliding)]) is not None
+    assert kivi_unsupported([KVCacheGroupSpec(["a"], spec())]) is None

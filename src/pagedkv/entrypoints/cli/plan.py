@@ -312,6 +312,9 @@ def plan_row(
         (g.kv_cache_spec for g in groups if hasattr(g.kv_cache_spec, "dtype")),
         groups[0].kv_cache_spec,
     )
+    why = planning.kivi_unsupported(groups)
+    if why is not None:
+        raise ValueError(why)
     residual = planning.kivi_residual_bytes(groups)
     kv_budget = max(kv_budget - max_num_seqs * residual, 0)
     num_blocks = planning.num_blocks_from_memory(kv_budget, groups)
