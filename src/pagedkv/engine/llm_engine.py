@@ -305,13 +305,12 @@ class LLMEngine:
         # Per rank; with DCP each rank's memory holds 1/dcp of every (virtual) block.
         kv_memory = self._kv_cache_memory() * dcp
         residual = kivi_residual_bytes(groups)  # KIVI: a residual row per max_num_seqs
-        if residual or kivi_unsupported(groups):
-            why = kivi_unsupported(groups)
-            if dcp > 1 or config.kv_cache_memory_mode == "vmm":
-                why = "a KIVI cache cannot be combined with decode context parallelism or vmm"
-            if why is not None:
-                raise ValueError(why)
-            kv_memory -= config.max_num_seqs * residual
+        why = kivi_unsupported(groups)
+        if residual and (dcp > 1 or config.kv_cache_memory_mode == "vmm"):
+            why = "a KIVI cache cannot be combined with decode context parallelism or vmm"
+        if why is not None:
+            raise ValueError(why)
+        kv_memory -= config.max_num_seqs * residual
         check_kv_cache_fits(config, groups, self.max_model_len, kv_memory)
         kv_cache_config = make_kv_cache_config(
             groups,

@@ -28,7 +28,7 @@ them, then attends. Torch code, any device; no native or Triton kernel reads thi
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -64,6 +64,9 @@ class KiviStep:
 
     rows: list[int]
     starts: list[int]
+    # Per block size: which of the step's tokens lie in blocks their request started itself
+    # (the same for every layer: computed by the first one).
+    own: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -209,13 +212,16 @@ def kivi_attention(
 
 def _own_blocks(md: AttentionMetadata, bs: int, device: torch.device) -> torch.Tensor:
     """``[T]`` bool: the token's block starts at or after its request's first own position."""
+    if bs in md.kivi.own:
+        return md.kivi.own[bs]
     qsl, lens = md.query_start_loc_cpu, md.seq_lens_cpu
     pos = torch.cat(
         [torch.arange(lens[i] - (qsl[i + 1] - qsl[i]), lens[i]) for i in range(md.num_seqs)]
     )
     counts = torch.tensor([qsl[i + 1] - qsl[i] for i in range(md.num_seqs)])
     first = torch.repeat_interleave(torch.tensor(md.kivi.starts), counts)
-    return (pos // bs * bs >= first).to(device)
+    md.kivi.own[bs] = (pos // bs * bs >= first).to(device)
+    return md.kivi.own[bs]
 
 
 def _exact_rows(
@@ -248,7 +254,7 @@ def _code_full_blocks(
     before ``start`` came coded: a prefix-cache hit or a loaded prefix)."""
     first = max(ctx // bs, -(-start // bs))
     last = length // bs  # blocks [first, last) are full after the step
-    if first >= last or (last * bs <= ctx):
+    if first >= last:
         return
     span = slice(first * bs, last * bs)
     if not bool(have[span].all()):
