@@ -51,6 +51,7 @@ from pagedkv.ops.kv_quant import (
     quantize_part,
     unpack_codes,
 )
+from pagedkv.ops import native
 from pagedkv.ops.metadata import AttentionMetadata
 
 # Query rows attended at once (bounds the [Hq, rows, keys] score tensors).
@@ -196,6 +197,10 @@ def kivi_attention(
     vb = quantize_part(value[keep], fmt, kq.v_scale, fmt.v_bytes)
     value_cache[slots[keep] // bs, slots[keep] % bs] = vb
     k8, v8 = res.encode(key, value)
+    if md.max_query_len == 1 and query.device.type == "cpu":  # decode: write, then the C kernel
+        out = _native_decode(query, key_cache, value_cache, md, scale, kq, k8, v8)
+        if out is not None:
+            return out.to(query.dtype)
     kx, vx = res.decode(k8, v8)  # what the residual gives back: also what blocks are coded from
     out = query.new_empty(query.shape[0], query.shape[1], fmt.head_size_v)
     for i, (row, start) in enumerate(zip(md.kivi.rows, md.kivi.starts)):
@@ -208,6 +213,36 @@ def kivi_attention(
         out[t0:t1] = _attend(query[t0:t1], key_cache, value_cache, table, ek, ev, have,
                              ctx, length, scale, fmt, res.sink, bs, blocks)  # fmt: skip
     return out
+
+
+def _native_decode(
+    query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+    md: AttentionMetadata, scale: float, kq: KVQuant, k8: torch.Tensor, v8: torch.Tensor,
+) -> torch.Tensor | None:  # fmt: skip
+    """A decode step (one query a sequence) for the whole batch at once: the rows' int8 parts
+    ``k8``/``v8`` into the residual, the K codes of every block a row just filled (read back
+    from the residual, as :func:`_code_full_blocks`), then ``native.kivi_decode``. Returns
+    None, having written nothing, when the kernel is unavailable (the torch path then runs)."""
+    if native.lib() is None:
+        return None
+    res, fmt = kq.residual, kq.fmt
+    bs = key_cache.shape[1]
+    rows = torch.tensor(md.kivi.rows, dtype=torch.int64)
+    starts = torch.tensor(md.kivi.starts, dtype=torch.int64)
+    lens = torch.tensor(md.seq_lens_cpu, dtype=torch.int64)
+    pos = lens - 1
+    res.k[rows, res.index(pos)], res.v[rows, res.index(pos)] = k8, v8
+    full = (lens % bs == 0) & (pos // bs * bs >= starts)  # blocks filled now, started here
+    if bool(full.any()):
+        sel = full.nonzero().flatten()
+        span = (pos[sel] // bs * bs)[:, None] + torch.arange(bs)  # [n, bs] positions
+        k = res.k[rows[sel, None], res.index(span)]
+        k = dequantize_part(k, res.k_fmt, res.k_fmt.head_size, 1.0)
+        ids = md.block_table[sel, pos[sel] // bs].to(torch.int64)
+        key_cache[ids] = quantize_k_blocks(k, fmt.mode.code_bits, fmt.k_bytes)
+    return native.kivi_decode(
+        query, key_cache, value_cache, md.block_table, md.seq_lens, scale, kq, rows, starts
+    )
 
 
 def _own_blocks(md: AttentionMetadata, bs: int, device: torch.device) -> torch.Tensor:

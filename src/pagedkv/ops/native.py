@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from pagedkv import envs
-from pagedkv.core.specs import KVQuantMode
+from pagedkv.core.specs import KVQuantMode, kivi_residual_blocks
 from pagedkv.ops.kv_quant import KVQuant
 
 log = logging.getLogger(__name__)
@@ -179,6 +179,15 @@ def _bind(so: ctypes.CDLL) -> ctypes.CDLL:
         _i64,
     ]
     so.pkv_paged_decode.restype = ctypes.c_int
+    # KIVI decode: q, rows, Hq, Hkv, D, Dv, k + 3 strides, v + 3 strides, block size, table +
+    # stride, lens, residual K + 2 strides, residual V + 2 strides, res_rows, starts, sink,
+    # window, blocks, bits, v_group, scale, out.
+    so.pkv_kivi_decode.argtypes = [
+        _ptr, *[_i64] * 5, _ptr, *[_i64] * 3, _ptr, *[_i64] * 4, _ptr, _i64, _ptr,
+        _ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr, _i64, _i64, _i64, ctypes.c_int, _i64,
+        ctypes.c_float, _ptr,
+    ]  # fmt: skip
+    so.pkv_kivi_decode.restype = ctypes.c_int
     # The whole-layer decode step (ops/native_step.py builds its pkv_model tables).
     so.pkv_decode_layers.argtypes = [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr]
     so.pkv_decode_layers.restype = ctypes.c_int
@@ -546,6 +555,57 @@ def paged_decode(
         v_group,
     )
     return None if rc else (out, lse)
+
+
+def kivi_decode(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    kv_quant: KVQuant,
+    rows: torch.Tensor,
+    starts: torch.Tensor,
+) -> torch.Tensor | None:
+    """Decode attention over a KIVI cache (``ops/csrc/kivi_decode.c``): what
+    :func:`pagedkv.ops.kivi.kivi_attention` computes for one query a row, read in place.
+
+    ``q [R, Hq, D]`` at positions ``seq_lens - 1``; the caches are the format's ``uint8`` K/V
+    parts ``[NB, BS, Hkv, k_bytes]`` / ``[..., v_bytes]`` with the step's K/V already written
+    (codes of every full block, the residual holding the new token); ``rows [R]``: each row's
+    residual row in ``kv_quant.residual``, ``starts [R]``: the first position it computed
+    itself. Returns ``out [R, Hq, Dv]`` float32, or ``None`` where the kernel does not apply
+    (no library, not CPU, shapes it does not cover): the caller then uses the torch path."""
+    so, res, fmt = lib(), kv_quant.residual, kv_quant.fmt
+    if (
+        so is None
+        or res is None
+        or q.device.type != "cpu"
+        or key_cache.stride(-1) != 1
+        or value_cache.stride(-1) != 1
+        or not res.k.is_contiguous()
+        or not res.v.is_contiguous()
+    ):
+        return None
+    q = q.float().contiguous()
+    r, hq, d = q.shape
+    hkv, bs, dv = key_cache.shape[2], key_cache.shape[1], fmt.head_size_v
+    table = block_table.to(torch.int32).contiguous()
+    lens = seq_lens.to(torch.int32).contiguous()
+    rows32, starts32 = rows.to(torch.int32).contiguous(), starts.to(torch.int32).contiguous()
+    out = torch.empty(r, hq, dv, dtype=torch.float32)
+    ks, vs, rks, rvs = key_cache.stride(), value_cache.stride(), res.k.stride(), res.v.stride()
+    rc = so.pkv_kivi_decode(
+        q.data_ptr(), r, hq, hkv, d, dv,
+        key_cache.data_ptr(), ks[0], ks[1], ks[2],
+        value_cache.data_ptr(), vs[0], vs[1], vs[2],
+        bs, table.data_ptr(), table.stride(0), lens.data_ptr(),
+        res.k.data_ptr(), rks[0], rks[1], res.v.data_ptr(), rvs[0], rvs[1],
+        rows32.data_ptr(), starts32.data_ptr(), res.sink, res.window, kivi_residual_blocks(bs),
+        fmt.mode.code_bits, fmt.v_group, scale, out.data_ptr(),
+    )  # fmt: skip
+    return None if rc else out
 
 
 def decode_layers(

@@ -30,6 +30,7 @@
  *   decode_attention.h/.c     paged decode attention over a float KV cache
  *   decode_attention_quant.c  ... over a quantized KV cache, read in place
  *   paged_decode.c            pkv_paged_decode, the attention's entry point
+ *   kivi_decode.c             pkv_kivi_decode: ... over a KIVI cache (codes and residual)
  *   layer_step.h              the whole-layer step's tables (mirrored in ops/native_step.py)
  *   step_linear.c             the step's linears (float32 rows / ggml segments)
  *   norm_rope.c               RMSNorm, SiLU*mul, K/V rounding, RoPE
@@ -58,6 +59,7 @@ int pkv_isa(void) {
 #include "decode_attention.c"
 #include "decode_attention_quant.c"
 #include "paged_decode.c"
+#include "kivi_decode.c"
 #include "layer_step.h"
 #include "step_linear.c"
 #include "norm_rope.c"
