@@ -23,7 +23,9 @@ group format of ``ops.kv_quant``.
 
 The write happens in attention (it needs the step's metadata): ``reshape_and_cache`` leaves
 the step's rows on the layer's :class:`KVQuant` (``pending``) and :func:`kivi_attention` writes
-them, then attends. Torch code, any device; no native or Triton kernel reads this layout yet.
+them, then attends. Torch code, any device; a decode step (one query a sequence) writes for the
+whole batch at once and attends in ``ops/csrc/kivi_decode.c`` (CPU) or
+``ops/triton/kivi_decode.py`` (CUDA).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from pagedkv.core.specs import (
     KVQuantMode,
     kivi_residual_blocks,
 )
+from pagedkv.ops import native
 from pagedkv.ops.kv_quant import (
     MIN_SCALE,
     KVQuant,
@@ -51,7 +54,6 @@ from pagedkv.ops.kv_quant import (
     quantize_part,
     unpack_codes,
 )
-from pagedkv.ops import native
 from pagedkv.ops.metadata import AttentionMetadata
 
 # Query rows attended at once (bounds the [Hq, rows, keys] score tensors).
@@ -197,8 +199,8 @@ def kivi_attention(
     vb = quantize_part(value[keep], fmt, kq.v_scale, fmt.v_bytes)
     value_cache[slots[keep] // bs, slots[keep] % bs] = vb
     k8, v8 = res.encode(key, value)
-    if md.max_query_len == 1 and query.device.type == "cpu":  # decode: write, then the C kernel
-        out = _native_decode(query, key_cache, value_cache, md, scale, kq, k8, v8)
+    if md.max_query_len == 1:  # decode: write, then the C or Triton kernel
+        out = _kernel_decode(query, key_cache, value_cache, md, scale, kq, k8, v8)
         if out is not None:
             return out.to(query.dtype)
     kx, vx = res.decode(k8, v8)  # what the residual gives back: also what blocks are coded from
@@ -215,34 +217,51 @@ def kivi_attention(
     return out
 
 
-def _native_decode(
+def _kernel_decode(
     query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
     md: AttentionMetadata, scale: float, kq: KVQuant, k8: torch.Tensor, v8: torch.Tensor,
 ) -> torch.Tensor | None:  # fmt: skip
     """A decode step (one query a sequence) for the whole batch at once: the rows' int8 parts
     ``k8``/``v8`` into the residual, the K codes of every block a row just filled (read back
-    from the residual, as :func:`_code_full_blocks`), then ``native.kivi_decode``. Returns
-    None, having written nothing, when the kernel is unavailable (the torch path then runs)."""
-    if native.lib() is None:
+    from the residual, as :func:`_code_full_blocks`), then ``native.kivi_decode`` (CPU) or
+    the Triton kernel (CUDA). Returns None, having written nothing, when neither applies (the
+    torch path then runs). Should the C kernel decline the shape after the writes (a head size
+    past 256, blocks past 64 tokens), the torch path writes the same values again: harmless."""
+    dev = query.device
+    if dev.type == "cpu" and native.lib() is None:
+        return None
+    if dev.type == "cuda":
+        from pagedkv.ops.triton import available
+
+        if not available():
+            return None
+        from pagedkv.ops.triton.kivi_decode import supports
+
+        if not supports(kq.fmt.head_size, kq.fmt.head_size_v, key_cache.shape[1]):
+            return None
+    elif dev.type != "cpu":
         return None
     res, fmt = kq.residual, kq.fmt
     bs = key_cache.shape[1]
-    rows = torch.tensor(md.kivi.rows, dtype=torch.int64)
-    starts = torch.tensor(md.kivi.starts, dtype=torch.int64)
-    lens = torch.tensor(md.seq_lens_cpu, dtype=torch.int64)
+    rows = torch.tensor(md.kivi.rows, dtype=torch.int64, device=dev)
+    starts = torch.tensor(md.kivi.starts, dtype=torch.int64, device=dev)
+    lens = torch.tensor(md.seq_lens_cpu, dtype=torch.int64, device=dev)
     pos = lens - 1
     res.k[rows, res.index(pos)], res.v[rows, res.index(pos)] = k8, v8
     full = (lens % bs == 0) & (pos // bs * bs >= starts)  # blocks filled now, started here
     if bool(full.any()):
         sel = full.nonzero().flatten()
-        span = (pos[sel] // bs * bs)[:, None] + torch.arange(bs)  # [n, bs] positions
+        span = (pos[sel] // bs * bs)[:, None] + torch.arange(bs, device=dev)  # [n, bs]
         k = res.k[rows[sel, None], res.index(span)]
         k = dequantize_part(k, res.k_fmt, res.k_fmt.head_size, 1.0)
         ids = md.block_table[sel, pos[sel] // bs].to(torch.int64)
         key_cache[ids] = quantize_k_blocks(k, fmt.mode.code_bits, fmt.k_bytes)
-    return native.kivi_decode(
-        query, key_cache, value_cache, md.block_table, md.seq_lens, scale, kq, rows, starts
-    )
+    args = (query, key_cache, value_cache, md.block_table, md.seq_lens, scale, kq, rows, starts)
+    if dev.type == "cuda":
+        from pagedkv.ops.triton.kivi_decode import kivi_decode_triton
+
+        return kivi_decode_triton(*args)
+    return native.kivi_decode(*args)
 
 
 def _own_blocks(md: AttentionMetadata, bs: int, device: torch.device) -> torch.Tensor:

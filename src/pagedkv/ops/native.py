@@ -185,9 +185,11 @@ def _bind(so: ctypes.CDLL) -> ctypes.CDLL:
     so.pkv_kivi_decode.argtypes = [
         _ptr, *[_i64] * 5, _ptr, *[_i64] * 3, _ptr, *[_i64] * 4, _ptr, _i64, _ptr,
         _ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr, _i64, _i64, _i64, ctypes.c_int, _i64,
-        ctypes.c_float, _ptr,
+        ctypes.c_float, _ptr, ctypes.c_int,
     ]  # fmt: skip
     so.pkv_kivi_decode.restype = ctypes.c_int
+    so.pkv_kivi_int_dot.argtypes = []
+    so.pkv_kivi_int_dot.restype = ctypes.c_int
     # The whole-layer decode step (ops/native_step.py builds its pkv_model tables).
     so.pkv_decode_layers.argtypes = [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr]
     so.pkv_decode_layers.restype = ctypes.c_int
@@ -567,6 +569,7 @@ def kivi_decode(
     kv_quant: KVQuant,
     rows: torch.Tensor,
     starts: torch.Tensor,
+    int_dot: bool = True,
 ) -> torch.Tensor | None:
     """Decode attention over a KIVI cache (``ops/csrc/kivi_decode.c``): what
     :func:`pagedkv.ops.kivi.kivi_attention` computes for one query a row, read in place.
@@ -575,8 +578,11 @@ def kivi_decode(
     parts ``[NB, BS, Hkv, k_bytes]`` / ``[..., v_bytes]`` with the step's K/V already written
     (codes of every full block, the residual holding the new token); ``rows [R]``: each row's
     residual row in ``kv_quant.residual``, ``starts [R]``: the first position it computed
-    itself. Returns ``out [R, Hq, Dv]`` float32, or ``None`` where the kernel does not apply
-    (no library, not CPU, shapes it does not cover): the caller then uses the torch path."""
+    itself. ``int_dot``: where the build has AVX512-VNNI and VBMI (:func:`kivi_int_dot`), take
+    the integer dot products (codes against the query or the probabilities scaled to 15-bit
+    integers: outputs within ~1e-4 relative of the float kernels'); False: the float kernels.
+    Returns ``out [R, Hq, Dv]`` float32, or ``None`` where the kernel does not apply (no
+    library, not CPU, shapes it does not cover): the caller then uses the torch path."""
     so, res, fmt = lib(), kv_quant.residual, kv_quant.fmt
     if (
         so is None
@@ -603,9 +609,15 @@ def kivi_decode(
         bs, table.data_ptr(), table.stride(0), lens.data_ptr(),
         res.k.data_ptr(), rks[0], rks[1], res.v.data_ptr(), rvs[0], rvs[1],
         rows32.data_ptr(), starts32.data_ptr(), res.sink, res.window, kivi_residual_blocks(bs),
-        fmt.mode.code_bits, fmt.v_group, scale, out.data_ptr(),
+        fmt.mode.code_bits, fmt.v_group, scale, out.data_ptr(), int(int_dot),
     )  # fmt: skip
     return None if rc else out
+
+
+def kivi_int_dot(so: ctypes.CDLL | None = None) -> bool:
+    """Whether the build's KIVI decode has the integer dot products (AVX512-VNNI and VBMI)."""
+    so = so or lib()
+    return bool(so is not None and so.pkv_kivi_int_dot())
 
 
 def decode_layers(
