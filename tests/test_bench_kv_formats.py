@@ -3,6 +3,7 @@ codecs, its residual window means what it says, and its byte model is the engine
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -118,6 +119,31 @@ def test_capacity_counts_the_residual() -> None:
     assert f.request_overhead_bytes(64) == 36 * 132
     assert f.capacity_vs_bf16(64, 2048) == pytest.approx(2048 * 256 / (2048 * 54 + 36 * 132))
     assert f.capacity_vs_bf16(64, 256) < f.capacity_vs_bf16(64, 8192)
+
+
+def test_an_int4_residual_is_read_at_int4() -> None:
+    """The int4 residual: 36 bytes a 64-value part (codes + 2 fp16 scales), and what the
+    residual tokens read is the int4 group codec's value, between exact and the 2-bit codes."""
+    f = FORMATS["kivi-int2-b32-sink4-r2-int4"]
+    assert f.request_overhead_bytes(64) == (4 + 64) * 2 * 36
+    assert f.capacity_vs_bf16(64, 2048) > FORMATS["kivi-int2-b32-sink4-r2-int8"].capacity_vs_bf16(
+        64, 2048
+    )
+    q, k, v = keys(1, 6, 40, 64, seed=2), keys(1, 3, 40, 64), keys(1, 3, 40, 64, seed=3)
+    exact = kf.emulated_attention(None, q, k, v, 0.125)
+    err = {
+        r: (
+            kf.emulated_attention(dataclasses.replace(f, residual=r), q, k, v, 0.125) - exact
+        ).norm()
+        for r in ("exact", "int8", "int4")
+    }
+    assert err["exact"] < err["int8"] < err["int4"]
+    # within the residual window (all 40 tokens at block 32 with 2 blocks) int4 is what it reads
+    k4, v4 = kf.per_token(k, 4, 32), kf.per_token(v, 4, 32)
+    assert torch.allclose(
+        kf.emulated_attention(f, q, k, v, 0.125), kf.emulated_attention(None, q, k4, v4, 0.125),
+        atol=1e-5,
+    )  # fmt: skip
 
 
 @pytest.mark.slow

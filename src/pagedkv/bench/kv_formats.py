@@ -22,9 +22,9 @@ A format (:class:`Format`):
   range always holds 0), as the engine stores them.
 * **Residual** (KIVI's full-precision window): the query at position ``t`` reads the first
   ``sink`` tokens and every token of the last ``residual_blocks`` blocks up to its own
-  (``block(j) > block(t) - residual_blocks``) as ``residual`` stores them (``"exact"`` or
-  ``"int8"`` per token-head), and all other tokens as codes. A per-channel K needs at least
-  the filling block here.
+  (``block(j) > block(t) - residual_blocks``) as ``residual`` stores them (``"exact"``,
+  ``"int8"`` per token-head, or ``"int4"`` in groups of 32), and all other tokens as codes. A
+  per-channel K needs at least the filling block here.
 
 **Bytes and capacity** are computed, not measured: the codes and scales of one token-head, and
 per request the sink and residual tokens at their own width. ``capacity_vs_bf16`` is bf16's
@@ -58,6 +58,9 @@ BF16_BYTES = 2
 SCALE_BYTES = 2  # fp16 scale, zero point in its low mantissa bits
 
 
+RESIDUALS = ("exact", "int8", "int4")
+
+
 @dataclass(frozen=True, slots=True)
 class Format:
     """One candidate layout (see the module docstring)."""
@@ -70,11 +73,11 @@ class Format:
     block_size: int = 16  # tokens per K scale (channel axis) and per residual block
     sink: int = 0
     residual_blocks: int = 0
-    residual: str = "exact"  # "exact" | "int8"
+    residual: str = "exact"  # "exact" | "int8" | "int4" (groups of 32, an fp16 scale each)
     rotation: bool = False  # the engine's randomized Hadamard transform before coding
 
     def check(self, head_size: int) -> None:
-        if self.k_axis not in ("token", "channel") or self.residual not in ("exact", "int8"):
+        if self.k_axis not in ("token", "channel") or self.residual not in RESIDUALS:
             raise BenchOptionError(f"{self.name}: unknown k_axis or residual")
         if self.k_axis == "channel" and self.residual_blocks < 1:
             raise BenchOptionError(f"{self.name}: a per-channel K needs the filling block exact")
@@ -90,7 +93,11 @@ class Format:
 
     def request_overhead_bytes(self, d: int) -> float:
         """Sink and residual tokens of one request and KV head, at the residual's width."""
-        width = 2 * d * BF16_BYTES if self.residual == "exact" else 2 * (d + SCALE_BYTES)
+        width = {
+            "exact": 2 * d * BF16_BYTES,
+            "int8": 2 * (d + SCALE_BYTES),
+            "int4": 2 * (d / 2 + SCALE_BYTES * d / 32),
+        }[self.residual]
         return (self.sink + self.residual_blocks * self.block_size) * width
 
     def capacity_vs_bf16(self, d: int, tokens: int) -> float:
@@ -138,6 +145,26 @@ FORMATS = (
         residual="int8",
     ),
     Format("kivi-int2-b16-sink4-r4-int8", 2, "channel", sink=4, residual_blocks=4, residual="int8"),
+    # 2 bits with a 64-token residual, int8 or int4 (the residual's bytes decide whether 6x fits)
+    Format(
+        "kivi-int2-b32-sink4-r2-int8",
+        2,
+        "channel",
+        block_size=32,
+        sink=4,
+        residual_blocks=2,
+        residual="int8",
+    ),
+    Format(
+        "kivi-int2-b32-sink4-r2-int4",
+        2,
+        "channel",
+        block_size=32,
+        sink=4,
+        residual_blocks=2,
+        residual="int4",
+    ),
+    Format("kivi-int2-b16-sink4-r4-int4", 2, "channel", sink=4, residual_blocks=4, residual="int4"),
 )
 QUICK_FORMATS = ("token-int3", "kivi-int3-b16-sink4")
 
@@ -207,7 +234,12 @@ def emulated_attention(fmt: Format | None, query: Any, key: Any, value: Any, sca
 
     kq, vq = (key, value) if fmt is None else stored(fmt, key, value)
     if fmt is not None and (fmt.residual_blocks or fmt.sink):
-        kr, vr = (key, value) if fmt.residual == "exact" else (int8(key), int8(value))
+        if fmt.residual == "exact":
+            kr, vr = key, value
+        elif fmt.residual == "int8":
+            kr, vr = int8(key), int8(value)
+        else:
+            kr, vr = per_token(key, 4, 32), per_token(value, 4, 32)
         near = residual_mask(fmt, key.shape[2])[None, None, :, :, None]
         rep = query.shape[1] // key.shape[1]
 
