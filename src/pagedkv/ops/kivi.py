@@ -70,6 +70,9 @@ class KiviStep:
     # Per block size: which of the step's tokens lie in blocks their request started itself
     # (the same for every layer: computed by the first one).
     own: dict[int, torch.Tensor] = field(default_factory=dict)
+    # Per device: (rows, starts, seq_lens) as int64 tensors for the decode kernels (built by
+    # the first layer, reused by the others).
+    tensors: dict[str, tuple[torch.Tensor, ...]] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -243,11 +246,16 @@ def _kernel_decode(
         return None
     res, fmt = kq.residual, kq.fmt
     bs = key_cache.shape[1]
-    rows = torch.tensor(md.kivi.rows, dtype=torch.int64, device=dev)
-    starts = torch.tensor(md.kivi.starts, dtype=torch.int64, device=dev)
-    lens = torch.tensor(md.seq_lens_cpu, dtype=torch.int64, device=dev)
+    key = str(dev)
+    if key not in md.kivi.tensors:
+        md.kivi.tensors[key] = tuple(
+            torch.tensor(x, dtype=torch.int64, device=dev)
+            for x in (md.kivi.rows, md.kivi.starts, md.seq_lens_cpu)
+        )
+    rows, starts, lens = md.kivi.tensors[key]
     pos = lens - 1
-    res.k[rows, res.index(pos)], res.v[rows, res.index(pos)] = k8, v8
+    at = res.index(pos)
+    res.k[rows, at], res.v[rows, at] = k8, v8
     full = (lens % bs == 0) & (pos // bs * bs >= starts)  # blocks filled now, started here
     if bool(full.any()):
         sel = full.nonzero().flatten()

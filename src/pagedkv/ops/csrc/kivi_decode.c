@@ -83,10 +83,9 @@ static inline void kivi_block_scales(const kivi_args *ka, const uint8_t *blk0, i
 }
 
 /* The channel scales of KV head hk's keys in a block (blk0: its first token) folded into the
- * G query rows q: qf = q * s (G rows of D), bias[g] = -qf[g] . z; the zero points z into zc
- * when it is not NULL. */
-static void kivi_fold(const kivi_args *ka, const float *q, const uint8_t *blk0, int64_t hk, float *qf, float *bias,
-                      float *zc) {
+ * G query rows q: qf = q * s (G rows of D), bias[g] = -qf[g] . z (the float kernels' fold;
+ * the integer path's is kivi_fold_i16). */
+static void kivi_fold(const kivi_args *ka, const float *q, const uint8_t *blk0, int64_t hk, float *qf, float *bias) {
     const decode_args *a = &ka->ck;
     const int64_t G = a->G, D = a->D, c = D / a->block_size;
     uint16_t h[KIVI_MAX_D];
@@ -99,7 +98,6 @@ static void kivi_fold(const kivi_args *ka, const float *q, const uint8_t *blk0, 
         __m128i hv = _mm_loadu_si128((const __m128i *)(h + d));
         __m256 sc = _mm256_cvtph_ps(_mm_andnot_si128(low, hv));
         __m256 zp = _mm256_cvtepi32_ps(_mm256_cvtepu16_epi32(_mm_and_si128(hv, low)));
-        if (zc) _mm256_storeu_ps(zc + d, zp);
         for (int64_t g = 0; g < G; g++) {
             __m256 x = _mm256_mul_ps(_mm256_loadu_ps(q + g * D + d), sc);
             _mm256_storeu_ps(qf + g * D + d, x);
@@ -111,7 +109,6 @@ static void kivi_fold(const kivi_args *ka, const float *q, const uint8_t *blk0, 
     for (int64_t g = 0; g < G; g++) bias[g] = 0.0f;
     for (int64_t d = 0; d < D; d++) {
         float z, sc = group_scale((const uint8_t *)(h + d), 0, ka->zmask, &z);
-        if (zc) zc[d] = z;
         for (int64_t g = 0; g < G; g++) {
             float x = q[g * D + d] * sc;
             qf[g * D + d] = x;
@@ -135,7 +132,7 @@ static void kivi_cold_scores(const kivi_args *ka, const float *qr, const uint8_t
         if (pf >= 0)  /* a slice of the block ahead before each head's work */
             for (int64_t i = bs * (hk - h0) / (h1 - h0); i < bs * (hk - h0 + 1) / (h1 - h0); i++)
                 kivi_prefetch_token(ka, pf, i, h0, h1);
-        kivi_fold(ka, qr + (hk - h0) * G * D, blk0, hk, qf, bias, NULL);
+        kivi_fold(ka, qr + (hk - h0) * G * D, blk0, hk, qf, bias);
         kivi_qk_codes(ka, qf, kp, hk * a->kh, m, (float (*)[TILE])(sh[0] + n0));
         for (int64_t g = 0; g < G; g++)
             for (int64_t i = n0; i < n0 + m; i++) sh[g][i] = (sh[g][i] + bias[g]) * a->scale;
