@@ -99,3 +99,9 @@ def test_a_tiny_run_judges_int4_against_the_exact_cache(capsys):
     assert 0 <= rc["int4"]["accuracy"] <= 1 and rc["float32"]["relative_to_exact"] in (1.0, None)
     te = r["teacher"]["methods"]["int4"]
     assert 0.5 < te["greedy"]["top1_agreement"] <= 1 and te["greedy"]["positions"] > 500
+    ph = r["prefix_hit"]
+    assert ph["prompts"] == 2 and set(ph["methods"]) == {"int4"}
+    hit = ph["methods"]["int4"]
+    assert hit["mean_cached_tokens"] == 256  # the whole 256-token document was a hit
+    for run in ("cold", "hit", "hit_vs_cold"):
+        assert 0 <= hit[run]["identical"] <= 1 and 0 <= hit[run]["mean_common_tokens"] <= 8

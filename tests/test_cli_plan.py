@@ -62,7 +62,10 @@ def test_every_quant_mode_side_by_side(capsys) -> None:
         # KIVI: a residual per max_num_seqs row (36 int8 tokens a layer) comes off the budget
         residual = 30 * 36 * 3 * 2 * (64 + 2) if "kivi" in mode else 0
         assert r["kivi_residual_bytes_per_request"] == residual
-        assert r["num_blocks"] == (GiB - seqs * residual) // (16 * 30 * 3 * content), mode
+        # and the sink store once: 64 first blocks' 4 int8 sink tokens
+        sinks = 64 * 30 * 4 * 3 * 2 * (64 + 2) if "kivi" in mode else 0
+        assert r["kivi_sink_store_bytes"] == sinks
+        assert r["num_blocks"] == (GiB - seqs * residual - sinks) // (16 * 30 * 3 * content), mode
     assert rows["int4_per_token_head"]["max_tokens"] > rows["int8_per_token_head"]["max_tokens"]
 
 

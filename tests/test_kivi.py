@@ -9,7 +9,7 @@ import torch
 
 from pagedkv import LLM, SamplingParams
 from pagedkv.bench import kv_formats as kf
-from pagedkv.core.planning import kivi_residual_bytes
+from pagedkv.core.planning import kivi_residual_bytes, kivi_sink_store_bytes
 from pagedkv.core.specs import FullAttentionSpec, KVQuantMode
 from pagedkv.ops.kivi import KiviResidual, dequantize_k_blocks, hot_mask, quantize_k_blocks
 
@@ -165,11 +165,12 @@ def _greedy(llm: LLM, prompts: list[list[int]], n: int = 40) -> list[list[int]]:
 
 
 def _run(chunks: list[int], start: int = 0, pages: tuple | None = None, seed: int = 0,
-         zero_sinks: bool = False):  # fmt: skip
+         zero_sinks: bool = False, restore_sinks: bool = False):  # fmt: skip
     """Write and attend one sequence of ``sum(chunks)`` tokens chunk by chunk (a chunk of 1 is
     a decode step) through `paged_attention`; positions before ``start`` are taken as cached
-    (their pages from ``pages``, the residual empty). Returns (outputs of the new positions,
-    the caches)."""
+    (their pages from ``pages``, the residual empty, or holding the int8 sinks a cold run
+    stored with ``restore_sinks``: the engine's `KiviSinkStore`). Returns (outputs of the new
+    positions, the caches)."""
     from pagedkv.ops.attention import paged_attention
     from pagedkv.ops.cache import reshape_and_cache
     from pagedkv.ops.kivi import KiviStep
@@ -185,6 +186,8 @@ def _run(chunks: list[int], start: int = 0, pages: tuple | None = None, seed: in
         k[:4], v[:4] = 0.0, 0.0
     kq = KVQuant.for_spec(s)
     kq.residual = KiviResidual.allocate(s, 2, "cpu")
+    if restore_sinks:
+        kq.residual.k[1, :4], kq.residual.v[1, :4] = kq.residual.encode(k[:4], v[:4])
     kc = torch.zeros(12, 16, 3, s.k_part_bytes, dtype=torch.uint8)
     vc = torch.zeros(12, 16, 3, s.v_part_bytes, dtype=torch.uint8)
     if pages is not None:
@@ -198,7 +201,7 @@ def _run(chunks: list[int], start: int = 0, pages: tuple | None = None, seed: in
             slot_mapping=slots, query_start_loc=torch.tensor([0, c], dtype=torch.int32),
             seq_lens=torch.tensor([end], dtype=torch.int32), block_table=table, block_size=16,
             max_query_len=c, max_seq_len=end, query_start_loc_cpu=[0, c], seq_lens_cpu=[end],
-            kivi=KiviStep([1], [start]),
+            kivi=KiviStep([1], [start], [restore_sinks]),
         )  # fmt: skip
         reshape_and_cache(k[pos:end], v[pos:end], kc, vc, slots, kq)
         outs.append(paged_attention(q[pos:end], kc, vc, md, 0.125, kv_quant=kq))
@@ -241,6 +244,19 @@ def test_a_cached_prefix_is_read_from_its_codes(float_kernels) -> None:
     assert torch.allclose(hit_one, hit[:10], atol=1e-5)
 
 
+def test_a_hit_with_restored_sinks_reads_them_as_the_cold_run(float_kernels) -> None:
+    """The sink store's case: a hit whose row holds the int8 sinks a cold run computed reads
+    them as that run did (from block 6 on, where both read the rest from codes, the outputs
+    agree); without them it reads the sinks from codes, and the outputs differ everywhere."""
+    whole, pages = _run([150])
+    hit, _ = _run([86], start=64, pages=pages, restore_sinks=True)
+    assert torch.allclose(hit[96 - 64 :], whole[96:], atol=1e-5)
+    bare, _ = _run([86], start=64, pages=pages)
+    assert not torch.allclose(bare[96 - 64 :], whole[96:], atol=1e-3)
+    steps = _run([1] * 40, start=64, pages=pages, restore_sinks=True)[0]  # the decode kernel
+    assert torch.allclose(steps, hit[:40], atol=1e-5)
+
+
 @pytest.mark.slow
 def test_preempted_requests_start_a_new_residual(window) -> None:
     """A pool too small for both requests preempts one; it is recomputed with a fresh
@@ -265,7 +281,8 @@ def test_prefix_cache_hits_read_their_codes(window) -> None:
         shared = sorted({b.block_id for _, b in pool.cached_block_hash_to_block.items()})
         before = [(k[shared].clone(), v[shared].clone()) for k, v in (caches[0], caches[29])]
         again = llm.generate(
-            [{"prompt_token_ids": prompt}], SamplingParams(max_tokens=8, temperature=0),
+            [{"prompt_token_ids": prompt}],
+            SamplingParams(max_tokens=8, temperature=0, ignore_eos=True),
             use_tqdm=False,
         )[0]  # fmt: skip
         assert again.num_cached_tokens >= 144
@@ -274,16 +291,55 @@ def test_prefix_cache_hits_read_their_codes(window) -> None:
             assert torch.equal(k0, k1[shared]) and torch.equal(v0, v1[shared])
 
 
+@pytest.mark.slow
+def test_a_hit_restores_the_sinks_its_first_block_computed(window, monkeypatch) -> None:
+    """The runner keeps the int8 sinks of a request's first block (`KiviSinkStore`) and
+    restores them into the row of a later hit on that block, which then generates what the
+    cold run generates on this prompt (before the store it read its sinks from codes and
+    generated other tokens)."""
+    from pagedkv.ops.kivi import KiviSinkStore
+
+    prompt = window[:160]
+    cold = _greedy(engine(), [prompt], 8)[0]
+    llm = engine(enable_prefix_caching=True)
+    runner = llm.llm_engine.runner
+    assert _greedy(llm, [prompt], 8)[0] == cold
+    ((key, saved),) = runner.kivi_sinks.entries.items()
+    assert isinstance(key, bytes)
+    residuals = KiviSinkStore.residuals(runner.kv_quants)
+    assert len(saved) == len(residuals) == 30 and saved[0][0].shape == (4, 3, 66)
+    restored: list[bool] = []
+    real = KiviSinkStore.restore
+    monkeypatch.setattr(
+        KiviSinkStore, "restore", lambda *a: restored.append(real(*a)) or restored[-1]
+    )
+    again = llm.generate(
+        [{"prompt_token_ids": prompt}],
+        SamplingParams(max_tokens=8, temperature=0, ignore_eos=True),
+        use_tqdm=False,
+    )[0]
+    assert again.num_cached_tokens == 144 and restored == [True]
+    assert list(again.outputs[0].token_ids) == cold
+    row = runner.kivi_rows.by_request.get(again.request_id)  # released at the next step
+    assert row is None or torch.equal(residuals[0].k[row, :4], saved[0][0])
+
+
 def test_engine_reserves_the_residual_outside_the_pool() -> None:
-    budget = 8 << 20
+    budget = 12 << 20
     a = engine(num_kv_blocks=None, kv_cache_memory=budget, max_num_seqs=4, max_model_len=256)
     b = engine(num_kv_blocks=None, kv_cache_memory=budget, max_num_seqs=12, max_model_len=256)
     cfg = a.llm_engine.kv_cache_config
     per = kivi_residual_bytes(cfg.kv_cache_groups)
     assert per == 30 * spec().kivi_residual_bytes  # 30 layers
     assert cfg.kivi_rows == 4 and b.llm_engine.kv_cache_config.kivi_rows == 12
-    assert cfg.num_blocks == (budget - 4 * per) // cfg.bytes_per_block
-    assert b.llm_engine.kv_cache_config.num_blocks == (budget - 12 * per) // cfg.bytes_per_block
+    # and the sink store once: 64 first blocks' 4 int8 sink tokens
+    sinks = kivi_sink_store_bytes(cfg.kv_cache_groups)
+    assert sinks == 64 * 30 * 4 * 3 * (64 + 2 + 64 + 2)
+    assert cfg.num_blocks == (budget - 4 * per - sinks) // cfg.bytes_per_block
+    assert (
+        b.llm_engine.kv_cache_config.num_blocks
+        == (budget - 12 * per - sinks) // cfg.bytes_per_block
+    )
 
 
 def test_engine_refuses_what_kivi_cannot_do() -> None:

@@ -41,21 +41,23 @@ def build(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> st
 
 
 def _batch(mode: str, bs: int, seed: int = 0):
-    """A spec, its KVQuant with a 4-row residual, pages, and per sequence (prompt length,
-    start, table, q/k/v over every position)."""
+    """A spec, its KVQuant with a 5-row residual, pages, and per sequence (prompt length,
+    start, table, q/k/v over every position, whether its row holds restored sinks)."""
     s = FullAttentionSpec(
         block_size=bs, num_kv_heads=HKV, head_size=D, dtype=mode[:4], kv_quant_mode=mode
     )
     kq = KVQuant.for_spec(s)
-    kq.residual = KiviResidual.allocate(s, 4, "cpu")
+    kq.residual = KiviResidual.allocate(s, 5, "cpu")
     nb = 64 * 16 // bs
     kc = torch.zeros(nb, bs, HKV, s.k_part_bytes, dtype=torch.uint8)
     vc = torch.zeros(nb, bs, HKV, s.v_part_bytes, dtype=torch.uint8)
     g = torch.Generator().manual_seed(seed)
     # (prompt, start): cold from 0; a prefix hit of two blocks; a whole-prompt hit whose
-    # last token is computed again; a short prompt still inside the sinks' reach
+    # last token is computed again; a short prompt still inside the sinks' reach; a hit whose
+    # row holds the int8 sinks a cold run stored (the engine's KiviSinkStore)
     seqs, first = [], 1
-    for prompt, start in ((70, 0), (3 * bs + 5, 2 * bs), (2 * bs, 2 * bs - 1), (3, 0)):
+    cases = ((70, 0), (3 * bs + 5, 2 * bs), (2 * bs, 2 * bs - 1), (3, 0), (3 * bs + 9, 2 * bs))
+    for i, (prompt, start) in enumerate(cases):
         n = prompt + 48
         blocks = -(-n // bs)
         table = torch.arange(first, first + blocks, dtype=torch.int32)
@@ -70,7 +72,11 @@ def _batch(mode: str, bs: int, seed: int = 0):
             )
             vb = quantize_part(v[:cached], kq.fmt, 1.0, kq.fmt.v_bytes)
             vc[table[: cached // bs].long()] = vb.reshape(-1, bs, HKV, kq.fmt.v_bytes)
-        seqs.append((prompt, start, table, q, k, v))
+        held = i == 4
+        if held:
+            res = kq.residual
+            res.k[i, :4], res.v[i, :4] = res.encode(k[:4], v[:4])
+        seqs.append((prompt, start, table, q, k, v, held))
     return kq, kc, vc, seqs
 
 
@@ -79,7 +85,7 @@ def _step(kq, kc, vc, seqs, spans, bs):
     width = max(len(t) for _, _, t, *_ in seqs)
     table = torch.stack([torch.nn.functional.pad(t, (0, width - len(t))) for _, _, t, *_ in seqs])
     qsl, slots, qs, ks, vs = [0], [], [], [], []
-    for (_, _, t, q, k, v), (lo, hi) in zip(seqs, spans):
+    for (_, _, t, q, k, v, _), (lo, hi) in zip(seqs, spans):
         p = torch.arange(lo, hi)
         slots.append(t[p // bs].long() * bs + p % bs)
         qs.append(q[lo:hi])
@@ -92,7 +98,7 @@ def _step(kq, kc, vc, seqs, spans, bs):
         seq_lens=torch.tensor(lens, dtype=torch.int32), block_table=table, block_size=bs,
         max_query_len=max(hi - lo for lo, hi in spans), max_seq_len=max(lens),
         query_start_loc_cpu=qsl, seq_lens_cpu=lens,
-        kivi=KiviStep(list(range(len(seqs))), [s for _, s, *_ in seqs]),
+        kivi=KiviStep(list(range(len(seqs))), [s for _, s, *_ in seqs], [x[-1] for x in seqs]),
     )  # fmt: skip
     reshape_and_cache(torch.cat(ks), torch.cat(vs), kc, vc, md.slot_mapping, kq)
     return paged_attention(torch.cat(qs), kc, vc, md, D**-0.5, kv_quant=kq)
@@ -109,7 +115,7 @@ def _decode_run(mode: str, bs: int, steps: int):
 
 @pytest.mark.parametrize(("mode", "bs"), [("int3_kivi", 16), ("int2_kivi", 16), ("int3_kivi", 32)])
 def test_kernel_reads_what_the_torch_path_reads(build, mode, bs, monkeypatch) -> None:
-    """48 decode steps of 4 sequences (every block boundary, the ring wrapping): the kernel's
+    """48 decode steps of 5 sequences (every block boundary, the ring wrapping): the kernel's
     outputs match the torch path's to float rounding, and both leave the same codes and
     residual."""
     calls: list[bool] = []

@@ -47,17 +47,19 @@ def test_triton_reads_what_the_torch_path_reads(mode, bs, steps, monkeypatch) ->
     table = torch.stack([torch.nn.functional.pad(t, (0, width - len(t))) for _, _, t, *_ in seqs])
     rows = torch.arange(len(seqs))
     starts = torch.tensor([s for _, s, *_ in seqs])
+    # the first sink each row holds: 0 for the row with restored sinks (_batch's last)
+    sink_lo = torch.tensor([0 if x[-1] else min(s, 4) for _, s, *x in seqs])
     first = None
     for i in range(steps):
         spans = [(p + i, p + i + 1) for p, *_ in seqs]
         want = _step(kq, kc, vc, seqs, spans, bs)
         q = torch.cat([seq[3][lo:hi] for seq, (lo, hi) in zip(seqs, spans)])
         lens = torch.tensor([hi for _, hi in spans], dtype=torch.int32)
-        dev = [x.to(DEVICE) for x in (q, kc, vc, table, lens, rows, starts)]
+        dev = [x.to(DEVICE) for x in (q, kc, vc, table, lens, rows, starts, sink_lo)]
         if DEVICE.type == "cuda":
             kq.residual.k, kq.residual.v = kq.residual.k.cuda(), kq.residual.v.cuda()
         got = kivi_decode_triton(
-            dev[0], dev[1], dev[2], dev[3], dev[4], 64**-0.5, kq, dev[5], dev[6]
+            dev[0], dev[1], dev[2], dev[3], dev[4], 64**-0.5, kq, dev[5], dev[6], dev[7]
         ).cpu()
         if DEVICE.type == "cuda":
             kq.residual.k, kq.residual.v = kq.residual.k.cpu(), kq.residual.v.cpu()

@@ -521,7 +521,7 @@ def _run_until_first_finish(eng: Any, prompts: list[list[int]]) -> tuple[int, in
 def run_capacity(args: argparse.Namespace) -> dict[str, Any]:
     """Max concurrent 2k-token requests under one KV memory budget, measured by running them."""
     from pagedkv import LLM
-    from pagedkv.core.planning import bytes_per_block, kivi_residual_bytes
+    from pagedkv.core.planning import bytes_per_block, kivi_residual_bytes, kivi_sink_store_bytes
     from pagedkv.core.specs import get_kv_cache_groups
     from pagedkv.models.config import load_model_config
 
@@ -548,9 +548,11 @@ def run_capacity(args: argparse.Namespace) -> dict[str, Any]:
             )
         )
         # A KIVI cache also holds a residual per request (``kivi_residual_bytes``), outside
-        # the pool: the engine reserves one per max_num_seqs row (here: the requests sent).
+        # the pool: the engine reserves one per max_num_seqs row (here: the requests sent),
+        # and its sink store once.
         per_req = per_req_blocks * bytes_per_block(probe) + kivi_residual_bytes(probe)
-        planned = (budget - bytes_per_block(probe)) // per_req
+        pool = budget - bytes_per_block(probe) - kivi_sink_store_bytes(probe)
+        planned = pool // per_req
         n_submit = planned + 2
         llm = LLM(
             **mode.llm_kwargs(),

@@ -24,6 +24,8 @@ token-eviction policies join as they are built), one engine at a time:
 - **teacher** (``--only teacher``): teacher-forced top-1 agreement, KL and ΔPPL against the
   exact cache over ``--tokens`` (20k) positions of two generated corpora, and greedy-output
   agreement on chat prompts (`pagedkv.bench.kv_quant`'s method, reused).
+- **prefix-hit** (``--only prefix-hit``, cache formats): greedy outputs after a prefix-cache
+  hit against cold runs and the exact cache (`pagedkv.bench.lossy_prefix_hit`).
 
 Usage: python benchmarks/bench_lossy_kv.py [--methods int8,int4] [--only all|passkey|recall|teacher] [--quick]
 """
@@ -57,6 +59,9 @@ from pagedkv.bench.lossy_methods import (
     run_memory,
     sampling_params,
 )
+from pagedkv.bench.lossy_prefix_hit import add_arguments as add_prefix_hit_arguments
+from pagedkv.bench.lossy_prefix_hit import run_prefix_hit
+from pagedkv.bench.lossy_prefix_hit import table_lines as prefix_hit_lines
 
 DEFAULT_METHODS = ("int8", "fp8_per_token_head", "int4", "streaming:512", "snapkv:0.25")
 RECALL_FILE = Path(__file__).resolve().parents[3] / "benchmarks" / "data" / "kv_recall.jsonl"
@@ -269,7 +274,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--methods", default=",".join(DEFAULT_METHODS), help="comma-separated")
     p.add_argument(
         "--only",
-        choices=("all", "passkey", "recall", "teacher", "evict-teacher", "memory"),
+        choices=("all", "passkey", "recall", "teacher", "evict-teacher", "memory", "prefix-hit"),
         default="all",
     )
     p.add_argument("--lengths", default="1024,2048,4096,8192", help="passkey context tokens")
@@ -285,6 +290,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--memory-output", type=int, default=64, help="output tokens (--only memory)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="a smoke-sized run")
+    add_prefix_hit_arguments(p)
     add_output_args(p)
 
 
@@ -302,6 +308,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         args.lengths, args.depths, args.trials = [512], [0.2, 0.8], 4
         args.recall_items, args.tokens, args.window = 2, 1024, 512
         args.memory_lengths, args.memory_output = [256, 512], 8
+        args.hit_prompts, args.hit_prefix, args.hit_suffix, args.hit_output = 2, 256, 16, 8
     if args.trials < 1 or not all(0 <= d <= 1 for d in args.depths):
         raise BenchOptionError("need --trials >= 1 and depths in [0, 1]")
     report: dict[str, Any] = dict(
@@ -323,6 +330,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.only in ("all", "memory") and evicting:
         log(args, "memory per request ...")
         report["memory"] = run_memory(args, evicting)
+    # Cache formats only: token eviction never serves what it compressed as a hit.
+    quantized = [m for m in args.methods if not m.evicts]
+    if args.only in ("all", "prefix-hit") and quantized:
+        log(args, "prefix-cache hits against cold runs ...")
+        report["prefix_hit"] = run_prefix_hit(args, quantized)
     return report
 
 
@@ -370,6 +382,8 @@ def table(r: dict[str, Any]) -> str:
                 f"  {name:22s} {m['peak_tokens']}  (planned blocks {m['planned_blocks']}; "
                 f"at the last step {m.get('final_tokens')})"
             )
+    if r.get("prefix_hit"):
+        lines += prefix_hit_lines(r["prefix_hit"])
     return "\n".join(lines)
 
 

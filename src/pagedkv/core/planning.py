@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 from pagedkv.core.layout import DEFAULT_KV_CACHE_LAYOUT, KVCacheLayout
 from pagedkv.core.specs import (
+    KIVI_SINK_ENTRIES,
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
@@ -60,6 +61,16 @@ def kivi_residual_bytes(groups: GroupsOrSpecs) -> int:
         getattr(g.kv_cache_spec, "kivi_residual_bytes", 0) * len(g.layer_names)
         for g in as_groups(groups)
     )
+
+
+def kivi_sink_store_bytes(groups: GroupsOrSpecs) -> int:
+    """Bytes of the runner's KIVI sink store over every layer (0 without KIVI layers):
+    ``KIVI_SINK_ENTRIES`` first blocks' sinks, reserved outside the pool once."""
+    per = sum(
+        getattr(g.kv_cache_spec, "kivi_sink_bytes", 0) * len(g.layer_names)
+        for g in as_groups(groups)
+    )
+    return KIVI_SINK_ENTRIES * per
 
 
 def kivi_unsupported(groups: GroupsOrSpecs) -> str | None:

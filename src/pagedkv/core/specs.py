@@ -96,6 +96,10 @@ KV_ROTATIONS = ("hadamard",)
 KIVI_SINK_TOKENS = 4
 KIVI_RESIDUAL_TOKENS = 32
 KIVI_RESIDUAL_PART = 2  # fp16 scale after each int8 part of a residual token-head
+# First blocks whose int8 sinks the runner keeps for prefix-cache hits (`ops.kivi.KiviSinkStore`),
+# reserved outside the pool like the residual: 3 MB on the default model. Requests that share a
+# chat template or system prompt share a first block, so a few entries serve most hits.
+KIVI_SINK_ENTRIES = 64
 
 
 def kivi_residual_blocks(block_size: int) -> int:
@@ -509,6 +513,15 @@ class AttentionSpec(KVCacheSpec):
         tokens = KIVI_SINK_TOKENS + kivi_residual_blocks(self.block_size) * self.block_size
         d = self.head_size + self.head_size_v  # type: ignore[operator]
         return tokens * self.num_kv_heads * (d + 2 * KIVI_RESIDUAL_PART)
+
+    @property
+    def kivi_sink_bytes(self) -> int:
+        """Bytes of one `KiviSinkStore` entry in this layer (0 for other modes): the sink
+        tokens of the residual."""
+        if not self.kv_quant_mode.is_kivi:
+            return 0
+        d = self.head_size + self.head_size_v  # type: ignore[operator]
+        return KIVI_SINK_TOKENS * self.num_kv_heads * (d + 2 * KIVI_RESIDUAL_PART)
 
     @property
     def content_bytes(self) -> int:

@@ -30,6 +30,7 @@ from pagedkv.core.parallel import check_parallel_sizes
 from pagedkv.core.planning import (
     blocks_per_request,
     kivi_residual_bytes,
+    kivi_sink_store_bytes,
     kivi_unsupported,
     make_kv_cache_config,
 )
@@ -310,7 +311,7 @@ class LLMEngine:
             why = "a KIVI cache cannot be combined with decode context parallelism or vmm"
         if why is not None:
             raise ValueError(why)
-        kv_memory -= config.max_num_seqs * residual
+        kv_memory -= config.max_num_seqs * residual + kivi_sink_store_bytes(groups)
         check_kv_cache_fits(config, groups, self.max_model_len, kv_memory)
         kv_cache_config = make_kv_cache_config(
             groups,

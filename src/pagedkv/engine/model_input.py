@@ -61,6 +61,9 @@ class ScheduledTokens:
     # Images whose placeholder runs this step's tokens overlap: (content hash, offset, length,
     # pixel values) each (`engine.multimodal`); the runner places their encoder output.
     mm: list[tuple[str, int, int, Any]] = field(default_factory=list)
+    # KIVI caches: the hash of the request's first block (None: not full yet), which keys its
+    # int8 sinks in the runner's `ops.kivi.KiviSinkStore`.
+    sink_key: bytes | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -33,7 +33,14 @@ from typing import Any
 import torch
 
 from pagedkv.core.parallel import dcp_local_count, dcp_owner
-from pagedkv.core.specs import KVCacheConfig, KVCacheSpec, KVQuantMode, MambaSpec, iter_layer_specs
+from pagedkv.core.specs import (
+    KIVI_SINK_ENTRIES,
+    KVCacheConfig,
+    KVCacheSpec,
+    KVQuantMode,
+    MambaSpec,
+    iter_layer_specs,
+)
 from pagedkv.engine.kv_cache_binding import bind_kv_cache, bind_vmm_kv_cache
 from pagedkv.engine.model_input import (
     KVCompaction,
@@ -49,7 +56,7 @@ from pagedkv.kv_transfer.base import KVConnectorBase, KVConnectorOutput
 from pagedkv.models.layers import RotaryEmbedding
 from pagedkv.ops.cache import compute_slot_mapping
 from pagedkv.ops.forward_context import set_forward_context
-from pagedkv.ops.kivi import KiviStep, allocate_residuals
+from pagedkv.ops.kivi import KiviSinkStore, KiviStep, allocate_residuals
 from pagedkv.ops.kv_cache import allocate_kv_cache, copy_blocks
 from pagedkv.ops.kv_quant import KVQuant, KVQuantFormat
 from pagedkv.ops.metadata import AttentionMetadata
@@ -110,6 +117,9 @@ class ModelRunner:
         # position it computed itself (what its row holds from).
         self.kivi_rows: VMMRows | None = None
         self.kivi_starts: dict[str, int] = {}
+        self.kivi_held: set[str] = set()  # requests whose row holds restored sinks
+        self.kivi_sinks: KiviSinkStore | None = None
+        self.kivi_saves: list[tuple[bytes, int]] = []  # (key, row): after this step's forward
         self.connector_kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         # Vision-language models: encoder outputs by image hash (the engine sets the budget).
         self.encoder_cache = EncoderCache(budget=0)
@@ -148,6 +158,7 @@ class ModelRunner:
             specs = dict(iter_layer_specs(groups))
             allocate_residuals(self.kv_quants, specs, kv_cache_config.kivi_rows, self.device)
             self.kivi_rows = VMMRows(kv_cache_config.kivi_rows)
+            self.kivi_sinks = KiviSinkStore(KIVI_SINK_ENTRIES)
         self.register_connector()
 
     def register_connector(self) -> None:
@@ -257,6 +268,7 @@ class ModelRunner:
             for rid in gone:
                 self.kivi_rows.release(rid)
                 self.kivi_starts.pop(rid, None)
+                self.kivi_held.discard(rid)
         scheduled = []
         for s in so.scheduled:
             req = s.request
@@ -280,6 +292,8 @@ class ModelRunner:
                 s.samples,
                 task,
             )
+            if self.kivi_rows is not None and req.block_hashes:
+                st.sink_key = req.block_hashes[0]
             if req.mm_features:
                 st.mm = [
                     (f.identifier, f.offset, f.length, px)
@@ -411,18 +425,40 @@ class ModelRunner:
 
     def _kivi_step(self, mi: ModelInput) -> KiviStep:
         """Each scheduled request's residual row; a request new to its row holds its residual
-        from this step's first position (earlier ones came from the prefix cache or a load)."""
-        assert self.kivi_rows is not None
+        from this step's first position (earlier ones came from the prefix cache or a load),
+        and the sinks too where the sink store has its first block's (restored now). A
+        request whose sinks this step computes has them saved after the forward pass."""
+        assert self.kivi_rows is not None and self.kivi_sinks is not None
         in_step = {s.request_id for s in mi.scheduled}
-        rows, starts = [], []
+        residuals = KiviSinkStore.residuals(self.kv_quants)
+        sink = residuals[0].sink if residuals else 0
+        rows, starts, held = [], [], []
         for s in mi.scheduled:
-            row, evicted = self.kivi_rows.acquire(s.request_id, in_step)
+            rid = s.request_id
+            row, evicted = self.kivi_rows.acquire(rid, in_step)
             if evicted is not None:
                 self.kivi_starts.pop(evicted, None)
-            start = self.kivi_starts.setdefault(s.request_id, s.start)
+                self.kivi_held.discard(evicted)
+            if rid not in self.kivi_starts:  # new to its row
+                self.kivi_starts[rid] = s.start
+                if s.start >= sink and self.kivi_sinks.restore(s.sink_key, residuals, row):
+                    self.kivi_held.add(rid)
+            start = self.kivi_starts[rid]
+            if start == 0 and s.sink_key is not None and s.start < sink <= s.start + s.num_tokens:
+                self.kivi_saves.append((s.sink_key, row))
             rows.append(row)
             starts.append(start)
-        return KiviStep(rows, starts)
+            held.append(rid in self.kivi_held)
+        return KiviStep(rows, starts, held if any(held) else None)
+
+    def _kivi_save_sinks(self) -> None:
+        """Keep the sinks this step computed (`_kivi_step`), for later hits on their block."""
+        if self.kivi_saves:
+            assert self.kivi_sinks is not None
+            residuals = KiviSinkStore.residuals(self.kv_quants)
+            for key, row in self.kivi_saves:
+                self.kivi_sinks.save(key, residuals, row)
+            self.kivi_saves.clear()
 
     def _vmm_map(self, mi: ModelInput) -> list[int]:
         """vmm mode: each scheduled request's row, with its block table's pages mapped in
@@ -528,6 +564,7 @@ class ModelRunner:
             hidden = self.model(input_ids, positions, self.kv_caches, md)
         if observer is not None:
             self._compact(mi, observer)
+        self._kivi_save_sinks()
         self._score_prompts(mi, hidden, prompt_lps)
         if not logits_indices:
             return hidden.new_empty((0, 0), dtype=torch.float32), prompt_lps

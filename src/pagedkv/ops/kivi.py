@@ -12,9 +12,11 @@ What a query at position ``t`` reads for key ``j <= t`` (:func:`hot_mask`): the 
 values when ``j`` is a sink or ``block(j) > block(t) - R`` (``R`` =
 ``kivi_residual_blocks(block_size)``), and the residual holds ``j``; else the page's codes.
 The residual holds what this request computed itself (``starts``: a prefix-cache hit or a
-loaded prefix is read from its codes) up to the last ``R`` blocks. Chunking does not change
-what is read: block codes are made from the int8 values too, so a block's codes do not depend
-on which step completed it.
+loaded prefix is read from its codes) up to the last ``R`` blocks, and the sinks of a hit whose
+sinks another request computed (:class:`KiviSinkStore`: the int8 sinks depend only on the first
+tokens, so a hit reads its sinks as the cold run did). Chunking does not change what is read:
+block codes are made from the int8 values too, so a block's codes do not depend on which step
+completed it.
 
 Layout of a K part (``AttentionSpec.k_part_bytes``): the token-head's packed codes, then
 ``head_size / block_size`` fp16 channel scales of its block (zero point in the low mantissa
@@ -30,6 +32,7 @@ whole batch at once and attends in ``ops/csrc/kivi_decode.c`` (CPU) or
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
@@ -67,12 +70,23 @@ class KiviStep:
 
     rows: list[int]
     starts: list[int]
+    # Per sequence: its row also holds the sinks [0, sink) when its start is past them (a
+    # hit's sinks restored from the :class:`KiviSinkStore`). None: no row does.
+    sinks: list[bool] | None = None
     # Per block size: which of the step's tokens lie in blocks their request started itself
     # (the same for every layer: computed by the first one).
     own: dict[int, torch.Tensor] = field(default_factory=dict)
-    # Per device: (rows, starts, seq_lens) as int64 tensors for the decode kernels (built by
-    # the first layer, reused by the others).
+    # Per device: (rows, starts, seq_lens, sink_lo) as int64 tensors for the decode kernels
+    # (built by the first layer, reused by the others).
     tensors: dict[str, tuple[torch.Tensor, ...]] = field(default_factory=dict)
+
+    def held(self, i: int) -> bool:
+        return bool(self.sinks and self.sinks[i])
+
+    def sink_lo(self, sink: int) -> list[int]:
+        """Per sequence, the first sink position its row holds (``sink``: none): 0 for restored
+        sinks, else its start where that lies among the sinks."""
+        return [0 if self.held(i) else min(s, sink) for i, s in enumerate(self.starts)]
 
 
 @dataclass(slots=True)
@@ -120,6 +134,54 @@ class KiviResidual:
             dequantize_part(k8, self.k_fmt, self.k_fmt.head_size, 1.0),
             dequantize_part(v8, self.v_fmt, self.v_fmt.head_size, 1.0),
         )
+
+
+@dataclass(slots=True)
+class KiviSinkStore:
+    """The int8 sinks (positions ``[0, sink)``, every KIVI layer) of recent requests, keyed by
+    their first block's hash, so that a prefix-cache hit reads its sinks as the request that
+    computed them did, not from 3-bit codes (on the default model, sinks from codes cost more
+    than the rest of the hit).
+
+    Sound because a position's K/V depend only on the tokens up to it (and the adapter, the
+    images, the cache salt: all in the block hash), and a hit is granted only on equal hashes.
+    Holds at most ``capacity`` entries, least recently used out first; each is
+    ``sink × (D + Dv + 4) × Hkv`` bytes a layer (46 KB for the default model)."""
+
+    capacity: int
+    entries: OrderedDict[bytes, list[tuple[torch.Tensor, torch.Tensor]]] = field(
+        default_factory=OrderedDict
+    )
+
+    @staticmethod
+    def residuals(quants: dict[str, KVQuant]) -> list[KiviResidual]:
+        """The distinct residuals of ``quants`` (layers sharing a cache share theirs)."""
+        seen: dict[int, KiviResidual] = {}
+        for kq in quants.values():
+            if kq.residual is not None:
+                seen.setdefault(id(kq.residual), kq.residual)
+        return list(seen.values())
+
+    def save(self, key: bytes, residuals: list[KiviResidual], row: int) -> None:
+        """Keep ``row``'s sinks under ``key`` (a row that holds them: its start was 0)."""
+        if key in self.entries:
+            self.entries.move_to_end(key)
+            return
+        self.entries[key] = [
+            (r.k[row, : r.sink].clone(), r.v[row, : r.sink].clone()) for r in residuals
+        ]
+        while len(self.entries) > self.capacity:
+            self.entries.popitem(last=False)
+
+    def restore(self, key: bytes | None, residuals: list[KiviResidual], row: int) -> bool:
+        """Write the sinks kept under ``key`` into ``row``; False (nothing written) if none."""
+        saved = self.entries.get(key) if key is not None else None
+        if saved is None or len(saved) != len(residuals):
+            return False
+        self.entries.move_to_end(key)  # type: ignore[arg-type]
+        for r, (k, v) in zip(residuals, saved):
+            r.k[row, : r.sink], r.v[row, : r.sink] = k, v
+        return True
 
 
 # ---- the K block codec -------------------------------------------------------------------------
@@ -211,7 +273,10 @@ def kivi_attention(
     for i, (row, start) in enumerate(zip(md.kivi.rows, md.kivi.starts)):
         t0, t1, length = qsl[i], qsl[i + 1], lens[i]
         ctx = length - (t1 - t0)
-        ek, ev, have = _exact_rows(res, row, start, ctx, length, kx[t0:t1], vx[t0:t1], bs, blocks)
+        held = md.kivi.held(i)
+        ek, ev, have = _exact_rows(
+            res, row, start, held, ctx, length, kx[t0:t1], vx[t0:t1], bs, blocks
+        )
         table = md.block_table[i]
         _code_full_blocks(key_cache, table, ek, have, ctx, length, start, bs, fmt)
         _store_residual(res, row, k8[t0:t1], v8[t0:t1], ctx, length, bs, blocks)
@@ -250,9 +315,9 @@ def _kernel_decode(
     if key not in md.kivi.tensors:
         md.kivi.tensors[key] = tuple(
             torch.tensor(x, dtype=torch.int64, device=dev)
-            for x in (md.kivi.rows, md.kivi.starts, md.seq_lens_cpu)
+            for x in (md.kivi.rows, md.kivi.starts, md.seq_lens_cpu, md.kivi.sink_lo(res.sink))
         )
-    rows, starts, lens = md.kivi.tensors[key]
+    rows, starts, lens, sink_lo = md.kivi.tensors[key]
     pos = lens - 1
     at = res.index(pos)
     res.k[rows, at], res.v[rows, at] = k8, v8
@@ -264,7 +329,8 @@ def _kernel_decode(
         k = dequantize_part(k, res.k_fmt, res.k_fmt.head_size, 1.0)
         ids = md.block_table[sel, pos[sel] // bs].to(torch.int64)
         key_cache[ids] = quantize_k_blocks(k, fmt.mode.code_bits, fmt.k_bytes)
-    args = (query, key_cache, value_cache, md.block_table, md.seq_lens, scale, kq, rows, starts)
+    args = (query, key_cache, value_cache, md.block_table, md.seq_lens, scale, kq, rows, starts,
+            sink_lo)  # fmt: skip
     if dev.type == "cuda":
         from pagedkv.ops.triton.kivi_decode import kivi_decode_triton
 
@@ -287,16 +353,17 @@ def _own_blocks(md: AttentionMetadata, bs: int, device: torch.device) -> torch.T
 
 
 def _exact_rows(
-    res: KiviResidual, row: int, start: int, ctx: int, length: int,
+    res: KiviResidual, row: int, start: int, held: bool, ctx: int, length: int,
     k_new: torch.Tensor, v_new: torch.Tensor, bs: int, blocks: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """Residual values ``[length, H, D]`` of one sequence (zeros where it holds none) and
-    ``have [length]``: the sinks and last blocks before this step from the ring (as it was),
-    this step's rows from ``k_new``/``v_new``."""
+    ``have [length]``: the sinks and last blocks before this step from the ring (as it was;
+    ``held``: the sinks whatever ``start``), this step's rows from ``k_new``/``v_new``."""
     dev = k_new.device
     pos = torch.arange(length, device=dev)
     ring_lo = max(0, ((ctx - 1) // bs - blocks + 1) * bs) if ctx else 0
-    past = (pos < ctx) & (pos >= start) & ((pos < res.sink) | (pos >= ring_lo))
+    sinks = pos < res.sink
+    past = (pos < ctx) & (((pos >= start) & (sinks | (pos >= ring_lo))) | (sinks & held))
     have = past | (pos >= ctx)
     ek = k_new.new_zeros(length, *k_new.shape[1:])
     ev = v_new.new_zeros(length, *v_new.shape[1:])
@@ -389,6 +456,7 @@ def allocate_residuals(
 
 __all__ = [
     "KiviResidual",
+    "KiviSinkStore",
     "KiviStep",
     "allocate_residuals",
     "dequantize_k_blocks",

@@ -180,11 +180,11 @@ def _bind(so: ctypes.CDLL) -> ctypes.CDLL:
     ]
     so.pkv_paged_decode.restype = ctypes.c_int
     # KIVI decode: q, rows, Hq, Hkv, D, Dv, k + 3 strides, v + 3 strides, block size, table +
-    # stride, lens, residual K + 2 strides, residual V + 2 strides, res_rows, starts, sink,
-    # window, blocks, bits, v_group, scale, out.
+    # stride, lens, residual K + 2 strides, residual V + 2 strides, res_rows, starts, sink_lo,
+    # sink, window, blocks, bits, v_group, scale, out.
     so.pkv_kivi_decode.argtypes = [
         _ptr, *[_i64] * 5, _ptr, *[_i64] * 3, _ptr, *[_i64] * 4, _ptr, _i64, _ptr,
-        _ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr, _i64, _i64, _i64, ctypes.c_int, _i64,
+        _ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, ctypes.c_int, _i64,
         ctypes.c_float, _ptr, ctypes.c_int,
     ]  # fmt: skip
     so.pkv_kivi_decode.restype = ctypes.c_int
@@ -569,6 +569,7 @@ def kivi_decode(
     kv_quant: KVQuant,
     rows: torch.Tensor,
     starts: torch.Tensor,
+    sink_lo: torch.Tensor | None = None,
     int_dot: bool = True,
 ) -> torch.Tensor | None:
     """Decode attention over a KIVI cache (``ops/csrc/kivi_decode.c``): what
@@ -578,9 +579,11 @@ def kivi_decode(
     parts ``[NB, BS, Hkv, k_bytes]`` / ``[..., v_bytes]`` with the step's K/V already written
     (codes of every full block, the residual holding the new token); ``rows [R]``: each row's
     residual row in ``kv_quant.residual``, ``starts [R]``: the first position it computed
-    itself. ``int_dot``: where the build has AVX512-VNNI and VBMI (:func:`kivi_int_dot`), take
-    the integer dot products (codes against the query or the probabilities scaled to 15-bit
-    integers: outputs within ~1e-4 relative of the float kernels'); False: the float kernels.
+    itself, ``sink_lo [R]``: the first sink position its row holds (0 for sinks restored to
+    a hit; default ``min(starts, sink)``: only what it computed). ``int_dot``: where the
+    build has AVX512-VNNI and VBMI (:func:`kivi_int_dot`), take the integer dot products
+    (codes against the query or the probabilities scaled to 15-bit integers: outputs within
+    ~1e-4 relative of the float kernels'); False: the float kernels.
     Returns ``out [R, Hq, Dv]`` float32, or ``None`` where the kernel does not apply (no
     library, not CPU, shapes it does not cover): the caller then uses the torch path."""
     so, res, fmt = lib(), kv_quant.residual, kv_quant.fmt
@@ -600,6 +603,9 @@ def kivi_decode(
     table = block_table.to(torch.int32).contiguous()
     lens = seq_lens.to(torch.int32).contiguous()
     rows32, starts32 = rows.to(torch.int32).contiguous(), starts.to(torch.int32).contiguous()
+    if sink_lo is None:
+        sink_lo = starts.clamp(max=res.sink)
+    sink_lo32 = sink_lo.to(torch.int32).contiguous()
     out = torch.empty(r, hq, dv, dtype=torch.float32)
     ks, vs, rks, rvs = key_cache.stride(), value_cache.stride(), res.k.stride(), res.v.stride()
     rc = so.pkv_kivi_decode(
@@ -608,7 +614,8 @@ def kivi_decode(
         value_cache.data_ptr(), vs[0], vs[1], vs[2],
         bs, table.data_ptr(), table.stride(0), lens.data_ptr(),
         res.k.data_ptr(), rks[0], rks[1], res.v.data_ptr(), rvs[0], rvs[1],
-        rows32.data_ptr(), starts32.data_ptr(), res.sink, res.window, kivi_residual_blocks(bs),
+        rows32.data_ptr(), starts32.data_ptr(), sink_lo32.data_ptr(), res.sink, res.window,
+        kivi_residual_blocks(bs),
         fmt.mode.code_bits, fmt.v_group, scale, out.data_ptr(), int(int_dot),
     )  # fmt: skip
     return None if rc else out

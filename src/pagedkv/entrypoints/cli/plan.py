@@ -316,7 +316,8 @@ def plan_row(
     if why is not None:
         raise ValueError(why)
     residual = planning.kivi_residual_bytes(groups)
-    kv_budget = max(kv_budget - max_num_seqs * residual, 0)
+    sinks = planning.kivi_sink_store_bytes(groups)
+    kv_budget = max(kv_budget - max_num_seqs * residual - sinks, 0)
     num_blocks = planning.num_blocks_from_memory(kv_budget, groups)
     return dict(
         kv_cache_dtype=first.dtype,
@@ -325,6 +326,7 @@ def plan_row(
         bytes_per_block=planning.bytes_per_block(groups),
         num_groups=len(groups),
         kivi_residual_bytes_per_request=residual,
+        kivi_sink_store_bytes=sinks,
         num_blocks=num_blocks,
         num_usable_blocks=max(num_blocks - 1, 0),
         max_tokens=planning.max_num_tokens(num_blocks, groups, context, mnbt),

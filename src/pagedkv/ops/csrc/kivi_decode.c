@@ -3,7 +3,8 @@
  *
  * What a row's query (at t = len - 1) reads for key j (ops/kivi.py's hot_mask, at decode):
  * the residual's int8 part when j >= start and (j < sink or j >= hot_lo), hot_lo the first
- * position of the last `blocks` blocks; else the page's codes. So a row's keys split into at
+ * position of the last `blocks` blocks, or when sink_lo <= j < sink (sink_lo: the first sink
+ * its row holds, 0 for a hit's sinks restored from the sink store); else the page's codes. So a row's keys split into at
  * most two cold ranges (codes) and two hot ranges (the residual), attended in that order with
  * one online softmax (its result does not depend on the order).
  *
@@ -26,7 +27,7 @@ typedef struct {
     decode_args ck, cv, res; /* cold K (unit group scales), cold V, the residual's int8 K and V */
     const uint8_t *rk, *rv;  /* residual K/V: [rows, span, Hkv, D + 2] / [.., Dv + 2] bytes */
     int64_t rk_row, rk_tok, rv_row, rv_tok, sink, window, blocks;
-    const int32_t *res_rows, *starts;
+    const int32_t *res_rows, *starts, *sink_lo;
     unsigned zmask;          /* zero point bits in a K channel scale: 7 (int3) or 3 (int2) */
     int int_dot;             /* take the integer dot products (KIVI_VNNI builds) where they apply */
 } kivi_args;
@@ -510,6 +511,7 @@ static void kivi_item(const kivi_args *ka, int64_t r, int64_t h0, int64_t h1) {
     float acc[MAX_ACC], s[KIVI_MAX_G * 16][TILE], mx[KIVI_MAX_G * 16], sum[KIVI_MAX_G * 16];
     const int64_t G = a->G, nq = (h1 - h0) * G, Dv = a->Dv, bs = a->block_size;
     const int64_t len = a->seq_lens[r], start = ka->starts[r], row = ka->res_rows[r], sink = ka->sink;
+    const int64_t sl = ka->sink_lo[r]; /* <= min(start, sink) */
     int64_t hot_lo = ((len - 1) / bs - ka->blocks + 1) * bs;
     hot_lo = hot_lo > 0 ? hot_lo : 0;
     const int32_t *table = a->block_table + r * a->bt_stride;
@@ -521,14 +523,14 @@ static void kivi_item(const kivi_args *ka, int64_t r, int64_t h0, int64_t h1) {
     memset(acc, 0, nq * Dv * sizeof(float));
 #define KMIN(x, y) ((x) < (y) ? (x) : (y))
 #define KMAX(x, y) ((x) > (y) ? (x) : (y))
-    if (start >= sink) {  /* cold [0, c), hot [c, len) */
+    if (sl >= sink) {  /* cold [0, c), hot [c, len) */
         int64_t c = KMIN(KMAX(start, hot_lo), len);
         kivi_cold(ka, qr, table, 0, c, h0, h1, s, mx, sum, acc);
         kivi_hot(ka, qr, row, c, len, h0, h1, s, mx, sum, acc);
-    } else {  /* cold [0, start), hot [start, sink), cold [sink, c), hot [c, len) */
-        int64_t e = KMIN(sink, len), c = KMIN(KMAX(sink, hot_lo), len);
-        kivi_cold(ka, qr, table, 0, start, h0, h1, s, mx, sum, acc);
-        kivi_hot(ka, qr, row, start, e, h0, h1, s, mx, sum, acc);
+    } else {  /* cold [0, sl), hot [sl, sink), cold [sink, c), hot [c, len) */
+        int64_t e = KMIN(sink, len), c = KMIN(KMAX(KMAX(start, sink), hot_lo), len);
+        kivi_cold(ka, qr, table, 0, sl, h0, h1, s, mx, sum, acc);
+        kivi_hot(ka, qr, row, sl, e, h0, h1, s, mx, sum, acc);
         kivi_cold(ka, qr, table, e, c, h0, h1, s, mx, sum, acc);
         kivi_hot(ka, qr, row, c, len, h0, h1, s, mx, sum, acc);
     }
@@ -548,7 +550,7 @@ static void kivi_item(const kivi_args *ka, int64_t r, int64_t h0, int64_t h1) {
  * bits), V parts likewise at v (codes, then an fp16 scale per v_group values). Residual: K
  * [rows, sink + window, Hkv, D + 2] at rk (row/token strides rk_row/rk_tok bytes: int8 codes,
  * then an fp16 scale), V at rv likewise; row r uses residual row res_rows[r], which holds what
- * it computed from position starts[r] on. `blocks`: the residual's recent blocks. Writes
+ * it computed from position starts[r] on, and the sinks from sink_lo[r] on. `blocks`: the residual's recent blocks. Writes
  * out[r] ([Hq, Dv] floats). int_dot: take the integer dot products where the build has them
  * (pkv_kivi_int_dot), else the float kernels. Returns -1 (nothing written) for shapes it does not cover (bits
  * other than 2/3, D or Dv not a multiple of 8, BS not dividing D or above TILE, G > 16 or
@@ -557,7 +559,8 @@ int pkv_kivi_decode(const float *q, int64_t num_rows, int64_t Hq, int64_t Hkv, i
                     const void *k, int64_t kb, int64_t kt, int64_t kh, const void *v, int64_t vb, int64_t vt,
                     int64_t vh, int64_t block_size, const int32_t *block_table, int64_t bt_stride,
                     const int32_t *seq_lens, const void *rk, int64_t rk_row, int64_t rk_tok, const void *rv,
-                    int64_t rv_row, int64_t rv_tok, const int32_t *res_rows, const int32_t *starts, int64_t sink,
+                    int64_t rv_row, int64_t rv_tok, const int32_t *res_rows, const int32_t *starts,
+                    const int32_t *sink_lo, int64_t sink,
                     int64_t window, int64_t blocks, int bits, int64_t v_group, float scale, float *out, int int_dot) {
     if (Hkv <= 0 || Hq % Hkv || (bits != 2 && bits != 3) || D % 8 || Dv % 8 || D > KIVI_MAX_D) return -1;
     if (block_size <= 0 || block_size > TILE || D % block_size || window <= 0 || sink < 0 || blocks <= 0) return -1;
@@ -570,7 +573,7 @@ int pkv_kivi_decode(const float *q, int64_t num_rows, int64_t Hq, int64_t Hkv, i
                         block_size, bt_stride, 0, block_table, seq_lens, scale, out, NULL, Hq * Dv,
                         kvt, 1, 1.0f, 1.0f, D, v_group, kv_code_bytes(kvt, D), kv_code_bytes(kvt, Dv), 0, 0, 0};
     kivi_args ka = {base, base, base, (const uint8_t *)rk, (const uint8_t *)rv, rk_row, rk_tok, rv_row, rv_tok,
-                    sink, window, blocks, res_rows, starts, bits == 3 ? 7u : 3u, int_dot};
+                    sink, window, blocks, res_rows, starts, sink_lo, bits == 3 ? 7u : 3u, int_dot};
     ka.cv.kpart = ka.ck.kpart = ka.ck.kvals + 2 * (D / block_size);
     ka.cv.vpart = ka.ck.vpart = ka.cv.vvals + 2 * (Dv / v_group);
     /* the residual: int8 parts, one fp16 scale each, heads D + 2 / Dv + 2 bytes apart */

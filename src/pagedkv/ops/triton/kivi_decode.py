@@ -39,7 +39,7 @@ def _codes(ptr, off, mask, BITS: tl.constexpr):
 @triton.jit
 def _kivi_decode(
     q_ptr, k_ptr, v_ptr, rk_ptr, rv_ptr, out_ptr, table_ptr, lens_ptr, rows_ptr, starts_ptr,
-    kb, kt, kh, vb, vt, vh, rk_row, rk_tok, rv_row, rv_tok, bt_stride, scale, sink, window,
+    sink_lo_ptr, kb, kt, kh, vb, vt, vh, rk_row, rk_tok, rv_row, rv_tok, bt_stride, scale, sink, window,
     blocks,
     G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BS: tl.constexpr,
     BITS: tl.constexpr, VGROUP: tl.constexpr,
@@ -53,6 +53,7 @@ def _kivi_decode(
     LOW: tl.constexpr = (1 << BITS) - 1
     length = tl.load(lens_ptr + r)
     start = tl.load(starts_ptr + r)
+    sink_lo = tl.load(sink_lo_ptr + r)  # the first sink the row holds (<= min(start, sink))
     row = tl.load(rows_ptr + r).to(tl.int64)
     hot_lo = tl.maximum(((length - 1) // BS - blocks + 1) * BS, 0)
     g = tl.arange(0, GP)
@@ -70,7 +71,7 @@ def _kivi_decode(
         blk = tl.load(table_ptr + r * bt_stride + b).to(tl.int64)
         t = b * BS + j
         valid = t < length
-        hot = valid & (t >= start) & ((t < sink) | (t >= hot_lo))
+        hot = valid & (((t >= start) & (t >= hot_lo)) | ((t < sink) & (t >= sink_lo)))
         idx = tl.where(t < sink, t, sink + t % window).to(tl.int64)
         # K [D, BS]: the codes with the block's channel scales, or the residual's int8 parts
         kpart = k_ptr + blk * kb + j[None, :] * kt + hk * kh
@@ -128,6 +129,7 @@ def kivi_decode_triton(
     kv_quant: KVQuant,
     rows: torch.Tensor,
     starts: torch.Tensor,
+    sink_lo: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """What ``native.kivi_decode`` computes (same arguments and contract), on the caches'
     device: ``out [R, Hq, Dv]`` float32. Head sizes must be powers of two; raises ValueError
@@ -146,10 +148,12 @@ def kivi_decode_triton(
     ks, vs, rks, rvs = key_cache.stride(), value_cache.stride(), res.k.stride(), res.v.stride()
     table = block_table.to(torch.int32).contiguous()
     g = hq // hkv
+    if sink_lo is None:
+        sink_lo = starts.clamp(max=res.sink)
     _kivi_decode[(r, hkv)](
         q, key_cache, value_cache, res.k, res.v, out, table,
         seq_lens.to(torch.int32).contiguous(), rows.to(torch.int32).contiguous(),
-        starts.to(torch.int32).contiguous(),
+        starts.to(torch.int32).contiguous(), sink_lo.to(torch.int32).contiguous(),
         ks[0], ks[1], ks[2], vs[0], vs[1], vs[2], rks[0], rks[1], rvs[0], rvs[1],
         table.stride(0), scale, res.sink, res.window, kivi_residual_blocks(bs),
         G=g, GP=pow2(g), D=d, DV=dv, BS=bs, BITS=fmt.mode.code_bits, VGROUP=fmt.v_group,
