@@ -27,6 +27,7 @@ import time
 from typing import Any
 
 from pagedkv.bench.common import BenchOptionError, log
+from pagedkv.bench.latency import agreement
 from pagedkv.bench.lossy_methods import EXACT, Method, engine
 
 
@@ -35,16 +36,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hit-prefix", type=int, default=1024, help="document tokens (cached)")
     p.add_argument("--hit-suffix", type=int, default=64, help="tokens after the document")
     p.add_argument("--hit-output", type=int, default=64, help="greedy output tokens")
-
-
-def _common(a: list[int], b: list[int]) -> int:
-    """Tokens before the first difference."""
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def _generate(
@@ -66,7 +57,7 @@ def _generate(
 def _agreement(outs: list[list[int]], ref: list[list[int]]) -> dict[str, float]:
     return dict(
         identical=sum(a == b for a, b in zip(outs, ref)) / len(ref),
-        mean_common_tokens=sum(_common(a, b) for a, b in zip(outs, ref)) / len(ref),
+        mean_common_tokens=sum(agreement(a, b) for a, b in zip(outs, ref)) / len(ref),
     )
 
 
