@@ -56,7 +56,7 @@ from pagedkv.kv_transfer.base import KVConnectorBase, KVConnectorOutput
 from pagedkv.models.layers import RotaryEmbedding
 from pagedkv.ops.cache import compute_slot_mapping
 from pagedkv.ops.forward_context import set_forward_context
-from pagedkv.ops.kivi import KiviSinkStore, KiviStep, allocate_residuals
+from pagedkv.ops.kivi import KiviResidual, KiviSinkStore, KiviStep, allocate_residuals
 from pagedkv.ops.kv_cache import allocate_kv_cache, copy_blocks
 from pagedkv.ops.kv_quant import KVQuant, KVQuantFormat
 from pagedkv.ops.metadata import AttentionMetadata
@@ -119,6 +119,7 @@ class ModelRunner:
         self.kivi_starts: dict[str, int] = {}
         self.kivi_held: set[str] = set()  # requests whose row holds restored sinks
         self.kivi_sinks: KiviSinkStore | None = None
+        self.kivi_residuals: list[KiviResidual] = []  # distinct, allocated once
         self.kivi_saves: list[tuple[bytes, int]] = []  # (key, row): after this step's forward
         self.connector_kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         # Vision-language models: encoder outputs by image hash (the engine sets the budget).
@@ -159,6 +160,7 @@ class ModelRunner:
             allocate_residuals(self.kv_quants, specs, kv_cache_config.kivi_rows, self.device)
             self.kivi_rows = VMMRows(kv_cache_config.kivi_rows)
             self.kivi_sinks = KiviSinkStore(KIVI_SINK_ENTRIES)
+            self.kivi_residuals = KiviSinkStore.residuals(self.kv_quants)
         self.register_connector()
 
     def register_connector(self) -> None:
@@ -430,7 +432,7 @@ class ModelRunner:
         request whose sinks this step computes has them saved after the forward pass."""
         assert self.kivi_rows is not None and self.kivi_sinks is not None
         in_step = {s.request_id for s in mi.scheduled}
-        residuals = KiviSinkStore.residuals(self.kv_quants)
+        residuals = self.kivi_residuals
         sink = residuals[0].sink if residuals else 0
         rows, starts, held = [], [], []
         for s in mi.scheduled:
@@ -455,9 +457,8 @@ class ModelRunner:
         """Keep the sinks this step computed (`_kivi_step`), for later hits on their block."""
         if self.kivi_saves:
             assert self.kivi_sinks is not None
-            residuals = KiviSinkStore.residuals(self.kv_quants)
             for key, row in self.kivi_saves:
-                self.kivi_sinks.save(key, residuals, row)
+                self.kivi_sinks.save(key, self.kivi_residuals, row)
             self.kivi_saves.clear()
 
     def _vmm_map(self, mi: ModelInput) -> list[int]:
